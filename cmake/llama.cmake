@@ -40,9 +40,10 @@ add_subdirectory("${HYBRIMOE_LLAMA_SRC}" llama.cpp EXCLUDE_FROM_ALL)
 #                   site-packages/llama_cpp/lib/{libggml.so*, libggml-base.so*, backends}  (llama-cpp-python)
 set(HYBRIMOE_RPATH "$ORIGIN;$ORIGIN/../../llama_cpp/lib")
 
-set_target_properties(llama PROPERTIES
-    INSTALL_RPATH "${HYBRIMOE_RPATH}" BUILD_WITH_INSTALL_RPATH OFF
-    VERSION "" SOVERSION "")   # one file, libllama.so, as llama-cpp-python's loader expects
+set_target_properties(llama PROPERTIES INSTALL_RPATH "${HYBRIMOE_RPATH}")
+# one file, libllama.so (soname libllama.so), as llama-cpp-python's loader expects: unset upstream's versions
+set_property(TARGET llama PROPERTY VERSION)
+set_property(TARGET llama PROPERTY SOVERSION)
 install(TARGETS llama LIBRARY DESTINATION "${HYBRIMOE_PKG_DIR}/lib")
 
 set_target_properties(ggml-rpc PROPERTIES INSTALL_RPATH "${HYBRIMOE_RPATH}")
