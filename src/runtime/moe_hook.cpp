@@ -1,0 +1,204 @@
+#include "runtime/moe_hook.h"
+
+#include "ggml.h"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+namespace hybrimoe {
+
+namespace {
+
+// Runs on one CPU thread (n_tasks = 1) once per layer and ubatch. dst: I32 [k, n_tokens], a contiguous copy
+// of the routing ids (src[0], possibly a strided view: LLAMACPP-NOTES section 11). src[1] (routing weights) and
+// src[2] (router probabilities) are inputs so the scheduler brings them to the host in the same split as
+// the ids: one device-to-host round trip per layer. The engine issue reads them here.
+void moe_plan_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    const ggml_tensor * ids = dst->src[0];
+    const int64_t k = ids->ne[0];
+    const int64_t n_tokens = ids->ne[1];
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        const char * row = (const char *) ids->data + t * ids->nb[1];
+        int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
+        for (int64_t j = 0; j < k; ++j) {
+            out[j] = *(const int32_t *) (row + j * ids->nb[0]);
+        }
+    }
+    auto * c = static_cast<LayerCounters *>(userdata);
+    if (c->record) {
+        const int32_t * first = (const int32_t *) dst->data;
+        c->k = (int32_t) k;
+        c->recorded.insert(c->recorded.end(), first, first + k * n_tokens);
+    }
+    c->runs.fetch_add(1, std::memory_order_relaxed);
+    c->tokens.fetch_add((uint64_t) n_tokens, std::memory_order_relaxed);
+}
+
+const char * unsupported_reason(const llama_moe_hook_args & a) {
+    if (a.act != LLAMA_MOE_ACT_SILU) return "activation is not SiLU-GLU";
+    if (!a.gate_exps || !a.up_exps || !a.down_exps) return "no separate gate/up/down expert tensors";
+    if (a.gate_up_exps) return "fused gate_up experts";
+    if (a.up_exps_b || a.gate_exps_b || a.down_exps_b || a.gate_up_exps_b) return "expert biases";
+    if (a.up_exps_s || a.gate_exps_s || a.down_exps_s) return "per-expert scales";
+    if (a.swiglu_limit > 1e-6f) return "clamped SwiGLU";
+    if (a.weight_before_ffn) return "routing weights applied before the experts";
+    if (a.has_lora) return "LoRA adapters";
+    if (a.n_expert_used_sum < 1 || a.n_expert_used_sum > a.n_expert_used) return "unexpected top-k";
+    return nullptr;
+}
+
+} // namespace
+
+MoeHook::MoeHook(int max_layers) : counters_((size_t) (max_layers > 0 ? max_layers : 1)) {}
+
+void MoeHook::attach(llama_context * ctx) {
+    if (ctx_ && ctx_ != ctx) {
+        throw std::runtime_error("MoeHook is already attached to another context");
+    }
+    ctx_ = ctx;
+    llama_set_moe_hook(ctx, &MoeHook::hook, this);
+}
+
+void MoeHook::detach() {
+    if (ctx_) {
+        llama_set_moe_hook(ctx_, nullptr, nullptr);
+        ctx_ = nullptr;
+    }
+}
+
+void MoeHook::reset_counters() {
+    for (auto & c : counters_) {
+        c.runs = 0;
+        c.tokens = 0;
+        c.hook_calls = 0;
+    }
+}
+
+void MoeHook::set_recording(bool on) {
+    for (auto & c : counters_) {
+        c.record = on;
+        c.recorded.clear();
+        c.k = 0;
+    }
+}
+
+std::vector<int32_t> MoeHook::recorded(int il, int32_t * k) const {
+    const LayerCounters & c = counters_.at((size_t) il);
+    *k = c.k;
+    return c.recorded;
+}
+
+std::vector<std::pair<int, std::string>> MoeHook::unsupported() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return unsupported_;
+}
+
+ggml_tensor * MoeHook::hook(const llama_moe_hook_args * args, void * user_data) {
+    auto * self = static_cast<MoeHook *>(user_data);
+    if (!self || !args || args->il < 0 || args->il >= self->max_layers()) {
+        return nullptr;
+    }
+    try {
+        return self->build(*args);
+    } catch (...) {
+        return nullptr; // never let an exception cross into llama.cpp: keep upstream's path
+    }
+}
+
+ggml_tensor * MoeHook::build(const llama_moe_hook_args & a) {
+    LayerCounters & c = counters_[(size_t) a.il];
+    c.hook_calls.fetch_add(1, std::memory_order_relaxed);
+
+    if (const char * why = unsupported_reason(a)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const auto & u : unsupported_) {
+            if (u.first == a.il) return nullptr;
+        }
+        unsupported_.emplace_back(a.il, why);
+        return nullptr;
+    }
+
+    ggml_context * ctx = a.ctx;
+    const int64_t n_embd = a.cur->ne[0];
+    const int64_t n_tokens = a.cur->ne[1];
+    const int64_t k = a.n_expert_used;
+
+    ggml_tensor * srcs[3] = { a.selected_experts, a.weights, a.probs };
+    ggml_tensor * ids = ggml_custom_4d(ctx, GGML_TYPE_I32, k, n_tokens, 1, 1, srcs, 3, moe_plan_op, 1, &c);
+    ggml_format_name(ids, "hybrimoe_plan-%d", a.il);
+
+    // the routed experts, op for op as build_moe_ffn computes them (so ggml picks the same kernels)
+    ggml_tensor * x = ggml_reshape_3d(ctx, a.cur, n_embd, 1, n_tokens);
+    ggml_tensor * up = ggml_mul_mat_id(ctx, a.up_exps, x, ids);      // [n_ff, k, T]
+    ggml_tensor * gate = ggml_mul_mat_id(ctx, a.gate_exps, x, ids);  // [n_ff, k, T]
+    ggml_tensor * h = ggml_swiglu_split(ctx, gate, up);
+    ggml_tensor * experts = ggml_mul_mat_id(ctx, a.down_exps, h, ids); // [n_embd, k, T]
+    experts = ggml_mul(ctx, experts, a.weights);
+
+    // sum the slots in upstream's order (slot 0 + slot 1 + ...): floating-point addition is not associative
+    ggml_tensor * out = ggml_view_2d(ctx, experts, n_embd, n_tokens, experts->nb[2], 0);
+    for (int64_t i = 1; i < a.n_expert_used_sum; ++i) {
+        out = ggml_add(ctx, out, ggml_view_2d(ctx, experts, n_embd, n_tokens, experts->nb[2], i * experts->nb[1]));
+    }
+    if (a.n_expert_used_sum == 1) {
+        out = ggml_cont(ctx, out);
+    }
+    return out;
+}
+
+RoutingReplay::RoutingReplay(std::vector<int32_t> ids, int n_rows, int n_layers, int k, int n_expert)
+    : ids_(std::move(ids)), n_rows_(n_rows), n_layers_(n_layers), k_(k), n_expert_(n_expert),
+      calls_(new std::atomic<uint64_t>[(size_t) (n_layers > 0 ? n_layers : 1)]) {
+    if (n_rows < 1 || n_layers < 1 || k < 1) {
+        throw std::invalid_argument("routing table must have at least one row, layer and slot");
+    }
+    if (ids_.size() != (size_t) n_rows * n_layers * k) {
+        throw std::invalid_argument("routing table size does not match [n_rows, n_layers, k]");
+    }
+    for (size_t i = 0; i < ids_.size(); ++i) {
+        if (ids_[i] < 0 || ids_[i] >= n_expert) {
+            throw std::invalid_argument("routing table holds expert id " + std::to_string(ids_[i]) +
+                                        " outside [0, " + std::to_string(n_expert) + ")");
+        }
+    }
+    for (int i = 0; i < n_layers; ++i) calls_[(size_t) i] = 0;
+}
+
+void RoutingReplay::attach(llama_context * ctx) {
+    ctx_ = ctx;
+    llama_set_moe_routing(ctx, &RoutingReplay::callback, this);
+}
+
+void RoutingReplay::detach() {
+    if (ctx_) {
+        llama_set_moe_routing(ctx_, nullptr, nullptr);
+        ctx_ = nullptr;
+    }
+}
+
+void RoutingReplay::callback(int32_t il, int32_t n_tokens, int32_t n_expert_used, int32_t n_expert,
+                             const llama_token * tokens, const llama_pos * pos, int32_t * out, void * user_data) {
+    (void) tokens;
+    auto * self = static_cast<RoutingReplay *>(user_data);
+    const int layer = il >= 0 && il < self->n_layers_ ? il : 0;
+    for (int32_t t = 0; t < n_tokens; ++t) {
+        const int64_t p = pos ? (int64_t) pos[t] : (int64_t) t;
+        const int64_t row = ((p % self->n_rows_) + self->n_rows_) % self->n_rows_;
+        const int32_t * src = self->ids_.data() + ((size_t) row * self->n_layers_ + layer) * self->k_;
+        for (int32_t j = 0; j < n_expert_used; ++j) {
+            // warmup graphs ask for every expert: fill the slots past the table's k with distinct ids
+            int32_t id = j < self->k_ ? src[j] : j;
+            out[(size_t) t * n_expert_used + j] = id < n_expert ? id : id % n_expert;
+        }
+    }
+    if (il >= 0 && il < self->n_layers_) {
+        self->calls_[(size_t) il].fetch_add(1, std::memory_order_relaxed);
+    }
+}
+
+} // namespace hybrimoe

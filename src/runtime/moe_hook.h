@@ -1,0 +1,92 @@
+// The MoE hook that hybrimoe installs through llama_set_moe_hook (vendor/llama.cpp/patches/0001-moe-hook.patch).
+//
+// Seed of the engine (issue 2, item 4): for each MoE layer whose experts are SiLU-GLU without biases, scales,
+// fused gate_up or LoRA, the hook replaces upstream's routed-expert subgraph with one of its own whose first
+// node is a custom op ("moe_plan") that runs on the CPU once per layer and ubatch: it brings the routing ids,
+// routing weights and router probabilities to the host together and counts its runs. The experts are then
+// computed on the CPU with ggml's own kernels (mul_mat_id, swiglu) and summed in upstream's slot order, so the
+// result is upstream's bit for bit. The engine issue adds the CPU/GPU split inside moe_plan.
+#pragma once
+
+#include "llama.h"
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace hybrimoe {
+
+/// Per-layer run statistics, written by the custom op (any ggml thread) and read from Python.
+struct LayerCounters {
+    std::atomic<uint64_t> runs{0};          ///< executions of the layer's plan node (one per ubatch)
+    std::atomic<uint64_t> tokens{0};        ///< tokens seen by the layer, summed over runs
+    std::atomic<uint64_t> hook_calls{0};    ///< graph builds that called the hook for this layer
+    bool record = false;                    ///< keep every routed id seen (tests, traces)
+    int32_t k = 0;                          ///< slots per token of the recorded rows
+    std::vector<int32_t> recorded;          ///< [rows, k] routed ids in execution order (written by thread 0)
+};
+
+/// State shared by every graph of one llama_context. Must outlive the context's graphs (llama.h contract of
+/// llama_set_moe_hook); the Python Engine object keeps it alive until detach().
+class MoeHook {
+public:
+    /// max_layers: upper bound on layer indices (the model's n_layer).
+    explicit MoeHook(int max_layers);
+
+    /// Install on ctx (llama_set_moe_hook). Forces llama to rebuild its graphs.
+    void attach(llama_context * ctx);
+    /// Remove from the context it was attached to (no-op if not attached).
+    void detach();
+
+    /// llama_moe_hook_t entry point.
+    static ggml_tensor * hook(const llama_moe_hook_args * args, void * user_data);
+
+    int max_layers() const { return (int) counters_.size(); }
+    const LayerCounters & layer(int il) const { return counters_.at((size_t) il); }
+    void reset_counters();
+
+    /// Keep (or stop keeping) every routed id each layer sees, in execution order.
+    void set_recording(bool on);
+    /// Recorded ids of layer il: rows of k ids; k is 0 while nothing was recorded.
+    std::vector<int32_t> recorded(int il, int32_t * k) const;
+
+    /// Layers whose expert variant the seed does not handle (kept on upstream's path), with the reason.
+    std::vector<std::pair<int, std::string>> unsupported() const;
+
+private:
+    ggml_tensor * build(const llama_moe_hook_args & a);
+
+    std::vector<LayerCounters> counters_;
+    mutable std::mutex mu_;
+    std::vector<std::pair<int, std::string>> unsupported_;
+    llama_context * ctx_ = nullptr;
+};
+
+/// Replays recorded routing through llama_set_moe_routing (patch 0002): the token at position p of any
+/// sequence gets row (p mod n_rows) of the table in every MoE layer.
+class RoutingReplay {
+public:
+    /// ids: [n_rows, n_layers, k] int32, row-major; layer index = model layer (dense layers' rows unused).
+    /// Throws std::invalid_argument on an empty table or ids outside [0, n_expert).
+    RoutingReplay(std::vector<int32_t> ids, int n_rows, int n_layers, int k, int n_expert);
+
+    void attach(llama_context * ctx);
+    void detach();
+
+    static void callback(int32_t il, int32_t n_tokens, int32_t n_expert_used, int32_t n_expert,
+                         const llama_token * tokens, const llama_pos * pos, int32_t * ids, void * user_data);
+
+    /// ubatches replayed so far per layer
+    uint64_t calls(int il) const { return il >= 0 && il < n_layers_ ? calls_[(size_t) il].load() : 0; }
+
+private:
+    std::vector<int32_t> ids_;
+    int n_rows_, n_layers_, k_, n_expert_;
+    std::unique_ptr<std::atomic<uint64_t>[]> calls_;
+    llama_context * ctx_ = nullptr;
+};
+
+} // namespace hybrimoe
