@@ -1,0 +1,32 @@
+"""hybrimoe: HybriMoE (Zhong et al., arXiv:2504.05897) hybrid CPU-GPU MoE inference on a patched llama.cpp.
+
+``from hybrimoe import Llama`` gives llama-cpp-python's ``Llama`` running on hybrimoe's patched libllama.
+Import hybrimoe before ``llama_cpp``: a process can load only one libllama.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from ._lib import LIB_DIR, HybrimoeImportError
+
+__version__ = "0.1.0"
+
+# Point llama-cpp-python at our libllama now, so that a later plain `import llama_cpp` gets it too.
+if "llama_cpp" not in sys.modules and (LIB_DIR / "libllama.so").exists():
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(LIB_DIR)
+
+__all__ = ["Llama", "HybrimoeImportError", "make_tiny_model", "__version__"]
+
+
+def __getattr__(name: str):
+    # load llama_cpp (and our libllama) only when the Llama API is used: the simulator needs neither
+    if name == "Llama":
+        from .llama import Llama
+
+        return Llama
+    if name == "make_tiny_model":
+        from .tiny import make_tiny_model
+
+        return make_tiny_model
+    raise AttributeError(f"module 'hybrimoe' has no attribute {name!r}")

@@ -1,0 +1,153 @@
+"""The few ggml-backend registry functions hybrimoe needs from Python (ctypes over llama-cpp-python's libggml).
+
+Used to register the RPC backend (our ``lib/libggml-rpc.so``, a loadable ggml backend module), add RPC
+servers, and find buffer types by name for tensor overrides (as upstream's ``--rpc`` and ``-ot`` do:
+common/arg.cpp ``add_rpc_devices`` and ``parse_tensor_buffer_overrides``).
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+from ._lib import LIB_DIR, _llama_cpp_lib_dir
+
+_p = ctypes.c_void_p
+
+
+@lru_cache(maxsize=1)
+def libggml() -> ctypes.CDLL:
+    """libggml of llama-cpp-python, with argument types declared. Raises OSError when it cannot be loaded."""
+    lib_dir = _llama_cpp_lib_dir()
+    cands = sorted(lib_dir.glob("libggml.so*"))
+    if not cands:
+        raise OSError(f"libggml.so not found in {lib_dir}")
+    lib = ctypes.CDLL(str(cands[0]), mode=ctypes.RTLD_GLOBAL)
+    sig = {
+        "ggml_backend_load": ([ctypes.c_char_p], _p),
+        "ggml_backend_register": ([_p], None),
+        "ggml_backend_reg_by_name": ([ctypes.c_char_p], _p),
+        "ggml_backend_reg_get_proc_address": ([_p, ctypes.c_char_p], _p),
+        "ggml_backend_reg_name": ([_p], ctypes.c_char_p),
+        "ggml_backend_dev_count": ([], ctypes.c_size_t),
+        "ggml_backend_dev_get": ([ctypes.c_size_t], _p),
+        "ggml_backend_dev_name": ([_p], ctypes.c_char_p),
+        "ggml_backend_dev_description": ([_p], ctypes.c_char_p),
+        "ggml_backend_dev_type": ([_p], ctypes.c_int),
+        "ggml_backend_dev_backend_reg": ([_p], _p),
+        "ggml_backend_dev_buffer_type": ([_p], _p),
+        "ggml_backend_dev_memory": ([_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)], None),
+        "ggml_backend_buft_name": ([_p], ctypes.c_char_p),
+    }
+    for name, (args, res) in sig.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = res
+    return lib
+
+
+# ggml_backend_dev_type
+DEV_CPU, DEV_GPU, DEV_IGPU, DEV_ACCEL = 0, 1, 2, 3
+
+_registered_endpoints: dict[str, int] = {}
+
+
+def devices() -> list[dict]:
+    """All registered ggml devices: dicts with ``ptr``, ``name``, ``description``, ``type``, ``reg``, ``buft``,
+    ``buft_name``, ``free`` and ``total`` (bytes)."""
+    g = libggml()
+    out = []
+    for i in range(g.ggml_backend_dev_count()):
+        d = g.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        g.ggml_backend_dev_memory(d, ctypes.byref(free), ctypes.byref(total))
+        reg = g.ggml_backend_dev_backend_reg(d)
+        buft = g.ggml_backend_dev_buffer_type(d)
+        out.append({
+            "ptr": d,
+            "name": g.ggml_backend_dev_name(d).decode(),
+            "description": (g.ggml_backend_dev_description(d) or b"").decode(),
+            "type": g.ggml_backend_dev_type(d),
+            "reg": (g.ggml_backend_reg_name(reg) or b"").decode() if reg else "",
+            "buft": buft,
+            "buft_name": g.ggml_backend_buft_name(buft).decode() if buft else "",
+            "free": free.value,
+            "total": total.value,
+        })
+    return out
+
+
+def rpc_reg() -> int:
+    """The RPC backend registry, loading ``hybrimoe/lib/libggml-rpc.so`` on first use.
+
+    Raises:
+        RuntimeError: the module is missing or does not load.
+    """
+    g = libggml()
+    reg = g.ggml_backend_reg_by_name(b"RPC")
+    if reg:
+        return reg
+    path = LIB_DIR / "libggml-rpc.so"
+    if not path.exists():
+        raise RuntimeError(f"{path} is missing: hybrimoe's RPC backend was not built")
+    reg = g.ggml_backend_load(str(path).encode())
+    if not reg:
+        raise RuntimeError(f"could not load the RPC backend {path}")
+    return reg
+
+
+def add_rpc_server(endpoint: str) -> list[int]:
+    """Register the devices of an RPC server ``HOST:PORT`` (upstream ``--rpc``); returns their device pointers.
+
+    Idempotent per endpoint. Connects once first, since ggml's RPC client aborts the process on a server
+    that is not there.
+
+    Raises:
+        ValueError: the endpoint is not ``HOST:PORT``.
+        RuntimeError: nothing listens there.
+    """
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"RPC endpoint must be HOST:PORT, got {endpoint!r}")
+    g = libggml()
+    if endpoint not in _registered_endpoints:
+        # ggml's RPC client aborts the process when it cannot connect: check first
+        import socket
+
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        except OSError as e:
+            raise RuntimeError(f"RPC server {endpoint} is not reachable: {e}") from None
+        reg = rpc_reg()
+        fn_addr = g.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server")
+        if not fn_addr:
+            raise RuntimeError("the RPC backend lacks ggml_backend_rpc_add_server")
+        add_server = ctypes.CFUNCTYPE(_p, ctypes.c_char_p)(fn_addr)
+        server_reg = add_server(endpoint.encode())
+        if not server_reg:
+            raise RuntimeError(f"could not add RPC server {endpoint}")
+        g.ggml_backend_register(server_reg)
+        _registered_endpoints[endpoint] = server_reg
+    server_reg = _registered_endpoints[endpoint]
+    return [d["ptr"] for d in devices() if g.ggml_backend_dev_backend_reg(d["ptr"]) == server_reg]
+
+
+def rpc_device_ptrs() -> set[int]:
+    """Device pointers of every RPC server registered by this process."""
+    regs = set(_registered_endpoints.values())
+    g = libggml()
+    return {d["ptr"] for d in devices() if g.ggml_backend_dev_backend_reg(d["ptr"]) in regs}
+
+
+def buffer_type(name: str) -> int:
+    """The default buffer type of a device, by its name as upstream's ``-ot`` accepts it (``CPU``, ``CUDA0``,
+    ``RPC0[host:port]``...), case-sensitive.
+
+    Raises:
+        ValueError: no device has a buffer type of that name (the message lists the known names).
+    """
+    devs = devices()
+    for d in devs:
+        if d["buft_name"] == name:
+            return d["buft"]
+    known = ", ".join(sorted({d["buft_name"] for d in devs}))
+    raise ValueError(f"unknown buffer type {name!r} in a tensor override; known: {known}")

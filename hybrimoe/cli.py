@@ -1,0 +1,191 @@
+"""The ``hybrimoe`` command line: ``run``, ``info``, ``make-tiny-model``, ``simulate``.
+
+Flags follow llama.cpp's tools (``-m -p -n -t -c -ngl -ub --seed --temp -ot --n-cpu-moe --rpc``); hybrimoe's
+own flags start with ``--moe-``.
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPT = "Once upon a time"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("HYBRIMOE_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybrimoe")
+    return Path(root)
+
+
+def default_model_path() -> Path:
+    """The default model of ``hybrimoe run``: a tiny qwen3moe Q8_0 GGUF in the cache, written on first use."""
+    path = _cache_dir() / "models" / "tiny-qwen3moe-q8_0-seed0.gguf"
+    if not path.exists():
+        from .tiny import make_tiny_model
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}.gguf")
+        try:
+            make_tiny_model(tmp, "qwen3moe", seed=0, quant="Q8_0")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        print(f"hybrimoe: wrote the default tiny model {path}", file=sys.stderr)
+    return path
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="GGUF model (default: a tiny qwen3moe model, created on first use)")
+    p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text (default: %(default)r)")
+    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default: %(default)s)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama-cpp-python's)")
+    p.add_argument("-c", "--ctx-size", type=int, default=512, help="context size in tokens")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size in tokens")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch (ubatch) size in tokens")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                   help="layers to offload to the devices (-1: all)")
+    p.add_argument("--seed", type=int, default=-1, help="sampling seed (-1: random)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("-ot", "--override-tensor", action="append", default=[], metavar="REGEX=BUFT,...",
+                   help="keep tensors matching REGEX in buffer type BUFT, e.g. exps=CPU (repeatable)")
+    p.add_argument("-cmoe", "--cpu-moe", action="store_true", help="keep all routed experts in host memory")
+    p.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=None, metavar="N",
+                   help="keep the routed experts of the first N layers in host memory")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT,...", help="ggml RPC servers to use as devices")
+    p.add_argument("--moe-hook", action="store_true",
+                   help="install hybrimoe's MoE hook (CPU path; the engine's split comes with the engine)")
+    p.add_argument("--output-format", choices=["text", "json"], default="text",
+                   help="text: stream the generated text; json: print {prompt_tokens, tokens, text} at the end")
+    p.add_argument("--verbose", action="store_true", help="llama.cpp's log on stderr")
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.prompt == "":
+        print("hybrimoe run: error: the prompt is empty (-p TEXT)", file=sys.stderr)
+        return 2
+    if args.n_predict < 0:
+        print("hybrimoe run: error: -n must be >= 0", file=sys.stderr)
+        return 2
+    model = Path(args.model) if args.model else default_model_path()
+    from tqdm import tqdm
+
+    from .llama import Llama
+
+    bar = tqdm(total=100, desc="loading", unit="%", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS"))
+
+    def progress(fraction: float) -> None:
+        bar.n = int(round(100 * fraction))
+        bar.refresh()
+
+    try:
+        llm = Llama(
+            str(model), n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+            n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
+            seed=args.seed if args.seed >= 0 else 0xFFFFFFFF, verbose=args.verbose,
+            rpc_servers=args.rpc, tensor_buft_overrides=args.override_tensor or None,
+            cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook,
+            load_progress=progress)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        bar.close()
+        print(f"hybrimoe run: error: {e}", file=sys.stderr)
+        return 1
+    bar.close()
+    try:
+        prompt_tokens = llm.tokenize(args.prompt.encode(), add_bos=True, special=False)
+        tokens = generate_tokens(llm, prompt_tokens, args.n_predict, temp=args.temp, top_k=args.top_k,
+                                 top_p=args.top_p, stream=sys.stdout if args.output_format == "text" else None)
+        if args.output_format == "json":
+            text = llm.detokenize(tokens).decode("utf-8", errors="replace")
+            json.dump({"prompt_tokens": prompt_tokens, "tokens": tokens, "text": text}, sys.stdout)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    finally:
+        llm.close()
+    return 0
+
+
+def generate_tokens(llm, prompt_tokens: list[int], n_predict: int, *, temp: float = 0.0, top_k: int = 40,
+                    top_p: float = 0.95, stream=None) -> list[int]:
+    """Generate up to ``n_predict`` tokens after ``prompt_tokens`` (stops at end-of-generation tokens).
+
+    With ``stream`` (a text file), writes each token's text as it comes (UTF-8 decoded incrementally).
+    Returns the generated token ids. Sampling as llama-cpp-python's ``Llama.generate`` (temp 0: greedy).
+    """
+    from ._lib import llama_cpp_module
+
+    lc = llama_cpp_module().llama_cpp
+    vocab = lc.llama_model_get_vocab(llm._model.model)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out: list[int] = []
+    if n_predict == 0:
+        return out
+    for tok in llm.generate(prompt_tokens, temp=temp, top_k=top_k, top_p=top_p, reset=True):
+        if lc.llama_vocab_is_eog(vocab, tok):
+            break
+        out.append(int(tok))
+        if stream is not None:
+            piece = llm.detokenize([tok], prev_tokens=prompt_tokens + out[:-1])
+            stream.write(decoder.decode(piece))
+            stream.flush()
+        if len(out) >= n_predict:
+            break
+    if stream is not None:
+        stream.write(decoder.decode(b"", final=True))
+    return out
+
+
+def _register_optional(sub, name: str, module: str, help_text: str) -> None:
+    import importlib
+
+    try:
+        mod = importlib.import_module(f"hybrimoe.{module}")
+    except ImportError as e:  # keep the rest of the CLI usable
+        p = sub.add_parser(name, help=f"{help_text} (unavailable: {e})")
+        p.set_defaults(func=lambda a, e=e: (print(f"hybrimoe {name}: unavailable: {e}", file=sys.stderr), 1)[1])
+        return
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    mod.add_arguments(p)
+    p.set_defaults(func=mod.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrimoe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="generate text (llama.cpp flags)", description="generate text")
+    _add_run_arguments(p)
+    p.set_defaults(func=_run)
+    _register_optional(sub, "info", "info", "MoE structure and expert bytes of a GGUF file")
+    _register_optional(sub, "make-tiny-model", "tiny", "write a tiny synthetic MoE GGUF (tests, demos)")
+    _register_optional(sub, "simulate", "simulate", "trace-driven comparison of expert placement policies")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def rpc_server_main() -> None:
+    """``ggml-rpc-server``: upstream's RPC server as built by hybrimoe (same flags)."""
+    from .rpc import SERVER_BIN
+
+    if not SERVER_BIN.exists():
+        print(f"ggml-rpc-server: {SERVER_BIN} is missing (hybrimoe not built)", file=sys.stderr)
+        sys.exit(1)
+    os.execv(str(SERVER_BIN), [str(SERVER_BIN)] + sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""``hybrimoe.Llama``: llama-cpp-python's ``Llama`` running on hybrimoe's patched libllama.
+
+Same constructor and methods as ``llama_cpp.Llama`` (llama-cpp-python 0.3.36), plus upstream llama.cpp options
+that llama-cpp-python lacks, under upstream's names (common/arg.cpp): ``rpc_servers`` (``--rpc``),
+``tensor_buft_overrides`` (``-ot/--override-tensor``), ``cpu_moe`` (``--cpu-moe``) and ``n_cpu_moe``
+(``--n-cpu-moe``), and hybrimoe's own ``moe_*`` options.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import threading
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from . import _ggml
+from ._lib import llama_cpp_module
+
+llama_cpp = llama_cpp_module()
+_lc = llama_cpp.llama_cpp  # the ctypes layer, where Llama looks up llama_model_default_params
+
+# upstream LLM_FFN_EXPS_REGEX (common/common.h): the routed-expert weight tensors
+EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+_params_lock = threading.Lock()
+
+
+class _BuftOverride(ctypes.Structure):
+    # struct llama_model_tensor_buft_override (include/llama.h)
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def parse_tensor_overrides(spec: str | Sequence[str] | None) -> list[tuple[str, str]]:
+    """Parse upstream's ``-ot`` syntax: ``"<regex>=<buffer type>,..."`` or a list of such items.
+
+    Returns:
+        ``[(pattern, buffer_type_name), ...]`` in order (the first matching pattern wins in llama.cpp).
+    Raises:
+        ValueError: an item lacks ``=``, or its pattern is empty or not a valid regular expression.
+    """
+    if spec is None:
+        return []
+    items: list[str] = []
+    for part in ([spec] if isinstance(spec, str) else list(spec)):
+        items.extend(p for p in part.split(",") if p.strip())
+    out = []
+    for item in items:
+        pattern, sep, buft = item.strip().rpartition("=")
+        if not sep or not pattern or not buft:
+            raise ValueError(f"tensor override {item!r} must be <tensor regex>=<buffer type>, e.g. exps=CPU")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"tensor override {item!r}: bad regular expression: {e}") from None
+        out.append((pattern, buft))
+    return out
+
+
+def moe_overrides(cpu_moe: bool = False, n_cpu_moe: int | None = None) -> list[tuple[str, str]]:
+    """Upstream's ``--cpu-moe`` / ``--n-cpu-moe N`` as tensor overrides (common ``llm_ffn_exps_cpu_override``).
+
+    Raises:
+        ValueError: ``n_cpu_moe`` is negative.
+    """
+    if cpu_moe:
+        return [(EXPS_REGEX, "CPU")]
+    if n_cpu_moe is None or n_cpu_moe == 0:
+        return []
+    if n_cpu_moe < 0:
+        raise ValueError(f"n_cpu_moe must be >= 0, got {n_cpu_moe}")
+    return [(rf"blk\.{i}{EXPS_REGEX}", "CPU") for i in range(n_cpu_moe)]
+
+
+def check_gguf(path: str | os.PathLike) -> None:
+    """Fail early, with the problem named, on a path that is not a complete GGUF file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a GGUF file, or truncated (tensor data past the end of the file).
+    """
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        raise FileNotFoundError(f"model file not found: {p}")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{p}: not a GGUF file (magic {magic!r})")
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(p)
+        size = os.path.getsize(p)
+        for t in reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise ValueError(f"tensor {t.name} ends past the end of the file")
+    except ValueError as e:
+        raise ValueError(f"{p}: truncated or corrupt GGUF file: {e}") from None
+    except Exception as e:  # gguf raises assorted errors on damaged headers
+        raise ValueError(f"{p}: truncated or corrupt GGUF file: {type(e).__name__}: {e}") from None
+
+
+class Llama(llama_cpp.Llama):
+    """llama-cpp-python's ``Llama`` on hybrimoe's patched libllama, with upstream's offload options.
+
+    Args (besides llama-cpp-python's, which keep their meaning):
+        rpc_servers: ``"HOST:PORT[,HOST:PORT...]"`` or a list: ggml RPC servers whose devices join the
+            model's devices (upstream ``--rpc``). Their memory is separate, like a GPU's.
+        tensor_buft_overrides: upstream ``-ot`` syntax, ``"<regex>=<buffer type>,..."`` or a list; buffer types
+            by device name (``CPU``, ``CUDA0``, ``RPC0[127.0.0.1:50052]``, as ``llama_cpp`` logs them).
+        cpu_moe: keep every routed-expert tensor in host memory (upstream ``--cpu-moe``).
+        n_cpu_moe: keep the routed experts of the first N layers in host memory (upstream ``--n-cpu-moe``).
+        moe_hook: install hybrimoe's MoE hook (``hybrimoe._engine.MoeHook``); its statistics are in
+            ``moe_stats()``.
+        moe_replay: int array ``[n_rows, n_layer, k]``: force every MoE layer's routed expert ids; the token at
+            position p gets row ``p % n_rows`` (benchmarks replay real routing; outputs become meaningless).
+
+    Raises:
+        FileNotFoundError: ``model_path`` does not exist.
+        ValueError: not a GGUF file, truncated, bad override, bad RPC endpoint, bad replay table, or
+            llama.cpp could not load the model.
+    """
+
+    def __init__(self, model_path: str, *, rpc_servers: str | Sequence[str] | None = None,
+                 tensor_buft_overrides: str | Sequence[str] | None = None, cpu_moe: bool = False,
+                 n_cpu_moe: int | None = None, moe_hook: bool = False, moe_replay: np.ndarray | None = None,
+                 load_progress=None, **kwargs):
+        self._moe_hook = None
+        self._moe_replay = None
+        check_gguf(model_path)
+
+        endpoints: list[str] = []
+        if rpc_servers:
+            parts = [rpc_servers] if isinstance(rpc_servers, str) else list(rpc_servers)
+            endpoints = [e.strip() for p in parts for e in p.split(",") if e.strip()]
+        rpc_devs: list[int] = []
+        for ep in endpoints:
+            rpc_devs.extend(_ggml.add_rpc_server(ep))
+
+        overrides = parse_tensor_overrides(tensor_buft_overrides) + moe_overrides(cpu_moe, n_cpu_moe)
+        self._override_keepalive = None
+        ov_array = None
+        if overrides:
+            ov_array = (_BuftOverride * (len(overrides) + 1))()
+            keep = []
+            for i, (pattern, buft_name) in enumerate(overrides):
+                pat = pattern.encode()
+                keep.append(pat)
+                ov_array[i].pattern = pat
+                ov_array[i].buft = _ggml.buffer_type(buft_name)
+            ov_array[len(overrides)].pattern = None
+            ov_array[len(overrides)].buft = None
+            self._override_keepalive = (ov_array, keep)
+
+        dev_array = None
+        registered_rpc = _ggml.rpc_device_ptrs()
+        if registered_rpc:
+            # devices: ours from rpc_servers, plus real accelerators; never another instance's RPC servers
+            others = [d["ptr"] for d in _ggml.devices()
+                      if d["type"] in (_ggml.DEV_GPU, _ggml.DEV_IGPU) and d["ptr"] not in registered_rpc]
+            chosen = rpc_devs + others
+            dev_array = (ctypes.c_void_p * (len(chosen) + 1))(*chosen, None)
+            self._devices_keepalive = dev_array
+
+        with _params_lock:
+            original = _lc.llama_model_default_params
+
+            progress_cb = None
+            if load_progress is not None:
+                def _progress(fraction, _ud):
+                    load_progress(float(fraction))
+                    return True
+                progress_cb = _lc.llama_progress_callback(_progress)
+                self._progress_keepalive = progress_cb
+
+            def patched():
+                p = original()
+                if progress_cb is not None:
+                    p.progress_callback = progress_cb
+                if ov_array is not None:
+                    p.tensor_buft_overrides = ctypes.cast(ov_array, ctypes.c_void_p)
+                if dev_array is not None:
+                    p.devices = ctypes.cast(dev_array, ctypes.c_void_p)
+                return p
+
+            _lc.llama_model_default_params = patched
+            try:
+                super().__init__(model_path, **kwargs)
+            finally:
+                _lc.llama_model_default_params = original
+
+        n_layer = int(_lc.llama_model_n_layer(self._model.model))
+        if moe_replay is not None:
+            self._attach_replay(np.asarray(moe_replay), n_layer)
+        if moe_hook:
+            from . import _engine
+
+            self._moe_hook = _engine.MoeHook(n_layer)
+            self._moe_hook.attach(self._ctx_ptr())
+
+    def _ctx_ptr(self) -> int:
+        ctx = self._ctx.ctx
+        return int(ctx.value if hasattr(ctx, "value") else ctx)
+
+    def _attach_replay(self, ids: np.ndarray, n_layer: int) -> None:
+        from . import _engine
+
+        n_expert = int(_lc.llama_model_n_expert(self._model.model)) if hasattr(_lc, "llama_model_n_expert") \
+            else _gguf_n_expert(self.model_path)
+        if ids.ndim != 3:
+            raise ValueError(f"moe_replay must have shape [n_rows, n_layer, k], got {ids.shape}")
+        if ids.shape[1] != n_layer:
+            raise ValueError(f"moe_replay has {ids.shape[1]} layers, the model has {n_layer}")
+        if n_expert and (ids.min() < 0 or ids.max() >= n_expert):
+            raise ValueError(f"moe_replay holds expert ids outside [0, {n_expert})")
+        self._moe_replay = _engine.RoutingReplay(ids.astype(np.int32), n_expert)
+        self._moe_replay.attach(self._ctx_ptr())
+
+    def moe_stats(self) -> dict:
+        """Statistics of hybrimoe's MoE hook: per layer, plan-node runs (one per ubatch), tokens, hook calls
+        (graph builds), and the layers left on upstream's path with the reason. Empty without ``moe_hook``."""
+        if self._moe_hook is None:
+            return {}
+        return {
+            "runs": list(self._moe_hook.runs()),
+            "tokens": list(self._moe_hook.tokens()),
+            "hook_calls": list(self._moe_hook.hook_calls()),
+            "unsupported": [{"layer": il, "reason": why} for il, why in self._moe_hook.unsupported()],
+        }
+
+    def create_completion(self, prompt, *args, **kwargs):
+        if (isinstance(prompt, (str, bytes)) and len(prompt) == 0) or \
+                (isinstance(prompt, (list, tuple)) and len(prompt) == 0):
+            raise ValueError("prompt is empty: give at least one character or token")
+        return super().create_completion(prompt, *args, **kwargs)
+
+    def close(self) -> None:
+        """Remove hybrimoe's hooks from the context, then free it (llama-cpp-python's ``close``)."""
+        for attr in ("_moe_hook", "_moe_replay"):
+            obj = getattr(self, attr, None)
+            if obj is not None:
+                try:
+                    if getattr(self, "_ctx", None) is not None and self._ctx.ctx is not None:
+                        obj.detach()
+                finally:
+                    setattr(self, attr, None)
+        if hasattr(self, "_stack"):  # llama-cpp-python's __init__ may not have run (bad input)
+            super().close()
+
+
+def _gguf_n_expert(path: str) -> int:
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    for k, f in r.fields.items():
+        if k.endswith(".expert_count"):
+            return int(f.parts[f.data[0]][0])
+    return 0
