@@ -1,0 +1,232 @@
+"""``hybrimoe info MODEL.gguf``: the MoE structure and expert bytes of a GGUF file, read with the gguf package.
+
+``describe(path)`` returns a dict (see its docstring); ``run(args)`` prints it. Bytes are real tensor sizes in the
+file (``ReaderTensor.n_bytes``, i.e. ggml row size x rows for the tensor's type); bytes per expert are a routed
+expert tensor's bytes divided by its expert count (ne2).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+# routed-expert weight tensors, by kind
+EXPERT_KINDS = ("gate", "up", "down", "gate_up")
+_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias)$")
+_BLK_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    try:
+        v = f.contents()
+    except Exception:  # malformed field: treat as absent
+        return default
+    return v
+
+
+def _open(path):
+    import gguf
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file")
+    if not p.is_file():
+        raise ValueError(f"{p}: not a regular file")
+    size = p.stat().st_size
+    with open(p, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{p}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(str(p))
+    except Exception as e:  # truncated header/metadata surfaces as assorted numpy/struct errors
+        raise ValueError(f"{p}: truncated or corrupt GGUF ({type(e).__name__}: {e})") from None
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ValueError(f"{p}: truncated GGUF: tensor {t.name} ends at byte {end} but the file has {size}")
+    return p, size, reader
+
+
+def _ranges(ids):
+    ids = sorted(ids)
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(out) if out else "none"
+
+
+def describe(path) -> dict:
+    """Describe a GGUF model's MoE structure.
+
+    Returns a dict with keys:
+        path, file_size (bytes), architecture, name, file_type (e.g. "MOSTLY_Q8_0" or None), n_layer, n_embd,
+        n_vocab, has_experts (bool), moe_layers / dense_layers (lists of block ids), n_expert, n_expert_used
+        (top-k), shared: {"count", "ff" (width), "gated" (has ffn_gate_inp_shexp)} or None,
+        expert_tensors: {kind: {"types": [ggml type names], "bytes_per_expert": int or None when it differs
+            between layers, "shape": [ne0, ne1] of one expert, "layers": {block id: {"type", "bytes",
+            "bytes_per_expert"}}}} for kind in gate/up/down/gate_up present (weights only),
+        routed_expert_bytes (all ``ffn_*_exps`` tensors, biases included), other_bytes (every other tensor),
+        tensor_bytes (sum of both), tensor_types ({ggml type name: tensor count}).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: not a GGUF file, truncated or corrupt.
+    """
+    import gguf
+
+    p, size, r = _open(path)
+    arch = _field(r, "general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{p}: GGUF without general.architecture")
+    ft = _field(r, "general.file_type")
+    try:
+        ft_name = gguf.LlamaFileType(int(ft)).name if ft is not None else None
+    except ValueError:
+        ft_name = str(ft)
+    n_layer = _field(r, f"{arch}.block_count")
+    n_embd = _field(r, f"{arch}.embedding_length")
+    n_expert = _field(r, f"{arch}.expert_count")
+    n_used = _field(r, f"{arch}.expert_used_count")
+    tokens = r.fields.get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens.data) if tokens is not None else _field(r, f"{arch}.vocab_size")
+
+    routed = other = 0
+    kinds: dict = {}
+    moe_layers: set = set()
+    all_layers: set = set()
+    types: dict = {}
+    sh = {"ff": None, "gated": False, "present": False}
+    for t in r.tensors:
+        tname = gguf.GGMLQuantizationType(int(t.tensor_type)).name
+        types[tname] = types.get(tname, 0) + 1
+        nb = int(t.n_bytes)
+        mb = _BLK_RE.match(t.name)
+        if mb:
+            all_layers.add(int(mb.group(1)))
+        m = _EXPS_RE.match(t.name)
+        if m:
+            routed += nb
+            il, kind, what = int(m.group(1)), m.group(2), m.group(3)
+            moe_layers.add(il)
+            if what == "weight":
+                shape = [int(x) for x in t.shape]
+                ne = shape[2] if len(shape) >= 3 else 1
+                k = kinds.setdefault(kind, {"types": [], "bytes_per_expert": None, "shape": shape[:2], "layers": {}})
+                if tname not in k["types"]:
+                    k["types"].append(tname)
+                k["layers"][il] = {"type": tname, "bytes": nb, "bytes_per_expert": nb // ne if ne else nb,
+                                   "n_expert": ne}
+                if n_expert is None:
+                    n_expert = ne
+            continue
+        other += nb
+        if ".ffn_up_shexp.weight" in t.name or ".ffn_down_shexp.weight" in t.name:
+            sh["present"] = True
+            if ".ffn_up_shexp." in t.name:
+                sh["ff"] = int(t.shape[1])
+        if ".ffn_gate_inp_shexp." in t.name:
+            sh["gated"] = True
+    for k in kinds.values():
+        per = {v["bytes_per_expert"] for v in k["layers"].values()}
+        k["bytes_per_expert"] = per.pop() if len(per) == 1 else None
+    shared = None
+    if sh["present"]:
+        count = _field(r, f"{arch}.expert_shared_count")
+        shared = {"count": int(count) if count is not None else 1, "ff": sh["ff"], "gated": sh["gated"]}
+    if n_layer is None:
+        n_layer = (max(all_layers) + 1) if all_layers else 0
+    has_experts = bool(moe_layers)
+    return {
+        "path": str(p), "file_size": size, "architecture": arch, "name": _field(r, "general.name"),
+        "file_type": ft_name, "n_layer": int(n_layer), "n_embd": None if n_embd is None else int(n_embd),
+        "n_vocab": None if n_vocab is None else int(n_vocab), "has_experts": has_experts,
+        "moe_layers": sorted(moe_layers), "dense_layers": [i for i in range(int(n_layer)) if i not in moe_layers],
+        "n_expert": int(n_expert) if (n_expert and has_experts) else 0,
+        "n_expert_used": int(n_used) if (n_used and has_experts) else 0,
+        "shared": shared, "expert_tensors": kinds, "routed_expert_bytes": routed, "other_bytes": other,
+        "tensor_bytes": routed + other, "tensor_types": types,
+    }
+
+
+def _mib(n):
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def format_info(d: dict) -> str:
+    """Human-readable text for a ``describe`` dict."""
+    lines = [
+        f"file:          {d['path']} ({d['file_size']} bytes, {_mib(d['file_size'])})",
+        f"architecture:  {d['architecture']}" + (f" (name: {d['name']})" if d.get("name") else ""),
+        f"file type:     {d['file_type'] or 'unknown'}",
+        f"layers:        {d['n_layer']}  (MoE: {_ranges(d['moe_layers'])}; dense: {_ranges(d['dense_layers'])})",
+        f"n_embd:        {d['n_embd']}   n_vocab: {d['n_vocab']}",
+    ]
+    if not d["has_experts"]:
+        lines.append("experts:       none (dense model, no routed-expert tensors)")
+        lines.append(f"tensor bytes:  {d['tensor_bytes']} ({_mib(d['tensor_bytes'])}); types: "
+                     + ", ".join(f"{k} x{v}" for k, v in sorted(d["tensor_types"].items())))
+        return "\n".join(lines)
+    sh = d["shared"]
+    shs = "none" if sh is None else (f"{sh['count']} (width {sh['ff']}" + (", sigmoid-gated)" if sh["gated"] else ")"))
+    lines.append(f"experts:       {d['n_expert']} routed per MoE layer, top-{d['n_expert_used']}, shared: {shs}")
+    lines.append("expert tensors (bytes per expert, per layer):")
+    lines.append(f"  {'tensor':<18}{'type':<10}{'bytes/expert':>14}  {'expert shape':<14}layers")
+    for kind in EXPERT_KINDS:
+        k = d["expert_tensors"].get(kind)
+        if k is None:
+            continue
+        shape = "x".join(str(x) for x in k["shape"])
+        groups: dict = {}
+        for il, v in sorted(k["layers"].items()):
+            groups.setdefault((v["type"], v["bytes_per_expert"]), []).append(il)
+        for (tname, bpe), ils in groups.items():
+            lines.append(f"  {'ffn_' + kind + '_exps':<18}{tname:<10}{bpe:>14}  {shape:<14}{_ranges(ils)}")
+    tot = d["tensor_bytes"] or 1
+    lines.append(f"routed-expert bytes: {d['routed_expert_bytes']} ({_mib(d['routed_expert_bytes'])}, "
+                 f"{100.0 * d['routed_expert_bytes'] / tot:.1f}% of tensor bytes)")
+    lines.append(f"other bytes:         {d['other_bytes']} ({_mib(d['other_bytes'])}, "
+                 f"{100.0 * d['other_bytes'] / tot:.1f}%)")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``info`` arguments to ``parser``."""
+    parser.add_argument("model", metavar="MODEL.gguf", help="GGUF model file")
+    parser.add_argument("--json", action="store_true", help="print the describe() dict as JSON")
+
+
+def run(args) -> int:
+    """Print the model's MoE facts; 0 on success, 1 with a one-line error on stderr for a bad file."""
+    try:
+        d = describe(args.model)
+    except (OSError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"hybrimoe info: error: {msg}", file=sys.stderr)
+        return 1
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps(d, indent=1, default=str))
+    else:
+        print(format_info(d))
+    return 0
+
+
+def main(argv=None) -> int:
+    """Stand-alone entry (``python -m hybrimoe.info MODEL.gguf``)."""
+    ap = argparse.ArgumentParser(prog="hybrimoe info")
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
