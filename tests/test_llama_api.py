@@ -1,0 +1,136 @@
+"""hybrimoe.Llama and `hybrimoe run` on every fixture architecture, with and without the MoE hook.
+
+Oracle: upstream llama.cpp behaviour. Without a hook our libllama builds upstream's graph, so Llama and the CLI
+must agree token for token; with the hook the experts are computed by the hook's subgraph and must give the
+same greedy tokens and the same logits (the seed runs ggml's own kernels in upstream's order: bit-exact).
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ARCHS = ["qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2"]
+QUANTS = ["Q8_0", "Q4_K_M"]
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+def moe_layers(path) -> set[int]:
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    out = set()
+    for t in r.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and parts[2] in ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps"):
+            out.add(int(parts[1]))
+    return out
+
+
+def run_cli(args: list[str], cwd) -> subprocess.CompletedProcess:
+    # cwd outside the checkout: `python -m hybrimoe` must import the installed package
+    return subprocess.run([sys.executable, "-m", "hybrimoe", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_api_and_cli_agree_and_hook_is_exact(arch, quant, tiny_model, greedy, tmp_path, logits):
+    from hybrimoe import Llama
+
+    path = tiny_model(arch, quant)
+    n = 12
+    llm = Llama(str(path), n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False)
+    ref = greedy(llm, PROMPT, n)
+    prompt_tokens = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+    llm.reset()
+    llm.eval(prompt_tokens)
+    ref_logits = logits(llm)
+    llm.close()
+    assert len(ref) > 0
+
+    cli = run_cli(["run", "-m", str(path), "-p", PROMPT, "-n", str(n), "--temp", "0", "-t", "2", "-c", "256",
+                   "--output-format", "json"], tmp_path)
+    assert cli.returncode == 0, cli.stderr
+    out = json.loads(cli.stdout)
+    assert out["prompt_tokens"] == prompt_tokens
+    assert out["tokens"] == ref
+
+    ub = 4  # several ubatches for the prompt, so runs count ubatches, not batches
+    llm = Llama(str(path), n_ctx=256, n_threads=2, n_threads_batch=2, n_ubatch=ub, n_batch=64, verbose=False,
+                moe_hook=True)
+    hooked = greedy(llm, PROMPT, n)
+    stats = llm.moe_stats()
+    assert hooked == ref
+    assert stats["unsupported"] == []
+
+    # the plan node runs once per MoE layer per ubatch: the prompt's ubatches, then one per decoded token
+    # (the last sampled token is not evaluated when generation stops at n)
+    # The last layer only computes the rows whose logits are wanted (llama.cpp's inp_out_ids): there, prompt
+    # ubatches without an output are empty and ggml skips empty nodes.
+    n_evals = len(hooked) - 1 if len(hooked) == n else len(hooked)
+    n_layer = len(stats["runs"])
+    moe = moe_layers(path)
+    assert moe, "fixture has no MoE layer"
+    for il, runs in enumerate(stats["runs"]):
+        if il in moe:
+            last = il == n_layer - 1
+            expected_runs = (1 if last else math.ceil(len(prompt_tokens) / ub)) + n_evals
+            assert runs == expected_runs, (il, stats)
+            assert stats["tokens"][il] == (1 if last else len(prompt_tokens)) + n_evals
+            # graphs are reused across decode steps: the hook is called at graph builds only
+            assert 0 < stats["hook_calls"][il] < runs
+        else:
+            assert runs == 0 and stats["hook_calls"][il] == 0
+
+    llm.reset()
+    llm.eval(prompt_tokens)
+    hooked_logits = logits(llm)
+    llm.close()
+    np.testing.assert_array_equal(hooked_logits, ref_logits)
+
+
+def test_cli_streams_text_and_matches_json(tiny_model, tmp_path):
+    path = tiny_model("qwen3moe", "Q8_0")
+    a = run_cli(["run", "-m", str(path), "-p", PROMPT, "-n", "8", "--temp", "0", "-t", "2"], tmp_path)
+    b = run_cli(["run", "-m", str(path), "-p", PROMPT, "-n", "8", "--temp", "0", "-t", "2",
+                 "--output-format", "json"], tmp_path)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout.rstrip("\n") == json.loads(b.stdout)["text"]
+
+
+def test_hook_detach_restores_upstream_graph(tiny_model, greedy):
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), n_ctx=128, n_threads=2, verbose=False, moe_hook=True)
+    with_hook = greedy(llm, PROMPT, 6)
+    hook = llm._moe_hook
+    runs_before = sum(hook.runs())
+    hook.detach()
+    without = greedy(llm, PROMPT, 6)
+    assert with_hook == without
+    assert sum(hook.runs()) == runs_before  # upstream's graph: the plan node no longer runs
+    llm.close()
+
+
+def test_unsupported_expert_variant_stays_upstream(tiny_model, greedy):
+    """gpt-oss experts (biases, SwiGLU-OAI) are not the hook's: upstream's path, same tokens, reason reported."""
+    from hybrimoe import Llama
+
+    path = str(tiny_model("gpt-oss", None))
+    llm = Llama(path, n_ctx=128, n_threads=2, verbose=False)
+    ref = greedy(llm, PROMPT, 8)
+    llm.close()
+    llm = Llama(path, n_ctx=128, n_threads=2, verbose=False, moe_hook=True)
+    got = greedy(llm, PROMPT, 8)
+    stats = llm.moe_stats()
+    llm.close()
+    assert got == ref
+    assert sum(stats["runs"]) == 0
+    reasons = {u["reason"] for u in stats["unsupported"]}
+    assert reasons and all(("bias" in r) or ("activation" in r) for r in reasons), reasons

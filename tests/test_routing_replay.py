@@ -1,0 +1,99 @@
+"""Routing override (patch 0002): forced expert ids reach every MoE layer, with and without the hook.
+
+Oracle: the model's own routing. Replaying the ids the router chose (recorded by the hook) must reproduce the
+run exactly; replaying other ids must make the layers see exactly those ids (recorded again by the hook) and
+change the output (negative control).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+PROMPT = "One two three four five six seven"
+
+
+def _record(llm, tokens, n_layer, logits_of):
+    hook = llm._moe_hook
+    hook.set_recording(True)
+    llm.reset()
+    llm.eval(tokens)
+    out = logits_of(llm)
+    rec = {il: hook.recorded(il) for il in range(n_layer)}
+    hook.set_recording(False)
+    return out, rec
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+def test_replay_reproduces_and_forces_routing(arch, tiny_model, logits):
+    from hybrimoe import Llama
+
+    path = str(tiny_model(arch, "Q8_0"))
+    kw = dict(n_ctx=128, n_threads=2, verbose=False, moe_hook=True)
+    llm = Llama(path, **kw)
+    tokens = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+    n_layer = llm._moe_hook.max_layers
+    base_logits, natural = _record(llm, tokens, n_layer, logits)
+    llm.close()
+    moe = [il for il in range(n_layer) if natural[il].size]
+    k = natural[moe[0]].shape[1]
+    n_expert = int(max(natural[il].max() for il in moe)) + 1
+
+    table = np.zeros((len(tokens), n_layer, k), dtype=np.int32)
+    for il in moe:
+        table[:, il, :] = natural[il]
+    llm = Llama(path, **kw, moe_replay=table)
+    logits_replayed, seen = _record(llm, tokens, n_layer, logits)
+    for il in moe:
+        np.testing.assert_array_equal(seen[il], natural[il])
+        assert llm._moe_replay.calls(il) >= 1
+    np.testing.assert_array_equal(logits_replayed, base_logits)
+    llm.close()
+
+    # other ids: shift every id by one expert
+    forced = table.copy()
+    forced[:, moe, :] = (forced[:, moe, :] + 1) % max(n_expert, k + 1)
+    llm = Llama(path, **kw, moe_replay=forced)
+    logits_forced, seen = _record(llm, tokens, n_layer, logits)
+    for il in moe:
+        # the last layer computes only the output row (the last token): llama.cpp's inp_out_ids
+        rows = seen[il].shape[0]
+        assert rows in (1, len(tokens))
+        np.testing.assert_array_equal(seen[il], forced[len(tokens) - rows:, il, :])
+    assert not np.array_equal(logits_forced, base_logits)
+    llm.close()
+
+
+def test_replay_without_hook_matches_hooked_replay(tiny_model, logits):
+    from hybrimoe import Llama
+
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    import gguf
+
+    llm = Llama(path, n_ctx=128, n_threads=2, verbose=False)
+    tokens = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+    llm.close()
+    rng = np.random.default_rng(0)
+    r = gguf.GGUFReader(path)
+    n_layer = next(int(f.parts[f.data[0]][0]) for name, f in r.fields.items() if name.endswith(".block_count"))
+    n_expert = next(int(f.parts[f.data[0]][0]) for name, f in r.fields.items() if name.endswith(".expert_count"))
+    k = next(int(f.parts[f.data[0]][0]) for name, f in r.fields.items() if name.endswith(".expert_used_count"))
+    table = np.stack([np.stack([rng.permutation(n_expert)[:k] for _ in range(n_layer)]) for _ in tokens])
+    outs = []
+    for hook in (False, True):
+        llm = Llama(path, n_ctx=128, n_threads=2, verbose=False, moe_replay=table, moe_hook=hook)
+        llm.eval(tokens)
+        outs.append(logits(llm))
+        llm.close()
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_replay_rejects_bad_tables(tiny_model):
+    from hybrimoe import Llama
+
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    with pytest.raises(ValueError, match="layers"):
+        Llama(path, n_ctx=64, verbose=False, moe_replay=np.zeros((4, 99, 2), dtype=np.int32))
+    with pytest.raises(ValueError, match="outside"):
+        Llama(path, n_ctx=64, verbose=False, moe_replay=np.full((4, 2, 2), 10_000, dtype=np.int32))
+    with pytest.raises(ValueError, match="shape"):
+        Llama(path, n_ctx=64, verbose=False, moe_replay=np.zeros((4, 2), dtype=np.int32))
