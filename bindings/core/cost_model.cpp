@@ -1,0 +1,39 @@
+#include "common.h"
+
+#include "policy/cost_model.h"
+
+namespace hybrimoe_bind {
+
+void bind_cost_model(py::module_ & m) {
+    using hybrimoe::CostModel;
+    py::class_<CostModel>(m, "CostModel", "Per-expert and per-layer costs in seconds (HybriMoE §IV.B). "
+                                          "JSON load/save: hybrimoe.policy.load_cost_model / save_cost_model.")
+        .def(py::init<>())
+        .def_readwrite("cpu_a_s", &CostModel::cpu_a_s)
+        .def_readwrite("cpu_b_s", &CostModel::cpu_b_s)
+        .def_readwrite("cpu_startup_s", &CostModel::cpu_startup_s)
+        .def_readwrite("gpu_a_s", &CostModel::gpu_a_s)
+        .def_readwrite("gpu_b_s", &CostModel::gpu_b_s)
+        .def_readwrite("h2d_bandwidth_Bps", &CostModel::h2d_bandwidth_Bps)
+        .def_readwrite("h2d_latency_s", &CostModel::h2d_latency_s)
+        .def_readwrite("act_a_s", &CostModel::act_a_s)
+        .def_readwrite("act_b_s", &CostModel::act_b_s)
+        .def_readwrite("layer_a_s", &CostModel::layer_a_s)
+        .def_readwrite("layer_b_s", &CostModel::layer_b_s)
+        .def_readwrite("dense_a_s", &CostModel::dense_a_s)
+        .def_readwrite("dense_b_s", &CostModel::dense_b_s)
+        .def("cpu", &CostModel::cpu, py::arg("n_tokens"), "CPU seconds of one expert over n tokens (no start-up).")
+        .def("gpu", &CostModel::gpu, py::arg("n_tokens"), "GPU seconds of one expert over n tokens.")
+        .def("h2d", &CostModel::h2d, py::arg("bytes"), "Seconds to copy `bytes` host to device.")
+        .def("act", &CostModel::act, py::arg("n_tokens"), "Activation round trip of a GPU share, seconds.")
+        .def("layer", &CostModel::layer, py::arg("n_tokens"), "Non-expert seconds of a MoE layer.")
+        .def("dense", &CostModel::dense, py::arg("n_tokens"), "Seconds of a dense layer.")
+        .def("validate", &CostModel::validate, "Raises ValueError naming a negative or non-finite field.")
+        .def("__repr__", [](const CostModel & c) {
+            return "CostModel(cpu=" + std::to_string(c.cpu_a_s) + "+" + std::to_string(c.cpu_b_s) + "n, gpu=" +
+                   std::to_string(c.gpu_a_s) + "+" + std::to_string(c.gpu_b_s) + "n, h2d_bw=" +
+                   std::to_string(c.h2d_bandwidth_Bps) + ")";
+        });
+}
+
+}  // namespace hybrimoe_bind

@@ -1,0 +1,143 @@
+#include "common.h"
+
+#include "policy/simulator.h"
+
+namespace hybrimoe_bind {
+
+using namespace hybrimoe;
+
+namespace {
+
+std::shared_ptr<Trace> make_trace(py::array_t<int16_t, py::array::c_style | py::array::forcecast> ids,
+                                  py::array_t<int64_t, py::array::c_style | py::array::forcecast> prompt_offsets,
+                                  std::vector<double> expert_bytes, int n_experts, int n_dense_layers,
+                                  py::object scores) {
+    if (ids.ndim() != 3) {
+        throw py::value_error("Trace: expert ids must be 3-D [tokens, moe_layers, top_k], got " +
+                              std::to_string(ids.ndim()) + "-D");
+    }
+    if (prompt_offsets.ndim() != 1) throw py::value_error("Trace: prompt_offsets must be 1-D");
+    auto t = std::make_shared<Trace>();
+    t->n_tokens = static_cast<int>(ids.shape(0));
+    t->n_layers = static_cast<int>(ids.shape(1));
+    t->top_k = static_cast<int>(ids.shape(2));
+    t->n_experts = n_experts;
+    t->n_dense_layers = n_dense_layers;
+    t->ids.assign(ids.data(), ids.data() + ids.size());
+    t->prompt_offsets.assign(prompt_offsets.data(), prompt_offsets.data() + prompt_offsets.size());
+    t->expert_bytes = std::move(expert_bytes);
+    if (!scores.is_none()) {
+        auto s = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(scores);
+        if (!s || s.ndim() != 3) throw py::value_error("Trace: scores must be 3-D [tokens, moe_layers, n_experts]");
+        t->scores.assign(s.data(), s.data() + s.size());
+    }
+    {
+        py::gil_scoped_release release;
+        t->validate();
+    }
+    return t;
+}
+
+}  // namespace
+
+void bind_simulator(py::module_ & m) {
+    py::class_<Trace, std::shared_ptr<Trace>>(m, "Trace", "Routing trace in memory (disk format: hybrimoe.trace).")
+        .def(py::init(&make_trace), py::arg("expert_ids"), py::arg("prompt_offsets"), py::arg("expert_bytes"),
+             py::arg("n_experts"), py::arg("n_dense_layers") = 0, py::arg("scores") = py::none(),
+             "expert_ids int [tokens, moe_layers, top_k]; prompt_offsets int64 [prompts+1]; expert_bytes one per MoE "
+             "layer. ValueError on ids out of range, repeated ids in a row, inconsistent shapes or offsets.")
+        .def_readonly("n_tokens", &Trace::n_tokens)
+        .def_readonly("n_layers", &Trace::n_layers)
+        .def_readonly("top_k", &Trace::top_k)
+        .def_readonly("n_experts", &Trace::n_experts)
+        .def_readonly("n_dense_layers", &Trace::n_dense_layers)
+        .def_readonly("expert_bytes", &Trace::expert_bytes)
+        .def_property_readonly("n_prompts", &Trace::n_prompts)
+        .def_property_readonly("has_scores", [](const Trace & t) { return !t.scores.empty(); });
+
+    py::class_<TruthModel>(m, "TruthModel",
+                           "What the planner does not see (seeded log-normal noise per task, extra first-expert "
+                           "overhead, CPU/link memory contention, systematic scales).")
+        .def(py::init<>())
+        .def_readwrite("seed", &TruthModel::seed)
+        .def_readwrite("cpu_noise", &TruthModel::cpu_noise)
+        .def_readwrite("gpu_noise", &TruthModel::gpu_noise)
+        .def_readwrite("h2d_noise", &TruthModel::h2d_noise)
+        .def_readwrite("act_noise", &TruthModel::act_noise)
+        .def_readwrite("layer_noise", &TruthModel::layer_noise)
+        .def_readwrite("cpu_startup_extra_s", &TruthModel::cpu_startup_extra_s)
+        .def_readwrite("contention", &TruthModel::contention)
+        .def_readwrite("cpu_scale", &TruthModel::cpu_scale)
+        .def_readwrite("gpu_scale", &TruthModel::gpu_scale)
+        .def_readwrite("h2d_scale", &TruthModel::h2d_scale)
+        .def("validate", &TruthModel::validate);
+
+    py::class_<SimConfig>(m, "SimConfig", "Simulator settings; recall per distance is an assumption to report.")
+        .def(py::init<>())
+        .def_readwrite("stage", &SimConfig::stage)
+        .def_readwrite("ubatch", &SimConfig::ubatch)
+        .def_readwrite("prefetch_depth", &SimConfig::prefetch_depth)
+        .def_readwrite("recall", &SimConfig::recall)
+        .def_readwrite("predictor_seed", &SimConfig::predictor_seed)
+        .def_readwrite("fill_on_miss", &SimConfig::fill_on_miss)
+        .def_readwrite("max_tokens", &SimConfig::max_tokens)
+        .def_readwrite("timeline_step", &SimConfig::timeline_step)
+        .def_readwrite("timeline_layers", &SimConfig::timeline_layers)
+        .def("validate", &SimConfig::validate);
+
+    py::class_<TimelineEvent>(m, "TimelineEvent", "resource 0 CPU, 1 GPU, 2 PCIe; kind 0 compute, 1 demand copy, "
+                                                  "2 prefetch, 3 fill, 4 non-expert, 5 activations.")
+        .def_readonly("step", &TimelineEvent::step)
+        .def_readonly("layer", &TimelineEvent::layer)
+        .def_readonly("resource", &TimelineEvent::resource)
+        .def_readonly("expert", &TimelineEvent::expert)
+        .def_readonly("kind", &TimelineEvent::kind)
+        .def_readonly("start_s", &TimelineEvent::start_s)
+        .def_readonly("end_s", &TimelineEvent::end_s);
+
+    py::class_<SimResult>(m, "SimResult", "Outputs of a simulation run (seconds of simulated time).")
+        .def_readonly("stage", &SimResult::stage)
+        .def_readonly("tokens", &SimResult::tokens)
+        .def_readonly("steps", &SimResult::steps)
+        .def_readonly("prompts", &SimResult::prompts)
+        .def_readonly("total_s", &SimResult::total_s)
+        .def_readonly("ttft_s", &SimResult::ttft_s)
+        .def_readonly("tpot_s", &SimResult::tpot_s)
+        .def_readonly("tokens_per_s", &SimResult::tokens_per_s)
+        .def_readonly("cache", &SimResult::cache)
+        .def_readonly("bytes_h2d", &SimResult::bytes_h2d)
+        .def_readonly("bytes_demand", &SimResult::bytes_demand)
+        .def_readonly("bytes_prefetch", &SimResult::bytes_prefetch)
+        .def_readonly("bytes_fill", &SimResult::bytes_fill)
+        .def_readonly("prefetch_issued", &SimResult::prefetch_issued)
+        .def_readonly("prefetch_declined", &SimResult::prefetch_declined)
+        .def_readonly("prefetch_used", &SimResult::prefetch_used)
+        .def_readonly("cpu_busy_s", &SimResult::cpu_busy_s)
+        .def_readonly("gpu_busy_s", &SimResult::gpu_busy_s)
+        .def_readonly("link_busy_s", &SimResult::link_busy_s)
+        .def_readonly("predicted_moe_s", &SimResult::predicted_moe_s)
+        .def_readonly("charged_moe_s", &SimResult::charged_moe_s)
+        .def_readonly("decision_us_mean", &SimResult::decision_us_mean)
+        .def_readonly("prefetch_us_mean", &SimResult::prefetch_us_mean)
+        .def_readonly("layer_moe_s", &SimResult::layer_moe_s)
+        .def_readonly("timeline", &SimResult::timeline);
+
+    m.def(
+        "make_steps",
+        [](const Trace & t, int first, int end, const SimConfig & cfg) {
+            std::vector<std::tuple<int64_t, int64_t, int>> out;
+            for (const Step & s : make_steps(t, first, end, cfg)) out.emplace_back(s.begin, s.end, s.prompt);
+            return out;
+        },
+        py::arg("trace"), py::arg("first_prompt"), py::arg("end_prompt"), py::arg("config"),
+        "Steps (token_begin, token_end, prompt) of a run. ValueError on a bad prompt range.");
+    m.def("replay_cache", &replay_cache, py::arg("trace"), py::arg("cache"), py::arg("first_prompt"),
+          py::arg("end_prompt"), py::arg("config"), py::call_guard<py::gil_scoped_release>(),
+          "Cache-only replay (every miss offered for admission); returns CacheStats.");
+    m.def("simulate", &simulate, py::arg("trace"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"),
+          py::arg("planner"), py::arg("truth_cost"), py::arg("truth"), py::arg("config"), py::arg("first_prompt"),
+          py::arg("end_prompt"), py::call_guard<py::gil_scoped_release>(),
+          "Event-driven simulation of prompts [first_prompt, end_prompt); see hybrimoe.simulate.");
+}
+
+}  // namespace hybrimoe_bind

@@ -1,0 +1,286 @@
+"""Python face of the HybriMoE policy core: policy base classes, cost models, hardware presets, system presets.
+
+Policies (subclass in Python; they run inside the C++ simulator through pybind11 trampolines, and an exception in
+one surfaces as RuntimeError naming the policy class and method):
+
+- :class:`CachePolicy`: ``name()``, ``priority(layer, expert) -> float`` (higher keeps longer; ties evict the
+  least recently used), optional ``reset(n_layers, n_experts)``, ``observe(obs)``, ``admit(layer, expert)``,
+  ``bypass()``, ``prepare(future)``, ``clairvoyant()``. C++: MRS (HybriMoE §IV.D), LRU, LFU, static, Belady.
+- :class:`SchedulePolicy`: ``name()``, ``split(layer_input, cost) -> k flags`` (1 = GPU). C++: HybriMoE §IV.B
+  greedy (best of greedy / all-CPU / all-GPU), kTransformers-style, GPU on demand, static per layer, exhaustive.
+- :class:`PrefetchPolicy`: ``name()``, ``plan(ctx, cache, cost) -> [(layer, expert), ...]``. C++: impact-driven
+  (HybriMoE §IV.C), next-layer top-k, none.
+
+Cost model JSON, schema ``hybrimoe.cost_model/1`` (all times in seconds, bandwidth in bytes/s)::
+
+    {"schema": "hybrimoe.cost_model/1",
+     "cpu_a_s": float, "cpu_b_s": float, "cpu_startup_s": float,   # CPU expert: a + b*tokens (+ start-up once)
+     "gpu_a_s": float, "gpu_b_s": float,                            # GPU expert: a + b*tokens
+     "h2d_bandwidth_Bps": float, "h2d_latency_s": float,            # copy: bytes/bandwidth + latency
+     "act_a_s": float, "act_b_s": float,                            # activation round trip of a GPU share
+     "layer_a_s": float, "layer_b_s": float,                        # non-expert work of a MoE layer
+     "dense_a_s": float, "dense_b_s": float,                        # a dense layer
+     "sources": {field: str, ...}}                                  # optional: where each number comes from
+
+Every listed number is required, finite and >= 0 (bandwidth > 0); unknown keys are errors.
+
+Hardware preset JSON, schema ``hybrimoe.hardware/1`` (files in ``hybrimoe/presets/``): ``name``,
+``description`` and ``facts``: ``{fact: {"value": number, "source": str}}`` with the facts in
+:data:`HARDWARE_FACTS`. :func:`cost_model_from_hardware` turns a preset and a model's facts into a CostModel.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from hybrimoe import _core
+from hybrimoe.trace import ModelFacts
+
+CachePolicy = _core.CachePolicy
+SchedulePolicy = _core.SchedulePolicy
+PrefetchPolicy = _core.PrefetchPolicy
+CostModel = _core.CostModel
+ExpertCache = _core.ExpertCache
+LayerInput = _core.LayerInput
+MRSPolicy = _core.MRSPolicy
+LRUPolicy = _core.LRUPolicy
+LFUPolicy = _core.LFUPolicy
+StaticPolicy = _core.StaticPolicy
+BeladyPolicy = _core.BeladyPolicy
+HybriMoEScheduler = _core.HybriMoEScheduler
+ExhaustiveScheduler = _core.ExhaustiveScheduler
+ImpactPrefetcher = _core.ImpactPrefetcher
+TopKPrefetcher = _core.TopKPrefetcher
+NoPrefetcher = _core.NoPrefetcher
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+COST_MODEL_SCHEMA = "hybrimoe.cost_model/1"
+HARDWARE_SCHEMA = "hybrimoe.hardware/1"
+COST_FIELDS = ("cpu_a_s", "cpu_b_s", "cpu_startup_s", "gpu_a_s", "gpu_b_s", "h2d_bandwidth_Bps", "h2d_latency_s",
+               "act_a_s", "act_b_s", "layer_a_s", "layer_b_s", "dense_a_s", "dense_b_s")
+HARDWARE_FACTS = ("gpu_mem_bandwidth_Bps", "gpu_mem_efficiency", "gpu_effective_flops", "gpu_kernel_launch_s",
+                  "gpu_kernels_per_expert", "gpu_kernels_per_layer", "cpu_mem_bandwidth_Bps", "cpu_mem_efficiency",
+                  "cpu_effective_flops", "cpu_startup_s", "h2d_bandwidth_Bps", "h2d_latency_s", "gpu_memory_bytes")
+
+
+class CostModelError(ValueError):
+    """A cost-model or hardware-preset file that cannot be used (names the file and the problem)."""
+
+
+# ---- cost model JSON -------------------------------------------------------------------------------------------
+
+def cost_model_from_dict(d: dict, where: str = "cost model") -> "_core.CostModel":
+    """CostModel from a ``hybrimoe.cost_model/1`` dict; raises CostModelError naming the bad field."""
+    if not isinstance(d, dict):
+        raise CostModelError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    if d.get("schema") != COST_MODEL_SCHEMA:
+        raise CostModelError(f"{where}: 'schema' must be '{COST_MODEL_SCHEMA}', got {d.get('schema')!r}")
+    unknown = set(d) - set(COST_FIELDS) - {"schema", "sources"}
+    if unknown:
+        raise CostModelError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+    cm = _core.CostModel()
+    for f in COST_FIELDS:
+        if f not in d:
+            raise CostModelError(f"{where}: missing field '{f}'")
+        v = d[f]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise CostModelError(f"{where}: field '{f}' must be a finite number >= 0, got {v!r}")
+        setattr(cm, f, float(v))
+    if cm.h2d_bandwidth_Bps <= 0:
+        raise CostModelError(f"{where}: field 'h2d_bandwidth_Bps' must be > 0")
+    return cm
+
+
+def cost_model_to_dict(cm: "_core.CostModel", sources: Optional[dict] = None) -> dict:
+    """The ``hybrimoe.cost_model/1`` dict of a CostModel."""
+    d = {"schema": COST_MODEL_SCHEMA}
+    d.update({f: getattr(cm, f) for f in COST_FIELDS})
+    if sources:
+        d["sources"] = dict(sources)
+    return d
+
+
+def load_cost_model(path: Union[str, os.PathLike]) -> "_core.CostModel":
+    """Reads a cost-model JSON file; raises CostModelError (a ValueError) on corrupt JSON or a bad field."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise CostModelError(f"cannot read cost model {path}: {e}") from e
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CostModelError(f"cost model {path} is not valid JSON: {e}") from e
+    return cost_model_from_dict(d, where=f"cost model {path}")
+
+
+def save_cost_model(cm: "_core.CostModel", path: Union[str, os.PathLike], sources: Optional[dict] = None) -> None:
+    """Writes a cost-model JSON file (schema above)."""
+    Path(path).write_text(json.dumps(cost_model_to_dict(cm, sources), indent=2) + "\n")
+
+
+# ---- hardware presets --------------------------------------------------------------------------------------------
+
+def preset_names() -> list[str]:
+    """Names of the bundled hardware presets."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+@dataclass
+class Hardware:
+    """A hardware preset: ``facts[name] = value`` (SI units) and ``sources[name]`` (why that number)."""
+
+    name: str
+    description: str
+    facts: dict
+    sources: dict
+
+
+def load_hardware(name_or_path: str) -> Hardware:
+    """Loads a bundled preset by name (see :func:`preset_names`) or a preset JSON file by path.
+
+    Raises ValueError naming an unknown preset, and CostModelError for corrupt JSON, a wrong schema, or a fact
+    that is missing, not a positive finite number, or without a source string.
+    """
+    p = Path(name_or_path)
+    if not p.suffix == ".json":
+        p = PRESET_DIR / f"{name_or_path}.json"
+        if not p.is_file():
+            raise ValueError(f"unknown hardware preset '{name_or_path}' (known: {', '.join(preset_names())})")
+    try:
+        d = json.loads(p.read_text())
+    except OSError as e:
+        raise CostModelError(f"cannot read hardware preset {p}: {e}") from e
+    except json.JSONDecodeError as e:
+        raise CostModelError(f"hardware preset {p} is not valid JSON: {e}") from e
+    if not isinstance(d, dict) or d.get("schema") != HARDWARE_SCHEMA or not isinstance(d.get("facts"), dict):
+        raise CostModelError(f"hardware preset {p}: expected schema '{HARDWARE_SCHEMA}' with a 'facts' object")
+    facts, sources = {}, {}
+    for f in HARDWARE_FACTS:
+        entry = d["facts"].get(f)
+        if not isinstance(entry, dict) or "value" not in entry:
+            raise CostModelError(f"hardware preset {p}: missing fact '{f}' ({{'value': ..., 'source': ...}})")
+        v = entry["value"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise CostModelError(f"hardware preset {p}: fact '{f}' must be a positive number, got {v!r}")
+        if not isinstance(entry.get("source"), str) or not entry["source"].strip():
+            raise CostModelError(f"hardware preset {p}: fact '{f}' has no source")
+        facts[f], sources[f] = float(v), entry["source"]
+    return Hardware(name=str(d.get("name", p.stem)), description=str(d.get("description", "")), facts=facts,
+                    sources=sources)
+
+
+def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostModel":
+    """Derives a CostModel for ``model`` on ``hw`` (HYBRIMOE.md §1, "Facts for presets").
+
+    - CPU expert: reading its bytes at the effective host bandwidth (a decode-time expert is bandwidth bound), plus
+      2*params FLOP per token at the effective CPU throughput; start-up from the preset.
+    - GPU expert: kernel launches + reading its bytes at effective GPU bandwidth, plus 2*params FLOP per token.
+    - Copy: the preset's effective link bandwidth and latency.
+    - Activations: hidden state (fp32, n_embd) to the GPU and back per token, plus two link latencies.
+    - Non-expert work of a layer (attention, router, shared experts) and dense layers: launches + weight bytes at
+      GPU bandwidth, plus 2*params FLOP per token.
+    """
+    f = hw.facts
+    gpu_bw = f["gpu_mem_bandwidth_Bps"] * f["gpu_mem_efficiency"]
+    cpu_bw = f["cpu_mem_bandwidth_Bps"] * f["cpu_mem_efficiency"]
+    launch = f["gpu_kernel_launch_s"]
+    cm = _core.CostModel()
+    cm.cpu_a_s = model.expert_bytes / cpu_bw
+    cm.cpu_b_s = 2.0 * model.expert_params / f["cpu_effective_flops"]
+    cm.cpu_startup_s = f["cpu_startup_s"]
+    cm.gpu_a_s = f["gpu_kernels_per_expert"] * launch + model.expert_bytes / gpu_bw
+    cm.gpu_b_s = 2.0 * model.expert_params / f["gpu_effective_flops"]
+    cm.h2d_bandwidth_Bps = f["h2d_bandwidth_Bps"]
+    cm.h2d_latency_s = f["h2d_latency_s"]
+    cm.act_a_s = 2.0 * f["h2d_latency_s"]
+    cm.act_b_s = 2.0 * model.n_embd * 4 / f["h2d_bandwidth_Bps"]
+    ne_bytes = model.non_expert_params_per_moe_layer * model.bytes_per_param_non_expert
+    cm.layer_a_s = f["gpu_kernels_per_layer"] * launch + ne_bytes / gpu_bw
+    cm.layer_b_s = 2.0 * model.non_expert_params_per_moe_layer / f["gpu_effective_flops"]
+    dense_bytes = model.dense_layer_params * model.bytes_per_param_non_expert
+    cm.dense_a_s = f["gpu_kernels_per_layer"] * launch + dense_bytes / gpu_bw
+    cm.dense_b_s = 2.0 * model.dense_layer_params / f["gpu_effective_flops"]
+    cm.validate()
+    return cm
+
+
+def truth_model_for(hw: Hardware, seed: int = 1) -> "_core.TruthModel":
+    """The simulator's "truth" (what the planner does not see), documented assumptions:
+
+    per-task log-normal noise (CPU 10%, GPU 5%, copy 5%, activations 10%, non-expert 3%), an extra first-CPU-expert
+    overhead of half the planned start-up, and memory-bandwidth contention: while the link copies from host memory,
+    CPU experts slow by (link bandwidth / effective host bandwidth) of the overlapped time.
+    """
+    t = _core.TruthModel()
+    t.seed = int(seed)
+    t.cpu_startup_extra_s = 0.5 * hw.facts["cpu_startup_s"]
+    t.contention = hw.facts["h2d_bandwidth_Bps"] / (hw.facts["cpu_mem_bandwidth_Bps"] *
+                                                    hw.facts["cpu_mem_efficiency"])
+    t.validate()
+    return t
+
+
+# ---- budgets -----------------------------------------------------------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "kib": 1024.0,
+          "mib": 1024.0 ** 2, "gib": 1024.0 ** 3}
+
+
+def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert_bytes: float) -> float:
+    """Budget in bytes from ``"25%"`` (of all routed-expert bytes), ``"3GiB"``, ``"512MB"`` or a number of bytes.
+
+    0 is valid (nothing cached). Raises ValueError on an unparsable spec, a negative budget, a percentage above
+    100, or a positive budget smaller than one expert (``expert_bytes``).
+    """
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        b = float(spec)
+    else:
+        s = str(spec).strip().lower()
+        m = re.fullmatch(r"([-+]?[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*(%|[a-z]*)", s)
+        if not m or (m.group(2) not in _UNITS and m.group(2) != "%"):
+            raise ValueError(f"cannot parse cache budget {spec!r}: use e.g. '25%', '3GiB', '512MB' or bytes")
+        v = float(m.group(1))
+        if m.group(2) == "%":
+            if v < 0 or v > 100:
+                raise ValueError(f"cache budget {spec!r}: a percentage must be within 0..100")
+            b = v / 100.0 * total_expert_bytes
+        else:
+            b = v * _UNITS[m.group(2)]
+    if not math.isfinite(b) or b < 0:
+        raise ValueError(f"cache budget {spec!r} is negative or not finite")
+    if 0 < b < expert_bytes:
+        raise ValueError(f"cache budget {spec!r} = {b:.0f} bytes is smaller than one expert ({expert_bytes:.0f} "
+                         "bytes); use 0 for no cache")
+    return b
+
+
+# ---- system presets (issue 3, item 8) ----------------------------------------------------------------------------
+
+SYSTEM_PRESETS = {
+    "hybrimoe": dict(scheduler="hybrimoe", cache="mrs", prefetch="impact", fill=True, oracle=False,
+                     about="HybriMoE split + MRS cache + impact-driven prefetch"),
+    "hybrimoe-lru": dict(scheduler="hybrimoe", cache="lru", prefetch="impact", fill=True, oracle=False,
+                         about="HybriMoE split + LRU cache + impact-driven prefetch"),
+    "ktransformers": dict(scheduler="ktransformers", cache="static-frequency", prefetch="none", fill=False,
+                          oracle=False, about="profiled hot set resident, all else on CPU, nothing loaded"),
+    "upstream-ncmoe": dict(scheduler="upstream-ncmoe", cache="static-layers", prefetch="none", fill=False,
+                           oracle=False, about="llama.cpp --n-cpu-moe: whole layers resident, the rest on CPU"),
+    "gpu-on-demand": dict(scheduler="gpu-on-demand", cache="lru", prefetch="none", fill=False, oracle=False,
+                          about="every expert on GPU, LRU cache, load on demand"),
+    "belady": dict(scheduler="hybrimoe", cache="belady", prefetch="impact", fill=True, oracle=False,
+                   about="bound: hybrimoe with a clairvoyant (Belady, bypass) cache"),
+    "oracle": dict(scheduler="exhaustive", cache="belady", prefetch="impact", fill=True, oracle=True,
+                   about="bound: clairvoyant cache + exhaustive split + oracle prefetch"),
+}
+
+
+def system_preset(name: str) -> dict:
+    """The component names of a system preset; ValueError naming an unknown preset."""
+    if name not in SYSTEM_PRESETS:
+        raise ValueError(f"unknown policy preset '{name}' (known: {', '.join(SYSTEM_PRESETS)})")
+    return dict(SYSTEM_PRESETS[name])

@@ -1,0 +1,314 @@
+"""``hybrimoe simulate``: trace-driven comparison of whole policy presets (issue 3, items 7-8).
+
+Flow: load a routing trace and a hardware preset; derive the planner's CostModel from the preset and the model's
+facts; profile expert frequencies on the first ``--profile-fraction`` (default 20%) of the prompts (static hot sets
+and every cache's initial fill come from it); simulate the remaining prompts with each system preset
+(:data:`hybrimoe.policy.SYSTEM_PRESETS`); print a table and optionally write JSON records and plots.
+
+Assumptions that every report must state (they are also written into each JSON record under ``assumptions``):
+
+- time is charged by a seeded "truth" model (noise, extra start-up, host-memory contention;
+  :func:`hybrimoe.policy.truth_model_for`), not by the planner's own predictions;
+- routing predictions for prefetching come from the trace through an imperfect predictor with recall per distance
+  ``--recall`` (default 0.8, 0.65, 0.5 for 1, 2, 3 layers ahead); ``oracle`` uses recall 1 (a bound only);
+- a trace without router scores makes MRS score each activated expert 1/top_k per token;
+- decode replays prompt tokens as a token stream (one token per step); prefill runs each prompt in ubatches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from hybrimoe import _core
+from hybrimoe import policy as pol
+from hybrimoe.trace import RoutingTrace, default_trace_path, load_trace
+
+DEFAULT_POLICIES = ("hybrimoe", "hybrimoe-lru", "ktransformers", "upstream-ncmoe", "gpu-on-demand", "belady",
+                    "oracle")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the ``simulate`` options to ``parser``."""
+    parser.add_argument("--trace", default=None, help="routing trace .npz (default: $HYBRIMOE_TRACE or "
+                                                      "../shared/traces/dsv2lite_dev.npz)")
+    parser.add_argument("--model", default=None, help="model facts for traces without expert sizes")
+    parser.add_argument("--hardware", default="paper-a6000",
+                        help=f"hardware preset name ({', '.join(pol.preset_names())}) or a preset .json path")
+    parser.add_argument("--cost-model", default=None, help="a calibrated cost-model JSON (overrides the preset's "
+                                                           "derived planner costs)")
+    parser.add_argument("--moe-cache", default="25%", help="GPU expert-cache budget: '25%%' of all routed-expert "
+                                                           "bytes, bytes, or e.g. '3GiB'")
+    parser.add_argument("--stage", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help=f"comma-separated system presets ({', '.join(pol.SYSTEM_PRESETS)})")
+    parser.add_argument("--json", default=None, help="write the records to this JSON file")
+    parser.add_argument("--plot", default=None, help="write PNG plots to this directory")
+    parser.add_argument("--max-tokens", type=int, default=20000,
+                        help="stop each run after about this many tokens (0 = all; prefill stops at a prompt end)")
+    parser.add_argument("--max-prompts", type=int, default=0, help="use at most this many evaluation prompts")
+    parser.add_argument("--ubatch", type=int, default=512, help="prefill ubatch size, tokens")
+    parser.add_argument("--prefetch-depth", type=int, default=3, help="D, MoE layers predicted ahead")
+    parser.add_argument("--recall", default="0.8,0.65,0.5", help="predictor recall per distance 1..D")
+    parser.add_argument("--profile-fraction", type=float, default=0.2,
+                        help="leading fraction of prompts used only to profile expert frequencies")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the truth model and the predictor")
+    parser.add_argument("--hit-rates", action="store_true",
+                        help="also replay the cache policies alone (mrs, lru, lfu, belady) and print hit rates")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _positive_recall(text: str, depth: int) -> list[float]:
+    try:
+        vals = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise ValueError(f"--recall must be comma-separated numbers, got {text!r}") from e
+    if any(not (0.0 <= v <= 1.0) for v in vals):
+        raise ValueError(f"--recall values must be within 0..1, got {text!r}")
+    if len(vals) < depth:
+        raise ValueError(f"--recall needs {depth} values (one per distance up to --prefetch-depth), got {len(vals)}")
+    return vals
+
+
+class Setup:
+    """Everything shared by the runs of one invocation (trace, costs, profile, prompt split)."""
+
+    def __init__(self, trace: RoutingTrace, hw: pol.Hardware, budget_spec, stage: str, *, cost_model=None,
+                 max_tokens: int = 20000, max_prompts: int = 0, ubatch: int = 512, prefetch_depth: int = 3,
+                 recall: Sequence[float] = (0.8, 0.65, 0.5), profile_fraction: float = 0.2, seed: int = 1):
+        if stage not in ("decode", "prefill"):
+            raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
+        if not (0.0 <= profile_fraction < 1.0):
+            raise ValueError(f"profile fraction must be in [0, 1), got {profile_fraction}")
+        if max_tokens < 0 or max_prompts < 0:
+            raise ValueError("max_tokens and max_prompts must be >= 0")
+        facts = trace.facts()
+        if facts is None:
+            raise ValueError(f"no model facts for trace model {trace.model!r}; pass --model")
+        self.trace, self.hw, self.facts, self.stage = trace, hw, facts, stage
+        self.core_trace = trace.to_core()
+        self.planner = cost_model if cost_model is not None else pol.cost_model_from_hardware(hw, facts)
+        self.truth_cost = pol.cost_model_from_hardware(hw, facts)
+        self.truth = pol.truth_model_for(hw, seed)
+        self.expert_bytes = [float(b) for b in trace.expert_bytes]
+        self.total_bytes = float(np.sum(trace.expert_bytes) * trace.num_experts)
+        self.budget_spec = budget_spec
+        self.budget = pol.parse_budget(budget_spec, self.total_bytes, float(np.min(trace.expert_bytes)))
+        n = trace.n_prompts
+        self.first = int(math.floor(profile_fraction * n))
+        if self.first >= n:
+            raise ValueError("no prompts left after profiling")
+        self.end = n if max_prompts == 0 else min(n, self.first + max_prompts)
+        self.cfg = _core.SimConfig()
+        self.cfg.stage = stage
+        self.cfg.ubatch = ubatch
+        self.cfg.prefetch_depth = prefetch_depth
+        self.cfg.recall = list(recall)
+        self.cfg.predictor_seed = seed + 6
+        self.cfg.max_tokens = max_tokens
+        self.cfg.validate()
+        self.recall = list(recall)
+        # Profile: activations per (layer, expert) over the profiling prompts.
+        end_tok = int(trace.prompt_offsets[self.first])
+        ids = trace.expert_ids[:end_tok].astype(np.int64)
+        L, E = trace.n_layers, trace.num_experts
+        flat = (ids + (np.arange(L) * E)[None, :, None]).ravel()
+        self.profile = np.bincount(flat, minlength=L * E).astype(np.float64).reshape(L, E)
+        order = np.lexsort((np.arange(L * E), -self.profile.ravel()))
+        self.hot_keys = [int(k) for k in order]
+
+    def make_cache(self, policy: "_core.CachePolicy", fill: bool = True) -> "_core.ExpertCache":
+        """A cache under this budget, filled with the profile's hottest experts."""
+        cache = _core.ExpertCache(self.expert_bytes, self.trace.num_experts, self.budget, policy)
+        if fill and self.budget > 0:
+            cache.fill(self.hot_keys)
+        return cache
+
+    def build(self, name: str):
+        """(cache, scheduler, prefetcher, config) of a system preset; ValueError on an unknown name."""
+        spec = pol.system_preset(name)
+        L, E = self.trace.n_layers, self.trace.num_experts
+        cfg = _core.SimConfig()
+        for f in ("stage", "ubatch", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
+            setattr(cfg, f, getattr(self.cfg, f))
+        cfg.fill_on_miss = bool(spec["fill"])
+        if spec["oracle"]:
+            cfg.recall = [1.0] * max(1, cfg.prefetch_depth)
+        n_cpu_layers = 0
+        if spec["cache"] == "static-frequency":
+            n_fit = int(self.budget // self.expert_bytes[0]) if self.budget > 0 else 0
+            keys = self.hot_keys[:n_fit]
+            cache = self.make_cache(_core.StaticPolicy(keys, [float(self.profile.ravel()[k]) for k in keys]), False)
+            cache.fill(keys)
+        elif spec["cache"] == "static-layers":
+            layer_bytes = self.expert_bytes[0] * E
+            n_gpu_layers = min(L, int(self.budget // layer_bytes))
+            n_cpu_layers = L - n_gpu_layers
+            keys = [l * E + e for l in range(n_cpu_layers, L) for e in range(E)]
+            cache = self.make_cache(_core.StaticPolicy(keys, []), False)
+            cache.fill(keys)
+        else:
+            cache = self.make_cache(_core.make_cache_policy(spec["cache"]))
+        sched = _core.make_scheduler(spec["scheduler"], n_cpu_layers)
+        pre = _core.make_prefetcher(spec["prefetch"])
+        return cache, sched, pre, cfg
+
+    def assumptions(self, name: str) -> dict:
+        spec = pol.system_preset(name)
+        return {
+            "predictor_recall": [1.0] * len(self.recall) if spec["oracle"] else self.recall,
+            "router_scores": "trace" if self.trace.has_scores else "none: MRS scores activated experts 1/top_k",
+            "truth_model": "seeded log-normal noise, extra CPU start-up, host-memory contention (policy.truth_model_for)",
+            "profile": f"first {self.first} of {self.trace.n_prompts} prompts; evaluated prompts {self.first}..{self.end}",
+            "stage_model": "decode: prompt tokens replayed one per step" if self.stage == "decode"
+            else f"prefill: ubatches of {self.cfg.ubatch} tokens per prompt",
+        }
+
+    def run(self, name: str, cache=None, sched=None, pre=None, cfg=None) -> dict:
+        """Simulates one system preset (or the given components) and returns its JSON record."""
+        if cache is None:
+            cache, sched, pre, cfg = self.build(name)
+        res = _core.simulate(self.core_trace, cache, sched, pre, self.planner, self.truth_cost, self.truth, cfg,
+                             self.first, self.end)
+        return record(name, res, self)
+
+
+def record(name: str, res, setup: Setup) -> dict:
+    """The JSON record of one run."""
+    st = res.cache
+    tot = max(res.total_s, 1e-30)
+    rec = {
+        "policy": name,
+        "stage": res.stage,
+        "hardware": setup.hw.name,
+        "moe_cache": str(setup.budget_spec),
+        "budget_bytes": setup.budget,
+        "hit_rate": st.hit_rate,
+        "demand_hit_rate": st.demand_hit_rate,
+        "prefetch_hit_rate": st.prefetch_hits / st.accesses if st.accesses else 0.0,
+        "late_rate": st.late / st.accesses if st.accesses else 0.0,
+        "tokens": res.tokens,
+        "prompts": res.prompts,
+        "tokens_per_s": res.tokens_per_s,
+        "total_s": res.total_s,
+        "bytes_h2d": res.bytes_h2d,
+        "bytes_demand": res.bytes_demand,
+        "bytes_prefetch": res.bytes_prefetch,
+        "bytes_fill": res.bytes_fill,
+        "prefetch_issued": res.prefetch_issued,
+        "prefetch_used": res.prefetch_used,
+        "cpu_busy_frac": res.cpu_busy_s / tot,
+        "gpu_busy_frac": res.gpu_busy_s / tot,
+        "link_busy_frac": res.link_busy_s / tot,
+        "predicted_moe_s": res.predicted_moe_s,
+        "charged_moe_s": res.charged_moe_s,
+        "decision_us_mean": res.decision_us_mean,
+        "prefetch_us_mean": res.prefetch_us_mean,
+        "layer_moe_s": list(res.layer_moe_s),
+        "assumptions": setup.assumptions(name) if name in pol.SYSTEM_PRESETS else {},
+    }
+    if res.stage == "decode":
+        rec["tpot_s"] = res.tpot_s
+    else:
+        rec["ttft_s"] = res.ttft_s
+    return rec
+
+
+def cache_hit_rates(setup: Setup, names: Sequence[str] = ("mrs", "lru", "lfu", "belady"),
+                    budget: Optional[float] = None) -> dict:
+    """Cache-only replay hit rates (every miss offered for admission; same initial fill) per cache policy."""
+    out = {}
+    for n in names:
+        cache = _core.ExpertCache(setup.expert_bytes, setup.trace.num_experts,
+                                  setup.budget if budget is None else budget, _core.make_cache_policy(n))
+        if cache.budget_bytes > 0:
+            cache.fill(setup.hot_keys)
+        st = _core.replay_cache(setup.core_trace, cache, setup.first, setup.end, setup.cfg)
+        out[n] = {"hit_rate": st.hit_rate, "demand_hit_rate": st.demand_hit_rate, "accesses": st.accesses}
+    return out
+
+
+def format_table(records: Sequence[dict]) -> str:
+    """A markdown table of the records (llama-bench style)."""
+    stage = records[0]["stage"] if records else "decode"
+    tcol = "tpot_ms" if stage == "decode" else "ttft_ms"
+    head = f"| policy | hit rate | {tcol} | tokens/s | GB h2d | CPU busy | GPU busy | link busy | decide us |"
+    lines = [head, "|" + "---|" * 9]
+    for r in records:
+        t = (r.get("tpot_s") if stage == "decode" else r.get("ttft_s")) * 1e3
+        lines.append(f"| {r['policy']} | {r['hit_rate']:.3f} | {t:.3f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['bytes_h2d'] / 1e9:.2f} | {r['cpu_busy_frac']:.2f} | {r['gpu_busy_frac']:.2f} | "
+                     f"{r['link_busy_frac']:.2f} | {r['decision_us_mean']:.2f} |")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    """Runs ``hybrimoe simulate``; returns the exit status (0 ok, 2 bad input)."""
+    try:
+        names = [p.strip() for p in str(args.policies).split(",") if p.strip()]
+        if not names:
+            raise ValueError("--policies is empty")
+        for n in names:
+            pol.system_preset(n)
+        recall = _positive_recall(args.recall, args.prefetch_depth)
+        hw = pol.load_hardware(args.hardware)
+        trace = load_trace(args.trace or default_trace_path(), model=args.model)
+        cm = pol.load_cost_model(args.cost_model) if args.cost_model else None
+        setup = Setup(trace, hw, args.moe_cache, args.stage, cost_model=cm, max_tokens=args.max_tokens,
+                      max_prompts=args.max_prompts, ubatch=args.ubatch, prefetch_depth=args.prefetch_depth,
+                      recall=recall, profile_fraction=args.profile_fraction, seed=args.seed)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hybrimoe simulate: error: {e}", file=sys.stderr)
+        return 2
+
+    records = []
+    iterator = names
+    bar = None
+    if not args.no_progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(names, desc=f"simulate {args.stage}", unit="policy", file=sys.stderr)
+            iterator = bar
+        except ImportError:
+            pass
+    for n in iterator:
+        if bar is not None:
+            bar.set_postfix_str(n)
+        records.append(setup.run(n))
+    print(f"hybrimoe simulate: {trace.path or 'trace'} | {hw.name} | cache {args.moe_cache} "
+          f"({setup.budget / 1e9:.2f} GB) | {args.stage} | prompts {setup.first}..{setup.end} | "
+          f"{records[0]['tokens'] if records else 0} tokens")
+    print(format_table(records))
+    a = setup.assumptions(names[0])
+    print(f"assumptions: predictor recall {setup.recall} (oracle: 1.0); router scores: {a['router_scores']}; "
+          f"truth: {a['truth_model']}")
+    if args.hit_rates:
+        hr = cache_hit_rates(setup)
+        print("cache-only replay hit rates: " + ", ".join(f"{k} {v['hit_rate']:.3f}" for k, v in hr.items()))
+        for r in records:
+            r["cache_replay_hit_rates"] = hr
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    if args.plot:
+        from hybrimoe import plots
+
+        out = plots.write_plots(setup, records, Path(args.plot))
+        print("plots: " + ", ".join(str(p) for p in out))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Stand-alone entry (``python -m hybrimoe.simulate``) until the CLI registers the subcommand."""
+    parser = argparse.ArgumentParser(prog="hybrimoe simulate", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+#include "policy/cost_model.h"
+
+#include <cmath>
+#include <stdexcept>
+
+namespace hybrimoe {
+
+void CostModel::validate() const {
+    const struct {
+        const char * name;
+        double value;
+    } fields[] = {
+        {"cpu_a_s", cpu_a_s},     {"cpu_b_s", cpu_b_s},     {"cpu_startup_s", cpu_startup_s},
+        {"gpu_a_s", gpu_a_s},     {"gpu_b_s", gpu_b_s},     {"h2d_bandwidth_Bps", h2d_bandwidth_Bps},
+        {"h2d_latency_s", h2d_latency_s}, {"act_a_s", act_a_s}, {"act_b_s", act_b_s},
+        {"layer_a_s", layer_a_s}, {"layer_b_s", layer_b_s}, {"dense_a_s", dense_a_s},
+        {"dense_b_s", dense_b_s},
+    };
+    for (const auto & f : fields) {
+        if (!std::isfinite(f.value) || f.value < 0.0) {
+            throw std::invalid_argument(std::string("CostModel.") + f.name + " must be finite and >= 0, got " +
+                                        std::to_string(f.value));
+        }
+    }
+    if (h2d_bandwidth_Bps <= 0.0) {
+        throw std::invalid_argument("CostModel.h2d_bandwidth_Bps must be > 0");
+    }
+}
+
+}  // namespace hybrimoe

@@ -1,0 +1,46 @@
+// Cost model of one MoE layer's work on CPU, GPU and the host-to-device link (HybriMoE §IV.B; HYBRIMOE.md §1).
+#pragma once
+
+#include <string>
+
+namespace hybrimoe {
+
+/// Predicted durations, all in seconds, of the pieces of one MoE layer.
+///
+/// - CPU expert over n tokens: `cpu_a_s + cpu_b_s * n`; the first CPU expert of a layer also pays `cpu_startup_s`.
+/// - GPU expert over n tokens: `gpu_a_s + gpu_b_s * n`.
+/// - Host-to-device copy of `bytes`: `bytes / h2d_bandwidth_Bps + h2d_latency_s`.
+/// - A GPU share of a layer moves the hidden state to the GPU and the partial output back once:
+///   `act_a_s + act_b_s * n_tokens` (our MoE op runs on the host side; HYBRIMOE.md §1).
+/// - Non-expert work of a MoE layer (attention, router, shared experts): `layer_a_s + layer_b_s * n_tokens`;
+///   of a dense layer: `dense_a_s + dense_b_s * n_tokens`.
+/// The numbers come from a calibration or from a hardware preset (hybrimoe/presets/*.json), never from constants
+/// in the scheduler. JSON load/save lives in hybrimoe/policy.py (schema documented there).
+struct CostModel {
+    double cpu_a_s = 0.0;
+    double cpu_b_s = 0.0;
+    double cpu_startup_s = 0.0;
+    double gpu_a_s = 0.0;
+    double gpu_b_s = 0.0;
+    double h2d_bandwidth_Bps = 25e9;
+    double h2d_latency_s = 0.0;
+    double act_a_s = 0.0;
+    double act_b_s = 0.0;
+    double layer_a_s = 0.0;
+    double layer_b_s = 0.0;
+    double dense_a_s = 0.0;
+    double dense_b_s = 0.0;
+
+    double cpu(int n_tokens) const { return cpu_a_s + cpu_b_s * n_tokens; }
+    double gpu(int n_tokens) const { return gpu_a_s + gpu_b_s * n_tokens; }
+    double h2d(double bytes) const { return bytes / h2d_bandwidth_Bps + h2d_latency_s; }
+    double act(int n_tokens) const { return act_a_s + act_b_s * n_tokens; }
+    double layer(int n_tokens) const { return layer_a_s + layer_b_s * n_tokens; }
+    double dense(int n_tokens) const { return dense_a_s + dense_b_s * n_tokens; }
+
+    /// Throws std::invalid_argument naming the first field that is negative or not finite, or a
+    /// non-positive bandwidth.
+    void validate() const;
+};
+
+}  // namespace hybrimoe

@@ -1,0 +1,263 @@
+// GPU expert cache over one global byte budget shared by all MoE layers (HybriMoE §IV.D; HYBRIMOE.md §3).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace hybrimoe {
+
+/// What a cache policy sees of one (MoE layer, ubatch) after its router ran.
+/// `scores` is empty (no router scores: MRS then scores each activated expert 1/top_k per token, as the spec
+/// says for traces without scores) or row-major `[n_tokens, n_experts]` router probabilities.
+struct LayerObservation {
+    int64_t step = 0;              ///< ubatch index (decode: token index)
+    int layer = 0;                 ///< MoE layer index
+    int n_tokens = 1;
+    int top_k = 1;
+    int n_experts = 1;
+    std::vector<int32_t> experts;  ///< activated experts, distinct
+    std::vector<int32_t> loads;    ///< tokens per activated expert
+    std::vector<float> scores;     ///< optional router probabilities
+};
+
+/// Future uses for clairvoyant policies: uses[layer * n_experts + expert] = increasing access times
+/// (time = step * n_layers + layer).
+struct FutureAccesses {
+    int n_layers = 0;
+    int n_experts = 0;
+    std::vector<std::vector<int64_t>> uses;
+};
+
+/// A replacement policy: keeps its own statistics, ranks residents, may veto admission.
+/// The cache evicts the unpinned resident with the lowest `priority`, ties to the least recently used.
+class CachePolicy {
+public:
+    virtual ~CachePolicy() = default;
+    virtual std::string name() const = 0;
+    /// Called when the cache is (re)built. Throws std::invalid_argument on bad sizes.
+    virtual void reset(int n_layers, int n_experts) { (void)n_layers; (void)n_experts; }
+    /// Called once per (layer, ubatch) before its lookups.
+    virtual void observe(const LayerObservation & obs) { (void)obs; }
+    /// Higher keeps longer.
+    virtual double priority(int layer, int expert) = 0;
+    /// priority() of n keys (layer * n_experts + expert) into out; override to avoid one virtual call per key.
+    virtual void priorities(const int64_t * keys, size_t n, int n_experts, double * out) {
+        for (size_t i = 0; i < n; ++i) {
+            out[i] = priority(static_cast<int>(keys[i] / n_experts), static_cast<int>(keys[i] % n_experts));
+        }
+    }
+    /// False refuses to cache (layer, expert) at all (static hot sets).
+    virtual bool admit(int layer, int expert) { (void)layer; (void)expert; return true; }
+    /// True lets the cache decline an admission whose priority is not above the would-be victim's (Belady bypass;
+    /// on a tie the resident stays, which avoids a copy and matters when one ubatch needs both).
+    virtual bool bypass() const { return false; }
+    /// Clairvoyant policies receive the whole future before a run.
+    virtual void prepare(const FutureAccesses & future) { (void)future; }
+    /// True when the policy needs `prepare` before a run.
+    virtual bool clairvoyant() const { return false; }
+};
+
+/// MRS, "minus recent score" (HybriMoE §IV.D): S[e] <- alpha * TopP(s)[e] + (1 - alpha) * S[e] for every expert
+/// of the observed layer, where s aggregates the ubatch's per-token router scores by mean (default) or max and
+/// TopP keeps the p largest entries (p = 0 means 2 * top_k). Without scores each token gives 1/top_k to each of its
+/// activated experts. Throws std::invalid_argument unless 0 < alpha <= 1 and p >= 0.
+class MRSPolicy : public CachePolicy {
+public:
+    explicit MRSPolicy(double alpha = 0.5, int p = 0, bool use_max = false);
+    std::string name() const override { return "mrs"; }
+    void reset(int n_layers, int n_experts) override;
+    void observe(const LayerObservation & obs) override;
+    double priority(int layer, int expert) override { return score_[static_cast<size_t>(layer) * n_experts_ + expert]; }
+    void priorities(const int64_t * keys, size_t n, int, double * out) override {
+        for (size_t i = 0; i < n; ++i) out[i] = score_[keys[i]];
+    }
+    double score(int layer, int expert) const;
+    void set_score(int layer, int expert, double s);
+
+private:
+    double alpha_;
+    int p_;
+    bool use_max_;
+    int n_layers_ = 0, n_experts_ = 0;
+    std::vector<double> score_;
+    std::vector<double> agg_;
+    std::vector<double> sorted_;
+};
+
+/// LRU: every resident has the same priority, so the cache's least-recently-used tie-break decides.
+class LRUPolicy : public CachePolicy {
+public:
+    std::string name() const override { return "lru"; }
+    double priority(int, int) override { return 0.0; }
+    void priorities(const int64_t *, size_t n, int, double * out) override { std::fill(out, out + n, 0.0); }
+};
+
+/// LFU: priority = number of (ubatch, layer) activations seen so far; ties LRU.
+class LFUPolicy : public CachePolicy {
+public:
+    std::string name() const override { return "lfu"; }
+    void reset(int n_layers, int n_experts) override;
+    void observe(const LayerObservation & obs) override;
+    double priority(int layer, int expert) override { return count_[static_cast<size_t>(layer) * n_experts_ + expert]; }
+    void priorities(const int64_t * keys, size_t n, int, double * out) override {
+        for (size_t i = 0; i < n; ++i) out[i] = count_[keys[i]];
+    }
+
+private:
+    int n_experts_ = 0;
+    std::vector<double> count_;
+};
+
+/// Static hot set (kTransformers-style, upstream --n-cpu-moe): only the given (layer, expert) keys are ever
+/// admitted; their priority is their profile weight. Build the set with `ExpertCache::fill`.
+class StaticPolicy : public CachePolicy {
+public:
+    /// keys are layer * n_experts + expert; weights the same length (higher = more important) or empty.
+    StaticPolicy(std::vector<int64_t> keys, std::vector<double> weights);
+    std::string name() const override { return "static"; }
+    void reset(int n_layers, int n_experts) override;
+    double priority(int layer, int expert) override;
+    bool admit(int layer, int expert) override;
+
+private:
+    std::vector<int64_t> keys_;
+    std::vector<double> weights_;
+    std::vector<double> weight_of_;  // dense, -1 = not in the set
+    int n_experts_ = 0;
+};
+
+/// Belady with bypass (clairvoyant; evaluation only): evicts the resident used farthest in the future and declines
+/// to admit an expert not used sooner than that victim. One ubatch needs several experts, so next uses tie; ties
+/// go to the later uses (lexicographic on the future-use sequence, as deep as fits exactly in a double: 8 uses for
+/// short runs, 2 for 20k decode tokens x 26 layers). Needs `prepare` with the run's future accesses.
+class BeladyPolicy : public CachePolicy {
+public:
+    std::string name() const override { return "belady"; }
+    void prepare(const FutureAccesses & future) override;
+    void observe(const LayerObservation & obs) override;
+    double priority(int layer, int expert) override;
+    bool bypass() const override { return true; }
+    bool clairvoyant() const override { return true; }
+
+private:
+    FutureAccesses future_;
+    std::vector<size_t> cursor_;
+    int64_t now_ = -1;
+    int64_t horizon_ = 0;
+    int depth_ = 1;
+};
+
+/// Builds a cache policy by name: "mrs", "lru", "lfu", "belady". Throws std::invalid_argument otherwise.
+std::shared_ptr<CachePolicy> make_cache_policy(const std::string & name);
+
+/// Counters. A hit is an activated (layer, ubatch, expert) resident when its layer is scheduled; one whose copy is
+/// still in flight then (ready_s later than the lookup time) is a miss, counted again under `late`.
+struct CacheStats {
+    int64_t accesses = 0;
+    int64_t demand_hits = 0;     ///< resident through an earlier demand load or the initial fill
+    int64_t prefetch_hits = 0;   ///< first use of an expert brought in by a prefetch
+    int64_t misses = 0;
+    int64_t late = 0;            ///< misses whose copy (usually a prefetch) was in flight at lookup time
+    int64_t admissions = 0;
+    int64_t evictions = 0;
+    int64_t declined = 0;        ///< admissions refused (policy veto, bypass, or everything pinned)
+    double hit_rate() const { return accesses ? double(demand_hits + prefetch_hits) / double(accesses) : 0.0; }
+};
+
+/// The set of experts resident (or in flight) on the GPU under one byte budget for all layers.
+/// Layers with expert_bytes 0 (dense) get no slots. Times are seconds on the caller's clock.
+class ExpertCache {
+public:
+    /// expert_bytes_per_layer: bytes of one routed expert of each MoE layer (>= 0; at least one > 0).
+    /// budget_bytes: 0 is valid (nothing cached); throws std::invalid_argument if negative, not finite, or
+    /// positive but smaller than the smallest expert. policy must not be null.
+    ExpertCache(std::vector<double> expert_bytes_per_layer, int n_experts, double budget_bytes,
+                std::shared_ptr<CachePolicy> policy);
+
+    int n_layers() const { return static_cast<int>(bytes_.size()); }
+    int n_experts() const { return n_experts_; }
+    double budget_bytes() const { return budget_; }
+    double used_bytes() const { return used_; }
+    double total_expert_bytes() const;
+    CachePolicy & policy() { return *policy_; }
+    std::shared_ptr<CachePolicy> policy_ptr() const { return policy_; }
+
+    bool resident(int layer, int expert) const { return entry(layer, expert).resident; }
+    /// When a resident expert's weights are usable (0 for ones present from the start).
+    double ready_s(int layer, int expert) const { return entry(layer, expert).ready_s; }
+    bool pinned(int layer, int expert) const { return entry(layer, expert).pins > 0; }
+    int n_resident() const { return static_cast<int>(resident_.size()); }
+    /// Resident keys layer * n_experts + expert, in no particular order.
+    std::vector<int64_t> resident_keys() const { return resident_; }
+
+    /// Forwards to the policy's observe.
+    void observe(const LayerObservation & obs);
+    /// Counts one lookup of an activated expert at time now_s and returns 0 miss, 1 demand hit, 2 prefetch hit,
+    /// 3 late (resident but its copy ends after now_s: a miss). The default now_s never finds a copy late.
+    int access(int layer, int expert, double now_s = std::numeric_limits<double>::infinity());
+    /// Tries to make (layer, expert) resident, usable from ready_s, evicting unpinned residents of lowest priority
+    /// (ties LRU). Returns false (and changes nothing) when the policy vetoes or bypasses, or not enough unpinned
+    /// bytes exist. Already resident: returns true.
+    bool admit(int layer, int expert, double ready_s, bool by_prefetch);
+    /// Admits several experts of one layer at once, most valuable (highest priority) first, with one scan for
+    /// victims instead of one per expert; same decisions as calling `admit` in that order when the newcomers are
+    /// pinned. ready_s: one per expert or empty (all 0). Returns how many were admitted (already resident not
+    /// counted). Throws std::invalid_argument if ready_s has another length.
+    int admit_batch(int layer, const std::vector<int32_t> & experts, const std::vector<double> & ready_s,
+                    bool by_prefetch);
+    void pin(int layer, int expert);
+    /// Throws std::logic_error if the expert is not pinned.
+    void unpin(int layer, int expert);
+    /// Drops one resident expert (no stats). Throws std::logic_error if it is pinned.
+    void evict(int layer, int expert);
+    /// Initial fill: admits keys (layer * n_experts + expert) in order while they fit, ready at time 0,
+    /// counted neither as admissions nor as prefetches. Returns how many were admitted.
+    int fill(const std::vector<int64_t> & keys);
+
+    const CacheStats & stats() const { return stats_; }
+    void reset_stats() { stats_ = CacheStats{}; }
+    /// Evicted keys, in order, since the last call; recorded only after set_record_evicted(true).
+    std::vector<int64_t> take_evicted();
+    void set_record_evicted(bool on) { record_evicted_ = on; }
+
+private:
+    struct Entry {
+        bool resident = false;
+        bool prefetched_unused = false;
+        int32_t pins = 0;
+        int32_t slot = -1;       // index into resident_
+        int64_t last_use = -1;
+        double ready_s = 0.0;
+    };
+    const Entry & entry(int layer, int expert) const;
+    Entry & entry(int layer, int expert);
+    void insert(int64_t key, double ready_s, bool by_prefetch);
+    void remove(int64_t key);
+
+    std::vector<double> bytes_;
+    int n_experts_;
+    double budget_;
+    double used_ = 0.0;
+    std::shared_ptr<CachePolicy> policy_;
+    std::vector<Entry> entries_;
+    std::vector<int64_t> resident_;
+    std::vector<int64_t> evicted_;
+    struct Candidate {
+        double priority;
+        int64_t last_use;
+        int64_t key;
+        double ready_s;
+    };
+    std::vector<Candidate> incoming_, victims_;
+    std::vector<int64_t> scan_keys_;
+    std::vector<double> scan_priority_;
+    int64_t clock_ = 0;
+    bool record_evicted_ = false;
+    CacheStats stats_;
+};
+
+}  // namespace hybrimoe

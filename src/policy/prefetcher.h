@@ -1,0 +1,97 @@
+// Inter-layer expert prefetching (HybriMoE §IV.C; HYBRIMOE.md §2).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "policy/cost_model.h"
+#include "policy/expert_cache.h"
+#include "policy/scheduler.h"
+
+namespace hybrimoe {
+
+/// Predicted routing of one upcoming MoE layer. In the engine it comes from that layer's router applied to the
+/// current hidden state; in the simulator from the trace through an imperfect predictor (simulator.h).
+struct Prediction {
+    int layer = 0;                 ///< MoE layer predicted
+    int distance = 1;              ///< layer - current layer (>= 1)
+    double confidence = 1.0;       ///< probability that a predicted expert is really activated (0..1)
+    double start_s = 0.0;          ///< estimated time (caller's clock, seconds) when that layer's experts start
+    double expert_bytes = 0.0;     ///< bytes of one expert of that layer
+    std::vector<int32_t> experts;  ///< predicted experts, distinct
+    std::vector<int32_t> loads;    ///< predicted tokens per expert
+};
+
+/// What a prefetch policy may look at after layer `layer`'s router ran.
+struct PrefetchContext {
+    int layer = 0;
+    int n_tokens = 1;
+    int top_k = 1;
+    double now_s = 0.0;        ///< current time (seconds)
+    double link_free_s = 0.0;  ///< the copy engine is busy until this time
+    std::vector<Prediction> predictions;
+};
+
+/// A prefetch policy returns (layer, expert) copies to issue, most important first. The caller admits each into
+/// the cache (which may decline) and queues its copy; a layer waits only for its own copies.
+class PrefetchPolicy {
+public:
+    virtual ~PrefetchPolicy() = default;
+    virtual std::string name() const = 0;
+    virtual std::vector<std::pair<int, int>> plan(const PrefetchContext & ctx, const ExpertCache & cache,
+                                                  const CostModel & cost) = 0;
+};
+
+/// No prefetching.
+class NoPrefetcher : public PrefetchPolicy {
+public:
+    std::string name() const override { return "none"; }
+    std::vector<std::pair<int, int>> plan(const PrefetchContext &, const ExpertCache &, const CostModel &) override {
+        return {};
+    }
+};
+
+/// Baseline: the next layer's predicted experts, highest predicted load first, up to `count` uncached ones
+/// (count 0 = top_k). Throws std::invalid_argument if count < 0.
+class TopKPrefetcher : public PrefetchPolicy {
+public:
+    explicit TopKPrefetcher(int count = 0);
+    std::string name() const override { return "next-layer-topk"; }
+    std::vector<std::pair<int, int>> plan(const PrefetchContext & ctx, const ExpertCache & cache,
+                                          const CostModel & cost) override;
+
+private:
+    int count_;
+};
+
+/// HybriMoE §IV.C impact-driven prefetch: for each predicted, uncached (layer j, expert e), gain = drop in layer
+/// j's simulated HybriMoE makespan if e were cached, the copy queued after everything already on the link
+/// (so late copies gain little), times the prediction's confidence. Lazy greedy: issue the highest current
+/// gain while it is > 0, up to `max_copies` (0 = top_k) copies per call. Cost is bounded: at most
+/// `max_candidates` (highest predicted load) candidates per predicted layer; a candidate's gain is recomputed only
+/// when it reaches the top. Throws std::invalid_argument on negative limits.
+class ImpactPrefetcher : public PrefetchPolicy {
+public:
+    explicit ImpactPrefetcher(int max_copies = 0, int max_candidates = 12, bool use_confidence = true);
+    std::string name() const override { return "impact"; }
+    std::vector<std::pair<int, int>> plan(const PrefetchContext & ctx, const ExpertCache & cache,
+                                          const CostModel & cost) override;
+    int64_t evaluations() const { return evaluations_; }  ///< makespan evaluations so far (cost accounting)
+
+private:
+    int max_copies_;
+    int max_candidates_;
+    bool use_confidence_;
+    HybriMoEScheduler sched_;
+    SchedulePlan plan_;
+    std::vector<LayerInput> inputs_;
+    int64_t evaluations_ = 0;
+};
+
+/// Builds a prefetcher by name: "none", "topk" (next-layer-topk), "impact". Throws std::invalid_argument.
+std::shared_ptr<PrefetchPolicy> make_prefetcher(const std::string & name);
+
+}  // namespace hybrimoe

@@ -1,0 +1,144 @@
+// Intra-layer CPU/GPU split of a MoE layer's activated experts (HybriMoE §IV.B; HYBRIMOE.md §1).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "policy/cost_model.h"
+
+namespace hybrimoe {
+
+/// What the scheduler knows about one MoE layer of one ubatch, after its router ran.
+/// Times are seconds relative to the moment the routed-expert work of the layer may start.
+/// All per-expert vectors have the same length k (the number of distinct activated experts).
+struct LayerInput {
+    int layer = 0;                 ///< MoE layer index (0-based over MoE layers)
+    int n_tokens = 1;              ///< tokens in the ubatch
+    double expert_bytes = 0.0;     ///< bytes of one routed expert of this layer (copy size)
+    double pcie_free_s = 0.0;      ///< the copy engine is busy until this time (earlier copies, prefetches)
+    std::vector<int32_t> experts;  ///< activated expert ids, distinct
+    std::vector<int32_t> loads;    ///< tokens routed to each expert, >= 1
+    std::vector<uint8_t> cached;   ///< 1 when resident on the GPU or already in flight there
+    std::vector<double> ready_s;   ///< for cached experts: when the weights are usable on the GPU (0 = now)
+
+    size_t size() const { return experts.size(); }
+    /// Throws std::invalid_argument when the vectors disagree in length, a load is < 1, a time is negative
+    /// or an expert id repeats.
+    void validate() const;
+    /// Rebuilds experts/loads from routed ids `[n_tokens, top_k]` row-major (ids in 0..n_experts-1); sets
+    /// every expert uncached, ready 0. Throws std::invalid_argument on an id out of range.
+    void set_routing(const int32_t * ids, int n_tokens, int top_k, int n_experts);
+};
+
+/// A split: which activated experts run where, what to copy, and the predicted timeline (seconds).
+struct SchedulePlan {
+    std::vector<uint8_t> on_gpu;         ///< per LayerInput index: 1 = GPU, 0 = CPU
+    std::vector<int32_t> cpu_experts;    ///< expert ids on the CPU, in execution order
+    std::vector<int32_t> gpu_experts;    ///< expert ids on the GPU, in execution order
+    std::vector<int32_t> load_experts;   ///< uncached expert ids to copy to the GPU, in copy order
+    double makespan_s = 0.0;             ///< max(cpu_end_s, gpu_end_s)
+    double cpu_end_s = 0.0;
+    double gpu_end_s = 0.0;
+    double pcie_end_s = 0.0;             ///< when the last copy of this plan ends (pcie_free_s if none)
+    std::string method;                  ///< which plan won: "greedy", "all_cpu", "all_gpu", "exhaustive", ...
+};
+
+/// Predicted timeline of a given split `on_gpu` (size k), filling `out` (method untouched).
+/// CPU experts run back to back (start-up paid once); uncached GPU experts are copied highest load first from
+/// `pcie_free_s` (Johnson's rule with equal copy times, so that order is optimal); the GPU pays one activation
+/// round trip, then runs its experts earliest-ready first (optimal for one machine with release times).
+/// Returns the makespan in seconds. Throws std::invalid_argument if on_gpu.size() != k.
+double evaluate_plan(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
+                     SchedulePlan & out);
+
+/// Maps a plan back to routed (token, top-k slot) pairs: device[t*top_k + j] = 1 when the expert that token t
+/// routed in slot j runs on the GPU. `ids` `[n_tokens, top_k]` must be the routing `in` was built from.
+/// Throws std::invalid_argument on an id not among in.experts.
+std::vector<uint8_t> assign_slots(const LayerInput & in, const SchedulePlan & plan, const int32_t * ids,
+                                  int n_tokens, int top_k);
+
+/// A scheduling policy: decides the CPU/GPU split of one layer. Subclass and override `split`
+/// (also from Python via hybrimoe.SchedulePolicy); `plan` evaluates the split with `evaluate_plan`.
+class SchedulePolicy {
+public:
+    virtual ~SchedulePolicy() = default;
+    virtual std::string name() const = 0;
+    /// Fills on_gpu (size k: 1 = GPU). Must not change `in`.
+    virtual void split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu) = 0;
+    /// Split + predicted timeline into `out`.
+    virtual void plan(const LayerInput & in, const CostModel & cost, SchedulePlan & out);
+};
+
+/// HybriMoE §IV.B greedy simulated split: three timelines (CPU, GPU, PCIe); GPU takes cached experts highest
+/// load first; CPU takes uncached experts lowest load first, then cached ones lowest load first; PCIe copies
+/// uncached experts highest load first for the GPU; each step gives the next task to the timeline that would
+/// finish it earliest. Our documented improvement: the result is the best of that greedy plan, all-CPU and
+/// all-GPU (each evaluated with `evaluate_plan`), so it is never worse than either trivial plan.
+/// Cost O(k log k); see bench/bench_policy.py for measured microseconds.
+class HybriMoEScheduler : public SchedulePolicy {
+public:
+    std::string name() const override { return "hybrimoe"; }
+    void split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu) override;
+    void plan(const LayerInput & in, const CostModel & cost, SchedulePlan & out) override;
+    /// The greedy split alone (no best-of), for ablations and tests.
+    void greedy_split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu);
+
+private:
+    std::vector<int32_t> by_load_asc_;
+    std::vector<uint8_t> done_;
+    std::vector<uint8_t> trial_;
+    SchedulePlan scratch_;
+};
+
+/// kTransformers-style: cached experts on the GPU, every uncached expert on the CPU, nothing copied.
+class CpuUncachedScheduler : public SchedulePolicy {
+public:
+    std::string name() const override { return "ktransformers"; }
+    void split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu) override;
+};
+
+/// GPU-only with on-demand loading (AdapMoE / MoE-Infinity style): every expert on the GPU.
+class GpuOnDemandScheduler : public SchedulePolicy {
+public:
+    std::string name() const override { return "gpu-on-demand"; }
+    void split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu) override;
+};
+
+/// Upstream llama.cpp `--n-cpu-moe N`: experts of MoE layers 0..N-1 run on the CPU, the others on the GPU
+/// (where they are resident when the cache holds those layers). Throws std::invalid_argument if N < 0.
+class StaticLayerScheduler : public SchedulePolicy {
+public:
+    explicit StaticLayerScheduler(int n_cpu_layers);
+    std::string name() const override { return "upstream-ncmoe"; }
+    void split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu) override;
+    int n_cpu_layers() const { return n_cpu_layers_; }
+
+private:
+    int n_cpu_layers_;
+};
+
+/// Evaluation bound: the optimal split by exhaustive search over all 2^k splits when k <= max_exhaustive
+/// (default 10; method "exhaustive"); beyond that a single-flip local search started from the HybriMoE plan
+/// (method "local_search", a labelled local optimum, not a proven bound). Throws std::invalid_argument if
+/// max_exhaustive is outside 0..24.
+class ExhaustiveScheduler : public SchedulePolicy {
+public:
+    explicit ExhaustiveScheduler(int max_exhaustive = 10);
+    std::string name() const override { return "exhaustive"; }
+    void split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu) override;
+    void plan(const LayerInput & in, const CostModel & cost, SchedulePlan & out) override;
+
+private:
+    int max_exhaustive_;
+    HybriMoEScheduler start_;
+    SchedulePlan scratch_;
+    std::vector<uint8_t> trial_;
+};
+
+/// Builds a scheduler by name: "hybrimoe", "ktransformers", "gpu-on-demand", "upstream-ncmoe"
+/// (uses n_cpu_layers), "exhaustive". Throws std::invalid_argument naming an unknown name.
+std::shared_ptr<SchedulePolicy> make_scheduler(const std::string & name, int n_cpu_layers = 0);
+
+}  // namespace hybrimoe

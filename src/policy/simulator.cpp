@@ -1,0 +1,464 @@
+#include "policy/simulator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+
+namespace hybrimoe {
+
+namespace {
+
+// Mean-one log-normal factors from one seeded generator (reproducible runs).
+struct Noise {
+    explicit Noise(uint64_t seed) : rng(seed) {}
+    double factor(double sigma) {
+        if (sigma <= 0.0) return 1.0;
+        return std::exp(sigma * normal(rng) - 0.5 * sigma * sigma);
+    }
+    std::mt19937_64 rng;
+    std::normal_distribution<double> normal{0.0, 1.0};
+};
+
+void check_finite_nonneg(const char * what, double v) {
+    if (!std::isfinite(v) || v < 0.0) {
+        throw std::invalid_argument(std::string(what) + " must be finite and >= 0, got " + std::to_string(v));
+    }
+}
+
+void check_prompt_range(const Trace & trace, int first_prompt, int end_prompt) {
+    if (first_prompt < 0 || end_prompt > trace.n_prompts() || first_prompt >= end_prompt) {
+        throw std::invalid_argument("prompt range [" + std::to_string(first_prompt) + ", " +
+                                    std::to_string(end_prompt) + ") is empty or outside 0.." +
+                                    std::to_string(trace.n_prompts()));
+    }
+}
+
+}  // namespace
+
+void TruthModel::validate() const {
+    check_finite_nonneg("TruthModel.cpu_noise", cpu_noise);
+    check_finite_nonneg("TruthModel.gpu_noise", gpu_noise);
+    check_finite_nonneg("TruthModel.h2d_noise", h2d_noise);
+    check_finite_nonneg("TruthModel.act_noise", act_noise);
+    check_finite_nonneg("TruthModel.layer_noise", layer_noise);
+    check_finite_nonneg("TruthModel.cpu_startup_extra_s", cpu_startup_extra_s);
+    check_finite_nonneg("TruthModel.contention", contention);
+    check_finite_nonneg("TruthModel.cpu_scale", cpu_scale);
+    check_finite_nonneg("TruthModel.gpu_scale", gpu_scale);
+    check_finite_nonneg("TruthModel.h2d_scale", h2d_scale);
+}
+
+void SimConfig::validate() const {
+    if (stage != "decode" && stage != "prefill") {
+        throw std::invalid_argument("SimConfig.stage must be 'decode' or 'prefill', got '" + stage + "'");
+    }
+    if (ubatch < 1) throw std::invalid_argument("SimConfig.ubatch must be >= 1");
+    if (prefetch_depth < 0) throw std::invalid_argument("SimConfig.prefetch_depth must be >= 0");
+    if (static_cast<int>(recall.size()) < prefetch_depth) {
+        throw std::invalid_argument("SimConfig.recall needs one value per distance up to prefetch_depth (" +
+                                    std::to_string(prefetch_depth) + "), got " + std::to_string(recall.size()));
+    }
+    for (double r : recall) {
+        if (!(r >= 0.0 && r <= 1.0)) throw std::invalid_argument("SimConfig.recall values must be in [0, 1]");
+    }
+    if (max_tokens < 0) throw std::invalid_argument("SimConfig.max_tokens must be >= 0");
+    if (timeline_layers < 0) throw std::invalid_argument("SimConfig.timeline_layers must be >= 0");
+}
+
+TracePredictor::TracePredictor(std::vector<double> recall, uint64_t seed) : recall_(std::move(recall)), rng_(seed) {
+    for (double r : recall_) {
+        if (!(r >= 0.0 && r <= 1.0)) throw std::invalid_argument("TracePredictor: recall values must be in [0, 1]");
+    }
+}
+
+void TracePredictor::predict(const int16_t * ids_base, int64_t token_stride, int n_tokens, int top_k, int n_experts,
+                             int distance, Prediction & out) {
+    if (distance < 1 || distance > static_cast<int>(recall_.size())) {
+        throw std::invalid_argument("TracePredictor: no recall given for distance " + std::to_string(distance));
+    }
+    const double r = recall_[distance - 1];
+    std::uniform_real_distribution<double> unit(0.0, 1.0);
+    std::uniform_int_distribution<int> any(0, n_experts - 1);
+    pos_.assign(static_cast<size_t>(n_experts), -1);
+    out.experts.clear();
+    out.loads.clear();
+    out.distance = distance;
+    out.confidence = r;
+    for (int t = 0; t < n_tokens; ++t) {
+        const int16_t * row = ids_base + t * token_stride;
+        for (int j = 0; j < top_k; ++j) {
+            int e = row[j];
+            if (r < 1.0 && unit(rng_) >= r && top_k < n_experts) {
+                bool in_row;
+                do {
+                    e = any(rng_);
+                    in_row = false;
+                    for (int i = 0; i < top_k; ++i) in_row |= row[i] == e;
+                } while (in_row);
+            }
+            if (pos_[e] < 0) {
+                pos_[e] = static_cast<int32_t>(out.experts.size());
+                out.experts.push_back(e);
+                out.loads.push_back(0);
+            }
+            out.loads[pos_[e]] += 1;
+        }
+    }
+}
+
+std::vector<Step> make_steps(const Trace & trace, int first_prompt, int end_prompt, const SimConfig & cfg) {
+    check_prompt_range(trace, first_prompt, end_prompt);
+    std::vector<Step> steps;
+    int64_t tokens = 0;
+    for (int p = first_prompt; p < end_prompt; ++p) {
+        if (cfg.max_tokens > 0 && tokens >= cfg.max_tokens) break;
+        const int64_t b = trace.prompt_offsets[p], e = trace.prompt_offsets[p + 1];
+        const int64_t chunk = cfg.stage == "decode" ? 1 : cfg.ubatch;
+        for (int64_t s = b; s < e; s += chunk) {
+            if (cfg.stage == "decode" && cfg.max_tokens > 0 && tokens >= cfg.max_tokens) break;
+            const int64_t end = std::min(e, s + chunk);
+            steps.push_back({s, end, p});
+            tokens += end - s;
+        }
+    }
+    return steps;
+}
+
+FutureAccesses build_future(const Trace & trace, const std::vector<Step> & steps) {
+    FutureAccesses f;
+    f.n_layers = trace.n_layers;
+    f.n_experts = trace.n_experts;
+    f.uses.assign(static_cast<size_t>(trace.n_layers) * trace.n_experts, {});
+    std::vector<int64_t> stamp(f.uses.size(), -1);
+    for (size_t si = 0; si < steps.size(); ++si) {
+        for (int l = 0; l < trace.n_layers; ++l) {
+            const int64_t tick = static_cast<int64_t>(si) * trace.n_layers + l;
+            for (int64_t t = steps[si].begin; t < steps[si].end; ++t) {
+                const int16_t * row = trace.row(t, l);
+                for (int j = 0; j < trace.top_k; ++j) {
+                    const size_t key = static_cast<size_t>(l) * trace.n_experts + row[j];
+                    if (stamp[key] != tick) {
+                        stamp[key] = tick;
+                        f.uses[key].push_back(tick);
+                    }
+                }
+            }
+        }
+    }
+    return f;
+}
+
+namespace {
+
+void check_cache_matches(const Trace & trace, const ExpertCache & cache) {
+    if (cache.n_layers() != trace.n_layers || cache.n_experts() != trace.n_experts) {
+        throw std::invalid_argument("cache shape (" + std::to_string(cache.n_layers()) + " layers x " +
+                                    std::to_string(cache.n_experts()) + " experts) does not match the trace (" +
+                                    std::to_string(trace.n_layers) + " x " + std::to_string(trace.n_experts) + ")");
+    }
+}
+
+// Fills `in` and `obs` for MoE layer l of a step.
+void load_layer(const Trace & trace, const Step & st, int l, int64_t si, std::vector<int32_t> & ids32, LayerInput & in,
+                LayerObservation & obs) {
+    const int n = static_cast<int>(st.end - st.begin);
+    const int K = trace.top_k;
+    ids32.resize(static_cast<size_t>(n) * K);
+    for (int t = 0; t < n; ++t) {
+        const int16_t * row = trace.row(st.begin + t, l);
+        for (int j = 0; j < K; ++j) ids32[static_cast<size_t>(t) * K + j] = row[j];
+    }
+    in.layer = l;
+    in.set_routing(ids32.data(), n, K, trace.n_experts);
+    in.expert_bytes = trace.expert_bytes[l];
+    obs.step = si;
+    obs.layer = l;
+    obs.n_tokens = n;
+    obs.top_k = K;
+    obs.n_experts = trace.n_experts;
+    obs.experts = in.experts;
+    obs.loads = in.loads;
+    obs.scores.clear();
+    if (!trace.scores.empty()) {
+        const int E = trace.n_experts;
+        obs.scores.resize(static_cast<size_t>(n) * E);
+        for (int t = 0; t < n; ++t) {
+            const float * src = trace.scores.data() + ((st.begin + t) * trace.n_layers + l) * static_cast<size_t>(E);
+            std::copy(src, src + E, obs.scores.begin() + static_cast<size_t>(t) * E);
+        }
+    }
+}
+
+}  // namespace
+
+CacheStats replay_cache(const Trace & trace, ExpertCache & cache, int first_prompt, int end_prompt,
+                        const SimConfig & cfg) {
+    cfg.validate();
+    check_cache_matches(trace, cache);
+    const std::vector<Step> steps = make_steps(trace, first_prompt, end_prompt, cfg);
+    if (cache.policy().clairvoyant()) cache.policy().prepare(build_future(trace, steps));
+    cache.reset_stats();
+    std::vector<int32_t> ids32;
+    std::vector<int32_t> misses;
+    LayerInput in;
+    LayerObservation obs;
+    for (size_t si = 0; si < steps.size(); ++si) {
+        for (int l = 0; l < trace.n_layers; ++l) {
+            load_layer(trace, steps[si], l, static_cast<int64_t>(si), ids32, in, obs);
+            cache.observe(obs);
+            for (int32_t e : in.experts) {
+                cache.access(l, e);
+                cache.pin(l, e);
+            }
+            // Offer the misses together, most valuable first (admit_batch), so one admission does not pin out a
+            // better one of the same ubatch.
+            misses.clear();
+            for (int32_t e : in.experts) {
+                if (!cache.resident(l, e)) misses.push_back(e);
+            }
+            cache.admit_batch(l, misses, {}, false);
+            for (int32_t e : in.experts) cache.unpin(l, e);
+        }
+    }
+    return cache.stats();
+}
+
+SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & scheduler, PrefetchPolicy & prefetcher,
+                   const CostModel & planner, const CostModel & truth_cost, const TruthModel & truth,
+                   const SimConfig & cfg, int first_prompt, int end_prompt) {
+    cfg.validate();
+    truth.validate();
+    planner.validate();
+    truth_cost.validate();
+    check_cache_matches(trace, cache);
+    const std::vector<Step> steps = make_steps(trace, first_prompt, end_prompt, cfg);
+    if (cache.policy().clairvoyant()) cache.policy().prepare(build_future(trace, steps));
+    cache.reset_stats();
+
+    using clock = std::chrono::steady_clock;
+    const int L = trace.n_layers, K = trace.top_k, E = trace.n_experts;
+    TracePredictor predictor(cfg.recall, cfg.predictor_seed);
+    Noise noise(truth.seed);
+    SimResult res;
+    res.stage = cfg.stage;
+    res.layer_moe_s.assign(L, 0.0);
+
+    std::vector<int32_t> ids32;
+    LayerInput in;
+    SchedulePlan plan;
+    LayerObservation obs;
+    PrefetchContext ctx;
+    std::vector<std::vector<int32_t>> pending_unpin(L);
+    std::vector<double> ready_abs(E, 0.0);
+    std::vector<std::pair<double, double>> link_busy;  // copy intervals, in start order
+    double t = 0.0, link_free = 0.0, layer_est = -1.0;
+    double decision_ns = 0.0, prefetch_ns = 0.0;
+    int64_t layers_run = 0;
+    int current_prompt = -1;
+    double prompt_start = 0.0, ttft_sum = 0.0;
+
+    auto record = [&](int64_t si, int l, int resource, int expert, int kind, double a, double b) {
+        if (static_cast<int64_t>(si) == cfg.timeline_step && l < cfg.timeline_layers) {
+            res.timeline.push_back({si, l, resource, expert, kind, a, b});
+        }
+    };
+    // A copy's truth interval; commit() books it on the link.
+    auto copy = [&](double bytes, double start) {
+        const double d = truth_cost.h2d(bytes) * truth.h2d_scale * noise.factor(truth.h2d_noise);
+        return std::make_pair(start, start + d);
+    };
+    auto commit = [&](const std::pair<double, double> & iv) {
+        res.link_busy_s += iv.second - iv.first;
+        link_free = iv.second;
+        link_busy.push_back(iv);
+    };
+
+    for (size_t si_u = 0; si_u < steps.size(); ++si_u) {
+        const int64_t si = static_cast<int64_t>(si_u);
+        const Step & st = steps[si_u];
+        const int n = static_cast<int>(st.end - st.begin);
+        if (st.prompt != current_prompt) {
+            if (current_prompt >= 0) ttft_sum += t - prompt_start;
+            current_prompt = st.prompt;
+            prompt_start = t;
+            ++res.prompts;
+        }
+        for (int d = 0; d < trace.n_dense_layers; ++d) {
+            const double dur = truth_cost.dense(n) * truth.gpu_scale * noise.factor(truth.layer_noise);
+            res.gpu_busy_s += dur;
+            t += dur;
+        }
+        for (int l = 0; l < L; ++l) {
+            const double t_layer0 = t;
+            const double ne = truth_cost.layer(n) * truth.gpu_scale * noise.factor(truth.layer_noise);
+            res.gpu_busy_s += ne;
+            record(si, l, 1, -1, 4, t, t + ne);
+            const double t_moe = t + ne;
+            // Drop copy intervals that can no longer overlap CPU work.
+            size_t keep = 0;
+            while (keep < link_busy.size() && link_busy[keep].second < t_moe) ++keep;
+            link_busy.erase(link_busy.begin(), link_busy.begin() + keep);
+
+            // ---- decision: observe, look up, split (timed) ----
+            const auto d0 = clock::now();
+            load_layer(trace, st, l, si, ids32, in, obs);
+            cache.observe(obs);
+            for (size_t i = 0; i < in.size(); ++i) {
+                const int32_t e = in.experts[i];
+                cache.access(l, e, t_moe);
+                cache.pin(l, e);
+                if (cache.resident(l, e)) {
+                    in.cached[i] = 1;
+                    in.ready_s[i] = std::max(0.0, cache.ready_s(l, e) - t_moe);
+                }
+            }
+            in.pcie_free_s = std::max(0.0, link_free - t_moe);
+            scheduler.plan(in, planner, plan);
+            if (plan.on_gpu.size() != in.size()) {
+                throw std::runtime_error("schedule policy '" + scheduler.name() + "' returned a plan of the wrong size");
+            }
+            decision_ns += std::chrono::duration<double, std::nano>(clock::now() - d0).count();
+            res.predicted_moe_s += plan.makespan_s;
+            for (size_t i = 0; i < in.size(); ++i) ready_abs[in.experts[i]] = t_moe + in.ready_s[i];
+
+            // ---- truth: demand copies, GPU, CPU ----
+            const double bytes = trace.expert_bytes[l];
+            for (int32_t e : plan.load_experts) {
+                const auto iv = copy(bytes, std::max(link_free, t_moe));
+                commit(iv);
+                ready_abs[e] = iv.second;
+                res.bytes_demand += bytes;
+                cache.admit(l, e, iv.second, false);
+                record(si, l, 2, e, 1, iv.first, iv.second);
+            }
+            std::vector<int32_t> & pos = ids32;  // reuse as expert -> load lookup
+            pos.assign(E, 0);
+            for (size_t i = 0; i < in.size(); ++i) pos[in.experts[i]] = in.loads[i];
+            double t_gpu_end = t_moe;
+            if (!plan.gpu_experts.empty()) {
+                double tg = t_moe + truth_cost.act(n) * noise.factor(truth.act_noise);
+                record(si, l, 1, -1, 5, t_moe, tg);
+                for (int32_t e : plan.gpu_experts) {
+                    const double s0 = std::max(tg, ready_abs[e]);
+                    const double dur = truth_cost.gpu(pos[e]) * truth.gpu_scale * noise.factor(truth.gpu_noise);
+                    tg = s0 + dur;
+                    res.gpu_busy_s += dur;
+                    record(si, l, 1, e, 0, s0, tg);
+                }
+                t_gpu_end = tg;
+            }
+            double t_cpu_end = t_moe;
+            if (!plan.cpu_experts.empty()) {
+                double tc = t_moe + truth_cost.cpu_startup_s + truth.cpu_startup_extra_s;
+                for (int32_t e : plan.cpu_experts) {
+                    double dur = truth_cost.cpu(pos[e]) * truth.cpu_scale * noise.factor(truth.cpu_noise);
+                    if (truth.contention > 0.0) {
+                        double overlap = 0.0;
+                        for (const auto & iv : link_busy) {
+                            overlap += std::max(0.0, std::min(tc + dur, iv.second) - std::max(tc, iv.first));
+                        }
+                        dur += truth.contention * overlap;
+                    }
+                    record(si, l, 0, e, 0, tc, tc + dur);
+                    tc += dur;
+                }
+                res.cpu_busy_s += tc - t_moe;
+                t_cpu_end = tc;
+            }
+            const double t_end = std::max(t_moe, std::max(t_cpu_end, t_gpu_end));
+            res.charged_moe_s += t_end - t_moe;
+            res.layer_moe_s[l] += t_end - t_moe;
+
+            // ---- prefetch for the next D layers (planned after this layer's router) ----
+            if (cfg.prefetch_depth > 0 && l + 1 < L) {
+                const auto p0 = clock::now();
+                if (layer_est < 0.0) layer_est = planner.layer(n) + plan.makespan_s;
+                ctx.layer = l;
+                ctx.n_tokens = n;
+                ctx.top_k = K;
+                ctx.now_s = t_moe;
+                ctx.link_free_s = std::max(link_free, t_moe);
+                ctx.predictions.resize(std::min(cfg.prefetch_depth, L - 1 - l));
+                for (size_t d = 1; d <= ctx.predictions.size(); ++d) {
+                    Prediction & p = ctx.predictions[d - 1];
+                    const int j = l + static_cast<int>(d);
+                    predictor.predict(trace.row(st.begin, j), static_cast<int64_t>(L) * K, n, K, E,
+                                      static_cast<int>(d), p);
+                    p.layer = j;
+                    p.expert_bytes = trace.expert_bytes[j];
+                    p.start_s = t_moe + plan.makespan_s + (double(d) - 1.0) * layer_est + planner.layer(n);
+                }
+                const std::vector<std::pair<int, int>> reqs = prefetcher.plan(ctx, cache, planner);
+                for (const auto & r : reqs) {
+                    const int j = r.first, e = r.second;
+                    if (j <= l || j >= L || j > l + cfg.prefetch_depth || e < 0 || e >= E) {
+                        throw std::invalid_argument("prefetch policy '" + prefetcher.name() + "' asked for (layer " +
+                                                    std::to_string(j) + ", expert " + std::to_string(e) +
+                                                    "), outside the next " + std::to_string(cfg.prefetch_depth) +
+                                                    " layers or the expert range");
+                    }
+                    if (cache.resident(j, e)) continue;
+                    const double b = trace.expert_bytes[j];
+                    const auto iv = copy(b, std::max(link_free, t_moe));
+                    if (!cache.admit(j, e, iv.second, true)) {
+                        ++res.prefetch_declined;
+                        continue;
+                    }
+                    commit(iv);
+                    cache.pin(j, e);
+                    pending_unpin[j].push_back(e);
+                    res.bytes_prefetch += b;
+                    ++res.prefetch_issued;
+                    record(si, l, 2, e, 2, iv.first, iv.second);
+                }
+                prefetch_ns += std::chrono::duration<double, std::nano>(clock::now() - p0).count();
+            }
+
+            // ---- fills: CPU-computed misses while the link would otherwise idle during this layer ----
+            if (cfg.fill_on_miss) {
+                for (int32_t e : plan.cpu_experts) {
+                    if (cache.resident(l, e)) continue;
+                    const double start = std::max(link_free, t_moe);
+                    if (start >= t_end) break;
+                    const auto iv = copy(bytes, start);
+                    if (!cache.admit(l, e, iv.second, false)) continue;
+                    commit(iv);
+                    res.bytes_fill += bytes;
+                    record(si, l, 2, e, 3, iv.first, iv.second);
+                }
+            }
+            for (int32_t e : in.experts) cache.unpin(l, e);
+            for (int32_t e : pending_unpin[l]) cache.unpin(l, e);
+            pending_unpin[l].clear();
+
+            const double layer_dur = t_end - t_layer0;
+            layer_est = layer_est < 0.0 ? layer_dur : 0.8 * layer_est + 0.2 * layer_dur;
+            t = t_end;
+            ++layers_run;
+        }
+        res.tokens += n;
+        ++res.steps;
+    }
+    if (current_prompt >= 0) ttft_sum += t - prompt_start;
+    res.total_s = t;
+    res.cache = cache.stats();
+    res.prefetch_used = res.cache.prefetch_hits;
+    res.bytes_h2d = res.bytes_demand + res.bytes_prefetch + res.bytes_fill;
+    res.tokens_per_s = t > 0.0 ? double(res.tokens) / t : 0.0;
+    if (cfg.stage == "decode") {
+        res.tpot_s = res.tokens ? t / double(res.tokens) : 0.0;
+    } else {
+        res.ttft_s = res.prompts ? ttft_sum / double(res.prompts) : 0.0;
+    }
+    if (res.steps > 0) {
+        for (double & v : res.layer_moe_s) v /= double(res.steps);
+    }
+    if (layers_run > 0) {
+        res.decision_us_mean = decision_ns / 1e3 / double(layers_run);
+        res.prefetch_us_mean = prefetch_ns / 1e3 / double(layers_run);
+    }
+    return res;
+}
+
+}  // namespace hybrimoe

@@ -1,0 +1,125 @@
+// Trace-driven simulator of CPU, GPU and the copy engine, layer by layer (issue 3, items 6-7).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "policy/cost_model.h"
+#include "policy/expert_cache.h"
+#include "policy/prefetcher.h"
+#include "policy/scheduler.h"
+#include "policy/trace.h"
+
+namespace hybrimoe {
+
+/// What the planner does not see; time is charged by this "truth" model, never by the planner's own prediction.
+/// Noise factors are log-normal with mean 1 and the given sigma, drawn per task from a generator seeded by `seed`.
+struct TruthModel {
+    uint64_t seed = 1;
+    double cpu_noise = 0.10;            ///< per CPU expert
+    double gpu_noise = 0.05;            ///< per GPU expert
+    double h2d_noise = 0.05;            ///< per copy
+    double act_noise = 0.10;            ///< per activation round trip
+    double layer_noise = 0.03;          ///< per non-expert layer part
+    double cpu_startup_extra_s = 0.0;   ///< first-CPU-expert overhead beyond the planner's cpu_startup_s
+    double contention = 0.0;            ///< CPU expert time grows by this fraction while the link copies from host
+                                        ///< memory (memory-bandwidth contention; e.g. link GB/s / host memory GB/s)
+    double cpu_scale = 1.0, gpu_scale = 1.0, h2d_scale = 1.0;  ///< systematic planner error
+    /// Throws std::invalid_argument on a negative or non-finite field.
+    void validate() const;
+};
+
+/// Imperfect routing predictor for the simulator: each true (token, slot) expert of the layer at distance d is
+/// kept with probability recall[d-1] and otherwise replaced by a random expert that token did not pick. An
+/// assumption standing in for "apply the next layers' routers to the current hidden state" (HybriMoE §IV.C);
+/// recall 1 is the oracle (a bound only).
+class TracePredictor {
+public:
+    /// recall: one value in [0, 1] per distance 1..D. Throws std::invalid_argument otherwise.
+    TracePredictor(std::vector<double> recall, uint64_t seed);
+    void predict(const int16_t * ids_base, int64_t token_stride, int n_tokens, int top_k, int n_experts, int distance,
+                 Prediction & out);
+    const std::vector<double> & recall() const { return recall_; }
+
+private:
+    std::vector<double> recall_;
+    std::mt19937_64 rng_;
+    std::vector<int32_t> pos_;
+};
+
+/// Run settings.
+struct SimConfig {
+    std::string stage = "decode";       ///< "decode" (one token per step) or "prefill" (ubatches of a prompt)
+    int ubatch = 512;                   ///< prefill ubatch size, tokens
+    int prefetch_depth = 3;             ///< D, predicted MoE layers ahead
+    std::vector<double> recall = {0.8, 0.65, 0.5};  ///< predictor recall per distance (assumption)
+    uint64_t predictor_seed = 7;
+    bool fill_on_miss = true;           ///< offer CPU-computed misses to the cache, copied while the link is idle
+    int64_t max_tokens = 0;             ///< stop after about this many tokens (0 = all); prefill: whole prompts
+    int64_t timeline_step = 0;          ///< step whose first `timeline_layers` MoE layers are recorded (-1 = none)
+    int timeline_layers = 4;
+    /// Throws std::invalid_argument naming the bad field.
+    void validate() const;
+};
+
+/// One interval of the recorded timeline (seconds from the start of the run).
+struct TimelineEvent {
+    int64_t step = 0;
+    int layer = 0;
+    int resource = 0;    ///< 0 CPU, 1 GPU, 2 PCIe
+    int expert = -1;     ///< -1: non-expert work / activation transfer
+    int kind = 0;        ///< 0 compute, 1 demand copy, 2 prefetch copy, 3 fill copy, 4 non-expert, 5 activations
+    double start_s = 0.0;
+    double end_s = 0.0;
+};
+
+/// Outputs of one run (times in seconds of simulated time).
+struct SimResult {
+    std::string stage;
+    int64_t tokens = 0;
+    int64_t steps = 0;
+    int64_t prompts = 0;
+    double total_s = 0.0;
+    double ttft_s = 0.0;          ///< prefill: mean time to process a prompt
+    double tpot_s = 0.0;          ///< decode: mean time per token
+    double tokens_per_s = 0.0;
+    CacheStats cache;
+    double bytes_h2d = 0.0, bytes_demand = 0.0, bytes_prefetch = 0.0, bytes_fill = 0.0;
+    int64_t prefetch_issued = 0, prefetch_declined = 0, prefetch_used = 0;
+    double cpu_busy_s = 0.0, gpu_busy_s = 0.0, link_busy_s = 0.0;
+    double predicted_moe_s = 0.0;  ///< sum of the planner's predicted makespans
+    double charged_moe_s = 0.0;    ///< sum of the truth model's MoE times
+    double decision_us_mean = 0.0;  ///< wall-clock per layer of split + cache update (instrumented)
+    double prefetch_us_mean = 0.0;  ///< wall-clock per layer of prefetch planning
+    std::vector<double> layer_moe_s;  ///< mean charged MoE time per MoE layer
+    std::vector<TimelineEvent> timeline;
+};
+
+/// Lists the steps (token ranges) of a run: decode one token each, prefill chunks of `ubatch` per prompt.
+struct Step {
+    int64_t begin = 0, end = 0;
+    int prompt = 0;
+};
+std::vector<Step> make_steps(const Trace & trace, int first_prompt, int end_prompt, const SimConfig & cfg);
+
+/// Future accesses of those steps, for clairvoyant cache policies.
+FutureAccesses build_future(const Trace & trace, const std::vector<Step> & steps);
+
+/// Replays a trace's accesses through a cache alone (no timing): per (step, layer) observe, look up and pin every
+/// activated expert, offer every miss for admission, highest policy priority first (the policy may decline),
+/// unpin. Returns the cache statistics.
+CacheStats replay_cache(const Trace & trace, ExpertCache & cache, int first_prompt, int end_prompt,
+                        const SimConfig & cfg);
+
+/// Event-driven simulation of prompts [first_prompt, end_prompt): per layer, the policies plan with `planner`;
+/// the CPU, GPU and copy-engine timelines are charged by `truth_cost` under `truth`. Non-expert work runs on the
+/// GPU before the routed experts; a leading dense layer costs dense(n). Throws std::invalid_argument on bad
+/// ranges or a cache whose shape does not match the trace; exceptions from policies propagate.
+SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & scheduler, PrefetchPolicy & prefetcher,
+                   const CostModel & planner, const CostModel & truth_cost, const TruthModel & truth,
+                   const SimConfig & cfg, int first_prompt, int end_prompt);
+
+}  // namespace hybrimoe

@@ -1,0 +1,190 @@
+"""Event-driven simulator: conservation checks, planner == truth when the truth adds nothing, determinism,
+system presets and the ``hybrimoe simulate`` command."""
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from hybrimoe import _core
+from hybrimoe import policy as pol
+from hybrimoe import simulate
+from hybrimoe.trace import RoutingTrace, default_trace_path, load_trace
+
+MB = 1e6
+
+
+def synthetic(n_tok=400, n_layers=5, n_exp=16, k=2, seed=0, prompts=(0, 50, 120, 260, 400)):
+    rng = np.random.default_rng(seed)
+    p = np.exp(-np.arange(n_exp) / 3.0)
+    ids = np.array([[rng.choice(n_exp, k, replace=False, p=p / p.sum()) for _ in range(n_layers)]
+                    for _ in range(n_tok)], dtype=np.int16)
+    return RoutingTrace(expert_ids=ids, prompt_offsets=np.array(prompts), num_experts=n_exp, top_k=k,
+                        expert_bytes=np.full(n_layers, 2 * MB), n_dense_layers=1, model="")
+
+
+def costs():
+    c = _core.CostModel()
+    c.cpu_a_s, c.cpu_b_s, c.cpu_startup_s = 1e-4, 1e-6, 2e-5
+    c.gpu_a_s, c.gpu_b_s = 2e-5, 1e-7
+    c.h2d_bandwidth_Bps, c.h2d_latency_s = 12e9, 1e-5
+    c.act_a_s, c.act_b_s, c.layer_a_s, c.layer_b_s, c.dense_a_s = 2e-5, 1e-9, 1e-4, 1e-7, 2e-4
+    return c
+
+
+def quiet_truth():
+    t = _core.TruthModel()
+    t.cpu_noise = t.gpu_noise = t.h2d_noise = t.act_noise = t.layer_noise = 0.0
+    return t
+
+
+def cfg(stage="decode", depth=0, fill=False):
+    c = _core.SimConfig()
+    c.stage, c.prefetch_depth, c.fill_on_miss, c.ubatch = stage, depth, fill, 64
+    return c
+
+
+@pytest.mark.parametrize("stage", ["decode", "prefill"])
+def test_truth_equals_planner_when_it_adds_nothing(stage):
+    """No noise, no contention, no extra start-up, no prefetch or fills: the charged MoE time must equal the sum
+    of the planner's predicted makespans, and the total must add the non-expert costs exactly."""
+    tr = synthetic().to_core()
+    c = costs()
+    cache = _core.ExpertCache([2 * MB] * 5, 16, 8 * MB, _core.LRUPolicy())
+    res = _core.simulate(tr, cache, _core.HybriMoEScheduler(), _core.NoPrefetcher(), c, c, quiet_truth(),
+                         cfg(stage), 0, tr.n_prompts)
+    assert res.charged_moe_s == pytest.approx(res.predicted_moe_s, rel=1e-9)
+    steps = _core.make_steps(tr, 0, tr.n_prompts, cfg(stage))
+    non_expert = sum(c.dense(e - b) + 5 * c.layer(e - b) for b, e, _ in steps)
+    assert res.total_s == pytest.approx(non_expert + res.charged_moe_s, rel=1e-9)
+    assert res.tokens == 400 and res.steps == len(steps)
+
+
+def test_accesses_and_hits_are_counted_per_layer_and_ubatch():
+    rt = synthetic()
+    tr = rt.to_core()
+    c = costs()
+    cache = _core.ExpertCache([2 * MB] * 5, 16, 0.0, _core.LRUPolicy())
+    res = _core.simulate(tr, cache, _core.HybriMoEScheduler(), _core.NoPrefetcher(), c, c, quiet_truth(),
+                         cfg("prefill"), 0, tr.n_prompts)
+    want = 0
+    for b, e, _ in _core.make_steps(tr, 0, tr.n_prompts, cfg("prefill")):
+        for l in range(5):
+            want += len(np.unique(rt.expert_ids[b:e, l]))
+    assert res.cache.accesses == want
+    assert res.cache.misses == want and res.cache.hit_rate == 0.0
+    assert res.bytes_h2d == res.bytes_demand
+
+
+def test_noise_is_seeded_and_changes_the_charge():
+    tr = synthetic().to_core()
+    c = costs()
+
+    def once(seed):
+        t = _core.TruthModel()
+        t.seed = seed
+        t.contention = 0.2
+        cache = _core.ExpertCache([2 * MB] * 5, 16, 8 * MB, _core.MRSPolicy())
+        return _core.simulate(tr, cache, _core.HybriMoEScheduler(), _core.ImpactPrefetcher(), c, c, t,
+                              cfg(depth=3, fill=True), 0, tr.n_prompts)
+
+    a, b, d = once(1), once(1), once(2)
+    assert a.total_s == b.total_s and a.bytes_h2d == b.bytes_h2d
+    assert a.total_s != d.total_s
+    assert a.charged_moe_s != pytest.approx(a.predicted_moe_s, rel=1e-6)
+
+
+def test_baselines_behave_as_named():
+    tr = synthetic().to_core()
+    c = costs()
+    t = quiet_truth()
+    stat = _core.ExpertCache([2 * MB] * 5, 16, 8 * MB, _core.StaticPolicy([0, 1, 2, 3], []))
+    stat.fill([0, 1, 2, 3])
+    kt = _core.simulate(tr, stat, _core.CpuUncachedScheduler(), _core.NoPrefetcher(), c, c, t, cfg(fill=True), 0, 4)
+    assert kt.bytes_h2d == 0 and sorted(stat.resident_keys()) == [0, 1, 2, 3]
+    gpu = _core.simulate(tr, _core.ExpertCache([2 * MB] * 5, 16, 8 * MB, _core.LRUPolicy()),
+                         _core.GpuOnDemandScheduler(), _core.NoPrefetcher(), c, c, t, cfg(), 0, 4)
+    assert gpu.cpu_busy_s == 0 and gpu.bytes_demand == gpu.cache.misses * 2 * MB
+
+
+def test_prefetch_issues_copies_and_timeline_is_recorded():
+    tr = synthetic().to_core()
+    c = costs()
+    cache = _core.ExpertCache([2 * MB] * 5, 16, 8 * MB, _core.MRSPolicy())
+    res = _core.simulate(tr, cache, _core.HybriMoEScheduler(), _core.ImpactPrefetcher(), c, c, _core.TruthModel(),
+                         cfg(depth=3, fill=True), 0, tr.n_prompts)
+    assert res.prefetch_issued > 0 and res.bytes_prefetch == res.prefetch_issued * 2 * MB
+    assert res.cache.prefetch_hits > 0
+    assert {e.resource for e in res.timeline} >= {0, 1}
+    assert all(e.end_s >= e.start_s >= 0 for e in res.timeline)
+    assert all(e.step == 0 and e.layer < 4 for e in res.timeline)
+
+
+def test_bad_simulator_inputs():
+    tr = synthetic().to_core()
+    c = costs()
+    cache = _core.ExpertCache([2 * MB] * 5, 16, 8 * MB, _core.LRUPolicy())
+    args = (tr, cache, _core.HybriMoEScheduler(), _core.NoPrefetcher(), c, c, _core.TruthModel())
+    with pytest.raises(ValueError, match="prompt range"):
+        _core.simulate(*args, cfg(), 0, 99)
+    bad = cfg()
+    bad.stage = "train"
+    with pytest.raises(ValueError, match="stage"):
+        _core.simulate(*args, bad, 0, 1)
+    wrong = _core.ExpertCache([2 * MB] * 3, 16, 8 * MB, _core.LRUPolicy())
+    with pytest.raises(ValueError, match="does not match the trace"):
+        _core.simulate(tr, wrong, *args[2:], cfg(), 0, 1)
+    neg = costs()
+    neg.cpu_a_s = -1.0
+    with pytest.raises(ValueError, match="cpu_a_s"):
+        _core.simulate(tr, cache, args[2], args[3], neg, c, args[6], cfg(), 0, 1)
+
+
+# ---- presets and the command ------------------------------------------------------------------------------------
+
+def test_every_system_preset_runs_on_a_synthetic_trace(tmp_path):
+    rt = synthetic()
+    rt.model = "deepseek-v2-lite"   # facts for the cost model only
+    setup = simulate.Setup(rt, pol.load_hardware("paper-a6000"), "25%", "decode", max_tokens=200)
+    recs = [setup.run(n) for n in simulate.DEFAULT_POLICIES]
+    for r in recs:
+        assert 0.0 <= r["hit_rate"] <= 1.0 and r["tokens_per_s"] > 0 and r["tpot_s"] > 0
+    by = {r["policy"]: r for r in recs}
+    assert by["ktransformers"]["bytes_h2d"] == 0 and by["upstream-ncmoe"]["bytes_h2d"] == 0
+    assert by["gpu-on-demand"]["cpu_busy_frac"] == 0
+
+
+def _args(**kw):
+    p = argparse.ArgumentParser()
+    simulate.add_arguments(p)
+    argv = []
+    for k, v in kw.items():
+        flag = "--" + k.replace("_", "-")
+        argv += [flag] if v is True else [f"{flag}={v}"]
+    return p.parse_args(argv)
+
+
+def test_command_rejects_bad_names(capsys):
+    assert simulate.run(_args(policies="hybrimoe,nope", no_progress=True)) == 2
+    assert "unknown policy preset 'nope'" in capsys.readouterr().err
+    assert simulate.run(_args(hardware="tpu-v9", no_progress=True)) == 2
+    assert "unknown hardware preset 'tpu-v9'" in capsys.readouterr().err
+    if default_trace_path().is_file():
+        assert simulate.run(_args(moe_cache="-5%", no_progress=True, trace=str(default_trace_path()))) == 2
+        assert "within 0..100" in capsys.readouterr().err
+
+
+def test_command_on_the_dsv2lite_trace(tmp_path, capsys):
+    path = default_trace_path()
+    if not path.is_file():
+        pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
+    out = tmp_path / "r.json"
+    rc = simulate.run(_args(trace=path, stage="prefill", policies="hybrimoe,ktransformers", max_tokens=3000,
+                            json=out, no_progress=True))
+    assert rc == 0
+    recs = json.loads(out.read_text())
+    assert [r["policy"] for r in recs] == ["hybrimoe", "ktransformers"]
+    for r in recs:
+        for key in ("policy", "hit_rate", "tokens_per_s", "ttft_s", "bytes_h2d"):
+            assert key in r
+    assert "| hybrimoe |" in capsys.readouterr().out
