@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 if "llama_cpp" not in sys.modules and (LIB_DIR / "libllama.so").exists():
     os.environ["LLAMA_CPP_LIB_PATH"] = str(LIB_DIR)
 
-__all__ = ["Llama", "HybrimoeImportError", "make_tiny_model", "__version__"]
+__all__ = ["Llama", "HybrimoeImportError", "make_tiny_model", "CachePolicy", "SchedulePolicy", "PrefetchPolicy",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -25,6 +26,10 @@ def __getattr__(name: str):
         from .llama import Llama
 
         return Llama
+    if name in ("CachePolicy", "SchedulePolicy", "PrefetchPolicy"):
+        from . import policy
+
+        return getattr(policy, name)
     if name == "make_tiny_model":
         from .tiny import make_tiny_model
 

@@ -185,9 +185,19 @@ class RoutingTrace:
 
 
 def default_trace_path() -> Path:
-    """``$HYBRIMOE_TRACE`` or ``../shared/traces/dsv2lite_dev.npz`` next to the repository."""
+    """``$HYBRIMOE_TRACE``, else ``shared/traces/dsv2lite_dev.npz`` beside the checkout: looked up next to the
+    source tree and next to the current directory and its parents (an installed package is not in the
+    checkout). Returns the first that exists, or the one beside the current directory."""
     env = os.environ.get("HYBRIMOE_TRACE")
-    return Path(env) if env else REPO_ROOT.parent / "shared" / "traces" / "dsv2lite_dev.npz"
+    if env:
+        return Path(env)
+    rel = Path("shared") / "traces" / "dsv2lite_dev.npz"
+    cwd = Path.cwd()
+    candidates = [REPO_ROOT.parent / rel] + [d / rel for d in (cwd, *cwd.parents)]
+    for c in candidates:
+        if c.is_file():
+            return c
+    return cwd.parent / rel
 
 
 def _guess_model(num_experts: int, top_k: int, n_layers: int) -> str:

@@ -61,6 +61,11 @@ def download_sdist(dest: Path) -> Path:
     if target.exists() and sha256(target) == PIN["sha256"]:
         return target
     log(f"fetching {PIN['package']}=={PIN['version']} source distribution with pip")
+    import importlib.util
+
+    if importlib.util.find_spec("pip") is None:
+        die(f"pip is not importable by {sys.executable}; install pip, or set HYBRIMOE_LLAMA_SRC to the "
+            f"{PIN['sdist']} file or a llama.cpp directory")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PIN["package"],
            "--no-build-isolation", "-d", str(dest), f"{PIN['package']}=={PIN['version']}"]
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
