@@ -22,7 +22,9 @@ Cost model JSON, schema ``hybrimoe.cost_model/1`` (all times in seconds, bandwid
      "dense_a_s": float, "dense_b_s": float,                        # a dense layer
      "sources": {field: str, ...}}                                  # optional: where each number comes from
 
-Every listed number is required, finite and >= 0 (bandwidth > 0); unknown keys are errors.
+Every listed number is required, finite and >= 0 (bandwidth > 0); unknown keys are errors. The reader and writer
+are C++ (``hybrimoe._core.cost_model_from_json`` / ``cost_model_to_json`` / ``load_cost_model`` /
+``save_cost_model``, src/policy/cost_model.h), shared with the engine; the functions here wrap them.
 
 Hardware preset JSON, schema ``hybrimoe.hardware/1`` (files in ``hybrimoe/presets/``): ``name``,
 ``description`` and ``facts``: ``{fact: {"value": number, "source": str}}`` with the facts in
@@ -73,54 +75,47 @@ class CostModelError(ValueError):
 
 
 # ---- cost model JSON -------------------------------------------------------------------------------------------
+# The reader and writer are the C++ ones (src/policy/cost_model.cpp, also used by the C++ engine without Python);
+# these wrappers keep the Python API and turn their ValueError into CostModelError.
 
 def cost_model_from_dict(d: dict, where: str = "cost model") -> "_core.CostModel":
     """CostModel from a ``hybrimoe.cost_model/1`` dict; raises CostModelError naming the bad field."""
-    if not isinstance(d, dict):
-        raise CostModelError(f"{where}: expected a JSON object, got {type(d).__name__}")
-    if d.get("schema") != COST_MODEL_SCHEMA:
-        raise CostModelError(f"{where}: 'schema' must be '{COST_MODEL_SCHEMA}', got {d.get('schema')!r}")
-    unknown = set(d) - set(COST_FIELDS) - {"schema", "sources"}
-    if unknown:
-        raise CostModelError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-    cm = _core.CostModel()
-    for f in COST_FIELDS:
-        if f not in d:
-            raise CostModelError(f"{where}: missing field '{f}'")
-        v = d[f]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise CostModelError(f"{where}: field '{f}' must be a finite number >= 0, got {v!r}")
-        setattr(cm, f, float(v))
-    if cm.h2d_bandwidth_Bps <= 0:
-        raise CostModelError(f"{where}: field 'h2d_bandwidth_Bps' must be > 0")
+    try:
+        text = json.dumps(d)
+    except (TypeError, ValueError) as e:
+        raise CostModelError(f"{where}: cannot be written as JSON: {e}") from e
+    try:
+        cm, _sources = _core.cost_model_from_json(text, where)
+    except ValueError as e:
+        raise CostModelError(str(e)) from e
     return cm
 
 
 def cost_model_to_dict(cm: "_core.CostModel", sources: Optional[dict] = None) -> dict:
-    """The ``hybrimoe.cost_model/1`` dict of a CostModel."""
-    d = {"schema": COST_MODEL_SCHEMA}
-    d.update({f: getattr(cm, f) for f in COST_FIELDS})
-    if sources:
-        d["sources"] = dict(sources)
-    return d
+    """The ``hybrimoe.cost_model/1`` dict of a CostModel (numbers as floats)."""
+    return json.loads(_core.cost_model_to_json(cm, _sources_map(sources)), parse_int=float)
+
+
+def _sources_map(sources: Optional[dict]) -> dict:
+    """``sources`` as the str -> str map the schema stores."""
+    return {str(k): str(v) for k, v in (sources or {}).items()}
 
 
 def load_cost_model(path: Union[str, os.PathLike]) -> "_core.CostModel":
     """Reads a cost-model JSON file; raises CostModelError (a ValueError) on corrupt JSON or a bad field."""
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise CostModelError(f"cannot read cost model {path}: {e}") from e
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CostModelError(f"cost model {path} is not valid JSON: {e}") from e
-    return cost_model_from_dict(d, where=f"cost model {path}")
+        cm, _sources = _core.load_cost_model(os.fspath(path))
+    except ValueError as e:
+        raise CostModelError(str(e)) from e
+    return cm
 
 
 def save_cost_model(cm: "_core.CostModel", path: Union[str, os.PathLike], sources: Optional[dict] = None) -> None:
-    """Writes a cost-model JSON file (schema above)."""
-    Path(path).write_text(json.dumps(cost_model_to_dict(cm, sources), indent=2) + "\n")
+    """Writes a cost-model JSON file (schema above; numbers with 17 significant digits, so they read back exactly)."""
+    try:
+        _core.save_cost_model(cm, os.fspath(path), _sources_map(sources))
+    except ValueError as e:
+        raise CostModelError(str(e)) from e
 
 
 # ---- hardware presets --------------------------------------------------------------------------------------------

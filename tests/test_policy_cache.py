@@ -195,3 +195,73 @@ def test_belady_demand_hit_rate_is_at_least_every_other_policy(case):
         rates[name] = _core.replay_cache(tr, cache, 0, 1, cfg).demand_hits
     for name, hits in rates.items():
         assert rates["belady"] >= hits, rates
+
+
+class _Delegating(_core.CachePolicy):
+    """A Python policy with the priorities of a C++ one: the cache cannot track its changes, so it re-reads every
+    resident at each admission, which is the reference for the incremental eviction order of the C++ policies."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def name(self):
+        return "delegating"
+
+    def reset(self, n_layers, n_experts):
+        self.inner.reset(n_layers, n_experts)
+
+    def observe(self, obs):
+        self.inner.observe(obs)
+
+    def priority(self, layer, expert):
+        return self.inner.priority(layer, expert)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("make", [_core.MRSPolicy, _core.LRUPolicy, _core.LFUPolicy])
+def test_incremental_eviction_order_matches_full_rescan(seed, make):
+    """Random observe / access / pin / admit / admit_batch / evict sequences with many ties (few experts, equal
+    scores, an initial fill): the C++ policies' incrementally kept order evicts exactly what a full re-read does."""
+    import random
+    rng = random.Random(seed)
+    n_layers, n_exp = 3, 8
+    bytes_ = [1.0, 1.0, 2.0]  # unequal sizes: some admissions need two victims
+    caches = [_core.ExpertCache(bytes_, n_exp, 7.0, make()), _core.ExpertCache(bytes_, n_exp, 7.0, _Delegating(make()))]
+    for c in caches:
+        c.set_record_evicted(True)
+        c.fill([0, 1, 9, 17, 2])
+    pinned = []
+    for step in range(300):
+        layer = rng.randrange(n_layers)
+        experts = rng.sample(range(n_exp), rng.randint(1, 3))
+        op = rng.random()
+        results = []
+        for c in caches:
+            if op < 0.25:
+                c.observe(obs(layer, experts, n_experts=n_exp))
+                results.append([c.access(layer, e) for e in experts])
+            elif op < 0.5:
+                results.append([c.admit(layer, e, 0.0, False) for e in experts])
+            elif op < 0.7:
+                results.append(c.admit_batch(layer, experts, [], False))
+            elif op < 0.8:
+                for e in experts:
+                    c.pin(layer, e)
+                results.append(None)
+            elif op < 0.9:
+                results.append(None)
+            else:
+                results.append([c.resident(layer, e) and not c.pinned(layer, e) and c.evict(layer, e) is None
+                                for e in experts])
+        if 0.7 <= op < 0.8:
+            pinned.append((layer, experts))
+        elif 0.8 <= op < 0.9 and pinned:
+            l, es = pinned.pop(rng.randrange(len(pinned)))
+            for c in caches:
+                for e in es:
+                    c.unpin(l, e)
+        assert results[0] == results[1], step
+        assert caches[0].take_evicted() == caches[1].take_evicted(), step
+        assert sorted(caches[0].resident_keys()) == sorted(caches[1].resident_keys())
+        assert caches[0].used_bytes <= 7.0 and caches[0].used_bytes == caches[1].used_bytes

@@ -87,3 +87,43 @@ def test_budgets():
 def test_unknown_system_preset():
     with pytest.raises(ValueError, match="unknown policy preset 'fast'"):
         pol.system_preset("fast")
+
+
+def test_cpp_json_reader_writer(tmp_path):
+    """The C++ reader/writer (used by the engine without Python): exact round trip, sources, clear errors."""
+    cm = _core.CostModel()
+    cm.cpu_a_s, cm.gpu_b_s, cm.h2d_bandwidth_Bps = 1e-4 / 3, 0.1 + 0.2, 24.7e9
+    _core.save_cost_model(cm, str(tmp_path / "c.json"), {"cpu_a_s": 'measured "here"\n'})
+    back, sources = _core.load_cost_model(str(tmp_path / "c.json"))
+    assert (back.cpu_a_s, back.gpu_b_s, back.h2d_bandwidth_Bps) == (cm.cpu_a_s, cm.gpu_b_s, cm.h2d_bandwidth_Bps)
+    assert sources == {"cpu_a_s": 'measured "here"\n'}
+    # Python's json reads the C++ document, and the C++ reader reads Python's (escapes, exponents, ints).
+    d = json.loads((tmp_path / "c.json").read_text())
+    assert d["schema"] == _core.COST_MODEL_SCHEMA and d["cpu_a_s"] == cm.cpu_a_s
+    d["sources"] = {"gpu_a_s": "caf\u00e9 \u2713"}
+    d["gpu_a_s"] = 2
+    again, src = _core.cost_model_from_json(json.dumps(d))
+    assert again.gpu_a_s == 2.0 and src == {"gpu_a_s": "caf\u00e9 \u2713"}
+    for text, msg in [
+        ('{"schema": "hybrimoe.cost_model/1",', "not valid JSON"),
+        ('{"a": 1} x', "not valid JSON"),
+        ('"x"', "expected a JSON object, got string"),
+        (json.dumps({**d, "cpu_b_s": float("nan")}), "'cpu_b_s' must be a finite number >= 0, got NaN"),
+        (json.dumps({**d, "cpu_b_s": True}), "'cpu_b_s' must be a finite number >= 0, got boolean"),
+        (json.dumps({**d, "h2d_bandwidth_Bps": 0}), "'h2d_bandwidth_Bps' must be > 0"),
+        (json.dumps({**d, "zz": 1, "aa": 2}), r"unknown field\(s\) zz, aa"),
+        (json.dumps({**d, "sources": {"x": 1}}), r"sources\['x'\] must be a string"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            _core.cost_model_from_json(text, "t.json")
+    with pytest.raises(ValueError, match="cannot read cost model"):
+        _core.load_cost_model(str(tmp_path / "missing.json"))
+    with pytest.raises(pol.CostModelError, match="cannot read cost model"):
+        pol.load_cost_model(tmp_path / "missing.json")
+
+
+def test_bundled_cost_model_presets_read_the_same_in_cpp_and_python(tmp_path):
+    cm = pol.cost_model_from_hardware(pol.load_hardware("paper-a6000"), MODEL_FACTS["deepseek-v2-lite"])
+    (tmp_path / "p.json").write_text(json.dumps(pol.cost_model_to_dict(cm)))  # written by Python's json
+    back = pol.load_cost_model(tmp_path / "p.json")
+    assert all(getattr(back, f) == getattr(cm, f) for f in pol.COST_FIELDS)

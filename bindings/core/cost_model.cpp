@@ -7,7 +7,8 @@ namespace hybrimoe_bind {
 void bind_cost_model(py::module_ & m) {
     using hybrimoe::CostModel;
     py::class_<CostModel>(m, "CostModel", "Per-expert and per-layer costs in seconds (HybriMoE §IV.B). "
-                                          "JSON load/save: hybrimoe.policy.load_cost_model / save_cost_model.")
+                                          "JSON (schema hybrimoe.cost_model/1): cost_model_from_json / cost_model_to_json / "
+                                          "load_cost_model / save_cost_model.")
         .def(py::init<>())
         .def_readwrite("cpu_a_s", &CostModel::cpu_a_s)
         .def_readwrite("cpu_b_s", &CostModel::cpu_b_s)
@@ -34,6 +35,31 @@ void bind_cost_model(py::module_ & m) {
                    std::to_string(c.gpu_a_s) + "+" + std::to_string(c.gpu_b_s) + "n, h2d_bw=" +
                    std::to_string(c.h2d_bandwidth_Bps) + ")";
         });
+
+    using hybrimoe::CostModelError;
+    m.attr("COST_MODEL_SCHEMA") = hybrimoe::kCostModelSchema;
+    // CostModelError derives from std::invalid_argument: pybind11 raises it as ValueError with the message.
+    m.def("cost_model_from_json",
+          [](const std::string & text, const std::string & where) {
+              std::map<std::string, std::string> sources;
+              CostModel cm = hybrimoe::cost_model_from_json(text, where, &sources);
+              return std::make_pair(cm, sources);
+          },
+          py::arg("text"), py::arg("where") = "cost model",
+          "Parses a hybrimoe.cost_model/1 document; returns (CostModel, sources dict). ValueError naming `where` "
+          "and the problem (not valid JSON, not an object, schema, missing/unknown/bad field).");
+    m.def("cost_model_to_json", &hybrimoe::cost_model_to_json, py::arg("cost"),
+          py::arg("sources") = std::map<std::string, std::string>{},
+          "The hybrimoe.cost_model/1 document of a CostModel (17 significant digits: reads back exactly).");
+    m.def("load_cost_model",
+          [](const std::string & path) {
+              std::map<std::string, std::string> sources;
+              CostModel cm = hybrimoe::load_cost_model(path, &sources);
+              return std::make_pair(cm, sources);
+          },
+          py::arg("path"), "Reads a cost-model JSON file; returns (CostModel, sources). ValueError naming the path.");
+    m.def("save_cost_model", &hybrimoe::save_cost_model, py::arg("cost"), py::arg("path"),
+          py::arg("sources") = std::map<std::string, std::string>{}, "Writes a cost-model JSON file.");
 }
 
 }  // namespace hybrimoe_bind

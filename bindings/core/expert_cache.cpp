@@ -145,6 +145,10 @@ void bind_expert_cache(py::module_ & m) {
              "Counts a lookup at now_s: 0 miss, 1 demand hit, 2 prefetch hit, 3 late (copy still in flight: a miss).")
         .def("admit", &ExpertCache::admit, py::arg("layer"), py::arg("expert"), py::arg("ready_s") = 0.0,
              py::arg("by_prefetch") = false)
+        .def("admit_batch", &ExpertCache::admit_batch, py::arg("layer"), py::arg("experts"),
+             py::arg("ready_s") = std::vector<double>{}, py::arg("by_prefetch") = false,
+             "Admits several experts of one layer, highest priority first, as sequential admits with the newcomers "
+             "pinned would; returns how many were admitted.")
         .def("pin", &ExpertCache::pin, py::arg("layer"), py::arg("expert"))
         .def("unpin", &ExpertCache::unpin, py::arg("layer"), py::arg("expert"))
         .def("evict", &ExpertCache::evict, py::arg("layer"), py::arg("expert"))

@@ -25,6 +25,7 @@ void MRSPolicy::reset(int n_layers, int n_experts) {
     n_layers_ = n_layers;
     n_experts_ = n_experts;
     score_.assign(static_cast<size_t>(n_layers) * n_experts, 0.0);
+    touch(-1);
 }
 
 double MRSPolicy::score(int layer, int expert) const {
@@ -39,6 +40,7 @@ void MRSPolicy::set_score(int layer, int expert, double s) {
         throw std::out_of_range("MRSPolicy.set_score: (layer, expert) out of range");
     }
     score_[static_cast<size_t>(layer) * n_experts_ + expert] = s;
+    touch(layer);
 }
 
 void MRSPolicy::observe(const LayerObservation & obs) {
@@ -90,6 +92,7 @@ void MRSPolicy::observe(const LayerObservation & obs) {
     for (int e = 0; e < E; ++e) {
         S[e] = alpha_ * agg_[e] + (1.0 - alpha_) * S[e];
     }
+    touch(obs.layer);
 }
 
 // ---- LFU -------------------------------------------------------------------------------------------------------
@@ -97,12 +100,14 @@ void MRSPolicy::observe(const LayerObservation & obs) {
 void LFUPolicy::reset(int n_layers, int n_experts) {
     n_experts_ = n_experts;
     count_.assign(static_cast<size_t>(n_layers) * n_experts, 0.0);
+    touch(-1);
 }
 
 void LFUPolicy::observe(const LayerObservation & obs) {
     for (int32_t e : obs.experts) {
         count_[static_cast<size_t>(obs.layer) * n_experts_ + e] += 1.0;
     }
+    touch(obs.layer);
 }
 
 // ---- static hot set ----------------------------------------------------------------------------------------------
@@ -124,6 +129,7 @@ void StaticPolicy::reset(int n_layers, int n_experts) {
         }
         weight_of_[keys_[i]] = weights_.empty() ? 1.0 : weights_[i];
     }
+    touch(-1);
 }
 
 double StaticPolicy::priority(int layer, int expert) {
@@ -150,10 +156,19 @@ void BeladyPolicy::prepare(const FutureAccesses & future) {
     int bits = 1;
     while ((int64_t(1) << bits) < horizon_ + 1) ++bits;
     depth_ = std::max(1, std::min(8, 53 / bits));
+    touch(-1);
 }
 
 void BeladyPolicy::observe(const LayerObservation & obs) {
-    now_ = obs.step * future_.n_layers + obs.layer;
+    const int64_t now = obs.step * future_.n_layers + obs.layer;
+    // Moving the clock forward changes only the keys used in (now_, now]: this layer's when the clock advances by
+    // one layer as in a run; anything else (a jump, a step back) may change any key.
+    if (now == now_ + 1 || now == now_) {
+        touch(obs.layer);
+    } else {
+        touch(-1);
+    }
+    now_ = now;
 }
 
 double BeladyPolicy::priority(int layer, int expert) {
@@ -218,6 +233,15 @@ ExpertCache::ExpertCache(std::vector<double> expert_bytes_per_layer, int n_exper
     }
     entries_.assign(bytes_.size() * n_experts_, Entry{});
     policy_->reset(n_layers(), n_experts_);
+    order_.assign(bytes_.size(), {});
+    members_.assign(bytes_.size(), {});
+    tracks_ = policy_->tracks_changes();
+    stale_.assign(bytes_.size(), 0);
+    seen_rev_.assign(bytes_.size(), 0);
+    for (int l = 0; l < n_layers(); ++l) seen_rev_[l] = policy_->revision(l);
+    cursor_.assign(bytes_.size(), 0);
+    while (tree_leaves_ < n_layers()) tree_leaves_ *= 2;
+    tree_.assign(2 * static_cast<size_t>(tree_leaves_), -1);
 }
 
 double ExpertCache::total_expert_bytes() const {
@@ -248,6 +272,7 @@ int ExpertCache::access(int layer, int expert, double now_s) {
         ++stats_.misses;
         return 0;
     }
+    stale_[layer] = 1;  // its last_use moved
     if (en.ready_s > now_s) {
         en.prefetched_unused = false;
         ++stats_.misses;
@@ -263,7 +288,101 @@ int ExpertCache::access(int layer, int expert, double now_s) {
     return 1;
 }
 
-void ExpertCache::insert(int64_t key, double ready_s, bool by_prefetch) {
+void ExpertCache::refresh(int layer) {
+    if (fresh(layer)) return;
+    std::vector<Rank> & ord = order_[layer];
+    rank_keys_.clear();
+    for (int64_t k : members_[layer]) {
+        if (entries_[k].pins == 0) rank_keys_.push_back(k);
+    }
+    rank_p_.resize(rank_keys_.size());
+    policy_->priorities(rank_keys_.data(), rank_keys_.size(), n_experts_, rank_p_.data());
+    ord.resize(rank_keys_.size());
+    for (size_t i = 0; i < ord.size(); ++i) {
+        const Entry & en = entries_[rank_keys_[i]];
+        ord[i] = Rank{order_priority(rank_p_[i]), en.last_use, en.slot, rank_keys_[i]};
+    }
+    std::sort(ord.begin(), ord.end(), rank_less);
+    stale_[layer] = 0;
+    seen_rev_[layer] = policy_->revision(layer);
+}
+
+void ExpertCache::order_add(int64_t key, bool keep_order, double p) {
+    const int layer = static_cast<int>(key / n_experts_);
+    if (!keep_order || !fresh(layer)) {
+        stale_[layer] = 1;
+        return;
+    }
+    const Entry & en = entries_[key];
+    const Rank r{order_priority(p), en.last_use, en.slot, key};
+    std::vector<Rank> & ord = order_[layer];
+    ord.insert(std::upper_bound(ord.begin(), ord.end(), r, rank_less), r);
+    head_changed(layer);
+}
+
+void ExpertCache::order_drop(int64_t key) {
+    std::vector<Rank> & ord = order_[key / n_experts_];
+    for (size_t i = 0; i < ord.size(); ++i) {
+        if (ord[i].key == key) {
+            ord.erase(ord.begin() + static_cast<std::ptrdiff_t>(i));
+            head_changed(static_cast<int>(key / n_experts_));
+            return;
+        }
+    }
+}
+
+int32_t ExpertCache::better_layer(int32_t a, int32_t b) const {
+    if (a < 0) return b;
+    if (b < 0) return a;
+    // Slots are unique, so two heads never compare equal.
+    return rank_less(order_[b][cursor_[b]], order_[a][cursor_[a]]) ? b : a;
+}
+
+void ExpertCache::head_changed(int layer) {
+    if (!tree_valid_) return;
+    size_t i = static_cast<size_t>(tree_leaves_) + layer;
+    tree_[i] = cursor_[layer] < static_cast<int32_t>(order_[layer].size()) ? layer : -1;
+    for (i >>= 1; i > 0; i >>= 1) tree_[i] = better_layer(tree_[2 * i], tree_[2 * i + 1]);
+}
+
+bool ExpertCache::choose_victims(double need, double incoming, bool & refreshed) {
+    victims_.clear();
+    if (used_ + need <= budget_ * (1.0 + 1e-12)) return true;
+    const int L = n_layers();
+    if (!refreshed) {
+        if (!tracks_) std::fill(stale_.begin(), stale_.end(), 1);
+        for (int l = 0; l < L; ++l) refresh(l);
+        // Orders now hold exactly the unpinned residents; build the tree bottom-up.
+        for (int l = 0; l < tree_leaves_; ++l) {
+            tree_[tree_leaves_ + l] = (l < L && !order_[l].empty()) ? l : -1;
+        }
+        tree_valid_ = true;
+        for (int i = tree_leaves_ - 1; i > 0; --i) tree_[i] = better_layer(tree_[2 * i], tree_[2 * i + 1]);
+        refreshed = true;
+    }
+    const bool bypass = policy_->bypass();
+    bool ok = true;
+    double freed = 0.0;
+    touched_.clear();
+    while (used_ - freed + need > budget_ * (1.0 + 1e-12)) {
+        const int32_t l = tree_[1];
+        if (l < 0 || (bypass && incoming <= order_[l][cursor_[l]].p)) {
+            ok = false;
+            break;
+        }
+        victims_.push_back(order_[l][cursor_[l]].key);
+        freed += bytes_[l];
+        if (cursor_[l]++ == 0) touched_.push_back(l);
+        head_changed(l);
+    }
+    for (int32_t l : touched_) {
+        cursor_[l] = 0;
+        head_changed(l);
+    }
+    return ok;
+}
+
+void ExpertCache::insert(int64_t key, double ready_s, bool by_prefetch, bool keep_order, double p) {
     Entry & en = entries_[key];
     en.resident = true;
     en.prefetched_unused = by_prefetch;
@@ -271,20 +390,55 @@ void ExpertCache::insert(int64_t key, double ready_s, bool by_prefetch) {
     en.slot = static_cast<int32_t>(resident_.size());
     if (en.last_use < 0) en.last_use = clock_;
     resident_.push_back(key);
-    used_ += bytes_[key / n_experts_];
+    const int layer = static_cast<int>(key / n_experts_);
+    used_ += bytes_[layer];
+    en.member = static_cast<int32_t>(members_[layer].size());
+    members_[layer].push_back(key);
+    if (en.pins == 0) order_add(key, keep_order, p);
 }
 
 void ExpertCache::remove(int64_t key) {
     Entry & en = entries_[key];
+    const int layer = static_cast<int>(key / n_experts_);
+    std::vector<int64_t> & mem = members_[layer];
+    mem[en.member] = mem.back();
+    entries_[mem.back()].member = en.member;
+    mem.pop_back();
+    en.member = -1;
+    order_drop(key);
+    // The last resident moves into the freed slot: its tie-break key gets smaller, so in a fresh order it can
+    // only move towards the front.
     const int32_t slot = en.slot;
-    resident_[slot] = resident_.back();
-    entries_[resident_[slot]].slot = slot;
+    const int64_t moved = resident_.back();
+    resident_[slot] = moved;
+    entries_[moved].slot = slot;
     resident_.pop_back();
+    if (moved != key) {
+        std::vector<Rank> & mo = order_[moved / n_experts_];
+        for (size_t i = 0; i < mo.size(); ++i) {
+            if (mo[i].key == moved) {
+                mo[i].slot = slot;
+                for (size_t j = i; j > 0 && rank_less(mo[j], mo[j - 1]); --j) std::swap(mo[j], mo[j - 1]);
+                head_changed(static_cast<int>(moved / n_experts_));
+                break;
+            }
+        }
+    }
     en.resident = false;
     en.prefetched_unused = false;
     en.slot = -1;
-    used_ -= bytes_[key / n_experts_];
+    used_ -= bytes_[layer];
     if (used_ < 0.0) used_ = 0.0;
+}
+
+void ExpertCache::admit_key(int64_t key, double p, double ready_s, bool by_prefetch) {
+    for (int64_t v : victims_) {
+        remove(v);
+        if (record_evicted_) evicted_.push_back(v);
+        ++stats_.evictions;
+    }
+    insert(key, ready_s, by_prefetch, true, p);
+    ++stats_.admissions;
 }
 
 bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch) {
@@ -296,45 +450,16 @@ bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch)
         ++stats_.declined;
         return false;
     }
-    // Choose victims (lowest priority, ties least recently used) until the expert fits.
-    thread_local std::vector<int32_t> victims;
-    victims.clear();
-    double freed = 0.0;
-    const double incoming = (budget_ - used_ >= need) ? 0.0 : policy_->priority(layer, expert);
-    while (used_ - freed + need > budget_ * (1.0 + 1e-12)) {
-        int32_t best = -1;
-        double best_p = 0.0;
-        int64_t best_use = 0;
-        for (int32_t s = 0; s < static_cast<int32_t>(resident_.size()); ++s) {
-            const Entry & r = entries_[resident_[s]];
-            if (r.pins > 0 || std::find(victims.begin(), victims.end(), s) != victims.end()) continue;
-            const int64_t k = resident_[s];
-            const double p = policy_->priority(static_cast<int>(k / n_experts_), static_cast<int>(k % n_experts_));
-            if (best < 0 || p < best_p || (p == best_p && r.last_use < best_use)) {
-                best = s;
-                best_p = p;
-                best_use = r.last_use;
-            }
-        }
-        if (best < 0 || (policy_->bypass() && incoming <= best_p)) {
-            ++stats_.declined;
-            return false;
-        }
-        victims.push_back(best);
-        freed += bytes_[resident_[best] / n_experts_];
-    }
-    // Remove victims by key (slots move on removal).
-    thread_local std::vector<int64_t> keys;
-    keys.clear();
-    for (int32_t s : victims) keys.push_back(resident_[s]);
-    for (int64_t k : keys) {
-        remove(k);
-        if (record_evicted_) evicted_.push_back(k);
-        ++stats_.evictions;
-    }
-    insert(key, ready_s, by_prefetch);
-    ++stats_.admissions;
-    return true;
+    // Victims: lowest priority, ties least recently used, then first in resident order; the newcomer's priority
+    // is read only when it has to compete (bypass) or enter an ordered layer.
+    const bool full = used_ + need > budget_ * (1.0 + 1e-12);
+    const double p = (full || tracks_) ? policy_->priority(layer, expert) : 0.0;
+    bool refreshed = false;
+    const bool ok = choose_victims(need, p, refreshed);
+    if (ok) admit_key(key, p, ready_s, by_prefetch);
+    tree_valid_ = false;
+    if (!ok) ++stats_.declined;
+    return ok;
 }
 
 int ExpertCache::admit_batch(int layer, const std::vector<int32_t> & experts, const std::vector<double> & ready_s,
@@ -355,74 +480,45 @@ int ExpertCache::admit_batch(int layer, const std::vector<int32_t> & experts, co
             continue;
         }
         const int64_t key = static_cast<int64_t>(layer) * n_experts_ + experts[i];
-        incoming_.push_back({policy_->priority(layer, experts[i]), en.last_use, key,
-                             ready_s.empty() ? 0.0 : ready_s[i]});
+        incoming_.push_back({policy_->priority(layer, experts[i]), key, ready_s.empty() ? 0.0 : ready_s[i]});
     }
     if (incoming_.empty()) return 0;
     std::stable_sort(incoming_.begin(), incoming_.end(),
                      [](const Candidate & a, const Candidate & b) { return a.priority > b.priority; });
-    // How many need a victim; one scan ranks the unpinned residents (lowest priority, then least recent, first).
-    const double free_bytes = budget_ * (1.0 + 1e-12) - used_;
-    const size_t fit_free = free_bytes >= need ? static_cast<size_t>(free_bytes / need) : 0;
-    victims_.clear();
-    if (incoming_.size() > fit_free) {
-        scan_keys_.clear();
-        for (int64_t k : resident_) {
-            if (entries_[k].pins == 0) scan_keys_.push_back(k);
-        }
-        scan_priority_.resize(scan_keys_.size());
-        policy_->priorities(scan_keys_.data(), scan_keys_.size(), n_experts_, scan_priority_.data());
-        for (size_t i = 0; i < scan_keys_.size(); ++i) {
-            victims_.push_back({scan_priority_[i], entries_[scan_keys_[i]].last_use, scan_keys_[i], 0.0});
-        }
-        auto order = [](const Candidate & a, const Candidate & b) {
-            return a.priority < b.priority || (a.priority == b.priority && a.last_use < b.last_use);
-        };
-        // Only the lowest few need ordering: enough to free room for every newcomer even if each victim were
-        // the smallest expert of any layer.
-        double smallest = need;
-        for (double b : bytes_) {
-            if (b > 0.0) smallest = std::min(smallest, b);
-        }
-        const double missing = double(incoming_.size()) * need - std::max(0.0, free_bytes);
-        const size_t m = std::min(victims_.size(), static_cast<size_t>(std::ceil(missing / smallest)) + 1);
-        std::partial_sort(victims_.begin(), victims_.begin() + m, victims_.end(), order);
-        victims_.resize(m);
-    }
+    // One admit per newcomer, most valuable first; newcomers are pinned meanwhile so that none evicts another.
+    for (const Candidate & c : incoming_) ++entries_[c.key].pins;
+    // Nothing but this loop changes priorities, pins or last uses meanwhile, so one refresh serves every newcomer.
     int admitted = 0;
-    size_t v = 0;
-    for (size_t ci = 0; ci < incoming_.size(); ++ci) {
-        const Candidate & c = incoming_[ci];
-        // Free bytes first, then victims in order; decline (and stop: the rest rank lower) when none is left or,
-        // for bypass policies, when the newcomer does not outrank the victim.
-        const size_t first_victim = v;
-        double freed = 0.0;
-        bool ok = true;
-        while (used_ - freed + need > budget_ * (1.0 + 1e-12)) {
-            if (v >= victims_.size() || (policy_->bypass() && c.priority <= victims_[v].priority)) {
-                ok = false;
+    bool refreshed = false;
+    try {
+        for (size_t ci = 0; ci < incoming_.size(); ++ci) {
+            const Candidate & c = incoming_[ci];
+            if (!choose_victims(need, c.priority, refreshed)) {
+                // The rest rank no higher and face the same victims: declined too.
+                stats_.declined += static_cast<int64_t>(incoming_.size() - ci);
                 break;
             }
-            freed += bytes_[victims_[v].key / n_experts_];
-            ++v;
+            admit_key(c.key, c.priority, c.ready_s, by_prefetch);
+            ++admitted;
         }
-        if (!ok) {
-            stats_.declined += static_cast<int64_t>(incoming_.size() - ci);
-            break;
-        }
-        for (size_t i = first_victim; i < v; ++i) {
-            remove(victims_[i].key);
-            if (record_evicted_) evicted_.push_back(victims_[i].key);
-            ++stats_.evictions;
-        }
-        insert(c.key, c.ready_s, by_prefetch);
-        ++stats_.admissions;
-        ++admitted;
+    } catch (...) {
+        // A Python policy's priorities() may throw during a refresh: leave no pin behind.
+        tree_valid_ = false;
+        for (const Candidate & c : incoming_) --entries_[c.key].pins;
+        throw;
+    }
+    tree_valid_ = false;
+    for (const Candidate & c : incoming_) {
+        Entry & en = entries_[c.key];
+        if (--en.pins == 0 && en.resident) order_add(c.key, true, c.priority);
     }
     return admitted;
 }
 
-void ExpertCache::pin(int layer, int expert) { ++entry(layer, expert).pins; }
+void ExpertCache::pin(int layer, int expert) {
+    Entry & en = entry(layer, expert);
+    if (en.pins++ == 0 && en.resident) order_drop(static_cast<int64_t>(layer) * n_experts_ + expert);
+}
 
 void ExpertCache::unpin(int layer, int expert) {
     Entry & en = entry(layer, expert);
@@ -430,7 +526,11 @@ void ExpertCache::unpin(int layer, int expert) {
         throw std::logic_error("ExpertCache.unpin: (layer " + std::to_string(layer) + ", expert " +
                                std::to_string(expert) + ") is not pinned");
     }
-    --en.pins;
+    if (--en.pins == 0 && en.resident) {
+        // Back among the candidates; its priority is read only for an order kept fresh (no Python call otherwise).
+        const bool keep = fresh(layer);
+        order_add(static_cast<int64_t>(layer) * n_experts_ + expert, keep, keep ? policy_->priority(layer, expert) : 0.0);
+    }
 }
 
 void ExpertCache::evict(int layer, int expert) {
@@ -452,7 +552,7 @@ int ExpertCache::fill(const std::vector<int64_t> & keys) {
         }
         const double need = bytes_[key / n_experts_];
         if (entries_[key].resident || need <= 0.0 || used_ + need > budget_ * (1.0 + 1e-12)) continue;
-        insert(key, 0.0, false);
+        insert(key, 0.0, false, false, 0.0);
         ++n;
     }
     return n;

@@ -59,6 +59,31 @@ public:
     virtual void prepare(const FutureAccesses & future) { (void)future; }
     /// True when the policy needs `prepare` before a run.
     virtual bool clairvoyant() const { return false; }
+
+    /// True when priority(layer, e) changes only where the policy says so through `touch(layer)` (built-in
+    /// policies: in observe of that layer, set_score, reset, prepare). The cache then keeps its eviction order
+    /// per layer and re-reads a layer only after its revision moved. False (the default, and every Python
+    /// subclass) makes the cache re-read every resident's priority at each admission that needs a victim.
+    virtual bool tracks_changes() const { return false; }
+    /// Counter that grows whenever priorities of `layer` may have changed (only meaningful with tracks_changes).
+    uint64_t revision(int layer) const {
+        return rev_all_ + (static_cast<size_t>(layer) < rev_layer_.size() ? rev_layer_[layer] : 0);
+    }
+
+protected:
+    /// Marks the priorities of one layer (layer < 0: all layers) as changed.
+    void touch(int layer) {
+        if (layer < 0) {
+            ++rev_all_;
+            return;
+        }
+        if (static_cast<size_t>(layer) >= rev_layer_.size()) rev_layer_.resize(static_cast<size_t>(layer) + 1, 0);
+        ++rev_layer_[layer];
+    }
+
+private:
+    uint64_t rev_all_ = 0;
+    std::vector<uint64_t> rev_layer_;
 };
 
 /// MRS, "minus recent score" (HybriMoE §IV.D): S[e] <- alpha * TopP(s)[e] + (1 - alpha) * S[e] for every expert
@@ -75,6 +100,7 @@ public:
     void priorities(const int64_t * keys, size_t n, int, double * out) override {
         for (size_t i = 0; i < n; ++i) out[i] = score_[keys[i]];
     }
+    bool tracks_changes() const override { return true; }
     double score(int layer, int expert) const;
     void set_score(int layer, int expert, double s);
 
@@ -94,6 +120,7 @@ public:
     std::string name() const override { return "lru"; }
     double priority(int, int) override { return 0.0; }
     void priorities(const int64_t *, size_t n, int, double * out) override { std::fill(out, out + n, 0.0); }
+    bool tracks_changes() const override { return true; }
 };
 
 /// LFU: priority = number of (ubatch, layer) activations seen so far; ties LRU.
@@ -106,6 +133,7 @@ public:
     void priorities(const int64_t * keys, size_t n, int, double * out) override {
         for (size_t i = 0; i < n; ++i) out[i] = count_[keys[i]];
     }
+    bool tracks_changes() const override { return true; }
 
 private:
     int n_experts_ = 0;
@@ -122,6 +150,7 @@ public:
     void reset(int n_layers, int n_experts) override;
     double priority(int layer, int expert) override;
     bool admit(int layer, int expert) override;
+    bool tracks_changes() const override { return true; }
 
 private:
     std::vector<int64_t> keys_;
@@ -142,6 +171,8 @@ public:
     double priority(int layer, int expert) override;
     bool bypass() const override { return true; }
     bool clairvoyant() const override { return true; }
+    /// A key's next uses move only when its layer is observed (time = step * n_layers + layer).
+    bool tracks_changes() const override { return true; }
 
 private:
     FutureAccesses future_;
@@ -230,12 +261,15 @@ private:
         bool prefetched_unused = false;
         int32_t pins = 0;
         int32_t slot = -1;       // index into resident_
+        int32_t member = -1;     // index into members_[layer]
         int64_t last_use = -1;
         double ready_s = 0.0;
     };
     const Entry & entry(int layer, int expert) const;
     Entry & entry(int layer, int expert);
-    void insert(int64_t key, double ready_s, bool by_prefetch);
+    /// Makes key resident. keep_order: p is its current priority and it is placed in its layer's order when that
+    /// order is fresh; otherwise (or when the order is stale) the layer is marked stale.
+    void insert(int64_t key, double ready_s, bool by_prefetch, bool keep_order, double p);
     void remove(int64_t key);
 
     std::vector<double> bytes_;
@@ -246,15 +280,62 @@ private:
     std::vector<Entry> entries_;
     std::vector<int64_t> resident_;
     std::vector<int64_t> evicted_;
+    // Eviction order, per layer: the layer's unpinned residents ascending by (priority, last_use, slot), i.e. the
+    // victim first (members_ holds all its residents). The slot (position in resident_) breaks full ties exactly
+    // as a scan of resident_ in slot order keeping the first strict minimum would. A stale layer's order is
+    // rebuilt from members_ before it is needed; a layer goes stale on an access of one of its residents, on a
+    // policy revision of its layer, or (policies without tracks_changes) at every admission that needs a victim.
+    struct Rank {
+        double p;
+        int64_t last_use;
+        int32_t slot;
+        int64_t key;
+    };
+    static bool rank_less(const Rank & a, const Rank & b) {
+        if (a.p != b.p) return a.p < b.p;
+        if (a.last_use != b.last_use) return a.last_use < b.last_use;
+        return a.slot < b.slot;
+    }
+    /// Priority as ordered: NaN counts as -infinity (evicted first) so the order stays a strict weak order.
+    static double order_priority(double p) { return p == p ? p : -std::numeric_limits<double>::infinity(); }
+    bool fresh(int layer) const { return tracks_ && !stale_[layer] && seen_rev_[layer] == policy_->revision(layer); }
+    void refresh(int layer);
+    /// Puts an unpinned resident into its layer's order (sorted when fresh, else marks the layer stale).
+    void order_add(int64_t key, bool keep_order, double p);
+    /// Takes key out of its layer's order, if there.
+    void order_drop(int64_t key);
+    /// Layer holding the least head among layers a and b (-1: none).
+    int32_t better_layer(int32_t a, int32_t b) const;
+    /// Recomputes layer's leaf of the tournament tree over layer heads and its path (no-op unless tree_valid_).
+    void head_changed(int layer);
+    /// Picks unpinned victims for `need` bytes in eviction order without removing them (none when they fit).
+    /// False (victims_ then meaningless) when not enough unpinned bytes exist or, for bypass policies, when
+    /// `incoming` does not outrank a victim. Brings every layer's order up to date first unless `refreshed`
+    /// (then sets it): callers that change nothing else between calls refresh once.
+    bool choose_victims(double need, double incoming, bool & refreshed);
+    /// admit() after the checks: evict victims_ (from choose_victims) and insert.
+    void admit_key(int64_t key, double p, double ready_s, bool by_prefetch);
+    std::vector<std::vector<Rank>> order_;
+    std::vector<std::vector<int64_t>> members_;
+    bool tracks_ = false;
+    std::vector<uint8_t> stale_;
+    std::vector<uint64_t> seen_rev_;
+    std::vector<int32_t> cursor_;       // per layer: how many of its order are chosen in this admission
+    // Tournament tree over the layers' heads (order_[l][cursor_[l]]), root tree_[1] = the layer of the global
+    // victim; valid only inside one admit / admit_batch call, where orders change only by evictions.
+    std::vector<int32_t> tree_;
+    int32_t tree_leaves_ = 1;
+    bool tree_valid_ = false;
+    std::vector<int32_t> touched_;
+    std::vector<int64_t> victims_;
+    std::vector<int64_t> rank_keys_;
+    std::vector<double> rank_p_;
     struct Candidate {
         double priority;
-        int64_t last_use;
         int64_t key;
         double ready_s;
     };
-    std::vector<Candidate> incoming_, victims_;
-    std::vector<int64_t> scan_keys_;
-    std::vector<double> scan_priority_;
+    std::vector<Candidate> incoming_;
     int64_t clock_ = 0;
     bool record_evicted_ = false;
     CacheStats stats_;

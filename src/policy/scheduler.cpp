@@ -41,26 +41,36 @@ void LayerInput::set_routing(const int32_t * ids, int n_tokens_, int top_k, int 
     if (n_tokens_ < 1 || top_k < 1 || n_experts < 1) {
         throw std::invalid_argument("set_routing: n_tokens, top_k and n_experts must be >= 1");
     }
+    // One pass over the ids: pos[e] = index of expert e in first-appearance order (-1 until seen). experts and
+    // loads are sized to n_experts up front and trimmed at the end, so the loop never grows a vector.
     thread_local std::vector<int32_t> pos;
     pos.assign(static_cast<size_t>(n_experts), -1);
-    experts.clear();
-    loads.clear();
-    experts.reserve(static_cast<size_t>(n_experts));
-    loads.reserve(static_cast<size_t>(n_experts));
-    for (int i = 0; i < n_tokens_ * top_k; ++i) {
+    experts.resize(static_cast<size_t>(n_experts));
+    loads.resize(static_cast<size_t>(n_experts));
+    int32_t * ex = experts.data();
+    int32_t * ld = loads.data();
+    int32_t * ps = pos.data();
+    int32_t k = 0;
+    const int n_ids = n_tokens_ * top_k;
+    for (int i = 0; i < n_ids; ++i) {
         const int32_t e = ids[i];
-        if (e < 0 || e >= n_experts) {
+        if (static_cast<uint32_t>(e) >= static_cast<uint32_t>(n_experts)) {
+            experts.clear();
+            loads.clear();
             throw std::invalid_argument("set_routing: expert id " + std::to_string(e) + " at token " +
                                         std::to_string(i / top_k) + " is outside 0.." +
                                         std::to_string(n_experts - 1));
         }
-        if (pos[e] < 0) {
-            pos[e] = static_cast<int32_t>(experts.size());
-            experts.push_back(e);
-            loads.push_back(0);
+        int32_t p = ps[e];
+        if (p < 0) {
+            p = ps[e] = k++;
+            ex[p] = e;
+            ld[p] = 0;
         }
-        loads[pos[e]] += 1;
+        ++ld[p];
     }
+    experts.resize(static_cast<size_t>(k));
+    loads.resize(static_cast<size_t>(k));
     n_tokens = n_tokens_;
     cached.assign(experts.size(), 0);
     ready_s.assign(experts.size(), 0.0);
@@ -68,37 +78,65 @@ void LayerInput::set_routing(const int32_t * ids, int n_tokens_, int top_k, int 
 
 namespace {
 
-// Indices 0..k-1 ordered by load descending, ties by expert id (deterministic).
+// Indices 0..k-1 ordered by load descending, ties by expert id ascending (deterministic). Sorts (key, index)
+// pairs whose 64-bit key encodes both criteria, so the comparison is one integer compare without indirection.
 void order_by_load_desc(const LayerInput & in, std::vector<int32_t> & idx) {
-    idx.resize(in.size());
-    std::iota(idx.begin(), idx.end(), 0);
-    std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) {
-        if (in.loads[a] != in.loads[b]) {
-            return in.loads[a] > in.loads[b];
-        }
-        return in.experts[a] < in.experts[b];
-    });
+    thread_local std::vector<std::pair<uint64_t, int32_t>> keyed;
+    const size_t k = in.size();
+    keyed.resize(k);
+    for (size_t i = 0; i < k; ++i) {
+        // Flipping the sign bit maps int32 order onto uint32 order (valid for any value, validated or not);
+        // UINT32_MAX minus that turns load ascending into descending.
+        const uint64_t hi = 0xFFFFFFFFull - (static_cast<uint32_t>(in.loads[i]) ^ 0x80000000u);
+        const uint64_t lo = static_cast<uint32_t>(in.experts[i]) ^ 0x80000000u;
+        keyed[i] = {(hi << 32) | lo, static_cast<int32_t>(i)};
+    }
+    std::sort(keyed.begin(), keyed.end(),
+              [](const std::pair<uint64_t, int32_t> & a, const std::pair<uint64_t, int32_t> & b) {
+                  return a.first < b.first;
+              });
+    idx.resize(k);
+    for (size_t r = 0; r < k; ++r) idx[r] = keyed[r].second;
 }
+
+// evaluate_plan on a precomputed order `idx` (order_by_load_desc of `in`): plan() sorts once for its three
+// evaluations and the greedy split.
+double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
+                        const std::vector<int32_t> & idx, SchedulePlan & out);
 
 }  // namespace
 
 double evaluate_plan(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
                      SchedulePlan & out) {
-    const size_t k = in.size();
-    if (on_gpu.size() != k) {
+    if (on_gpu.size() != in.size()) {
         throw std::invalid_argument("evaluate_plan: on_gpu has " + std::to_string(on_gpu.size()) +
-                                    " entries for " + std::to_string(k) + " activated experts");
+                                    " entries for " + std::to_string(in.size()) + " activated experts");
     }
     thread_local std::vector<int32_t> idx;
-    thread_local std::vector<std::pair<double, int32_t>> gpu_tasks;
     order_by_load_desc(in, idx);
+    return evaluate_ordered(in, cost, on_gpu, idx, out);
+}
+
+namespace {
+
+double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
+                        const std::vector<int32_t> & idx, SchedulePlan & out) {
+    const size_t k = in.size();
+    // A GPU task: release time, rank r in idx (load-descending order), LayerInput index.
+    struct Task {
+        double ready;
+        int32_t r;
+        int32_t i;
+    };
+    thread_local std::vector<Task> cached_tasks, copied_tasks, gpu_tasks;
     if (&out.on_gpu != &on_gpu) {
         out.on_gpu = on_gpu;
     }
     out.cpu_experts.clear();
     out.gpu_experts.clear();
     out.load_experts.clear();
-    gpu_tasks.clear();
+    cached_tasks.clear();
+    copied_tasks.clear();
 
     // CPU queue order of the paper: uncached lowest load first, then cached lowest load first.
     double t_cpu = 0.0;
@@ -124,24 +162,30 @@ double evaluate_plan(const LayerInput & in, const CostModel & cost, const std::v
             continue;
         }
         if (in.cached[i]) {
-            gpu_tasks.emplace_back(in.ready_s[i], i);
+            cached_tasks.push_back({in.ready_s[i], static_cast<int32_t>(r), i});
         } else {
             t_link += h2d;
             out.load_experts.push_back(in.experts[i]);
-            gpu_tasks.emplace_back(t_link, i);
+            copied_tasks.push_back({t_link, static_cast<int32_t>(r), i});
         }
     }
-    // Earliest ready first; stable keeps highest load first among equals.
-    std::stable_sort(gpu_tasks.begin(), gpu_tasks.end(),
-                     [](const std::pair<double, int32_t> & a, const std::pair<double, int32_t> & b) {
-                         return a.first < b.first;
-                     });
+    // GPU order: earliest ready first, ties in idx order (highest load first), i.e. ascending (ready, r). Copied
+    // tasks are already in that order (copy ends grow with r); cached ones usually are (all ready at 0), else a
+    // stable sort by ready keeps r order among equals. Merging the two on (ready, r) gives that total order.
+    auto earlier = [](const Task & a, const Task & b) { return a.ready < b.ready || (a.ready == b.ready && a.r < b.r); };
+    if (!std::is_sorted(cached_tasks.begin(), cached_tasks.end(), earlier)) {
+        std::stable_sort(cached_tasks.begin(), cached_tasks.end(),
+                         [](const Task & a, const Task & b) { return a.ready < b.ready; });
+    }
+    gpu_tasks.resize(cached_tasks.size() + copied_tasks.size());
+    std::merge(cached_tasks.begin(), cached_tasks.end(), copied_tasks.begin(), copied_tasks.end(), gpu_tasks.begin(),
+               earlier);
     double t_gpu = 0.0;
     if (!gpu_tasks.empty()) {
         t_gpu = cost.act(in.n_tokens);
-        for (const auto & task : gpu_tasks) {
-            t_gpu = std::max(t_gpu, task.first) + cost.gpu(in.loads[task.second]);
-            out.gpu_experts.push_back(in.experts[task.second]);
+        for (const Task & task : gpu_tasks) {
+            t_gpu = std::max(t_gpu, task.ready) + cost.gpu(in.loads[task.i]);
+            out.gpu_experts.push_back(in.experts[task.i]);
         }
     }
     out.cpu_end_s = t_cpu;
@@ -150,6 +194,8 @@ double evaluate_plan(const LayerInput & in, const CostModel & cost, const std::v
     out.makespan_s = std::max(t_cpu, t_gpu);
     return out.makespan_s;
 }
+
+}  // namespace
 
 std::vector<uint8_t> assign_slots(const LayerInput & in, const SchedulePlan & plan, const int32_t * ids,
                                   int n_tokens, int top_k) {
@@ -184,11 +230,16 @@ void SchedulePolicy::plan(const LayerInput & in, const CostModel & cost, Schedul
 }
 
 void HybriMoEScheduler::greedy_split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu) {
+    order_by_load_desc(in, by_load_desc_);
+    greedy_ordered(in, cost, by_load_desc_, on_gpu);
+}
+
+void HybriMoEScheduler::greedy_ordered(const LayerInput & in, const CostModel & cost,
+                                       const std::vector<int32_t> & desc, std::vector<uint8_t> & on_gpu) {
     const int k = static_cast<int>(in.size());
     on_gpu.assign(k, 0);
     done_.assign(k, 0);
-    order_by_load_desc(in, by_load_asc_);
-    std::reverse(by_load_asc_.begin(), by_load_asc_.end());
+    by_load_asc_.assign(desc.rbegin(), desc.rend());
     const std::vector<int32_t> & asc = by_load_asc_;
 
     const double inf = std::numeric_limits<double>::infinity();
@@ -241,13 +292,15 @@ void HybriMoEScheduler::split(const LayerInput & in, const CostModel & cost, std
 }
 
 void HybriMoEScheduler::plan(const LayerInput & in, const CostModel & cost, SchedulePlan & out) {
-    greedy_split(in, cost, trial_);
-    evaluate_plan(in, cost, trial_, out);
+    // One sort serves the greedy split and all three evaluations.
+    order_by_load_desc(in, by_load_desc_);
+    greedy_ordered(in, cost, by_load_desc_, trial_);
+    evaluate_ordered(in, cost, trial_, by_load_desc_, out);
     out.method = "greedy";
     // Documented improvement over the paper: never worse than either trivial plan.
     for (int trivial = 0; trivial < 2; ++trivial) {
         trial_.assign(in.size(), static_cast<uint8_t>(trivial));
-        if (evaluate_plan(in, cost, trial_, scratch_) < out.makespan_s) {
+        if (evaluate_ordered(in, cost, trial_, by_load_desc_, scratch_) < out.makespan_s) {
             std::swap(out, scratch_);
             out.method = trivial ? "all_gpu" : "all_cpu";
         }
@@ -287,6 +340,7 @@ void ExhaustiveScheduler::split(const LayerInput & in, const CostModel & cost, s
 
 void ExhaustiveScheduler::plan(const LayerInput & in, const CostModel & cost, SchedulePlan & out) {
     const size_t k = in.size();
+    order_by_load_desc(in, order_);  // one sort for every evaluation below
     if (static_cast<int>(k) <= max_exhaustive_) {
         uint32_t best_mask = 0;
         double best = std::numeric_limits<double>::infinity();
@@ -295,7 +349,7 @@ void ExhaustiveScheduler::plan(const LayerInput & in, const CostModel & cost, Sc
             for (size_t i = 0; i < k; ++i) {
                 trial_[i] = static_cast<uint8_t>((mask >> i) & 1u);
             }
-            const double m = evaluate_plan(in, cost, trial_, scratch_);
+            const double m = evaluate_ordered(in, cost, trial_, order_, scratch_);
             if (m < best) {
                 best = m;
                 best_mask = mask;
@@ -304,7 +358,7 @@ void ExhaustiveScheduler::plan(const LayerInput & in, const CostModel & cost, Sc
         for (size_t i = 0; i < k; ++i) {
             trial_[i] = static_cast<uint8_t>((best_mask >> i) & 1u);
         }
-        evaluate_plan(in, cost, trial_, out);
+        evaluate_ordered(in, cost, trial_, order_, out);
         out.method = "exhaustive";
         return;
     }
@@ -316,7 +370,7 @@ void ExhaustiveScheduler::plan(const LayerInput & in, const CostModel & cost, Sc
         bool improved = false;
         for (size_t i = 0; i < k; ++i) {
             trial_[i] ^= 1u;
-            const double m = evaluate_plan(in, cost, trial_, scratch_);
+            const double m = evaluate_ordered(in, cost, trial_, order_, scratch_);
             if (m < best * (1.0 - 1e-12)) {
                 best = m;
                 improved = true;
@@ -328,7 +382,7 @@ void ExhaustiveScheduler::plan(const LayerInput & in, const CostModel & cost, Sc
             break;
         }
     }
-    evaluate_plan(in, cost, trial_, out);
+    evaluate_ordered(in, cost, trial_, order_, out);
     out.method = "local_search";
 }
 

@@ -86,6 +86,11 @@ public:
     void greedy_split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu);
 
 private:
+    /// greedy_split on `desc`, the activated experts' indices by load descending (ties expert id ascending).
+    void greedy_ordered(const LayerInput & in, const CostModel & cost, const std::vector<int32_t> & desc,
+                        std::vector<uint8_t> & on_gpu);
+
+    std::vector<int32_t> by_load_desc_;
     std::vector<int32_t> by_load_asc_;
     std::vector<uint8_t> done_;
     std::vector<uint8_t> trial_;
@@ -132,6 +137,7 @@ public:
 
 private:
     int max_exhaustive_;
+    std::vector<int32_t> order_;
     HybriMoEScheduler start_;
     SchedulePlan scratch_;
     std::vector<uint8_t> trial_;
