@@ -101,6 +101,11 @@ def _run(args: argparse.Namespace) -> int:
         prompt_tokens = llm.tokenize(args.prompt.encode(), add_bos=True, special=False)
         tokens = generate_tokens(llm, prompt_tokens, args.n_predict, temp=args.temp, top_k=args.top_k,
                                  top_p=args.top_p, stream=sys.stdout if args.output_format == "text" else None)
+        unsupported = llm.moe_stats().get("unsupported", []) if args.moe_hook else []
+        if unsupported:
+            reasons = sorted({u["reason"] for u in unsupported})
+            print(f"hybrimoe: warning: {len(unsupported)} MoE layer(s) ran on upstream's path "
+                  f"({'; '.join(reasons)})", file=sys.stderr)
         if args.output_format == "json":
             text = llm.detokenize(tokens).decode("utf-8", errors="replace")
             json.dump({"prompt_tokens": prompt_tokens, "tokens": tokens, "text": text}, sys.stdout)

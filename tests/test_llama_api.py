@@ -118,7 +118,7 @@ def test_hook_detach_restores_upstream_graph(tiny_model, greedy):
     llm.close()
 
 
-def test_unsupported_expert_variant_stays_upstream(tiny_model, greedy):
+def test_unsupported_expert_variant_stays_upstream(tiny_model, greedy, tmp_path):
     """gpt-oss experts (biases, SwiGLU-OAI) are not the hook's: upstream's path, same tokens, reason reported."""
     from hybrimoe import Llama
 
@@ -134,3 +134,6 @@ def test_unsupported_expert_variant_stays_upstream(tiny_model, greedy):
     assert sum(stats["runs"]) == 0
     reasons = {u["reason"] for u in stats["unsupported"]}
     assert reasons and all(("bias" in r) or ("activation" in r) for r in reasons), reasons
+    cli = run_cli(["run", "-m", path, "-p", PROMPT, "-n", "4", "--temp", "0", "--moe-hook"], tmp_path)
+    assert cli.returncode == 0, cli.stderr
+    assert "warning:" in cli.stderr and "ran on upstream's path" in cli.stderr
