@@ -61,7 +61,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-hook", action="store_true",
                    help="install hybrimoe's MoE hook (CPU path; the engine's split comes with the engine)")
     p.add_argument("--output-format", choices=["text", "json"], default="text",
-                   help="text: stream the generated text; json: print {prompt_tokens, tokens, text} at the end")
+                   help="text: stream the generated text; json: print {prompt_tokens, tokens, text, n_ctx} at the end")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's log on stderr")
 
 
@@ -72,7 +72,19 @@ def _run(args: argparse.Namespace) -> int:
     if args.n_predict < 0:
         print("hybrimoe run: error: -n must be >= 0", file=sys.stderr)
         return 2
-    model = Path(args.model) if args.model else default_model_path()
+    for name, value, low in (("-t", args.threads, 1), ("-c", args.ctx_size, 0), ("-b", args.batch_size, 1),
+                             ("-ub", args.ubatch_size, 1)):
+        if value is not None and value < low:
+            print(f"hybrimoe run: error: {name} must be >= {low}, got {value}", file=sys.stderr)
+            return 2
+    if not 0.0 < args.top_p <= 1.0:
+        print(f"hybrimoe run: error: --top-p must be in (0, 1], got {args.top_p}", file=sys.stderr)
+        return 2
+    try:
+        model = Path(args.model) if args.model else default_model_path()
+    except OSError as e:
+        print(f"hybrimoe run: error: cannot write the default model: {e}", file=sys.stderr)
+        return 1
     from tqdm import tqdm
 
     from .llama import Llama
@@ -99,8 +111,17 @@ def _run(args: argparse.Namespace) -> int:
     bar.close()
     try:
         prompt_tokens = llm.tokenize(args.prompt.encode(), add_bos=True, special=False)
-        tokens = generate_tokens(llm, prompt_tokens, args.n_predict, temp=args.temp, top_k=args.top_k,
-                                 top_p=args.top_p, stream=sys.stdout if args.output_format == "text" else None)
+        if len(prompt_tokens) >= llm.n_ctx():
+            print(f"hybrimoe run: error: the prompt has {len(prompt_tokens)} tokens, the context holds "
+                  f"{llm.n_ctx()} (-c)", file=sys.stderr)
+            return 1
+        try:
+            tokens = generate_tokens(llm, prompt_tokens, args.n_predict, temp=args.temp, top_k=args.top_k,
+                                     top_p=args.top_p,
+                                     stream=sys.stdout if args.output_format == "text" else None)
+        except (RuntimeError, ValueError) as e:
+            print(f"\nhybrimoe run: error: generation failed: {e}", file=sys.stderr)
+            return 1
         unsupported = llm.moe_stats().get("unsupported", []) if args.moe_hook else []
         if unsupported:
             reasons = sorted({u["reason"] for u in unsupported})
@@ -108,7 +129,8 @@ def _run(args: argparse.Namespace) -> int:
                   f"({'; '.join(reasons)})", file=sys.stderr)
         if args.output_format == "json":
             text = llm.detokenize(tokens).decode("utf-8", errors="replace")
-            json.dump({"prompt_tokens": prompt_tokens, "tokens": tokens, "text": text}, sys.stdout)
+            json.dump({"prompt_tokens": prompt_tokens, "tokens": tokens, "text": text, "n_ctx": llm.n_ctx()},
+                      sys.stdout)
         sys.stdout.write("\n")
         sys.stdout.flush()
     finally:
@@ -118,7 +140,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def generate_tokens(llm, prompt_tokens: list[int], n_predict: int, *, temp: float = 0.0, top_k: int = 40,
                     top_p: float = 0.95, stream=None) -> list[int]:
-    """Generate up to ``n_predict`` tokens after ``prompt_tokens`` (stops at end-of-generation tokens).
+    """Generate up to ``n_predict`` tokens after ``prompt_tokens`` (stops at end-of-generation tokens and at
+    the end of the context).
 
     With ``stream`` (a text file), writes each token's text as it comes (UTF-8 decoded incrementally).
     Returns the generated token ids. Sampling as llama-cpp-python's ``Llama.generate`` (temp 0: greedy).
@@ -129,7 +152,9 @@ def generate_tokens(llm, prompt_tokens: list[int], n_predict: int, *, temp: floa
     vocab = lc.llama_model_get_vocab(llm._model.model)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out: list[int] = []
-    if n_predict == 0:
+    # stop at the context's end (llama-cpp-python would fail to find a KV slot)
+    n_predict = min(n_predict, llm.n_ctx() - len(prompt_tokens))
+    if n_predict <= 0:
         return out
     for tok in llm.generate(prompt_tokens, temp=temp, top_k=top_k, top_p=top_p, reset=True):
         if lc.llama_vocab_is_eog(vocab, tok):

@@ -47,7 +47,7 @@ def parse_tensor_overrides(spec: str | Sequence[str] | None) -> list[tuple[str, 
         items.extend(p for p in part.split(",") if p.strip())
     out = []
     for item in items:
-        pattern, sep, buft = item.strip().rpartition("=")
+        pattern, sep, buft = item.strip().partition("=")  # upstream splits at the first '='
         if not sep or not pattern or not buft:
             raise ValueError(f"tensor override {item!r} must be <tensor regex>=<buffer type>, e.g. exps=CPU")
         try:
@@ -81,10 +81,15 @@ def check_gguf(path: str | os.PathLike) -> None:
         ValueError: not a GGUF file, or truncated (tensor data past the end of the file).
     """
     p = os.fspath(path)
-    if not os.path.isfile(p):
+    if not os.path.exists(p):
         raise FileNotFoundError(f"model file not found: {p}")
-    with open(p, "rb") as f:
-        magic = f.read(4)
+    if not os.path.isfile(p):
+        raise ValueError(f"{p}: not a regular file")
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ValueError(f"{p}: cannot read the model file: {e.strerror}") from None
     if magic != b"GGUF":
         raise ValueError(f"{p}: not a GGUF file (magic {magic!r})")
     import gguf

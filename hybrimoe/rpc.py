@@ -63,7 +63,7 @@ class RPCServer:
         cmd = [str(SERVER_BIN), "--device", self.device, "-H", "127.0.0.1", "-p", str(self.port),
                "-t", str(self.threads)]
         self.proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=dict(os.environ))
+                                     env=dict(os.environ), preexec_fn=_die_with_parent)
         os.close(fd)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
@@ -100,6 +100,17 @@ class RPCServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    # Linux: the server gets SIGTERM when the process that started it dies (a crashed test run leaks nothing)
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
 
 
 def _listening(port: int) -> bool:

@@ -398,10 +398,14 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
         raise ValueError(f"n_expert must be in 1..256, got {E}")
     if not 1 <= k <= E:
         raise ValueError(f"n_expert_used must be in 1..n_expert ({E}), got {k}")
+    if n_head < 1:
+        raise ValueError(f"n_head must be >= 1, got {n_head}")
     if D % n_head:
         raise ValueError(f"n_embd ({D}) must be a multiple of n_head ({n_head})")
-    if router_margin <= 0:
-        raise ValueError("router_margin must be > 0")
+    if not np.isfinite(router_margin) or router_margin <= 0:
+        raise ValueError(f"router_margin must be a finite number > 0, got {router_margin}")
+    if not np.isfinite(residual_scale) or residual_scale < 0:
+        raise ValueError(f"residual_scale must be a finite number >= 0, got {residual_scale}")
     if arch in ("qwen2moe", "deepseek2"):
         if ns < 1:
             raise ValueError(f"{arch} needs n_shared >= 1")
@@ -422,18 +426,26 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
     n_head_kv = n_head if arch == "olmoe" else max(1, n_head // 2)
     s = float(residual_scale)
 
-    if qspec is None:
-        _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d, tokenizer,
-               router_margin, s, n_ctx_train)
-        return path
-    fd, tmp = tempfile.mkstemp(suffix=".f32.gguf", dir=str(path.parent))
+    # write next to the target and rename at the end: a failure never leaves a damaged file at `path`
+    fd, out_tmp = tempfile.mkstemp(suffix=".tmp.gguf", dir=str(path.parent))
     os.close(fd)
     try:
-        _write(Path(tmp), gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d, tokenizer,
-               router_margin, s, n_ctx_train)
-        quantize_gguf(tmp, path, qspec[0], qspec[1])
+        if qspec is None:
+            _write(Path(out_tmp), gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d,
+                   tokenizer, router_margin, s, n_ctx_train)
+        else:
+            fd, tmp = tempfile.mkstemp(suffix=".f32.gguf", dir=str(path.parent))
+            os.close(fd)
+            try:
+                _write(Path(tmp), gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d,
+                       tokenizer, router_margin, s, n_ctx_train)
+                quantize_gguf(tmp, out_tmp, qspec[0], qspec[1])
+            finally:
+                os.unlink(tmp)
+        os.replace(out_tmp, path)
     finally:
-        os.unlink(tmp)
+        if os.path.exists(out_tmp):
+            os.unlink(out_tmp)
     return path
 
 

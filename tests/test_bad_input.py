@@ -94,3 +94,37 @@ def test_import_hybrimoe_first_then_llama_cpp_uses_our_lib(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "ok"]
+
+
+def test_generation_stops_at_context_end(tiny_model, tmp_path):
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    r = run_cli(["run", "-m", path, "-p", "hello there", "-n", "500", "-c", "64", "--temp", "0",
+                 "--output-format", "json"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    out = json.loads(r.stdout)
+    assert 64 <= out["n_ctx"] < 503  # llama.cpp may round the context up
+    assert len(out["prompt_tokens"]) + len(out["tokens"]) == out["n_ctx"]
+    r = run_cli(["run", "-m", path, "-p", "hello " * 600, "-c", "64"], tmp_path)
+    assert r.returncode == 1 and f"context holds {out['n_ctx']}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_override_split_at_first_equals_as_upstream(tiny_model):
+    from hybrimoe import Llama
+
+    with pytest.raises(ValueError, match="unknown buffer type 'CPU=CPU'"):
+        Llama(str(tiny_model("qwen3moe", "Q8_0")), verbose=False, tensor_buft_overrides="exps=CPU=CPU")
+
+
+def test_make_tiny_model_failure_keeps_existing_file(tmp_path):
+    from hybrimoe.tiny import make_tiny_model
+
+    target = tmp_path / "keep.gguf"
+    target.write_bytes(b"precious")
+    with pytest.raises(ValueError):
+        make_tiny_model(target, "qwen3moe", n_head=0)
+    with pytest.raises(ValueError):
+        make_tiny_model(target, "qwen3moe", router_margin=float("nan"))
+    assert target.read_bytes() == b"precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.gguf"]  # no temporary file left
