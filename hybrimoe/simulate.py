@@ -247,6 +247,35 @@ def format_table(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def _check_outputs(json_path, plot_dir) -> None:
+    """Fail before a long run, not after it, when an output cannot be written.
+
+    Raises:
+        ValueError: the JSON path is a directory or its folder is missing or not writable; the plot path is
+            an existing file or cannot be created.
+    """
+    import os
+    from pathlib import Path
+
+    if json_path:
+        p = Path(json_path)
+        if p.is_dir():
+            raise ValueError(f"--json {p}: is a directory")
+        parent = p.parent if str(p.parent) else Path(".")
+        if not parent.is_dir() or not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+            raise ValueError(f"--json {p}: cannot write there")
+    if plot_dir:
+        d = Path(plot_dir)
+        if d.exists() and not d.is_dir():
+            raise ValueError(f"--plot {d}: exists and is not a directory")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--plot {d}: cannot create the directory: {e.strerror}") from None
+        if not os.access(d, os.W_OK):
+            raise ValueError(f"--plot {d}: cannot write there")
+
+
 def run(args) -> int:
     """Runs ``hybrimoe simulate``; returns the exit status (0 ok, 2 bad input)."""
     try:
@@ -256,6 +285,7 @@ def run(args) -> int:
         for n in names:
             pol.system_preset(n)
         recall = _positive_recall(args.recall, args.prefetch_depth)
+        _check_outputs(args.json, args.plot)
         hw = pol.load_hardware(args.hardware)
         trace = load_trace(args.trace or default_trace_path(), model=args.model)
         cm = pol.load_cost_model(args.cost_model) if args.cost_model else None

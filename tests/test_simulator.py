@@ -188,3 +188,22 @@ def test_command_on_the_dsv2lite_trace(tmp_path, capsys):
         for key in ("policy", "hit_rate", "tokens_per_s", "ttft_s", "bytes_h2d"):
             assert key in r
     assert "| hybrimoe |" in capsys.readouterr().out
+
+
+def test_simulate_checks_outputs_before_running(tmp_path, capsys):
+    """Unwritable outputs are reported before the (long) simulation, as bad input (exit 2)."""
+    import argparse
+
+    from hybrimoe import simulate
+
+    parser = argparse.ArgumentParser()
+    simulate.add_arguments(parser)
+    afile = tmp_path / "f.txt"
+    afile.write_text("x")
+    for extra in (["--json", str(tmp_path)], ["--json", str(tmp_path / "no" / "such" / "x.json")],
+                  ["--plot", str(afile)]):
+        args = parser.parse_args(["--trace", str(tmp_path / "missing.npz"), "--no-progress", *extra])
+        assert simulate.run(args) == 2
+        err = capsys.readouterr().err
+        assert ("--json" in err or "--plot" in err) and "missing.npz" not in err
+    assert afile.read_text() == "x"
