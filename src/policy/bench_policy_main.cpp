@@ -128,12 +128,7 @@ int main(int argc, char ** argv) {
         in.layer = l;
         in.set_routing(ids.data(), n_tokens, top_k, n_experts);
         in.expert_bytes = expert_bytes;
-        obs.layer = l;
-        obs.n_tokens = n_tokens;
-        obs.top_k = top_k;
-        obs.n_experts = n_experts;
-        obs.experts = in.experts;
-        obs.loads = in.loads;
+        obs.set_routed(l, n_tokens, top_k, n_experts, in.experts, in.loads);
         cache.observe(obs);
         for (size_t i = 0; i < in.size(); ++i) {
             cache.access(l, in.experts[i]);

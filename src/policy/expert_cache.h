@@ -22,6 +22,18 @@ struct LayerObservation {
     std::vector<int32_t> experts;  ///< activated experts, distinct
     std::vector<int32_t> loads;    ///< tokens per activated expert
     std::vector<float> scores;     ///< optional router probabilities
+
+    /// Sets the routing part of the observation: shape and the activated experts with their loads
+    /// (as LayerInput::set_routing computed them).
+    void set_routed(int layer_, int n_tokens_, int top_k_, int n_experts_, const std::vector<int32_t> & experts_,
+                    const std::vector<int32_t> & loads_) {
+        layer = layer_;
+        n_tokens = n_tokens_;
+        top_k = top_k_;
+        n_experts = n_experts_;
+        experts = experts_;
+        loads = loads_;
+    }
 };
 
 /// Future uses for clairvoyant policies: uses[layer * n_experts + expert] = increasing access times

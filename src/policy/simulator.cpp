@@ -173,12 +173,7 @@ void load_layer(const Trace & trace, const Step & st, int l, int64_t si, std::ve
     in.set_routing(ids32.data(), n, K, trace.n_experts);
     in.expert_bytes = trace.expert_bytes[l];
     obs.step = si;
-    obs.layer = l;
-    obs.n_tokens = n;
-    obs.top_k = K;
-    obs.n_experts = trace.n_experts;
-    obs.experts = in.experts;
-    obs.loads = in.loads;
+    obs.set_routed(l, n, K, trace.n_experts, in.experts, in.loads);
     obs.scores.clear();
     if (!trace.scores.empty()) {
         const int E = trace.n_experts;
