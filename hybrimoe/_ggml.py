@@ -98,25 +98,22 @@ def rpc_reg() -> int:
 def add_rpc_server(endpoint: str) -> list[int]:
     """Register the devices of an RPC server ``HOST:PORT`` (upstream ``--rpc``); returns their device pointers.
 
-    Idempotent per endpoint. Connects once first, since ggml's RPC client aborts the process on a server
-    that is not there.
+    Idempotent per endpoint. Checks first, with a HELLO handshake of its own bounded by
+    ``$HYBRIMOE_RPC_TIMEOUT_S`` (default 5 s), that a ggml RPC server of our protocol answers there: ggml's
+    RPC client, before hybrimoe patch 0003, aborts the process on an endpoint that is not a server and waits
+    forever on one that never answers; with the patch it fails with a log line, and this gives the reason.
 
     Raises:
-        ValueError: the endpoint is not ``HOST:PORT``.
-        RuntimeError: nothing listens there.
+        ValueError: the endpoint is not ``HOST:PORT``, or what listens there is not a ggml RPC server of our
+            protocol (no valid HELLO reply within the timeout).
+        RuntimeError: nothing listens there, or the RPC backend could not add the server.
     """
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"RPC endpoint must be HOST:PORT, got {endpoint!r}")
     g = libggml()
     if endpoint not in _registered_endpoints:
-        # ggml's RPC client aborts the process when it cannot connect: check first
-        import socket
-
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
-        except OSError as e:
-            raise RuntimeError(f"RPC server {endpoint} is not reachable: {e}") from None
+        _check_rpc_server(endpoint, host.strip("[]"), int(port))
         reg = rpc_reg()
         fn_addr = g.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server")
         if not fn_addr:
@@ -124,11 +121,62 @@ def add_rpc_server(endpoint: str) -> list[int]:
         add_server = ctypes.CFUNCTYPE(_p, ctypes.c_char_p)(fn_addr)
         server_reg = add_server(endpoint.encode())
         if not server_reg:
-            raise RuntimeError(f"could not add RPC server {endpoint}")
+            raise RuntimeError(f"could not add RPC server {endpoint} (see the ggml log above)")
         g.ggml_backend_register(server_reg)
         _registered_endpoints[endpoint] = server_reg
     server_reg = _registered_endpoints[endpoint]
     return [d["ptr"] for d in devices() if g.ggml_backend_dev_backend_reg(d["ptr"]) == server_reg]
+
+
+# ggml RPC protocol (ggml-rpc.cpp / ggml-rpc.h of the pinned llama.cpp): HELLO is command 14; its request is
+# conn_caps[24], its reply major, minor, patch, padding, conn_caps[24]; sizes are uint64 little-endian.
+RPC_CMD_HELLO = 14
+RPC_PROTO_MAJOR_VERSION, RPC_PROTO_MINOR_VERSION = 7, 0
+_RPC_CONN_CAPS_SIZE = 24
+
+
+def rpc_timeout_s() -> float:
+    """Seconds allowed to connect to an RPC server and get its HELLO reply (``$HYBRIMOE_RPC_TIMEOUT_S``, 5)."""
+    import os
+
+    try:
+        t = float(os.environ.get("HYBRIMOE_RPC_TIMEOUT_S") or 5.0)
+    except ValueError:
+        t = 5.0
+    return t if t > 0 else 5.0
+
+
+def _check_rpc_server(endpoint: str, host: str, port: int) -> None:
+    """HELLO handshake with ``endpoint`` (then disconnect: the server serves one client at a time)."""
+    import socket
+    import struct
+
+    timeout = rpc_timeout_s()
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as e:
+        raise RuntimeError(f"RPC server {endpoint} is not reachable: {e}") from None
+    reply, want = b"", 8 + 4 + _RPC_CONN_CAPS_SIZE
+    try:
+        with sock:
+            sock.sendall(struct.pack("<BQ", RPC_CMD_HELLO, _RPC_CONN_CAPS_SIZE) + bytes(_RPC_CONN_CAPS_SIZE))
+            while len(reply) < want:
+                chunk = sock.recv(want - len(reply))
+                if not chunk:
+                    break
+                reply += chunk
+    except socket.timeout:
+        raise ValueError(f"{endpoint} is not a ggml RPC server: no reply to the RPC handshake within "
+                         f"{timeout:g} s (HYBRIMOE_RPC_TIMEOUT_S sets the timeout)") from None
+    except OSError as e:
+        raise ValueError(f"{endpoint} is not a ggml RPC server: the RPC handshake failed: {e}") from None
+    if len(reply) < want or struct.unpack_from("<Q", reply)[0] != 4 + _RPC_CONN_CAPS_SIZE:
+        raise ValueError(f"{endpoint} is not a ggml RPC server of protocol {RPC_PROTO_MAJOR_VERSION}.x: "
+                         f"unexpected reply to the RPC handshake ({reply[:16]!r})")
+    major, minor, patch = reply[8], reply[9], reply[10]
+    if major != RPC_PROTO_MAJOR_VERSION or minor > RPC_PROTO_MINOR_VERSION:
+        raise ValueError(f"RPC server {endpoint} speaks protocol {major}.{minor}.{patch}, hybrimoe's RPC "
+                         f"backend needs {RPC_PROTO_MAJOR_VERSION}.x with x <= {RPC_PROTO_MINOR_VERSION}")
 
 
 def rpc_device_ptrs() -> set[int]:

@@ -116,24 +116,54 @@ class Llama(llama_cpp.Llama):
             by device name (``CPU``, ``CUDA0``, ``RPC0[127.0.0.1:50052]``, as ``llama_cpp`` logs them).
         cpu_moe: keep every routed-expert tensor in host memory (upstream ``--cpu-moe``).
         n_cpu_moe: keep the routed experts of the first N layers in host memory (upstream ``--n-cpu-moe``).
+        no_repack: do not put CPU weights into repacked (interleaved) buffers (upstream ``--no-repack``); implied
+            for the routed experts by ``moe_cache``.
         moe_hook: install hybrimoe's MoE hook (``hybrimoe._engine.MoeHook``); its statistics are in
             ``moe_stats()``.
         moe_replay: int array ``[n_rows, n_layer, k]``: force every MoE layer's routed expert ids; the token at
             position p gets row ``p % n_rows`` (benchmarks replay real routing; outputs become meaningless).
+        moe_cache: turns on the hybrid CPU+GPU engine (HybriMoE) with a GPU expert cache of this size: ``"25%"``
+            (of all routed-expert bytes), ``"3GiB"``, ``"512MB"`` or bytes; rounded down to whole expert slots
+            (``hybrimoe.engine.slot_bytes(model_path)``); 0 runs every expert on the CPU through the engine.
+            Routed experts then stay in host memory (pinned when the device offers it), unrepacked. The GPU is the
+            first RPC server of ``rpc_servers``, else the first GPU device.
+        moe_policy: ``"hybrimoe"`` (default), ``"hybrimoe-lru"``, ``"ktransformers"``, ``"upstream-ncmoe"``,
+            ``"gpu-on-demand"``, a ``hybrimoe.SchedulePolicy`` / ``CachePolicy`` / ``PrefetchPolicy`` object
+            (replaces that part of ``"hybrimoe"``), or a dict (see ``hybrimoe.engine.build_policies``).
+        moe_prefetch_layers: MoE layers whose experts are predicted and prefetched ahead (0: none). Default 3.
+        moe_cost_model: the planner's cost model: a hardware preset name (``hybrimoe/presets``), a preset or
+            cost-model JSON file, or a ``CostModel``. Default ``rtx4090-desktop``.
 
     Raises:
         FileNotFoundError: ``model_path`` does not exist.
-        ValueError: not a GGUF file, truncated, bad override, bad RPC endpoint, bad replay table, or
+        ValueError: not a GGUF file, truncated, bad override, bad RPC endpoint, bad replay table, bad
+            ``moe_*`` option (budget, policy, cost model; a cache larger than the device's free memory), or
             llama.cpp could not load the model.
+        RuntimeError (from ``eval`` and everything that decodes): the engine failed during a decode (a Python
+            policy raised, the device failed); the message names the layer and the cause.
     """
 
     def __init__(self, model_path: str, *, rpc_servers: str | Sequence[str] | None = None,
                  tensor_buft_overrides: str | Sequence[str] | None = None, cpu_moe: bool = False,
-                 n_cpu_moe: int | None = None, moe_hook: bool = False, moe_replay: np.ndarray | None = None,
+                 n_cpu_moe: int | None = None, no_repack: bool = False, moe_hook: bool = False, moe_replay: np.ndarray | None = None,
+                 moe_cache=None, moe_policy="hybrimoe", moe_prefetch_layers: int = 3, moe_cost_model=None,
                  load_progress=None, **kwargs):
         self._moe_hook = None
         self._moe_replay = None
+        self._moe_engine = None
+        self._moe_setup = None
         check_gguf(model_path)
+        if moe_cache is not None:
+            from . import engine as eng
+
+            if not isinstance(moe_prefetch_layers, int) or moe_prefetch_layers < 0:
+                raise ValueError(f"moe_prefetch_layers must be an integer >= 0, got {moe_prefetch_layers!r}")
+            facts = eng.engine_facts(model_path)
+            n_slots = eng.cache_slots(moe_cache, facts)
+            policies = eng.build_policies(moe_policy, facts, n_slots, moe_prefetch_layers)
+            cost = eng.resolve_cost_model(moe_cost_model, facts)
+            self._moe_setup = dict(facts=facts, n_slots=n_slots, policies=policies, cost=cost,
+                                   prefetch_layers=moe_prefetch_layers)
 
         endpoints: list[str] = []
         if rpc_servers:
@@ -144,6 +174,18 @@ class Llama(llama_cpp.Llama):
             rpc_devs.extend(_ggml.add_rpc_server(ep))
 
         overrides = parse_tensor_overrides(tensor_buft_overrides) + moe_overrides(cpu_moe, n_cpu_moe)
+        engine_device = None
+        if self._moe_setup is not None:
+            gpus = [d["ptr"] for d in _ggml.devices() if d["type"] in (_ggml.DEV_GPU, _ggml.DEV_IGPU)]
+            engine_device = rpc_devs[0] if rpc_devs else (gpus[0] if gpus else None)
+            if self._moe_setup["n_slots"] > 0 and not engine_device:
+                raise ValueError("moe_cache needs an accelerator (a CUDA device, or an RPC server via rpc_servers); "
+                                 "none was found. Use moe_cache=0 to run every expert on the CPU")
+            from .engine import host_buffer_type_name
+
+            host = host_buffer_type_name(engine_device) if engine_device else None
+            # the engine reads the routed experts from host memory in the file's layout (pinned if possible)
+            overrides.append((EXPS_REGEX, host or "CPU"))
         self._override_keepalive = None
         ov_array = None
         if overrides:
@@ -168,6 +210,7 @@ class Llama(llama_cpp.Llama):
             dev_array = (ctypes.c_void_p * (len(chosen) + 1))(*chosen, None)
             self._devices_keepalive = dev_array
 
+        engine_on = self._moe_setup is not None
         with _params_lock:
             original = _lc.llama_model_default_params
 
@@ -187,6 +230,8 @@ class Llama(llama_cpp.Llama):
                     p.tensor_buft_overrides = ctypes.cast(ov_array, ctypes.c_void_p)
                 if dev_array is not None:
                     p.devices = ctypes.cast(dev_array, ctypes.c_void_p)
+                if engine_on or no_repack:
+                    p.use_extra_bufts = False  # no repacked CPU layouts: the engine copies experts as stored
                 return p
 
             _lc.llama_model_default_params = patched
@@ -198,11 +243,23 @@ class Llama(llama_cpp.Llama):
         n_layer = int(_lc.llama_model_n_layer(self._model.model))
         if moe_replay is not None:
             self._attach_replay(np.asarray(moe_replay), n_layer)
-        if moe_hook:
+        if moe_hook or engine_on:
             from . import _engine
 
             self._moe_hook = _engine.MoeHook(n_layer)
             self._moe_hook.attach(self._ctx_ptr())
+        if engine_on:
+            from . import engine as eng
+
+            st = self._moe_setup
+            try:
+                self._moe_engine = eng.make_engine(st["facts"], st["n_slots"], engine_device, st["policies"],
+                                                   st["cost"], st["prefetch_layers"])
+            except Exception:
+                self.close()
+                raise
+            st["device"] = engine_device
+            self._moe_hook.set_engine(self._moe_engine)
 
     def _ctx_ptr(self) -> int:
         ctx = self._ctx.ctx
@@ -222,17 +279,65 @@ class Llama(llama_cpp.Llama):
         self._moe_replay = _engine.RoutingReplay(ids.astype(np.int32), n_expert)
         self._moe_replay.attach(self._ctx_ptr())
 
+    def eval(self, tokens):
+        """llama-cpp-python's ``eval``; raises RuntimeError when the MoE engine failed during it (the failed
+        layers were computed on the CPU; the next call tries the engine again)."""
+        eng = self._moe_engine
+        if eng is not None:
+            eng.clear_failure()
+        super().eval(tokens)
+        if eng is not None:
+            err = eng.take_error()
+            if err:
+                raise RuntimeError(f"hybrimoe engine failed: {err}")
+
     def moe_stats(self) -> dict:
-        """Statistics of hybrimoe's MoE hook: per layer, plan-node runs (one per ubatch), tokens, hook calls
-        (graph builds), and the layers left on upstream's path with the reason. Empty without ``moe_hook``."""
+        """Statistics of hybrimoe's MoE hook and engine.
+
+        Hook (``moe_hook`` or ``moe_cache``): per model layer, plan-node runs (one per ubatch), tokens, hook calls
+        (graph builds); layers left on upstream's path (``unsupported``) or on the CPU-only path
+        (``engine_skipped``) with the reason. Empty without either option.
+
+        Engine (``moe_cache``), under ``"engine"``: ``policy``, ``n_slots``, ``slot_bytes`` (bytes), ``hit_rate``
+        (activated experts resident when their layer ran / all activated experts), ``cache`` (accesses, hits,
+        misses, admissions, evictions), ``cpu_experts`` / ``gpu_experts`` (distinct experts per layer and ubatch,
+        summed), ``bytes_copied`` and its parts ``bytes_demand`` / ``bytes_prefetch`` / ``bytes_fill`` (H2D
+        bytes), ``layer_s`` (mean seconds per MoE layer run, plan start to GPU share done) and ``layers`` (per MoE
+        layer counters, see ``hybrimoe._engine.Engine.layer_stats``).
+        """
         if self._moe_hook is None:
             return {}
-        return {
+        out = {
             "runs": list(self._moe_hook.runs()),
             "tokens": list(self._moe_hook.tokens()),
             "hook_calls": list(self._moe_hook.hook_calls()),
             "unsupported": [{"layer": il, "reason": why} for il, why in self._moe_hook.unsupported()],
+            "engine_skipped": [{"layer": il, "reason": why} for il, why in self._moe_hook.engine_skipped()],
         }
+        if self._moe_engine is not None:
+            layers = self._moe_engine.layer_stats()
+            cs = self._moe_setup["policies"].cache.stats
+            runs = sum(s["runs"] for s in layers)
+            out["engine"] = {
+                "policy": self._moe_setup["policies"].name,
+                "n_slots": self._moe_engine.n_slots,
+                "slot_bytes": self._moe_engine.slot_bytes,
+                "hit_rate": cs.hit_rate,
+                "cache": {"accesses": cs.accesses, "hits": cs.demand_hits + cs.prefetch_hits,
+                          "prefetch_hits": cs.prefetch_hits, "misses": cs.misses, "admissions": cs.admissions,
+                          "evictions": cs.evictions, "declined": cs.declined},
+                "cpu_experts": sum(s["cpu_experts"] for s in layers),
+                "gpu_experts": sum(s["gpu_experts"] for s in layers),
+                "bytes_demand": sum(s["bytes_demand"] for s in layers),
+                "bytes_prefetch": sum(s["bytes_prefetch"] for s in layers),
+                "bytes_fill": sum(s["bytes_fill"] for s in layers),
+                "layer_s": (sum(s["layer_s"] for s in layers) / runs) if runs else 0.0,
+                "failed": self._moe_engine.failed,
+                "layers": layers,
+            }
+            e = out["engine"]
+            e["bytes_copied"] = e["bytes_demand"] + e["bytes_prefetch"] + e["bytes_fill"]
+        return out
 
     def create_completion(self, prompt, *args, **kwargs):
         if (isinstance(prompt, (str, bytes)) and len(prompt) == 0) or \
@@ -242,7 +347,7 @@ class Llama(llama_cpp.Llama):
 
     def close(self) -> None:
         """Remove hybrimoe's hooks from the context, then free it (llama-cpp-python's ``close``)."""
-        for attr in ("_moe_hook", "_moe_replay"):
+        for attr in ("_moe_hook", "_moe_replay"):  # the hook holds the engine; dropping it frees the slot pool
             obj = getattr(self, attr, None)
             if obj is not None:
                 try:
@@ -250,6 +355,7 @@ class Llama(llama_cpp.Llama):
                         obj.detach()
                 finally:
                     setattr(self, attr, None)
+        self._moe_engine = None
         if hasattr(self, "_stack"):  # llama-cpp-python's __init__ may not have run (bad input)
             super().close()
 

@@ -1,12 +1,16 @@
 // pybind11 module hybrimoe._engine: the runtime side that links our patched libllama.
 // The llama_context pointer comes from llama-cpp-python (Llama._ctx.ctx, a ctypes c_void_p) as an int.
+#include "runtime/engine.h"
 #include "runtime/moe_hook.h"
+#include "policy/cost_model.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 namespace py = pybind11;
+using hybrimoe::Engine;
+using hybrimoe::EngineConfig;
 using hybrimoe::MoeHook;
 using hybrimoe::RoutingReplay;
 
@@ -51,6 +55,11 @@ Args:
         .def("hook_calls", [](const MoeHook & h) {
                 std::vector<uint64_t> v; for (int i = 0; i < h.max_layers(); ++i) v.push_back(h.layer(i).hook_calls.load());
                 return v; }, "Graph builds (reserve or rebuild) that called the hook, per layer.")
+        .def("set_engine", [](MoeHook & h, std::shared_ptr<Engine> e) { h.set_engine(std::move(e)); },
+             py::arg("engine").none(true),
+             "Use an Engine for the layers it handles (None: the CPU-only seed path); rebuilds the graphs.")
+        .def("engine_skipped", &MoeHook::engine_skipped,
+             "(layer, reason) for supported layers the engine left to the CPU-only path.")
         .def("unsupported", &MoeHook::unsupported, "(layer, reason) for layers kept on upstream's path.")
         .def("set_recording", &MoeHook::set_recording, py::arg("on"),
              "Keep every routed id each layer sees (execution order); clears what was kept.")
@@ -62,6 +71,89 @@ Args:
                 if (!v.empty()) std::copy(v.begin(), v.end(), a.mutable_data());
                 return a; }, py::arg("layer"),
              "Recorded routed ids of a layer: int32 [rows, k], one row per token in execution order.");
+
+
+    py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine", R"doc(
+The hybrid CPU+GPU MoE engine of one llama_context (src/runtime/engine.h; HybriMoE §IV).
+
+Install it with ``MoeHook.set_engine``. Per MoE layer and ubatch it splits the activated experts between the
+CPU (ggml's kernels on the host weights) and the GPU (a pool of ``n_slots`` expert slots on ``device``), with
+the given cache, schedule and prefetch policies (hybrimoe._core objects, C++ or Python subclasses).
+
+Args:
+    n_layer, n_expert, top_k, n_embd: model facts.
+    moe_layers: model layer index of each MoE layer (the cache's layer index is the position in this list).
+    expert_bytes: per MoE layer, bytes of one expert's (gate, up, down) matrices as stored in the GGUF.
+    n_slots: GPU expert slots (0: everything on the CPU).
+    device: ggml_backend_dev_t as an int (0 when n_slots is 0).
+    cost_model_json: planner cost model, schema hybrimoe.cost_model/1 (seconds, bytes/s).
+    prefetch_layers: MoE layers predicted ahead (0: none).
+    fill_on_miss: offer CPU-computed misses to the cache while the copy queue idles.
+    routers: per MoE layer, F32 [n_expert, n_embd] router weights or an empty array (no prediction).
+    router_bias: per MoE layer, F32 [n_expert] selection bias or an empty array.
+    sigmoid_gating: router probabilities by sigmoid (else softmax).
+    cache: hybrimoe._core.ExpertCache sized in slots (every layer's expert_bytes = slot_bytes).
+    scheduler, prefetcher: hybrimoe._core.SchedulePolicy / PrefetchPolicy.
+Raises:
+    ValueError: inconsistent facts or cost model. RuntimeError: the device cannot hold the slot pool.
+)doc")
+        .def(py::init([](int n_layer, int n_expert, int top_k, int n_embd, std::vector<int> moe_layers,
+                         std::vector<std::array<int64_t, 3>> expert_bytes, int64_t n_slots, uintptr_t device,
+                         const std::string & cost_model_json, int prefetch_layers, bool fill_on_miss,
+                         std::vector<py::array_t<float, py::array::c_style | py::array::forcecast>> routers,
+                         std::vector<py::array_t<float, py::array::c_style | py::array::forcecast>> router_bias,
+                         bool sigmoid_gating, py::object cache, py::object scheduler, py::object prefetcher) {
+                 EngineConfig c;
+                 c.n_layer = n_layer;
+                 c.n_expert = n_expert;
+                 c.top_k = top_k;
+                 c.n_embd = n_embd;
+                 c.moe_layers = std::move(moe_layers);
+                 c.expert_bytes = std::move(expert_bytes);
+                 c.n_slots = n_slots;
+                 c.device = reinterpret_cast<ggml_backend_dev_t>(device);
+                 c.cost = hybrimoe::cost_model_from_json(cost_model_json, "engine cost model");
+                 c.prefetch_layers = prefetch_layers;
+                 c.fill_on_miss = fill_on_miss;
+                 for (auto & r : routers) c.routers.emplace_back(r.data(), r.data() + r.size());
+                 for (auto & b : router_bias) c.router_bias.emplace_back(b.data(), b.data() + b.size());
+                 c.sigmoid_gating = sigmoid_gating;
+                 auto cache_p = cache.cast<std::shared_ptr<hybrimoe::ExpertCache>>();
+                 auto sched_p = scheduler.cast<std::shared_ptr<hybrimoe::SchedulePolicy>>();
+                 auto pre_p = prefetcher.cast<std::shared_ptr<hybrimoe::PrefetchPolicy>>();
+                 return std::make_shared<Engine>(std::move(c), cache_p, sched_p, pre_p);
+             }),
+             py::arg("n_layer"), py::arg("n_expert"), py::arg("top_k"), py::arg("n_embd"), py::arg("moe_layers"),
+             py::arg("expert_bytes"), py::arg("n_slots"), py::arg("device"), py::arg("cost_model_json"),
+             py::arg("prefetch_layers"), py::arg("fill_on_miss"), py::arg("routers"), py::arg("router_bias"),
+             py::arg("sigmoid_gating"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"))
+        .def_static("slot_bytes_for", &Engine::slot_bytes_for, py::arg("expert_bytes"),
+                    "Bytes of one GPU slot for these per-layer (gate, up, down) expert sizes (each padded to 256).")
+        .def_property_readonly("slot_bytes", &Engine::slot_bytes)
+        .def_property_readonly("n_slots", &Engine::n_slots)
+        .def("slot_of", &Engine::slot_of, py::arg("layer"), py::arg("expert"),
+             "GPU slot of a resident (MoE layer, expert), or -1.")
+        .def("take_error", &Engine::take_error,
+             "First error since the last call ('' if none); after one, layers run on the CPU until clear_failure().")
+        .def_property_readonly("failed", &Engine::failed)
+        .def("clear_failure", &Engine::clear_failure)
+        .def("reset_stats", &Engine::reset_stats)
+        .def("layer_stats", [](const Engine & e) {
+                py::list out;
+                for (const auto & s : e.layer_stats()) {
+                    py::dict d;
+                    d["runs"] = s.runs; d["tokens"] = s.tokens;
+                    d["cpu_experts"] = s.cpu_experts; d["gpu_experts"] = s.gpu_experts;
+                    d["demand_copies"] = s.demand_copies; d["prefetch_copies"] = s.prefetch_copies;
+                    d["fill_copies"] = s.fill_copies; d["declined_loads"] = s.declined_loads;
+                    d["bytes_demand"] = s.bytes_demand; d["bytes_prefetch"] = s.bytes_prefetch;
+                    d["bytes_fill"] = s.bytes_fill; d["plan_s"] = s.plan_s; d["wait_s"] = s.wait_s;
+                    d["layer_s"] = s.layer_s; d["predicted_s"] = s.predicted_s;
+                    out.append(d);
+                }
+                return out; },
+             "Per MoE layer counters: runs, tokens, cpu/gpu experts, copies and bytes (demand, prefetch, fill), "
+             "declined loads, seconds in plan / waiting for the GPU / per layer, predicted makespan seconds.");
 
     py::class_<RoutingReplay>(m, "RoutingReplay", R"doc(
 Forces every MoE layer's routed expert ids (llama_set_moe_routing, patch 0002).

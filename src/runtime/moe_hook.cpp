@@ -1,5 +1,7 @@
 #include "runtime/moe_hook.h"
 
+#include "runtime/engine.h"
+
 #include "ggml.h"
 
 #include <cmath>
@@ -29,14 +31,7 @@ void moe_plan_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
             out[j] = *(const int32_t *) (row + j * ids->nb[0]);
         }
     }
-    auto * c = static_cast<LayerCounters *>(userdata);
-    if (c->record) {
-        const int32_t * first = (const int32_t *) dst->data;
-        c->k = (int32_t) k;
-        c->recorded.insert(c->recorded.end(), first, first + k * n_tokens);
-    }
-    c->runs.fetch_add(1, std::memory_order_relaxed);
-    c->tokens.fetch_add((uint64_t) n_tokens, std::memory_order_relaxed);
+    note_plan_run(*static_cast<LayerCounters *>(userdata), (const int32_t *) dst->data, k, n_tokens);
 }
 
 const char * unsupported_reason(const llama_moe_hook_args & a) {
@@ -53,6 +48,27 @@ const char * unsupported_reason(const llama_moe_hook_args & a) {
 }
 
 } // namespace
+
+void note_plan_run(LayerCounters & c, const int32_t * ids, int64_t k, int64_t n_tokens) {
+    if (c.record) {
+        c.k = (int32_t) k;
+        c.recorded.insert(c.recorded.end(), ids, ids + k * n_tokens);
+    }
+    c.runs.fetch_add(1, std::memory_order_relaxed);
+    c.tokens.fetch_add((uint64_t) n_tokens, std::memory_order_relaxed);
+}
+
+void MoeHook::set_engine(std::shared_ptr<Engine> engine) {
+    engine_ = std::move(engine);
+    if (ctx_) {
+        llama_set_moe_hook(ctx_, &MoeHook::hook, this);  // rebuild the graphs with (or without) the engine
+    }
+}
+
+std::vector<std::pair<int, std::string>> MoeHook::engine_skipped() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return engine_skipped_;
+}
 
 MoeHook::MoeHook(int max_layers) : counters_((size_t) (max_layers > 0 ? max_layers : 1)) {}
 
@@ -121,6 +137,17 @@ ggml_tensor * MoeHook::build(const llama_moe_hook_args & a) {
         }
         unsupported_.emplace_back(a.il, why);
         return nullptr;
+    }
+
+    if (engine_ && engine_->moe_index(a.il) >= 0) {
+        if (ggml_tensor * out = engine_->build(a, &c)) return out;
+        std::lock_guard<std::mutex> lock(mu_);
+        bool known = false;
+        for (const auto & u : engine_skipped_) known = known || u.first == a.il;
+        if (!known) {
+            engine_skipped_.emplace_back(a.il, "expert tensors are not in plain host memory (repacked or on a "
+                                               "device) or differ from the facts the engine was given");
+        }
     }
 
     ggml_context * ctx = a.ctx;

@@ -29,6 +29,12 @@ struct LayerCounters {
     std::vector<int32_t> recorded;          ///< [rows, k] routed ids in execution order (written by thread 0)
 };
 
+/// Counts one run of a layer's plan node (and records its ids when recording is on). ids: [n_tokens, k]
+/// contiguous. Called on ggml's thread 0.
+void note_plan_run(LayerCounters & c, const int32_t * ids, int64_t k, int64_t n_tokens);
+
+class Engine;
+
 /// State shared by every graph of one llama_context. Must outlive the context's graphs (llama.h contract of
 /// llama_set_moe_hook); the Python Engine object keeps it alive until detach().
 class MoeHook {
@@ -53,6 +59,14 @@ public:
     /// Recorded ids of layer il: rows of k ids; k is 0 while nothing was recorded.
     std::vector<int32_t> recorded(int il, int32_t * k) const;
 
+    /// Use `engine` for the layers it handles (the hybrid CPU+GPU path); nullptr: the CPU-only seed path.
+    /// Forces llama to rebuild its graphs when attached.
+    void set_engine(std::shared_ptr<Engine> engine);
+    const std::shared_ptr<Engine> & engine() const { return engine_; }
+    /// Supported layers the engine left to the CPU-only seed path, with the reason (e.g. experts not in host
+    /// memory).
+    std::vector<std::pair<int, std::string>> engine_skipped() const;
+
     /// Layers whose expert variant the seed does not handle (kept on upstream's path), with the reason.
     std::vector<std::pair<int, std::string>> unsupported() const;
 
@@ -62,6 +76,8 @@ private:
     std::vector<LayerCounters> counters_;
     mutable std::mutex mu_;
     std::vector<std::pair<int, std::string>> unsupported_;
+    std::vector<std::pair<int, std::string>> engine_skipped_;
+    std::shared_ptr<Engine> engine_;
     llama_context * ctx_ = nullptr;
 };
 

@@ -1,0 +1,689 @@
+#include "runtime/engine.h"
+
+#include "ggml-alloc.h"
+#include "runtime/moe_hook.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <stdexcept>
+
+namespace hybrimoe {
+
+namespace {
+
+constexpr int64_t kAlign = 256;
+// ggml-cpu's mul_mat_id hands an expert with this many rows or more to its tiled K-quant kernel
+// (ggml/src/ggml-cpu/tiled/tiled.cpp, ggml_tiled_min_batch); below it every row is an independent vec_dot.
+constexpr int64_t kTiledMinRows = 8;
+
+int64_t pad(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+template <typename T>
+const T * at2(const ggml_tensor * t, int64_t i0, int64_t i1) {
+    return (const T *) ((const char *) t->data + i0 * t->nb[0] + i1 * t->nb[1]);
+}
+
+Engine::LayerRun * run_of(void * ud) { return static_cast<Engine::LayerRun *>(ud); }
+
+void plan_trampoline(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith == 0) run_of(ud)->engine->op_plan(dst, *run_of(ud));
+}
+
+void wait_trampoline(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith == 0) run_of(ud)->engine->op_wait(dst, *run_of(ud));
+}
+
+// dst[:, t] = sum over slots j < k_sum, in upstream's order, of (flag[j, t] ? gpu : cpu)[:, j, t]
+void combine_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    const int64_t k_sum = (int64_t) (intptr_t) ud;
+    const ggml_tensor * cpu = dst->src[0];
+    const ggml_tensor * gpu = dst->src[1];
+    const ggml_tensor * plan = dst->src[2];
+    const int64_t n_embd = dst->ne[0];
+    const int64_t T = dst->ne[1];
+    for (int64_t t = ith; t < T; t += nth) {
+        float * out = (float *) ((char *) dst->data + t * dst->nb[1]);
+        for (int64_t j = 0; j < k_sum; ++j) {
+            const int32_t on_gpu = *(const int32_t *) ((const char *) plan->data + j * plan->nb[0] + t * plan->nb[1] +
+                                                       plan->nb[2]);
+            const ggml_tensor * src = on_gpu ? gpu : cpu;
+            const float * v = (const float *) ((const char *) src->data + j * src->nb[1] + t * src->nb[2]);
+            if (j == 0) {
+                std::memcpy(out, v, (size_t) n_embd * sizeof(float));
+            } else {
+                for (int64_t i = 0; i < n_embd; ++i) out[i] = out[i] + v[i];
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// One fixed-shape GPU graph: the experts of one layer type signature for one ubatch size.
+struct Engine::GpuGraph {
+    ggml_context * ctx = nullptr;
+    ggml_cgraph * gf = nullptr;
+    ggml_gallocr_t galloc = nullptr;
+    ggml_tensor * x = nullptr;    // F32 [n_embd, T]
+    ggml_tensor * ids = nullptr;  // I32 [k, T] slot per (token, slot)
+    ggml_tensor * w = nullptr;    // F32 [1, k, T]
+    ggml_tensor * out = nullptr;  // F32 [n_embd, k, T]
+    std::vector<int32_t> host_ids;
+    std::vector<float> host_w;
+    std::vector<float> host_x;
+    ~GpuGraph() {
+        if (galloc) ggml_gallocr_free(galloc);
+        if (ctx) ggml_free(ctx);
+    }
+};
+
+int64_t Engine::slot_bytes_for(const std::vector<std::array<int64_t, 3>> & eb) {
+    std::array<int64_t, 3> mx{0, 0, 0};
+    for (const auto & b : eb) {
+        for (int i = 0; i < 3; ++i) mx[i] = std::max(mx[i], b[i]);
+    }
+    return pad(mx[0]) + pad(mx[1]) + pad(mx[2]);
+}
+
+Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared_ptr<SchedulePolicy> scheduler,
+               std::shared_ptr<PrefetchPolicy> prefetcher)
+    : cfg_(std::move(cfg)), cache_(std::move(cache)), scheduler_(std::move(scheduler)),
+      prefetcher_(std::move(prefetcher)) {
+    const int L = (int) cfg_.moe_layers.size();
+    if (cfg_.n_layer < 1 || cfg_.n_expert < 1 || cfg_.top_k < 1 || cfg_.n_embd < 1 || L < 1) {
+        throw std::invalid_argument("engine: model facts must be positive (layers, experts, top-k, n_embd, MoE layers)");
+    }
+    if ((int) cfg_.expert_bytes.size() != L) throw std::invalid_argument("engine: one expert size per MoE layer");
+    if (!cache_ || !scheduler_ || !prefetcher_) throw std::invalid_argument("engine: cache and policies are required");
+    if (cache_->n_layers() != L || cache_->n_experts() != cfg_.n_expert) {
+        throw std::invalid_argument("engine: the cache has " + std::to_string(cache_->n_layers()) + " layers x " +
+                                    std::to_string(cache_->n_experts()) + " experts, the model " +
+                                    std::to_string(L) + " x " + std::to_string(cfg_.n_expert));
+    }
+    if (cfg_.n_slots < 0) throw std::invalid_argument("engine: negative slot count");
+    if (cfg_.prefetch_layers < 0) throw std::invalid_argument("engine: prefetch_layers must be >= 0");
+    cfg_.cost.validate();
+    moe_index_.assign((size_t) cfg_.n_layer, -1);
+    for (int i = 0; i < L; ++i) {
+        const int il = cfg_.moe_layers[(size_t) i];
+        if (il < 0 || il >= cfg_.n_layer) throw std::invalid_argument("engine: MoE layer index out of range");
+        moe_index_[(size_t) il] = i;
+    }
+    tensors_.resize((size_t) L);
+    runs_.resize((size_t) L);
+    for (int i = 0; i < L; ++i) {
+        runs_[(size_t) i].reset(new LayerRun());
+        runs_[(size_t) i]->engine = this;
+        runs_[(size_t) i]->ml = i;
+        runs_[(size_t) i]->il = cfg_.moe_layers[(size_t) i];
+    }
+    stats_.resize((size_t) L);
+    pending_unpin_.resize((size_t) L);
+    cfg_.routers.resize((size_t) L);
+    cfg_.router_bias.resize((size_t) L);
+    for (int i = 0; i < L; ++i) {
+        const auto & r = cfg_.routers[(size_t) i];
+        if (!r.empty() && r.size() != (size_t) cfg_.n_expert * cfg_.n_embd) {
+            throw std::invalid_argument("engine: router of MoE layer " + std::to_string(i) + " must be [n_expert, n_embd]");
+        }
+        const auto & b = cfg_.router_bias[(size_t) i];
+        if (!b.empty() && b.size() != (size_t) cfg_.n_expert) {
+            throw std::invalid_argument("engine: router bias of MoE layer " + std::to_string(i) + " must be [n_expert]");
+        }
+    }
+
+    slot_bytes_ = slot_bytes_for(cfg_.expert_bytes);
+    std::array<int64_t, 3> mx{0, 0, 0};
+    for (const auto & b : cfg_.expert_bytes) {
+        for (int i = 0; i < 3; ++i) mx[i] = std::max(mx[i], b[i]);
+    }
+    offsets_ = {0, pad(mx[0]), pad(mx[0]) + pad(mx[1])};
+    key_slot_.assign((size_t) L * cfg_.n_expert, -1);
+    key_loaded_.assign((size_t) L * cfg_.n_expert, 0);
+    cache_->set_record_evicted(true);
+    cache_->take_evicted();
+
+    if (cfg_.n_slots == 0) return;
+    if (!cfg_.device) throw std::invalid_argument("engine: a device is required for a non-empty expert cache");
+    const std::string dev_name = ggml_backend_dev_name(cfg_.device);
+    compute_ = ggml_backend_dev_init(cfg_.device, nullptr);
+    copy_ = ggml_backend_dev_init(cfg_.device, nullptr);
+    if (!compute_ || !copy_) throw std::runtime_error("engine: cannot initialise device " + dev_name);
+    copy_event_ = ggml_backend_event_new(cfg_.device);  // NULL: the device has no events, copies run synchronously
+
+    const int64_t total = (cfg_.n_slots + 1) * slot_bytes_;
+    ggml_init_params ip = {ggml_tensor_overhead() * 2, nullptr, true};
+    pool_ctx_ = ggml_init(ip);
+    pool_ = ggml_new_tensor_1d(pool_ctx_, GGML_TYPE_I8, total);
+    ggml_set_name(pool_, "hybrimoe_slots");
+    pool_buf_ = ggml_backend_alloc_ctx_tensors(pool_ctx_, compute_);
+    if (!pool_buf_) {
+        throw std::runtime_error("engine: cannot allocate " + std::to_string(total) + " bytes of expert slots on " +
+                                 dev_name);
+    }
+    // the null slot (index n_slots) must hold zeros: pairs computed on the CPU point there
+    std::vector<uint8_t> zeros((size_t) slot_bytes_, 0);
+    ggml_backend_tensor_set(pool_, zeros.data(), (size_t) (cfg_.n_slots * slot_bytes_), (size_t) slot_bytes_);
+    slot_key_.assign((size_t) cfg_.n_slots, -1);
+    for (int64_t s = cfg_.n_slots - 1; s >= 0; --s) free_slots_.push_back((int32_t) s);
+    // experts already resident in the cache (an initial fill) get slots now and are copied at first use
+    for (int64_t key : cache_->resident_keys()) {
+        if (!free_slots_.empty()) {
+            const int32_t s = free_slots_.back();
+            free_slots_.pop_back();
+            slot_key_[(size_t) s] = (int32_t) key;
+            key_slot_[(size_t) key] = s;
+        }
+    }
+}
+
+Engine::~Engine() {
+    if (compute_) ggml_backend_synchronize(compute_);
+    if (copy_) ggml_backend_synchronize(copy_);
+    graphs_.clear();
+    if (copy_event_) ggml_backend_event_free(copy_event_);
+    if (pool_buf_) ggml_backend_buffer_free(pool_buf_);
+    if (pool_ctx_) ggml_free(pool_ctx_);
+    if (copy_) ggml_backend_free(copy_);
+    if (compute_) ggml_backend_free(compute_);
+}
+
+int Engine::slot_of(int layer, int expert) const {
+    if (layer < 0 || layer >= (int) tensors_.size() || expert < 0 || expert >= cfg_.n_expert) return -1;
+    return key_slot_[(size_t) layer * cfg_.n_expert + expert];
+}
+
+std::vector<EngineLayerStats> Engine::layer_stats() const {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    return stats_;
+}
+
+void Engine::reset_stats() {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    for (auto & s : stats_) s = EngineLayerStats{};
+}
+
+std::string Engine::take_error() {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    std::string e;
+    e.swap(error_);
+    return e;
+}
+
+void Engine::clear_failure() {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    failed_ = false;
+    error_.clear();
+}
+
+void Engine::fail(const std::string & msg) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    if (error_.empty()) error_ = msg;
+    failed_ = true;
+}
+
+ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
+    const int ml = moe_index(a.il);
+    if (ml < 0) return nullptr;
+    const int64_t per_expert[3] = {(int64_t) a.gate_exps->nb[2], (int64_t) a.up_exps->nb[2],
+                                   (int64_t) a.down_exps->nb[2]};
+    const auto & want = cfg_.expert_bytes[(size_t) ml];
+    if (a.n_expert != cfg_.n_expert || a.cur->ne[0] != cfg_.n_embd || per_expert[0] != want[0] ||
+        per_expert[1] != want[1] || per_expert[2] != want[2]) {
+        return nullptr;  // the engine was told other facts than this layer has: stay on upstream's path
+    }
+    for (ggml_tensor * t : {a.gate_exps, a.up_exps, a.down_exps}) {
+        // the engine copies experts from host memory in the file's layout: no device or repacked buffers
+        if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || t->extra != nullptr) return nullptr;
+    }
+    tensors_[(size_t) ml] = {a.gate_exps, a.up_exps, a.down_exps};
+    LayerRun & run = *runs_[(size_t) ml];
+    run.counters = counters;
+
+    ggml_context * ctx = a.ctx;
+    const int64_t n_embd = a.cur->ne[0];
+    const int64_t T = a.cur->ne[1];
+    const int64_t k = a.n_expert_used;
+
+    ggml_tensor * psrc[4] = {a.selected_experts, a.weights, a.probs, a.cur};
+    ggml_tensor * plan = ggml_custom_4d(ctx, GGML_TYPE_I32, k, T, 2, 1, psrc, 4, plan_trampoline, 1, &run);
+    ggml_format_name(plan, "hybrimoe_plan-%d", a.il);
+    ggml_tensor * ids = ggml_view_2d(ctx, plan, k, T, plan->nb[1], 0);
+
+    ggml_tensor * x = ggml_reshape_3d(ctx, a.cur, n_embd, 1, T);
+    ggml_tensor * up = ggml_mul_mat_id(ctx, a.up_exps, x, ids);
+    ggml_tensor * gate = ggml_mul_mat_id(ctx, a.gate_exps, x, ids);
+    ggml_tensor * h = ggml_swiglu_split(ctx, gate, up);
+    ggml_tensor * experts = ggml_mul_mat_id(ctx, a.down_exps, h, ids);
+    experts = ggml_mul(ctx, experts, a.weights);  // [n_embd, k, T]
+
+    ggml_tensor * wsrc[2] = {plan, experts};  // experts: only to run after the CPU share
+    ggml_tensor * gpu = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, k, T, 1, wsrc, 2, wait_trampoline, 1, &run);
+    ggml_format_name(gpu, "hybrimoe_wait-%d", a.il);
+
+    ggml_tensor * csrc[3] = {experts, gpu, plan};
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, T, 1, 1, csrc, 3, combine_op, GGML_N_TASKS_MAX,
+                                       (void *) (intptr_t) a.n_expert_used_sum);
+    ggml_format_name(out, "hybrimoe_combine-%d", a.il);
+    return out;
+}
+
+Engine::GpuGraph & Engine::gpu_graph(int ml, int64_t k, int64_t T) {
+    const LayerTensors & lt = tensors_[(size_t) ml];
+    const auto key = std::make_tuple((int) lt.gate->type, (int) lt.up->type, (int) lt.down->type, k, T);
+    auto it = graphs_.find(key);
+    if (it != graphs_.end()) return *it->second;
+    if (graphs_.size() >= 32) graphs_.clear();  // many ubatch sizes: start over rather than grow without bound
+
+    std::unique_ptr<GpuGraph> g(new GpuGraph());
+    ggml_init_params ip = {ggml_tensor_overhead() * 32 + ggml_graph_overhead(), nullptr, true};
+    g->ctx = ggml_init(ip);
+    ggml_context * ctx = g->ctx;
+    const int64_t n_embd = cfg_.n_embd;
+    const int64_t S = cfg_.n_slots + 1;
+    auto pool_view = [&](const ggml_tensor * like, int which) {
+        ggml_tensor * v = ggml_new_tensor_3d(ctx, like->type, like->ne[0], like->ne[1], S);
+        v->nb[2] = (size_t) slot_bytes_;
+        v->nb[3] = v->nb[2] * (size_t) S;
+        v->data = (char *) pool_->data + offsets_[(size_t) which];
+        v->buffer = pool_buf_;
+        return v;
+    };
+    ggml_tensor * gate_v = pool_view(lt.gate, 0);
+    ggml_tensor * up_v = pool_view(lt.up, 1);
+    ggml_tensor * down_v = pool_view(lt.down, 2);
+    g->x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd, T);
+    g->ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, T);
+    g->w = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, k, T);
+    for (ggml_tensor * t : {g->x, g->ids, g->w}) ggml_set_input(t);
+    ggml_tensor * xr = ggml_reshape_3d(ctx, g->x, n_embd, 1, T);
+    ggml_tensor * up = ggml_mul_mat_id(ctx, up_v, xr, g->ids);
+    ggml_tensor * gate = ggml_mul_mat_id(ctx, gate_v, xr, g->ids);
+    ggml_tensor * h = ggml_swiglu_split(ctx, gate, up);
+    ggml_tensor * d = ggml_mul_mat_id(ctx, down_v, h, g->ids);
+    g->out = ggml_mul(ctx, d, g->w);
+    ggml_set_output(g->out);
+    g->gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(g->gf, g->out);
+    g->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(compute_));
+    if (!ggml_gallocr_alloc_graph(g->galloc, g->gf)) {
+        throw std::runtime_error("engine: cannot allocate the GPU share's work buffers on " +
+                                 std::string(ggml_backend_dev_name(cfg_.device)));
+    }
+    g->host_ids.resize((size_t) (k * T));
+    g->host_w.resize((size_t) (k * T));
+    g->host_x.resize((size_t) (n_embd * T));
+    GpuGraph & ref = *g;
+    graphs_[key] = std::move(g);
+    return ref;
+}
+
+void Engine::sync_evictions() {
+    for (int64_t key : cache_->take_evicted()) {
+        const int32_t s = key_slot_[(size_t) key];
+        if (s >= 0) {
+            key_slot_[(size_t) key] = -1;
+            key_loaded_[(size_t) key] = 0;
+            slot_key_[(size_t) s] = -1;
+            free_slots_.push_back(s);
+        }
+    }
+}
+
+bool Engine::assign_slot(int ml, int e) {
+    sync_evictions();
+    const size_t key = (size_t) ml * cfg_.n_expert + e;
+    if (key_slot_[key] >= 0) return true;
+    if (free_slots_.empty()) return false;  // cannot happen while the cache budget is n_slots slots
+    const int32_t s = free_slots_.back();
+    free_slots_.pop_back();
+    slot_key_[(size_t) s] = (int32_t) key;
+    key_slot_[key] = s;
+    key_loaded_[key] = 0;
+    return true;
+}
+
+// Queues the copy of (ml, e)'s weights into its slot on the copy queue.
+void Engine::copy_expert(int ml, int e, const char * why) {
+    (void) why;
+    const size_t key = (size_t) ml * cfg_.n_expert + e;
+    const int32_t s = key_slot_[key];
+    if (s < 0 || key_loaded_[key]) return;
+    const LayerTensors & lt = tensors_[(size_t) ml];
+    const ggml_tensor * parts[3] = {lt.gate, lt.up, lt.down};
+    double bytes = 0;
+    for (int i = 0; i < 3; ++i) {
+        const size_t n = parts[i]->nb[2];
+        const char * src = (const char *) parts[i]->data + (size_t) e * n;
+        const size_t off = (size_t) s * slot_bytes_ + offsets_[(size_t) i];
+        if (copy_event_) {
+            ggml_backend_tensor_set_async(copy_, pool_, src, off, n);
+        } else {
+            ggml_backend_tensor_set(pool_, src, off, n);
+        }
+        bytes += (double) n;
+    }
+    key_loaded_[key] = 1;
+    copies_pending_ = copy_event_ != nullptr;
+    const double t = now();
+    link_free_ = std::max(link_free_, t) + cfg_.cost.h2d(bytes);
+}
+
+void Engine::finish_copies() {
+    if (copies_pending_ && copy_event_) {
+        ggml_backend_event_record(copy_event_, copy_);
+        ggml_backend_event_wait(compute_, copy_event_);
+    }
+    copies_pending_ = false;
+}
+
+// Predicted routing of the MoE layers after `ml`: their routers applied to this layer's hidden state
+// (HybriMoE §IV.C). At most 8 tokens of the ubatch are scored; loads are scaled to the ubatch.
+void Engine::predict(int ml, int T, const float * cur, size_t row_stride, PrefetchContext & ctx, double layer_est) {
+    const int L = (int) tensors_.size();
+    const int E = cfg_.n_expert, K = cfg_.top_k, D = cfg_.n_embd;
+    const int depth = std::min(cfg_.prefetch_layers, L - 1 - ml);
+    ctx.predictions.clear();
+    const int n_sample = std::min(T, 8);
+    logits_.resize((size_t) E);
+    std::vector<int32_t> order((size_t) E);
+    std::vector<int32_t> counts((size_t) E);
+    for (int d = 1; d <= depth; ++d) {
+        const int j = ml + d;
+        const auto & W = cfg_.routers[(size_t) j];
+        if (W.empty()) continue;
+        const auto & bias = cfg_.router_bias[(size_t) j];
+        std::fill(counts.begin(), counts.end(), 0);
+        for (int s = 0; s < n_sample; ++s) {
+            const int t = n_sample == T ? s : (int) ((int64_t) s * T / n_sample);
+            const float * x = (const float *) ((const char *) cur + (size_t) t * row_stride);
+            for (int e = 0; e < E; ++e) {
+                const float * w = W.data() + (size_t) e * D;
+                double acc = 0.0;
+                for (int i = 0; i < D; ++i) acc += (double) w[i] * x[i];
+                float v = (float) acc;
+                if (cfg_.sigmoid_gating) v = 1.0f / (1.0f + std::exp(-v));
+                if (!bias.empty()) v += bias[(size_t) e];
+                logits_[(size_t) e] = v;  // softmax is monotonic: ranking by logits is enough
+            }
+            std::iota(order.begin(), order.end(), 0);
+            std::partial_sort(order.begin(), order.begin() + std::min(K, E), order.end(),
+                              [&](int32_t a, int32_t b) { return logits_[(size_t) a] > logits_[(size_t) b] ||
+                                                                 (logits_[(size_t) a] == logits_[(size_t) b] && a < b); });
+            for (int i = 0; i < std::min(K, E); ++i) counts[(size_t) order[(size_t) i]] += 1;
+        }
+        Prediction p;
+        p.layer = j;
+        p.distance = d;
+        p.confidence = cfg_.confidence.empty() ? 1.0
+                       : cfg_.confidence[(size_t) std::min<int>(d, (int) cfg_.confidence.size()) - 1];
+        p.expert_bytes = (double) (cfg_.expert_bytes[(size_t) j][0] + cfg_.expert_bytes[(size_t) j][1] +
+                                   cfg_.expert_bytes[(size_t) j][2]);
+        p.start_s = plan_.makespan_s + (double(d) - 1.0) * layer_est + cfg_.cost.layer(T);
+        for (int e = 0; e < E; ++e) {
+            if (counts[(size_t) e] == 0) continue;
+            p.experts.push_back(e);
+            const int64_t load = ((int64_t) counts[(size_t) e] * T + n_sample - 1) / n_sample;
+            p.loads.push_back((int32_t) std::max<int64_t>(1, std::min<int64_t>(load, T)));
+        }
+        ctx.predictions.push_back(std::move(p));
+    }
+}
+
+void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
+    const double t_start = now();
+    run.t_start = t_start;
+    run.gpu_launched = false;
+    run.graph = nullptr;
+    run.used.clear();
+    const ggml_tensor * ids_t = dst->src[0];
+    const ggml_tensor * w_t = dst->src[1];
+    const ggml_tensor * probs_t = dst->src[2];
+    const ggml_tensor * cur_t = dst->src[3];
+    const int64_t k = ids_t->ne[0];
+    const int64_t T = ids_t->ne[1];
+    const int ml = run.ml;
+    const int E = cfg_.n_expert;
+
+    // contiguous ids; the plan's output starts as upstream's routing, nothing on the GPU
+    ids_.resize((size_t) (k * T));
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t j = 0; j < k; ++j) ids_[(size_t) (t * k + j)] = *at2<int32_t>(ids_t, j, t);
+    }
+    for (int64_t t = 0; t < T; ++t) {
+        int32_t * out_ids = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
+        int32_t * out_flag = (int32_t *) ((char *) dst->data + t * dst->nb[1] + dst->nb[2]);
+        for (int64_t j = 0; j < k; ++j) {
+            out_ids[j] = ids_[(size_t) (t * k + j)];
+            out_flag[j] = 0;
+        }
+    }
+    if (run.counters) note_plan_run(*static_cast<LayerCounters *>(run.counters), ids_.data(), k, T);
+    if (T == 0) return;
+    // warm-up graphs route every token to every expert: not a real ubatch, leave it to the CPU
+    if (k != cfg_.top_k) return;
+
+    try {
+        if (failed_) return;
+        // ---- observe, look up, pin, split ----
+        in_.set_routing(ids_.data(), (int) T, (int) k, E);
+        in_.layer = ml;
+        const auto & eb = cfg_.expert_bytes[(size_t) ml];
+        in_.expert_bytes = (double) (eb[0] + eb[1] + eb[2]);
+        obs_.set_routed(ml, (int) T, (int) k, E, in_.experts, in_.loads);
+        obs_.scores.resize((size_t) (T * E));
+        for (int64_t t = 0; t < T; ++t) {
+            for (int e = 0; e < E; ++e) obs_.scores[(size_t) (t * E + e)] = *at2<float>(probs_t, e, t);
+        }
+        cache_->observe(obs_);
+        for (size_t i = 0; i < in_.size(); ++i) {
+            const int32_t e = in_.experts[i];
+            cache_->access(ml, e);
+            cache_->pin(ml, e);
+            run.used.push_back(e);
+            if (cache_->resident(ml, e) && key_slot_[(size_t) ml * E + e] >= 0) {
+                in_.cached[i] = 1;
+                in_.ready_s[i] = 0.0;
+            }
+        }
+        in_.pcie_free_s = std::max(0.0, link_free_ - now());
+        scheduler_->plan(in_, cfg_.cost, plan_);
+        if (plan_.on_gpu.size() != in_.size()) {
+            throw std::runtime_error("schedule policy '" + scheduler_->name() + "' returned a plan of the wrong size");
+        }
+        std::vector<uint8_t> on_gpu = plan_.on_gpu;
+        if (cfg_.n_slots == 0) std::fill(on_gpu.begin(), on_gpu.end(), 0);
+
+        // ---- demand loads: admit; a load the cache refuses runs on the CPU ----
+        expert_pos_.assign((size_t) E, -1);
+        for (size_t i = 0; i < in_.size(); ++i) expert_pos_[(size_t) in_.experts[i]] = (int32_t) i;
+        uint64_t declined = 0, demand = 0;
+        double bytes_demand = 0;
+        for (size_t i = 0; i < in_.size(); ++i) {
+            if (!on_gpu[i] || in_.cached[i]) continue;
+            const int32_t e = in_.experts[i];
+            if (cfg_.n_slots > 0 && cache_->admit(ml, e, 0.0, false) && assign_slot(ml, e)) {
+                copy_expert(ml, e, "demand");
+                ++demand;
+                bytes_demand += in_.expert_bytes;
+            } else {
+                on_gpu[i] = 0;
+                ++declined;
+            }
+        }
+        sync_evictions();
+        // resident experts whose weights were never copied (initial fill) are copied at first use
+        for (size_t i = 0; i < in_.size(); ++i) {
+            if (on_gpu[i]) copy_expert(ml, in_.experts[i], "fill");
+        }
+
+        // ---- rewrite the CPU ids; launch the GPU share ----
+        uint64_t n_gpu = 0;
+        for (uint8_t g : on_gpu) n_gpu += g;
+        if (n_gpu > 0) {
+            GpuGraph & g = gpu_graph(ml, k, T);
+            // CPU row counts per expert as upstream has them
+            std::vector<int64_t> rows((size_t) E, 0), added((size_t) E, 0);
+            int32_t dummy = -1;
+            for (size_t i = 0; i < in_.size(); ++i) {
+                if (on_gpu[i]) {
+                    if (dummy < 0) dummy = in_.experts[i];
+                } else {
+                    rows[(size_t) in_.experts[i]] = in_.loads[i];
+                }
+            }
+            const int32_t null_slot = (int32_t) cfg_.n_slots;
+            for (int64_t t = 0; t < T; ++t) {
+                int32_t * out_ids = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
+                int32_t * out_flag = (int32_t *) ((char *) dst->data + t * dst->nb[1] + dst->nb[2]);
+                for (int64_t j = 0; j < k; ++j) {
+                    const int32_t e = ids_[(size_t) (t * k + j)];
+                    const bool gpu = on_gpu[(size_t) expert_pos_[(size_t) e]] != 0;
+                    g.host_ids[(size_t) (t * k + j)] = gpu ? key_slot_[(size_t) ml * E + e] : null_slot;
+                    g.host_w[(size_t) (t * k + j)] = *(const float *) ((const char *) w_t->data + j * w_t->nb[1] +
+                                                                      t * w_t->nb[2]);
+                    if (!gpu) continue;
+                    out_flag[j] = 1;
+                    // the CPU computes something for this pair and the result is discarded: reuse an expert of
+                    // this token that stays on ggml's per-row kernel (fewer rows than the tiled threshold before
+                    // and after), else the dummy (an expert the CPU does not compute otherwise)
+                    int32_t target = dummy;
+                    for (int64_t jj = 0; jj < k; ++jj) {
+                        const int32_t c = ids_[(size_t) (t * k + jj)];
+                        if (rows[(size_t) c] > 0 && rows[(size_t) c] + added[(size_t) c] + 1 < kTiledMinRows) {
+                            target = c;
+                            break;
+                        }
+                    }
+                    if (target != dummy) added[(size_t) target] += 1;
+                    out_ids[j] = target;
+                }
+            }
+            for (int64_t t = 0; t < T; ++t) {
+                const float * row = (const float *) ((const char *) cur_t->data + t * cur_t->nb[1]);
+                std::memcpy(g.host_x.data() + t * cfg_.n_embd, row, sizeof(float) * (size_t) cfg_.n_embd);
+            }
+            finish_copies();
+            ggml_backend_tensor_set_async(compute_, g.x, g.host_x.data(), 0, ggml_nbytes(g.x));
+            ggml_backend_tensor_set_async(compute_, g.ids, g.host_ids.data(), 0, ggml_nbytes(g.ids));
+            ggml_backend_tensor_set_async(compute_, g.w, g.host_w.data(), 0, ggml_nbytes(g.w));
+            if (ggml_backend_graph_compute_async(compute_, g.gf) != GGML_STATUS_SUCCESS) {
+                throw std::runtime_error("the GPU share of layer " + std::to_string(run.il) + " failed on " +
+                                         ggml_backend_dev_name(cfg_.device));
+            }
+            run.gpu_launched = true;
+            run.graph = &g;
+        }
+
+        // ---- prefetch for the next layers ----
+        uint64_t n_prefetch = 0, n_fill = 0;
+        double bytes_prefetch = 0, bytes_fill = 0;
+        if (cfg_.n_slots > 0 && cfg_.prefetch_layers > 0 && ml + 1 < (int) tensors_.size()) {
+            if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + plan_.makespan_s;
+            pctx_.layer = ml;
+            pctx_.n_tokens = (int) T;
+            pctx_.top_k = (int) k;
+            pctx_.now_s = 0.0;
+            pctx_.link_free_s = std::max(0.0, link_free_ - now());
+            predict(ml, (int) T, (const float *) cur_t->data, cur_t->nb[1], pctx_, layer_est_);
+            const auto reqs = prefetcher_->plan(pctx_, *cache_, cfg_.cost);
+            for (const auto & r : reqs) {
+                const int j = r.first, e = r.second;
+                if (j <= ml || j >= (int) tensors_.size() || j > ml + cfg_.prefetch_layers || e < 0 || e >= E) {
+                    throw std::invalid_argument("prefetch policy '" + prefetcher_->name() + "' asked for (layer " +
+                                                std::to_string(j) + ", expert " + std::to_string(e) +
+                                                "), outside the next " + std::to_string(cfg_.prefetch_layers) +
+                                                " layers or the expert range");
+                }
+                if (cache_->resident(j, e) || !tensors_[(size_t) j].gate) continue;
+                if (!cache_->admit(j, e, 0.0, true) || !assign_slot(j, e)) continue;
+                cache_->pin(j, e);
+                pending_unpin_[(size_t) j].push_back(e);
+                copy_expert(j, e, "prefetch");
+                ++n_prefetch;
+                const auto & b = cfg_.expert_bytes[(size_t) j];
+                bytes_prefetch += (double) (b[0] + b[1] + b[2]);
+            }
+        }
+        // ---- fills: CPU-computed misses, while the copy queue would idle during this layer ----
+        if (cfg_.n_slots > 0 && cfg_.fill_on_miss) {
+            const double t_end = now() + plan_.makespan_s;
+            for (size_t i = 0; i < in_.size(); ++i) {
+                const int32_t e = in_.experts[i];
+                if (on_gpu[i] || cache_->resident(ml, e)) continue;
+                if (std::max(link_free_, now()) >= t_end) break;
+                if (!cache_->admit(ml, e, 0.0, false) || !assign_slot(ml, e)) continue;
+                copy_expert(ml, e, "fill");
+                ++n_fill;
+                bytes_fill += in_.expert_bytes;
+            }
+        }
+        sync_evictions();
+        if (copy_event_ && copies_pending_) {
+            ggml_backend_event_record(copy_event_, copy_);  // later layers wait on it
+        }
+
+        const double t_end = now();
+        run.plan_s = t_end - t_start;
+        std::lock_guard<std::mutex> lock(stats_mu_);
+        EngineLayerStats & s = stats_[(size_t) ml];
+        s.runs += 1;
+        s.tokens += (uint64_t) T;
+        s.gpu_experts += n_gpu;
+        s.cpu_experts += in_.size() - n_gpu;
+        s.demand_copies += demand;
+        s.declined_loads += declined;
+        s.prefetch_copies += n_prefetch;
+        s.fill_copies += n_fill;
+        s.bytes_demand += bytes_demand;
+        s.bytes_prefetch += n_prefetch ? bytes_prefetch : 0.0;
+        s.bytes_fill += bytes_fill;
+        s.plan_s += run.plan_s;
+        s.predicted_s += plan_.makespan_s;
+    } catch (const std::exception & e) {
+        // numbers stay right: every pair that is not yet handed to the GPU is computed by the CPU
+        if (!run.gpu_launched) {
+            for (int64_t t = 0; t < T; ++t) {
+                int32_t * out_ids = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
+                int32_t * out_flag = (int32_t *) ((char *) dst->data + t * dst->nb[1] + dst->nb[2]);
+                for (int64_t j = 0; j < k; ++j) {
+                    out_ids[j] = ids_[(size_t) (t * k + j)];
+                    out_flag[j] = 0;
+                }
+            }
+        }
+        fail(std::string("MoE layer ") + std::to_string(run.il) + ": " + e.what());
+    } catch (...) {
+        fail(std::string("MoE layer ") + std::to_string(run.il) + ": unknown error");
+    }
+}
+
+void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
+    const double t0 = now();
+    if (run.gpu_launched && run.graph) {
+        ggml_backend_synchronize(compute_);
+        ggml_backend_tensor_get(run.graph->out, dst->data, 0, ggml_nbytes(run.graph->out));
+    }
+    run.gpu_launched = false;
+    run.graph = nullptr;
+    try {
+        for (int32_t e : run.used) cache_->unpin(run.ml, e);
+        for (int32_t e : pending_unpin_[(size_t) run.ml]) cache_->unpin(run.ml, e);
+    } catch (const std::exception & e) {
+        fail(std::string("cache bookkeeping: ") + e.what());
+    }
+    run.used.clear();
+    pending_unpin_[(size_t) run.ml].clear();
+    const double t1 = now();
+    if (layer_est_ >= 0.0) layer_est_ = 0.8 * layer_est_ + 0.2 * (t1 - run.t_start);
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    EngineLayerStats & s = stats_[(size_t) run.ml];
+    s.wait_s += t1 - t0;
+    s.layer_s += t1 - run.t_start;
+}
+
+}  // namespace hybrimoe

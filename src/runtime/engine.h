@@ -1,0 +1,197 @@
+// The hybrid CPU+GPU MoE engine (HybriMoE, Zhong et al., DAC 2025; ../shared/design/HYBRIMOE.md, ARCHITECTURE.md).
+//
+// One Engine per llama_context, driven by the MoE hook (moe_hook.h). Per MoE layer and ubatch, three custom ops
+// run on the CPU around ggml's own CPU expert nodes:
+//
+//   plan  (1 task)  reads the routing ids, routing weights, router probabilities and hidden state (one
+//                   device-to-host transfer: they are inputs of the same CPU split); updates the cache scores;
+//                   asks the scheduler for the CPU/GPU split; admits and copies the experts to load (copy queue);
+//                   launches the GPU share on the accelerator (mul_mat_id over the slot pool, SwiGLU, down,
+//                   routing weights: per-slot outputs); plans prefetches for the next layers by applying their
+//                   routers to this hidden state; offers CPU-computed misses to the cache (fills).
+//                   Its output is the ids the CPU mul_mat_id nodes use: GPU-assigned (token, slot) pairs point
+//                   at an expert whose result is discarded, chosen so that every CPU expert keeps upstream's row
+//                   count (ggml picks its kernel per expert by row count: results stay upstream's bit for bit).
+//   (CPU nodes)     mul_mat_id up/gate, swiglu, mul_mat_id down, routing weights: upstream's ops and kernels.
+//   wait  (1 task)  waits for the GPU share, reads its per-slot outputs back, unpins the layer's experts.
+//   combine         per token, sums the slots in upstream's order, each slot from the CPU or the GPU output.
+//
+// Expert weights stay in host memory (llama tensor overrides; Python sets them up), in the file's quant types.
+// The GPU keeps a pool of expert-sized slots (one global byte budget); which (layer, expert) a slot holds is
+// decided by the policy core's ExpertCache (src/policy). A slot that a queued or running computation reads is
+// pinned and cannot be evicted.
+#pragma once
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "llama.h"
+#include "policy/cost_model.h"
+#include "policy/expert_cache.h"
+#include "policy/prefetcher.h"
+#include "policy/scheduler.h"
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace hybrimoe {
+
+/// Facts and settings the engine is built from (Python fills them from the GGUF and the user's options).
+struct EngineConfig {
+    int n_layer = 0;                       ///< model layers (llama's il range)
+    int n_expert = 0;                      ///< routed experts per MoE layer
+    int top_k = 0;                         ///< experts used per token
+    int n_embd = 0;
+    std::vector<int> moe_layers;           ///< model layer index of each MoE layer (cache layer index = position)
+    /// per MoE layer: bytes of one expert's gate, up and down matrices as stored (ggml nb[2])
+    std::vector<std::array<int64_t, 3>> expert_bytes;
+    int64_t n_slots = 0;                   ///< GPU expert slots (0: nothing cached, everything on the CPU)
+    ggml_backend_dev_t device = nullptr;   ///< accelerator holding the slot pool (needed when n_slots > 0)
+    CostModel cost;                        ///< planner cost model (seconds, bytes/s)
+    int prefetch_layers = 3;               ///< predicted MoE layers ahead (0: no prefetch)
+    bool fill_on_miss = true;              ///< offer CPU-computed misses to the cache while the copy queue idles
+    std::vector<double> confidence = {0.8, 0.65, 0.5};  ///< assumed prediction confidence per distance
+    /// per MoE layer: router weights F32 [n_expert, n_embd] row-major (empty: no prediction for that layer)
+    std::vector<std::vector<float>> routers;
+    /// per MoE layer: selection bias added to sigmoid scores (DeepSeek-V3 exp_probs_b) or empty
+    std::vector<std::vector<float>> router_bias;
+    bool sigmoid_gating = false;           ///< router probabilities by sigmoid (else softmax)
+};
+
+/// Per MoE layer counters (read between decodes).
+struct EngineLayerStats {
+    uint64_t runs = 0, tokens = 0;
+    uint64_t cpu_experts = 0, gpu_experts = 0;       ///< distinct experts per run, summed
+    uint64_t demand_copies = 0, prefetch_copies = 0, fill_copies = 0;
+    uint64_t declined_loads = 0;                     ///< planned loads the cache refused (ran on the CPU)
+    double bytes_demand = 0, bytes_prefetch = 0, bytes_fill = 0;
+    double plan_s = 0, wait_s = 0, layer_s = 0;      ///< seconds in plan, waiting for the GPU, plan start to wait end
+    double predicted_s = 0;                          ///< planner's predicted makespans, summed
+};
+
+/// The engine. Thread-safety: its ops run on ggml's thread 0 of the context's CPU backend, one at a time;
+/// Python reads statistics between decodes.
+class Engine {
+public:
+    /// Allocates the slot pool on cfg.device (n_slots + 1 slots; the last is an all-zero null slot).
+    /// Throws std::invalid_argument on inconsistent facts, std::runtime_error when the device cannot be
+    /// initialised or the pool cannot be allocated (message names the device and the bytes).
+    Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared_ptr<SchedulePolicy> scheduler,
+           std::shared_ptr<PrefetchPolicy> prefetcher);
+    ~Engine();
+    Engine(const Engine &) = delete;
+    Engine & operator=(const Engine &) = delete;
+
+    /// Bytes of one slot: max gate + max up + max down bytes over the MoE layers, each padded to 256.
+    static int64_t slot_bytes_for(const std::vector<std::array<int64_t, 3>> & expert_bytes);
+    int64_t slot_bytes() const { return slot_bytes_; }
+    int64_t n_slots() const { return cfg_.n_slots; }
+    const EngineConfig & config() const { return cfg_; }
+
+    /// Builds the layer's replacement subgraph (called by MoeHook::build for supported layers).
+    /// `counters` receives run counts for the hook's statistics.
+    ggml_tensor * build(const llama_moe_hook_args & a, void * counters);
+
+    std::vector<EngineLayerStats> layer_stats() const;
+    void reset_stats();
+    /// First error since the last call ("" if none): a policy that raised, a failed GPU computation. After an
+    /// error the engine runs every layer on the CPU (upstream's numbers) until reset_error().
+    std::string take_error();
+    bool failed() const { return failed_; }
+    void clear_failure();
+    /// MoE layer index of model layer il, or -1.
+    int moe_index(int il) const { return il >= 0 && il < (int) moe_index_.size() ? moe_index_[il] : -1; }
+    /// Slot of a resident (MoE layer, expert) or -1 (tests: slot bookkeeping agrees with the cache).
+    int slot_of(int layer, int expert) const;
+    /// Per-ubatch decision log (issue 5): enabled by set_logging.
+    void set_logging(bool on) { logging_ = on; }
+
+    // ---- custom-op bodies (public for the C trampolines) ----
+    struct LayerRun;
+    void op_plan(ggml_tensor * dst, LayerRun & run);
+    void op_wait(ggml_tensor * dst, LayerRun & run);
+
+private:
+    struct LayerTensors {
+        ggml_tensor * gate = nullptr;
+        ggml_tensor * up = nullptr;
+        ggml_tensor * down = nullptr;
+    };
+    struct GpuGraph;
+
+    GpuGraph & gpu_graph(int ml, int64_t k, int64_t n_tokens);
+    bool assign_slot(int ml, int e);
+    void sync_evictions();
+    void copy_expert(int ml, int e, const char * why);
+    void finish_copies();
+    void predict(int ml, int n_tokens, const float * cur, size_t cur_row_stride, PrefetchContext & ctx,
+                 double layer_est);
+    void fail(const std::string & msg);
+
+    EngineConfig cfg_;
+    std::shared_ptr<ExpertCache> cache_;
+    std::shared_ptr<SchedulePolicy> scheduler_;
+    std::shared_ptr<PrefetchPolicy> prefetcher_;
+    std::vector<int> moe_index_;
+    std::vector<LayerTensors> tensors_;
+    std::vector<std::unique_ptr<LayerRun>> runs_;
+
+    // slot pool
+    int64_t slot_bytes_ = 0;
+    std::array<int64_t, 3> offsets_{};      // gate, up, down offsets inside a slot
+    ggml_backend_t compute_ = nullptr;
+    ggml_backend_t copy_ = nullptr;
+    ggml_backend_event_t copy_event_ = nullptr;
+    bool copies_pending_ = false;
+    ggml_context * pool_ctx_ = nullptr;
+    ggml_backend_buffer_t pool_buf_ = nullptr;
+    ggml_tensor * pool_ = nullptr;
+    std::vector<int32_t> slot_key_;         // slot -> key (ml * n_expert + e) or -1
+    std::vector<int32_t> key_slot_;         // key -> slot or -1
+    std::vector<uint8_t> key_loaded_;       // key's slot holds its weights (copy issued)
+    std::vector<int32_t> free_slots_;
+    std::map<std::tuple<int, int, int, int64_t, int64_t>, std::unique_ptr<GpuGraph>> graphs_;
+
+    // per-run scratch
+    LayerInput in_;
+    SchedulePlan plan_;
+    LayerObservation obs_;
+    PrefetchContext pctx_;
+    std::vector<int32_t> ids_;               // [T, k] contiguous
+    std::vector<std::vector<int32_t>> pending_unpin_;
+    std::vector<int32_t> expert_pos_;
+    std::vector<float> logits_;
+
+    using clock = std::chrono::steady_clock;
+    clock::time_point t0_ = clock::now();
+    double now() const { return std::chrono::duration<double>(clock::now() - t0_).count(); }
+    double link_free_ = 0.0;                 // estimated end of queued copies (engine clock, seconds)
+    double layer_est_ = -1.0;
+
+    mutable std::mutex stats_mu_;
+    std::vector<EngineLayerStats> stats_;
+    std::string error_;
+    bool failed_ = false;
+    bool logging_ = false;
+};
+
+/// What one layer's ops share within one ubatch (owned by the Engine, one per MoE layer).
+struct Engine::LayerRun {
+    Engine * engine = nullptr;
+    int ml = -1;                 ///< MoE layer index
+    int il = -1;                 ///< model layer index
+    void * counters = nullptr;   ///< hook counters (LayerCounters)
+    bool gpu_launched = false;
+    GpuGraph * graph = nullptr;
+    std::vector<int32_t> used;   ///< experts pinned for this run
+    double t_start = 0.0;
+    double plan_s = 0.0;
+};
+
+}  // namespace hybrimoe
