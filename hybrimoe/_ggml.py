@@ -124,8 +124,14 @@ def add_rpc_server(endpoint: str) -> list[int]:
             raise RuntimeError(f"could not add RPC server {endpoint} (see the ggml log above)")
         g.ggml_backend_register(server_reg)
         _registered_endpoints[endpoint] = server_reg
-    server_reg = _registered_endpoints[endpoint]
-    return [d["ptr"] for d in devices() if g.ggml_backend_dev_backend_reg(d["ptr"]) == server_reg]
+    return _endpoint_devices(endpoint)
+
+
+def _endpoint_devices(endpoint: str) -> list[int]:
+    # RPC devices hang off the one "RPC" registry; each names its server in its buffer type, "RPCn[HOST:PORT]"
+    # (ggml-rpc.cpp), or in its description
+    return [d["ptr"] for d in devices()
+            if d["buft_name"].endswith(f"[{endpoint}]") or d["description"] == endpoint]
 
 
 # ggml RPC protocol (ggml-rpc.cpp / ggml-rpc.h of the pinned llama.cpp): HELLO is command 14; its request is
@@ -181,9 +187,7 @@ def _check_rpc_server(endpoint: str, host: str, port: int) -> None:
 
 def rpc_device_ptrs() -> set[int]:
     """Device pointers of every RPC server registered by this process."""
-    regs = set(_registered_endpoints.values())
-    g = libggml()
-    return {d["ptr"] for d in devices() if g.ggml_backend_dev_backend_reg(d["ptr"]) in regs}
+    return {p for ep in _registered_endpoints for p in _endpoint_devices(ep)}
 
 
 def buffer_type(name: str) -> int:

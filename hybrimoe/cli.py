@@ -59,7 +59,22 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the routed experts of the first N layers in host memory")
     p.add_argument("--rpc", default=None, metavar="HOST:PORT,...", help="ggml RPC servers to use as devices")
     p.add_argument("--moe-hook", action="store_true",
-                   help="install hybrimoe's MoE hook (CPU path; the engine's split comes with the engine)")
+                   help="install hybrimoe's MoE hook alone (CPU path, upstream's numbers; for checks)")
+    p.add_argument("--moe-cache", default=None, metavar="SIZE",
+                   help="turn on the hybrid CPU+GPU engine with a GPU expert cache of SIZE: 25%% (of all routed "
+                        "experts), 3GiB, 512MB or bytes; 0 = every expert on the CPU through the engine")
+    p.add_argument("--moe-policy", default="hybrimoe",
+                   help="engine policy: hybrimoe, hybrimoe-lru, ktransformers, upstream-ncmoe, gpu-on-demand "
+                        "(default: %(default)s)")
+    p.add_argument("--moe-prefetch-layers", type=int, default=3, metavar="N",
+                   help="MoE layers predicted and prefetched ahead (0: none; default: %(default)s)")
+    p.add_argument("--moe-cost-model", default=None, metavar="PRESET|FILE",
+                   help="planner cost model: a hardware preset (paper-a6000, rtx4090-desktop, h200) or a JSON "
+                        "file (default: rtx4090-desktop)")
+    p.add_argument("-nr", "--no-repack", action="store_true",
+                   help="keep CPU weights in the file's layout (upstream --no-repack)")
+    p.add_argument("--moe-stats", action="store_true",
+                   help="print the engine's statistics (hit rate, CPU/GPU experts, bytes copied) on stderr")
     p.add_argument("--output-format", choices=["text", "json"], default="text",
                    help="text: stream the generated text; json: print {prompt_tokens, tokens, text, n_ctx} at the end")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's log on stderr")
@@ -77,6 +92,9 @@ def _run(args: argparse.Namespace) -> int:
         if value is not None and value < low:
             print(f"hybrimoe run: error: {name} must be >= {low}, got {value}", file=sys.stderr)
             return 2
+    if args.moe_prefetch_layers < 0:
+        print("hybrimoe run: error: --moe-prefetch-layers must be >= 0", file=sys.stderr)
+        return 2
     if not 0.0 < args.top_p <= 1.0:
         print(f"hybrimoe run: error: --top-p must be in (0, 1], got {args.top_p}", file=sys.stderr)
         return 2
@@ -102,8 +120,9 @@ def _run(args: argparse.Namespace) -> int:
             n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
             seed=args.seed if args.seed >= 0 else 0xFFFFFFFF, verbose=args.verbose,
             rpc_servers=args.rpc, tensor_buft_overrides=args.override_tensor or None,
-            cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook,
-            load_progress=progress)
+            cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook, no_repack=args.no_repack,
+            moe_cache=args.moe_cache, moe_policy=args.moe_policy, moe_prefetch_layers=args.moe_prefetch_layers,
+            moe_cost_model=args.moe_cost_model, load_progress=progress)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         bar.close()
         print(f"hybrimoe run: error: {e}", file=sys.stderr)
@@ -122,11 +141,19 @@ def _run(args: argparse.Namespace) -> int:
         except (RuntimeError, ValueError) as e:
             print(f"\nhybrimoe run: error: generation failed: {e}", file=sys.stderr)
             return 1
-        unsupported = llm.moe_stats().get("unsupported", []) if args.moe_hook else []
-        if unsupported:
-            reasons = sorted({u["reason"] for u in unsupported})
-            print(f"hybrimoe: warning: {len(unsupported)} MoE layer(s) ran on upstream's path "
-                  f"({'; '.join(reasons)})", file=sys.stderr)
+        stats = llm.moe_stats() if (args.moe_hook or args.moe_cache is not None) else {}
+        for key, where in (("unsupported", "upstream's path"), ("engine_skipped", "the CPU only")):
+            skipped = stats.get(key, [])
+            if skipped:
+                reasons = sorted({u["reason"] for u in skipped})
+                print(f"hybrimoe: warning: {len(skipped)} MoE layer(s) ran on {where} ({'; '.join(reasons)})",
+                      file=sys.stderr)
+        if args.moe_stats and "engine" in stats:
+            e = stats["engine"]
+            print(f"hybrimoe: engine {e['policy']}: {e['n_slots']} slots of {e['slot_bytes']} B, hit rate "
+                  f"{e['hit_rate']:.3f}, experts CPU {e['cpu_experts']} / GPU {e['gpu_experts']}, H2D "
+                  f"{e['bytes_copied'] / 2**20:.1f} MiB, {e['layer_s'] * 1e6:.0f} us per MoE layer",
+                  file=sys.stderr)
         if args.output_format == "json":
             text = llm.detokenize(tokens).decode("utf-8", errors="replace")
             json.dump({"prompt_tokens": prompt_tokens, "tokens": tokens, "text": text, "n_ctx": llm.n_ctx()},

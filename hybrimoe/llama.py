@@ -116,6 +116,7 @@ class Llama(llama_cpp.Llama):
             by device name (``CPU``, ``CUDA0``, ``RPC0[127.0.0.1:50052]``, as ``llama_cpp`` logs them).
         cpu_moe: keep every routed-expert tensor in host memory (upstream ``--cpu-moe``).
         n_cpu_moe: keep the routed experts of the first N layers in host memory (upstream ``--n-cpu-moe``).
+        n_seq_max: sequences the context can hold at once (upstream ``-np/--parallel``; llama-cpp-python: 1).
         no_repack: do not put CPU weights into repacked (interleaved) buffers (upstream ``--no-repack``); implied
             for the routed experts by ``moe_cache``.
         moe_hook: install hybrimoe's MoE hook (``hybrimoe._engine.MoeHook``); its statistics are in
@@ -145,7 +146,8 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *, rpc_servers: str | Sequence[str] | None = None,
                  tensor_buft_overrides: str | Sequence[str] | None = None, cpu_moe: bool = False,
-                 n_cpu_moe: int | None = None, no_repack: bool = False, moe_hook: bool = False, moe_replay: np.ndarray | None = None,
+                 n_cpu_moe: int | None = None, no_repack: bool = False, n_seq_max: int | None = None,
+                 moe_hook: bool = False, moe_replay: np.ndarray | None = None,
                  moe_cache=None, moe_policy="hybrimoe", moe_prefetch_layers: int = 3, moe_cost_model=None,
                  load_progress=None, **kwargs):
         self._moe_hook = None
@@ -153,6 +155,8 @@ class Llama(llama_cpp.Llama):
         self._moe_engine = None
         self._moe_setup = None
         check_gguf(model_path)
+        if n_seq_max is not None and (not isinstance(n_seq_max, int) or n_seq_max < 1):
+            raise ValueError(f"n_seq_max must be an integer >= 1, got {n_seq_max!r}")
         if moe_cache is not None:
             from . import engine as eng
 
@@ -176,7 +180,9 @@ class Llama(llama_cpp.Llama):
         overrides = parse_tensor_overrides(tensor_buft_overrides) + moe_overrides(cpu_moe, n_cpu_moe)
         engine_device = None
         if self._moe_setup is not None:
-            gpus = [d["ptr"] for d in _ggml.devices() if d["type"] in (_ggml.DEV_GPU, _ggml.DEV_IGPU)]
+            others_rpc = _ggml.rpc_device_ptrs()  # RPC servers other instances registered are not ours
+            gpus = [d["ptr"] for d in _ggml.devices()
+                    if d["type"] in (_ggml.DEV_GPU, _ggml.DEV_IGPU) and d["ptr"] not in others_rpc]
             engine_device = rpc_devs[0] if rpc_devs else (gpus[0] if gpus else None)
             if self._moe_setup["n_slots"] > 0 and not engine_device:
                 raise ValueError("moe_cache needs an accelerator (a CUDA device, or an RPC server via rpc_servers); "
@@ -234,11 +240,21 @@ class Llama(llama_cpp.Llama):
                     p.use_extra_bufts = False  # no repacked CPU layouts: the engine copies experts as stored
                 return p
 
+            original_ctx = _lc.llama_context_default_params
+
+            def patched_ctx():
+                c = original_ctx()
+                if n_seq_max is not None:
+                    c.n_seq_max = int(n_seq_max)
+                return c
+
             _lc.llama_model_default_params = patched
+            _lc.llama_context_default_params = patched_ctx
             try:
                 super().__init__(model_path, **kwargs)
             finally:
                 _lc.llama_model_default_params = original
+                _lc.llama_context_default_params = original_ctx
 
         n_layer = int(_lc.llama_model_n_layer(self._model.model))
         if moe_replay is not None:
@@ -282,14 +298,12 @@ class Llama(llama_cpp.Llama):
     def eval(self, tokens):
         """llama-cpp-python's ``eval``; raises RuntimeError when the MoE engine failed during it (the failed
         layers were computed on the CPU; the next call tries the engine again)."""
-        eng = self._moe_engine
-        if eng is not None:
-            eng.clear_failure()
+        if self._moe_engine is not None:
+            self._moe_engine.clear_failure()
         super().eval(tokens)
-        if eng is not None:
-            err = eng.take_error()
-            if err:
-                raise RuntimeError(f"hybrimoe engine failed: {err}")
+        err = self._moe_engine.take_error() if self._moe_engine is not None else ""
+        if err:  # (no engine reference left in this frame: a kept traceback must not keep the engine alive)
+            raise RuntimeError(f"hybrimoe engine failed: {err}")
 
     def moe_stats(self) -> dict:
         """Statistics of hybrimoe's MoE hook and engine.
@@ -347,6 +361,8 @@ class Llama(llama_cpp.Llama):
 
     def close(self) -> None:
         """Remove hybrimoe's hooks from the context, then free it (llama-cpp-python's ``close``)."""
+        if getattr(self, "_moe_engine", None) is not None:
+            self._moe_engine.release()  # device memory and backends go now, while the device is surely there
         for attr in ("_moe_hook", "_moe_replay"):  # the hook holds the engine; dropping it frees the slot pool
             obj = getattr(self, attr, None)
             if obj is not None:

@@ -169,7 +169,9 @@ def test_budget_and_pins_never_violated(data):
 
 @st.composite
 def small_traces(draw):
-    n_exp, k = draw(st.integers(3, 8)), draw(st.integers(1, 2))
+    # one expert per token and layer: Belady's optimality is for single accesses; with two experts per step
+    # pinned together, hypothesis found a trace where the static set beat it by one hit (10 vs 11)
+    n_exp, k = draw(st.integers(3, 8)), 1
     n_layers = draw(st.integers(1, 3))
     n_tok = draw(st.integers(1, 40))
     rows = [[draw(st.lists(st.integers(0, n_exp - 1), min_size=k, max_size=k, unique=True))

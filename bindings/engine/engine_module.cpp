@@ -138,6 +138,12 @@ Raises:
         .def_property_readonly("failed", &Engine::failed)
         .def("clear_failure", &Engine::clear_failure)
         .def("reset_stats", &Engine::reset_stats)
+        .def("release", &Engine::release,
+             "Free the slot pool, GPU graphs and device backends now (afterwards every layer runs on the CPU).")
+        .def("set_drop_gpu_share", &Engine::set_drop_gpu_share, py::arg("on"),
+             "Negative control for tests: replace the GPU share's outputs by zeros.")
+        .def("pinned_count", &Engine::pinned_count, "(layer, expert) keys pinned now.")
+        .def("slots_in_use", &Engine::slots_in_use, "GPU slots holding an expert.")
         .def("layer_stats", [](const Engine & e) {
                 py::list out;
                 for (const auto & s : e.layer_stats()) {

@@ -181,7 +181,9 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     }
 }
 
-Engine::~Engine() {
+Engine::~Engine() { release(); }
+
+void Engine::release() {
     if (compute_) ggml_backend_synchronize(compute_);
     if (copy_) ggml_backend_synchronize(copy_);
     graphs_.clear();
@@ -190,11 +192,37 @@ Engine::~Engine() {
     if (pool_ctx_) ggml_free(pool_ctx_);
     if (copy_) ggml_backend_free(copy_);
     if (compute_) ggml_backend_free(compute_);
+    copy_event_ = nullptr;
+    pool_buf_ = nullptr;
+    pool_ctx_ = nullptr;
+    pool_ = nullptr;
+    copy_ = nullptr;
+    compute_ = nullptr;
+    if (cfg_.n_slots > 0) {
+        cfg_.n_slots = 0;  // from now on every layer runs on the CPU
+        std::fill(key_slot_.begin(), key_slot_.end(), -1);
+        slot_key_.clear();
+        free_slots_.clear();
+    }
 }
 
 int Engine::slot_of(int layer, int expert) const {
     if (layer < 0 || layer >= (int) tensors_.size() || expert < 0 || expert >= cfg_.n_expert) return -1;
     return key_slot_[(size_t) layer * cfg_.n_expert + expert];
+}
+
+int Engine::pinned_count() const {
+    int n = 0;
+    for (int l = 0; l < cache_->n_layers(); ++l) {
+        for (int e = 0; e < cfg_.n_expert; ++e) n += cache_->pinned(l, e) ? 1 : 0;
+    }
+    return n;
+}
+
+int Engine::slots_in_use() const {
+    int n = 0;
+    for (int32_t k : slot_key_) n += k >= 0 ? 1 : 0;
+    return n;
 }
 
 std::vector<EngineLayerStats> Engine::layer_stats() const {
@@ -667,6 +695,7 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
     if (run.gpu_launched && run.graph) {
         ggml_backend_synchronize(compute_);
         ggml_backend_tensor_get(run.graph->out, dst->data, 0, ggml_nbytes(run.graph->out));
+        if (drop_gpu_) std::memset(dst->data, 0, ggml_nbytes(run.graph->out));
     }
     run.gpu_launched = false;
     run.graph = nullptr;

@@ -85,6 +85,10 @@ public:
     Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared_ptr<SchedulePolicy> scheduler,
            std::shared_ptr<PrefetchPolicy> prefetcher);
     ~Engine();
+    /// Waits for queued device work and frees the slot pool, the GPU graphs and the device backends now (the
+    /// engine then runs every layer on the CPU). Call before the llama context and the device go away; the
+    /// destructor does it otherwise.
+    void release();
     Engine(const Engine &) = delete;
     Engine & operator=(const Engine &) = delete;
 
@@ -109,8 +113,12 @@ public:
     int moe_index(int il) const { return il >= 0 && il < (int) moe_index_.size() ? moe_index_[il] : -1; }
     /// Slot of a resident (MoE layer, expert) or -1 (tests: slot bookkeeping agrees with the cache).
     int slot_of(int layer, int expert) const;
-    /// Per-ubatch decision log (issue 5): enabled by set_logging.
-    void set_logging(bool on) { logging_ = on; }
+    /// Negative control for tests: the GPU share's outputs are replaced by zeros (results must then differ).
+    void set_drop_gpu_share(bool on) { drop_gpu_ = on; }
+    /// (layer, expert) keys pinned now; 0 between decodes unless prefetched experts wait for their layer.
+    int pinned_count() const;
+    /// Slots holding an expert; equals the cache's resident count when the bookkeeping agrees.
+    int slots_in_use() const;
 
     // ---- custom-op bodies (public for the C trampolines) ----
     struct LayerRun;
@@ -178,7 +186,7 @@ private:
     std::vector<EngineLayerStats> stats_;
     std::string error_;
     bool failed_ = false;
-    bool logging_ = false;
+    bool drop_gpu_ = false;
 };
 
 /// What one layer's ops share within one ubatch (owned by the Engine, one per MoE layer).

@@ -1,0 +1,358 @@
+"""The hybrid engine (issue 4) against its oracle: upstream llama.cpp with the same placement (non-expert weights on
+the device, routed experts in host memory, no repacking: ``-ngl 99 -ot exps=CPU --no-repack``), on the RPC
+stand-in device. The pairwise matrix is in test_engine_matrix.py (slow)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+ARCHS = ["qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2"]
+
+
+def _common(rpc_server, **kw):
+    d = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=512, n_batch=512, n_ubatch=32, seed=0,
+             verbose=False)
+    d.update(kw)
+    return d
+
+
+def _reference(path, rpc_server, tokens, engine_tools, n=32, **kw):
+    from hybrimoe import Llama
+
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **_common(rpc_server, **kw))
+    try:
+        return engine_tools.run_greedy(ref, tokens, n)
+    finally:
+        ref.close()
+
+
+def _slots(path, n):
+    from hybrimoe.engine import slot_bytes
+
+    return n * slot_bytes(path)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_matches_upstream_same_placement(arch, tiny_model, rpc_server, split_cost_model, engine_tools):
+    """Mixed CPU/GPU splits give upstream's greedy tokens and logits (bit for bit on the CPU stand-in), and the
+    engine really ran experts on both sides and copied experts."""
+    from hybrimoe import Llama
+
+    path = tiny_model(arch, "Q8_0")
+    llm = Llama(str(path), moe_cache=_slots(path, 6), moe_cost_model=split_cost_model, **_common(rpc_server))
+    try:
+        tokens = engine_tools.prompt_of(llm, 40)
+        out, lg = engine_tools.run_greedy(llm, tokens)
+        st = llm.moe_stats()
+    finally:
+        llm.close()
+    ref_out, ref_lg = _reference(path, rpc_server, tokens, engine_tools)
+    assert out == ref_out
+    assert engine_tools.nmse(lg, ref_lg) <= 1e-6
+    assert np.array_equal(lg, ref_lg)  # reachable on the stand-in: same kernels, upstream's summation order
+    e = st["engine"]
+    assert e["gpu_experts"] > 0 and e["cpu_experts"] > 0, e
+    assert e["bytes_copied"] > 0 and 0 < e["hit_rate"] < 1, e
+    assert not st["engine_skipped"] and not st["unsupported"]
+
+
+def test_negative_control_dropping_the_gpu_share_fails(tiny_model, rpc_server, split_cost_model, engine_tools):
+    """The check above can fail: zeroing the GPU share's outputs changes the logits."""
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), moe_cache=_slots(path, 6), moe_cost_model=split_cost_model, **_common(rpc_server))
+    try:
+        llm._moe_engine.set_drop_gpu_share(True)
+        tokens = engine_tools.prompt_of(llm, 40)
+        out, lg = engine_tools.run_greedy(llm, tokens, 8)
+        assert llm.moe_stats()["engine"]["gpu_experts"] > 0
+    finally:
+        llm.close()
+    ref_out, ref_lg = _reference(path, rpc_server, tokens, engine_tools, 8)
+    assert engine_tools.nmse(lg, ref_lg) > 1e-6
+
+
+def test_engine_nothing_cached_equals_upstream_cpu_only(tiny_model, engine_tools):
+    """moe_cache=0 without any device: every expert on the CPU through the engine == upstream CPU-only."""
+    from hybrimoe import Llama
+
+    path = tiny_model("deepseek2", "Q4_K_M")
+    kw = dict(n_ctx=256, n_batch=256, n_ubatch=16, seed=0, verbose=False, no_repack=True)
+    llm = Llama(str(path), moe_cache=0, **kw)
+    try:
+        tokens = engine_tools.prompt_of(llm, 37)
+        out, lg = engine_tools.run_greedy(llm, tokens, 16)
+        assert llm.moe_stats()["engine"]["gpu_experts"] == 0
+    finally:
+        llm.close()
+    ref = Llama(str(path), **kw)
+    try:
+        ref_out, ref_lg = engine_tools.run_greedy(ref, tokens, 16)
+    finally:
+        ref.close()
+    assert out == ref_out and np.array_equal(lg, ref_lg)
+
+
+def test_repeated_runs_with_prefetch_are_identical(tiny_model, rpc_server, split_cost_model, engine_tools):
+    """Five runs with prefetch on (cache state carried over between them) give identical tokens; prefetches
+    were issued and slot bookkeeping agrees with the cache; nothing stays pinned."""
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen2moe", "Q4_K_M")
+    llm = Llama(str(path), moe_cache=_slots(path, 8), moe_cost_model=split_cost_model, moe_prefetch_layers=2,
+                **_common(rpc_server))
+    try:
+        tokens = engine_tools.prompt_of(llm, 20)
+        runs = [engine_tools.run_greedy(llm, tokens, 24)[0] for _ in range(5)]
+        e = llm.moe_stats()["engine"]
+        eng = llm._moe_engine
+        assert eng.slots_in_use() == llm._moe_setup["policies"].cache.n_resident
+        assert eng.pinned_count() == 0  # every layer ran in the last decode step: its pins were released
+    finally:
+        llm.close()
+    assert all(r == runs[0] for r in runs)
+    assert e["bytes_prefetch"] > 0, e
+    ref_out, _ = _reference(path, rpc_server, tokens, engine_tools, 24)
+    assert runs[0] == ref_out
+
+
+def test_parallel_sequences_match_single_runs(tiny_model, rpc_server, split_cost_model):
+    """n_seq = 4 sequences decoded together give the same greedy tokens as four single runs."""
+    from hybrimoe import Llama
+    from hybrimoe._lib import llama_cpp_module
+
+    lc = llama_cpp_module().llama_cpp
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), moe_cache=_slots(path, 6), moe_cost_model=split_cost_model, n_seq_max=4,
+                **_common(rpc_server, n_ctx=1024))
+    ctx = llm._ctx.ctx
+    n_vocab = llm.n_vocab()
+    texts = ["Once upon a time", "The harbour was quiet", "Every morning the robot", "Boats have names"]
+    prompts = [llm.tokenize(t.encode(), add_bos=True, special=False) for t in texts]
+
+    def decode(seqs: list[int], steps: int) -> dict:
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        batch = lc.llama_batch_init(512, 0, 4)
+        out = {s: [] for s in seqs}
+        try:
+            pos = {s: 0 for s in seqs}
+            cur = {s: list(prompts[s]) for s in seqs}
+            for _ in range(steps):
+                batch.n_tokens = 0
+                last = {}
+                for s in seqs:
+                    for i, tok in enumerate(cur[s]):
+                        j = batch.n_tokens
+                        batch.token[j] = tok
+                        batch.pos[j] = pos[s] + i
+                        batch.n_seq_id[j] = 1
+                        batch.seq_id[j][0] = s
+                        batch.logits[j] = i == len(cur[s]) - 1
+                        batch.n_tokens += 1
+                    last[s] = batch.n_tokens - 1
+                    pos[s] += len(cur[s])
+                assert lc.llama_decode(ctx, batch) == 0
+                for s in seqs:
+                    row = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, last[s]), shape=(n_vocab,))
+                    tok = int(np.argmax(row))
+                    out[s].append(tok)
+                    cur[s] = [tok]
+        finally:
+            lc.llama_batch_free(batch)
+        return out
+
+    try:
+        together = decode([0, 1, 2, 3], 12)
+        single = {s: decode([s], 12)[s] for s in range(4)}
+        assert llm.moe_stats()["engine"]["gpu_experts"] > 0
+    finally:
+        llm.close()
+    assert together == single
+
+
+def test_two_turn_chat_reusing_the_kv_cache(tiny_model, rpc_server, split_cost_model, engine_tools, logits):
+    """Turn 2 evaluates only its new tokens (KV cache of turn 1 reused): same tokens as a fresh run of the whole
+    conversation, and the same logits as upstream doing the same two turns."""
+    from hybrimoe import Llama
+
+    path = tiny_model("olmoe", "Q8_0")
+
+    def two_turns(llm):
+        t1 = engine_tools.prompt_of(llm, 17)
+        out1, _ = engine_tools.run_greedy(llm, t1, 8)
+        t2 = t1 + out1 + llm.tokenize(b" And then the robot", add_bos=False, special=False)
+        before = llm.n_tokens
+        out2 = []
+        for tok in llm.generate(t2, temp=0.0, reset=False):  # llama-cpp-python reuses the matching prefix
+            out2.append(int(tok))
+            if len(out2) == 8:
+                break
+        return t2, out2, logits(llm), before
+
+    llm = Llama(str(path), moe_cache=_slots(path, 6), moe_cost_model=split_cost_model, **_common(rpc_server))
+    try:
+        t2, out2, lg2, before = two_turns(llm)
+        assert before > 0
+    finally:
+        llm.close()
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **_common(rpc_server))
+    try:
+        _, ref_out2, ref_lg2, _ = two_turns(ref)
+    finally:
+        ref.close()
+    assert out2 == ref_out2 and engine_tools.nmse(lg2, ref_lg2) <= 1e-6
+    fresh = Llama(str(path), moe_cache=_slots(path, 6), moe_cost_model=split_cost_model, **_common(rpc_server))
+    try:
+        fresh_out, _ = engine_tools.run_greedy(fresh, t2, 8)
+    finally:
+        fresh.close()
+    assert fresh_out == out2
+
+
+def test_unsupported_experts_stay_on_upstreams_path(tiny_model, rpc_server, engine_tools):
+    """gpt-oss experts (biases, clamped SwiGLU): upstream's path, upstream's tokens, the reason reported."""
+    from hybrimoe import Llama
+
+    path = tiny_model("gpt-oss", None)
+    llm = Llama(str(path), moe_cache=_slots(path, 2), **_common(rpc_server))
+    try:
+        tokens = engine_tools.prompt_of(llm, 12)
+        out, _ = engine_tools.run_greedy(llm, tokens, 8)
+        st = llm.moe_stats()
+    finally:
+        llm.close()
+    assert st["unsupported"] and sum(st["runs"]) == 0
+    ref_out, _ = _reference(path, rpc_server, tokens, engine_tools, 8)
+    assert out == ref_out
+
+
+def test_cli_run_with_the_engine(tiny_model, rpc_server, split_cost_model):
+    path = tiny_model("qwen3moe", "Q8_0")
+    base = [sys.executable, "-m", "hybrimoe", "run", "-m", str(path), "-p", "Once upon a time", "-n", "12",
+            "--temp", "0", "--rpc", rpc_server.endpoint, "-ngl", "99", "--output-format", "json"]
+    ref = subprocess.run(base + ["-ot", "exps=CPU", "--no-repack"], capture_output=True, text=True, timeout=300)
+    eng = subprocess.run(base + ["--moe-cache", str(_slots(path, 4)), "--moe-cost-model", split_cost_model,
+                                 "--moe-stats"], capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0 and eng.returncode == 0, ref.stderr + eng.stderr
+    import json
+
+    assert json.loads(eng.stdout)["tokens"] == json.loads(ref.stdout)["tokens"]
+    assert "hit rate" in eng.stderr and "experts CPU" in eng.stderr
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget, match", [
+    ("-1", "negative"), (-5, "negative"), ("150%", "within 0..100"), ("lots", "cannot parse"),
+    (1, "smaller than one expert"),
+])
+def test_bad_cache_budget(budget, match, tiny_model, rpc_server):
+    from hybrimoe import Llama
+
+    with pytest.raises(ValueError, match=match):
+        Llama(str(tiny_model("qwen3moe", "Q8_0")), moe_cache=budget, **_common(rpc_server))
+
+
+def test_cache_larger_than_free_device_memory(tiny_model, rpc_server):
+    from hybrimoe import Llama
+
+    with pytest.raises(ValueError, match="more than the .* bytes free on the device"):
+        Llama(str(tiny_model("qwen3moe", "Q8_0")), moe_cache="4000GiB", **_common(rpc_server))
+
+
+def test_cache_without_a_device(tiny_model):
+    from hybrimoe import Llama
+
+    with pytest.raises(ValueError, match="needs an accelerator"):
+        Llama(str(tiny_model("qwen3moe", "Q8_0")), moe_cache="50%", verbose=False)
+
+
+@pytest.mark.parametrize("policy, match", [("foo", "unknown moe_policy 'foo'"), ("belady", "clairvoyant"),
+                                           (42, "must be a preset name"), ({"cache": "nope"}, "nope")])
+def test_bad_policy(policy, match, tiny_model, rpc_server):
+    from hybrimoe import Llama
+
+    with pytest.raises(ValueError, match=match):
+        Llama(str(tiny_model("qwen3moe", "Q8_0")), moe_cache=0, moe_policy=policy, **_common(rpc_server))
+
+
+def test_bad_cost_model_and_prefetch(tiny_model, rpc_server, tmp_path):
+    from hybrimoe import Llama
+
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    with pytest.raises(ValueError, match="no-such-preset"):
+        Llama(path, moe_cache=0, moe_cost_model="no-such-preset", **_common(rpc_server))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "hybrimoe.cost_model/1", "cpu_a_s": -1}')
+    with pytest.raises(ValueError, match="bad.json"):
+        Llama(path, moe_cache=0, moe_cost_model=str(bad), **_common(rpc_server))
+    with pytest.raises(ValueError, match="moe_prefetch_layers"):
+        Llama(path, moe_cache=0, moe_prefetch_layers=-1, **_common(rpc_server))
+
+
+def test_python_policy_that_raises(tiny_model, rpc_server, split_cost_model, engine_tools):
+    """A Python SchedulePolicy that raises: RuntimeError naming it from the decode; the layers ran on the CPU, the
+    process lives, and a later call with a working policy state runs again."""
+    from hybrimoe import Llama, SchedulePolicy
+
+    class Flaky(SchedulePolicy):
+        broken = True
+
+        def name(self):
+            return "flaky"
+
+        def split(self, layer_input, cost):
+            if Flaky.broken:
+                raise KeyError("no split today")
+            return [1] * len(layer_input.experts)
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), moe_cache=_slots(path, 6), moe_policy=Flaky(), moe_cost_model=split_cost_model,
+                **_common(rpc_server))
+    try:
+        tokens = engine_tools.prompt_of(llm, 10)
+        with pytest.raises(RuntimeError, match="Flaky.*split.*KeyError.*no split today"):
+            engine_tools.run_greedy(llm, tokens, 4)
+        Flaky.broken = False
+        out, _ = engine_tools.run_greedy(llm, tokens, 8)
+        assert llm.moe_stats()["engine"]["gpu_experts"] > 0
+    finally:
+        llm.close()
+    ref_out, _ = _reference(path, rpc_server, tokens, engine_tools, 8)
+    assert out == ref_out
+
+
+def test_rpc_server_dies_mid_run_with_the_engine(tiny_model):
+    """kill -9 of the device's server during generation: RuntimeError, no abort (patch 0003)."""
+    code = textwrap.dedent("""
+        import sys
+        from hybrimoe import Llama
+        from hybrimoe.engine import slot_bytes
+        from hybrimoe.rpc import RPCServer
+        with RPCServer(threads=1) as srv:
+            llm = Llama(sys.argv[1], rpc_servers=srv.endpoint, n_gpu_layers=-1, n_ctx=256, verbose=False,
+                        moe_cache=4 * slot_bytes(sys.argv[1]), moe_policy="gpu-on-demand")
+            llm("Once upon a time", max_tokens=2, temperature=0)
+            srv.proc.kill()
+            srv.proc.wait()
+            errors = 0
+            for i in range(2):
+                try:
+                    llm("Hello there", max_tokens=2, temperature=0)
+                except RuntimeError as e:
+                    errors += 1
+                    print("ERROR", e)
+            llm.close()
+        print("ALIVE", errors)
+    """)
+    r = subprocess.run([sys.executable, "-c", code, str(tiny_model("qwen3moe", "Q8_0"))], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "HYBRIMOE_RPC_TIMEOUT_S": "2"})
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1].split()
+    assert last[0] == "ALIVE" and int(last[1]) >= 1, r.stdout
