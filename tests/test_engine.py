@@ -356,3 +356,46 @@ def test_rpc_server_dies_mid_run_with_the_engine(tiny_model):
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1].split()
     assert last[0] == "ALIVE" and int(last[1]) >= 1, r.stdout
+
+
+def _rss_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.mark.slow
+def test_long_generation_keeps_memory_flat(tiny_model, split_cost_model, engine_tools):
+    """2,000 generated tokens: host memory (this process) and device memory (the RPC server's process) stay flat
+    between token 200 and token 2,000; no slot or pin leaks."""
+    from hybrimoe import Llama
+    from hybrimoe.rpc import RPCServer
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    with RPCServer(threads=1) as srv:  # its own server: its memory is the device memory measured here
+        llm = Llama(str(path), rpc_servers=srv.endpoint, n_gpu_layers=-1, n_ctx=2304, n_batch=64, n_ubatch=64,
+                    seed=0, verbose=False, moe_cache=_slots(path, 6), moe_cost_model=split_cost_model)
+        try:
+            tokens = engine_tools.prompt_of(llm, 20)
+            n = 0
+            marks = {}
+            for _ in llm.generate(tokens, temp=0.0, reset=True):
+                n += 1
+                if n in (200, 2000):
+                    marks[n] = (_rss_bytes(), _rss_bytes(srv.proc.pid))
+                if n == 2000:
+                    break
+            e = llm.moe_stats()["engine"]
+            eng = llm._moe_engine
+            assert eng.pinned_count() == 0
+            assert eng.slots_in_use() == llm._moe_setup["policies"].cache.n_resident <= eng.n_slots
+        finally:
+            llm.close()
+    assert n == 2000
+    assert e["gpu_experts"] > 0 and e["bytes_copied"] > 0
+    host_growth = marks[2000][0] - marks[200][0]
+    device_growth = marks[2000][1] - marks[200][1]
+    assert host_growth < 16 * 2**20, host_growth
+    assert device_growth < 16 * 2**20, device_growth
