@@ -58,7 +58,28 @@ def test_engine_matches_upstream_same_placement(arch, tiny_model, rpc_server, sp
     e = st["engine"]
     assert e["gpu_experts"] > 0 and e["cpu_experts"] > 0, e
     assert e["bytes_copied"] > 0 and 0 < e["hit_rate"] < 1, e
+    assert sum(s["gpu_launches"] for s in e["layers"]) >= sum(s["gpu_runs"] for s in e["layers"]) > 0
     assert not st["engine_skipped"] and not st["unsupported"]
+
+
+@pytest.mark.parametrize("policy", ["gpu-on-demand", "hybrimoe"])
+def test_two_launches_resident_then_loaded(policy, tiny_model, rpc_server, split_cost_model, engine_tools):
+    """Ubatches whose GPU share has both resident experts (launch 1) and experts loaded for it (launch 2, after
+    their copies) still give upstream's logits bit for bit."""
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q4_K_M")
+    llm = Llama(str(path), moe_cache=_slots(path, 5), moe_policy=policy, moe_cost_model=split_cost_model,
+                **_common(rpc_server, n_ubatch=8))
+    try:
+        tokens = engine_tools.prompt_of(llm, 45)
+        out, lg = engine_tools.run_greedy(llm, tokens)
+        layers = llm.moe_stats()["engine"]["layers"]
+    finally:
+        llm.close()
+    assert sum(s["gpu_launches"] for s in layers) > sum(s["gpu_runs"] for s in layers) > 0
+    ref_out, ref_lg = _reference(path, rpc_server, tokens, engine_tools, n_ubatch=8)
+    assert out == ref_out and np.array_equal(lg, ref_lg)
 
 
 def test_negative_control_dropping_the_gpu_share_fails(tiny_model, rpc_server, split_cost_model, engine_tools):

@@ -152,6 +152,7 @@ Raises:
                     d["cpu_experts"] = s.cpu_experts; d["gpu_experts"] = s.gpu_experts;
                     d["demand_copies"] = s.demand_copies; d["prefetch_copies"] = s.prefetch_copies;
                     d["fill_copies"] = s.fill_copies; d["declined_loads"] = s.declined_loads;
+                    d["gpu_runs"] = s.gpu_runs; d["gpu_launches"] = s.gpu_launches;
                     d["bytes_demand"] = s.bytes_demand; d["bytes_prefetch"] = s.bytes_prefetch;
                     d["bytes_fill"] = s.bytes_fill; d["plan_s"] = s.plan_s; d["wait_s"] = s.wait_s;
                     d["layer_s"] = s.layer_s; d["predicted_s"] = s.predicted_s;

@@ -144,6 +144,7 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     offsets_ = {0, pad(mx[0]), pad(mx[0]) + pad(mx[1])};
     key_slot_.assign((size_t) L * cfg_.n_expert, -1);
     key_loaded_.assign((size_t) L * cfg_.n_expert, 0);
+    key_copy_seq_.assign((size_t) L * cfg_.n_expert, 0);
     cache_->set_record_evicted(true);
     cache_->take_evicted();
 
@@ -153,7 +154,16 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     compute_ = ggml_backend_dev_init(cfg_.device, nullptr);
     copy_ = ggml_backend_dev_init(cfg_.device, nullptr);
     if (!compute_ || !copy_) throw std::runtime_error("engine: cannot initialise device " + dev_name);
-    copy_event_ = ggml_backend_event_new(cfg_.device);  // NULL: the device has no events, copies run synchronously
+    // without events (a device that has none) copies are synchronous
+    for (int i = 0; i < kEvents; ++i) {
+        ggml_backend_event_t ev = ggml_backend_event_new(cfg_.device);
+        if (!ev) break;
+        events_.push_back(ev);
+    }
+    if ((int) events_.size() < kEvents) {
+        for (auto * ev : events_) ggml_backend_event_free(ev);
+        events_.clear();
+    }
 
     const int64_t total = (cfg_.n_slots + 1) * slot_bytes_;
     ggml_init_params ip = {ggml_tensor_overhead() * 2, nullptr, true};
@@ -187,12 +197,12 @@ void Engine::release() {
     if (compute_) ggml_backend_synchronize(compute_);
     if (copy_) ggml_backend_synchronize(copy_);
     graphs_.clear();
-    if (copy_event_) ggml_backend_event_free(copy_event_);
+    for (auto * ev : events_) ggml_backend_event_free(ev);
+    events_.clear();
     if (pool_buf_) ggml_backend_buffer_free(pool_buf_);
     if (pool_ctx_) ggml_free(pool_ctx_);
     if (copy_) ggml_backend_free(copy_);
     if (compute_) ggml_backend_free(compute_);
-    copy_event_ = nullptr;
     pool_buf_ = nullptr;
     pool_ctx_ = nullptr;
     pool_ = nullptr;
@@ -277,12 +287,14 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     const int64_t T = a.cur->ne[1];
     const int64_t k = a.n_expert_used;
 
-    ggml_tensor * psrc[4] = {a.selected_experts, a.weights, a.probs, a.cur};
+    // the hidden state goes in as the same reshaped view the CPU mul_mat_id nodes read, so the scheduler copies
+    // it to the host once (a second view would be a second device-to-host transfer)
+    ggml_tensor * x = ggml_reshape_3d(ctx, a.cur, n_embd, 1, T);
+    ggml_tensor * psrc[4] = {a.selected_experts, a.weights, a.probs, x};
     ggml_tensor * plan = ggml_custom_4d(ctx, GGML_TYPE_I32, k, T, 2, 1, psrc, 4, plan_trampoline, 1, &run);
     ggml_format_name(plan, "hybrimoe_plan-%d", a.il);
     ggml_tensor * ids = ggml_view_2d(ctx, plan, k, T, plan->nb[1], 0);
 
-    ggml_tensor * x = ggml_reshape_3d(ctx, a.cur, n_embd, 1, T);
     ggml_tensor * up = ggml_mul_mat_id(ctx, a.up_exps, x, ids);
     ggml_tensor * gate = ggml_mul_mat_id(ctx, a.gate_exps, x, ids);
     ggml_tensor * h = ggml_swiglu_split(ctx, gate, up);
@@ -300,12 +312,15 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     return out;
 }
 
-Engine::GpuGraph & Engine::gpu_graph(int ml, int64_t k, int64_t T) {
+Engine::GpuGraph & Engine::gpu_graph(int ml, int64_t k, int64_t T, int part) {
     const LayerTensors & lt = tensors_[(size_t) ml];
-    const auto key = std::make_tuple((int) lt.gate->type, (int) lt.up->type, (int) lt.down->type, k, T);
+    const auto key = std::make_tuple((int) lt.gate->type, (int) lt.up->type, (int) lt.down->type, k, T, part);
     auto it = graphs_.find(key);
     if (it != graphs_.end()) return *it->second;
-    if (graphs_.size() >= 32) graphs_.clear();  // many ubatch sizes: start over rather than grow without bound
+    if (graphs_.size() >= 64) {  // many ubatch sizes: start over rather than grow without bound
+        ggml_backend_synchronize(compute_);
+        graphs_.clear();
+    }
 
     std::unique_ptr<GpuGraph> g(new GpuGraph());
     ggml_init_params ip = {ggml_tensor_overhead() * 32 + ggml_graph_overhead(), nullptr, true};
@@ -388,7 +403,7 @@ void Engine::copy_expert(int ml, int e, const char * why) {
         const size_t n = parts[i]->nb[2];
         const char * src = (const char *) parts[i]->data + (size_t) e * n;
         const size_t off = (size_t) s * slot_bytes_ + offsets_[(size_t) i];
-        if (copy_event_) {
+        if (!events_.empty()) {
             ggml_backend_tensor_set_async(copy_, pool_, src, off, n);
         } else {
             ggml_backend_tensor_set(pool_, src, off, n);
@@ -396,17 +411,19 @@ void Engine::copy_expert(int ml, int e, const char * why) {
         bytes += (double) n;
     }
     key_loaded_[key] = 1;
-    copies_pending_ = copy_event_ != nullptr;
+    if (!events_.empty()) {
+        ++copy_seq_;
+        ggml_backend_event_record(events_[(size_t) (copy_seq_ % kEvents)], copy_);
+        key_copy_seq_[key] = copy_seq_;
+    }
     const double t = now();
     link_free_ = std::max(link_free_, t) + cfg_.cost.h2d(bytes);
 }
 
-void Engine::finish_copies() {
-    if (copies_pending_ && copy_event_) {
-        ggml_backend_event_record(copy_event_, copy_);
-        ggml_backend_event_wait(compute_, copy_event_);
-    }
-    copies_pending_ = false;
+void Engine::wait_for_copy(uint64_t seq) {
+    if (seq == 0 || events_.empty()) return;
+    // the ring slot of `seq` holds seq or a later copy of the same queue: waiting on it covers seq
+    ggml_backend_event_wait(compute_, events_[(size_t) (seq % kEvents)]);
 }
 
 // Predicted routing of the MoE layers after `ml`: their routers applied to this layer's hidden state
@@ -466,7 +483,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
     const double t_start = now();
     run.t_start = t_start;
     run.gpu_launched = false;
-    run.graph = nullptr;
+    run.graph[0] = run.graph[1] = nullptr;
     run.used.clear();
     const ggml_tensor * ids_t = dst->src[0];
     const ggml_tensor * w_t = dst->src[1];
@@ -550,10 +567,18 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         }
 
         // ---- rewrite the CPU ids; launch the GPU share ----
-        uint64_t n_gpu = 0;
+        uint64_t n_gpu = 0, launches = 0;
         for (uint8_t g : on_gpu) n_gpu += g;
         if (n_gpu > 0) {
-            GpuGraph & g = gpu_graph(ml, k, T);
+            // part per activated expert: 1 = resident before this layer (launch 0), 2 = loaded now (launch 1)
+            std::vector<uint8_t> part(in_.size(), 0);
+            uint64_t seq[2] = {0, 0};
+            for (size_t i = 0; i < in_.size(); ++i) {
+                if (!on_gpu[i]) continue;
+                part[i] = in_.cached[i] ? 1 : 2;
+                const size_t key = (size_t) ml * E + in_.experts[i];
+                seq[part[i] - 1] = std::max(seq[part[i] - 1], key_copy_seq_[key]);
+            }
             // CPU row counts per expert as upstream has them
             std::vector<int64_t> rows((size_t) E, 0), added((size_t) E, 0);
             int32_t dummy = -1;
@@ -565,16 +590,15 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
                 }
             }
             const int32_t null_slot = (int32_t) cfg_.n_slots;
+            run.pair_part.assign((size_t) (k * T), 0);
             for (int64_t t = 0; t < T; ++t) {
                 int32_t * out_ids = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
                 int32_t * out_flag = (int32_t *) ((char *) dst->data + t * dst->nb[1] + dst->nb[2]);
                 for (int64_t j = 0; j < k; ++j) {
                     const int32_t e = ids_[(size_t) (t * k + j)];
-                    const bool gpu = on_gpu[(size_t) expert_pos_[(size_t) e]] != 0;
-                    g.host_ids[(size_t) (t * k + j)] = gpu ? key_slot_[(size_t) ml * E + e] : null_slot;
-                    g.host_w[(size_t) (t * k + j)] = *(const float *) ((const char *) w_t->data + j * w_t->nb[1] +
-                                                                      t * w_t->nb[2]);
-                    if (!gpu) continue;
+                    const uint8_t p = part[(size_t) expert_pos_[(size_t) e]];
+                    run.pair_part[(size_t) (t * k + j)] = p;
+                    if (!p) continue;
                     out_flag[j] = 1;
                     // the CPU computes something for this pair and the result is discarded: reuse an expert of
                     // this token that stays on ggml's per-row kernel (fewer rows than the tiled threshold before
@@ -591,20 +615,33 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
                     out_ids[j] = target;
                 }
             }
-            for (int64_t t = 0; t < T; ++t) {
-                const float * row = (const float *) ((const char *) cur_t->data + t * cur_t->nb[1]);
-                std::memcpy(g.host_x.data() + t * cfg_.n_embd, row, sizeof(float) * (size_t) cfg_.n_embd);
+            for (int launch = 0; launch < 2; ++launch) {
+                bool any = false;
+                for (uint8_t p : part) any = any || p == launch + 1;
+                if (!any) continue;
+                GpuGraph & g = gpu_graph(ml, k, T, launch);
+                for (int64_t t = 0; t < T; ++t) {
+                    for (int64_t j = 0; j < k; ++j) {
+                        const size_t pi = (size_t) (t * k + j);
+                        const int32_t e = ids_[pi];
+                        g.host_ids[pi] = run.pair_part[pi] == launch + 1 ? key_slot_[(size_t) ml * E + e] : null_slot;
+                        g.host_w[pi] = *(const float *) ((const char *) w_t->data + j * w_t->nb[1] + t * w_t->nb[2]);
+                    }
+                    const float * row = (const float *) ((const char *) cur_t->data + t * cur_t->nb[2]);
+                    std::memcpy(g.host_x.data() + t * cfg_.n_embd, row, sizeof(float) * (size_t) cfg_.n_embd);
+                }
+                wait_for_copy(seq[launch]);  // a launch waits only for the copies of its own experts
+                ggml_backend_tensor_set_async(compute_, g.x, g.host_x.data(), 0, ggml_nbytes(g.x));
+                ggml_backend_tensor_set_async(compute_, g.ids, g.host_ids.data(), 0, ggml_nbytes(g.ids));
+                ggml_backend_tensor_set_async(compute_, g.w, g.host_w.data(), 0, ggml_nbytes(g.w));
+                if (ggml_backend_graph_compute_async(compute_, g.gf) != GGML_STATUS_SUCCESS) {
+                    throw std::runtime_error("the GPU share of layer " + std::to_string(run.il) + " failed on " +
+                                             ggml_backend_dev_name(cfg_.device));
+                }
+                run.gpu_launched = true;
+                run.graph[launch] = &g;
+                ++launches;
             }
-            finish_copies();
-            ggml_backend_tensor_set_async(compute_, g.x, g.host_x.data(), 0, ggml_nbytes(g.x));
-            ggml_backend_tensor_set_async(compute_, g.ids, g.host_ids.data(), 0, ggml_nbytes(g.ids));
-            ggml_backend_tensor_set_async(compute_, g.w, g.host_w.data(), 0, ggml_nbytes(g.w));
-            if (ggml_backend_graph_compute_async(compute_, g.gf) != GGML_STATUS_SUCCESS) {
-                throw std::runtime_error("the GPU share of layer " + std::to_string(run.il) + " failed on " +
-                                         ggml_backend_dev_name(cfg_.device));
-            }
-            run.gpu_launched = true;
-            run.graph = &g;
         }
 
         // ---- prefetch for the next layers ----
@@ -617,7 +654,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
             pctx_.top_k = (int) k;
             pctx_.now_s = 0.0;
             pctx_.link_free_s = std::max(0.0, link_free_ - now());
-            predict(ml, (int) T, (const float *) cur_t->data, cur_t->nb[1], pctx_, layer_est_);
+            predict(ml, (int) T, (const float *) cur_t->data, cur_t->nb[2], pctx_, layer_est_);
             const auto reqs = prefetcher_->plan(pctx_, *cache_, cfg_.cost);
             for (const auto & r : reqs) {
                 const int j = r.first, e = r.second;
@@ -651,9 +688,6 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
             }
         }
         sync_evictions();
-        if (copy_event_ && copies_pending_) {
-            ggml_backend_event_record(copy_event_, copy_);  // later layers wait on it
-        }
 
         const double t_end = now();
         run.plan_s = t_end - t_start;
@@ -662,6 +696,8 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         s.runs += 1;
         s.tokens += (uint64_t) T;
         s.gpu_experts += n_gpu;
+        s.gpu_runs += launches > 0 ? 1 : 0;
+        s.gpu_launches += launches;
         s.cpu_experts += in_.size() - n_gpu;
         s.demand_copies += demand;
         s.declined_loads += declined;
@@ -692,13 +728,29 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
 
 void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
     const double t0 = now();
-    if (run.gpu_launched && run.graph) {
+    if (run.gpu_launched) {
         ggml_backend_synchronize(compute_);
-        ggml_backend_tensor_get(run.graph->out, dst->data, 0, ggml_nbytes(run.graph->out));
-        if (drop_gpu_) std::memset(dst->data, 0, ggml_nbytes(run.graph->out));
+        const int64_t n_embd = dst->ne[0];
+        const size_t row = sizeof(float) * (size_t) n_embd;
+        if (run.graph[0] && !run.graph[1]) {
+            ggml_backend_tensor_get(run.graph[0]->out, dst->data, 0, ggml_nbytes(run.graph[0]->out));
+        } else if (run.graph[1] && !run.graph[0]) {
+            ggml_backend_tensor_get(run.graph[1]->out, dst->data, 0, ggml_nbytes(run.graph[1]->out));
+        } else {
+            // both launches: each pair's row comes from the launch that computed it (dst is [n_embd, k, T])
+            ggml_backend_tensor_get(run.graph[0]->out, dst->data, 0, ggml_nbytes(run.graph[0]->out));
+            scratch_.resize((size_t) ggml_nelements(run.graph[1]->out));
+            ggml_backend_tensor_get(run.graph[1]->out, scratch_.data(), 0, ggml_nbytes(run.graph[1]->out));
+            for (size_t pi = 0; pi < run.pair_part.size(); ++pi) {
+                if (run.pair_part[pi] == 2) {
+                    std::memcpy((char *) dst->data + pi * row, scratch_.data() + pi * (size_t) n_embd, row);
+                }
+            }
+        }
+        if (drop_gpu_) std::memset(dst->data, 0, ggml_nbytes(dst));
     }
     run.gpu_launched = false;
-    run.graph = nullptr;
+    run.graph[0] = run.graph[1] = nullptr;
     try {
         for (int32_t e : run.used) cache_->unpin(run.ml, e);
         for (int32_t e : pending_unpin_[(size_t) run.ml]) cache_->unpin(run.ml, e);

@@ -3,8 +3,9 @@
 // One Engine per llama_context, driven by the MoE hook (moe_hook.h). Per MoE layer and ubatch, three custom ops
 // run on the CPU around ggml's own CPU expert nodes:
 //
-//   plan  (1 task)  reads the routing ids, routing weights, router probabilities and hidden state (one
-//                   device-to-host transfer: they are inputs of the same CPU split); updates the cache scores;
+//   plan  (1 task)  reads the routing ids, routing weights, router probabilities and hidden state (inputs of
+//                   the one CPU split of the layer: the scheduler brings them over together, one transfer each,
+//                   the hidden state once for the plan and the CPU experts); updates the cache scores;
 //                   asks the scheduler for the CPU/GPU split; admits and copies the experts to load (copy queue);
 //                   launches the GPU share on the accelerator (mul_mat_id over the slot pool, SwiGLU, down,
 //                   routing weights: per-slot outputs); plans prefetches for the next layers by applying their
@@ -70,6 +71,7 @@ struct EngineLayerStats {
     uint64_t cpu_experts = 0, gpu_experts = 0;       ///< distinct experts per run, summed
     uint64_t demand_copies = 0, prefetch_copies = 0, fill_copies = 0;
     uint64_t declined_loads = 0;                     ///< planned loads the cache refused (ran on the CPU)
+    uint64_t gpu_runs = 0, gpu_launches = 0;         ///< runs with a GPU share; GPU graph launches (1 or 2 per run)
     double bytes_demand = 0, bytes_prefetch = 0, bytes_fill = 0;
     double plan_s = 0, wait_s = 0, layer_s = 0;      ///< seconds in plan, waiting for the GPU, plan start to wait end
     double predicted_s = 0;                          ///< planner's predicted makespans, summed
@@ -133,11 +135,12 @@ private:
     };
     struct GpuGraph;
 
-    GpuGraph & gpu_graph(int ml, int64_t k, int64_t n_tokens);
+    GpuGraph & gpu_graph(int ml, int64_t k, int64_t n_tokens, int part);
     bool assign_slot(int ml, int e);
     void sync_evictions();
     void copy_expert(int ml, int e, const char * why);
-    void finish_copies();
+    /// Makes the compute queue wait until the copy with sequence number `seq` is done (0: nothing to wait for).
+    void wait_for_copy(uint64_t seq);
     void predict(int ml, int n_tokens, const float * cur, size_t cur_row_stride, PrefetchContext & ctx,
                  double layer_est);
     void fail(const std::string & msg);
@@ -155,8 +158,12 @@ private:
     std::array<int64_t, 3> offsets_{};      // gate, up, down offsets inside a slot
     ggml_backend_t compute_ = nullptr;
     ggml_backend_t copy_ = nullptr;
-    ggml_backend_event_t copy_event_ = nullptr;
-    bool copies_pending_ = false;
+    // copy queue: each expert copy gets a sequence number and an event recorded after it (a ring: a reused event
+    // marks a later point of the same in-order queue, so waiting on it still covers the earlier copy)
+    static constexpr int kEvents = 64;
+    std::vector<ggml_backend_event_t> events_;
+    uint64_t copy_seq_ = 0;
+    std::vector<uint64_t> key_copy_seq_;    // key -> sequence number of its last copy
     ggml_context * pool_ctx_ = nullptr;
     ggml_backend_buffer_t pool_buf_ = nullptr;
     ggml_tensor * pool_ = nullptr;
@@ -164,7 +171,7 @@ private:
     std::vector<int32_t> key_slot_;         // key -> slot or -1
     std::vector<uint8_t> key_loaded_;       // key's slot holds its weights (copy issued)
     std::vector<int32_t> free_slots_;
-    std::map<std::tuple<int, int, int, int64_t, int64_t>, std::unique_ptr<GpuGraph>> graphs_;
+    std::map<std::tuple<int, int, int, int64_t, int64_t, int>, std::unique_ptr<GpuGraph>> graphs_;
 
     // per-run scratch
     LayerInput in_;
@@ -175,6 +182,7 @@ private:
     std::vector<std::vector<int32_t>> pending_unpin_;
     std::vector<int32_t> expert_pos_;
     std::vector<float> logits_;
+    std::vector<float> scratch_;
 
     using clock = std::chrono::steady_clock;
     clock::time_point t0_ = clock::now();
@@ -196,7 +204,10 @@ struct Engine::LayerRun {
     int il = -1;                 ///< model layer index
     void * counters = nullptr;   ///< hook counters (LayerCounters)
     bool gpu_launched = false;
-    GpuGraph * graph = nullptr;
+    /// launch 0: experts resident before this layer (prefetched or cached); launch 1: this layer's demand loads,
+    /// which waits only for their copies
+    GpuGraph * graph[2] = {nullptr, nullptr};
+    std::vector<uint8_t> pair_part;  ///< [T * k]: 0 CPU, 1 launch 0, 2 launch 1
     std::vector<int32_t> used;   ///< experts pinned for this run
     double t_start = 0.0;
     double plan_s = 0.0;
