@@ -253,13 +253,15 @@ def test_unsupported_experts_stay_on_upstreams_path(tiny_model, rpc_server, engi
     assert out == ref_out
 
 
-def test_cli_run_with_the_engine(tiny_model, rpc_server, split_cost_model):
+def test_cli_run_with_the_engine(tiny_model, rpc_server, split_cost_model, tmp_path):
     path = tiny_model("qwen3moe", "Q8_0")
     base = [sys.executable, "-m", "hybrimoe", "run", "-m", str(path), "-p", "Once upon a time", "-n", "12",
             "--temp", "0", "--rpc", rpc_server.endpoint, "-ngl", "99", "--output-format", "json"]
-    ref = subprocess.run(base + ["-ot", "exps=CPU", "--no-repack"], capture_output=True, text=True, timeout=300)
+    # (cwd outside the checkout: the installed package is the one under test)
+    ref = subprocess.run(base + ["-ot", "exps=CPU", "--no-repack"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
     eng = subprocess.run(base + ["--moe-cache", str(_slots(path, 4)), "--moe-cost-model", split_cost_model,
-                                 "--moe-stats"], capture_output=True, text=True, timeout=300)
+                                 "--moe-stats"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert ref.returncode == 0 and eng.returncode == 0, ref.stderr + eng.stderr
     import json
 
@@ -349,7 +351,7 @@ def test_python_policy_that_raises(tiny_model, rpc_server, split_cost_model, eng
     assert out == ref_out
 
 
-def test_rpc_server_dies_mid_run_with_the_engine(tiny_model):
+def test_rpc_server_dies_mid_run_with_the_engine(tiny_model, tmp_path):
     """kill -9 of the device's server during generation: RuntimeError, no abort (patch 0003)."""
     code = textwrap.dedent("""
         import sys
@@ -373,7 +375,7 @@ def test_rpc_server_dies_mid_run_with_the_engine(tiny_model):
         print("ALIVE", errors)
     """)
     r = subprocess.run([sys.executable, "-c", code, str(tiny_model("qwen3moe", "Q8_0"))], capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "HYBRIMOE_RPC_TIMEOUT_S": "2"})
+                       text=True, timeout=300, env={**os.environ, "HYBRIMOE_RPC_TIMEOUT_S": "2"}, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1].split()
     assert last[0] == "ALIVE" and int(last[1]) >= 1, r.stdout
@@ -388,35 +390,57 @@ def _rss_bytes(pid: int | str = "self") -> int:
 
 
 @pytest.mark.slow
-def test_long_generation_keeps_memory_flat(tiny_model, split_cost_model, engine_tools):
+def test_long_generation_keeps_memory_flat(tiny_model, rpc_server, split_cost_model, engine_tools):
     """2,000 generated tokens: host memory (this process) and device memory (the RPC server's process) stay flat
     between token 200 and token 2,000; no slot or pin leaks."""
     from hybrimoe import Llama
-    from hybrimoe.rpc import RPCServer
 
     path = tiny_model("qwen3moe", "Q8_0")
-    with RPCServer(threads=1) as srv:  # its own server: its memory is the device memory measured here
-        llm = Llama(str(path), rpc_servers=srv.endpoint, n_gpu_layers=-1, n_ctx=2304, n_batch=64, n_ubatch=64,
-                    seed=0, verbose=False, moe_cache=_slots(path, 6), moe_cost_model=split_cost_model)
-        try:
-            tokens = engine_tools.prompt_of(llm, 20)
-            n = 0
-            marks = {}
-            for _ in llm.generate(tokens, temp=0.0, reset=True):
-                n += 1
-                if n in (200, 2000):
-                    marks[n] = (_rss_bytes(), _rss_bytes(srv.proc.pid))
-                if n == 2000:
-                    break
-            e = llm.moe_stats()["engine"]
-            eng = llm._moe_engine
-            assert eng.pinned_count() == 0
-            assert eng.slots_in_use() == llm._moe_setup["policies"].cache.n_resident <= eng.n_slots
-        finally:
-            llm.close()
+    srv = rpc_server  # (a server of its own would stay registered in ggml, dead, after the test)
+    llm = Llama(str(path), rpc_servers=srv.endpoint, n_gpu_layers=-1, n_ctx=2304, n_batch=64, n_ubatch=64,
+                seed=0, verbose=False, moe_cache=_slots(path, 6), moe_cost_model=split_cost_model)
+    try:
+        tokens = engine_tools.prompt_of(llm, 20)
+        n = 0
+        marks = {}
+        for _ in llm.generate(tokens, temp=0.0, reset=True):
+            n += 1
+            if n in (200, 2000):
+                marks[n] = (_rss_bytes(), _rss_bytes(srv.proc.pid))
+            if n == 2000:
+                break
+        e = llm.moe_stats()["engine"]
+        eng = llm._moe_engine
+        assert eng.pinned_count() == 0
+        assert eng.slots_in_use() == llm._moe_setup["policies"].cache.n_resident <= eng.n_slots
+    finally:
+        llm.close()
     assert n == 2000
     assert e["gpu_experts"] > 0 and e["bytes_copied"] > 0
     host_growth = marks[2000][0] - marks[200][0]
     device_growth = marks[2000][1] - marks[200][1]
     assert host_growth < 16 * 2**20, host_growth
     assert device_growth < 16 * 2**20, device_growth
+
+
+def test_no_further_from_cpu_only_than_upstreams_same_placement(tiny_model, rpc_server, split_cost_model,
+                                                                 engine_tools):
+    """Against a CPU-only run (long prompt), hybrimoe is no further off than upstream's same-placement run."""
+    from hybrimoe import Llama
+
+    path = tiny_model("deepseek2", "Q4_K_M")
+    kw = dict(n_ctx=512, n_batch=512, n_ubatch=64, seed=0, verbose=False)
+    cpu = Llama(str(path), **kw)
+    try:
+        tokens = engine_tools.prompt_of(cpu, 300)
+        _, cpu_lg = engine_tools.run_greedy(cpu, tokens, 8)
+    finally:
+        cpu.close()
+    _, ref_lg = _reference(path, rpc_server, tokens, engine_tools, 8, n_ubatch=64)
+    llm = Llama(str(path), moe_cache=_slots(path, 6), moe_cost_model=split_cost_model,
+                **_common(rpc_server, n_ubatch=64))
+    try:
+        _, lg = engine_tools.run_greedy(llm, tokens, 8)
+    finally:
+        llm.close()
+    assert engine_tools.nmse(lg, cpu_lg) <= engine_tools.nmse(ref_lg, cpu_lg) * (1 + 1e-6) + 1e-12

@@ -91,8 +91,11 @@ def listener():
 
 
 def run_child(code: str, *args: str, timeout: float = 120, env: dict | None = None):
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cwd:  # outside the checkout: the installed package is under test
+        return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 # -- Python layer (no rebuilt library needed) ------------------------------------------------------------------

@@ -25,6 +25,19 @@ const T * at2(const ggml_tensor * t, int64_t i0, int64_t i1) {
     return (const T *) ((const char *) t->data + i0 * t->nb[0] + i1 * t->nb[1]);
 }
 
+// The plan's output I32 [k, T, 2] when every pair runs on the CPU: upstream's ids (ids: [T, k] contiguous), no flags.
+void write_all_cpu(ggml_tensor * dst, const std::vector<int32_t> & ids) {
+    const int64_t k = dst->ne[0], T = dst->ne[1];
+    for (int64_t t = 0; t < T; ++t) {
+        int32_t * out_ids = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
+        int32_t * out_flag = (int32_t *) ((char *) dst->data + t * dst->nb[1] + dst->nb[2]);
+        for (int64_t j = 0; j < k; ++j) {
+            out_ids[j] = ids[(size_t) (t * k + j)];
+            out_flag[j] = 0;
+        }
+    }
+}
+
 Engine::LayerRun * run_of(void * ud) { return static_cast<Engine::LayerRun *>(ud); }
 
 void plan_trampoline(ggml_tensor * dst, int ith, int nth, void * ud) {
@@ -499,14 +512,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
     for (int64_t t = 0; t < T; ++t) {
         for (int64_t j = 0; j < k; ++j) ids_[(size_t) (t * k + j)] = *at2<int32_t>(ids_t, j, t);
     }
-    for (int64_t t = 0; t < T; ++t) {
-        int32_t * out_ids = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
-        int32_t * out_flag = (int32_t *) ((char *) dst->data + t * dst->nb[1] + dst->nb[2]);
-        for (int64_t j = 0; j < k; ++j) {
-            out_ids[j] = ids_[(size_t) (t * k + j)];
-            out_flag[j] = 0;
-        }
-    }
+    write_all_cpu(dst, ids_);
     if (run.counters) note_plan_run(*static_cast<LayerCounters *>(run.counters), ids_.data(), k, T);
     if (T == 0) return;
     // warm-up graphs route every token to every expert: not a real ubatch, leave it to the CPU
@@ -710,16 +716,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         s.predicted_s += plan_.makespan_s;
     } catch (const std::exception & e) {
         // numbers stay right: every pair that is not yet handed to the GPU is computed by the CPU
-        if (!run.gpu_launched) {
-            for (int64_t t = 0; t < T; ++t) {
-                int32_t * out_ids = (int32_t *) ((char *) dst->data + t * dst->nb[1]);
-                int32_t * out_flag = (int32_t *) ((char *) dst->data + t * dst->nb[1] + dst->nb[2]);
-                for (int64_t j = 0; j < k; ++j) {
-                    out_ids[j] = ids_[(size_t) (t * k + j)];
-                    out_flag[j] = 0;
-                }
-            }
-        }
+        if (!run.gpu_launched) write_all_cpu(dst, ids_);
         fail(std::string("MoE layer ") + std::to_string(run.il) + ": " + e.what());
     } catch (...) {
         fail(std::string("MoE layer ") + std::to_string(run.il) + ": unknown error");
