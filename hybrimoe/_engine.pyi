@@ -21,12 +21,15 @@ class MoeHook:
 
 class Engine:
     def __init__(self, n_layer: int, n_expert: int, top_k: int, n_embd: int, moe_layers: list[int],
-                 expert_bytes: list[tuple[int, int, int]], n_slots: int, device: int, cost_model_json: str,
+                 expert_bytes: list[tuple[int, int, int]], expert_types: list[tuple[int, int, int]], n_slots: int, device: int, cost_model_json: str,
                  prefetch_layers: int, fill_on_miss: bool, routers: list[npt.ArrayLike],
                  router_bias: list[npt.ArrayLike], sigmoid_gating: bool, cache: Any, scheduler: Any,
                  prefetcher: Any) -> None: ...
     @staticmethod
-    def slot_bytes_for(expert_bytes: list[tuple[int, int, int]]) -> int: ...
+    def slot_bytes_for(expert_bytes: list[tuple[int, int, int]], expert_types: list[tuple[int, int, int]]) -> int: ...
+    @staticmethod
+    def region_strides(expert_bytes: list[tuple[int, int, int]],
+                       expert_types: list[tuple[int, int, int]]) -> tuple[int, int, int]: ...
     @property
     def slot_bytes(self) -> int: ...
     @property

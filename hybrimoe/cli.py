@@ -63,16 +63,19 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-cache", default=None, metavar="SIZE",
                    help="turn on the hybrid CPU+GPU engine with a GPU expert cache of SIZE: 25%% (of all routed "
                         "experts), 3GiB, 512MB or bytes; 0 = every expert on the CPU through the engine")
-    p.add_argument("--moe-policy", default="hybrimoe",
+    p.add_argument("--moe-policy", default=None,
                    help="engine policy: hybrimoe, hybrimoe-lru, ktransformers, upstream-ncmoe, gpu-on-demand "
-                        "(default: %(default)s)")
-    p.add_argument("--moe-prefetch-layers", type=int, default=3, metavar="N",
-                   help="MoE layers predicted and prefetched ahead (0: none; default: %(default)s)")
+                        "(default: hybrimoe; needs --moe-cache)")
+    p.add_argument("--moe-prefetch-layers", type=int, default=None, metavar="N",
+                   help="MoE layers predicted and prefetched ahead (0: none; default: 3; needs --moe-cache)")
     p.add_argument("--moe-cost-model", default=None, metavar="PRESET|FILE",
                    help="planner cost model: a hardware preset (paper-a6000, rtx4090-desktop, h200) or a JSON "
                         "file (default: rtx4090-desktop)")
     p.add_argument("-nr", "--no-repack", action="store_true",
                    help="keep CPU weights in the file's layout (upstream --no-repack)")
+    p.add_argument("--replay-trace", default=None, metavar="TRACE.npz",
+                   help="force every MoE layer's expert ids from a routing trace (token at position p gets row "
+                        "p mod rows): real activation patterns on a synthetic model; the text is then meaningless")
     p.add_argument("--moe-stats", action="store_true",
                    help="print the engine's statistics (hit rate, CPU/GPU experts, bytes copied) on stderr")
     p.add_argument("--output-format", choices=["text", "json"], default="text",
@@ -92,7 +95,7 @@ def _run(args: argparse.Namespace) -> int:
         if value is not None and value < low:
             print(f"hybrimoe run: error: {name} must be >= {low}, got {value}", file=sys.stderr)
             return 2
-    if args.moe_prefetch_layers < 0:
+    if args.moe_prefetch_layers is not None and args.moe_prefetch_layers < 0:
         print("hybrimoe run: error: --moe-prefetch-layers must be >= 0", file=sys.stderr)
         return 2
     if not 0.0 < args.top_p <= 1.0:
@@ -106,6 +109,18 @@ def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .llama import Llama
+
+    replay = None
+    if args.replay_trace:
+        from .replay import replay_table
+
+        try:
+            replay = replay_table(args.replay_trace, model)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"hybrimoe run: error: --replay-trace: {e}", file=sys.stderr)
+            return 1
+        print(f"hybrimoe: routing replayed from {args.replay_trace} ({len(replay)} rows): the generated text is "
+              "meaningless", file=sys.stderr)
 
     bar = tqdm(total=100, desc="loading", unit="%", file=sys.stderr, leave=False,
                disable=not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS"))
@@ -122,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
             rpc_servers=args.rpc, tensor_buft_overrides=args.override_tensor or None,
             cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook, no_repack=args.no_repack,
             moe_cache=args.moe_cache, moe_policy=args.moe_policy, moe_prefetch_layers=args.moe_prefetch_layers,
-            moe_cost_model=args.moe_cost_model, load_progress=progress)
+            moe_cost_model=args.moe_cost_model, moe_replay=replay, load_progress=progress)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         bar.close()
         print(f"hybrimoe run: error: {e}", file=sys.stderr)

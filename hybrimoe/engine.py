@@ -31,6 +31,7 @@ class EngineFacts:
     """What the engine needs to know about a GGUF MoE model.
 
     ``expert_bytes``: per MoE layer, bytes of one expert's (gate, up, down) matrices as stored (ggml ``nb[2]``);
+    ``expert_types``: per MoE layer, their ggml type ids;
     ``routers``: per MoE layer, F32 ``[n_expert, n_embd]`` router weights (empty array when the file's router is
     not F32); ``router_bias``: per MoE layer, F32 ``[n_expert]`` selection bias (DeepSeek-V3 ``exp_probs_b``) or empty.
     """
@@ -43,6 +44,7 @@ class EngineFacts:
     n_embd: int
     moe_layers: list
     expert_bytes: list
+    expert_types: list = field(default_factory=list)
     routers: list = field(default_factory=list)
     router_bias: list = field(default_factory=list)
     sigmoid_gating: bool = False
@@ -53,7 +55,8 @@ class EngineFacts:
         """Bytes of one GPU expert slot (the largest gate, up and down over the layers, each padded to 256)."""
         from . import _engine
 
-        return int(_engine.Engine.slot_bytes_for([tuple(b) for b in self.expert_bytes]))
+        return int(_engine.Engine.slot_bytes_for([tuple(b) for b in self.expert_bytes],
+                                                 [tuple(t) for t in self.expert_types]))
 
     @property
     def total_expert_bytes(self) -> int:
@@ -83,6 +86,8 @@ def engine_facts(path: Union[str, os.PathLike]) -> EngineFacts:
     arch = d["architecture"]
     moe_layers = list(d["moe_layers"])
     eb = [[int(kinds[k]["layers"][il]["bytes_per_expert"]) for k in ("gate", "up", "down")] for il in moe_layers]
+    et = [[int(gguf.GGMLQuantizationType[kinds[k]["layers"][il]["type"]]) for k in ("gate", "up", "down")]
+          for il in moe_layers]
     tensors = {t.name: t for t in r.tensors}
     routers, biases = [], []
     for il in moe_layers:
@@ -122,7 +127,7 @@ def engine_facts(path: Union[str, os.PathLike]) -> EngineFacts:
         bytes_per_param_non_expert=float(bpp), sources={"all": f"read from {os.fspath(path)}"})
     return EngineFacts(path=os.fspath(path), arch=arch, n_layer=int(d["n_layer"]), n_expert=int(d["n_expert"]),
                        top_k=int(d["n_expert_used"]), n_embd=int(d["n_embd"]), moe_layers=moe_layers,
-                       expert_bytes=eb, routers=routers, router_bias=biases, sigmoid_gating=sigmoid, model=model)
+                       expert_bytes=eb, expert_types=et, routers=routers, router_bias=biases, sigmoid_gating=sigmoid, model=model)
 
 
 def slot_bytes(model_path: Union[str, os.PathLike]) -> int:
@@ -292,7 +297,8 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
                              f"more than the {free} bytes free on the device (of {total})")
     return _engine.Engine(
         n_layer=facts.n_layer, n_expert=facts.n_expert, top_k=facts.top_k, n_embd=facts.n_embd,
-        moe_layers=list(facts.moe_layers), expert_bytes=[tuple(b) for b in facts.expert_bytes], n_slots=n_slots,
+        moe_layers=list(facts.moe_layers), expert_bytes=[tuple(b) for b in facts.expert_bytes],
+        expert_types=[tuple(t) for t in facts.expert_types], n_slots=n_slots,
         device=int(device_ptr or 0), cost_model_json=_core.cost_model_to_json(cost),
         prefetch_layers=int(prefetch_layers), fill_on_miss=policies.fill_on_miss, routers=facts.routers,
         router_bias=facts.router_bias, sigmoid_gating=facts.sigmoid_gating, cache=policies.cache,

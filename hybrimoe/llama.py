@@ -148,18 +148,27 @@ class Llama(llama_cpp.Llama):
                  tensor_buft_overrides: str | Sequence[str] | None = None, cpu_moe: bool = False,
                  n_cpu_moe: int | None = None, no_repack: bool = False, n_seq_max: int | None = None,
                  moe_hook: bool = False, moe_replay: np.ndarray | None = None,
-                 moe_cache=None, moe_policy="hybrimoe", moe_prefetch_layers: int = 3, moe_cost_model=None,
+                 moe_cache=None, moe_policy=None, moe_prefetch_layers: int | None = None, moe_cost_model=None,
                  load_progress=None, **kwargs):
         self._moe_hook = None
         self._moe_replay = None
         self._moe_engine = None
         self._moe_setup = None
+        self._moe_warned = False
         check_gguf(model_path)
         if n_seq_max is not None and (not isinstance(n_seq_max, int) or n_seq_max < 1):
             raise ValueError(f"n_seq_max must be an integer >= 1, got {n_seq_max!r}")
-        if moe_cache is not None:
+        if moe_cache is None:
+            given = [n for n, v in (("moe_policy", moe_policy), ("moe_prefetch_layers", moe_prefetch_layers),
+                                    ("moe_cost_model", moe_cost_model)) if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} set without moe_cache: the MoE engine is off; give moe_cache "
+                                 "(e.g. '25%', or 0 for no GPU cache) to turn it on")
+        else:
             from . import engine as eng
 
+            moe_policy = "hybrimoe" if moe_policy is None else moe_policy
+            moe_prefetch_layers = 3 if moe_prefetch_layers is None else moe_prefetch_layers
             if not isinstance(moe_prefetch_layers, int) or moe_prefetch_layers < 0:
                 raise ValueError(f"moe_prefetch_layers must be an integer >= 0, got {moe_prefetch_layers!r}")
             facts = eng.engine_facts(model_path)
@@ -246,6 +255,10 @@ class Llama(llama_cpp.Llama):
                 c = original_ctx()
                 if n_seq_max is not None:
                     c.n_seq_max = int(n_seq_max)
+                if engine_on:
+                    # the engine decides where experts run: the scheduler must not move host-weight ops of large
+                    # batches to the GPU (upstream's op offload), which would upload every expert of a layer
+                    c.op_offload = False
                 return c
 
             _lc.llama_model_default_params = patched
@@ -296,11 +309,23 @@ class Llama(llama_cpp.Llama):
         self._moe_replay.attach(self._ctx_ptr())
 
     def eval(self, tokens):
-        """llama-cpp-python's ``eval``; raises RuntimeError when the MoE engine failed during it (the failed
-        layers were computed on the CPU; the next call tries the engine again)."""
+        """llama-cpp-python's ``eval``; raises RuntimeError when the MoE engine failed during it (the layers it
+        failed in were computed on the CPU; the next call tries the engine again). llama-cpp-python has then
+        already counted the tokens as evaluated (``n_tokens``). Warns once (RuntimeWarning) when MoE layers were
+        left to upstream's path or to the CPU only."""
         if self._moe_engine is not None:
             self._moe_engine.clear_failure()
         super().eval(tokens)
+        if self._moe_engine is not None and not self._moe_warned:
+            self._moe_warned = True
+            st = self.moe_stats()
+            for key, where in (("unsupported", "upstream's path"), ("engine_skipped", "the CPU only")):
+                if st.get(key):
+                    import warnings
+
+                    reasons = sorted({u["reason"] for u in st[key]})
+                    warnings.warn(f"hybrimoe: {len(st[key])} MoE layer(s) run on {where}: {'; '.join(reasons)}",
+                                  RuntimeWarning, stacklevel=2)
         err = self._moe_engine.take_error() if self._moe_engine is not None else ""
         if err:  # (no engine reference left in this frame: a kept traceback must not keep the engine alive)
             raise RuntimeError(f"hybrimoe engine failed: {err}")

@@ -371,7 +371,8 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
             stream; smaller keeps routing closer to the design.
         n_ctx_train: ``context_length`` written to the file.
 
-    deepseek2 MLA sizes (fixed): q_lora_rank 32, kv_lora_rank 32, qk_rope 16, qk_nope 16, v_head 16,
+    deepseek2 MLA sizes (fixed): q_lora_rank 32 (none with 26 or 27 blocks: llama.cpp reads those as
+    DeepSeek-V2-Lite, whose queries have no low-rank projection), kv_lora_rank 32, qk_rope 16, qk_nope 16, v_head 16,
     ``head_count_kv`` 1 (``key_length`` = kv_lora_rank + rope = 48, ``value_length`` = kv_lora_rank = 32,
     ``key_length_mla`` 32, ``value_length_mla`` 16), sigmoid gating, ``expert_weights_norm`` true,
     ``expert_weights_scale`` 2.5.
@@ -472,10 +473,14 @@ def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_de
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(ns * F)
     mla = dict(q_lora=32, kv_lora=32, rope=16, nope=16, v=16)
+    # llama.cpp takes a deepseek2 model with 26 or 27 blocks for DeepSeek-V2-Lite, whose queries have no
+    # low-rank projection (src/models/deepseek2.cpp, is_lite): write attn_q then, like that model
+    lite = arch == "deepseek2" and L in (26, 27)
     if arch == "deepseek2":
         w.add_head_count_kv(1)
         w.add_leading_dense_block_count(n_dense)
-        w.add_q_lora_rank(mla["q_lora"])
+        if not lite:
+            w.add_q_lora_rank(mla["q_lora"])
         w.add_kv_lora_rank(mla["kv_lora"])
         w.add_key_length(mla["kv_lora"] + mla["rope"])
         w.add_value_length(mla["kv_lora"])
@@ -506,10 +511,14 @@ def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_de
         t[p + "attn_norm.weight"] = np.ones(D, np.float32)
         if arch == "deepseek2":
             qk = mla["nope"] + mla["rope"]
-            t[p + "attn_q_a_norm.weight"] = np.ones(mla["q_lora"], np.float32)
             t[p + "attn_kv_a_norm.weight"] = np.ones(mla["kv_lora"], np.float32)
-            t[p + "attn_q_a.weight"] = _normal(rng, (mla["q_lora"], D), 1 / np.sqrt(D))
-            t[p + "attn_q_b.weight"] = _normal(rng, (n_head * qk, mla["q_lora"]), 1 / np.sqrt(mla["q_lora"]))
+            if lite:
+                t[p + "attn_q.weight"] = _normal(rng, (n_head * qk, D), 1 / np.sqrt(D))
+            else:
+                t[p + "attn_q_a_norm.weight"] = np.ones(mla["q_lora"], np.float32)
+                t[p + "attn_q_a.weight"] = _normal(rng, (mla["q_lora"], D), 1 / np.sqrt(D))
+                t[p + "attn_q_b.weight"] = _normal(rng, (n_head * qk, mla["q_lora"]),
+                                                   1 / np.sqrt(mla["q_lora"]))
             t[p + "attn_kv_a_mqa.weight"] = _normal(rng, (mla["kv_lora"] + mla["rope"], D), 1 / np.sqrt(D))
             t[p + "attn_k_b.weight"] = _normal(rng, (n_head, mla["kv_lora"], mla["nope"]), 1 / np.sqrt(mla["nope"]))
             t[p + "attn_v_b.weight"] = _normal(rng, (n_head, mla["v"], mla["kv_lora"]), 1 / np.sqrt(mla["kv_lora"]))

@@ -244,7 +244,8 @@ def test_unsupported_experts_stay_on_upstreams_path(tiny_model, rpc_server, engi
     llm = Llama(str(path), moe_cache=_slots(path, 2), **_common(rpc_server))
     try:
         tokens = engine_tools.prompt_of(llm, 12)
-        out, _ = engine_tools.run_greedy(llm, tokens, 8)
+        with pytest.warns(RuntimeWarning, match="run on upstream's path"):
+            out, _ = engine_tools.run_greedy(llm, tokens, 8)
         st = llm.moe_stats()
     finally:
         llm.close()
@@ -444,3 +445,50 @@ def test_no_further_from_cpu_only_than_upstreams_same_placement(tiny_model, rpc_
     finally:
         llm.close()
     assert engine_tools.nmse(lg, cpu_lg) <= engine_tools.nmse(ref_lg, cpu_lg) * (1 + 1e-6) + 1e-12
+
+
+def test_slot_strides_are_whole_blocks(tiny_model):
+    """Every region's per-slot stride is a multiple of each block size used there (CUDA's kernels index an expert
+    as stride / block size), also when layers mix types (Q4_K_M puts Q4_K and Q6_K down matrices together)."""
+    import gguf
+
+    from hybrimoe import _engine
+    from hybrimoe.engine import engine_facts
+
+    for quant in ("Q4_K_M", "mix", "Q8_0"):
+        f = engine_facts(tiny_model("qwen2moe", quant))
+        strides = _engine.Engine.region_strides([tuple(b) for b in f.expert_bytes],
+                                                [tuple(t) for t in f.expert_types])
+        for i in range(3):
+            assert strides[i] >= max(b[i] for b in f.expert_bytes)
+            for t in {t[i] for t in f.expert_types}:
+                size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t)][1]
+                assert strides[i] % size == 0, (quant, i, t, strides[i])
+    # a Q4_K / Q6_K mix in one region (sizes as in a 2048 x 1408 expert)
+    s = _engine.Engine.region_strides([(1_622_016, 1_622_016, 1_622_016), (1_622_016, 1_622_016, 2_365_440)],
+                                      [(12, 12, 12), (12, 12, 14)])
+    assert s[2] % 144 == 0 and s[2] % 210 == 0 and s[2] >= 2_365_440
+
+
+@pytest.mark.slow
+def test_many_ubatch_sizes_keep_upstreams_numbers(tiny_model, rpc_server, engine_tools, logits):
+    """More ubatch sizes than the engine keeps GPU graphs for (it starts over between layers, never while a
+    launch is pending): every prompt length still gives upstream's logits."""
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    kw = _common(rpc_server, n_ubatch=64)
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **kw)
+    llm = Llama(str(path), moe_cache=_slots(path, 5), moe_policy="gpu-on-demand", **kw)
+    try:
+        tokens = engine_tools.prompt_of(llm, 64)
+        for n in range(2, 64):
+            for m in (ref, llm):
+                m.reset()
+                m.eval(tokens[:n])
+            assert np.array_equal(logits(llm), logits(ref)), n
+        layers = llm.moe_stats()["engine"]["layers"]
+        assert sum(s["gpu_launches"] for s in layers) > sum(s["gpu_runs"] for s in layers)
+    finally:
+        llm.close()
+        ref.close()

@@ -84,6 +84,7 @@ Args:
     n_layer, n_expert, top_k, n_embd: model facts.
     moe_layers: model layer index of each MoE layer (the cache's layer index is the position in this list).
     expert_bytes: per MoE layer, bytes of one expert's (gate, up, down) matrices as stored in the GGUF.
+    expert_types: per MoE layer, ggml type ids of the (gate, up, down) matrices.
     n_slots: GPU expert slots (0: everything on the CPU).
     device: ggml_backend_dev_t as an int (0 when n_slots is 0).
     cost_model_json: planner cost model, schema hybrimoe.cost_model/1 (seconds, bytes/s).
@@ -98,7 +99,8 @@ Raises:
     ValueError: inconsistent facts or cost model. RuntimeError: the device cannot hold the slot pool.
 )doc")
         .def(py::init([](int n_layer, int n_expert, int top_k, int n_embd, std::vector<int> moe_layers,
-                         std::vector<std::array<int64_t, 3>> expert_bytes, int64_t n_slots, uintptr_t device,
+                         std::vector<std::array<int64_t, 3>> expert_bytes,
+                         std::vector<std::array<int32_t, 3>> expert_types, int64_t n_slots, uintptr_t device,
                          const std::string & cost_model_json, int prefetch_layers, bool fill_on_miss,
                          std::vector<py::array_t<float, py::array::c_style | py::array::forcecast>> routers,
                          std::vector<py::array_t<float, py::array::c_style | py::array::forcecast>> router_bias,
@@ -110,6 +112,7 @@ Raises:
                  c.n_embd = n_embd;
                  c.moe_layers = std::move(moe_layers);
                  c.expert_bytes = std::move(expert_bytes);
+                 c.expert_types = std::move(expert_types);
                  c.n_slots = n_slots;
                  c.device = reinterpret_cast<ggml_backend_dev_t>(device);
                  c.cost = hybrimoe::cost_model_from_json(cost_model_json, "engine cost model");
@@ -124,11 +127,14 @@ Raises:
                  return std::make_shared<Engine>(std::move(c), cache_p, sched_p, pre_p);
              }),
              py::arg("n_layer"), py::arg("n_expert"), py::arg("top_k"), py::arg("n_embd"), py::arg("moe_layers"),
-             py::arg("expert_bytes"), py::arg("n_slots"), py::arg("device"), py::arg("cost_model_json"),
+             py::arg("expert_bytes"), py::arg("expert_types"), py::arg("n_slots"), py::arg("device"), py::arg("cost_model_json"),
              py::arg("prefetch_layers"), py::arg("fill_on_miss"), py::arg("routers"), py::arg("router_bias"),
              py::arg("sigmoid_gating"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"))
-        .def_static("slot_bytes_for", &Engine::slot_bytes_for, py::arg("expert_bytes"),
-                    "Bytes of one GPU slot for these per-layer (gate, up, down) expert sizes (each padded to 256).")
+        .def_static("slot_bytes_for", &Engine::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
+                    "Bytes of one GPU slot for these per-layer (gate, up, down) expert sizes and ggml types: per "
+                    "kind the largest matrix, rounded up to a multiple of 16 and of the kind's block sizes.")
+        .def_static("region_strides", &Engine::region_strides, py::arg("expert_bytes"), py::arg("expert_types"),
+                    "Per-slot bytes of the gate, up and down regions of the slot pool (see slot_bytes_for).")
         .def_property_readonly("slot_bytes", &Engine::slot_bytes)
         .def_property_readonly("n_slots", &Engine::n_slots)
         .def("slot_of", &Engine::slot_of, py::arg("layer"), py::arg("expert"),

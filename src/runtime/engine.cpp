@@ -94,12 +94,29 @@ struct Engine::GpuGraph {
     }
 };
 
-int64_t Engine::slot_bytes_for(const std::vector<std::array<int64_t, 3>> & eb) {
-    std::array<int64_t, 3> mx{0, 0, 0};
-    for (const auto & b : eb) {
-        for (int i = 0; i < 3; ++i) mx[i] = std::max(mx[i], b[i]);
+std::array<int64_t, 3> Engine::region_strides(const std::vector<std::array<int64_t, 3>> & eb,
+                                              const std::vector<std::array<int32_t, 3>> & et) {
+    if (eb.size() != et.size()) throw std::invalid_argument("engine: one (gate, up, down) type triple per MoE layer");
+    std::array<int64_t, 3> mx{0, 0, 0}, unit{16, 16, 16};
+    for (size_t l = 0; l < eb.size(); ++l) {
+        for (int i = 0; i < 3; ++i) {
+            if (et[l][(size_t) i] < 0 || et[l][(size_t) i] >= GGML_TYPE_COUNT) {
+                throw std::invalid_argument("engine: unknown ggml type " + std::to_string(et[l][(size_t) i]));
+            }
+            const int64_t ts = (int64_t) ggml_type_size((ggml_type) et[l][(size_t) i]);
+            mx[(size_t) i] = std::max(mx[(size_t) i], eb[l][(size_t) i]);
+            unit[(size_t) i] = std::lcm(unit[(size_t) i], ts);
+        }
     }
-    return pad(mx[0]) + pad(mx[1]) + pad(mx[2]);
+    std::array<int64_t, 3> st{};
+    for (int i = 0; i < 3; ++i) st[(size_t) i] = (mx[(size_t) i] + unit[(size_t) i] - 1) / unit[(size_t) i] * unit[(size_t) i];
+    return st;
+}
+
+int64_t Engine::slot_bytes_for(const std::vector<std::array<int64_t, 3>> & eb,
+                               const std::vector<std::array<int32_t, 3>> & et) {
+    const auto st = region_strides(eb, et);
+    return st[0] + st[1] + st[2];
 }
 
 Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared_ptr<SchedulePolicy> scheduler,
@@ -120,6 +137,7 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     if (cfg_.n_slots < 0) throw std::invalid_argument("engine: negative slot count");
     if (cfg_.prefetch_layers < 0) throw std::invalid_argument("engine: prefetch_layers must be >= 0");
     cfg_.cost.validate();
+    no_prefetch_ = prefetcher_->name() == "none";  // skip the router predictions nobody reads
     moe_index_.assign((size_t) cfg_.n_layer, -1);
     for (int i = 0; i < L; ++i) {
         const int il = cfg_.moe_layers[(size_t) i];
@@ -149,12 +167,13 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
         }
     }
 
-    slot_bytes_ = slot_bytes_for(cfg_.expert_bytes);
-    std::array<int64_t, 3> mx{0, 0, 0};
-    for (const auto & b : cfg_.expert_bytes) {
-        for (int i = 0; i < 3; ++i) mx[i] = std::max(mx[i], b[i]);
+    strides_ = region_strides(cfg_.expert_bytes, cfg_.expert_types);
+    slot_bytes_ = strides_[0] + strides_[1] + strides_[2];
+    {
+        // regions: all gate matrices, then all up, then all down; each region starts 256-aligned
+        const int64_t S = cfg_.n_slots + 1;
+        bases_ = {0, pad(S * strides_[0]), pad(S * strides_[0]) + pad(S * strides_[1])};
     }
-    offsets_ = {0, pad(mx[0]), pad(mx[0]) + pad(mx[1])};
     key_slot_.assign((size_t) L * cfg_.n_expert, -1);
     key_loaded_.assign((size_t) L * cfg_.n_expert, 0);
     key_copy_seq_.assign((size_t) L * cfg_.n_expert, 0);
@@ -166,7 +185,10 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     const std::string dev_name = ggml_backend_dev_name(cfg_.device);
     compute_ = ggml_backend_dev_init(cfg_.device, nullptr);
     copy_ = ggml_backend_dev_init(cfg_.device, nullptr);
-    if (!compute_ || !copy_) throw std::runtime_error("engine: cannot initialise device " + dev_name);
+    if (!compute_ || !copy_) {
+        release();
+        throw std::runtime_error("engine: cannot initialise device " + dev_name);
+    }
     // without events (a device that has none) copies are synchronous
     for (int i = 0; i < kEvents; ++i) {
         ggml_backend_event_t ev = ggml_backend_event_new(cfg_.device);
@@ -178,19 +200,23 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
         events_.clear();
     }
 
-    const int64_t total = (cfg_.n_slots + 1) * slot_bytes_;
+    const int64_t total = bases_[2] + pad((cfg_.n_slots + 1) * strides_[2]);
     ggml_init_params ip = {ggml_tensor_overhead() * 2, nullptr, true};
     pool_ctx_ = ggml_init(ip);
     pool_ = ggml_new_tensor_1d(pool_ctx_, GGML_TYPE_I8, total);
     ggml_set_name(pool_, "hybrimoe_slots");
     pool_buf_ = ggml_backend_alloc_ctx_tensors(pool_ctx_, compute_);
     if (!pool_buf_) {
+        release();
         throw std::runtime_error("engine: cannot allocate " + std::to_string(total) + " bytes of expert slots on " +
                                  dev_name);
     }
     // the null slot (index n_slots) must hold zeros: pairs computed on the CPU point there
-    std::vector<uint8_t> zeros((size_t) slot_bytes_, 0);
-    ggml_backend_tensor_set(pool_, zeros.data(), (size_t) (cfg_.n_slots * slot_bytes_), (size_t) slot_bytes_);
+    for (int i = 0; i < 3; ++i) {
+        std::vector<uint8_t> zeros((size_t) strides_[(size_t) i], 0);
+        ggml_backend_tensor_set(pool_, zeros.data(), (size_t) (bases_[(size_t) i] + cfg_.n_slots * strides_[(size_t) i]),
+                                zeros.size());
+    }
     slot_key_.assign((size_t) cfg_.n_slots, -1);
     for (int64_t s = cfg_.n_slots - 1; s >= 0; --s) free_slots_.push_back((int32_t) s);
     // experts already resident in the cache (an initial fill) get slots now and are copied at first use
@@ -283,8 +309,10 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     const int64_t per_expert[3] = {(int64_t) a.gate_exps->nb[2], (int64_t) a.up_exps->nb[2],
                                    (int64_t) a.down_exps->nb[2]};
     const auto & want = cfg_.expert_bytes[(size_t) ml];
+    const auto & want_t = cfg_.expert_types[(size_t) ml];
     if (a.n_expert != cfg_.n_expert || a.cur->ne[0] != cfg_.n_embd || per_expert[0] != want[0] ||
-        per_expert[1] != want[1] || per_expert[2] != want[2]) {
+        per_expert[1] != want[1] || per_expert[2] != want[2] || (int32_t) a.gate_exps->type != want_t[0] ||
+        (int32_t) a.up_exps->type != want_t[1] || (int32_t) a.down_exps->type != want_t[2]) {
         return nullptr;  // the engine was told other facts than this layer has: stay on upstream's path
     }
     for (ggml_tensor * t : {a.gate_exps, a.up_exps, a.down_exps}) {
@@ -330,10 +358,6 @@ Engine::GpuGraph & Engine::gpu_graph(int ml, int64_t k, int64_t T, int part) {
     const auto key = std::make_tuple((int) lt.gate->type, (int) lt.up->type, (int) lt.down->type, k, T, part);
     auto it = graphs_.find(key);
     if (it != graphs_.end()) return *it->second;
-    if (graphs_.size() >= 64) {  // many ubatch sizes: start over rather than grow without bound
-        ggml_backend_synchronize(compute_);
-        graphs_.clear();
-    }
 
     std::unique_ptr<GpuGraph> g(new GpuGraph());
     ggml_init_params ip = {ggml_tensor_overhead() * 32 + ggml_graph_overhead(), nullptr, true};
@@ -343,9 +367,9 @@ Engine::GpuGraph & Engine::gpu_graph(int ml, int64_t k, int64_t T, int part) {
     const int64_t S = cfg_.n_slots + 1;
     auto pool_view = [&](const ggml_tensor * like, int which) {
         ggml_tensor * v = ggml_new_tensor_3d(ctx, like->type, like->ne[0], like->ne[1], S);
-        v->nb[2] = (size_t) slot_bytes_;
+        v->nb[2] = (size_t) strides_[(size_t) which];
         v->nb[3] = v->nb[2] * (size_t) S;
-        v->data = (char *) pool_->data + offsets_[(size_t) which];
+        v->data = (char *) pool_->data + bases_[(size_t) which];
         v->buffer = pool_buf_;
         return v;
     };
@@ -415,7 +439,7 @@ void Engine::copy_expert(int ml, int e, const char * why) {
     for (int i = 0; i < 3; ++i) {
         const size_t n = parts[i]->nb[2];
         const char * src = (const char *) parts[i]->data + (size_t) e * n;
-        const size_t off = (size_t) s * slot_bytes_ + offsets_[(size_t) i];
+        const size_t off = (size_t) (bases_[(size_t) i] + (int64_t) s * strides_[(size_t) i]);
         if (!events_.empty()) {
             ggml_backend_tensor_set_async(copy_, pool_, src, off, n);
         } else {
@@ -435,8 +459,10 @@ void Engine::copy_expert(int ml, int e, const char * why) {
 
 void Engine::wait_for_copy(uint64_t seq) {
     if (seq == 0 || events_.empty()) return;
-    // the ring slot of `seq` holds seq or a later copy of the same queue: waiting on it covers seq
-    ggml_backend_event_wait(compute_, events_[(size_t) (seq % kEvents)]);
+    // a ring slot holds its copy or a later one of the same in-order queue: waiting on it covers seq
+    // (the oldest record still in the ring that is not older than seq: waits no longer than needed)
+    const uint64_t oldest = copy_seq_ >= (uint64_t) kEvents ? copy_seq_ - kEvents + 1 : 1;
+    ggml_backend_event_wait(compute_, events_[(size_t) (std::max(seq, oldest) % kEvents)]);
 }
 
 // Predicted routing of the MoE layers after `ml`: their routers applied to this layer's hidden state
@@ -461,9 +487,13 @@ void Engine::predict(int ml, int T, const float * cur, size_t row_stride, Prefet
             const float * x = (const float *) ((const char *) cur + (size_t) t * row_stride);
             for (int e = 0; e < E; ++e) {
                 const float * w = W.data() + (size_t) e * D;
-                double acc = 0.0;
-                for (int i = 0; i < D; ++i) acc += (double) w[i] * x[i];
-                float v = (float) acc;
+                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // independent partial sums: the compiler vectorises
+                int i = 0;
+                for (; i + 8 <= D; i += 8) {
+                    for (int u = 0; u < 8; ++u) acc[u] += w[i + u] * x[i + u];
+                }
+                for (; i < D; ++i) acc[0] += w[i] * x[i];
+                float v = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
                 if (cfg_.sigmoid_gating) v = 1.0f / (1.0f + std::exp(-v));
                 if (!bias.empty()) v += bias[(size_t) e];
                 logits_[(size_t) e] = v;  // softmax is monotonic: ranking by logits is enough
@@ -520,6 +550,9 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
 
     try {
         if (failed_) return;
+        // many ubatch sizes: start over rather than grow without bound (here, before this layer launches
+        // anything; earlier layers' graphs are done: their wait ops synchronised)
+        if (graphs_.size() >= 64) graphs_.clear();
         // ---- observe, look up, pin, split ----
         in_.set_routing(ids_.data(), (int) T, (int) k, E);
         in_.layer = ml;
@@ -568,8 +601,12 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         }
         sync_evictions();
         // resident experts whose weights were never copied (initial fill) are copied at first use
+        uint64_t n_first = 0;
         for (size_t i = 0; i < in_.size(); ++i) {
-            if (on_gpu[i]) copy_expert(ml, in_.experts[i], "fill");
+            if (on_gpu[i] && !key_loaded_[(size_t) ml * E + in_.experts[i]]) {
+                copy_expert(ml, in_.experts[i], "fill");
+                ++n_first;
+            }
         }
 
         // ---- rewrite the CPU ids; launch the GPU share ----
@@ -651,9 +688,9 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         }
 
         // ---- prefetch for the next layers ----
-        uint64_t n_prefetch = 0, n_fill = 0;
-        double bytes_prefetch = 0, bytes_fill = 0;
-        if (cfg_.n_slots > 0 && cfg_.prefetch_layers > 0 && ml + 1 < (int) tensors_.size()) {
+        uint64_t n_prefetch = 0, n_fill = n_first;
+        double bytes_prefetch = 0, bytes_fill = (double) n_first * in_.expert_bytes;
+        if (cfg_.n_slots > 0 && cfg_.prefetch_layers > 0 && ml + 1 < (int) tensors_.size() && !no_prefetch_) {
             if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + plan_.makespan_s;
             pctx_.layer = ml;
             pctx_.n_tokens = (int) T;
@@ -716,7 +753,9 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         s.predicted_s += plan_.makespan_s;
     } catch (const std::exception & e) {
         // numbers stay right: every pair that is not yet handed to the GPU is computed by the CPU
-        if (!run.gpu_launched) write_all_cpu(dst, ids_);
+        // every pair goes to the CPU (its nodes have not run yet); a launched GPU share is waited for and ignored
+        write_all_cpu(dst, ids_);
+        run.pair_part.clear();
         fail(std::string("MoE layer ") + std::to_string(run.il) + ": " + e.what());
     } catch (...) {
         fail(std::string("MoE layer ") + std::to_string(run.il) + ": unknown error");

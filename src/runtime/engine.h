@@ -52,6 +52,8 @@ struct EngineConfig {
     std::vector<int> moe_layers;           ///< model layer index of each MoE layer (cache layer index = position)
     /// per MoE layer: bytes of one expert's gate, up and down matrices as stored (ggml nb[2])
     std::vector<std::array<int64_t, 3>> expert_bytes;
+    /// per MoE layer: ggml types of the gate, up and down matrices
+    std::vector<std::array<int32_t, 3>> expert_types;
     int64_t n_slots = 0;                   ///< GPU expert slots (0: nothing cached, everything on the CPU)
     ggml_backend_dev_t device = nullptr;   ///< accelerator holding the slot pool (needed when n_slots > 0)
     CostModel cost;                        ///< planner cost model (seconds, bytes/s)
@@ -94,8 +96,15 @@ public:
     Engine(const Engine &) = delete;
     Engine & operator=(const Engine &) = delete;
 
-    /// Bytes of one slot: max gate + max up + max down bytes over the MoE layers, each padded to 256.
-    static int64_t slot_bytes_for(const std::vector<std::array<int64_t, 3>> & expert_bytes);
+    /// Per-slot stride of the gate, up and down regions of the pool (bytes): the largest matrix of that kind over
+    /// the MoE layers, rounded up to a multiple of 16 and of every ggml block size used for that kind (kernels,
+    /// CUDA's among them, index an expert as stride / block size). Throws std::invalid_argument on mismatched
+    /// lengths or an unknown type.
+    static std::array<int64_t, 3> region_strides(const std::vector<std::array<int64_t, 3>> & expert_bytes,
+                                                 const std::vector<std::array<int32_t, 3>> & expert_types);
+    /// Bytes of one slot: the sum of the region strides.
+    static int64_t slot_bytes_for(const std::vector<std::array<int64_t, 3>> & expert_bytes,
+                                  const std::vector<std::array<int32_t, 3>> & expert_types);
     int64_t slot_bytes() const { return slot_bytes_; }
     int64_t n_slots() const { return cfg_.n_slots; }
     const EngineConfig & config() const { return cfg_; }
@@ -155,7 +164,8 @@ private:
 
     // slot pool
     int64_t slot_bytes_ = 0;
-    std::array<int64_t, 3> offsets_{};      // gate, up, down offsets inside a slot
+    std::array<int64_t, 3> strides_{};      // gate, up, down: bytes per slot in that region of the pool
+    std::array<int64_t, 3> bases_{};        // gate, up, down: offset of the region in the pool
     ggml_backend_t compute_ = nullptr;
     ggml_backend_t copy_ = nullptr;
     // copy queue: each expert copy gets a sequence number and an event recorded after it (a ring: a reused event
@@ -195,6 +205,7 @@ private:
     std::string error_;
     bool failed_ = false;
     bool drop_gpu_ = false;
+    bool no_prefetch_ = false;
 };
 
 /// What one layer's ops share within one ubatch (owned by the Engine, one per MoE layer).
