@@ -65,6 +65,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import hybrimoe  # noqa: E402  (before llama_cpp: one libllama per process)
+from hybrimoe.bench import Config, interleave, med_spread, prompts  # noqa: E402,F401  (shared with hybrimoe bench)
 
 MODEL = dict(arch="qwen3moe", n_layer=6, n_embd=512, n_ff_exp=512, n_expert=32, n_expert_used=4, n_head=8)
 QUANTS = ("Q8_0", "Q4_K_M")
@@ -99,136 +100,6 @@ def model_path(quant: str) -> Path:
         finally:
             tmp.unlink(missing_ok=True)
     return path
-
-
-def prompts(llm, n: int, n_tokens: int) -> list[list[int]]:
-    """``n`` prompts of exactly ``n_tokens`` tokens (BOS + seeded random words), one per repetition."""
-    from hybrimoe.tiny import _WORDS
-
-    out = []
-    for i in range(n):
-        rng = np.random.default_rng(1000 + i)
-        toks: list[int] = []
-        while len(toks) < n_tokens:
-            text = " ".join(rng.choice(_WORDS, size=4 * n_tokens))
-            toks = llm.tokenize(text.encode(), add_bos=True, special=False)
-        out.append(toks[:n_tokens])
-    return out
-
-
-class Config:
-    """One loaded ``hybrimoe.Llama`` and its measurements."""
-
-    def __init__(self, label: str, path: Path, n_ctx: int, threads: int, **kw):
-        from hybrimoe import Llama
-
-        self.label = label
-        self.kw = {k: v for k, v in kw.items() if k != "rpc_servers"}
-        self.llm = Llama(str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                         n_threads_batch=threads, verbose=False, **kw)
-        self.reps: list[dict] = []
-        self.engine_acc: dict | None = None
-        st = self.llm.moe_stats()
-        self.skipped = st.get("unsupported", []) + st.get("engine_skipped", [])
-
-    # ---- one repetition: start() evaluates the prompt, step() decodes one greedy token, finish() collects ----
-    def start(self, prompt: list[int]) -> None:
-        from hybrimoe._lib import llama_cpp_module
-
-        self._lc = lc = llama_cpp_module().llama_cpp
-        llm = self.llm
-        ctx = llm._ctx.ctx
-        llm.reset()
-        lc.llama_perf_context_reset(ctx)
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        lc.llama_synchronize(ctx)  # llama_decode may return before the compute ends; the perf timer stops here
-        wall = time.perf_counter() - t0
-        self._cur = dict(prompt_wall_s=wall, prompt_perf_s=lc.llama_perf_context(ctx).t_p_eval_ms * 1e-3,
-                         n_prompt=len(prompt), tokens=[], step_wall_s=[], step_perf_s=[])
-        eng = llm._moe_engine
-        if eng is not None:  # engine counters over the decode phase only
-            eng.reset_stats()
-            llm._moe_setup["policies"].cache.reset_stats()
-        lc.llama_perf_context_reset(ctx)
-        self._t_eval = 0.0
-
-    def step(self) -> None:
-        lc, llm = self._lc, self.llm
-        ctx = llm._ctx.ctx
-        tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
-        t0 = time.perf_counter()
-        llm.eval([tok])
-        lc.llama_synchronize(ctx)
-        wall = time.perf_counter() - t0
-        t_eval = lc.llama_perf_context(ctx).t_eval_ms * 1e-3
-        r = self._cur
-        r["tokens"].append(tok)
-        r["step_wall_s"].append(wall)
-        r["step_perf_s"].append(t_eval - self._t_eval)
-        self._t_eval = t_eval
-
-    def finish(self, keep: bool = True) -> dict:
-        lc, llm = self._lc, self.llm
-        r = self._cur
-        n = len(r["tokens"])
-        pd = lc.llama_perf_context(llm._ctx.ctx)
-        if pd.n_eval != n:
-            raise RuntimeError(f"{self.label}: llama_perf_context counted {pd.n_eval} decodes, expected {n}")
-        r.update(n_decode=n, decode_wall_s=sum(r["step_wall_s"]), decode_perf_s=sum(r["step_perf_s"]))
-        eng = llm._moe_engine
-        if eng is not None:
-            layers = eng.layer_stats()
-            cs = llm._moe_setup["policies"].cache.stats
-            e = dict(runs=sum(s["runs"] for s in layers), tokens=sum(s["tokens"] for s in layers),
-                     plan_s=sum(s["plan_s"] for s in layers), wait_s=sum(s["wait_s"] for s in layers),
-                     layer_s=sum(s["layer_s"] for s in layers),
-                     cpu_experts=sum(s["cpu_experts"] for s in layers),
-                     gpu_experts=sum(s["gpu_experts"] for s in layers),
-                     bytes=sum(s["bytes_demand"] + s["bytes_prefetch"] + s["bytes_fill"] for s in layers),
-                     bytes_demand=sum(s["bytes_demand"] for s in layers),
-                     bytes_prefetch=sum(s["bytes_prefetch"] for s in layers),
-                     bytes_fill=sum(s["bytes_fill"] for s in layers),
-                     accesses=cs.accesses, hits=cs.demand_hits + cs.prefetch_hits, failed=int(bool(eng.failed)))
-            r["engine"] = e
-            if keep:
-                acc = self.engine_acc or {}
-                for k, v in e.items():
-                    acc[k] = acc.get(k, 0) + v
-                self.engine_acc = acc
-        if keep:
-            self.reps.append(r)
-        return r
-
-    def close(self) -> None:
-        self.llm.close()
-
-
-def interleave(configs: list[Config], reps: int, n_prompt: int, n_decode: int, tag: str) -> None:
-    """One warm-up, then ``reps`` repetitions. In each, every configuration evaluates prompt i (the order rotates
-    between repetitions), then the configurations decode token by token in turn (A B C A B C ...), so that drift
-    and other processes' load hit them alike at millisecond scale."""
-    ps = prompts(configs[0].llm, reps + 1, n_prompt)
-    for i in range(-1, reps):
-        k = i % len(configs)
-        order = configs[k:] + configs[:k]
-        for c in order:
-            c.start(ps[i])
-        for _ in range(min(8, n_decode) if i < 0 else n_decode):
-            for c in order:
-                c.step()
-        for c in order:
-            c.finish(keep=i >= 0)  # the warm-up pages the weights in and allocates the graphs; not kept
-        if i >= 0:
-            print(f"  [{tag}] repetition {i + 1}/{reps} done", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# summaries
-# ----------------------------------------------------------------------------------------------------------
-
-def med_spread(xs: list[float], fmt: str = "{:.1f}") -> str:
-    return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}..{fmt.format(max(xs))})"
 
 
 def same_tokens(c: Config, ref: Config) -> str:

@@ -26,6 +26,16 @@ _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 
+def _engine_module():
+    """hybrimoe._engine, after our libllama is loaded (the module links it and resolves its symbols there)."""
+    from ._lib import llama_cpp_module
+
+    llama_cpp_module()
+    from . import _engine
+
+    return _engine
+
+
 @dataclass
 class EngineFacts:
     """What the engine needs to know about a GGUF MoE model.
@@ -53,9 +63,7 @@ class EngineFacts:
     @property
     def slot_bytes(self) -> int:
         """Bytes of one GPU expert slot (the largest gate, up and down over the layers, each padded to 256)."""
-        from . import _engine
-
-        return int(_engine.Engine.slot_bytes_for([tuple(b) for b in self.expert_bytes],
+        return int(_engine_module().Engine.slot_bytes_for([tuple(b) for b in self.expert_bytes],
                                                  [tuple(t) for t in self.expert_types]))
 
     @property
@@ -284,8 +292,7 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         ValueError: the slot pool does not fit in the device's free memory, or no device for a non-empty cache.
         RuntimeError: the device cannot allocate the pool.
     """
-    from . import _engine
-
+    _engine = _engine_module()
     if n_slots > 0:
         if not device_ptr:
             raise ValueError("moe_cache needs an accelerator (a CUDA device or an RPC server via rpc_servers); none "

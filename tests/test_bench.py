@@ -1,0 +1,72 @@
+"""``hybrimoe bench`` (issue 5, item 3) end to end on the RPC stand-in: one row per mode in JSON and CSV, the same
+tokens in every mode, clear errors for bad input. No speed is asserted (the stand-in is the same CPU)."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+
+def _bench(args):
+    from hybrimoe.bench import main
+
+    return main([str(a) for a in args])
+
+
+def test_bench_writes_one_row_per_mode(tiny_model, rpc_server, tmp_path, capsys):
+    path = tiny_model("qwen3moe", "Q8_0")
+    out_json, out_csv, out_png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
+    rc = _bench(["-m", path, "--rpc", rpc_server.endpoint, "--moe-cache", "50%", "-p", 16, "-n", 4, "-r", 2,
+                 "--json", out_json, "--csv", out_csv, "--plot", out_png])
+    assert rc == 0
+    doc = json.loads(out_json.read_text())
+    modes = [r["mode"] for r in doc["rows"]]
+    assert modes[0] == "upstream -ot exps=CPU" and modes[1].startswith("upstream --n-cpu-moe ")
+    assert modes[2].startswith("upstream -ngl ")
+    assert modes[3:] == [f"hybrimoe {p}" for p in
+                         ("hybrimoe", "hybrimoe-lru", "ktransformers", "upstream-ncmoe", "gpu-on-demand")]
+    for r in doc["rows"]:
+        assert r["pp_tps"] > 0 and r["tg_tps"] > 0 and r["same_tokens_as_first"] == 2, r
+        assert r["gpu_expert_bytes"] <= doc["budget_bytes"]
+        if r["mode"].startswith("hybrimoe"):
+            assert 0 <= r["hit_rate"] <= 1 and r["h2d_bytes_per_token"] >= 0
+    with open(out_csv) as f:
+        assert [row["mode"] for row in csv.DictReader(f)] == modes
+    assert out_png.stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "| mode |" in table and "pp16 t/s" in table and "tg4 t/s" in table
+
+
+def test_bench_with_replay(tiny_model, rpc_server, tmp_path):
+    import numpy as np
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    ids = np.stack([np.stack([np.array([i % 8, (i + 3) % 8]) for _ in range(2)]) for i in range(30)])
+    trace = tmp_path / "t.npz"
+    np.savez(trace, expert_ids=ids.astype(np.int16), prompt_offsets=np.array([0, 30]), num_experts=8, top_k=2,
+             expert_bytes=np.full(2, 1e6), format_version=1)
+    out = tmp_path / "b.json"
+    assert _bench(["-m", path, "--rpc", rpc_server.endpoint, "-p", 8, "-n", 2, "-r", 1, "--upstream", "exps",
+                   "--policies", "hybrimoe", "--replay-trace", trace, "--json", out]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["replay_trace"] == str(trace) and len(doc["rows"]) == 2
+
+
+@pytest.mark.parametrize("extra, match", [(["--json", "/nonexistent-dir/x.json"], "cannot write"),
+                                          (["-r", "0"], "-r must be >= 1"),
+                                          (["--moe-cache", "-3"], "negative")])
+def test_bench_bad_input(extra, match, tiny_model, rpc_server, capsys):
+    rc = _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--rpc", rpc_server.endpoint, *extra])
+    assert rc == 1
+    assert match in capsys.readouterr().err
+
+
+def test_bench_trace_of_another_model(tiny_model, rpc_server, tmp_path, capsys):
+    import numpy as np
+
+    trace = tmp_path / "t.npz"
+    np.savez(trace, expert_ids=np.zeros((4, 5, 2), np.int16), prompt_offsets=np.array([0, 4]), num_experts=8,
+             top_k=2, expert_bytes=np.full(5, 1e6), format_version=1)
+    rc = _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--rpc", rpc_server.endpoint, "--replay-trace", trace])
+    assert rc == 1 and "has 5 MoE layers" in capsys.readouterr().err
