@@ -236,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     _register_optional(sub, "info", "info", "MoE structure and expert bytes of a GGUF file")
     _register_optional(sub, "make-tiny-model", "tiny", "write a tiny synthetic MoE GGUF (tests, demos)")
     _register_optional(sub, "simulate", "simulate", "trace-driven comparison of expert placement policies")
+    _register_optional(sub, "calibrate", "calibrate", "measure the engine's cost model for a model on this "
+                       "machine (stored for later runs)")
     _register_optional(sub, "bench", "bench", "hybrimoe against upstream offloading at the same GPU memory "
                        "(pp/tg tokens/s, hit rate, bytes copied)")
     return parser

@@ -133,7 +133,9 @@ class Llama(llama_cpp.Llama):
             (replaces that part of ``"hybrimoe"``), or a dict (see ``hybrimoe.engine.build_policies``).
         moe_prefetch_layers: MoE layers whose experts are predicted and prefetched ahead (0: none). Default 3.
         moe_cost_model: the planner's cost model: a hardware preset name (``hybrimoe/presets``), a preset or
-            cost-model JSON file, or a ``CostModel``. Default ``rtx4090-desktop``.
+            cost-model JSON file, or a ``CostModel``. Default: this model's stored calibration on this device
+            (``hybrimoe calibrate``), else the ``rtx4090-desktop`` preset; ``moe_stats()["engine"]["cost_model"]``
+            says which.
 
     Raises:
         FileNotFoundError: ``model_path`` does not exist.
@@ -174,8 +176,10 @@ class Llama(llama_cpp.Llama):
             facts = eng.engine_facts(model_path)
             n_slots = eng.cache_slots(moe_cache, facts)
             policies = eng.build_policies(moe_policy, facts, n_slots, moe_prefetch_layers)
-            cost = eng.resolve_cost_model(moe_cost_model, facts)
+            cost = eng.resolve_cost_model(moe_cost_model, facts) if moe_cost_model is not None else None
             self._moe_setup = dict(facts=facts, n_slots=n_slots, policies=policies, cost=cost,
+                                   cost_source=None if moe_cost_model is None else str(moe_cost_model)
+                                   if not isinstance(moe_cost_model, _core_cost_model_type()) else "CostModel object",
                                    prefetch_layers=moe_prefetch_layers)
 
         endpoints: list[str] = []
@@ -199,6 +203,22 @@ class Llama(llama_cpp.Llama):
             from .engine import host_buffer_type_name
 
             host = host_buffer_type_name(engine_device) if engine_device else None
+            if self._moe_setup["cost"] is None:
+                # a stored calibration of this model on this device (hybrimoe calibrate), else the default preset
+                from . import calibrate as cal
+                from .engine import DEFAULT_COST_PRESET, resolve_cost_model
+
+                dev_name = "cpu"
+                if engine_device:
+                    d = next(x for x in _ggml.devices() if x["ptr"] == engine_device)
+                    dev_name = d["description"] or d["name"]
+                found = cal.stored(model_path, dev_name)
+                st = self._moe_setup
+                if found is not None:
+                    st["cost"], st["cost_source"] = resolve_cost_model(str(found), st["facts"]), str(found)
+                else:
+                    st["cost"] = resolve_cost_model(None, st["facts"])
+                    st["cost_source"] = f"preset {DEFAULT_COST_PRESET} (no calibration stored: hybrimoe calibrate)"
             # the engine reads the routed experts from host memory in the file's layout (pinned if possible)
             overrides.append((EXPS_REGEX, host or "CPU"))
         self._override_keepalive = None
@@ -359,6 +379,7 @@ class Llama(llama_cpp.Llama):
             runs = sum(s["runs"] for s in layers)
             out["engine"] = {
                 "policy": self._moe_setup["policies"].name,
+                "cost_model": self._moe_setup["cost_source"],
                 "n_slots": self._moe_engine.n_slots,
                 "slot_bytes": self._moe_engine.slot_bytes,
                 "hit_rate": cs.hit_rate,
@@ -399,6 +420,12 @@ class Llama(llama_cpp.Llama):
         self._moe_engine = None
         if hasattr(self, "_stack"):  # llama-cpp-python's __init__ may not have run (bad input)
             super().close()
+
+
+def _core_cost_model_type():
+    from . import _core
+
+    return _core.CostModel
 
 
 def _gguf_n_expert(path: str) -> int:

@@ -168,6 +168,13 @@ Raises:
              "Per MoE layer counters: runs, tokens, cpu/gpu experts, copies and bytes (demand, prefetch, fill), "
              "declined loads, seconds in plan / waiting for the GPU / per layer, predicted makespan seconds.");
 
+    m.def("measure_h2d_s", [](uintptr_t device, size_t bytes, int reps) {
+              py::gil_scoped_release nogil;
+              return hybrimoe::measure_h2d_s(reinterpret_cast<ggml_backend_dev_t>(device), bytes, reps);
+          }, py::arg("device"), py::arg("bytes"), py::arg("reps") = 5,
+          "Seconds per host-to-device copy of `bytes` to a ggml device (int pointer): median of `reps` copies, "
+          "each synchronised, from the device's pinned host buffer type if it has one. RuntimeError on failure.");
+
     py::class_<RoutingReplay>(m, "RoutingReplay", R"doc(
 Forces every MoE layer's routed expert ids (llama_set_moe_routing, patch 0002).
 

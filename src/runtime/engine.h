@@ -43,6 +43,11 @@
 
 namespace hybrimoe {
 
+/// Seconds per host-to-device copy of `bytes` to `device` (median of `reps` timed copies, each followed by a
+/// synchronize), from the device's pinned host buffer type when it has one, else from pageable memory.
+/// Calibration input (`hybrimoe calibrate`). Throws std::runtime_error when the device or the buffers fail.
+double measure_h2d_s(ggml_backend_dev_t device, size_t bytes, int reps);
+
 /// Facts and settings the engine is built from (Python fills them from the GGUF and the user's options).
 struct EngineConfig {
     int n_layer = 0;                       ///< model layers (llama's il range)

@@ -1,0 +1,62 @@
+"""``hybrimoe calibrate`` (issue 5, item 1) on the RPC stand-in: writes a valid cost model with its sources, and
+the engine uses the stored calibration when no cost model is given. (Figures on the stand-in mean nothing.)"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def test_calibrate_writes_a_cost_model_the_engine_uses(tiny_model, rpc_server, tmp_path, monkeypatch):
+    from hybrimoe import Llama, calibrate, policy
+    from hybrimoe.engine import slot_bytes
+
+    monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tiny_model("qwen3moe", "Q8_0")
+    assert calibrate.main(["-m", str(path), "--rpc", rpc_server.endpoint, "--quick"]) == 0
+    stored = calibrate.stored(path, rpc_server.endpoint)
+    assert stored is not None and stored.parent == tmp_path / "cache" / "calibration"
+    cm = policy.load_cost_model(stored)  # schema-checked by the C++ reader
+    doc = json.loads(stored.read_text())
+    assert set(doc["sources"]) == set(policy.COST_FIELDS)
+    assert "fit over" in doc["sources"]["cpu_a_s"] and "timed copies" in doc["sources"]["h2d_bandwidth_Bps"]
+    assert cm.h2d_bandwidth_Bps > 0 and cm.cpu_a_s + cm.cpu_b_s + cm.cpu_startup_s > 0
+    llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache=4 * slot_bytes(path),
+                n_ctx=128, verbose=False)
+    try:
+        llm("Once upon a time", max_tokens=4, temperature=0)
+        assert llm.moe_stats()["engine"]["cost_model"] == str(stored)
+    finally:
+        llm.close()
+
+
+def test_without_calibration_the_preset_is_named(tiny_model, rpc_server, tmp_path, monkeypatch):
+    from hybrimoe import Llama
+    from hybrimoe.engine import slot_bytes
+
+    monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "empty"))
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache=4 * slot_bytes(path),
+                n_ctx=128, verbose=False)
+    try:
+        assert "preset rtx4090-desktop" in llm.moe_stats()["engine"]["cost_model"]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("args, match", [(["-o", "/nonexistent-dir/c.json"], "cannot write"),
+                                         (["--rpc", "127.0.0.1:1"], "not reachable")])
+def test_calibrate_bad_input(args, match, tiny_model, capsys):
+    from hybrimoe import calibrate
+
+    assert calibrate.main(["-m", str(tiny_model("qwen3moe", "Q8_0")), "--quick", *args]) == 1
+    assert match in capsys.readouterr().err
+
+
+def test_calibrate_not_a_moe_model(tmp_path, capsys):
+    from hybrimoe import calibrate
+
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf")
+    assert calibrate.main(["-m", str(bad), "--quick"]) == 1
+    assert "not a GGUF" in capsys.readouterr().err
