@@ -276,6 +276,13 @@ def run(args) -> int:
         server = RPCServer(threads=args.threads or 1).start()
         endpoint = server.endpoint
         print(f"hybrimoe bench: RPC stand-in at {endpoint} (the same CPU: no speed claim)", file=sys.stderr)
+    if not endpoint:
+        from . import _ggml
+
+        if not any(d["type"] in (_ggml.DEV_GPU, _ggml.DEV_IGPU) for d in _ggml.devices()):
+            print("hybrimoe bench: error: no GPU found: give --rpc HOST:PORT (a ggml-rpc-server) or --stand-in",
+                  file=sys.stderr)
+            return 1
     common = dict(rpc_servers=endpoint, moe_replay=replay, threads=args.threads or os.cpu_count() or 1)
     modes: list[tuple[str, dict, int]] = []
     up = {m.strip() for m in args.upstream.split(",") if m.strip()}

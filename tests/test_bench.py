@@ -70,3 +70,12 @@ def test_bench_trace_of_another_model(tiny_model, rpc_server, tmp_path, capsys):
              top_k=2, expert_bytes=np.full(5, 1e6), format_version=1)
     rc = _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--rpc", rpc_server.endpoint, "--replay-trace", trace])
     assert rc == 1 and "has 5 MoE layers" in capsys.readouterr().err
+
+
+def test_bench_without_a_gpu(tiny_model, capsys, monkeypatch):
+    from hybrimoe import _ggml
+
+    cpu_only = [d for d in _ggml.devices() if d["type"] == _ggml.DEV_CPU]
+    monkeypatch.setattr(_ggml, "devices", lambda: cpu_only)  # as on a machine without a GPU
+    assert _bench(["-m", tiny_model("qwen3moe", "Q8_0")]) == 1
+    assert "no GPU found" in capsys.readouterr().err
