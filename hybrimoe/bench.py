@@ -237,11 +237,42 @@ def _mean_sd(xs: list[float]) -> tuple[float, float]:
 
 
 def _check_outputs(args) -> None:
+    """Every output path is checked before a long run: a writable directory, not a directory itself, a plot format
+    matplotlib writes."""
     for f in (args.json, args.csv, args.plot):
         if f:
-            d = Path(f).resolve().parent
+            p = Path(f)
+            d = p.resolve().parent
+            if p.is_dir():
+                raise ValueError(f"cannot write {f}: it is a directory")
             if not d.is_dir() or not os.access(d, os.W_OK):
                 raise ValueError(f"cannot write {f}: {d} is not a writable directory")
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise ValueError(f"--plot {args.plot}: use a .png, .pdf or .svg file name")
+
+
+UPSTREAM_MODES = ("exps", "ncmoe", "ngl")
+
+
+def _check_modes(args, facts) -> tuple[list[str], set]:
+    """The policies and upstream modes asked for, checked before anything runs."""
+    from .engine import ENGINE_PRESETS, resolve_cost_model
+
+    pols = [x.strip() for x in args.policies.split(",") if x.strip()]
+    for p in pols:
+        if p not in ENGINE_PRESETS:
+            raise ValueError(f"--policies: unknown policy '{p}' (known: {', '.join(ENGINE_PRESETS)})")
+    up = {m.strip() for m in args.upstream.split(",") if m.strip()}
+    bad = up - set(UPSTREAM_MODES)
+    if bad:
+        raise ValueError(f"--upstream: unknown mode(s) {', '.join(sorted(bad))} (known: {', '.join(UPSTREAM_MODES)})")
+    if not pols and not up:
+        raise ValueError("nothing to run: --policies and --upstream are both empty")
+    if args.rpc and args.stand_in:
+        raise ValueError("give either --rpc or --stand-in, not both")
+    if args.moe_cost_model is not None:
+        resolve_cost_model(args.moe_cost_model, facts)
+    return pols, up
 
 
 def run(args) -> int:
@@ -255,6 +286,7 @@ def run(args) -> int:
             if v < low:
                 raise ValueError(f"{name} must be >= {low}")
         facts = engine_facts(args.model)
+        pols, up = _check_modes(args, facts)
         n_slots = cache_slots(args.moe_cache, facts)
         budget = n_slots * facts.slot_bytes
         replay = None
@@ -285,14 +317,13 @@ def run(args) -> int:
             return 1
     common = dict(rpc_servers=endpoint, moe_replay=replay, threads=args.threads or os.cpu_count() or 1)
     modes: list[tuple[str, dict, int]] = []
-    up = {m.strip() for m in args.upstream.split(",") if m.strip()}
     for label, kw, gpu_bytes in upstream_modes(args.model, budget, facts.n_layer):
         key = "exps" if "exps" in label else "ncmoe" if "n-cpu-moe" in label else "ngl"
         if key in up:
             kw = dict(kw)
             kw.setdefault("n_gpu_layers", args.n_gpu_layers)
             modes.append((label, kw, gpu_bytes))
-    for pol in [x.strip() for x in args.policies.split(",") if x.strip()]:
+    for pol in pols:
         modes.append((f"hybrimoe {pol}", dict(n_gpu_layers=args.n_gpu_layers, moe_cache=budget, moe_policy=pol,
                                               moe_cost_model=args.moe_cost_model), budget))
     rows = []

@@ -163,18 +163,18 @@ def _run(args: argparse.Namespace) -> int:
                 reasons = sorted({u["reason"] for u in skipped})
                 print(f"hybrimoe: warning: {len(skipped)} MoE layer(s) ran on {where} ({'; '.join(reasons)})",
                       file=sys.stderr)
-        if args.moe_stats and "engine" in stats:
-            e = stats["engine"]
-            print(f"hybrimoe: engine {e['policy']}: {e['n_slots']} slots of {e['slot_bytes']} B, hit rate "
-                  f"{e['hit_rate']:.3f}, experts CPU {e['cpu_experts']} / GPU {e['gpu_experts']}, H2D "
-                  f"{e['bytes_copied'] / 2**20:.1f} MiB, {e['layer_s'] * 1e6:.0f} us per MoE layer",
-                  file=sys.stderr)
         if args.output_format == "json":
             text = llm.detokenize(tokens).decode("utf-8", errors="replace")
             json.dump({"prompt_tokens": prompt_tokens, "tokens": tokens, "text": text, "n_ctx": llm.n_ctx()},
                       sys.stdout)
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if args.moe_stats and "engine" in stats:
+            e = stats["engine"]
+            print(f"hybrimoe: engine {e['policy']}: {e['n_slots']} slots of {e['slot_bytes']} B, hit rate "
+                  f"{e['hit_rate']:.3f}, experts CPU {e['cpu_experts']} / GPU {e['gpu_experts']}, H2D "
+                  f"{e['bytes_copied'] / 2**20:.1f} MiB, {e['layer_s'] * 1e6:.0f} us per MoE layer",
+                  file=sys.stderr)
     finally:
         llm.close()
     return 0

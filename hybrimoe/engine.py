@@ -146,15 +146,18 @@ def slot_bytes(model_path: Union[str, os.PathLike]) -> int:
 def cache_slots(spec, facts: EngineFacts) -> int:
     """Number of GPU expert slots for a ``moe_cache`` budget.
 
-    ``spec``: ``"25%"`` (of all routed-expert bytes), ``"3GiB"``, ``"512MB"``, or bytes (int). 0 is valid (nothing
-    cached). The budget is rounded down to whole slots of ``facts.slot_bytes``.
+    ``spec``: ``"25%"`` (of the model's routed experts: 100% = a slot for every expert), ``"3GiB"``, ``"512MB"``, or
+    bytes (int). 0 is valid (nothing cached). A byte budget is rounded down to whole slots of ``facts.slot_bytes``
+    (a slot fits the largest expert of the model, so mixed quant types need a little more than the file's expert
+    bytes) and capped at one slot per expert.
 
     Raises:
         ValueError: unparsable, negative, above 100%, or positive but smaller than one slot.
     """
     sb = facts.slot_bytes
-    b = pol.parse_budget(spec, facts.total_expert_bytes, sb)
-    return int(b // sb)
+    n_all = len(facts.moe_layers) * facts.n_expert
+    b = pol.parse_budget(spec, float(n_all * sb), sb)
+    return min(n_all, int(b // sb + 1e-9))
 
 
 def resolve_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
@@ -167,6 +170,9 @@ def resolve_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
     if isinstance(spec, _core.CostModel):
         spec.validate()
         return spec
+    if spec is not None and not isinstance(spec, (str, os.PathLike)):
+        raise ValueError(f"moe_cost_model must be a preset name, a JSON file path or a CostModel, not "
+                         f"{type(spec).__name__}")
     name = DEFAULT_COST_PRESET if spec is None else os.fspath(spec)
     if os.path.isfile(name):
         import json

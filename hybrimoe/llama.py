@@ -171,7 +171,8 @@ class Llama(llama_cpp.Llama):
 
             moe_policy = "hybrimoe" if moe_policy is None else moe_policy
             moe_prefetch_layers = 3 if moe_prefetch_layers is None else moe_prefetch_layers
-            if not isinstance(moe_prefetch_layers, int) or moe_prefetch_layers < 0:
+            if isinstance(moe_prefetch_layers, bool) or not isinstance(moe_prefetch_layers, int) or \
+                    moe_prefetch_layers < 0:
                 raise ValueError(f"moe_prefetch_layers must be an integer >= 0, got {moe_prefetch_layers!r}")
             facts = eng.engine_facts(model_path)
             n_slots = eng.cache_slots(moe_cache, facts)
@@ -186,6 +187,7 @@ class Llama(llama_cpp.Llama):
         if rpc_servers:
             parts = [rpc_servers] if isinstance(rpc_servers, str) else list(rpc_servers)
             endpoints = [e.strip() for p in parts for e in p.split(",") if e.strip()]
+        self._rpc_endpoints = endpoints
         rpc_devs: list[int] = []
         for ep in endpoints:
             rpc_devs.extend(_ggml.add_rpc_server(ep))
@@ -220,6 +222,11 @@ class Llama(llama_cpp.Llama):
                     st["cost"] = resolve_cost_model(None, st["facts"])
                     st["cost_source"] = f"preset {DEFAULT_COST_PRESET} (no calibration stored: hybrimoe calibrate)"
             # the engine reads the routed experts from host memory in the file's layout (pinned if possible)
+            host_names = {"CPU", host}
+            for pattern, buft_name in overrides:
+                if buft_name not in host_names and re.search(pattern, "blk.0.ffn_up_exps.weight"):
+                    raise ValueError(f"tensor override {pattern}={buft_name} puts routed experts on a device; with "
+                                     "moe_cache the engine keeps them in host memory and caches them itself")
             overrides.append((EXPS_REGEX, host or "CPU"))
         self._override_keepalive = None
         ov_array = None
@@ -335,7 +342,13 @@ class Llama(llama_cpp.Llama):
         left to upstream's path or to the CPU only."""
         if self._moe_engine is not None:
             self._moe_engine.clear_failure()
-        super().eval(tokens)
+        try:
+            super().eval(tokens)
+        except RuntimeError as e:
+            if self._rpc_endpoints and "llama_decode returned" in str(e):
+                raise RuntimeError(f"{e} (the compute failed; with RPC servers ({', '.join(self._rpc_endpoints)}) "
+                                   "a server that stopped answering is the usual cause: see the log)") from e
+            raise
         if self._moe_engine is not None and not self._moe_warned:
             self._moe_warned = True
             st = self.moe_stats()

@@ -30,7 +30,7 @@ def replay_table(trace: Union[RoutingTrace, str, os.PathLike], model_path: Union
     n_moe = len(facts.moe_layers)
     if tr.n_layers != n_moe:
         raise ValueError(f"{where} has {tr.n_layers} MoE layers, the model {os.fspath(model_path)} has {n_moe}: "
-                         "make a model with as many MoE layers (hybrimoe make-tiny-model --n-layer)")
+                         "make a model with as many MoE layers (hybrimoe make-tiny-model --layers)")
     if tr.num_experts != facts.n_expert:
         raise ValueError(f"{where} routes over {tr.num_experts} experts, the model has {facts.n_expert}")
     if tr.top_k != facts.top_k:

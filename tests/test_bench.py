@@ -54,6 +54,13 @@ def test_bench_with_replay(tiny_model, rpc_server, tmp_path):
 
 
 @pytest.mark.parametrize("extra, match", [(["--json", "/nonexistent-dir/x.json"], "cannot write"),
+                                          (["--csv", "/tmp"], "is a directory"),
+                                          (["--plot", "x.txt"], ".png, .pdf or .svg"),
+                                          (["--policies", "hybrimo"], "unknown policy 'hybrimo'"),
+                                          (["--upstream", "exps,foo"], "unknown mode(s) foo"),
+                                          (["--policies", "", "--upstream", ""], "nothing to run"),
+                                          (["--moe-cost-model", "nope"], "nope"),
+                                          (["--stand-in"], "either --rpc or --stand-in"),
                                           (["-r", "0"], "-r must be >= 1"),
                                           (["--moe-cache", "-3"], "negative")])
 def test_bench_bad_input(extra, match, tiny_model, rpc_server, capsys):

@@ -283,11 +283,32 @@ def test_bad_cache_budget(budget, match, tiny_model, rpc_server):
         Llama(str(tiny_model("qwen3moe", "Q8_0")), moe_cache=budget, **_common(rpc_server))
 
 
-def test_cache_larger_than_free_device_memory(tiny_model, rpc_server):
+def test_cache_larger_than_free_device_memory(tiny_model, rpc_server, monkeypatch):
+    """(The stand-in's free memory is the host's: the device is made to report 1 MB free.)"""
+    from hybrimoe import Llama, engine
+
+    real = engine.device_memory
+    monkeypatch.setattr(engine, "device_memory", lambda ptr: (10**6, real(ptr)[1]))
+    with pytest.raises(ValueError, match="more than the 1000000 bytes free on the device"):
+        Llama(str(tiny_model("qwen2moe", "Q4_K_M")), moe_cache="100%", **_common(rpc_server))
+
+
+def test_budget_is_capped_at_one_slot_per_expert(tiny_model):
+    from hybrimoe.engine import cache_slots, engine_facts
+
+    f = engine_facts(tiny_model("qwen2moe", "Q4_K_M"))  # Q4_K_M: layers differ in their down matrix type
+    n_all = len(f.moe_layers) * f.n_expert
+    assert cache_slots("100%", f) == n_all and cache_slots("4000GiB", f) == n_all
+    assert cache_slots("50%", f) == n_all // 2 and cache_slots(0, f) == 0
+
+
+def test_override_sending_experts_to_the_device_is_refused(tiny_model, rpc_server):
     from hybrimoe import Llama
 
-    with pytest.raises(ValueError, match="more than the .* bytes free on the device"):
-        Llama(str(tiny_model("qwen3moe", "Q8_0")), moe_cache="4000GiB", **_common(rpc_server))
+    dev = f"RPC0[{rpc_server.endpoint}]"
+    with pytest.raises(ValueError, match="puts routed experts on a device"):
+        Llama(str(tiny_model("qwen3moe", "Q8_0")), moe_cache="50%", tensor_buft_overrides=f"exps={dev}",
+              **_common(rpc_server))
 
 
 def test_cache_without_a_device(tiny_model):
@@ -318,6 +339,10 @@ def test_bad_cost_model_and_prefetch(tiny_model, rpc_server, tmp_path):
         Llama(path, moe_cache=0, moe_cost_model=str(bad), **_common(rpc_server))
     with pytest.raises(ValueError, match="moe_prefetch_layers"):
         Llama(path, moe_cache=0, moe_prefetch_layers=-1, **_common(rpc_server))
+    with pytest.raises(ValueError, match="moe_prefetch_layers"):
+        Llama(path, moe_cache=0, moe_prefetch_layers=True, **_common(rpc_server))
+    with pytest.raises(ValueError, match="moe_cost_model must be"):
+        Llama(path, moe_cache=0, moe_cost_model=123, **_common(rpc_server))
 
 
 def test_python_policy_that_raises(tiny_model, rpc_server, split_cost_model, engine_tools):
