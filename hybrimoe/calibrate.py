@@ -146,17 +146,22 @@ def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: 
                disable=not progress or (not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS")))
     device_name = "cpu"
     try:
-        cpu = Llama(str(model_path), moe_cache=0, **base)
-        try:
-            prompt = cpu.tokenize(b"calibration " * (max(sizes) + 8), add_bos=True)[:max(sizes)]
-            feats, ys, layer_rows = _runs(cpu, prompt, sizes, reps, k, lambda: bar.update(1))
-        finally:
-            cpu.close()
-        s, a, b = _fit(feats, ys)
-        cm.cpu_startup_s, cm.cpu_a_s, cm.cpu_b_s = float(s), float(a), float(b)
-        note = f"fit over {len(ys)} (MoE layer, run) samples, ubatches {sizes}, moe_cache=0"
-        for f in ("cpu_startup_s", "cpu_a_s", "cpu_b_s"):
-            sources[f] = note
+        def measure(fields, note, **kw):
+            """Loads the model with the engine options kw, runs the ubatch sizes, fits `fields`."""
+            llm = Llama(str(model_path), **kw, **base)
+            try:
+                prompt = llm.tokenize(b"calibration " * (max(sizes) + 8), add_bos=True)[:max(sizes)]
+                if kw.get("moe_cache"):
+                    llm.eval(prompt)  # bring the experts the prompt uses to the GPU first
+                feats, ys, layer_rows = _runs(llm, prompt, sizes, reps, k, lambda: bar.update(1))
+            finally:
+                llm.close()
+            for f, v in zip(fields, _fit(feats, ys)):
+                setattr(cm, f, float(v))
+                sources[f] = f"fit over {len(ys)} (MoE layer, run) samples, ubatches {sizes}, {note}"
+            return layer_rows
+
+        layer_rows = measure(("cpu_startup_s", "cpu_a_s", "cpu_b_s"), "moe_cache=0", moe_cache=0)
         la, lb = _fit([(1.0, T) for T, _ in layer_rows], [v for _, v in layer_rows])
         cm.layer_a_s, cm.layer_b_s = float(la), float(lb)
         cm.dense_a_s, cm.dense_b_s = float(la), float(lb)
@@ -195,18 +200,9 @@ def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: 
             slots = n_all
             if (slots + 1) * facts.slot_bytes > free:
                 slots = max(1, int(free // facts.slot_bytes) // 2)
-            gpu = Llama(str(model_path), moe_cache=slots * facts.slot_bytes, moe_policy="gpu-on-demand",
-                        moe_prefetch_layers=0, **base)
-            try:
-                gpu.eval(prompt)  # load the experts the prompt uses
-                feats, ys, _ = _runs(gpu, prompt, sizes, reps, k, lambda: bar.update(1))
-            finally:
-                gpu.close()
-            a0, ga, gb = _fit(feats, ys)
-            cm.act_a_s, cm.gpu_a_s, cm.gpu_b_s = float(a0), float(ga), float(gb)
-            note = f"fit over {len(ys)} samples with every expert on {device_name} ({slots} slots, gpu-on-demand)"
-            for f in ("act_a_s", "gpu_a_s", "gpu_b_s"):
-                sources[f] = note
+            measure(("act_a_s", "gpu_a_s", "gpu_b_s"), f"every expert on {device_name} ({slots} slots, "
+                    "gpu-on-demand)", moe_cache=slots * facts.slot_bytes, moe_policy="gpu-on-demand",
+                    moe_prefetch_layers=0)
         bar.update(1)
     finally:
         bar.close()
