@@ -517,3 +517,44 @@ def test_many_ubatch_sizes_keep_upstreams_numbers(tiny_model, rpc_server, engine
     finally:
         llm.close()
         ref.close()
+
+
+def test_decision_log_matches_what_ran(tiny_model, rpc_server, split_cost_model, engine_tools):
+    """The engine's decision records (input for the simulator replay of issue 5) agree with what ran: one record per
+    MoE layer and ubatch with the routed ids the layer saw, GPU experts summing to the engine's counters, every
+    split consistent (a planned GPU expert either ran there or was declined by the cache), evicted experts gone."""
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q4_K_M")
+    llm = Llama(str(path), moe_cache=_slots(path, 3), moe_cost_model=split_cost_model, **_common(rpc_server))
+    try:
+        eng = llm._moe_engine
+        eng.set_logging(True)
+        llm._moe_hook.set_recording(True)
+        tokens = engine_tools.prompt_of(llm, 20)
+        engine_tools.run_greedy(llm, tokens, 8)
+        log = eng.take_log()
+        st = llm.moe_stats()["engine"]
+        cache = llm._moe_setup["policies"].cache
+        for layer in (0, 1):
+            recs = [r for r in log if r["layer"] == layer]
+            assert len(recs) == st["layers"][layer]["runs"]
+            seen = np.concatenate([r["ids"] for r in recs])
+            assert np.array_equal(seen, llm._moe_hook.recorded(layer))
+        assert sum(sum(r["on_gpu"]) for r in log) == st["gpu_experts"] > 0
+        for r in log:
+            assert r["scores"].shape == (r["n_tokens"], 8) and np.allclose(r["scores"].sum(1), 1, atol=1e-4)
+            for e, planned, ran in zip(r["experts"], r["planned_gpu"], r["on_gpu"]):
+                assert ran <= planned and (ran == planned or e in r["declined"])
+            assert sorted(r["experts"]) == sorted(set(r["ids"].ravel().tolist()))
+        last_evicted = {}
+        for i, r in enumerate(log):
+            for key in r["evicted"]:
+                last_evicted[key] = i
+        for key, i in last_evicted.items():
+            readmitted = any(r["layer"] * 8 + e == key for r in log[i + 1:] for e in r["loaded"] + r["filled"]) or \
+                any(j * 8 + e == key for r in log[i + 1:] for j, e in r["prefetched"])
+            assert readmitted or not cache.resident(key // 8, key % 8)
+        eng.set_logging(False)
+    finally:
+        llm.close()

@@ -402,8 +402,22 @@ Engine::GpuGraph & Engine::gpu_graph(int ml, int64_t k, int64_t T, int part) {
     return ref;
 }
 
+void Engine::set_logging(bool on) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    logging_ = on;
+    if (!on) log_.clear();
+}
+
+std::vector<DecisionRecord> Engine::take_log() {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    std::vector<DecisionRecord> out;
+    out.swap(log_);
+    return out;
+}
+
 void Engine::sync_evictions() {
     for (int64_t key : cache_->take_evicted()) {
+        if (rec_) rec_->evicted.push_back(key);
         const int32_t s = key_slot_[(size_t) key];
         if (s >= 0) {
             key_slot_[(size_t) key] = -1;
@@ -547,6 +561,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
     if (T == 0) return;
     // warm-up graphs route every token to every expert: not a real ubatch, leave it to the CPU
     if (k != cfg_.top_k) return;
+    if (ml == 0) ++ubatch_;
 
     try {
         if (failed_) return;
@@ -576,6 +591,23 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         }
         in_.pcie_free_s = std::max(0.0, link_free_ - now());
         scheduler_->plan(in_, cfg_.cost, plan_);
+        DecisionRecord rec;
+        if (logging_) {
+            rec_ = &rec;
+            rec.ubatch = ubatch_;
+            rec.layer = ml;
+            rec.n_tokens = (int) T;
+            rec.top_k = (int) k;
+            rec.ids = ids_;
+            rec.scores = obs_.scores;
+            rec.expert_bytes = in_.expert_bytes;
+            rec.pcie_free_s = in_.pcie_free_s;
+            rec.experts = in_.experts;
+            rec.loads = in_.loads;
+            rec.cached = in_.cached;
+            rec.planned_gpu = plan_.on_gpu;
+            rec.makespan_s = plan_.makespan_s;
+        }
         if (plan_.on_gpu.size() != in_.size()) {
             throw std::runtime_error("schedule policy '" + scheduler_->name() + "' returned a plan of the wrong size");
         }
@@ -594,9 +626,11 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
                 copy_expert(ml, e, "demand");
                 ++demand;
                 bytes_demand += in_.expert_bytes;
+                if (rec_) rec_->loaded.push_back(e);
             } else {
                 on_gpu[i] = 0;
                 ++declined;
+                if (rec_) rec_->declined.push_back(e);
             }
         }
         sync_evictions();
@@ -698,6 +732,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
             pctx_.now_s = 0.0;
             pctx_.link_free_s = std::max(0.0, link_free_ - now());
             predict(ml, (int) T, (const float *) cur_t->data, cur_t->nb[2], pctx_, layer_est_);
+            if (rec_) rec_->predictions = pctx_.predictions;
             const auto reqs = prefetcher_->plan(pctx_, *cache_, cfg_.cost);
             for (const auto & r : reqs) {
                 const int j = r.first, e = r.second;
@@ -712,6 +747,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
                 cache_->pin(j, e);
                 pending_unpin_[(size_t) j].push_back(e);
                 copy_expert(j, e, "prefetch");
+                if (rec_) rec_->prefetched.emplace_back(j, e);
                 ++n_prefetch;
                 const auto & b = cfg_.expert_bytes[(size_t) j];
                 bytes_prefetch += (double) (b[0] + b[1] + b[2]);
@@ -728,6 +764,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
                 copy_expert(ml, e, "fill");
                 ++n_fill;
                 bytes_fill += in_.expert_bytes;
+                if (rec_) rec_->filled.push_back(e);
             }
         }
         sync_evictions();
@@ -735,6 +772,11 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         const double t_end = now();
         run.plan_s = t_end - t_start;
         std::lock_guard<std::mutex> lock(stats_mu_);
+        if (rec_) {
+            rec.on_gpu = on_gpu;
+            rec_ = nullptr;
+            log_.push_back(std::move(rec));
+        }
         EngineLayerStats & s = stats_[(size_t) ml];
         s.runs += 1;
         s.tokens += (uint64_t) T;
@@ -752,12 +794,13 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         s.plan_s += run.plan_s;
         s.predicted_s += plan_.makespan_s;
     } catch (const std::exception & e) {
-        // numbers stay right: every pair that is not yet handed to the GPU is computed by the CPU
-        // every pair goes to the CPU (its nodes have not run yet); a launched GPU share is waited for and ignored
+        rec_ = nullptr;
+        // numbers stay right: every pair goes to the CPU (its nodes have not run yet); a launched GPU share is waited for and ignored
         write_all_cpu(dst, ids_);
         run.pair_part.clear();
         fail(std::string("MoE layer ") + std::to_string(run.il) + ": " + e.what());
     } catch (...) {
+        rec_ = nullptr;
         fail(std::string("MoE layer ") + std::to_string(run.il) + ": unknown error");
     }
 }

@@ -84,6 +84,27 @@ struct EngineLayerStats {
     double predicted_s = 0;                          ///< planner's predicted makespans, summed
 };
 
+/// One (MoE layer, ubatch) as the engine saw and decided it: the input a simulator needs to replay the engine's
+/// decisions (issue 5) and the decisions to compare with.
+struct DecisionRecord {
+    int64_t ubatch = 0;                  ///< ubatch counter (runs of the first MoE layer)
+    int layer = 0;                       ///< MoE layer index
+    int n_tokens = 0, top_k = 0;
+    std::vector<int32_t> ids;            ///< [T, k] routed ids
+    std::vector<float> scores;           ///< [T, E] router probabilities
+    double expert_bytes = 0;             ///< bytes of one expert of this layer (copy size)
+    double pcie_free_s = 0;              ///< copy queue busy for this long (estimate) when the split was planned
+    std::vector<int32_t> experts, loads; ///< activated experts and their token counts
+    std::vector<uint8_t> cached;         ///< resident when looked up
+    std::vector<uint8_t> planned_gpu;    ///< the scheduler's split
+    std::vector<uint8_t> on_gpu;         ///< the split run (planned loads the cache refused ran on the CPU)
+    std::vector<int32_t> loaded, declined, filled;   ///< demand loads admitted / refused; fills admitted
+    std::vector<std::pair<int, int>> prefetched;     ///< (MoE layer, expert) copies issued
+    std::vector<Prediction> predictions;             ///< what the prefetcher was shown
+    std::vector<int64_t> evicted;        ///< keys (layer * E + expert) evicted while deciding this record
+    double makespan_s = 0;               ///< the planner's predicted makespan
+};
+
 /// The engine. Thread-safety: its ops run on ggml's thread 0 of the context's CPU backend, one at a time;
 /// Python reads statistics between decodes.
 class Engine {
@@ -129,6 +150,10 @@ public:
     int moe_index(int il) const { return il >= 0 && il < (int) moe_index_.size() ? moe_index_[il] : -1; }
     /// Slot of a resident (MoE layer, expert) or -1 (tests: slot bookkeeping agrees with the cache).
     int slot_of(int layer, int expert) const;
+    /// Keep a DecisionRecord per (MoE layer, ubatch) from now on (off: stop and drop them).
+    void set_logging(bool on);
+    /// The records kept since the last call.
+    std::vector<DecisionRecord> take_log();
     /// Negative control for tests: the GPU share's outputs are replaced by zeros (results must then differ).
     void set_drop_gpu_share(bool on) { drop_gpu_ = on; }
     /// (layer, expert) keys pinned now; 0 between decodes unless prefetched experts wait for their layer.
@@ -211,6 +236,10 @@ private:
     bool failed_ = false;
     bool drop_gpu_ = false;
     bool no_prefetch_ = false;
+    bool logging_ = false;
+    int64_t ubatch_ = -1;
+    std::vector<DecisionRecord> log_;
+    DecisionRecord * rec_ = nullptr;      // the record being filled by op_plan (logging on)
 };
 
 /// What one layer's ops share within one ubatch (owned by the Engine, one per MoE layer).
