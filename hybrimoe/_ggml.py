@@ -190,6 +190,31 @@ def rpc_device_ptrs() -> set[int]:
     return {p for ep in _registered_endpoints for p in _endpoint_devices(ep)}
 
 
+def local_gpus() -> list[int]:
+    """Device pointers of this machine's accelerators (GPU or integrated GPU), without the RPC servers this
+    process registered (those belong to the Llama instances that named them)."""
+    rpc = rpc_device_ptrs()
+    return [d["ptr"] for d in devices() if d["type"] in (DEV_GPU, DEV_IGPU) and d["ptr"] not in rpc]
+
+
+def accelerator(rpc_devs: list[int]) -> int | None:
+    """The device the MoE engine caches experts on: the first of ``rpc_devs`` (an instance's own RPC servers),
+    else this machine's first GPU, else None."""
+    if rpc_devs:
+        return rpc_devs[0]
+    gpus = local_gpus()
+    return gpus[0] if gpus else None
+
+
+def device_label(ptr: int | None) -> str:
+    """A device's description (e.g. "NVIDIA H200", or HOST:PORT for an RPC server), else its name; "cpu" for
+    None. Calibrations are stored under it."""
+    if not ptr:
+        return "cpu"
+    d = next(x for x in devices() if x["ptr"] == ptr)
+    return d["description"] or d["name"]
+
+
 def buffer_type(name: str) -> int:
     """The default buffer type of a device, by its name as upstream's ``-ot`` accepts it (``CPU``, ``CUDA0``,
     ``RPC0[host:port]``...), case-sensitive.

@@ -100,6 +100,8 @@ class Config:
         self._t_eval = t_eval
 
     def finish(self, keep: bool = True) -> dict:
+        from .engine import layer_totals
+
         lc, llm = self._lc, self.llm
         r = self._cur
         n = len(r["tokens"])
@@ -111,16 +113,11 @@ class Config:
         if eng is not None:
             layers = eng.layer_stats()
             cs = llm._moe_setup["policies"].cache.stats
-            e = dict(runs=sum(s["runs"] for s in layers), tokens=sum(s["tokens"] for s in layers),
-                     plan_s=sum(s["plan_s"] for s in layers), wait_s=sum(s["wait_s"] for s in layers),
-                     layer_s=sum(s["layer_s"] for s in layers),
-                     cpu_experts=sum(s["cpu_experts"] for s in layers),
-                     gpu_experts=sum(s["gpu_experts"] for s in layers),
-                     bytes=sum(s["bytes_demand"] + s["bytes_prefetch"] + s["bytes_fill"] for s in layers),
-                     bytes_demand=sum(s["bytes_demand"] for s in layers),
-                     bytes_prefetch=sum(s["bytes_prefetch"] for s in layers),
-                     bytes_fill=sum(s["bytes_fill"] for s in layers),
-                     accesses=cs.accesses, hits=cs.demand_hits + cs.prefetch_hits, failed=int(bool(eng.failed)))
+            tot = layer_totals(layers)
+            e = {k: tot[k] for k in ("runs", "tokens", "plan_s", "wait_s", "layer_s", "cpu_experts", "gpu_experts",
+                                     "bytes_demand", "bytes_prefetch", "bytes_fill")}
+            e.update(bytes=tot["bytes_copied"], accesses=cs.accesses, hits=cs.demand_hits + cs.prefetch_hits,
+                     failed=int(bool(eng.failed)))
             r["engine"] = e
             if keep:
                 acc = self.engine_acc or {}

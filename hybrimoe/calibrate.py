@@ -171,18 +171,10 @@ def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: 
             sources[f] = "set to the MoE layer's non-expert figures (approximation)"
 
         # the accelerator: the first RPC server given, else the first GPU
-        dev = None
-        if rpc_servers:
-            ptrs = _ggml.add_rpc_server(rpc_servers.split(",")[0].strip())
-            dev = ptrs[0] if ptrs else None
-        else:
-            others = _ggml.rpc_device_ptrs()
-            gpus = [d["ptr"] for d in _ggml.devices()
-                    if d["type"] in (_ggml.DEV_GPU, _ggml.DEV_IGPU) and d["ptr"] not in others]
-            dev = gpus[0] if gpus else None
+        dev = _ggml.accelerator(_ggml.add_rpc_server(rpc_servers.split(",")[0].strip()) if rpc_servers else [])
         if dev is not None:
             d = next(x for x in _ggml.devices() if x["ptr"] == dev)
-            device_name = d["description"] or d["name"]
+            device_name = _ggml.device_label(dev)
             eng = _engine_module()
             big = int(max(sum(b_) for b_ in facts.expert_bytes))
             t_small = eng.measure_h2d_s(dev, 4096, 5)

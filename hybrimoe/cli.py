@@ -106,9 +106,14 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"hybrimoe run: error: cannot write the default model: {e}", file=sys.stderr)
         return 1
+    import warnings
+
     from tqdm import tqdm
 
     from .llama import Llama
+
+    # the library's warnings (e.g. MoE layers left to upstream's path), one line each in the CLI's style
+    warnings.formatwarning = lambda message, *args, **kwargs: f"hybrimoe: warning: {message}\n"
 
     replay = None
     if args.replay_trace:
@@ -157,12 +162,6 @@ def _run(args: argparse.Namespace) -> int:
             print(f"\nhybrimoe run: error: generation failed: {e}", file=sys.stderr)
             return 1
         stats = llm.moe_stats() if (args.moe_hook or args.moe_cache is not None) else {}
-        for key, where in (("unsupported", "upstream's path"), ("engine_skipped", "the CPU only")):
-            skipped = stats.get(key, [])
-            if skipped:
-                reasons = sorted({u["reason"] for u in skipped})
-                print(f"hybrimoe: warning: {len(skipped)} MoE layer(s) ran on {where} ({'; '.join(reasons)})",
-                      file=sys.stderr)
         if args.output_format == "json":
             text = llm.detokenize(tokens).decode("utf-8", errors="replace")
             json.dump({"prompt_tokens": prompt_tokens, "tokens": tokens, "text": text, "n_ctx": llm.n_ctx()},

@@ -266,6 +266,14 @@ def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: in
     return Policies(cache=cache, scheduler=sched, prefetcher=pre, fill_on_miss=fill, name=name)
 
 
+def layer_totals(layers: list) -> dict:
+    """Sums of the engine's per-MoE-layer counters (``Engine.layer_stats()``) over the layers, plus
+    ``bytes_copied`` (demand + prefetch + fill H2D bytes)."""
+    tot = {k: sum(s[k] for s in layers) for k in (layers[0] if layers else {})}
+    tot["bytes_copied"] = sum(tot.get(k, 0.0) for k in ("bytes_demand", "bytes_prefetch", "bytes_fill"))
+    return tot
+
+
 def host_buffer_type_name(device_ptr: int) -> Optional[str]:
     """Name of the device's pinned host buffer type (e.g. ``CUDA_Host``), or None when it has none (RPC)."""
     from . import _ggml

@@ -195,10 +195,7 @@ class Llama(llama_cpp.Llama):
         overrides = parse_tensor_overrides(tensor_buft_overrides) + moe_overrides(cpu_moe, n_cpu_moe)
         engine_device = None
         if self._moe_setup is not None:
-            others_rpc = _ggml.rpc_device_ptrs()  # RPC servers other instances registered are not ours
-            gpus = [d["ptr"] for d in _ggml.devices()
-                    if d["type"] in (_ggml.DEV_GPU, _ggml.DEV_IGPU) and d["ptr"] not in others_rpc]
-            engine_device = rpc_devs[0] if rpc_devs else (gpus[0] if gpus else None)
+            engine_device = _ggml.accelerator(rpc_devs)
             if self._moe_setup["n_slots"] > 0 and not engine_device:
                 raise ValueError("moe_cache needs an accelerator (a CUDA device, or an RPC server via rpc_servers); "
                                  "none was found. Use moe_cache=0 to run every expert on the CPU")
@@ -210,11 +207,7 @@ class Llama(llama_cpp.Llama):
                 from . import calibrate as cal
                 from .engine import DEFAULT_COST_PRESET, resolve_cost_model
 
-                dev_name = "cpu"
-                if engine_device:
-                    d = next(x for x in _ggml.devices() if x["ptr"] == engine_device)
-                    dev_name = d["description"] or d["name"]
-                found = cal.stored(model_path, dev_name)
+                found = cal.stored(model_path, _ggml.device_label(engine_device))
                 st = self._moe_setup
                 if found is not None:
                     st["cost"], st["cost_source"] = resolve_cost_model(str(found), st["facts"]), str(found)
@@ -243,12 +236,9 @@ class Llama(llama_cpp.Llama):
             self._override_keepalive = (ov_array, keep)
 
         dev_array = None
-        registered_rpc = _ggml.rpc_device_ptrs()
-        if registered_rpc:
+        if _ggml.rpc_device_ptrs():
             # devices: ours from rpc_servers, plus real accelerators; never another instance's RPC servers
-            others = [d["ptr"] for d in _ggml.devices()
-                      if d["type"] in (_ggml.DEV_GPU, _ggml.DEV_IGPU) and d["ptr"] not in registered_rpc]
-            chosen = rpc_devs + others
+            chosen = rpc_devs + _ggml.local_gpus()
             dev_array = (ctypes.c_void_p * (len(chosen) + 1))(*chosen, None)
             self._devices_keepalive = dev_array
 
@@ -338,8 +328,8 @@ class Llama(llama_cpp.Llama):
     def eval(self, tokens):
         """llama-cpp-python's ``eval``; raises RuntimeError when the MoE engine failed during it (the layers it
         failed in were computed on the CPU; the next call tries the engine again). llama-cpp-python has then
-        already counted the tokens as evaluated (``n_tokens``). Warns once (RuntimeWarning) when MoE layers were
-        left to upstream's path or to the CPU only."""
+        already counted the tokens as evaluated (``n_tokens``). With ``moe_hook`` or ``moe_cache``, warns once
+        (RuntimeWarning) when MoE layers were left to upstream's path or to the CPU only."""
         if self._moe_engine is not None:
             self._moe_engine.clear_failure()
         try:
@@ -349,15 +339,15 @@ class Llama(llama_cpp.Llama):
                 raise RuntimeError(f"{e} (the compute failed; with RPC servers ({', '.join(self._rpc_endpoints)}) "
                                    "a server that stopped answering is the usual cause: see the log)") from e
             raise
-        if self._moe_engine is not None and not self._moe_warned:
-            self._moe_warned = True
+        if self._moe_hook is not None and not self._moe_warned:
+            self._moe_warned = True  # the hook has seen every layer once the first graph ran
+            import warnings
+
             st = self.moe_stats()
             for key, where in (("unsupported", "upstream's path"), ("engine_skipped", "the CPU only")):
                 if st.get(key):
-                    import warnings
-
                     reasons = sorted({u["reason"] for u in st[key]})
-                    warnings.warn(f"hybrimoe: {len(st[key])} MoE layer(s) run on {where}: {'; '.join(reasons)}",
+                    warnings.warn(f"{len(st[key])} MoE layer(s) ran on {where} ({'; '.join(reasons)})",
                                   RuntimeWarning, stacklevel=2)
         err = self._moe_engine.take_error() if self._moe_engine is not None else ""
         if err:  # (no engine reference left in this frame: a kept traceback must not keep the engine alive)
@@ -387,9 +377,11 @@ class Llama(llama_cpp.Llama):
             "engine_skipped": [{"layer": il, "reason": why} for il, why in self._moe_hook.engine_skipped()],
         }
         if self._moe_engine is not None:
+            from .engine import layer_totals
+
             layers = self._moe_engine.layer_stats()
+            tot = layer_totals(layers)
             cs = self._moe_setup["policies"].cache.stats
-            runs = sum(s["runs"] for s in layers)
             out["engine"] = {
                 "policy": self._moe_setup["policies"].name,
                 "cost_model": self._moe_setup["cost_source"],
@@ -399,17 +391,12 @@ class Llama(llama_cpp.Llama):
                 "cache": {"accesses": cs.accesses, "hits": cs.demand_hits + cs.prefetch_hits,
                           "prefetch_hits": cs.prefetch_hits, "misses": cs.misses, "admissions": cs.admissions,
                           "evictions": cs.evictions, "declined": cs.declined},
-                "cpu_experts": sum(s["cpu_experts"] for s in layers),
-                "gpu_experts": sum(s["gpu_experts"] for s in layers),
-                "bytes_demand": sum(s["bytes_demand"] for s in layers),
-                "bytes_prefetch": sum(s["bytes_prefetch"] for s in layers),
-                "bytes_fill": sum(s["bytes_fill"] for s in layers),
-                "layer_s": (sum(s["layer_s"] for s in layers) / runs) if runs else 0.0,
+                **{k: tot[k] for k in ("cpu_experts", "gpu_experts", "bytes_demand", "bytes_prefetch", "bytes_fill",
+                                       "bytes_copied")},
+                "layer_s": tot["layer_s"] / tot["runs"] if tot["runs"] else 0.0,
                 "failed": self._moe_engine.failed,
                 "layers": layers,
             }
-            e = out["engine"]
-            e["bytes_copied"] = e["bytes_demand"] + e["bytes_prefetch"] + e["bytes_fill"]
         return out
 
     def create_completion(self, prompt, *args, **kwargs):

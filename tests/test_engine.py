@@ -244,7 +244,7 @@ def test_unsupported_experts_stay_on_upstreams_path(tiny_model, rpc_server, engi
     llm = Llama(str(path), moe_cache=_slots(path, 2), **_common(rpc_server))
     try:
         tokens = engine_tools.prompt_of(llm, 12)
-        with pytest.warns(RuntimeWarning, match="run on upstream's path"):
+        with pytest.warns(RuntimeWarning, match="ran on upstream's path"):
             out, _ = engine_tools.run_greedy(llm, tokens, 8)
         st = llm.moe_stats()
     finally:

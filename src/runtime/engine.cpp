@@ -85,9 +85,7 @@ struct Engine::GpuGraph {
     ggml_tensor * ids = nullptr;  // I32 [k, T] slot per (token, slot)
     ggml_tensor * w = nullptr;    // F32 [1, k, T]
     ggml_tensor * out = nullptr;  // F32 [n_embd, k, T]
-    std::vector<int32_t> host_ids;
-    std::vector<float> host_w;
-    std::vector<float> host_x;
+    std::vector<int32_t> host_ids;  // each launch has its own ids (its experts' slots, the null slot elsewhere)
     ~GpuGraph() {
         if (galloc) ggml_gallocr_free(galloc);
         if (ctx) ggml_free(ctx);
@@ -395,8 +393,6 @@ Engine::GpuGraph & Engine::gpu_graph(int ml, int64_t k, int64_t T, int part) {
                                  std::string(ggml_backend_dev_name(cfg_.device)));
     }
     g->host_ids.resize((size_t) (k * T));
-    g->host_w.resize((size_t) (k * T));
-    g->host_x.resize((size_t) (n_embd * T));
     GpuGraph & ref = *g;
     graphs_[key] = std::move(g);
     return ref;
@@ -692,25 +688,30 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
                     out_ids[j] = target;
                 }
             }
+            // hidden state and routing weights, staged once for both launches (the CPU split's buffers may be
+            // reused by later nodes before an asynchronous copy has read them)
+            stage_x_.resize((size_t) (T * cfg_.n_embd));
+            stage_w_.resize((size_t) (T * k));
+            for (int64_t t = 0; t < T; ++t) {
+                const float * row = (const float *) ((const char *) cur_t->data + t * cur_t->nb[2]);
+                std::memcpy(stage_x_.data() + t * cfg_.n_embd, row, sizeof(float) * (size_t) cfg_.n_embd);
+                for (int64_t j = 0; j < k; ++j) {
+                    stage_w_[(size_t) (t * k + j)] =
+                        *(const float *) ((const char *) w_t->data + j * w_t->nb[1] + t * w_t->nb[2]);
+                }
+            }
             for (int launch = 0; launch < 2; ++launch) {
                 bool any = false;
                 for (uint8_t p : part) any = any || p == launch + 1;
                 if (!any) continue;
                 GpuGraph & g = gpu_graph(ml, k, T, launch);
-                for (int64_t t = 0; t < T; ++t) {
-                    for (int64_t j = 0; j < k; ++j) {
-                        const size_t pi = (size_t) (t * k + j);
-                        const int32_t e = ids_[pi];
-                        g.host_ids[pi] = run.pair_part[pi] == launch + 1 ? key_slot_[(size_t) ml * E + e] : null_slot;
-                        g.host_w[pi] = *(const float *) ((const char *) w_t->data + j * w_t->nb[1] + t * w_t->nb[2]);
-                    }
-                    const float * row = (const float *) ((const char *) cur_t->data + t * cur_t->nb[2]);
-                    std::memcpy(g.host_x.data() + t * cfg_.n_embd, row, sizeof(float) * (size_t) cfg_.n_embd);
+                for (size_t pi = 0; pi < run.pair_part.size(); ++pi) {
+                    g.host_ids[pi] = run.pair_part[pi] == launch + 1 ? key_slot_[(size_t) ml * E + ids_[pi]] : null_slot;
                 }
                 wait_for_copy(seq[launch]);  // a launch waits only for the copies of its own experts
-                ggml_backend_tensor_set_async(compute_, g.x, g.host_x.data(), 0, ggml_nbytes(g.x));
+                ggml_backend_tensor_set_async(compute_, g.x, stage_x_.data(), 0, ggml_nbytes(g.x));
                 ggml_backend_tensor_set_async(compute_, g.ids, g.host_ids.data(), 0, ggml_nbytes(g.ids));
-                ggml_backend_tensor_set_async(compute_, g.w, g.host_w.data(), 0, ggml_nbytes(g.w));
+                ggml_backend_tensor_set_async(compute_, g.w, stage_w_.data(), 0, ggml_nbytes(g.w));
                 if (ggml_backend_graph_compute_async(compute_, g.gf) != GGML_STATUS_SUCCESS) {
                     throw std::runtime_error("the GPU share of layer " + std::to_string(run.il) + " failed on " +
                                              ggml_backend_dev_name(cfg_.device));

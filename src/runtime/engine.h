@@ -223,6 +223,7 @@ private:
     std::vector<int32_t> expert_pos_;
     std::vector<float> logits_;
     std::vector<float> scratch_;
+    std::vector<float> stage_x_, stage_w_;   // hidden state [T, n_embd] and routing weights [T, k] for the GPU
 
     using clock = std::chrono::steady_clock;
     clock::time_point t0_ = clock::now();
