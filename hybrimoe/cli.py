@@ -70,7 +70,8 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="MoE layers predicted and prefetched ahead (0: none; default: 3; needs --moe-cache)")
     p.add_argument("--moe-cost-model", default=None, metavar="PRESET|FILE",
                    help="planner cost model: a hardware preset (paper-a6000, rtx4090-desktop, h200) or a JSON "
-                        "file (default: rtx4090-desktop)")
+                        "file (default: this model's stored calibration on this device, see hybrimoe calibrate, "
+                        "else rtx4090-desktop; --moe-stats names the one used)")
     p.add_argument("-nr", "--no-repack", action="store_true",
                    help="keep CPU weights in the file's layout (upstream --no-repack)")
     p.add_argument("--replay-trace", default=None, metavar="TRACE.npz",
@@ -172,8 +173,8 @@ def _run(args: argparse.Namespace) -> int:
             e = stats["engine"]
             print(f"hybrimoe: engine {e['policy']}: {e['n_slots']} slots of {e['slot_bytes']} B, hit rate "
                   f"{e['hit_rate']:.3f}, experts CPU {e['cpu_experts']} / GPU {e['gpu_experts']}, H2D "
-                  f"{e['bytes_copied'] / 2**20:.1f} MiB, {e['layer_s'] * 1e6:.0f} us per MoE layer",
-                  file=sys.stderr)
+                  f"{e['bytes_copied'] / 2**20:.1f} MiB, {e['layer_s'] * 1e6:.0f} us per MoE layer; cost model: "
+                  f"{e['cost_model']}", file=sys.stderr)
     finally:
         llm.close()
     return 0

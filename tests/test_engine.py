@@ -268,6 +268,7 @@ def test_cli_run_with_the_engine(tiny_model, rpc_server, split_cost_model, tmp_p
 
     assert json.loads(eng.stdout)["tokens"] == json.loads(ref.stdout)["tokens"]
     assert "hit rate" in eng.stderr and "experts CPU" in eng.stderr
+    assert f"cost model: {split_cost_model}" in eng.stderr
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
