@@ -1,5 +1,5 @@
 """Type stubs of hybrimoe._core: the HybriMoE policy core and trace simulator (bindings/core, src/policy)."""
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -297,3 +297,7 @@ def replay_cache(trace: Trace, cache: ExpertCache, first_prompt: int, end_prompt
 def simulate(trace: Trace, cache: ExpertCache, scheduler: SchedulePolicy, prefetcher: PrefetchPolicy,
              planner: CostModel, truth_cost: CostModel, truth: TruthModel, config: SimConfig, first_prompt: int,
              end_prompt: int) -> SimResult: ...
+def replay_decisions(log: Iterable[dict[str, Any]], cache: ExpertCache, scheduler: SchedulePolicy,
+                     prefetcher: PrefetchPolicy, cost_model: CostModel, has_slots: bool, prefetch_layers: int,
+                     fill_on_miss: bool) -> list[dict[str, Any]]: ...
+def first_difference(a: Iterable[dict[str, Any]], b: Iterable[dict[str, Any]]) -> str: ...

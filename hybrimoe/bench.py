@@ -61,6 +61,11 @@ class Config:
         self.engine_acc: dict | None = None
         st = self.llm.moe_stats()
         self.skipped = st.get("unsupported", []) + st.get("engine_skipped", [])
+        # the engine's decision records from its first ubatch on, for the simulator's replay (issue 5, item 5)
+        self.log: list[dict] = []
+        self.kept_decode: list[int] = []  # indices into log of the measured decode ubatches
+        if self.llm._moe_engine is not None:
+            self.llm._moe_engine.set_logging(True)
 
     # ---- one repetition: start() evaluates the prompt, step() decodes one greedy token, finish() collects ----
     def start(self, prompt: list[int]) -> None:
@@ -119,6 +124,10 @@ class Config:
             e.update(bytes=tot["bytes_copied"], accesses=cs.accesses, hits=cs.demand_hits + cs.prefetch_hits,
                      failed=int(bool(eng.failed)))
             r["engine"] = e
+            part = eng.take_log()
+            if keep:
+                self.kept_decode += [len(self.log) + i for i, d in enumerate(part) if d["n_tokens"] == 1]
+            self.log.extend(part)
             if keep:
                 acc = self.engine_acc or {}
                 for k, v in e.items():
@@ -127,6 +136,25 @@ class Config:
         if keep:
             self.reps.append(r)
         return r
+
+    def replay(self) -> dict:
+        """Replays the decision log through the simulator (fresh policies, same preset, budget and cost model) and
+        compares: ``decisions_agree``, ``decision_difference`` (the first one, if any), and the MoE time per decode
+        token the simulator predicts (its makespans) against the engine's measured one (plan start to GPU share
+        done, summed over the MoE layers), in milliseconds."""
+        from hybrimoe import _core
+        from hybrimoe.simulate import replay_engine_log
+
+        sim = replay_engine_log(self.llm, self.log)
+        diff = _core.first_difference(self.log, sim)
+        n_tok = sum(r["n_decode"] for r in self.reps)
+        out = dict(decisions_agree=diff == "", decision_records=len(self.log))
+        if diff:
+            out["decision_difference"] = diff
+        if n_tok and self.engine_acc:
+            out["sim_moe_ms_per_token"] = 1e3 * sum(sim[i]["makespan_s"] for i in self.kept_decode) / n_tok
+            out["measured_moe_ms_per_token"] = 1e3 * self.engine_acc["layer_s"] / n_tok
+        return out
 
     def close(self) -> None:
         self.llm.close()
@@ -344,6 +372,7 @@ def run(args) -> int:
                         cfg.step()
                     cfg.finish(keep=i >= 0)
                     bar.update(1)
+                checked = cfg.replay() if cfg.llm._moe_engine is not None else {}
             finally:
                 cfg.close()
             pp = [r["n_prompt"] / r["prompt_perf_s"] for r in cfg.reps if r["prompt_perf_s"] > 0]
@@ -362,12 +391,18 @@ def run(args) -> int:
             if ref_tokens is None:
                 ref_tokens = toks
             row["same_tokens_as_first"] = sum(a == b for a, b in zip(toks, ref_tokens))
+            row.update(checked)
             rows.append(row)
     finally:
         bar.close()
         if server is not None:
             server.stop()
     print(format_table(rows, args))
+    checked = [r for r in rows if "decisions_agree" in r]
+    if checked:
+        bad = [r["mode"] for r in checked if not r["decisions_agree"]]
+        print(f"simulator replay of the engine's decisions: {len(checked) - len(bad)}/{len(checked)} policies agree "
+              "exactly" + (f"; differ: {', '.join(bad)}" if bad else ""))
     doc = dict(model=os.fspath(args.model), moe_cache=str(args.moe_cache), budget_bytes=budget,
                slot_bytes=facts.slot_bytes, n_slots=n_slots, device=endpoint or "first GPU",
                stand_in=bool(server), replay_trace=args.replay_trace, rows=rows)
@@ -387,17 +422,19 @@ def run(args) -> int:
 def format_table(rows: Sequence[dict], args) -> str:
     """llama-bench-style Markdown table."""
     head = (f"| mode | GPU experts MiB | pp{args.n_prompt} t/s | tg{args.n_gen} t/s | hit rate | "
-            "H2D MiB/token | same tokens |")
-    out = [head, "|" + "---|" * 7]
+            "H2D MiB/token | same tokens | MoE ms/token sim / measured |")
+    out = [head, "|" + "---|" * 8]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['mode']} | error: {r['error']} | | | | | |")
+            out.append(f"| {r['mode']} | error: {r['error']} | | | | | | |")
             continue
         hr = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
         h2d = f"{r['h2d_bytes_per_token'] / 2**20:.2f}" if "h2d_bytes_per_token" in r else "-"
+        sm = (f"{r['sim_moe_ms_per_token']:.2f} / {r['measured_moe_ms_per_token']:.2f}"
+              if "sim_moe_ms_per_token" in r else "-")
         out.append(f"| {r['mode']} | {r['gpu_expert_bytes'] / 2**20:.1f} | {r['pp_tps']:.1f} ± {r['pp_tps_sd']:.1f} | "
                    f"{r['tg_tps']:.2f} ± {r['tg_tps_sd']:.2f} | {hr} | {h2d} | "
-                   f"{r['same_tokens_as_first']}/{r['repetitions']} |")
+                   f"{r['same_tokens_as_first']}/{r['repetitions']} | {sm} |")
     return "\n".join(out)
 
 

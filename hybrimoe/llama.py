@@ -181,7 +181,7 @@ class Llama(llama_cpp.Llama):
             self._moe_setup = dict(facts=facts, n_slots=n_slots, policies=policies, cost=cost,
                                    cost_source=None if moe_cost_model is None else str(moe_cost_model)
                                    if not isinstance(moe_cost_model, _core_cost_model_type()) else "CostModel object",
-                                   prefetch_layers=moe_prefetch_layers)
+                                   prefetch_layers=moe_prefetch_layers, policy_spec=moe_policy)
 
         endpoints: list[str] = []
         if rpc_servers:

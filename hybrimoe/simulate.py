@@ -233,6 +233,41 @@ def cache_hit_rates(setup: Setup, names: Sequence[str] = ("mrs", "lru", "lfu", "
     return out
 
 
+def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
+    """Replays an engine's decision records through the simulator's copy of its rules (issue 5, item 5).
+
+    ``llm``: the :class:`hybrimoe.Llama` whose engine logged ``log`` (``llm._moe_engine.set_logging(True)`` before
+    its first decode, then ``take_log()``). ``policies``: fresh policy objects built as the engine's were
+    (:func:`hybrimoe.engine.build_policies`); by default they are rebuilt from the Llama's ``moe_policy``,
+    ``moe_cache`` and ``moe_prefetch_layers``, which needs a preset name or a dict of names (policy *objects* keep
+    state: pass fresh ones). The cost model is the engine's. Returns the simulator's records (the keys of
+    ``take_log()``); :func:`hybrimoe._core.first_difference` compares them with ``log``.
+
+    Raises:
+        ValueError: the Llama has no MoE engine, the log does not start at the engine's first ubatch (the replay
+            needs the cache as it was then), or the policies cannot be rebuilt; a malformed record.
+    """
+    from hybrimoe import engine as eng
+
+    setup = getattr(llm, "_moe_setup", None)
+    if setup is None or getattr(llm, "_moe_engine", None) is None:
+        raise ValueError("replay_engine_log needs a Llama with the MoE engine on (moe_cache=...)")
+    log = list(log)
+    if log and (log[0]["ubatch"] != 0 or log[0]["layer"] != 0):
+        raise ValueError(f"the log starts at ubatch {log[0]['ubatch']}, MoE layer {log[0]['layer']}: turn logging on "
+                         "before the first decode (the replay starts from the engine's initial cache)")
+    if policies is None:
+        spec = setup["policy_spec"]
+        if not (isinstance(spec, str) or (isinstance(spec, dict) and
+                                          all(isinstance(v, (str, bool)) for v in spec.values()))):
+            raise ValueError("moe_policy was given as policy objects, which keep state: pass fresh ones as "
+                             "policies=hybrimoe.engine.build_policies(...)")
+        policies = eng.build_policies(spec, setup["facts"], setup["n_slots"], setup["prefetch_layers"])
+    return _core.replay_decisions(log, policies.cache, policies.scheduler, policies.prefetcher, setup["cost"],
+                                  has_slots=setup["n_slots"] > 0, prefetch_layers=int(setup["prefetch_layers"]),
+                                  fill_on_miss=policies.fill_on_miss)
+
+
 def format_table(records: Sequence[dict]) -> str:
     """A markdown table of the records (llama-bench style)."""
     stage = records[0]["stage"] if records else "decode"

@@ -1,6 +1,7 @@
 #include "common.h"
 
 #include "policy/simulator.h"
+#include "../decision_dict.h"
 
 namespace hybrimoe_bind {
 
@@ -138,6 +139,40 @@ void bind_simulator(py::module_ & m) {
           py::arg("planner"), py::arg("truth_cost"), py::arg("truth"), py::arg("config"), py::arg("first_prompt"),
           py::arg("end_prompt"), py::call_guard<py::gil_scoped_release>(),
           "Event-driven simulation of prompts [first_prompt, end_prompt); see hybrimoe.simulate.");
+    m.def("replay_decisions",
+          [](py::iterable log, py::object cache, py::object scheduler, py::object prefetcher, const CostModel & cost,
+             bool has_slots, int prefetch_layers, bool fill_on_miss) {
+              const std::vector<DecisionRecord> recs = decisions_from_list(log);
+              DeciderConfig cfg;
+              cfg.has_slots = has_slots;
+              cfg.prefetch_layers = prefetch_layers;
+              cfg.fill_on_miss = fill_on_miss;
+              auto c = cache.cast<std::shared_ptr<ExpertCache>>();
+              auto s = scheduler.cast<std::shared_ptr<SchedulePolicy>>();
+              auto p = prefetcher.cast<std::shared_ptr<PrefetchPolicy>>();
+              std::vector<DecisionRecord> out;
+              {
+                  py::gil_scoped_release release;
+                  out = replay_decisions(recs, c, s, p, cost, cfg);
+              }
+              return decisions_to_list(out);
+          },
+          py::arg("log"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"), py::arg("cost_model"),
+          py::arg("has_slots"), py::arg("prefetch_layers"), py::arg("fill_on_miss"), R"doc(
+Replays the engine's decision records (``Engine.take_log()``, logged from its first ubatch on) through fresh policy
+objects built as the engine's were (same preset, budget in slots, initial fill) with the engine's cost model and
+rules, and returns the simulator's records (same keys; its own decisions). Issue 5, item 5; see
+``hybrimoe.simulate.replay_engine_log``.
+
+Raises:
+    ValueError: a record misses a key, has the wrong types, or does not fit the cache (layer, expert, shapes).
+    RuntimeError: a policy failed.
+)doc");
+    m.def("first_difference",
+          [](py::iterable a, py::iterable b) { return first_difference(decisions_from_list(a), decisions_from_list(b)); },
+          py::arg("a"), py::arg("b"),
+          "First decision on which two decision logs differ ('record i (ubatch u, MoE layer l): field: a vs b'), or "
+          "'' when they agree on every decision and have the same length.");
 }
 
 }  // namespace hybrimoe_bind

@@ -3,6 +3,7 @@
 #include "runtime/engine.h"
 #include "runtime/moe_hook.h"
 #include "policy/cost_model.h"
+#include "../decision_dict.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -148,35 +149,7 @@ Raises:
              "Free the slot pool, GPU graphs and device backends now (afterwards every layer runs on the CPU).")
         .def("set_logging", &Engine::set_logging, py::arg("on"),
              "Keep a decision record per (MoE layer, ubatch) from now on (False: stop and drop them).")
-        .def("take_log", [](Engine & e) {
-                py::list out;
-                for (const auto & r : e.take_log()) {
-                    py::dict d;
-                    d["ubatch"] = r.ubatch; d["layer"] = r.layer; d["n_tokens"] = r.n_tokens; d["top_k"] = r.top_k;
-                    py::array_t<int32_t> ids({(py::ssize_t) r.n_tokens, (py::ssize_t) r.top_k});
-                    std::copy(r.ids.begin(), r.ids.end(), ids.mutable_data());
-                    d["ids"] = ids;
-                    const py::ssize_t E = r.n_tokens ? (py::ssize_t) (r.scores.size() / (size_t) r.n_tokens) : 0;
-                    py::array_t<float> sc({(py::ssize_t) r.n_tokens, E});
-                    std::copy(r.scores.begin(), r.scores.end(), sc.mutable_data());
-                    d["scores"] = sc;
-                    d["expert_bytes"] = r.expert_bytes; d["pcie_free_s"] = r.pcie_free_s;
-                    d["experts"] = r.experts; d["loads"] = r.loads; d["cached"] = r.cached;
-                    d["planned_gpu"] = r.planned_gpu; d["on_gpu"] = r.on_gpu;
-                    d["loaded"] = r.loaded; d["declined"] = r.declined; d["filled"] = r.filled;
-                    d["prefetched"] = r.prefetched; d["evicted"] = r.evicted; d["makespan_s"] = r.makespan_s;
-                    py::list preds;
-                    for (const auto & p : r.predictions) {
-                        py::dict q;
-                        q["layer"] = p.layer; q["distance"] = p.distance; q["confidence"] = p.confidence;
-                        q["start_s"] = p.start_s; q["expert_bytes"] = p.expert_bytes;
-                        q["experts"] = p.experts; q["loads"] = p.loads;
-                        preds.append(q);
-                    }
-                    d["predictions"] = preds;
-                    out.append(d);
-                }
-                return out; },
+        .def("take_log", [](Engine & e) { return hybrimoe_bind::decisions_to_list(e.take_log()); },
              "Decision records kept since the last call, per (MoE layer, ubatch): routing ids [T, k], router scores "
              "[T, E], expert bytes, copy-queue estimate, activated experts / loads / cached, the planned and the "
              "run split, demand loads admitted / declined, fills, prefetches with the predictions shown, evictions.")

@@ -456,4 +456,118 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
     return res;
 }
 
+namespace {
+
+// The replay's side of the placement: slots are the cache's business only; first-use copies are the record's.
+struct ReplayPlacement : ExpertPlacement {
+    const DecisionRecord * rec = nullptr;
+    std::vector<uint8_t> layer_runs;  // MoE layers the engine ran (it holds experts only for those)
+    bool load(int, int expert, Kind kind) override {
+        if (kind != kFirstUse) return true;
+        return std::find(rec->first_use.begin(), rec->first_use.end(), expert) != rec->first_use.end();
+    }
+    bool holds(int layer) const override {
+        return layer >= 0 && layer < (int) layer_runs.size() && layer_runs[(size_t) layer];
+    }
+};
+
+template <typename T>
+std::string list_str(const std::vector<T> & v) {
+    std::string s = "[";
+    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+    return s + "]";
+}
+
+std::string pairs_str(const std::vector<std::pair<int, int>> & v) {
+    std::string s = "[";
+    for (size_t i = 0; i < v.size(); ++i) {
+        s += (i ? ", (" : "(") + std::to_string(v[i].first) + ", " + std::to_string(v[i].second) + ")";
+    }
+    return s + "]";
+}
+
+}  // namespace
+
+std::vector<DecisionRecord> replay_decisions(const std::vector<DecisionRecord> & log,
+                                             std::shared_ptr<ExpertCache> cache,
+                                             std::shared_ptr<SchedulePolicy> scheduler,
+                                             std::shared_ptr<PrefetchPolicy> prefetcher, const CostModel & cost,
+                                             const DeciderConfig & cfg) {
+    if (!cache) throw std::invalid_argument("replay_decisions: a cache is required");
+    const int L = cache->n_layers(), E = cache->n_experts();
+    ReplayPlacement place;
+    place.layer_runs.assign((size_t) L, 0);
+    for (size_t i = 0; i < log.size(); ++i) {
+        const DecisionRecord & r = log[i];
+        const std::string where = "replay_decisions: record " + std::to_string(i) + ": ";
+        if (r.layer < 0 || r.layer >= L) {
+            throw std::invalid_argument(where + "MoE layer " + std::to_string(r.layer) + " outside the cache's " +
+                                        std::to_string(L) + " layers");
+        }
+        if (r.n_tokens < 1 || r.top_k < 1 || r.ids.size() != (size_t) r.n_tokens * r.top_k) {
+            throw std::invalid_argument(where + "ids must be [n_tokens, top_k] with both >= 1");
+        }
+        if (!r.scores.empty() && r.scores.size() != (size_t) r.n_tokens * E) {
+            throw std::invalid_argument(where + "scores must be [n_tokens, " + std::to_string(E) + "]");
+        }
+        for (int32_t id : r.ids) {
+            if (id < 0 || id >= E) throw std::invalid_argument(where + "expert id " + std::to_string(id) + " out of range");
+        }
+        place.layer_runs[(size_t) r.layer] = 1;
+    }
+    cache->set_record_evicted(true);
+    cache->take_evicted();
+    LayerDecider decider(cache, std::move(scheduler), std::move(prefetcher), cost, cfg);
+    std::vector<DecisionRecord> out;
+    out.reserve(log.size());
+    for (const DecisionRecord & r : log) {
+        DecisionRecord d;
+        place.rec = &r;
+        decider.split(r.ubatch, r.layer, r.ids.data(), r.n_tokens, r.top_k, r.scores.empty() ? nullptr : r.scores.data(),
+                      r.expert_bytes, r.pcie_free_s, place, &d);
+        if (decider.wants_prefetch(L)) decider.prefetch(r.predictions, L, place, &d);
+        decider.fills(place, &d);
+        decider.release(r.layer);
+        out.push_back(std::move(d));
+    }
+    return out;
+}
+
+std::string first_difference(const std::vector<DecisionRecord> & a, const std::vector<DecisionRecord> & b) {
+    const size_t n = std::min(a.size(), b.size());
+    for (size_t i = 0; i < n; ++i) {
+        const DecisionRecord & x = a[i];
+        const DecisionRecord & y = b[i];
+        const std::string where = "record " + std::to_string(i) + " (ubatch " + std::to_string(x.ubatch) +
+                                  ", MoE layer " + std::to_string(x.layer) + "): ";
+        if (x.layer != y.layer || x.ubatch != y.ubatch) {
+            return where + "the other log has ubatch " + std::to_string(y.ubatch) + ", MoE layer " +
+                   std::to_string(y.layer);
+        }
+        if (x.experts != y.experts) return where + "experts: " + list_str(x.experts) + " vs " + list_str(y.experts);
+        if (x.cached != y.cached) return where + "cached: " + list_str(x.cached) + " vs " + list_str(y.cached);
+        if (x.planned_gpu != y.planned_gpu) {
+            return where + "planned_gpu: " + list_str(x.planned_gpu) + " vs " + list_str(y.planned_gpu);
+        }
+        if (x.makespan_s != y.makespan_s) {
+            return where + "makespan_s: " + std::to_string(x.makespan_s) + " vs " + std::to_string(y.makespan_s);
+        }
+        if (x.loaded != y.loaded) return where + "loaded: " + list_str(x.loaded) + " vs " + list_str(y.loaded);
+        if (x.declined != y.declined) return where + "declined: " + list_str(x.declined) + " vs " + list_str(y.declined);
+        if (x.on_gpu != y.on_gpu) return where + "on_gpu: " + list_str(x.on_gpu) + " vs " + list_str(y.on_gpu);
+        if (x.first_use != y.first_use) {
+            return where + "first_use: " + list_str(x.first_use) + " vs " + list_str(y.first_use);
+        }
+        if (x.prefetched != y.prefetched) {
+            return where + "prefetched: " + pairs_str(x.prefetched) + " vs " + pairs_str(y.prefetched);
+        }
+        if (x.filled != y.filled) return where + "filled: " + list_str(x.filled) + " vs " + list_str(y.filled);
+        if (x.evicted != y.evicted) return where + "evicted: " + list_str(x.evicted) + " vs " + list_str(y.evicted);
+    }
+    if (a.size() != b.size()) {
+        return "the logs have " + std::to_string(a.size()) + " and " + std::to_string(b.size()) + " records";
+    }
+    return "";
+}
+
 }  // namespace hybrimoe

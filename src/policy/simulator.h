@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "policy/cost_model.h"
+#include "policy/decision.h"
 #include "policy/expert_cache.h"
 #include "policy/prefetcher.h"
 #include "policy/scheduler.h"
@@ -121,5 +122,25 @@ CacheStats replay_cache(const Trace & trace, ExpertCache & cache, int first_prom
 SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & scheduler, PrefetchPolicy & prefetcher,
                    const CostModel & planner, const CostModel & truth_cost, const TruthModel & truth,
                    const SimConfig & cfg, int first_prompt, int end_prompt);
+
+/// Replays the engine's decision records (Engine::take_log, logged from the engine's first ubatch on) through
+/// `cache`, `scheduler` and `prefetcher`, which must be fresh objects built as the engine's were (same preset,
+/// budget, initial fill) with the engine's cost model and rules `cfg` (issue 5, item 5). Per record, in order, the
+/// same rules as the engine (LayerDecider) run on the record's inputs: routing, router scores, expert bytes, the
+/// copy-queue estimate at the split, the predictions the prefetcher was shown and the first-use copies; the layer
+/// is released after its record, as the engine's wait op does. Returns one record per input holding those inputs
+/// and the simulator's decisions (cached, planned and run split, loads admitted / declined, prefetches, fills,
+/// evictions, makespan). Throws std::invalid_argument on records that do not fit the cache (layer or expert out of
+/// range, ids not [n_tokens, top_k], scores not [n_tokens, n_experts]); policy errors propagate.
+std::vector<DecisionRecord> replay_decisions(const std::vector<DecisionRecord> & log,
+                                             std::shared_ptr<ExpertCache> cache,
+                                             std::shared_ptr<SchedulePolicy> scheduler,
+                                             std::shared_ptr<PrefetchPolicy> prefetcher, const CostModel & cost,
+                                             const DeciderConfig & cfg);
+
+/// The first decision on which two logs differ, as "record i (ubatch u, MoE layer l): <field>: <a> vs <b>", or ""
+/// when they agree on every decision (cached, planned_gpu, on_gpu, loaded, declined, first_use, prefetched, filled,
+/// evicted, makespan_s; compared exactly) and have the same length.
+std::string first_difference(const std::vector<DecisionRecord> & a, const std::vector<DecisionRecord> & b);
 
 }  // namespace hybrimoe

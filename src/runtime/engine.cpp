@@ -135,7 +135,6 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     if (cfg_.n_slots < 0) throw std::invalid_argument("engine: negative slot count");
     if (cfg_.prefetch_layers < 0) throw std::invalid_argument("engine: prefetch_layers must be >= 0");
     cfg_.cost.validate();
-    no_prefetch_ = prefetcher_->name() == "none";  // skip the router predictions nobody reads
     moe_index_.assign((size_t) cfg_.n_layer, -1);
     for (int i = 0; i < L; ++i) {
         const int il = cfg_.moe_layers[(size_t) i];
@@ -151,7 +150,6 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
         runs_[(size_t) i]->il = cfg_.moe_layers[(size_t) i];
     }
     stats_.resize((size_t) L);
-    pending_unpin_.resize((size_t) L);
     cfg_.routers.resize((size_t) L);
     cfg_.router_bias.resize((size_t) L);
     for (int i = 0; i < L; ++i) {
@@ -177,6 +175,12 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     key_copy_seq_.assign((size_t) L * cfg_.n_expert, 0);
     cache_->set_record_evicted(true);
     cache_->take_evicted();
+    placement_.engine = this;
+    DeciderConfig dc;
+    dc.has_slots = cfg_.n_slots > 0;
+    dc.prefetch_layers = cfg_.prefetch_layers;
+    dc.fill_on_miss = cfg_.fill_on_miss;
+    decider_.reset(new LayerDecider(cache_, scheduler_, prefetcher_, cfg_.cost, dc));
 
     if (cfg_.n_slots == 0) return;
     if (!cfg_.device) throw std::invalid_argument("engine: a device is required for a non-empty expert cache");
@@ -247,6 +251,7 @@ void Engine::release() {
     compute_ = nullptr;
     if (cfg_.n_slots > 0) {
         cfg_.n_slots = 0;  // from now on every layer runs on the CPU
+        if (decider_) decider_->set_has_slots(false);
         std::fill(key_slot_.begin(), key_slot_.end(), -1);
         slot_key_.clear();
         free_slots_.clear();
@@ -411,24 +416,42 @@ std::vector<DecisionRecord> Engine::take_log() {
     return out;
 }
 
-void Engine::sync_evictions() {
-    for (int64_t key : cache_->take_evicted()) {
-        if (rec_) rec_->evicted.push_back(key);
-        const int32_t s = key_slot_[(size_t) key];
+void Engine::Placement::evicted(const std::vector<int64_t> & keys) {
+    Engine & en = *engine;
+    for (int64_t key : keys) {
+        const int32_t s = en.key_slot_[(size_t) key];
         if (s >= 0) {
-            key_slot_[(size_t) key] = -1;
-            key_loaded_[(size_t) key] = 0;
-            slot_key_[(size_t) s] = -1;
-            free_slots_.push_back(s);
+            en.key_slot_[(size_t) key] = -1;
+            en.key_loaded_[(size_t) key] = 0;
+            en.slot_key_[(size_t) s] = -1;
+            en.free_slots_.push_back(s);
         }
     }
 }
 
+bool Engine::Placement::holds(int layer) const {
+    return layer >= 0 && layer < (int) engine->tensors_.size() && engine->tensors_[(size_t) layer].gate != nullptr;
+}
+
+bool Engine::Placement::load(int layer, int expert, Kind kind) {
+    Engine & en = *engine;
+    if (!en.assign_slot(layer, expert)) {
+        // the cache's budget is a whole number of slots: an admitted expert always finds one
+        throw std::runtime_error("no free GPU slot for MoE layer " + std::to_string(layer) + " expert " +
+                                 std::to_string(expert) + " although the cache admitted it (slot bookkeeping)");
+    }
+    const size_t key = (size_t) layer * en.cfg_.n_expert + expert;
+    if (en.key_loaded_[key]) return false;
+    const double bytes = en.copy_expert(layer, expert);
+    en.copies_[(size_t) kind] += 1;
+    en.copy_bytes_[(size_t) kind] += bytes;
+    return true;
+}
+
 bool Engine::assign_slot(int ml, int e) {
-    sync_evictions();
     const size_t key = (size_t) ml * cfg_.n_expert + e;
     if (key_slot_[key] >= 0) return true;
-    if (free_slots_.empty()) return false;  // cannot happen while the cache budget is n_slots slots
+    if (free_slots_.empty()) return false;
     const int32_t s = free_slots_.back();
     free_slots_.pop_back();
     slot_key_[(size_t) s] = (int32_t) key;
@@ -437,12 +460,11 @@ bool Engine::assign_slot(int ml, int e) {
     return true;
 }
 
-// Queues the copy of (ml, e)'s weights into its slot on the copy queue.
-void Engine::copy_expert(int ml, int e, const char * why) {
-    (void) why;
+// Queues the copy of (ml, e)'s weights into its slot on the copy queue; returns the bytes copied.
+double Engine::copy_expert(int ml, int e) {
     const size_t key = (size_t) ml * cfg_.n_expert + e;
     const int32_t s = key_slot_[key];
-    if (s < 0 || key_loaded_[key]) return;
+    if (s < 0 || key_loaded_[key]) return 0.0;
     const LayerTensors & lt = tensors_[(size_t) ml];
     const ggml_tensor * parts[3] = {lt.gate, lt.up, lt.down};
     double bytes = 0;
@@ -465,6 +487,7 @@ void Engine::copy_expert(int ml, int e, const char * why) {
     }
     const double t = now();
     link_free_ = std::max(link_free_, t) + cfg_.cost.h2d(bytes);
+    return bytes;
 }
 
 void Engine::wait_for_copy(uint64_t seq) {
@@ -477,11 +500,12 @@ void Engine::wait_for_copy(uint64_t seq) {
 
 // Predicted routing of the MoE layers after `ml`: their routers applied to this layer's hidden state
 // (HybriMoE §IV.C). At most 8 tokens of the ubatch are scored; loads are scaled to the ubatch.
-void Engine::predict(int ml, int T, const float * cur, size_t row_stride, PrefetchContext & ctx, double layer_est) {
+void Engine::predict(int ml, int T, const float * cur, size_t row_stride, double makespan_s, double layer_est,
+                     std::vector<Prediction> & out) {
     const int L = (int) tensors_.size();
     const int E = cfg_.n_expert, K = cfg_.top_k, D = cfg_.n_embd;
     const int depth = std::min(cfg_.prefetch_layers, L - 1 - ml);
-    ctx.predictions.clear();
+    out.clear();
     const int n_sample = std::min(T, 8);
     logits_.resize((size_t) E);
     std::vector<int32_t> order((size_t) E);
@@ -521,14 +545,14 @@ void Engine::predict(int ml, int T, const float * cur, size_t row_stride, Prefet
                        : cfg_.confidence[(size_t) std::min<int>(d, (int) cfg_.confidence.size()) - 1];
         p.expert_bytes = (double) (cfg_.expert_bytes[(size_t) j][0] + cfg_.expert_bytes[(size_t) j][1] +
                                    cfg_.expert_bytes[(size_t) j][2]);
-        p.start_s = plan_.makespan_s + (double(d) - 1.0) * layer_est + cfg_.cost.layer(T);
+        p.start_s = makespan_s + (double(d) - 1.0) * layer_est + cfg_.cost.layer(T);
         for (int e = 0; e < E; ++e) {
             if (counts[(size_t) e] == 0) continue;
             p.experts.push_back(e);
             const int64_t load = ((int64_t) counts[(size_t) e] * T + n_sample - 1) / n_sample;
             p.loads.push_back((int32_t) std::max<int64_t>(1, std::min<int64_t>(load, T)));
         }
-        ctx.predictions.push_back(std::move(p));
+        out.push_back(std::move(p));
     }
 }
 
@@ -537,7 +561,6 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
     run.t_start = t_start;
     run.gpu_launched = false;
     run.graph[0] = run.graph[1] = nullptr;
-    run.used.clear();
     const ggml_tensor * ids_t = dst->src[0];
     const ggml_tensor * w_t = dst->src[1];
     const ggml_tensor * probs_t = dst->src[2];
@@ -564,102 +587,50 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         // many ubatch sizes: start over rather than grow without bound (here, before this layer launches
         // anything; earlier layers' graphs are done: their wait ops synchronised)
         if (graphs_.size() >= 64) graphs_.clear();
-        // ---- observe, look up, pin, split ----
-        in_.set_routing(ids_.data(), (int) T, (int) k, E);
-        in_.layer = ml;
+        // ---- observe, look up, pin, split, demand loads (policy/decision.h: the rules the replay shares) ----
+        copies_.fill(0);
+        copy_bytes_.fill(0.0);
         const auto & eb = cfg_.expert_bytes[(size_t) ml];
-        in_.expert_bytes = (double) (eb[0] + eb[1] + eb[2]);
-        obs_.set_routed(ml, (int) T, (int) k, E, in_.experts, in_.loads);
-        obs_.scores.resize((size_t) (T * E));
+        const double expert_bytes = (double) (eb[0] + eb[1] + eb[2]);
+        scores_.resize((size_t) (T * E));
         for (int64_t t = 0; t < T; ++t) {
-            for (int e = 0; e < E; ++e) obs_.scores[(size_t) (t * E + e)] = *at2<float>(probs_t, e, t);
+            for (int e = 0; e < E; ++e) scores_[(size_t) (t * E + e)] = *at2<float>(probs_t, e, t);
         }
-        cache_->observe(obs_);
-        for (size_t i = 0; i < in_.size(); ++i) {
-            const int32_t e = in_.experts[i];
-            cache_->access(ml, e);
-            cache_->pin(ml, e);
-            run.used.push_back(e);
-            if (cache_->resident(ml, e) && key_slot_[(size_t) ml * E + e] >= 0) {
-                in_.cached[i] = 1;
-                in_.ready_s[i] = 0.0;
-            }
-        }
-        in_.pcie_free_s = std::max(0.0, link_free_ - now());
-        scheduler_->plan(in_, cfg_.cost, plan_);
         DecisionRecord rec;
-        if (logging_) {
-            rec_ = &rec;
-            rec.ubatch = ubatch_;
-            rec.layer = ml;
-            rec.n_tokens = (int) T;
-            rec.top_k = (int) k;
-            rec.ids = ids_;
-            rec.scores = obs_.scores;
-            rec.expert_bytes = in_.expert_bytes;
-            rec.pcie_free_s = in_.pcie_free_s;
-            rec.experts = in_.experts;
-            rec.loads = in_.loads;
-            rec.cached = in_.cached;
-            rec.planned_gpu = plan_.on_gpu;
-            rec.makespan_s = plan_.makespan_s;
+        DecisionRecord * rp = logging_ ? &rec : nullptr;
+        const std::vector<uint8_t> & on_gpu =
+            decider_->split(ubatch_, ml, ids_.data(), (int) T, (int) k, scores_.data(), expert_bytes,
+                            std::max(0.0, link_free_ - now()), placement_, rp);
+        const LayerInput & in = decider_->input();
+        const SchedulePlan & plan = decider_->plan();
+        uint64_t declined = 0;
+        if (cfg_.n_slots > 0) {
+            for (size_t i = 0; i < in.size(); ++i) declined += plan.on_gpu[i] && !on_gpu[i] ? 1 : 0;
         }
-        if (plan_.on_gpu.size() != in_.size()) {
-            throw std::runtime_error("schedule policy '" + scheduler_->name() + "' returned a plan of the wrong size");
-        }
-        std::vector<uint8_t> on_gpu = plan_.on_gpu;
-        if (cfg_.n_slots == 0) std::fill(on_gpu.begin(), on_gpu.end(), 0);
-
-        // ---- demand loads: admit; a load the cache refuses runs on the CPU ----
         expert_pos_.assign((size_t) E, -1);
-        for (size_t i = 0; i < in_.size(); ++i) expert_pos_[(size_t) in_.experts[i]] = (int32_t) i;
-        uint64_t declined = 0, demand = 0;
-        double bytes_demand = 0;
-        for (size_t i = 0; i < in_.size(); ++i) {
-            if (!on_gpu[i] || in_.cached[i]) continue;
-            const int32_t e = in_.experts[i];
-            if (cfg_.n_slots > 0 && cache_->admit(ml, e, 0.0, false) && assign_slot(ml, e)) {
-                copy_expert(ml, e, "demand");
-                ++demand;
-                bytes_demand += in_.expert_bytes;
-                if (rec_) rec_->loaded.push_back(e);
-            } else {
-                on_gpu[i] = 0;
-                ++declined;
-                if (rec_) rec_->declined.push_back(e);
-            }
-        }
-        sync_evictions();
-        // resident experts whose weights were never copied (initial fill) are copied at first use
-        uint64_t n_first = 0;
-        for (size_t i = 0; i < in_.size(); ++i) {
-            if (on_gpu[i] && !key_loaded_[(size_t) ml * E + in_.experts[i]]) {
-                copy_expert(ml, in_.experts[i], "fill");
-                ++n_first;
-            }
-        }
+        for (size_t i = 0; i < in.size(); ++i) expert_pos_[(size_t) in.experts[i]] = (int32_t) i;
 
         // ---- rewrite the CPU ids; launch the GPU share ----
         uint64_t n_gpu = 0, launches = 0;
         for (uint8_t g : on_gpu) n_gpu += g;
         if (n_gpu > 0) {
             // part per activated expert: 1 = resident before this layer (launch 0), 2 = loaded now (launch 1)
-            std::vector<uint8_t> part(in_.size(), 0);
+            std::vector<uint8_t> part(in.size(), 0);
             uint64_t seq[2] = {0, 0};
-            for (size_t i = 0; i < in_.size(); ++i) {
+            for (size_t i = 0; i < in.size(); ++i) {
                 if (!on_gpu[i]) continue;
-                part[i] = in_.cached[i] ? 1 : 2;
-                const size_t key = (size_t) ml * E + in_.experts[i];
+                part[i] = in.cached[i] ? 1 : 2;
+                const size_t key = (size_t) ml * E + in.experts[i];
                 seq[part[i] - 1] = std::max(seq[part[i] - 1], key_copy_seq_[key]);
             }
             // CPU row counts per expert as upstream has them
             std::vector<int64_t> rows((size_t) E, 0), added((size_t) E, 0);
             int32_t dummy = -1;
-            for (size_t i = 0; i < in_.size(); ++i) {
+            for (size_t i = 0; i < in.size(); ++i) {
                 if (on_gpu[i]) {
-                    if (dummy < 0) dummy = in_.experts[i];
+                    if (dummy < 0) dummy = in.experts[i];
                 } else {
-                    rows[(size_t) in_.experts[i]] = in_.loads[i];
+                    rows[(size_t) in.experts[i]] = in.loads[i];
                 }
             }
             const int32_t null_slot = (int32_t) cfg_.n_slots;
@@ -722,86 +693,41 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
             }
         }
 
-        // ---- prefetch for the next layers ----
-        uint64_t n_prefetch = 0, n_fill = n_first;
-        double bytes_prefetch = 0, bytes_fill = (double) n_first * in_.expert_bytes;
-        if (cfg_.n_slots > 0 && cfg_.prefetch_layers > 0 && ml + 1 < (int) tensors_.size() && !no_prefetch_) {
-            if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + plan_.makespan_s;
-            pctx_.layer = ml;
-            pctx_.n_tokens = (int) T;
-            pctx_.top_k = (int) k;
-            pctx_.now_s = 0.0;
-            pctx_.link_free_s = std::max(0.0, link_free_ - now());
-            predict(ml, (int) T, (const float *) cur_t->data, cur_t->nb[2], pctx_, layer_est_);
-            if (rec_) rec_->predictions = pctx_.predictions;
-            const auto reqs = prefetcher_->plan(pctx_, *cache_, cfg_.cost);
-            for (const auto & r : reqs) {
-                const int j = r.first, e = r.second;
-                if (j <= ml || j >= (int) tensors_.size() || j > ml + cfg_.prefetch_layers || e < 0 || e >= E) {
-                    throw std::invalid_argument("prefetch policy '" + prefetcher_->name() + "' asked for (layer " +
-                                                std::to_string(j) + ", expert " + std::to_string(e) +
-                                                "), outside the next " + std::to_string(cfg_.prefetch_layers) +
-                                                " layers or the expert range");
-                }
-                if (cache_->resident(j, e) || !tensors_[(size_t) j].gate) continue;
-                if (!cache_->admit(j, e, 0.0, true) || !assign_slot(j, e)) continue;
-                cache_->pin(j, e);
-                pending_unpin_[(size_t) j].push_back(e);
-                copy_expert(j, e, "prefetch");
-                if (rec_) rec_->prefetched.emplace_back(j, e);
-                ++n_prefetch;
-                const auto & b = cfg_.expert_bytes[(size_t) j];
-                bytes_prefetch += (double) (b[0] + b[1] + b[2]);
-            }
+        // ---- prefetch for the next layers, then fills ----
+        if (decider_->wants_prefetch((int) tensors_.size())) {
+            if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + plan.makespan_s;
+            predict(ml, (int) T, (const float *) cur_t->data, cur_t->nb[2], plan.makespan_s, layer_est_, predictions_);
+            decider_->prefetch(std::move(predictions_), (int) tensors_.size(), placement_, rp);
         }
-        // ---- fills: CPU-computed misses, while the copy queue would idle during this layer ----
-        if (cfg_.n_slots > 0 && cfg_.fill_on_miss) {
-            const double t_end = now() + plan_.makespan_s;
-            for (size_t i = 0; i < in_.size(); ++i) {
-                const int32_t e = in_.experts[i];
-                if (on_gpu[i] || cache_->resident(ml, e)) continue;
-                if (std::max(link_free_, now()) >= t_end) break;
-                if (!cache_->admit(ml, e, 0.0, false) || !assign_slot(ml, e)) continue;
-                copy_expert(ml, e, "fill");
-                ++n_fill;
-                bytes_fill += in_.expert_bytes;
-                if (rec_) rec_->filled.push_back(e);
-            }
-        }
-        sync_evictions();
+        decider_->fills(placement_, rp);
 
         const double t_end = now();
         run.plan_s = t_end - t_start;
         std::lock_guard<std::mutex> lock(stats_mu_);
-        if (rec_) {
-            rec.on_gpu = on_gpu;
-            rec_ = nullptr;
-            log_.push_back(std::move(rec));
-        }
+        if (rp) log_.push_back(std::move(rec));
+        using K = ExpertPlacement;
         EngineLayerStats & s = stats_[(size_t) ml];
         s.runs += 1;
         s.tokens += (uint64_t) T;
         s.gpu_experts += n_gpu;
         s.gpu_runs += launches > 0 ? 1 : 0;
         s.gpu_launches += launches;
-        s.cpu_experts += in_.size() - n_gpu;
-        s.demand_copies += demand;
+        s.cpu_experts += in.size() - n_gpu;
+        s.demand_copies += copies_[K::kDemand];
         s.declined_loads += declined;
-        s.prefetch_copies += n_prefetch;
-        s.fill_copies += n_fill;
-        s.bytes_demand += bytes_demand;
-        s.bytes_prefetch += n_prefetch ? bytes_prefetch : 0.0;
-        s.bytes_fill += bytes_fill;
+        s.prefetch_copies += copies_[K::kPrefetch];
+        s.fill_copies += copies_[K::kFill] + copies_[K::kFirstUse];
+        s.bytes_demand += copy_bytes_[K::kDemand];
+        s.bytes_prefetch += copy_bytes_[K::kPrefetch];
+        s.bytes_fill += copy_bytes_[K::kFill] + copy_bytes_[K::kFirstUse];
         s.plan_s += run.plan_s;
-        s.predicted_s += plan_.makespan_s;
+        s.predicted_s += plan.makespan_s;
     } catch (const std::exception & e) {
-        rec_ = nullptr;
         // numbers stay right: every pair goes to the CPU (its nodes have not run yet); a launched GPU share is waited for and ignored
         write_all_cpu(dst, ids_);
         run.pair_part.clear();
         fail(std::string("MoE layer ") + std::to_string(run.il) + ": " + e.what());
     } catch (...) {
-        rec_ = nullptr;
         fail(std::string("MoE layer ") + std::to_string(run.il) + ": unknown error");
     }
 }
@@ -832,13 +758,10 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
     run.gpu_launched = false;
     run.graph[0] = run.graph[1] = nullptr;
     try {
-        for (int32_t e : run.used) cache_->unpin(run.ml, e);
-        for (int32_t e : pending_unpin_[(size_t) run.ml]) cache_->unpin(run.ml, e);
+        decider_->release(run.ml);
     } catch (const std::exception & e) {
         fail(std::string("cache bookkeeping: ") + e.what());
     }
-    run.used.clear();
-    pending_unpin_[(size_t) run.ml].clear();
     const double t1 = now();
     if (layer_est_ >= 0.0) layer_est_ = 0.8 * layer_est_ + 0.2 * (t1 - run.t_start);
     std::lock_guard<std::mutex> lock(stats_mu_);

@@ -27,6 +27,7 @@
 #include "ggml.h"
 #include "llama.h"
 #include "policy/cost_model.h"
+#include "policy/decision.h"
 #include "policy/expert_cache.h"
 #include "policy/prefetcher.h"
 #include "policy/scheduler.h"
@@ -82,27 +83,6 @@ struct EngineLayerStats {
     double bytes_demand = 0, bytes_prefetch = 0, bytes_fill = 0;
     double plan_s = 0, wait_s = 0, layer_s = 0;      ///< seconds in plan, waiting for the GPU, plan start to wait end
     double predicted_s = 0;                          ///< planner's predicted makespans, summed
-};
-
-/// One (MoE layer, ubatch) as the engine saw and decided it: the input a simulator needs to replay the engine's
-/// decisions (issue 5) and the decisions to compare with.
-struct DecisionRecord {
-    int64_t ubatch = 0;                  ///< ubatch counter (runs of the first MoE layer)
-    int layer = 0;                       ///< MoE layer index
-    int n_tokens = 0, top_k = 0;
-    std::vector<int32_t> ids;            ///< [T, k] routed ids
-    std::vector<float> scores;           ///< [T, E] router probabilities
-    double expert_bytes = 0;             ///< bytes of one expert of this layer (copy size)
-    double pcie_free_s = 0;              ///< copy queue busy for this long (estimate) when the split was planned
-    std::vector<int32_t> experts, loads; ///< activated experts and their token counts
-    std::vector<uint8_t> cached;         ///< resident when looked up
-    std::vector<uint8_t> planned_gpu;    ///< the scheduler's split
-    std::vector<uint8_t> on_gpu;         ///< the split run (planned loads the cache refused ran on the CPU)
-    std::vector<int32_t> loaded, declined, filled;   ///< demand loads admitted / refused; fills admitted
-    std::vector<std::pair<int, int>> prefetched;     ///< (MoE layer, expert) copies issued
-    std::vector<Prediction> predictions;             ///< what the prefetcher was shown
-    std::vector<int64_t> evicted;        ///< keys (layer * E + expert) evicted while deciding this record
-    double makespan_s = 0;               ///< the planner's predicted makespan
 };
 
 /// The engine. Thread-safety: its ops run on ggml's thread 0 of the context's CPU backend, one at a time;
@@ -176,12 +156,13 @@ private:
 
     GpuGraph & gpu_graph(int ml, int64_t k, int64_t n_tokens, int part);
     bool assign_slot(int ml, int e);
-    void sync_evictions();
-    void copy_expert(int ml, int e, const char * why);
+    /// Queues the copy of (ml, e)'s weights into its slot; returns the bytes (0: no slot, or already copied).
+    double copy_expert(int ml, int e);
     /// Makes the compute queue wait until the copy with sequence number `seq` is done (0: nothing to wait for).
     void wait_for_copy(uint64_t seq);
-    void predict(int ml, int n_tokens, const float * cur, size_t cur_row_stride, PrefetchContext & ctx,
-                 double layer_est);
+    /// Predicted routing of the MoE layers after `ml` (their routers applied to the hidden state `cur`).
+    void predict(int ml, int n_tokens, const float * cur, size_t cur_row_stride, double makespan_s,
+                 double layer_est, std::vector<Prediction> & out);
     void fail(const std::string & msg);
 
     EngineConfig cfg_;
@@ -214,12 +195,20 @@ private:
     std::map<std::tuple<int, int, int, int64_t, int64_t, int>, std::unique_ptr<GpuGraph>> graphs_;
 
     // per-run scratch
-    LayerInput in_;
-    SchedulePlan plan_;
-    LayerObservation obs_;
-    PrefetchContext pctx_;
+    /// the decision rules shared with the simulator's replay (policy/decision.h); the engine is their placement
+    struct Placement : ExpertPlacement {
+        Engine * engine = nullptr;
+        bool load(int layer, int expert, Kind kind) override;
+        bool holds(int layer) const override;
+        void evicted(const std::vector<int64_t> & keys) override;
+    };
+    std::unique_ptr<LayerDecider> decider_;
+    Placement placement_;
+    std::vector<Prediction> predictions_;
+    std::vector<float> scores_;              // [T, E] router probabilities of the layer being planned
+    std::array<uint64_t, 4> copies_{};       // copies queued by the plan being made, per ExpertPlacement::Kind
+    std::array<double, 4> copy_bytes_{};
     std::vector<int32_t> ids_;               // [T, k] contiguous
-    std::vector<std::vector<int32_t>> pending_unpin_;
     std::vector<int32_t> expert_pos_;
     std::vector<float> logits_;
     std::vector<float> scratch_;
@@ -236,11 +225,9 @@ private:
     std::string error_;
     bool failed_ = false;
     bool drop_gpu_ = false;
-    bool no_prefetch_ = false;
     bool logging_ = false;
     int64_t ubatch_ = -1;
     std::vector<DecisionRecord> log_;
-    DecisionRecord * rec_ = nullptr;      // the record being filled by op_plan (logging on)
 };
 
 /// What one layer's ops share within one ubatch (owned by the Engine, one per MoE layer).
@@ -254,7 +241,6 @@ struct Engine::LayerRun {
     /// which waits only for their copies
     GpuGraph * graph[2] = {nullptr, nullptr};
     std::vector<uint8_t> pair_part;  ///< [T * k]: 0 CPU, 1 launch 0, 2 launch 1
-    std::vector<int32_t> used;   ///< experts pinned for this run
     double t_start = 0.0;
     double plan_s = 0.0;
 };

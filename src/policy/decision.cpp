@@ -1,0 +1,177 @@
+#include "policy/decision.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace hybrimoe {
+
+LayerDecider::LayerDecider(std::shared_ptr<ExpertCache> cache, std::shared_ptr<SchedulePolicy> scheduler,
+                           std::shared_ptr<PrefetchPolicy> prefetcher, CostModel cost, DeciderConfig cfg)
+    : cache_(std::move(cache)), scheduler_(std::move(scheduler)), prefetcher_(std::move(prefetcher)),
+      cost_(std::move(cost)), cfg_(cfg) {
+    if (!cache_ || !scheduler_ || !prefetcher_) {
+        throw std::invalid_argument("decision rules: the cache, scheduler and prefetcher are required");
+    }
+    if (cfg_.prefetch_layers < 0) throw std::invalid_argument("decision rules: prefetch_layers must be >= 0");
+    cost_.validate();
+    no_prefetcher_ = prefetcher_->name() == "none";
+    used_.resize((size_t) cache_->n_layers());
+    pending_unpin_.resize((size_t) cache_->n_layers());
+}
+
+void LayerDecider::take_evictions(ExpertPlacement & place, DecisionRecord * rec) {
+    std::vector<int64_t> keys = cache_->take_evicted();
+    if (keys.empty()) return;
+    if (rec) rec->evicted.insert(rec->evicted.end(), keys.begin(), keys.end());
+    place.evicted(keys);
+}
+
+bool LayerDecider::load(int layer, int expert, ExpertPlacement::Kind kind, double bytes, ExpertPlacement & place) {
+    // the slots of experts evicted by this admission are free before the newcomer asks for one
+    if (!place.load(layer, expert, kind)) return false;
+    queue_s_ += cost_.h2d(bytes);
+    return true;
+}
+
+const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, const int32_t * ids, int n_tokens,
+                                                 int top_k, const float * scores, double expert_bytes,
+                                                 double queue_s, ExpertPlacement & place, DecisionRecord * rec) {
+    if (layer < 0 || layer >= cache_->n_layers()) {
+        throw std::invalid_argument("decision rules: MoE layer " + std::to_string(layer) + " out of range");
+    }
+    const int E = cache_->n_experts();
+    in_.set_routing(ids, n_tokens, top_k, E);
+    in_.layer = layer;
+    in_.expert_bytes = expert_bytes;
+    obs_.step = ubatch;
+    obs_.set_routed(layer, n_tokens, top_k, E, in_.experts, in_.loads);
+    if (scores) {
+        obs_.scores.assign(scores, scores + (size_t) n_tokens * E);
+    } else {
+        obs_.scores.clear();
+    }
+    cache_->observe(obs_);
+    std::vector<int32_t> & used = used_[(size_t) layer];
+    for (size_t i = 0; i < in_.size(); ++i) {
+        const int32_t e = in_.experts[i];
+        cache_->access(layer, e);
+        cache_->pin(layer, e);
+        used.push_back(e);
+        if (cache_->resident(layer, e)) {
+            in_.cached[i] = 1;
+            in_.ready_s[i] = 0.0;
+        }
+    }
+    queue_s_ = std::max(0.0, queue_s);
+    in_.pcie_free_s = queue_s_;
+    scheduler_->plan(in_, cost_, plan_);
+    if (plan_.on_gpu.size() != in_.size()) {
+        throw std::runtime_error("schedule policy '" + scheduler_->name() + "' returned a plan of the wrong size");
+    }
+    if (rec) {
+        rec->ubatch = ubatch;
+        rec->layer = layer;
+        rec->n_tokens = n_tokens;
+        rec->top_k = top_k;
+        rec->ids.assign(ids, ids + (size_t) n_tokens * top_k);
+        rec->scores = obs_.scores;
+        rec->expert_bytes = expert_bytes;
+        rec->pcie_free_s = queue_s_;
+        rec->experts = in_.experts;
+        rec->loads = in_.loads;
+        rec->cached = in_.cached;
+        rec->planned_gpu = plan_.on_gpu;
+        rec->makespan_s = plan_.makespan_s;
+    }
+    on_gpu_ = plan_.on_gpu;
+    if (!cfg_.has_slots) std::fill(on_gpu_.begin(), on_gpu_.end(), 0);
+
+    // demand loads: admit; a load the cache refuses runs on the CPU
+    for (size_t i = 0; i < in_.size(); ++i) {
+        if (!on_gpu_[i] || in_.cached[i]) continue;
+        const int32_t e = in_.experts[i];
+        if (cache_->admit(layer, e, 0.0, false)) {
+            take_evictions(place, rec);
+            load(layer, e, ExpertPlacement::kDemand, expert_bytes, place);
+            if (rec) rec->loaded.push_back(e);
+        } else {
+            on_gpu_[i] = 0;
+            if (rec) rec->declined.push_back(e);
+        }
+    }
+    take_evictions(place, rec);
+    // resident experts whose weights were never copied (initial fill) are copied at their first use
+    for (size_t i = 0; i < in_.size(); ++i) {
+        if (!on_gpu_[i] || !in_.cached[i]) continue;
+        if (load(layer, in_.experts[i], ExpertPlacement::kFirstUse, expert_bytes, place) && rec) {
+            rec->first_use.push_back(in_.experts[i]);
+        }
+    }
+    if (rec) rec->on_gpu = on_gpu_;
+    return on_gpu_;
+}
+
+bool LayerDecider::wants_prefetch(int n_moe_layers) const {
+    return cfg_.has_slots && cfg_.prefetch_layers > 0 && !no_prefetcher_ && in_.layer + 1 < n_moe_layers;
+}
+
+void LayerDecider::prefetch(std::vector<Prediction> predictions, int n_moe_layers, ExpertPlacement & place,
+                            DecisionRecord * rec) {
+    if (!wants_prefetch(n_moe_layers)) return;
+    const int ml = in_.layer;
+    const int E = cache_->n_experts();
+    pctx_.layer = ml;
+    pctx_.n_tokens = in_.n_tokens;
+    pctx_.top_k = obs_.top_k;
+    pctx_.now_s = 0.0;
+    pctx_.link_free_s = queue_s_;
+    pctx_.predictions = std::move(predictions);
+    if (rec) rec->predictions = pctx_.predictions;
+    const auto reqs = prefetcher_->plan(pctx_, *cache_, cost_);
+    for (const auto & r : reqs) {
+        const int j = r.first, e = r.second;
+        if (j <= ml || j >= n_moe_layers || j > ml + cfg_.prefetch_layers || e < 0 || e >= E) {
+            throw std::invalid_argument("prefetch policy '" + prefetcher_->name() + "' asked for (layer " +
+                                        std::to_string(j) + ", expert " + std::to_string(e) +
+                                        "), outside the next " + std::to_string(cfg_.prefetch_layers) +
+                                        " layers or the expert range");
+        }
+        if (cache_->resident(j, e) || !place.holds(j)) continue;
+        if (!cache_->admit(j, e, 0.0, true)) continue;
+        take_evictions(place, rec);
+        cache_->pin(j, e);
+        pending_unpin_[(size_t) j].push_back(e);
+        double bytes = 0.0;
+        for (const Prediction & p : pctx_.predictions) {
+            if (p.layer == j) bytes = p.expert_bytes;
+        }
+        load(j, e, ExpertPlacement::kPrefetch, bytes, place);
+        if (rec) rec->prefetched.emplace_back(j, e);
+    }
+    take_evictions(place, rec);
+}
+
+void LayerDecider::fills(ExpertPlacement & place, DecisionRecord * rec) {
+    if (!cfg_.has_slots || !cfg_.fill_on_miss) return;
+    const int ml = in_.layer;
+    for (size_t i = 0; i < in_.size(); ++i) {
+        const int32_t e = in_.experts[i];
+        if (on_gpu_[i] || cache_->resident(ml, e)) continue;
+        if (queue_s_ >= plan_.makespan_s) break;
+        if (!cache_->admit(ml, e, 0.0, false)) continue;
+        take_evictions(place, rec);
+        load(ml, e, ExpertPlacement::kFill, in_.expert_bytes, place);
+        if (rec) rec->filled.push_back(e);
+    }
+    take_evictions(place, rec);
+}
+
+void LayerDecider::release(int layer) {
+    if (layer < 0 || layer >= (int) used_.size()) return;
+    for (int32_t e : used_[(size_t) layer]) cache_->unpin(layer, e);
+    for (int32_t e : pending_unpin_[(size_t) layer]) cache_->unpin(layer, e);
+    used_[(size_t) layer].clear();
+    pending_unpin_[(size_t) layer].clear();
+}
+
+}  // namespace hybrimoe

@@ -1,0 +1,132 @@
+// One MoE layer's decisions for one ubatch, as the engine takes them and as the simulator replays them
+// (issue 5, item 5: the engine and the simulator make the same decisions).
+//
+// LayerDecider holds the decision rules that sit between the policies (cache, scheduler, prefetcher) and the
+// hardware: which experts are looked up and pinned, which planned loads run on the CPU because the cache refused
+// them, which prefetches and fills are issued, and when pins are released. The engine (src/runtime/engine.cpp)
+// drives it with its slot pool and copy queue behind an ExpertPlacement; replay_decisions (simulator.h) drives it
+// from the engine's DecisionRecords with a placement that only counts. Both therefore decide by the same code,
+// and a replay that differs from the engine's record points at state the engine changed outside these rules.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "policy/cost_model.h"
+#include "policy/expert_cache.h"
+#include "policy/prefetcher.h"
+#include "policy/scheduler.h"
+
+namespace hybrimoe {
+
+/// One (MoE layer, ubatch) as decided: the inputs a replay needs (routing, scores, expert bytes, copy-queue
+/// estimate, predictions, first-use copies) and the decisions to compare (everything else).
+struct DecisionRecord {
+    int64_t ubatch = 0;                  ///< ubatch counter (runs of the first MoE layer)
+    int layer = 0;                       ///< MoE layer index
+    int n_tokens = 0, top_k = 0;
+    std::vector<int32_t> ids;            ///< [T, k] routed ids, row-major
+    std::vector<float> scores;           ///< [T, E] router probabilities (empty: none)
+    double expert_bytes = 0;             ///< bytes of one expert of this layer (copy size)
+    double pcie_free_s = 0;              ///< copy queue busy for this long (estimate, seconds) when the split was planned
+    std::vector<int32_t> experts, loads; ///< activated experts and their token counts
+    std::vector<uint8_t> cached;         ///< resident when looked up
+    std::vector<uint8_t> planned_gpu;    ///< the scheduler's split (per `experts` index, 1 = GPU)
+    std::vector<uint8_t> on_gpu;         ///< the split run (planned loads the cache refused ran on the CPU)
+    std::vector<int32_t> loaded, declined, filled;   ///< demand loads admitted / refused; fills admitted
+    std::vector<int32_t> first_use;      ///< resident experts whose weights were copied at first use (initial fill)
+    std::vector<std::pair<int, int>> prefetched;     ///< (MoE layer, expert) copies issued
+    std::vector<Prediction> predictions;             ///< what the prefetcher was shown
+    std::vector<int64_t> evicted;        ///< keys (layer * E + expert) evicted while deciding this record
+    double makespan_s = 0;               ///< the planner's predicted makespan (seconds)
+};
+
+/// Where decisions meet the device. The engine maps admitted experts to GPU slots and queues their copies; the
+/// replay only counts.
+class ExpertPlacement {
+public:
+    enum Kind { kDemand = 0, kPrefetch = 1, kFill = 2, kFirstUse = 3 };
+    virtual ~ExpertPlacement() = default;
+    /// (layer, expert) was just admitted by the cache (or, kFirstUse, is resident and about to run on the GPU):
+    /// give it a slot and queue the copy of its weights. Returns true when a copy was queued (its bytes then
+    /// count on the copy-queue estimate). Throws std::runtime_error when no slot is free (bookkeeping bug: the
+    /// cache budget is a whole number of slots).
+    virtual bool load(int layer, int expert, Kind kind) = 0;
+    /// Whether MoE layer `layer` can hold experts on the GPU (the engine: its tensors are known).
+    virtual bool holds(int layer) const = 0;
+    /// The cache evicted these keys (layer * n_experts + expert) since the last call.
+    virtual void evicted(const std::vector<int64_t> & keys) { (void) keys; }
+};
+
+/// Settings of the rules (the engine's, EngineConfig).
+struct DeciderConfig {
+    bool has_slots = true;      ///< false: an empty cache (n_slots 0): everything runs on the CPU
+    int prefetch_layers = 3;    ///< predicted MoE layers ahead (0: no prefetch)
+    bool fill_on_miss = true;   ///< offer CPU-computed misses to the cache while the copy queue idles
+};
+
+/// The decision rules of one engine (one cache, one set of policies). Per MoE layer and ubatch: split(), then
+/// prefetch() (optional), then fills(); release() after the layer's experts ran. Times are seconds relative to
+/// the moment of the split (the copy-queue estimate `queue_s` counts from there).
+class LayerDecider {
+public:
+    /// Throws std::invalid_argument on a null policy or cost-model fields the planner rejects.
+    LayerDecider(std::shared_ptr<ExpertCache> cache, std::shared_ptr<SchedulePolicy> scheduler,
+                 std::shared_ptr<PrefetchPolicy> prefetcher, CostModel cost, DeciderConfig cfg);
+
+    /// HybriMoE §IV.B/§IV.D. Observes the router scores (MRS), looks up and pins the activated experts, asks the
+    /// scheduler for the split with the copy queue busy for `queue_s`, and admits the planned loads (a load the
+    /// cache refuses runs on the CPU); resident experts on the GPU whose weights were never copied get a
+    /// first-use copy. ids: [n_tokens, top_k] row-major; scores: [n_tokens, n_experts] or null.
+    /// Returns the split run (1 = GPU) per index of input().experts. Throws on a policy error or an id out of range.
+    const std::vector<uint8_t> & split(int64_t ubatch, int layer, const int32_t * ids, int n_tokens, int top_k,
+                                       const float * scores, double expert_bytes, double queue_s,
+                                       ExpertPlacement & place, DecisionRecord * rec);
+    /// Whether prefetch() would do anything after this split (slots, depth, a prefetcher, a next layer):
+    /// callers skip computing predictions otherwise.
+    bool wants_prefetch(int n_moe_layers) const;
+    /// HybriMoE §IV.C: shows the prefetcher `predictions` (of the layers after the split's layer; start_s relative
+    /// to the split) with the copy queue as estimated now, then admits, pins (until that layer's release) and
+    /// loads what it asks for. Throws std::invalid_argument on a request outside the next prefetch_layers layers.
+    void prefetch(std::vector<Prediction> predictions, int n_moe_layers, ExpertPlacement & place,
+                  DecisionRecord * rec);
+    /// Fills: CPU-computed misses of the split's layer are offered to the cache, in activation order, while the
+    /// copy-queue estimate stays below the predicted makespan (the copy would end before the layer's work).
+    void fills(ExpertPlacement & place, DecisionRecord * rec);
+    /// After MoE layer `layer` ran: unpins its activated experts and the ones prefetched for it.
+    void release(int layer);
+
+    const LayerInput & input() const { return in_; }
+    const SchedulePlan & plan() const { return plan_; }
+    /// Copy-queue estimate (seconds from the split) after the copies queued so far.
+    double queue_s() const { return queue_s_; }
+    ExpertCache & cache() { return *cache_; }
+    const CostModel & cost() const { return cost_; }
+    const DeciderConfig & config() const { return cfg_; }
+    /// The engine released its slot pool: from now on everything runs on the CPU.
+    void set_has_slots(bool on) { cfg_.has_slots = on; }
+
+private:
+    void take_evictions(ExpertPlacement & place, DecisionRecord * rec);
+    bool load(int layer, int expert, ExpertPlacement::Kind kind, double bytes, ExpertPlacement & place);
+
+    std::shared_ptr<ExpertCache> cache_;
+    std::shared_ptr<SchedulePolicy> scheduler_;
+    std::shared_ptr<PrefetchPolicy> prefetcher_;
+    CostModel cost_;
+    DeciderConfig cfg_;
+    bool no_prefetcher_ = false;
+    LayerInput in_;
+    SchedulePlan plan_;
+    LayerObservation obs_;
+    PrefetchContext pctx_;
+    std::vector<uint8_t> on_gpu_;
+    double queue_s_ = 0.0;
+    std::vector<std::vector<int32_t>> used_;            // per MoE layer: experts pinned by its split
+    std::vector<std::vector<int32_t>> pending_unpin_;   // per MoE layer: experts pinned by earlier prefetches
+};
+
+}  // namespace hybrimoe
