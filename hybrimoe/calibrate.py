@@ -15,7 +15,8 @@ What is measured (all through the engine itself, on the model's own quant types 
 
 The result is a cost-model JSON (schema ``hybrimoe.cost_model/1``, with ``sources``) stored under
 ``~/.cache/hybrimoe/calibration/`` (``$HYBRIMOE_CACHE_DIR``), keyed by the model file and the device; the engine
-then uses it when ``moe_cost_model`` is not given.
+then uses it when ``moe_cost_model`` is not given. When none is stored, the engine's first use of that model on
+that device runs a short calibration itself (:func:`on_first_use`; ``HYBRIMOE_AUTO_CALIBRATE=0`` turns this off).
 """
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def _runs(llm, prompt: list[int], sizes: Sequence[int], reps: int, k: int, tick)
 
 
 def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: Optional[int] = None,
-              quick: bool = False, progress: bool = True) -> tuple["_core.CostModel", dict, str]:
+              quick: bool = False, progress: bool = True, desc: str = "calibrating") -> tuple["_core.CostModel", dict, str]:
     """Measures the cost model of ``model_path`` on this machine.
 
     Returns ``(cost model, sources {field: how it was measured}, device name)``. Without an accelerator (no GPU, no
@@ -142,13 +143,14 @@ def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: 
         setattr(cm, f, getattr(preset, f))
     sources = {f: "rtx4090-desktop preset (not measured)" for f in pol.COST_FIELDS}
     steps = len(sizes) * (reps + 1) * 2 + 2
-    bar = tqdm(total=steps, desc="calibrating", unit="step", file=sys.stderr,
+    bar = tqdm(total=steps, desc=desc, unit="step", file=sys.stderr,
                disable=not progress or (not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS")))
     device_name = "cpu"
     try:
         def measure(fields, note, **kw):
             """Loads the model with the engine options kw, runs the ubatch sizes, fits `fields`."""
-            llm = Llama(str(model_path), **kw, **base)
+            # an explicit cost model: no first-use calibration inside the calibration
+            llm = Llama(str(model_path), moe_cost_model=preset, **kw, **base)
             try:
                 prompt = llm.tokenize(b"calibration " * (max(sizes) + 8), add_bos=True)[:max(sizes)]
                 if kw.get("moe_cache"):
@@ -202,6 +204,40 @@ def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: 
     return cm, sources, device_name
 
 
+def save(cm: "_core.CostModel", sources: dict, out: Path) -> Path:
+    """Writes a calibration atomically (a reader never sees half a file; an existing one is replaced whole)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    pol.save_cost_model(cm, tmp, sources)
+    os.replace(tmp, out)
+    return out
+
+
+def auto_enabled() -> bool:
+    """First-use calibration is on unless ``HYBRIMOE_AUTO_CALIBRATE=0``."""
+    return os.environ.get("HYBRIMOE_AUTO_CALIBRATE", "1").strip().lower() not in ("0", "no", "false", "off")
+
+
+def on_first_use(model_path, device: str, *, rpc_servers=None, n_gpu_layers: int = 99,
+                 threads: Optional[int] = None) -> Path:
+    """The engine's first use of ``model_path`` on ``device`` without a stored calibration: runs a short one (the
+    ``--quick`` sizes: ubatches of 1, 4 and 16 tokens, one repetition each; a progress bar on a terminal, or with
+    ``HYBRIMOE_PROGRESS=1``), stores it where :func:`stored` finds it and returns its path. ``hybrimoe calibrate``
+    makes a fuller one. Turn it off with ``HYBRIMOE_AUTO_CALIBRATE=0`` (the preset is used then).
+
+    Raises:
+        ValueError, RuntimeError: as :func:`calibrate`; OSError: the store is not writable.
+    """
+    print(f"hybrimoe: no calibration of {Path(model_path).name} on {device}: measuring a short one "
+          "(hybrimoe calibrate makes a fuller one; HYBRIMOE_AUTO_CALIBRATE=0 skips this)", file=sys.stderr)
+    cm, sources, measured_on = calibrate(model_path, rpc_servers=rpc_servers, n_gpu_layers=n_gpu_layers,
+                                         threads=threads, quick=True, desc="hybrimoe: calibrating (first use)")
+    for f in sources:
+        sources[f] = f"first-use calibration (quick): {sources[f]}"
+    return save(cm, sources, calibration_path(model_path, measured_on))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="GGUF model")
     p.add_argument("--rpc", default=None, metavar="HOST:PORT", help="ggml RPC server to calibrate as the GPU")
@@ -220,11 +256,7 @@ def run(args) -> int:
                 raise ValueError(f"cannot write {args.output}: {d} is not a writable directory")
         cm, sources, device = calibrate(args.model, rpc_servers=args.rpc, n_gpu_layers=args.n_gpu_layers,
                                         threads=args.threads, quick=args.quick)
-        out = Path(args.output) if args.output else calibration_path(args.model, device)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        pol.save_cost_model(cm, tmp, sources)
-        os.replace(tmp, out)
+        out = save(cm, sources, Path(args.output) if args.output else calibration_path(args.model, device))
     except (OSError, ValueError, RuntimeError) as e:
         print(f"hybrimoe calibrate: error: {e}", file=sys.stderr)
         return 1

@@ -70,8 +70,9 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="MoE layers predicted and prefetched ahead (0: none; default: 3; needs --moe-cache)")
     p.add_argument("--moe-cost-model", default=None, metavar="PRESET|FILE",
                    help="planner cost model: a hardware preset (paper-a6000, rtx4090-desktop, h200) or a JSON "
-                        "file (default: this model's stored calibration on this device, see hybrimoe calibrate, "
-                        "else rtx4090-desktop; --moe-stats names the one used)")
+                        "file (default: this model's stored calibration on this device, see hybrimoe calibrate; "
+                        "without one, a short calibration runs on first use and is stored; "
+                        "HYBRIMOE_AUTO_CALIBRATE=0: rtx4090-desktop instead; --moe-stats names the one used)")
     p.add_argument("-nr", "--no-repack", action="store_true",
                    help="keep CPU weights in the file's layout (upstream --no-repack)")
     p.add_argument("--replay-trace", default=None, metavar="TRACE.npz",

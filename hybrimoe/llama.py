@@ -134,8 +134,10 @@ class Llama(llama_cpp.Llama):
         moe_prefetch_layers: MoE layers whose experts are predicted and prefetched ahead (0: none). Default 3.
         moe_cost_model: the planner's cost model: a hardware preset name (``hybrimoe/presets``), a preset or
             cost-model JSON file, or a ``CostModel``. Default: this model's stored calibration on this device
-            (``hybrimoe calibrate``), else the ``rtx4090-desktop`` preset; ``moe_stats()["engine"]["cost_model"]``
-            says which.
+            (``hybrimoe calibrate``); without one, a short calibration runs now (seconds to a minute; a progress
+            bar on a terminal) and is stored (``hybrimoe.calibrate.on_first_use``); with
+            ``HYBRIMOE_AUTO_CALIBRATE=0`` the ``rtx4090-desktop`` preset instead. ``moe_stats()["engine"]
+            ["cost_model"]`` says which.
 
     Raises:
         FileNotFoundError: ``model_path`` does not exist.
@@ -203,17 +205,23 @@ class Llama(llama_cpp.Llama):
 
             host = host_buffer_type_name(engine_device) if engine_device else None
             if self._moe_setup["cost"] is None:
-                # a stored calibration of this model on this device (hybrimoe calibrate), else the default preset
+                # a stored calibration of this model on this device (hybrimoe calibrate), else a short one measured
+                # now (first use), else (HYBRIMOE_AUTO_CALIBRATE=0) the default preset
                 from . import calibrate as cal
                 from .engine import DEFAULT_COST_PRESET, resolve_cost_model
 
-                found = cal.stored(model_path, _ggml.device_label(engine_device))
+                label = _ggml.device_label(engine_device)
+                found = cal.stored(model_path, label)
                 st = self._moe_setup
+                if found is None and st["n_slots"] > 0 and cal.auto_enabled():
+                    found = cal.on_first_use(model_path, label, rpc_servers=",".join(endpoints) or None,
+                                             n_gpu_layers=kwargs.get("n_gpu_layers", 0),
+                                             threads=kwargs.get("n_threads"))
                 if found is not None:
                     st["cost"], st["cost_source"] = resolve_cost_model(str(found), st["facts"]), str(found)
                 else:
                     st["cost"] = resolve_cost_model(None, st["facts"])
-                    st["cost_source"] = f"preset {DEFAULT_COST_PRESET} (no calibration stored: hybrimoe calibrate)"
+                    st["cost_source"] = f"preset {DEFAULT_COST_PRESET} (no calibration stored, first-use calibration off: hybrimoe calibrate)"
             # the engine reads the routed experts from host memory in the file's layout (pinned if possible)
             host_names = {"CPU", host}
             for pattern, buft_name in overrides:

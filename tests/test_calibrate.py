@@ -30,11 +30,48 @@ def test_calibrate_writes_a_cost_model_the_engine_uses(tiny_model, rpc_server, t
         llm.close()
 
 
+def test_first_use_runs_a_short_calibration_once(tiny_model, rpc_server, tmp_path, monkeypatch, capfd):
+    """No stored calibration: the engine's first use measures one (progress bar shown), stores it and uses it; the
+    next use loads it without measuring; an empty cache (moe_cache=0) needs none."""
+    from hybrimoe import Llama, calibrate, policy
+    from hybrimoe.engine import slot_bytes
+
+    monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HYBRIMOE_AUTO_CALIBRATE", "1")
+    monkeypatch.setenv("HYBRIMOE_PROGRESS", "1")
+    path = tiny_model("qwen2moe", "Q8_0")
+    kw = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=128, verbose=False)
+    llm = Llama(str(path), moe_cache=0, **kw)
+    llm.close()
+    assert calibrate.stored(path, rpc_server.endpoint) is None
+    capfd.readouterr()
+    llm = Llama(str(path), moe_cache=4 * slot_bytes(path), **kw)
+    try:
+        err = capfd.readouterr().err
+        stored = calibrate.stored(path, rpc_server.endpoint)
+        assert stored is not None and llm.moe_stats()["engine"]["cost_model"] == str(stored)
+        assert "measuring a short one" in err and "calibrating (first use)" in err and "100%" in err, err
+        doc = json.loads(stored.read_text())
+        assert doc["sources"]["cpu_a_s"].startswith("first-use calibration (quick): fit over")
+        policy.load_cost_model(stored)
+        llm("Once upon a time", max_tokens=2, temperature=0)
+    finally:
+        llm.close()
+    mtime = stored.stat().st_mtime_ns
+    llm = Llama(str(path), moe_cache=4 * slot_bytes(path), **kw)
+    try:
+        assert "measuring" not in capfd.readouterr().err
+        assert llm.moe_stats()["engine"]["cost_model"] == str(stored) and stored.stat().st_mtime_ns == mtime
+    finally:
+        llm.close()
+
+
 def test_without_calibration_the_preset_is_named(tiny_model, rpc_server, tmp_path, monkeypatch):
     from hybrimoe import Llama
     from hybrimoe.engine import slot_bytes
 
     monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("HYBRIMOE_AUTO_CALIBRATE", "0")
     path = tiny_model("qwen3moe", "Q8_0")
     llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache=4 * slot_bytes(path),
                 n_ctx=128, verbose=False)
