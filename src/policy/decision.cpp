@@ -26,9 +26,9 @@ void LayerDecider::take_evictions(ExpertPlacement & place, DecisionRecord * rec)
     place.evicted(keys);
 }
 
-bool LayerDecider::load(int layer, int expert, ExpertPlacement::Kind kind, double bytes, ExpertPlacement & place) {
-    // the slots of experts evicted by this admission are free before the newcomer asks for one
-    if (!place.load(layer, expert, kind)) return false;
+bool LayerDecider::load(int layer, int expert, ExpertPlacement::Kind kind, ExpertPlacement & place) {
+    const double bytes = place.load(layer, expert, kind);
+    if (bytes <= 0.0) return false;
     queue_s_ += cost_.h2d(bytes);
     return true;
 }
@@ -92,7 +92,7 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
         const int32_t e = in_.experts[i];
         if (cache_->admit(layer, e, 0.0, false)) {
             take_evictions(place, rec);
-            load(layer, e, ExpertPlacement::kDemand, expert_bytes, place);
+            load(layer, e, ExpertPlacement::kDemand, place);
             if (rec) rec->loaded.push_back(e);
         } else {
             on_gpu_[i] = 0;
@@ -103,7 +103,7 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
     // resident experts whose weights were never copied (initial fill) are copied at their first use
     for (size_t i = 0; i < in_.size(); ++i) {
         if (!on_gpu_[i] || !in_.cached[i]) continue;
-        if (load(layer, in_.experts[i], ExpertPlacement::kFirstUse, expert_bytes, place) && rec) {
+        if (load(layer, in_.experts[i], ExpertPlacement::kFirstUse, place) && rec) {
             rec->first_use.push_back(in_.experts[i]);
         }
     }
@@ -141,11 +141,7 @@ void LayerDecider::prefetch(std::vector<Prediction> predictions, int n_moe_layer
         take_evictions(place, rec);
         cache_->pin(j, e);
         pending_unpin_[(size_t) j].push_back(e);
-        double bytes = 0.0;
-        for (const Prediction & p : pctx_.predictions) {
-            if (p.layer == j) bytes = p.expert_bytes;
-        }
-        load(j, e, ExpertPlacement::kPrefetch, bytes, place);
+        load(j, e, ExpertPlacement::kPrefetch, place);
         if (rec) rec->prefetched.emplace_back(j, e);
     }
     take_evictions(place, rec);
@@ -160,7 +156,7 @@ void LayerDecider::fills(ExpertPlacement & place, DecisionRecord * rec) {
         if (queue_s_ >= plan_.makespan_s) break;
         if (!cache_->admit(ml, e, 0.0, false)) continue;
         take_evictions(place, rec);
-        load(ml, e, ExpertPlacement::kFill, in_.expert_bytes, place);
+        load(ml, e, ExpertPlacement::kFill, place);
         if (rec) rec->filled.push_back(e);
     }
     take_evictions(place, rec);

@@ -51,10 +51,10 @@ public:
     enum Kind { kDemand = 0, kPrefetch = 1, kFill = 2, kFirstUse = 3 };
     virtual ~ExpertPlacement() = default;
     /// (layer, expert) was just admitted by the cache (or, kFirstUse, is resident and about to run on the GPU):
-    /// give it a slot and queue the copy of its weights. Returns true when a copy was queued (its bytes then
-    /// count on the copy-queue estimate). Throws std::runtime_error when no slot is free (bookkeeping bug: the
+    /// give it a slot and queue the copy of its weights. Returns the bytes queued (0: no copy was needed); they
+    /// count on the copy-queue estimate. Throws std::runtime_error when no slot is free (bookkeeping bug: the
     /// cache budget is a whole number of slots).
-    virtual bool load(int layer, int expert, Kind kind) = 0;
+    virtual double load(int layer, int expert, Kind kind) = 0;
     /// Whether MoE layer `layer` can hold experts on the GPU (the engine: its tensors are known).
     virtual bool holds(int layer) const = 0;
     /// The cache evicted these keys (layer * n_experts + expert) since the last call.
@@ -111,7 +111,7 @@ public:
 
 private:
     void take_evictions(ExpertPlacement & place, DecisionRecord * rec);
-    bool load(int layer, int expert, ExpertPlacement::Kind kind, double bytes, ExpertPlacement & place);
+    bool load(int layer, int expert, ExpertPlacement::Kind kind, ExpertPlacement & place);
 
     std::shared_ptr<ExpertCache> cache_;
     std::shared_ptr<SchedulePolicy> scheduler_;

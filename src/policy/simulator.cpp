@@ -461,10 +461,14 @@ namespace {
 // The replay's side of the placement: slots are the cache's business only; first-use copies are the record's.
 struct ReplayPlacement : ExpertPlacement {
     const DecisionRecord * rec = nullptr;
-    std::vector<uint8_t> layer_runs;  // MoE layers the engine ran (it holds experts only for those)
-    bool load(int, int expert, Kind kind) override {
-        if (kind != kFirstUse) return true;
-        return std::find(rec->first_use.begin(), rec->first_use.end(), expert) != rec->first_use.end();
+    std::vector<uint8_t> layer_runs;    // MoE layers the engine ran (it holds experts only for those)
+    std::vector<double> layer_bytes;    // bytes of one expert per MoE layer (from the records)
+    double load(int layer, int expert, Kind kind) override {
+        if (kind == kFirstUse &&
+            std::find(rec->first_use.begin(), rec->first_use.end(), expert) == rec->first_use.end()) {
+            return 0.0;
+        }
+        return layer_bytes[(size_t) layer];
     }
     bool holds(int layer) const override {
         return layer >= 0 && layer < (int) layer_runs.size() && layer_runs[(size_t) layer];
@@ -497,6 +501,7 @@ std::vector<DecisionRecord> replay_decisions(const std::vector<DecisionRecord> &
     const int L = cache->n_layers(), E = cache->n_experts();
     ReplayPlacement place;
     place.layer_runs.assign((size_t) L, 0);
+    place.layer_bytes.assign((size_t) L, 0.0);
     for (size_t i = 0; i < log.size(); ++i) {
         const DecisionRecord & r = log[i];
         const std::string where = "replay_decisions: record " + std::to_string(i) + ": ";
@@ -514,6 +519,7 @@ std::vector<DecisionRecord> replay_decisions(const std::vector<DecisionRecord> &
             if (id < 0 || id >= E) throw std::invalid_argument(where + "expert id " + std::to_string(id) + " out of range");
         }
         place.layer_runs[(size_t) r.layer] = 1;
+        place.layer_bytes[(size_t) r.layer] = r.expert_bytes;
     }
     cache->set_record_evicted(true);
     cache->take_evicted();

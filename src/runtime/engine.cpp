@@ -433,7 +433,7 @@ bool Engine::Placement::holds(int layer) const {
     return layer >= 0 && layer < (int) engine->tensors_.size() && engine->tensors_[(size_t) layer].gate != nullptr;
 }
 
-bool Engine::Placement::load(int layer, int expert, Kind kind) {
+double Engine::Placement::load(int layer, int expert, Kind kind) {
     Engine & en = *engine;
     if (!en.assign_slot(layer, expert)) {
         // the cache's budget is a whole number of slots: an admitted expert always finds one
@@ -441,11 +441,11 @@ bool Engine::Placement::load(int layer, int expert, Kind kind) {
                                  std::to_string(expert) + " although the cache admitted it (slot bookkeeping)");
     }
     const size_t key = (size_t) layer * en.cfg_.n_expert + expert;
-    if (en.key_loaded_[key]) return false;
+    if (en.key_loaded_[key]) return 0.0;
     const double bytes = en.copy_expert(layer, expert);
     en.copies_[(size_t) kind] += 1;
     en.copy_bytes_[(size_t) kind] += bytes;
-    return true;
+    return bytes;
 }
 
 bool Engine::assign_slot(int ml, int e) {

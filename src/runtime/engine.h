@@ -198,7 +198,7 @@ private:
     /// the decision rules shared with the simulator's replay (policy/decision.h); the engine is their placement
     struct Placement : ExpertPlacement {
         Engine * engine = nullptr;
-        bool load(int layer, int expert, Kind kind) override;
+        double load(int layer, int expert, Kind kind) override;
         bool holds(int layer) const override;
         void evicted(const std::vector<int64_t> & keys) override;
     };
