@@ -49,12 +49,21 @@ def test_replay_reproduces_engine_decisions(policy, tiny_model, rpc_server, spli
     llm, log = _logged_run(path, rpc_server, engine_tools, moe_cache=_slots(path, 20), moe_policy=policy,
                            moe_cost_model=split_cost_model)
     try:
-        sim = replay_engine_log(llm, log)
+        from hybrimoe import engine as eng
+
+        setup = llm._moe_setup
+        fresh = eng.build_policies(policy, setup["facts"], setup["n_slots"], setup["prefetch_layers"])
+        sim = replay_engine_log(llm, log, policies=fresh)
         st = llm.moe_stats()["engine"]
+        ran = setup["policies"].cache
     finally:
         llm.close()
     assert len(log) == sum(s["runs"] for s in st["layers"]) > 0
     assert _core.first_difference(log, sim) == ""
+    # the cache counted the same hits, misses, admissions and evictions, and ends with the same residents
+    fields = ("accesses", "demand_hits", "prefetch_hits", "misses", "late", "admissions", "evictions", "declined")
+    assert [getattr(fresh.cache.stats, f) for f in fields] == [getattr(ran.stats, f) for f in fields]
+    assert sorted(fresh.cache.resident_keys()) == sorted(ran.resident_keys())
     assert sum(sum(r["on_gpu"]) for r in log) == st["gpu_experts"] > 0
     copies = sum(len(r["loaded"]) + len(r["filled"]) + len(r["prefetched"]) + len(r["first_use"]) for r in log)
     assert copies > 0
