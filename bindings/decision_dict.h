@@ -29,10 +29,12 @@ inline py::dict decision_to_dict(const hybrimoe::DecisionRecord & r) {
     std::copy(r.scores.begin(), r.scores.end(), sc.mutable_data());
     d["scores"] = sc;
     d["expert_bytes"] = r.expert_bytes;
+    d["now_s"] = r.now_s;
     d["pcie_free_s"] = r.pcie_free_s;
     d["experts"] = r.experts;
     d["loads"] = r.loads;
     d["cached"] = r.cached;
+    d["ready_s"] = r.ready_s;
     d["planned_gpu"] = r.planned_gpu;
     d["on_gpu"] = r.on_gpu;
     d["loaded"] = r.loaded;
@@ -87,6 +89,7 @@ inline hybrimoe::DecisionRecord decision_from_dict(py::handle h, size_t index) {
             r.scores.assign(sc.data(), sc.data() + sc.size());
         }
         key = "expert_bytes"; r.expert_bytes = d[key].cast<double>();
+        key = "now_s"; r.now_s = d[key].cast<double>();
         key = "pcie_free_s"; r.pcie_free_s = d[key].cast<double>();
         key = "first_use"; r.first_use = field_or_empty<int32_t>(d, key);
         key = "predictions";
@@ -108,6 +111,7 @@ inline hybrimoe::DecisionRecord decision_from_dict(py::handle h, size_t index) {
         key = "experts"; r.experts = field_or_empty<int32_t>(d, key);
         key = "loads"; r.loads = field_or_empty<int32_t>(d, key);
         key = "cached"; r.cached = field_or_empty<uint8_t>(d, key);
+        key = "ready_s"; r.ready_s = field_or_empty<double>(d, key);
         key = "planned_gpu"; r.planned_gpu = field_or_empty<uint8_t>(d, key);
         key = "on_gpu"; r.on_gpu = field_or_empty<uint8_t>(d, key);
         key = "loaded"; r.loaded = field_or_empty<int32_t>(d, key);

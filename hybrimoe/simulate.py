@@ -12,7 +12,13 @@ Assumptions that every report must state (they are also written into each JSON r
 - routing predictions for prefetching come from the trace through an imperfect predictor with recall per distance
   ``--recall`` (default 0.8, 0.65, 0.5 for 1, 2, 3 layers ahead); ``oracle`` uses recall 1 (a bound only);
 - a trace without router scores makes MRS score each activated expert 1/top_k per token;
-- decode replays prompt tokens as a token stream (one token per step); prefill runs each prompt in ubatches.
+- decode replays prompt tokens as a token stream (one token per step); prefill runs each prompt in ubatches;
+- decisions follow the engine's rules (src/policy/decision.h, shared code): a planned load the cache refuses runs
+  on the CPU, fills stop when the planner's copy-queue estimate reaches the predicted makespan, and the scheduler
+  sees the copy queue and in-flight copies as the planner estimates them, not as the truth model charges them;
+  the cache's initial fill is resident from the start.
+
+:func:`replay_engine_log` replays a real engine's decision log instead of a trace and reproduces its decisions.
 """
 from __future__ import annotations
 

@@ -46,18 +46,32 @@ def cfg(stage="decode", depth=0, fill=False):
 
 @pytest.mark.parametrize("stage", ["decode", "prefill"])
 def test_truth_equals_planner_when_it_adds_nothing(stage):
-    """No noise, no contention, no extra start-up, no prefetch or fills: the charged MoE time must equal the sum
-    of the planner's predicted makespans, and the total must add the non-expert costs exactly."""
+    """No noise, no contention, no extra start-up, no prefetch or fills, a cache that never refuses a planned load
+    (16 of 80 experts: a layer's pinned experts never fill it): the charged MoE time must equal the sum of the
+    planner's predicted makespans, and the total must add the non-expert costs exactly."""
     tr = synthetic().to_core()
     c = costs()
-    cache = _core.ExpertCache([2 * MB] * 5, 16, 8 * MB, _core.LRUPolicy())
+    cache = _core.ExpertCache([2 * MB] * 5, 16, 32 * MB, _core.LRUPolicy())
     res = _core.simulate(tr, cache, _core.HybriMoEScheduler(), _core.NoPrefetcher(), c, c, quiet_truth(),
                          cfg(stage), 0, tr.n_prompts)
+    assert res.cache.declined == 0 and res.bytes_demand > 0
     assert res.charged_moe_s == pytest.approx(res.predicted_moe_s, rel=1e-9)
     steps = _core.make_steps(tr, 0, tr.n_prompts, cfg(stage))
     non_expert = sum(c.dense(e - b) + 5 * c.layer(e - b) for b, e, _ in steps)
     assert res.total_s == pytest.approx(non_expert + res.charged_moe_s, rel=1e-9)
     assert res.tokens == 400 and res.steps == len(steps)
+
+
+def test_a_refused_load_runs_on_the_cpu_as_in_the_engine():
+    """The engine's rule (policy/decision.h): a planned load the cache refuses (here: 4 slots, prefill ubatches
+    activating more experts, all pinned) runs on the CPU, so the charge departs from the plan's makespan."""
+    tr = synthetic().to_core()
+    c = costs()
+    cache = _core.ExpertCache([2 * MB] * 5, 16, 8 * MB, _core.LRUPolicy())
+    res = _core.simulate(tr, cache, _core.HybriMoEScheduler(), _core.NoPrefetcher(), c, c, quiet_truth(),
+                         cfg("prefill"), 0, tr.n_prompts)
+    assert res.cache.declined > 0
+    assert res.charged_moe_s != pytest.approx(res.predicted_moe_s, rel=1e-6)
 
 
 def test_accesses_and_hits_are_counted_per_layer_and_ubatch():

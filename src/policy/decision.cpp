@@ -30,12 +30,15 @@ bool LayerDecider::load(int layer, int expert, ExpertPlacement::Kind kind, Exper
     const double bytes = place.load(layer, expert, kind);
     if (bytes <= 0.0) return false;
     queue_s_ += cost_.h2d(bytes);
+    // admitted already (ready when admitted: unknown then); the copy's estimated end is its ready time
+    if (kind != ExpertPlacement::kFirstUse) cache_->set_ready(layer, expert, now_s_ + queue_s_);
     return true;
 }
 
 const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, const int32_t * ids, int n_tokens,
                                                  int top_k, const float * scores, double expert_bytes,
-                                                 double queue_s, ExpertPlacement & place, DecisionRecord * rec) {
+                                                 double now_s, double queue_s, ExpertPlacement & place,
+                                                 DecisionRecord * rec) {
     if (layer < 0 || layer >= cache_->n_layers()) {
         throw std::invalid_argument("decision rules: MoE layer " + std::to_string(layer) + " out of range");
     }
@@ -51,15 +54,16 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
         obs_.scores.clear();
     }
     cache_->observe(obs_);
+    now_s_ = now_s;
     std::vector<int32_t> & used = used_[(size_t) layer];
     for (size_t i = 0; i < in_.size(); ++i) {
         const int32_t e = in_.experts[i];
-        cache_->access(layer, e);
+        cache_->access(layer, e, now_s);
         cache_->pin(layer, e);
         used.push_back(e);
         if (cache_->resident(layer, e)) {
             in_.cached[i] = 1;
-            in_.ready_s[i] = 0.0;
+            in_.ready_s[i] = std::max(0.0, cache_->ready_s(layer, e) - now_s);
         }
     }
     queue_s_ = std::max(0.0, queue_s);
@@ -76,19 +80,22 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
         rec->ids.assign(ids, ids + (size_t) n_tokens * top_k);
         rec->scores = obs_.scores;
         rec->expert_bytes = expert_bytes;
+        rec->now_s = now_s;
         rec->pcie_free_s = queue_s_;
         rec->experts = in_.experts;
         rec->loads = in_.loads;
         rec->cached = in_.cached;
+        rec->ready_s = in_.ready_s;
         rec->planned_gpu = plan_.on_gpu;
         rec->makespan_s = plan_.makespan_s;
     }
     on_gpu_ = plan_.on_gpu;
     if (!cfg_.has_slots) std::fill(on_gpu_.begin(), on_gpu_.end(), 0);
 
-    // demand loads: admit; a load the cache refuses runs on the CPU
-    for (size_t i = 0; i < in_.size(); ++i) {
-        if (!on_gpu_[i] || in_.cached[i]) continue;
+    // demand loads, in the plan's copy order: admit; a load the cache refuses runs on the CPU
+    pos_.assign((size_t) E, -1);
+    for (size_t i = 0; i < in_.size(); ++i) pos_[(size_t) in_.experts[i]] = (int32_t) i;
+    auto demand = [&](size_t i) {
         const int32_t e = in_.experts[i];
         if (cache_->admit(layer, e, 0.0, false)) {
             take_evictions(place, rec);
@@ -98,6 +105,14 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
             on_gpu_[i] = 0;
             if (rec) rec->declined.push_back(e);
         }
+    };
+    for (int32_t e : plan_.load_experts) {
+        const int32_t i = e >= 0 && e < E ? pos_[(size_t) e] : -1;
+        if (i >= 0 && on_gpu_[(size_t) i] && !in_.cached[(size_t) i] && !cache_->resident(layer, e)) demand((size_t) i);
+    }
+    // a policy's plan lists every uncached GPU expert among its loads; one it left out is loaded last
+    for (size_t i = 0; i < in_.size(); ++i) {
+        if (on_gpu_[i] && !in_.cached[i] && !cache_->resident(layer, in_.experts[i])) demand(i);
     }
     take_evictions(place, rec);
     // resident experts whose weights were never copied (initial fill) are copied at their first use
@@ -127,6 +142,7 @@ void LayerDecider::prefetch(std::vector<Prediction> predictions, int n_moe_layer
     pctx_.link_free_s = queue_s_;
     pctx_.predictions = std::move(predictions);
     if (rec) rec->predictions = pctx_.predictions;
+    prefetch_declined_ = 0;
     const auto reqs = prefetcher_->plan(pctx_, *cache_, cost_);
     for (const auto & r : reqs) {
         const int j = r.first, e = r.second;
@@ -137,7 +153,10 @@ void LayerDecider::prefetch(std::vector<Prediction> predictions, int n_moe_layer
                                         " layers or the expert range");
         }
         if (cache_->resident(j, e) || !place.holds(j)) continue;
-        if (!cache_->admit(j, e, 0.0, true)) continue;
+        if (!cache_->admit(j, e, 0.0, true)) {
+            ++prefetch_declined_;
+            continue;
+        }
         take_evictions(place, rec);
         cache_->pin(j, e);
         pending_unpin_[(size_t) j].push_back(e);

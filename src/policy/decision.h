@@ -31,9 +31,11 @@ struct DecisionRecord {
     std::vector<int32_t> ids;            ///< [T, k] routed ids, row-major
     std::vector<float> scores;           ///< [T, E] router probabilities (empty: none)
     double expert_bytes = 0;             ///< bytes of one expert of this layer (copy size)
+    double now_s = 0;                    ///< decision time on the caller's clock (seconds; the engine's: since it started)
     double pcie_free_s = 0;              ///< copy queue busy for this long (estimate, seconds) when the split was planned
     std::vector<int32_t> experts, loads; ///< activated experts and their token counts
-    std::vector<uint8_t> cached;         ///< resident when looked up
+    std::vector<uint8_t> cached;         ///< resident (or its copy queued) when looked up
+    std::vector<double> ready_s;         ///< per `experts` index: when a cached one is usable, seconds after now_s
     std::vector<uint8_t> planned_gpu;    ///< the scheduler's split (per `experts` index, 1 = GPU)
     std::vector<uint8_t> on_gpu;         ///< the split run (planned loads the cache refused ran on the CPU)
     std::vector<int32_t> loaded, declined, filled;   ///< demand loads admitted / refused; fills admitted
@@ -69,8 +71,11 @@ struct DeciderConfig {
 };
 
 /// The decision rules of one engine (one cache, one set of policies). Per MoE layer and ubatch: split(), then
-/// prefetch() (optional), then fills(); release() after the layer's experts ran. Times are seconds relative to
-/// the moment of the split (the copy-queue estimate `queue_s` counts from there).
+/// prefetch() (optional), then fills(); release() after the layer's experts ran. `now_s` is the caller's clock at
+/// the split; other times are seconds after it. Copies are queued one after another on one copy engine: a copy
+/// queued when the queue estimate is q ends (is ready) at now_s + q + cost.h2d(bytes), and the cache keeps that
+/// ready time, so a later lookup of an expert whose copy has not ended yet is a late miss (cached, with a ready
+/// time the scheduler waits for), as HybriMoE's PCIe timeline has it (§IV.B).
 class LayerDecider {
 public:
     /// Throws std::invalid_argument on a null policy or cost-model fields the planner rejects.
@@ -83,7 +88,7 @@ public:
     /// first-use copy. ids: [n_tokens, top_k] row-major; scores: [n_tokens, n_experts] or null.
     /// Returns the split run (1 = GPU) per index of input().experts. Throws on a policy error or an id out of range.
     const std::vector<uint8_t> & split(int64_t ubatch, int layer, const int32_t * ids, int n_tokens, int top_k,
-                                       const float * scores, double expert_bytes, double queue_s,
+                                       const float * scores, double expert_bytes, double now_s, double queue_s,
                                        ExpertPlacement & place, DecisionRecord * rec);
     /// Whether prefetch() would do anything after this split (slots, depth, a prefetcher, a next layer):
     /// callers skip computing predictions otherwise.
@@ -103,6 +108,8 @@ public:
     const SchedulePlan & plan() const { return plan_; }
     /// Copy-queue estimate (seconds from the split) after the copies queued so far.
     double queue_s() const { return queue_s_; }
+    /// Prefetch requests of the last prefetch() that the cache refused.
+    int prefetch_declined() const { return prefetch_declined_; }
     ExpertCache & cache() { return *cache_; }
     const CostModel & cost() const { return cost_; }
     const DeciderConfig & config() const { return cfg_; }
@@ -111,6 +118,7 @@ public:
 
 private:
     void take_evictions(ExpertPlacement & place, DecisionRecord * rec);
+    /// Queues the copy of an admitted expert; true when one was queued (the cache then gets its ready time).
     bool load(int layer, int expert, ExpertPlacement::Kind kind, ExpertPlacement & place);
 
     std::shared_ptr<ExpertCache> cache_;
@@ -124,7 +132,10 @@ private:
     LayerObservation obs_;
     PrefetchContext pctx_;
     std::vector<uint8_t> on_gpu_;
+    std::vector<int32_t> pos_;   // expert -> index in in_.experts (-1: not activated)
+    double now_s_ = 0.0;
     double queue_s_ = 0.0;
+    int prefetch_declined_ = 0;
     std::vector<std::vector<int32_t>> used_;            // per MoE layer: experts pinned by its split
     std::vector<std::vector<int32_t>> pending_unpin_;   // per MoE layer: experts pinned by earlier prefetches
 };

@@ -288,6 +288,15 @@ int ExpertCache::access(int layer, int expert, double now_s) {
     return 1;
 }
 
+void ExpertCache::set_ready(int layer, int expert, double ready_s) {
+    Entry & en = entry(layer, expert);
+    if (!en.resident) {
+        throw std::logic_error("set_ready: expert " + std::to_string(expert) + " of layer " + std::to_string(layer) +
+                               " is not resident");
+    }
+    en.ready_s = ready_s;
+}
+
 void ExpertCache::refresh(int layer) {
     if (fresh(layer)) return;
     std::vector<Rank> & ord = order_[layer];

@@ -252,6 +252,9 @@ public:
     /// counted). Throws std::invalid_argument if ready_s has another length.
     int admit_batch(int layer, const std::vector<int32_t> & experts, const std::vector<double> & ready_s,
                     bool by_prefetch);
+    /// Sets when a resident expert's weights are usable (e.g. its copy's estimated end, once the copy is queued).
+    /// Throws std::logic_error if it is not resident.
+    void set_ready(int layer, int expert, double ready_s);
     void pin(int layer, int expert);
     /// Throws std::logic_error if the expert is not pinned.
     void unpin(int layer, int expert);

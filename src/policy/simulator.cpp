@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <cmath>
 #include <stdexcept>
 
@@ -241,33 +242,64 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
 
     std::vector<int32_t> ids32;
     LayerInput in;
-    SchedulePlan plan;
     LayerObservation obs;
-    PrefetchContext ctx;
-    std::vector<std::vector<int32_t>> pending_unpin(L);
-    std::vector<double> ready_abs(E, 0.0);
-    std::vector<std::pair<double, double>> link_busy;  // copy intervals, in start order
-    double t = 0.0, link_free = 0.0, layer_est = -1.0;
+    std::vector<double> truth_ready((size_t) L * E, 0.0);  // key -> true end of its last copy (0: from the start)
+    std::vector<std::pair<double, double>> link_busy;       // copy intervals, in start order
+    double t = 0.0, link_free = 0.0, est_link = 0.0, layer_est = -1.0;
     double decision_ns = 0.0, prefetch_ns = 0.0;
     int64_t layers_run = 0;
     int current_prompt = -1;
     double prompt_start = 0.0, ttft_sum = 0.0;
+    int64_t cur_step = 0;
+    int cur_layer = 0;
+    double t_moe = 0.0;
 
     auto record = [&](int64_t si, int l, int resource, int expert, int kind, double a, double b) {
         if (static_cast<int64_t>(si) == cfg.timeline_step && l < cfg.timeline_layers) {
             res.timeline.push_back({si, l, resource, expert, kind, a, b});
         }
     };
-    // A copy's truth interval; commit() books it on the link.
-    auto copy = [&](double bytes, double start) {
-        const double d = truth_cost.h2d(bytes) * truth.h2d_scale * noise.factor(truth.h2d_noise);
-        return std::make_pair(start, start + d);
+
+    // The engine's decision rules (LayerDecider) decide; this placement charges each copy they queue on the link
+    // under the truth model. The initial fill is resident from the start (no first-use copies here).
+    struct TruthPlacement : ExpertPlacement {
+        std::function<double(int, int, Kind)> on_load;
+        double load(int layer, int expert, Kind kind) override { return on_load(layer, expert, kind); }
+        bool holds(int) const override { return true; }
+    } place;
+    place.on_load = [&](int layer, int e, ExpertPlacement::Kind kind) -> double {
+        if (kind == ExpertPlacement::kFirstUse) return 0.0;
+        const double bytes = trace.expert_bytes[(size_t) layer];
+        const double start = std::max(link_free, t_moe);
+        const double end = start + truth_cost.h2d(bytes) * truth.h2d_scale * noise.factor(truth.h2d_noise);
+        res.link_busy_s += end - start;
+        link_free = end;
+        link_busy.emplace_back(start, end);
+        truth_ready[(size_t) layer * E + e] = end;
+        int tl_kind = 1;
+        if (kind == ExpertPlacement::kDemand) {
+            res.bytes_demand += bytes;
+        } else if (kind == ExpertPlacement::kPrefetch) {
+            res.bytes_prefetch += bytes;
+            ++res.prefetch_issued;
+            tl_kind = 2;
+        } else {
+            res.bytes_fill += bytes;
+            tl_kind = 3;
+        }
+        record(cur_step, cur_layer, 2, e, tl_kind, start, end);
+        return bytes;
     };
-    auto commit = [&](const std::pair<double, double> & iv) {
-        res.link_busy_s += iv.second - iv.first;
-        link_free = iv.second;
-        link_busy.push_back(iv);
-    };
+    DeciderConfig dcfg;
+    dcfg.has_slots = cache.budget_bytes() > 0.0;
+    dcfg.prefetch_layers = cfg.prefetch_depth;
+    dcfg.fill_on_miss = cfg.fill_on_miss;
+    // the caller owns the policies: non-owning handles for the rules
+    LayerDecider decider(std::shared_ptr<ExpertCache>(&cache, [](ExpertCache *) {}),
+                         std::shared_ptr<SchedulePolicy>(&scheduler, [](SchedulePolicy *) {}),
+                         std::shared_ptr<PrefetchPolicy>(&prefetcher, [](PrefetchPolicy *) {}), planner, dcfg);
+    std::vector<Prediction> preds;
+    std::vector<int32_t> gpu_order, cpu_order, pos(E, -1);
 
     for (size_t si_u = 0; si_u < steps.size(); ++si_u) {
         const int64_t si = static_cast<int64_t>(si_u);
@@ -289,54 +321,38 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
             const double ne = truth_cost.layer(n) * truth.gpu_scale * noise.factor(truth.layer_noise);
             res.gpu_busy_s += ne;
             record(si, l, 1, -1, 4, t, t + ne);
-            const double t_moe = t + ne;
+            t_moe = t + ne;
+            cur_step = si;
+            cur_layer = l;
             // Drop copy intervals that can no longer overlap CPU work.
             size_t keep = 0;
             while (keep < link_busy.size() && link_busy[keep].second < t_moe) ++keep;
             link_busy.erase(link_busy.begin(), link_busy.begin() + keep);
 
-            // ---- decision: observe, look up, split (timed) ----
+            // ---- decision (timed): observe, look up, split, demand loads, as the engine decides ----
             const auto d0 = clock::now();
             load_layer(trace, st, l, si, ids32, in, obs);
-            cache.observe(obs);
-            for (size_t i = 0; i < in.size(); ++i) {
-                const int32_t e = in.experts[i];
-                cache.access(l, e, t_moe);
-                cache.pin(l, e);
-                if (cache.resident(l, e)) {
-                    in.cached[i] = 1;
-                    in.ready_s[i] = std::max(0.0, cache.ready_s(l, e) - t_moe);
-                }
-            }
-            in.pcie_free_s = std::max(0.0, link_free - t_moe);
-            scheduler.plan(in, planner, plan);
-            if (plan.on_gpu.size() != in.size()) {
-                throw std::runtime_error("schedule policy '" + scheduler.name() + "' returned a plan of the wrong size");
-            }
+            const std::vector<uint8_t> & on_gpu =
+                decider.split(si, l, ids32.data(), n, K, obs.scores.empty() ? nullptr : obs.scores.data(),
+                              trace.expert_bytes[(size_t) l], t_moe, std::max(0.0, est_link - t_moe), place, nullptr);
             decision_ns += std::chrono::duration<double, std::nano>(clock::now() - d0).count();
+            const LayerInput & din = decider.input();
+            const SchedulePlan & plan = decider.plan();
             res.predicted_moe_s += plan.makespan_s;
-            for (size_t i = 0; i < in.size(); ++i) ready_abs[in.experts[i]] = t_moe + in.ready_s[i];
+            for (size_t i = 0; i < din.size(); ++i) pos[din.experts[i]] = static_cast<int32_t>(i);
+            // execution order: the plan's; a load the cache refused runs on the CPU, after the planned CPU experts
+            gpu_order.clear();
+            cpu_order.assign(plan.cpu_experts.begin(), plan.cpu_experts.end());
+            for (int32_t e : plan.gpu_experts) (on_gpu[pos[e]] ? gpu_order : cpu_order).push_back(e);
 
-            // ---- truth: demand copies, GPU, CPU ----
-            const double bytes = trace.expert_bytes[l];
-            for (int32_t e : plan.load_experts) {
-                const auto iv = copy(bytes, std::max(link_free, t_moe));
-                commit(iv);
-                ready_abs[e] = iv.second;
-                res.bytes_demand += bytes;
-                cache.admit(l, e, iv.second, false);
-                record(si, l, 2, e, 1, iv.first, iv.second);
-            }
-            std::vector<int32_t> & pos = ids32;  // reuse as expert -> load lookup
-            pos.assign(E, 0);
-            for (size_t i = 0; i < in.size(); ++i) pos[in.experts[i]] = in.loads[i];
+            // ---- truth: GPU, CPU ----
             double t_gpu_end = t_moe;
-            if (!plan.gpu_experts.empty()) {
+            if (!gpu_order.empty()) {
                 double tg = t_moe + truth_cost.act(n) * noise.factor(truth.act_noise);
                 record(si, l, 1, -1, 5, t_moe, tg);
-                for (int32_t e : plan.gpu_experts) {
-                    const double s0 = std::max(tg, ready_abs[e]);
-                    const double dur = truth_cost.gpu(pos[e]) * truth.gpu_scale * noise.factor(truth.gpu_noise);
+                for (int32_t e : gpu_order) {
+                    const double s0 = std::max(tg, truth_ready[(size_t) l * E + e]);
+                    const double dur = truth_cost.gpu(din.loads[pos[e]]) * truth.gpu_scale * noise.factor(truth.gpu_noise);
                     tg = s0 + dur;
                     res.gpu_busy_s += dur;
                     record(si, l, 1, e, 0, s0, tg);
@@ -344,10 +360,10 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
                 t_gpu_end = tg;
             }
             double t_cpu_end = t_moe;
-            if (!plan.cpu_experts.empty()) {
+            if (!cpu_order.empty()) {
                 double tc = t_moe + truth_cost.cpu_startup_s + truth.cpu_startup_extra_s;
-                for (int32_t e : plan.cpu_experts) {
-                    double dur = truth_cost.cpu(pos[e]) * truth.cpu_scale * noise.factor(truth.cpu_noise);
+                for (int32_t e : cpu_order) {
+                    double dur = truth_cost.cpu(din.loads[pos[e]]) * truth.cpu_scale * noise.factor(truth.cpu_noise);
                     if (truth.contention > 0.0) {
                         double overlap = 0.0;
                         for (const auto & iv : link_busy) {
@@ -365,67 +381,27 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
             res.charged_moe_s += t_end - t_moe;
             res.layer_moe_s[l] += t_end - t_moe;
 
-            // ---- prefetch for the next D layers (planned after this layer's router) ----
-            if (cfg.prefetch_depth > 0 && l + 1 < L) {
+            // ---- prefetch for the next D layers (planned after this layer's router), then fills ----
+            if (decider.wants_prefetch(L)) {
                 const auto p0 = clock::now();
                 if (layer_est < 0.0) layer_est = planner.layer(n) + plan.makespan_s;
-                ctx.layer = l;
-                ctx.n_tokens = n;
-                ctx.top_k = K;
-                ctx.now_s = t_moe;
-                ctx.link_free_s = std::max(link_free, t_moe);
-                ctx.predictions.resize(std::min(cfg.prefetch_depth, L - 1 - l));
-                for (size_t d = 1; d <= ctx.predictions.size(); ++d) {
-                    Prediction & p = ctx.predictions[d - 1];
-                    const int j = l + static_cast<int>(d);
-                    predictor.predict(trace.row(st.begin, j), static_cast<int64_t>(L) * K, n, K, E,
-                                      static_cast<int>(d), p);
+                const int depth = std::min(cfg.prefetch_depth, L - 1 - l);
+                preds.resize(static_cast<size_t>(depth));
+                for (int d = 1; d <= depth; ++d) {
+                    Prediction & p = preds[static_cast<size_t>(d - 1)];
+                    const int j = l + d;
+                    predictor.predict(trace.row(st.begin, j), static_cast<int64_t>(L) * K, n, K, E, d, p);
                     p.layer = j;
                     p.expert_bytes = trace.expert_bytes[j];
-                    p.start_s = t_moe + plan.makespan_s + (double(d) - 1.0) * layer_est + planner.layer(n);
+                    p.start_s = plan.makespan_s + (double(d) - 1.0) * layer_est + planner.layer(n);
                 }
-                const std::vector<std::pair<int, int>> reqs = prefetcher.plan(ctx, cache, planner);
-                for (const auto & r : reqs) {
-                    const int j = r.first, e = r.second;
-                    if (j <= l || j >= L || j > l + cfg.prefetch_depth || e < 0 || e >= E) {
-                        throw std::invalid_argument("prefetch policy '" + prefetcher.name() + "' asked for (layer " +
-                                                    std::to_string(j) + ", expert " + std::to_string(e) +
-                                                    "), outside the next " + std::to_string(cfg.prefetch_depth) +
-                                                    " layers or the expert range");
-                    }
-                    if (cache.resident(j, e)) continue;
-                    const double b = trace.expert_bytes[j];
-                    const auto iv = copy(b, std::max(link_free, t_moe));
-                    if (!cache.admit(j, e, iv.second, true)) {
-                        ++res.prefetch_declined;
-                        continue;
-                    }
-                    commit(iv);
-                    cache.pin(j, e);
-                    pending_unpin[j].push_back(e);
-                    res.bytes_prefetch += b;
-                    ++res.prefetch_issued;
-                    record(si, l, 2, e, 2, iv.first, iv.second);
-                }
+                decider.prefetch(preds, L, place, nullptr);
+                res.prefetch_declined += decider.prefetch_declined();
                 prefetch_ns += std::chrono::duration<double, std::nano>(clock::now() - p0).count();
             }
-
-            // ---- fills: CPU-computed misses while the link would otherwise idle during this layer ----
-            if (cfg.fill_on_miss) {
-                for (int32_t e : plan.cpu_experts) {
-                    if (cache.resident(l, e)) continue;
-                    const double start = std::max(link_free, t_moe);
-                    if (start >= t_end) break;
-                    const auto iv = copy(bytes, start);
-                    if (!cache.admit(l, e, iv.second, false)) continue;
-                    commit(iv);
-                    res.bytes_fill += bytes;
-                    record(si, l, 2, e, 3, iv.first, iv.second);
-                }
-            }
-            for (int32_t e : in.experts) cache.unpin(l, e);
-            for (int32_t e : pending_unpin[l]) cache.unpin(l, e);
-            pending_unpin[l].clear();
+            decider.fills(place, nullptr);
+            est_link = t_moe + decider.queue_s();
+            decider.release(l);
 
             const double layer_dur = t_end - t_layer0;
             layer_est = layer_est < 0.0 ? layer_dur : 0.8 * layer_est + 0.2 * layer_dur;
@@ -530,7 +506,7 @@ std::vector<DecisionRecord> replay_decisions(const std::vector<DecisionRecord> &
         DecisionRecord d;
         place.rec = &r;
         decider.split(r.ubatch, r.layer, r.ids.data(), r.n_tokens, r.top_k, r.scores.empty() ? nullptr : r.scores.data(),
-                      r.expert_bytes, r.pcie_free_s, place, &d);
+                      r.expert_bytes, r.now_s, r.pcie_free_s, place, &d);
         if (decider.wants_prefetch(L)) decider.prefetch(r.predictions, L, place, &d);
         decider.fills(place, &d);
         decider.release(r.layer);
@@ -552,6 +528,7 @@ std::string first_difference(const std::vector<DecisionRecord> & a, const std::v
         }
         if (x.experts != y.experts) return where + "experts: " + list_str(x.experts) + " vs " + list_str(y.experts);
         if (x.cached != y.cached) return where + "cached: " + list_str(x.cached) + " vs " + list_str(y.cached);
+        if (x.ready_s != y.ready_s) return where + "ready_s: " + list_str(x.ready_s) + " vs " + list_str(y.ready_s);
         if (x.planned_gpu != y.planned_gpu) {
             return where + "planned_gpu: " + list_str(x.planned_gpu) + " vs " + list_str(y.planned_gpu);
         }

@@ -115,8 +115,12 @@ FutureAccesses build_future(const Trace & trace, const std::vector<Step> & steps
 CacheStats replay_cache(const Trace & trace, ExpertCache & cache, int first_prompt, int end_prompt,
                         const SimConfig & cfg);
 
-/// Event-driven simulation of prompts [first_prompt, end_prompt): per layer, the policies plan with `planner`;
-/// the CPU, GPU and copy-engine timelines are charged by `truth_cost` under `truth`. Non-expert work runs on the
+/// Event-driven simulation of prompts [first_prompt, end_prompt): per layer, the engine's decision rules
+/// (LayerDecider, decision.h: lookups, split, demand loads, a refused load on the CPU, prefetches, fills while the
+/// planner's copy-queue estimate stays below the makespan) decide with `planner`, the policies and the planner's
+/// estimate of the copy queue, as the engine does; the CPU, GPU and copy-engine timelines are charged by
+/// `truth_cost` under `truth` (an expert waits for the true end of its copy). The cache's initial fill is resident
+/// from the start (the engine copies it at first use). Non-expert work runs on the
 /// GPU before the routed experts; a leading dense layer costs dense(n). Throws std::invalid_argument on bad
 /// ranges or a cache whose shape does not match the trace; exceptions from policies propagate.
 SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & scheduler, PrefetchPolicy & prefetcher,
@@ -127,7 +131,7 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
 /// `cache`, `scheduler` and `prefetcher`, which must be fresh objects built as the engine's were (same preset,
 /// budget, initial fill) with the engine's cost model and rules `cfg` (issue 5, item 5). Per record, in order, the
 /// same rules as the engine (LayerDecider) run on the record's inputs: routing, router scores, expert bytes, the
-/// copy-queue estimate at the split, the predictions the prefetcher was shown and the first-use copies; the layer
+/// engine's clock and copy-queue estimate at the split, the predictions the prefetcher was shown and the first-use copies; the layer
 /// is released after its record, as the engine's wait op does. Returns one record per input holding those inputs
 /// and the simulator's decisions (cached, planned and run split, loads admitted / declined, prefetches, fills,
 /// evictions, makespan). Throws std::invalid_argument on records that do not fit the cache (layer or expert out of
@@ -139,8 +143,8 @@ std::vector<DecisionRecord> replay_decisions(const std::vector<DecisionRecord> &
                                              const DeciderConfig & cfg);
 
 /// The first decision on which two logs differ, as "record i (ubatch u, MoE layer l): <field>: <a> vs <b>", or ""
-/// when they agree on every decision (cached, planned_gpu, on_gpu, loaded, declined, first_use, prefetched, filled,
-/// evicted, makespan_s; compared exactly) and have the same length.
+/// when they agree on every decision (cached, ready_s, planned_gpu, on_gpu, loaded, declined, first_use, prefetched,
+/// filled, evicted, makespan_s; compared exactly) and have the same length.
 std::string first_difference(const std::vector<DecisionRecord> & a, const std::vector<DecisionRecord> & b);
 
 }  // namespace hybrimoe

@@ -598,9 +598,10 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         }
         DecisionRecord rec;
         DecisionRecord * rp = logging_ ? &rec : nullptr;
+        const double t_split = now();
         const std::vector<uint8_t> & on_gpu =
-            decider_->split(ubatch_, ml, ids_.data(), (int) T, (int) k, scores_.data(), expert_bytes,
-                            std::max(0.0, link_free_ - now()), placement_, rp);
+            decider_->split(ubatch_, ml, ids_.data(), (int) T, (int) k, scores_.data(), expert_bytes, t_split,
+                            std::max(0.0, link_free_ - t_split), placement_, rp);
         const LayerInput & in = decider_->input();
         const SchedulePlan & plan = decider_->plan();
         uint64_t declined = 0;
