@@ -8,6 +8,7 @@ that llama-cpp-python lacks, under upstream's names (common/arg.cpp): ``rpc_serv
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import re
 import threading
@@ -177,6 +178,13 @@ class Llama(llama_cpp.Llama):
                     moe_prefetch_layers < 0:
                 raise ValueError(f"moe_prefetch_layers must be an integer >= 0, got {moe_prefetch_layers!r}")
             facts = eng.engine_facts(model_path)
+            # llama.cpp applies kv_overrides of "<arch>.expert_used_count" to top-k: the engine must see the same k
+            k_over = (kwargs.get("kv_overrides") or {}).get(f"{facts.arch}.expert_used_count")
+            if k_over is not None:
+                if isinstance(k_over, bool) or not isinstance(k_over, int) or not 1 <= k_over <= facts.n_expert:
+                    raise ValueError(f"kv_overrides {facts.arch}.expert_used_count must be an integer in "
+                                     f"1..{facts.n_expert}, got {k_over!r}")
+                facts = dataclasses.replace(facts, top_k=int(k_over))
             n_slots = eng.cache_slots(moe_cache, facts)
             policies = eng.build_policies(moe_policy, facts, n_slots, moe_prefetch_layers)
             cost = eng.resolve_cost_model(moe_cost_model, facts) if moe_cost_model is not None else None

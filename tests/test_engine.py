@@ -559,3 +559,25 @@ def test_decision_log_matches_what_ran(tiny_model, rpc_server, split_cost_model,
         eng.set_logging(False)
     finally:
         llm.close()
+
+
+def test_kv_override_of_top_k_reaches_the_engine(tiny_model, rpc_server, split_cost_model, engine_tools):
+    """kv_overrides "<arch>.expert_used_count" changes llama.cpp's top-k; the engine plans with the same k (it
+    used to see a k other than the file's and leave every layer to the CPU) and still matches upstream."""
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    over = {"qwen3moe.expert_used_count": 1}
+    llm = Llama(str(path), moe_cache=_slots(path, 6), moe_cost_model=split_cost_model, kv_overrides=over,
+                **_common(rpc_server))
+    try:
+        tokens = engine_tools.prompt_of(llm, 24)
+        out, lg = engine_tools.run_greedy(llm, tokens, 8)
+        e = llm.moe_stats()["engine"]
+    finally:
+        llm.close()
+    ref_out, ref_lg = _reference(path, rpc_server, tokens, engine_tools, n=8, kv_overrides=over)
+    assert out == ref_out and np.array_equal(lg, ref_lg)
+    assert e["gpu_experts"] > 0 and sum(s["runs"] for s in e["layers"]) > 0
+    with pytest.raises(ValueError, match="expert_used_count must be an integer in 1..8"):
+        Llama(str(path), moe_cache=0, kv_overrides={"qwen3moe.expert_used_count": 99}, **_common(rpc_server))
