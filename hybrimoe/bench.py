@@ -65,7 +65,7 @@ class Config:
         self.log: list[dict] = []
         self.kept_decode: list[int] = []  # indices into log of the measured decode ubatches
         if self.llm._moe_engine is not None:
-            self.llm._moe_engine.set_logging(True)
+            self.llm.moe_log()
 
     # ---- one repetition: start() evaluates the prompt, step() decodes one greedy token, finish() collects ----
     def start(self, prompt: list[int]) -> None:
@@ -124,7 +124,7 @@ class Config:
             e.update(bytes=tot["bytes_copied"], accesses=cs.accesses, hits=cs.demand_hits + cs.prefetch_hits,
                      failed=int(bool(eng.failed)))
             r["engine"] = e
-            part = eng.take_log()
+            part = llm.moe_take_log()
             if keep:
                 self.kept_decode += [len(self.log) + i for i, d in enumerate(part) if d["n_tokens"] == 1]
             self.log.extend(part)

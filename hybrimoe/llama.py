@@ -369,6 +369,23 @@ class Llama(llama_cpp.Llama):
         if err:  # (no engine reference left in this frame: a kept traceback must not keep the engine alive)
             raise RuntimeError(f"hybrimoe engine failed: {err}")
 
+    def moe_log(self, on: bool = True) -> None:
+        """Starts (or, ``on=False``, stops and drops) the engine's decision log: one record per MoE layer and
+        ubatch (routing ids ``[T, k]``, router scores ``[T, E]``, expert bytes, the engine's clock and copy-queue
+        estimate, predictions shown to the prefetcher, and every decision: cached, planned and run split, loads,
+        prefetches, fills, evictions, predicted makespan). Start it before the first decode to replay it with
+        :func:`hybrimoe.simulate.replay_engine_log`. Raises ValueError without the engine (``moe_cache``)."""
+        if self._moe_engine is None:
+            raise ValueError("moe_log needs the MoE engine (moe_cache=...)")
+        self._moe_engine.set_logging(bool(on))
+
+    def moe_take_log(self) -> list:
+        """The decision records kept since the last call (see :meth:`moe_log`), as dicts. Raises ValueError
+        without the engine."""
+        if self._moe_engine is None:
+            raise ValueError("moe_take_log needs the MoE engine (moe_cache=...)")
+        return self._moe_engine.take_log()
+
     def moe_stats(self) -> dict:
         """Statistics of hybrimoe's MoE hook and engine.
 

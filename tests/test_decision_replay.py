@@ -28,10 +28,10 @@ def _logged_run(path, rpc_server, engine_tools, n_prompt=40, n_gen=10, **kw):
     from hybrimoe import Llama
 
     llm = Llama(str(path), **_common(rpc_server), **kw)
-    llm._moe_engine.set_logging(True)
+    llm.moe_log()
     tokens = engine_tools.prompt_of(llm, n_prompt)
     engine_tools.run_greedy(llm, tokens, n_gen)
-    return llm, llm._moe_engine.take_log()
+    return llm, llm.moe_take_log()
 
 
 def _slots(path, n):
@@ -97,6 +97,19 @@ def test_replay_detects_other_settings(tiny_model, rpc_server, split_cost_model,
         assert diff != ""
         with pytest.raises(ValueError, match="turn logging on before the first decode"):
             replay_engine_log(llm, log[3:])
+    finally:
+        llm.close()
+
+
+def test_moe_log_needs_the_engine(tiny_model):
+    from hybrimoe import Llama
+
+    llm = Llama(str(tiny_model("qwen3moe", "Q8_0")), n_ctx=64, verbose=False)
+    try:
+        with pytest.raises(ValueError, match="moe_log needs the MoE engine"):
+            llm.moe_log()
+        with pytest.raises(ValueError, match="moe_take_log needs the MoE engine"):
+            llm.moe_take_log()
     finally:
         llm.close()
 
