@@ -95,6 +95,7 @@ inline hybrimoe::DecisionRecord decision_from_dict(py::handle h, size_t index) {
         key = "predictions";
         if (d.contains(key)) {
             for (py::handle ph : d[key]) {
+                if (!py::isinstance<py::dict>(ph)) throw py::cast_error();
                 const py::dict q = py::reinterpret_borrow<py::dict>(ph);
                 hybrimoe::Prediction p;
                 p.layer = q["layer"].cast<int>();
@@ -120,10 +121,11 @@ inline hybrimoe::DecisionRecord decision_from_dict(py::handle h, size_t index) {
         key = "prefetched"; r.prefetched = field_or_empty<std::pair<int, int>>(d, key);
         key = "evicted"; r.evicted = field_or_empty<int64_t>(d, key);
         key = "makespan_s"; r.makespan_s = d.contains(key) ? d[key].cast<double>() : 0.0;
-    } catch (const py::error_already_set &) {
-        throw py::value_error(where + ": key '" + key + "' is missing");
+    } catch (const py::error_already_set & e) {
+        if (e.matches(PyExc_KeyError)) throw py::value_error(where + ": key '" + key + "' is missing");
+        throw py::value_error(where + ": key '" + key + "' has the wrong type or shape");
     } catch (const py::cast_error &) {
-        throw py::value_error(where + ": key '" + key + "' has the wrong type");
+        throw py::value_error(where + ": key '" + key + "' has the wrong type or shape");
     }
     return r;
 }

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import re
 import threading
+import warnings
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -222,9 +223,15 @@ class Llama(llama_cpp.Llama):
                 found = cal.stored(model_path, label)
                 st = self._moe_setup
                 if found is None and st["n_slots"] > 0 and cal.auto_enabled():
-                    found = cal.on_first_use(model_path, label, rpc_servers=",".join(endpoints) or None,
-                                             n_gpu_layers=kwargs.get("n_gpu_layers", 0),
-                                             threads=kwargs.get("n_threads"))
+                    try:
+                        found = cal.on_first_use(model_path, label, rpc_servers=",".join(endpoints) or None,
+                                                 n_gpu_layers=kwargs.get("n_gpu_layers", 0),
+                                                 threads=kwargs.get("n_threads"))
+                    except (OSError, ValueError, RuntimeError) as e:
+                        # a failed measurement or an unwritable store must not cost the user the model
+                        warnings.warn(f"hybrimoe: the first-use calibration failed ({e}); using the "
+                                      f"{DEFAULT_COST_PRESET} preset (hybrimoe calibrate measures one)",
+                                      RuntimeWarning, stacklevel=2)
                 if found is not None:
                     st["cost"], st["cost_source"] = resolve_cost_model(str(found), st["facts"]), str(found)
                 else:
@@ -374,7 +381,10 @@ class Llama(llama_cpp.Llama):
         ubatch (routing ids ``[T, k]``, router scores ``[T, E]``, expert bytes, the engine's clock and copy-queue
         estimate, predictions shown to the prefetcher, and every decision: cached, planned and run split, loads,
         prefetches, fills, evictions, predicted makespan). Start it before the first decode to replay it with
-        :func:`hybrimoe.simulate.replay_engine_log`. Raises ValueError without the engine (``moe_cache``)."""
+        :func:`hybrimoe.simulate.replay_engine_log`. The log grows with every record (the router scores alone
+        are ``T x E`` floats per MoE layer and ubatch: about 3.4 MB per 512-token prompt of a 26-layer,
+        64-expert model): take it often or stop it on long runs. Raises ValueError without the engine
+        (``moe_cache``)."""
         if self._moe_engine is None:
             raise ValueError("moe_log needs the MoE engine (moe_cache=...)")
         self._moe_engine.set_logging(bool(on))

@@ -259,9 +259,11 @@ def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
     if setup is None or getattr(llm, "_moe_engine", None) is None:
         raise ValueError("replay_engine_log needs a Llama with the MoE engine on (moe_cache=...)")
     log = list(log)
-    if log and (log[0]["ubatch"] != 0 or log[0]["layer"] != 0):
-        raise ValueError(f"the log starts at ubatch {log[0]['ubatch']}, MoE layer {log[0]['layer']}: turn logging on "
-                         "before the first decode (the replay starts from the engine's initial cache)")
+    if log and (not isinstance(log[0], dict) or "ubatch" not in log[0]):
+        raise ValueError("decision record 0 is not a record of moe_take_log() (no 'ubatch')")
+    if log and log[0]["ubatch"] != 0:
+        raise ValueError(f"the log starts at ubatch {log[0]['ubatch']}: turn logging on before the first decode (the "
+                         "replay starts from the engine's initial cache)")
     if policies is None:
         spec = setup["policy_spec"]
         if not (isinstance(spec, str) or (isinstance(spec, dict) and

@@ -97,3 +97,25 @@ def test_calibrate_not_a_moe_model(tmp_path, capsys):
     bad.write_bytes(b"not a gguf")
     assert calibrate.main(["-m", str(bad), "--quick"]) == 1
     assert "not a GGUF" in capsys.readouterr().err
+
+
+def test_a_failed_first_use_calibration_falls_back_to_the_preset(tiny_model, rpc_server, tmp_path, monkeypatch):
+    """A measurement that fails (or a store that cannot be written) costs a warning, not the model."""
+    from hybrimoe import Llama, calibrate
+    from hybrimoe.engine import slot_bytes
+
+    def broken(*a, **k):
+        raise RuntimeError("measurement failed")
+
+    monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HYBRIMOE_AUTO_CALIBRATE", "1")
+    monkeypatch.setattr(calibrate, "calibrate", broken)
+    path = tiny_model("qwen3moe", "Q8_0")
+    with pytest.warns(RuntimeWarning, match="first-use calibration failed .measurement failed.; using the"):
+        llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache=4 * slot_bytes(path),
+                    n_ctx=128, verbose=False)
+    try:
+        assert "preset rtx4090-desktop" in llm.moe_stats()["engine"]["cost_model"]
+        assert calibrate.stored(path, rpc_server.endpoint) is None
+    finally:
+        llm.close()

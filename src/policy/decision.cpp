@@ -61,7 +61,7 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
         cache_->access(layer, e, now_s);
         cache_->pin(layer, e);
         used.push_back(e);
-        if (cache_->resident(layer, e)) {
+        if (cfg_.has_slots && cache_->resident(layer, e)) {
             in_.cached[i] = 1;
             in_.ready_s[i] = std::max(0.0, cache_->ready_s(layer, e) - now_s);
         }
@@ -69,8 +69,21 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
     queue_s_ = std::max(0.0, queue_s);
     in_.pcie_free_s = queue_s_;
     scheduler_->plan(in_, cost_, plan_);
-    if (plan_.on_gpu.size() != in_.size()) {
+    if (plan_.on_gpu.size() != in_.size() ||
+        plan_.gpu_experts.size() + plan_.cpu_experts.size() != in_.size()) {
         throw std::runtime_error("schedule policy '" + scheduler_->name() + "' returned a plan of the wrong size");
+    }
+    pos_.assign((size_t) E, -1);
+    for (size_t i = 0; i < in_.size(); ++i) pos_[(size_t) in_.experts[i]] = (int32_t) i;
+    for (int side = 0; side < 2; ++side) {
+        for (int32_t e : side ? plan_.gpu_experts : plan_.cpu_experts) {
+            const int32_t i = e >= 0 && e < E ? pos_[(size_t) e] : -1;
+            if (i < 0 || plan_.on_gpu[(size_t) i] != side) {
+                throw std::runtime_error("schedule policy '" + scheduler_->name() + "' returned a plan whose " +
+                                         (side ? "GPU" : "CPU") + " list disagrees with its split (expert " +
+                                         std::to_string(e) + ")");
+            }
+        }
     }
     if (rec) {
         rec->ubatch = ubatch;
@@ -93,8 +106,6 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
     if (!cfg_.has_slots) std::fill(on_gpu_.begin(), on_gpu_.end(), 0);
 
     // demand loads, in the plan's copy order: admit; a load the cache refuses runs on the CPU
-    pos_.assign((size_t) E, -1);
-    for (size_t i = 0; i < in_.size(); ++i) pos_[(size_t) in_.experts[i]] = (int32_t) i;
     auto demand = [&](size_t i) {
         const int32_t e = in_.experts[i];
         if (cache_->admit(layer, e, 0.0, false)) {
@@ -138,10 +149,12 @@ void LayerDecider::prefetch(std::vector<Prediction> predictions, int n_moe_layer
     pctx_.layer = ml;
     pctx_.n_tokens = in_.n_tokens;
     pctx_.top_k = obs_.top_k;
-    pctx_.now_s = 0.0;
-    pctx_.link_free_s = queue_s_;
+    // the prefetcher works on the caller's clock, as the cache's ready times do (start_s comes relative)
+    if (rec) rec->predictions = predictions;
+    pctx_.now_s = now_s_;
+    pctx_.link_free_s = now_s_ + queue_s_;
     pctx_.predictions = std::move(predictions);
-    if (rec) rec->predictions = pctx_.predictions;
+    for (Prediction & p : pctx_.predictions) p.start_s += now_s_;
     prefetch_declined_ = 0;
     const auto reqs = prefetcher_->plan(pctx_, *cache_, cost_);
     for (const auto & r : reqs) {

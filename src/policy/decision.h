@@ -25,7 +25,7 @@ namespace hybrimoe {
 /// One (MoE layer, ubatch) as decided: the inputs a replay needs (routing, scores, expert bytes, copy-queue
 /// estimate, predictions, first-use copies) and the decisions to compare (everything else).
 struct DecisionRecord {
-    int64_t ubatch = 0;                  ///< ubatch counter (runs of the first MoE layer)
+    int64_t ubatch = 0;                  ///< ubatch counter from 0 (a new ubatch when the MoE layers start over)
     int layer = 0;                       ///< MoE layer index
     int n_tokens = 0, top_k = 0;
     std::vector<int32_t> ids;            ///< [T, k] routed ids, row-major
@@ -86,16 +86,21 @@ public:
     /// scheduler for the split with the copy queue busy for `queue_s`, and admits the planned loads (a load the
     /// cache refuses runs on the CPU); resident experts on the GPU whose weights were never copied get a
     /// first-use copy. ids: [n_tokens, top_k] row-major; scores: [n_tokens, n_experts] or null.
-    /// Returns the split run (1 = GPU) per index of input().experts. Throws on a policy error or an id out of range.
+    /// Without slots (DeciderConfig::has_slots false) nothing counts as cached and everything runs on the CPU.
+    /// Returns the split run (1 = GPU) per index of input().experts. Throws std::invalid_argument on an id out of
+    /// range, std::runtime_error on a plan whose size or GPU/CPU lists disagree with its split; policy errors
+    /// propagate.
     const std::vector<uint8_t> & split(int64_t ubatch, int layer, const int32_t * ids, int n_tokens, int top_k,
                                        const float * scores, double expert_bytes, double now_s, double queue_s,
                                        ExpertPlacement & place, DecisionRecord * rec);
     /// Whether prefetch() would do anything after this split (slots, depth, a prefetcher, a next layer):
     /// callers skip computing predictions otherwise.
     bool wants_prefetch(int n_moe_layers) const;
-    /// HybriMoE §IV.C: shows the prefetcher `predictions` (of the layers after the split's layer; start_s relative
-    /// to the split) with the copy queue as estimated now, then admits, pins (until that layer's release) and
-    /// loads what it asks for. Throws std::invalid_argument on a request outside the next prefetch_layers layers.
+    /// HybriMoE §IV.C: shows the prefetcher `predictions` (of the layers after the split's layer; start_s in
+    /// seconds after the split) with the copy queue as estimated now, then admits, pins (until that layer's
+    /// release) and loads what it asks for. The prefetcher sees times on the caller's clock, like the cache's
+    /// ready times: now_s, link_free_s = now_s + queue, start_s + now_s. The record keeps the predictions as
+    /// given. Throws std::invalid_argument on a request outside the next prefetch_layers layers.
     void prefetch(std::vector<Prediction> predictions, int n_moe_layers, ExpertPlacement & place,
                   DecisionRecord * rec);
     /// Fills: CPU-computed misses of the split's layer are offered to the cache, in activation order, while the

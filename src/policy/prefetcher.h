@@ -20,6 +20,7 @@ struct Prediction {
     int distance = 1;              ///< layer - current layer (>= 1)
     double confidence = 1.0;       ///< probability that a predicted expert is really activated (0..1)
     double start_s = 0.0;          ///< estimated time (caller's clock, seconds) when that layer's experts start
+                                   ///< (LayerDecider::prefetch takes it relative to the split and converts)
     double expert_bytes = 0.0;     ///< bytes of one expert of that layer
     std::vector<int32_t> experts;  ///< predicted experts, distinct
     std::vector<int32_t> loads;    ///< predicted tokens per expert

@@ -267,8 +267,10 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
         double load(int layer, int expert, Kind kind) override { return on_load(layer, expert, kind); }
         bool holds(int) const override { return true; }
     } place;
+    double charge_ns = 0.0;  // time spent charging copies inside a timed decision (not part of deciding)
     place.on_load = [&](int layer, int e, ExpertPlacement::Kind kind) -> double {
         if (kind == ExpertPlacement::kFirstUse) return 0.0;
+        const auto c0 = clock::now();
         const double bytes = trace.expert_bytes[(size_t) layer];
         const double start = std::max(link_free, t_moe);
         const double end = start + truth_cost.h2d(bytes) * truth.h2d_scale * noise.factor(truth.h2d_noise);
@@ -288,6 +290,7 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
             tl_kind = 3;
         }
         record(cur_step, cur_layer, 2, e, tl_kind, start, end);
+        charge_ns += std::chrono::duration<double, std::nano>(clock::now() - c0).count();
         return bytes;
     };
     DeciderConfig dcfg;
@@ -331,11 +334,12 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
 
             // ---- decision (timed): observe, look up, split, demand loads, as the engine decides ----
             const auto d0 = clock::now();
+            charge_ns = 0.0;
             load_layer(trace, st, l, si, ids32, in, obs);
             const std::vector<uint8_t> & on_gpu =
                 decider.split(si, l, ids32.data(), n, K, obs.scores.empty() ? nullptr : obs.scores.data(),
                               trace.expert_bytes[(size_t) l], t_moe, std::max(0.0, est_link - t_moe), place, nullptr);
-            decision_ns += std::chrono::duration<double, std::nano>(clock::now() - d0).count();
+            decision_ns += std::chrono::duration<double, std::nano>(clock::now() - d0).count() - charge_ns;
             const LayerInput & din = decider.input();
             const SchedulePlan & plan = decider.plan();
             res.predicted_moe_s += plan.makespan_s;
@@ -493,6 +497,21 @@ std::vector<DecisionRecord> replay_decisions(const std::vector<DecisionRecord> &
         }
         for (int32_t id : r.ids) {
             if (id < 0 || id >= E) throw std::invalid_argument(where + "expert id " + std::to_string(id) + " out of range");
+        }
+        for (const Prediction & p : r.predictions) {
+            if (p.layer <= r.layer || p.layer >= L) {
+                throw std::invalid_argument(where + "a prediction for MoE layer " + std::to_string(p.layer) +
+                                            ", not one after layer " + std::to_string(r.layer) + " (of " +
+                                            std::to_string(L) + ")");
+            }
+            if (p.experts.size() != p.loads.size()) {
+                throw std::invalid_argument(where + "a prediction's experts and loads differ in length");
+            }
+            for (int32_t e : p.experts) {
+                if (e < 0 || e >= E) {
+                    throw std::invalid_argument(where + "predicted expert " + std::to_string(e) + " out of range");
+                }
+            }
         }
         place.layer_runs[(size_t) r.layer] = 1;
         place.layer_bytes[(size_t) r.layer] = r.expert_bytes;

@@ -580,7 +580,9 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
     if (T == 0) return;
     // warm-up graphs route every token to every expert: not a real ubatch, leave it to the CPU
     if (k != cfg_.top_k) return;
-    if (ml == 0) ++ubatch_;
+    // a new ubatch starts when the MoE layers start over (the first layer the engine handles need not be 0)
+    if (ml <= last_ml_) ++ubatch_;
+    last_ml_ = ml;
 
     try {
         if (failed_) return;
@@ -620,7 +622,9 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
             uint64_t seq[2] = {0, 0};
             for (size_t i = 0; i < in.size(); ++i) {
                 if (!on_gpu[i]) continue;
-                part[i] = in.cached[i] ? 1 : 2;
+                // a resident expert whose copy is still in flight (estimate) goes with this layer's loads: the
+                // first launch does not wait for it
+                part[i] = in.cached[i] && in.ready_s[i] <= 0.0 ? 1 : 2;
                 const size_t key = (size_t) ml * E + in.experts[i];
                 seq[part[i] - 1] = std::max(seq[part[i] - 1], key_copy_seq_[key]);
             }

@@ -227,6 +227,7 @@ private:
     bool drop_gpu_ = false;
     bool logging_ = false;
     int64_t ubatch_ = -1;
+    int last_ml_ = 1 << 30;                  // MoE layer of the previous plan (a lower or equal one: new ubatch)
     std::vector<DecisionRecord> log_;
 };
 
@@ -237,8 +238,8 @@ struct Engine::LayerRun {
     int il = -1;                 ///< model layer index
     void * counters = nullptr;   ///< hook counters (LayerCounters)
     bool gpu_launched = false;
-    /// launch 0: experts resident before this layer (prefetched or cached); launch 1: this layer's demand loads,
-    /// which waits only for their copies
+    /// launch 0: experts resident and (by the estimate) copied before this layer; launch 1: this layer's demand
+    /// loads and experts whose copy is still in flight, which waits only for their copies
     GpuGraph * graph[2] = {nullptr, nullptr};
     std::vector<uint8_t> pair_part;  ///< [T * k]: 0 CPU, 1 launch 0, 2 launch 1
     double t_start = 0.0;
