@@ -220,14 +220,15 @@ def auto_enabled() -> bool:
 
 
 def on_first_use(model_path, device: str, *, rpc_servers=None, n_gpu_layers: int = 99,
-                 threads: Optional[int] = None) -> Path:
+                 threads: Optional[int] = None) -> "Path | _core.CostModel":
     """The engine's first use of ``model_path`` on ``device`` without a stored calibration: runs a short one (the
     ``--quick`` sizes: ubatches of 1, 4 and 16 tokens, one repetition each; a progress bar on a terminal, or with
-    ``HYBRIMOE_PROGRESS=1``), stores it where :func:`stored` finds it and returns its path. ``hybrimoe calibrate``
-    makes a fuller one. Turn it off with ``HYBRIMOE_AUTO_CALIBRATE=0`` (the preset is used then).
+    ``HYBRIMOE_PROGRESS=1``), stores it where :func:`stored` finds it and returns its path; when the store cannot
+    be written it warns and returns the measured cost model itself (used for this run only). ``hybrimoe
+    calibrate`` makes a fuller one. Turn it off with ``HYBRIMOE_AUTO_CALIBRATE=0`` (the preset is used then).
 
     Raises:
-        ValueError, RuntimeError: as :func:`calibrate`; OSError: the store is not writable.
+        ValueError, RuntimeError, OSError: as :func:`calibrate` (the measurement failed).
     """
     print(f"hybrimoe: no calibration of {Path(model_path).name} on {device}: measuring a short one "
           "(hybrimoe calibrate makes a fuller one; HYBRIMOE_AUTO_CALIBRATE=0 skips this)", file=sys.stderr)
@@ -235,7 +236,15 @@ def on_first_use(model_path, device: str, *, rpc_servers=None, n_gpu_layers: int
                                          threads=threads, quick=True, desc="hybrimoe: calibrating (first use)")
     for f in sources:
         sources[f] = f"first-use calibration (quick): {sources[f]}"
-    return save(cm, sources, calibration_path(model_path, measured_on))
+    out = calibration_path(model_path, measured_on)
+    try:
+        return save(cm, sources, out)
+    except OSError as e:
+        import warnings
+
+        warnings.warn(f"cannot store the first-use calibration in {out.parent} ({e}); it is used for this run only",
+                      RuntimeWarning, stacklevel=3)
+        return cm
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

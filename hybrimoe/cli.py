@@ -1,4 +1,4 @@
-"""The ``hybrimoe`` command line: ``run``, ``info``, ``make-tiny-model``, ``simulate``.
+"""The ``hybrimoe`` command line: ``run``, ``info``, ``make-tiny-model``, ``simulate``, ``calibrate``, ``bench``.
 
 Flags follow llama.cpp's tools (``-m -p -n -t -c -ngl -ub --seed --temp -ot --n-cpu-moe --rpc``); hybrimoe's
 own flags start with ``--moe-``.

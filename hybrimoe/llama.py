@@ -222,21 +222,30 @@ class Llama(llama_cpp.Llama):
                 label = _ggml.device_label(engine_device)
                 found = cal.stored(model_path, label)
                 st = self._moe_setup
+                failed = None
                 if found is None and st["n_slots"] > 0 and cal.auto_enabled():
                     try:
                         found = cal.on_first_use(model_path, label, rpc_servers=",".join(endpoints) or None,
                                                  n_gpu_layers=kwargs.get("n_gpu_layers", 0),
                                                  threads=kwargs.get("n_threads"))
                     except (OSError, ValueError, RuntimeError) as e:
-                        # a failed measurement or an unwritable store must not cost the user the model
-                        warnings.warn(f"hybrimoe: the first-use calibration failed ({e}); using the "
-                                      f"{DEFAULT_COST_PRESET} preset (hybrimoe calibrate measures one)",
-                                      RuntimeWarning, stacklevel=2)
-                if found is not None:
+                        # a failed measurement must not cost the user the model
+                        failed = str(e)
+                        warnings.warn(f"the first-use calibration failed ({e}); using the {DEFAULT_COST_PRESET} "
+                                      "preset (hybrimoe calibrate measures one)", RuntimeWarning, stacklevel=2)
+                if isinstance(found, _core_cost_model_type()):  # measured, but the store was not writable
+                    st["cost"], st["cost_source"] = found, "first-use calibration (not stored)"
+                elif found is not None:
                     st["cost"], st["cost_source"] = resolve_cost_model(str(found), st["facts"]), str(found)
                 else:
                     st["cost"] = resolve_cost_model(None, st["facts"])
-                    st["cost_source"] = f"preset {DEFAULT_COST_PRESET} (no calibration stored, first-use calibration off: hybrimoe calibrate)"
+                    if failed:
+                        why = f"first-use calibration failed: {failed}"
+                    elif st["n_slots"] == 0:
+                        why = "no calibration stored; none measured without GPU slots"
+                    else:
+                        why = "no calibration stored, first-use calibration off"
+                    st["cost_source"] = f"preset {DEFAULT_COST_PRESET} ({why}: hybrimoe calibrate)"
             # the engine reads the routed experts from host memory in the file's layout (pinned if possible)
             host_names = {"CPU", host}
             for pattern, buft_name in overrides:

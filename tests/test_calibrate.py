@@ -99,6 +99,25 @@ def test_calibrate_not_a_moe_model(tmp_path, capsys):
     assert "not a GGUF" in capsys.readouterr().err
 
 
+def test_an_unwritable_store_keeps_the_measured_calibration_for_the_run(tiny_model, rpc_server, tmp_path,
+                                                                        monkeypatch):
+    from hybrimoe import Llama
+    from hybrimoe.engine import slot_bytes
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(blocker))
+    monkeypatch.setenv("HYBRIMOE_AUTO_CALIBRATE", "1")
+    path = tiny_model("qwen3moe", "Q8_0")
+    with pytest.warns(RuntimeWarning, match="cannot store the first-use calibration in .*used for this run only"):
+        llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache=4 * slot_bytes(path),
+                    n_ctx=128, verbose=False)
+    try:
+        assert llm.moe_stats()["engine"]["cost_model"] == "first-use calibration (not stored)"
+    finally:
+        llm.close()
+
+
 def test_a_failed_first_use_calibration_falls_back_to_the_preset(tiny_model, rpc_server, tmp_path, monkeypatch):
     """A measurement that fails (or a store that cannot be written) costs a warning, not the model."""
     from hybrimoe import Llama, calibrate
@@ -115,7 +134,8 @@ def test_a_failed_first_use_calibration_falls_back_to_the_preset(tiny_model, rpc
         llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache=4 * slot_bytes(path),
                     n_ctx=128, verbose=False)
     try:
-        assert "preset rtx4090-desktop" in llm.moe_stats()["engine"]["cost_model"]
+        assert "preset rtx4090-desktop (first-use calibration failed: measurement failed" in \
+            llm.moe_stats()["engine"]["cost_model"]
         assert calibrate.stored(path, rpc_server.endpoint) is None
     finally:
         llm.close()
