@@ -36,7 +36,7 @@ bool LayerDecider::load(int layer, int expert, ExpertPlacement::Kind kind, Exper
 }
 
 const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, const int32_t * ids, int n_tokens,
-                                                 int top_k, const float * scores, double expert_bytes,
+                                                 int top_k, std::vector<float> & scores, double expert_bytes,
                                                  double now_s, double queue_s, ExpertPlacement & place,
                                                  DecisionRecord * rec) {
     if (layer < 0 || layer >= cache_->n_layers()) {
@@ -48,11 +48,10 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
     in_.expert_bytes = expert_bytes;
     obs_.step = ubatch;
     obs_.set_routed(layer, n_tokens, top_k, E, in_.experts, in_.loads);
-    if (scores) {
-        obs_.scores.assign(scores, scores + (size_t) n_tokens * E);
-    } else {
-        obs_.scores.clear();
+    if (!scores.empty() && scores.size() != (size_t) n_tokens * E) {
+        throw std::invalid_argument("decision rules: scores must be [n_tokens, " + std::to_string(E) + "] or empty");
     }
+    obs_.scores.swap(scores);
     cache_->observe(obs_);
     now_s_ = now_s;
     std::vector<int32_t> & used = used_[(size_t) layer];

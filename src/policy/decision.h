@@ -85,13 +85,14 @@ public:
     /// HybriMoE §IV.B/§IV.D. Observes the router scores (MRS), looks up and pins the activated experts, asks the
     /// scheduler for the split with the copy queue busy for `queue_s`, and admits the planned loads (a load the
     /// cache refuses runs on the CPU); resident experts on the GPU whose weights were never copied get a
-    /// first-use copy. ids: [n_tokens, top_k] row-major; scores: [n_tokens, n_experts] or null.
+    /// first-use copy. ids: [n_tokens, top_k] row-major; scores: [n_tokens, n_experts] router probabilities or
+    /// empty, taken by swapping buffers (no copy on the hot path: the caller gets back an earlier buffer to refill).
     /// Without slots (DeciderConfig::has_slots false) nothing counts as cached and everything runs on the CPU.
     /// Returns the split run (1 = GPU) per index of input().experts. Throws std::invalid_argument on an id out of
     /// range, std::runtime_error on a plan whose size or GPU/CPU lists disagree with its split; policy errors
     /// propagate.
     const std::vector<uint8_t> & split(int64_t ubatch, int layer, const int32_t * ids, int n_tokens, int top_k,
-                                       const float * scores, double expert_bytes, double now_s, double queue_s,
+                                       std::vector<float> & scores, double expert_bytes, double now_s, double queue_s,
                                        ExpertPlacement & place, DecisionRecord * rec);
     /// Whether prefetch() would do anything after this split (slots, depth, a prefetcher, a next layer):
     /// callers skip computing predictions otherwise.

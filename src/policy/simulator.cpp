@@ -160,9 +160,9 @@ void check_cache_matches(const Trace & trace, const ExpertCache & cache) {
     }
 }
 
-// Fills `in` and `obs` for MoE layer l of a step.
-void load_layer(const Trace & trace, const Step & st, int l, int64_t si, std::vector<int32_t> & ids32, LayerInput & in,
-                LayerObservation & obs) {
+// Routed ids [n, top_k] and router scores [n, E] (empty when the trace has none) of MoE layer l of a step.
+void load_routing(const Trace & trace, const Step & st, int l, std::vector<int32_t> & ids32,
+                  std::vector<float> & scores) {
     const int n = static_cast<int>(st.end - st.begin);
     const int K = trace.top_k;
     ids32.resize(static_cast<size_t>(n) * K);
@@ -170,20 +170,28 @@ void load_layer(const Trace & trace, const Step & st, int l, int64_t si, std::ve
         const int16_t * row = trace.row(st.begin + t, l);
         for (int j = 0; j < K; ++j) ids32[static_cast<size_t>(t) * K + j] = row[j];
     }
+    scores.clear();
+    if (!trace.scores.empty()) {
+        const int E = trace.n_experts;
+        scores.resize(static_cast<size_t>(n) * E);
+        for (int t = 0; t < n; ++t) {
+            const float * src = trace.scores.data() + ((st.begin + t) * trace.n_layers + l) * static_cast<size_t>(E);
+            std::copy(src, src + E, scores.begin() + static_cast<size_t>(t) * E);
+        }
+    }
+}
+
+// Fills `in` and `obs` for MoE layer l of a step.
+void load_layer(const Trace & trace, const Step & st, int l, int64_t si, std::vector<int32_t> & ids32, LayerInput & in,
+                LayerObservation & obs) {
+    const int n = static_cast<int>(st.end - st.begin);
+    const int K = trace.top_k;
+    load_routing(trace, st, l, ids32, obs.scores);
     in.layer = l;
     in.set_routing(ids32.data(), n, K, trace.n_experts);
     in.expert_bytes = trace.expert_bytes[l];
     obs.step = si;
     obs.set_routed(l, n, K, trace.n_experts, in.experts, in.loads);
-    obs.scores.clear();
-    if (!trace.scores.empty()) {
-        const int E = trace.n_experts;
-        obs.scores.resize(static_cast<size_t>(n) * E);
-        for (int t = 0; t < n; ++t) {
-            const float * src = trace.scores.data() + ((st.begin + t) * trace.n_layers + l) * static_cast<size_t>(E);
-            std::copy(src, src + E, obs.scores.begin() + static_cast<size_t>(t) * E);
-        }
-    }
 }
 
 }  // namespace
@@ -241,8 +249,7 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
     res.layer_moe_s.assign(L, 0.0);
 
     std::vector<int32_t> ids32;
-    LayerInput in;
-    LayerObservation obs;
+    std::vector<float> scores;
     std::vector<double> truth_ready((size_t) L * E, 0.0);  // key -> true end of its last copy (0: from the start)
     std::vector<std::pair<double, double>> link_busy;       // copy intervals, in start order
     double t = 0.0, link_free = 0.0, est_link = 0.0, layer_est = -1.0;
@@ -335,9 +342,9 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
             // ---- decision (timed): observe, look up, split, demand loads, as the engine decides ----
             const auto d0 = clock::now();
             charge_ns = 0.0;
-            load_layer(trace, st, l, si, ids32, in, obs);
+            load_routing(trace, st, l, ids32, scores);
             const std::vector<uint8_t> & on_gpu =
-                decider.split(si, l, ids32.data(), n, K, obs.scores.empty() ? nullptr : obs.scores.data(),
+                decider.split(si, l, ids32.data(), n, K, scores,
                               trace.expert_bytes[(size_t) l], t_moe, std::max(0.0, est_link - t_moe), place, nullptr);
             decision_ns += std::chrono::duration<double, std::nano>(clock::now() - d0).count() - charge_ns;
             const LayerInput & din = decider.input();
@@ -521,11 +528,13 @@ std::vector<DecisionRecord> replay_decisions(const std::vector<DecisionRecord> &
     LayerDecider decider(cache, std::move(scheduler), std::move(prefetcher), cost, cfg);
     std::vector<DecisionRecord> out;
     out.reserve(log.size());
+    std::vector<float> scores;
     for (const DecisionRecord & r : log) {
         DecisionRecord d;
         place.rec = &r;
-        decider.split(r.ubatch, r.layer, r.ids.data(), r.n_tokens, r.top_k, r.scores.empty() ? nullptr : r.scores.data(),
-                      r.expert_bytes, r.now_s, r.pcie_free_s, place, &d);
+        scores = r.scores;  // the records stay as given
+        decider.split(r.ubatch, r.layer, r.ids.data(), r.n_tokens, r.top_k, scores, r.expert_bytes, r.now_s,
+                      r.pcie_free_s, place, &d);
         if (decider.wants_prefetch(L)) decider.prefetch(r.predictions, L, place, &d);
         decider.fills(place, &d);
         decider.release(r.layer);

@@ -602,7 +602,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         DecisionRecord * rp = logging_ ? &rec : nullptr;
         const double t_split = now();
         const std::vector<uint8_t> & on_gpu =
-            decider_->split(ubatch_, ml, ids_.data(), (int) T, (int) k, scores_.data(), expert_bytes, t_split,
+            decider_->split(ubatch_, ml, ids_.data(), (int) T, (int) k, scores_, expert_bytes, t_split,
                             std::max(0.0, link_free_ - t_split), placement_, rp);
         const LayerInput & in = decider_->input();
         const SchedulePlan & plan = decider_->plan();
