@@ -44,9 +44,6 @@ SPLIT_COST = {"schema": "hybrimoe.cost_model/1", "cpu_a_s": 4e-4, "cpu_b_s": 4e-
               "act_a_s": 5e-5, "act_b_s": 1e-7, "layer_a_s": 1e-4, "layer_b_s": 1e-6, "dense_a_s": 1e-4,
               "dense_b_s": 1e-6}
 
-_TEXT = ("Once upon a time there was a little robot who lived in a quiet town by the sea. Every morning it "
-         "walked to the harbour, counted the boats and wrote their names in a small blue book. ")
-
 
 def _log(msg: str) -> None:
     print(f"[gpu-check] {msg}", file=sys.stderr, flush=True)
@@ -228,29 +225,6 @@ def cmd_bench_model(args) -> int:
 
 # ---- correctness ---------------------------------------------------------------------------------------------
 
-def _prompt_of(llm, n: int) -> list[int]:
-    toks = llm.tokenize(_TEXT.encode(), add_bos=True, special=False)
-    more = llm.tokenize(_TEXT.encode(), add_bos=False, special=False)
-    while len(toks) < n:
-        toks = toks + more
-    return toks[:n]
-
-
-def _greedy(llm, tokens: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """Greedy continuation and the logits (float32 [n_vocab]) of the last evaluated token."""
-    from hybrimoe.cli import generate_tokens
-
-    out = generate_tokens(llm, tokens, n, temp=0.0)
-    lg = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
-    return out, lg
-
-
-def _nmse(a: np.ndarray, ref: np.ndarray) -> float:
-    """sum((a - ref)^2) / sum(ref^2), in float64."""
-    a, ref = a.astype(np.float64), ref.astype(np.float64)
-    return float(np.sum((a - ref) ** 2) / max(np.sum(ref ** 2), 1e-30))
-
-
 def cmd_correctness(args) -> int:
     """Per tiny model (``--models arch:quant,...`` from ``hybrimoe.tiny.fixture_set``): upstream with the same
     placement (``n_gpu_layers=-1, tensor_buft_overrides="exps=CPU", no_repack=True``) is the oracle; hybrimoe
@@ -259,6 +233,8 @@ def cmd_correctness(args) -> int:
     The device is the first CUDA GPU (``--mode cuda``) or an RPC stand-in server (``--mode cpu``)."""
     import hybrimoe  # noqa: F401  (before llama_cpp: hybrimoe's libllama)
     from hybrimoe import Llama, _ggml
+    from hybrimoe.oracle import greedy_with_logits, prompt_tokens
+    from hybrimoe.oracle import nmse as oracle_nmse
     from hybrimoe.tiny import fixture_set, make_tiny_model
 
     work, out = Path(args.work), Path(args.out)
@@ -299,8 +275,8 @@ def cmd_correctness(args) -> int:
             t0 = time.monotonic()
             ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **common)
             try:
-                tokens = _prompt_of(ref, args.n_prompt)
-                ref_out, ref_lg = _greedy(ref, tokens, args.n_gen)
+                tokens = prompt_tokens(ref, args.n_prompt)
+                ref_out, ref_lg = greedy_with_logits(ref, tokens, args.n_gen)
             finally:
                 ref.close()
             controls = [("control", args.caches.split(",")[0].strip())] if args.control else []
@@ -313,11 +289,11 @@ def cmd_correctness(args) -> int:
                     try:
                         if kind == "control":
                             llm._moe_engine.set_drop_gpu_share(True)
-                        out_t, lg = _greedy(llm, tokens, args.n_gen)
+                        out_t, lg = greedy_with_logits(llm, tokens, args.n_gen)
                         st = llm.moe_stats().get("engine", {})
                     finally:
                         llm.close()
-                    nmse = _nmse(lg, ref_lg)
+                    nmse = oracle_nmse(lg, ref_lg)
                     same = out_t == ref_out
                     case.update(same_tokens=same, n_tokens=len(out_t), nmse=nmse, finite=bool(np.isfinite(lg).all()),
                                 bit_exact=bool(np.array_equal(lg, ref_lg)),

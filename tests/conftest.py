@@ -70,7 +70,9 @@ def greedy():
 def last_logits(llm) -> np.ndarray:
     """Logits of the last evaluated token (float32 [n_vocab]); llama-cpp-python keeps them in its context only
     (its ``scores`` array is filled only with ``logits_all``)."""
-    out = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
+    from hybrimoe import oracle
+
+    out = oracle.last_logits(llm)
     assert np.isfinite(out).all() and np.abs(out).max() > 0, "logits not computed"
     return out
 
@@ -92,17 +94,11 @@ def pytest_configure(config):
 
 # ---- engine helpers (tests/test_engine*.py) ---------------------------------------------------------------------
 
-_TEXT = ("Once upon a time there was a little robot who lived in a quiet town by the sea. Every morning it "
-         "walked to the harbour, counted the boats and wrote their names in a small blue book. ")
-
-
 def prompt_of(llm, n: int) -> list[int]:
     """Exactly ``n`` prompt tokens (BOS first), from a fixed English text repeated as needed."""
-    toks = llm.tokenize(_TEXT.encode(), add_bos=True, special=False)
-    more = llm.tokenize(_TEXT.encode(), add_bos=False, special=False)
-    while len(toks) < n:
-        toks = toks + more
-    return toks[:n]
+    from hybrimoe.oracle import prompt_tokens
+
+    return prompt_tokens(llm, n)
 
 
 def run_greedy(llm, tokens: list[int], n: int = 32) -> tuple[list[int], np.ndarray]:
@@ -115,7 +111,9 @@ def run_greedy(llm, tokens: list[int], n: int = 32) -> tuple[list[int], np.ndarr
 
 def nmse(a: np.ndarray, ref: np.ndarray) -> float:
     """Normalised mean squared error sum((a-ref)^2) / sum(ref^2)."""
-    return float(np.sum((a.astype(np.float64) - ref) ** 2) / max(np.sum(ref.astype(np.float64) ** 2), 1e-30))
+    from hybrimoe import oracle
+
+    return oracle.nmse(a, ref)
 
 
 # A planner cost model under which CPU and GPU are comparable for the tiny fixtures, so that splits are mixed
