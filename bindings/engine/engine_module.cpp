@@ -1,5 +1,6 @@
 // pybind11 module hybrimoe._engine: the runtime side that links our patched libllama.
 // The llama_context pointer comes from llama-cpp-python (Llama._ctx.ctx, a ctypes c_void_p) as an int.
+#include "runtime/calibration.h"
 #include "runtime/engine.h"
 #include "runtime/moe_hook.h"
 #include "policy/cost_model.h"
@@ -163,17 +164,25 @@ Raises:
                     py::dict d;
                     d["runs"] = s.runs; d["tokens"] = s.tokens;
                     d["cpu_experts"] = s.cpu_experts; d["gpu_experts"] = s.gpu_experts;
+                    d["cpu_pairs"] = s.cpu_pairs; d["gpu_pairs"] = s.gpu_pairs;
                     d["demand_copies"] = s.demand_copies; d["prefetch_copies"] = s.prefetch_copies;
                     d["fill_copies"] = s.fill_copies; d["declined_loads"] = s.declined_loads;
                     d["gpu_runs"] = s.gpu_runs; d["gpu_launches"] = s.gpu_launches;
                     d["bytes_demand"] = s.bytes_demand; d["bytes_prefetch"] = s.bytes_prefetch;
-                    d["bytes_fill"] = s.bytes_fill; d["plan_s"] = s.plan_s; d["wait_s"] = s.wait_s;
+                    d["bytes_fill"] = s.bytes_fill; d["bytes_act_h2d"] = s.bytes_act_h2d;
+                    d["bytes_act_d2h"] = s.bytes_act_d2h; d["plan_s"] = s.plan_s; d["wait_s"] = s.wait_s;
                     d["layer_s"] = s.layer_s; d["predicted_s"] = s.predicted_s;
                     out.append(d);
                 }
                 return out; },
-             "Per MoE layer counters: runs, tokens, cpu/gpu experts, copies and bytes (demand, prefetch, fill), "
-             "declined loads, seconds in plan / waiting for the GPU / per layer, predicted makespan seconds.");
+             "Per MoE layer counters: runs, tokens, cpu/gpu experts (distinct per run) and pairs ((token, rank) pairs "
+             "computed on each side), copies and bytes (demand, prefetch, fill), declined loads, GPU launches and "
+             "their activation bytes (bytes_act_h2d: inputs up, bytes_act_d2h: weighted rows back), seconds in plan "
+             "/ waiting for the GPU / per layer, predicted makespan seconds.");
+
+    m.def("cpu_backend_skips_negative_ids", &hybrimoe::cpu_backend_skips_negative_ids,
+          "Whether the CPU backend in this process is hybrimoe's ggml-cpu (mul_mat_id skips negative expert ids, "
+          "patch 0005); the engine refuses to run otherwise.");
 
     m.def("measure_h2d_s", [](uintptr_t device, size_t bytes, int reps) {
               py::gil_scoped_release nogil;

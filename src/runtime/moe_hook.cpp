@@ -1,6 +1,7 @@
 #include "runtime/moe_hook.h"
 
 #include "runtime/engine.h"
+#include "runtime/expert_ffn.h"
 
 #include "ggml.h"
 
@@ -161,13 +162,10 @@ ggml_tensor * MoeHook::build(const llama_moe_hook_args & a) {
 
     // the routed experts, op for op as build_moe_ffn computes them (so ggml picks the same kernels)
     ggml_tensor * x = ggml_reshape_3d(ctx, a.cur, n_embd, 1, n_tokens);
-    ggml_tensor * up = ggml_mul_mat_id(ctx, a.up_exps, x, ids);      // [n_ff, k, T]
-    ggml_tensor * gate = ggml_mul_mat_id(ctx, a.gate_exps, x, ids);  // [n_ff, k, T]
-    ggml_tensor * h = ggml_swiglu_split(ctx, gate, up);
-    ggml_tensor * experts = ggml_mul_mat_id(ctx, a.down_exps, h, ids); // [n_embd, k, T]
-    experts = ggml_mul(ctx, experts, a.weights);
+    ggml_tensor * experts = build_expert_ffn(ctx, {a.gate_exps, a.up_exps, a.down_exps}, x, ids, a.weights,
+                                             "hybrimoe_seed", a.il);  // [n_embd, k, T]
 
-    // sum the slots in upstream's order (slot 0 + slot 1 + ...): floating-point addition is not associative
+    // sum the ranks in upstream's order (rank 0 + rank 1 + ...): floating-point addition is not associative
     ggml_tensor * out = ggml_view_2d(ctx, experts, n_embd, n_tokens, experts->nb[2], 0);
     for (int64_t i = 1; i < a.n_expert_used_sum; ++i) {
         out = ggml_add(ctx, out, ggml_view_2d(ctx, experts, n_embd, n_tokens, experts->nb[2], i * experts->nb[1]));
@@ -182,7 +180,7 @@ RoutingReplay::RoutingReplay(std::vector<int32_t> ids, int n_rows, int n_layers,
     : ids_(std::move(ids)), n_rows_(n_rows), n_layers_(n_layers), k_(k), n_expert_(n_expert),
       calls_(new std::atomic<uint64_t>[(size_t) (n_layers > 0 ? n_layers : 1)]) {
     if (n_rows < 1 || n_layers < 1 || k < 1) {
-        throw std::invalid_argument("routing table must have at least one row, layer and slot");
+        throw std::invalid_argument("routing table must have at least one row, layer and rank");
     }
     if (ids_.size() != (size_t) n_rows * n_layers * k) {
         throw std::invalid_argument("routing table size does not match [n_rows, n_layers, k]");
@@ -218,7 +216,7 @@ void RoutingReplay::callback(int32_t il, int32_t n_tokens, int32_t n_expert_used
         const int64_t row = ((p % self->n_rows_) + self->n_rows_) % self->n_rows_;
         const int32_t * src = self->ids_.data() + ((size_t) row * self->n_layers_ + layer) * self->k_;
         for (int32_t j = 0; j < n_expert_used; ++j) {
-            // warmup graphs ask for every expert: fill the slots past the table's k with distinct ids
+            // warmup graphs ask for every expert: fill the ranks past the table's k with distinct ids
             int32_t id = j < self->k_ ? src[j] : j;
             out[(size_t) t * n_expert_used + j] = id < n_expert ? id : id % n_expert;
         }

@@ -1,11 +1,11 @@
 // The MoE hook that hybrimoe installs through llama_set_moe_hook (vendor/llama.cpp/patches/0001-moe-hook.patch).
 //
-// Seed of the engine (issue 2, item 4): for each MoE layer whose experts are SiLU-GLU without biases, scales,
-// fused gate_up or LoRA, the hook replaces upstream's routed-expert subgraph with one of its own whose first
-// node is a custom op ("moe_plan") that runs on the CPU once per layer and ubatch: it brings the routing ids,
-// routing weights and router probabilities to the host together and counts its runs. The experts are then
-// computed on the CPU with ggml's own kernels (mul_mat_id, swiglu) and summed in upstream's slot order, so the
-// result is upstream's bit for bit. The engine issue adds the CPU/GPU split inside moe_plan.
+// For each MoE layer whose experts are SiLU-GLU without biases, scales, fused gate_up or LoRA, the hook replaces
+// upstream's routed-expert subgraph with its own. With an Engine (engine.h) that is the hybrid CPU+GPU path; without
+// one (the CPU-only path, `moe_hook`), a custom op ("hybrimoe_plan") runs on the CPU once per layer and ubatch,
+// bringing the routing ids, routing weights and router probabilities to the host together and counting its runs,
+// then build_expert_ffn computes the experts with ggml's own kernels and the ranks are summed in upstream's order,
+// so the result is upstream's bit for bit.
 #pragma once
 
 #include "llama.h"
@@ -25,7 +25,7 @@ struct LayerCounters {
     std::atomic<uint64_t> tokens{0};        ///< tokens seen by the layer, summed over runs
     std::atomic<uint64_t> hook_calls{0};    ///< graph builds that called the hook for this layer
     bool record = false;                    ///< keep every routed id seen (tests, traces)
-    int32_t k = 0;                          ///< slots per token of the recorded rows
+    int32_t k = 0;                          ///< ranks (top-k positions) per token of the recorded rows
     std::vector<int32_t> recorded;          ///< [rows, k] routed ids in execution order (written by thread 0)
 };
 

@@ -1,0 +1,206 @@
+#include "runtime/slot_pool.h"
+
+#include "ggml-alloc.h"
+
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+
+namespace hybrimoe {
+
+namespace {
+
+constexpr int64_t kAlign = 256;
+
+int64_t pad(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+std::array<int64_t, 3> SlotPool::region_strides(const std::vector<std::array<int64_t, 3>> & eb,
+                                                const std::vector<std::array<int32_t, 3>> & et) {
+    if (eb.size() != et.size()) throw std::invalid_argument("engine: one (gate, up, down) type triple per MoE layer");
+    std::array<int64_t, 3> mx{0, 0, 0}, unit{16, 16, 16};
+    for (size_t l = 0; l < eb.size(); ++l) {
+        for (size_t i = 0; i < 3; ++i) {
+            if (et[l][i] < 0 || et[l][i] >= GGML_TYPE_COUNT) {
+                throw std::invalid_argument("engine: unknown ggml type " + std::to_string(et[l][i]));
+            }
+            mx[i] = std::max(mx[i], eb[l][i]);
+            unit[i] = std::lcm(unit[i], (int64_t) ggml_type_size((ggml_type) et[l][i]));
+        }
+    }
+    std::array<int64_t, 3> st{};
+    for (size_t i = 0; i < 3; ++i) st[i] = (mx[i] + unit[i] - 1) / unit[i] * unit[i];
+    return st;
+}
+
+int64_t SlotPool::slot_bytes_for(const std::vector<std::array<int64_t, 3>> & eb,
+                                 const std::vector<std::array<int32_t, 3>> & et) {
+    const auto st = region_strides(eb, et);
+    return st[0] + st[1] + st[2];
+}
+
+SlotPool::SlotPool(int n_layers, int n_expert, const std::vector<std::array<int64_t, 3>> & expert_bytes,
+                   const std::vector<std::array<int32_t, 3>> & expert_types)
+    : n_layers_(n_layers), n_expert_(n_expert) {
+    strides_ = region_strides(expert_bytes, expert_types);
+    slot_bytes_ = strides_[0] + strides_[1] + strides_[2];
+    const size_t keys = (size_t) n_layers_ * (size_t) n_expert_;
+    key_slot_.assign(keys, -1);
+    key_loaded_.assign(keys, 0);
+    key_copy_seq_.assign(keys, 0);
+}
+
+SlotPool::~SlotPool() { release(); }
+
+void SlotPool::open(ggml_backend_dev_t device, int64_t n_slots) {
+    if (!device) throw std::invalid_argument("engine: a device is required for a non-empty expert cache");
+    if (n_slots < 1) throw std::invalid_argument("engine: a slot pool needs at least one slot");
+    release();
+    device_ = device;
+    device_name_ = ggml_backend_dev_name(device);
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(device, &props);
+    compute_ = ggml_backend_dev_init(device, nullptr);
+    copy_ = ggml_backend_dev_init(device, nullptr);
+    if (!compute_ || !copy_) {
+        release();
+        throw std::runtime_error("engine: cannot initialise device " + device_name_);
+    }
+    if (props.caps.events) {
+        for (int i = 0; i < kEvents; ++i) {
+            ggml_backend_event_t ev = ggml_backend_event_new(device);
+            if (!ev) {
+                release();
+                throw std::runtime_error("engine: device " + device_name_ + " reports events but cannot create one");
+            }
+            events_.push_back(ev);
+        }
+    }
+    host_buft_ = props.caps.host_buffer ? ggml_backend_dev_host_buffer_type(device) : nullptr;
+
+    n_slots_ = n_slots;
+    const int64_t S = n_slots_ + 1;
+    bases_ = {0, pad(S * strides_[0]), pad(S * strides_[0]) + pad(S * strides_[1])};
+    const int64_t total = bases_[2] + pad(S * strides_[2]);
+    ggml_init_params ip = {ggml_tensor_overhead() * 2, nullptr, true};
+    ctx_ = ggml_init(ip);
+    pool_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_I8, total);
+    ggml_set_name(pool_, "hybrimoe_slots");
+    buf_ = ggml_backend_alloc_ctx_tensors(ctx_, compute_);
+    if (!buf_) {
+        const std::string name = device_name_;
+        release();
+        throw std::runtime_error("engine: cannot allocate " + std::to_string(total) + " bytes of expert slots on " +
+                                 name);
+    }
+    // the null slot must hold zeros: padded pairs point there
+    for (size_t i = 0; i < 3; ++i) {
+        std::vector<uint8_t> zeros((size_t) strides_[i], 0);
+        ggml_backend_tensor_set(pool_, zeros.data(), (size_t) (bases_[i] + n_slots_ * strides_[i]), zeros.size());
+    }
+    slot_key_.assign((size_t) n_slots_, -1);
+    free_slots_.clear();
+    for (int64_t s = n_slots_ - 1; s >= 0; --s) free_slots_.push_back((int32_t) s);
+}
+
+void SlotPool::release() {
+    if (compute_) ggml_backend_synchronize(compute_);
+    if (copy_) ggml_backend_synchronize(copy_);
+    for (auto * ev : events_) ggml_backend_event_free(ev);
+    events_.clear();
+    if (buf_) ggml_backend_buffer_free(buf_);
+    if (ctx_) ggml_free(ctx_);
+    if (copy_) ggml_backend_free(copy_);
+    if (compute_) ggml_backend_free(compute_);
+    buf_ = nullptr;
+    ctx_ = nullptr;
+    pool_ = nullptr;
+    copy_ = nullptr;
+    compute_ = nullptr;
+    host_buft_ = nullptr;
+    n_slots_ = 0;
+    slot_key_.clear();
+    free_slots_.clear();
+    std::fill(key_slot_.begin(), key_slot_.end(), -1);
+    std::fill(key_loaded_.begin(), key_loaded_.end(), 0);
+}
+
+bool SlotPool::assign(int layer, int expert) {
+    const size_t key = (size_t) layer * n_expert_ + expert;
+    if (key_slot_[key] >= 0) return true;
+    if (free_slots_.empty()) return false;
+    const int32_t s = free_slots_.back();
+    free_slots_.pop_back();
+    slot_key_[(size_t) s] = (int32_t) key;
+    key_slot_[key] = s;
+    key_loaded_[key] = 0;
+    return true;
+}
+
+void SlotPool::evict(int64_t key) {
+    const int32_t s = key_slot_[(size_t) key];
+    if (s < 0) return;
+    key_slot_[(size_t) key] = -1;
+    key_loaded_[(size_t) key] = 0;
+    slot_key_[(size_t) s] = -1;
+    free_slots_.push_back(s);
+}
+
+int32_t SlotPool::slot_of(int layer, int expert) const {
+    if (layer < 0 || layer >= n_layers_ || expert < 0 || expert >= n_expert_) return -1;
+    return key_slot_[(size_t) layer * n_expert_ + expert];
+}
+
+int SlotPool::slots_in_use() const {
+    int n = 0;
+    for (int32_t k : slot_key_) n += k >= 0 ? 1 : 0;
+    return n;
+}
+
+double SlotPool::copy(int layer, int expert, const ggml_tensor * gate, const ggml_tensor * up,
+                      const ggml_tensor * down) {
+    const size_t key = (size_t) layer * n_expert_ + expert;
+    const int32_t s = key_slot_[key];
+    if (s < 0 || key_loaded_[key] || !pool_) return 0.0;
+    const ggml_tensor * parts[3] = {gate, up, down};
+    double bytes = 0;
+    for (size_t i = 0; i < 3; ++i) {
+        const size_t n = parts[i]->nb[2];
+        const char * src = (const char *) parts[i]->data + (size_t) expert * n;
+        const size_t off = (size_t) (bases_[i] + (int64_t) s * strides_[i]);
+        if (!events_.empty()) {
+            ggml_backend_tensor_set_async(copy_, pool_, src, off, n);
+        } else {
+            ggml_backend_tensor_set(pool_, src, off, n);
+        }
+        bytes += (double) n;
+    }
+    key_loaded_[key] = 1;
+    if (!events_.empty()) {
+        ++copy_seq_;
+        ggml_backend_event_record(events_[(size_t) (copy_seq_ % kEvents)], copy_);
+        key_copy_seq_[key] = copy_seq_;
+    }
+    return bytes;
+}
+
+void SlotPool::wait_for_copy(uint64_t seq) {
+    if (seq == 0 || events_.empty()) return;
+    // a ring slot holds its copy or a later one of the same in-order queue: waiting on it covers seq (the oldest
+    // record still in the ring that is not older than seq: waits no longer than needed)
+    const uint64_t oldest = copy_seq_ >= (uint64_t) kEvents ? copy_seq_ - kEvents + 1 : 1;
+    ggml_backend_event_wait(compute_, events_[(size_t) (std::max(seq, oldest) % kEvents)]);
+}
+
+ggml_tensor * SlotPool::region_view(ggml_context * ctx, const ggml_tensor * like, int which) const {
+    const int64_t S = n_slots_ + 1;
+    ggml_tensor * v = ggml_new_tensor_3d(ctx, like->type, like->ne[0], like->ne[1], S);
+    v->nb[2] = (size_t) strides_[(size_t) which];
+    v->nb[3] = v->nb[2] * (size_t) S;
+    v->data = (char *) pool_->data + bases_[(size_t) which];
+    v->buffer = buf_;
+    return v;
+}
+
+}  // namespace hybrimoe
