@@ -12,9 +12,16 @@ from ._lib import LIB_DIR, HybrimoeImportError
 
 __version__ = "0.1.0"
 
-# Point llama-cpp-python at our libllama now, so that a later plain `import llama_cpp` gets it too.
+# Point llama-cpp-python at our libllama now, so that a later plain `import llama_cpp` gets it too, and load ggml
+# with hybrimoe's ggml-cpu (hybrimoe._lib.preload_ggml) before any module asks for it by soname.
 if "llama_cpp" not in sys.modules and (LIB_DIR / "libllama.so").exists():
     os.environ["LLAMA_CPP_LIB_PATH"] = str(LIB_DIR)
+    try:
+        from ._lib import preload_ggml
+
+        preload_ggml()
+    except (HybrimoeImportError, OSError):
+        pass  # reported when the Llama API is used (hybrimoe._lib.llama_cpp_module)
 
 __all__ = ["Llama", "HybrimoeImportError", "make_tiny_model", "CachePolicy", "SchedulePolicy", "PrefetchPolicy",
            "__version__"]

@@ -192,7 +192,7 @@ class PrefetchContext:
     n_tokens: int
     top_k: int
     now_s: float
-    link_free_s: float
+    pcie_free_at_s: float
     predictions: list[Prediction]
     def __init__(self) -> None: ...
 

@@ -38,6 +38,37 @@ def _first(folder: Path, name: str):
     return cands[0] if cands else None
 
 
+_preloaded = False
+
+
+def preload_ggml() -> None:
+    """Loads ggml's shared libraries in the order hybrimoe needs, before anything (llama_cpp, our libllama,
+    ``hybrimoe._engine``) asks for them by soname.
+
+    libggml-base.so.0 and libggml.so.0 resolve to llama-cpp-python's copies (its RUNPATH covers the standard layout;
+    this covers user-site / split installs) and libggml-cpu.so.0 to hybrimoe's: the dynamic loader satisfies a
+    NEEDED entry from an object already loaded with that soname, so llama-cpp-python's libggml.so then runs on our
+    ggml-cpu (patch 0005: it skips the expert pairs the GPU computes; the engine checks it,
+    ``hybrimoe._engine.cpu_backend_skips_negative_ids``). ggml-base is loaded by the very file later dlopen calls
+    name (libggml-base.so): dlopen dedupes by file, not by soname, and two ggml-base copies would mean two backend
+    registries.
+
+    Raises:
+        HybrimoeImportError: llama-cpp-python is not installed, or hybrimoe's ggml-cpu is missing (not built).
+    """
+    global _preloaded
+    if _preloaded:
+        return
+    ggml_dir = _llama_cpp_lib_dir()
+    ours_cpu = LIB_DIR / "libggml-cpu.so.0"
+    if not ours_cpu.exists():
+        raise HybrimoeImportError(f"{ours_cpu} is missing: hybrimoe's native part was not built (pip install .)")
+    for path in (_first(ggml_dir, "libggml-base.so"), ours_cpu, _first(ggml_dir, "libggml.so")):
+        if path is not None:
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    _preloaded = True
+
+
 def llama_cpp_module():
     """Return the ``llama_cpp`` module, bound to hybrimoe's patched libllama.
 
@@ -58,20 +89,7 @@ def llama_cpp_module():
                 "Import hybrimoe first (import hybrimoe; then llama_cpp), in a fresh process.")
     if not ours.exists():
         raise HybrimoeImportError(f"{ours} is missing: hybrimoe's native part was not built (pip install .)")
-    # Resolve libggml-base.so.0 and libggml.so.0 to llama-cpp-python's copies before libllama asks for them
-    # (RUNPATH covers the standard layout; this covers user-site / split installs), and libggml-cpu.so.0 to
-    # hybrimoe's: the dynamic loader satisfies a NEEDED entry from an object already loaded with that soname, so
-    # llama-cpp-python's libggml.so then runs on our ggml-cpu (patch 0005: it skips the expert pairs the GPU
-    # computes; the engine checks it, hybrimoe._engine.cpu_backend_skips_negative_ids). ggml-base must be loaded
-    # by the very file later dlopen calls name (libggml-base.so): dlopen dedupes by file, not by soname, and two
-    # ggml-base copies would mean two backend registries.
-    ggml_dir = _llama_cpp_lib_dir()
-    ours_cpu = LIB_DIR / "libggml-cpu.so.0"
-    if not ours_cpu.exists():
-        raise HybrimoeImportError(f"{ours_cpu} is missing: hybrimoe's native part was not built (pip install .)")
-    for path in (_first(ggml_dir, "libggml-base.so"), ours_cpu, _first(ggml_dir, "libggml.so")):
-        if path is not None:
-            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    preload_ggml()
     os.environ["LLAMA_CPP_LIB_PATH"] = str(LIB_DIR)
     import llama_cpp  # noqa: E402  (must come after LLAMA_CPP_LIB_PATH)
 

@@ -61,9 +61,9 @@ class Config:
         self.engine_acc: dict | None = None
         st = self.llm.moe_stats()
         self.skipped = st.get("unsupported", []) + st.get("engine_skipped", [])
-        # the engine's decision records from its first ubatch on, for the simulator's replay (issue 5, item 5)
+        # the engine's decision records from its first ubatch on, for the simulator's replay; each repetition keeps
+        # the indices of its prompt's and its decode's records
         self.log: list[dict] = []
-        self.kept_decode: list[int] = []  # indices into log of the measured decode ubatches
         if self.llm._moe_engine is not None:
             self.llm.moe_log()
 
@@ -83,7 +83,14 @@ class Config:
         self._cur = dict(prompt_wall_s=wall, prompt_perf_s=lc.llama_perf_context(ctx).t_p_eval_ms * 1e-3,
                          n_prompt=len(prompt), tokens=[], step_wall_s=[], step_perf_s=[])
         eng = llm._moe_engine
-        if eng is not None:  # engine counters over the decode phase only
+        if eng is not None:
+            from .engine import layer_totals
+
+            # the prompt's decision records and measured MoE time, then counters over the decode phase only
+            part = llm.moe_take_log()
+            self._cur["prefill_idx"] = list(range(len(self.log), len(self.log) + len(part)))
+            self._cur["prefill_layer_s"] = layer_totals(eng.layer_stats())["layer_s"]
+            self.log.extend(part)
             eng.reset_stats()
             llm._moe_setup["policies"].cache.reset_stats()
         lc.llama_perf_context_reset(ctx)
@@ -125,8 +132,8 @@ class Config:
                      failed=int(bool(eng.failed)))
             r["engine"] = e
             part = llm.moe_take_log()
-            if keep:
-                self.kept_decode += [len(self.log) + i for i, d in enumerate(part) if d["n_tokens"] == 1]
+            r["decode_idx"] = list(range(len(self.log), len(self.log) + len(part)))
+            r["decode_layer_s"] = e["layer_s"]
             self.log.extend(part)
             if keep:
                 acc = self.engine_acc or {}
@@ -140,9 +147,10 @@ class Config:
     def replay(self) -> dict:
         """Replays the decision log through the simulator (fresh policies, same preset, budget and cost model) and
         compares: ``decisions_agree``, ``decision_difference`` (the first one, if any, or why the replay failed), and
-        the MoE time per decode token that the cost model predicts for the replayed plans (the scheduler's
-        makespans) against the engine's measured one (plan start to GPU share done, summed over the MoE layers), in
-        milliseconds."""
+        the MoE time that the cost model predicts for the replayed plans (the scheduler's makespans, summed over the
+        MoE layers) against the engine's measured one (plan start to GPU share done, summed over the MoE layers), in
+        prefill (milliseconds per prompt) and decode (milliseconds per token): medians over the repetitions, and
+        ``prediction_ratio_pp`` / ``prediction_ratio_tg``, the median over repetitions of predicted / measured."""
         from hybrimoe import _core
         from hybrimoe.simulate import replay_engine_log
 
@@ -156,10 +164,22 @@ class Config:
         out["decisions_agree"] = diff == ""
         if diff:
             out["decision_difference"] = diff
-        n_tok = sum(r["n_decode"] for r in self.reps)
-        if n_tok and self.engine_acc:
-            out["predicted_moe_ms_per_token"] = 1e3 * sum(sim[i]["makespan_s"] for i in self.kept_decode) / n_tok
-            out["measured_moe_ms_per_token"] = 1e3 * self.engine_acc["layer_s"] / n_tok
+        pp_pred, pp_meas, tg_pred, tg_meas = [], [], [], []
+        for r in self.reps:
+            if "prefill_idx" not in r or "decode_idx" not in r:
+                continue
+            pp_pred.append(sum(sim[i]["makespan_s"] for i in r["prefill_idx"]))
+            pp_meas.append(r["prefill_layer_s"])
+            n = max(1, r["n_decode"])
+            tg_pred.append(sum(sim[i]["makespan_s"] for i in r["decode_idx"]) / n)
+            tg_meas.append(r["decode_layer_s"] / n)
+        if pp_pred:
+            out["predicted_moe_ms_per_prompt"] = 1e3 * statistics.median(pp_pred)
+            out["measured_moe_ms_per_prompt"] = 1e3 * statistics.median(pp_meas)
+            out["predicted_moe_ms_per_token"] = 1e3 * statistics.median(tg_pred)
+            out["measured_moe_ms_per_token"] = 1e3 * statistics.median(tg_meas)
+            out["prediction_ratio_pp"] = statistics.median(a / b for a, b in zip(pp_pred, pp_meas) if b > 0)
+            out["prediction_ratio_tg"] = statistics.median(a / b for a, b in zip(tg_pred, tg_meas) if b > 0)
         return out
 
     def close(self) -> None:
@@ -428,19 +448,21 @@ def run(args) -> int:
 def format_table(rows: Sequence[dict], args) -> str:
     """llama-bench-style Markdown table."""
     head = (f"| mode | GPU experts MiB | pp{args.n_prompt} t/s | tg{args.n_gen} t/s | hit rate | "
-            "H2D MiB/token | same tokens | MoE ms/token predicted / measured |")
-    out = [head, "|" + "---|" * 8]
+            "H2D MiB/token | same tokens | MoE ms/prompt predicted / measured | MoE ms/token predicted / measured |")
+    out = [head, "|" + "---|" * 9]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['mode']} | error: {r['error']} | | | | | | |")
+            out.append(f"| {r['mode']} | error: {r['error']} | | | | | | | |")
             continue
         hr = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
         h2d = f"{r['h2d_bytes_per_token'] / 2**20:.2f}" if "h2d_bytes_per_token" in r else "-"
+        sp = (f"{r['predicted_moe_ms_per_prompt']:.1f} / {r['measured_moe_ms_per_prompt']:.1f}"
+              if "predicted_moe_ms_per_prompt" in r else "-")
         sm = (f"{r['predicted_moe_ms_per_token']:.2f} / {r['measured_moe_ms_per_token']:.2f}"
               if "predicted_moe_ms_per_token" in r else "-")
         out.append(f"| {r['mode']} | {r['gpu_expert_bytes'] / 2**20:.1f} | {r['pp_tps']:.1f} ± {r['pp_tps_sd']:.1f} | "
                    f"{r['tg_tps']:.2f} ± {r['tg_tps_sd']:.2f} | {hr} | {h2d} | "
-                   f"{r['same_tokens_as_first']}/{r['repetitions']} | {sm} |")
+                   f"{r['same_tokens_as_first']}/{r['repetitions']} | {sp} | {sm} |")
     return "\n".join(out)
 
 

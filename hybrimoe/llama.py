@@ -146,8 +146,9 @@ class Llama(llama_cpp.Llama):
         ValueError: not a GGUF file, truncated, bad override, bad RPC endpoint, bad replay table, bad
             ``moe_*`` option (budget, policy, cost model; a cache larger than the device's free memory), or
             llama.cpp could not load the model.
-        RuntimeError (from ``eval`` and everything that decodes): the engine failed during a decode (a Python
-            policy raised, the device failed); the message names the layer and the cause.
+        RuntimeError: ``moe_cache`` in a process whose CPU backend is not hybrimoe's ggml-cpu (llama_cpp was
+            loaded before hybrimoe). From ``eval`` and everything that decodes: the engine failed during a decode
+            (a Python policy raised, the device failed); the message names the layer and the cause.
     """
 
     def __init__(self, model_path: str, *, rpc_servers: str | Sequence[str] | None = None,
@@ -178,6 +179,9 @@ class Llama(llama_cpp.Llama):
             if isinstance(moe_prefetch_layers, bool) or not isinstance(moe_prefetch_layers, int) or \
                     moe_prefetch_layers < 0:
                 raise ValueError(f"moe_prefetch_layers must be an integer >= 0, got {moe_prefetch_layers!r}")
+            why = eng._engine_module().cpu_backend_problem()
+            if why:  # the engine's own check, made before the model is loaded (which can take minutes)
+                raise RuntimeError(f"moe_cache: {why}")
             facts = eng.engine_facts(model_path)
             # llama.cpp applies kv_overrides of "<arch>.expert_used_count" to top-k: the engine must see the same k
             k_over = (kwargs.get("kv_overrides") or {}).get(f"{facts.arch}.expert_used_count")
@@ -304,10 +308,8 @@ class Llama(llama_cpp.Llama):
                 c = original_ctx()
                 if n_seq_max is not None:
                     c.n_seq_max = int(n_seq_max)
-                if engine_on:
-                    # the engine decides where experts run: the scheduler must not move host-weight ops of large
-                    # batches to the GPU (upstream's op offload), which would upload every expert of a layer
-                    c.op_offload = False
+                # op_offload keeps the user's setting with the engine on: the hook's CPU share is pinned to the CPU
+                # (patch 0001), so op offload can move no routed expert; other host weights move as upstream's do
                 return c
 
             _lc.llama_model_default_params = patched

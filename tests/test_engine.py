@@ -99,6 +99,60 @@ def test_negative_control_dropping_the_gpu_share_fails(tiny_model, rpc_server, s
     assert engine_tools.nmse(lg, ref_lg) > 1e-6
 
 
+# Costs under which a prefill ubatch is much cheaper on the GPU, copies included (a slow CPU, a fast link), and the
+# reverse (a fast CPU, a slow link); seconds and bytes/s, schema hybrimoe.cost_model/1.
+GPU_WINS = {"cpu_a_s": 1e-3, "cpu_b_s": 1e-3, "gpu_a_s": 1e-6, "gpu_b_s": 1e-8, "h2d_bandwidth_Bps": 1e13,
+            "h2d_latency_s": 1e-7}
+CPU_WINS = {"cpu_a_s": 1e-7, "cpu_b_s": 1e-9, "gpu_a_s": 1e-3, "gpu_b_s": 1e-4, "h2d_bandwidth_Bps": 1e6,
+            "h2d_latency_s": 1e-2}
+
+
+@pytest.mark.parametrize("costs", ["gpu-wins", "cpu-wins"])
+def test_big_prefill_ubatch_loads_by_cost(costs, tiny_model, rpc_server, engine_tools, split_cost_model, tmp_path):
+    """A prefill ubatch whose experts are cheaper loaded and run on the GPU: the scheduler loads them, more in one
+    ubatch than the cache holds (later layers evict earlier ones by the cache's rules, after those ran), never more
+    slots than the budget, with upstream's tokens and logits. The cost model decides: with a fast CPU and a slow
+    link the same ubatch loads nothing."""
+    import json
+
+    from hybrimoe import Llama
+
+    with open(split_cost_model) as f:
+        base = json.load(f)
+    cost = dict(base, cpu_startup_s=0.0, act_a_s=0.0, act_b_s=0.0, **(GPU_WINS if costs == "gpu-wins"
+                                                                            else CPU_WINS))
+    cm = tmp_path / "cost.json"
+    cm.write_text(json.dumps(cost))
+    path = tiny_model("qwen3moe", "Q8_0", n_layer=4)
+    n_slots = 3
+    llm = Llama(str(path), moe_cache=_slots(path, n_slots), moe_cost_model=str(cm), moe_prefetch_layers=0,
+                moe_policy={"scheduler": "hybrimoe", "cache": "mrs", "prefetch": "none", "fill": False},
+                **_common(rpc_server, n_ubatch=64))
+    try:
+        llm.moe_log()
+        tokens = engine_tools.prompt_of(llm, 64)
+        out, lg = engine_tools.run_greedy(llm, tokens, 4)
+        log = llm.moe_take_log()
+        eng = llm._moe_engine
+        assert eng.slots_in_use() <= n_slots
+        assert llm._moe_setup["policies"].cache.n_resident <= n_slots
+    finally:
+        llm.close()
+    # the prompt's ubatch (its last MoE layer computes only the token whose logits are wanted)
+    prefill = [r for r in log if r["ubatch"] == 0 and r["n_tokens"] == 64]
+    assert len(prefill) == 3
+    loaded = sum(len(r["loaded"]) for r in prefill)
+    if costs == "gpu-wins":
+        assert loaded > n_slots, [r["loaded"] for r in prefill]  # more than ever fit at once, 0 resident before
+        assert all(len(r["loaded"]) <= n_slots for r in prefill)
+        assert sum(len(r["evicted"]) for r in prefill) >= loaded - n_slots
+        assert all(any(r["on_gpu"]) for r in prefill)
+    else:
+        assert loaded == 0 and not any(any(r["on_gpu"]) for r in prefill)
+    ref_out, ref_lg = _reference(path, rpc_server, tokens, engine_tools, 4, n_ubatch=64)
+    assert out == ref_out and np.array_equal(lg, ref_lg)
+
+
 def test_engine_nothing_cached_equals_upstream_cpu_only(tiny_model, engine_tools):
     """moe_cache=0 without any device: every expert on the CPU through the engine == upstream CPU-only."""
     from hybrimoe import Llama
@@ -581,3 +635,31 @@ def test_kv_override_of_top_k_reaches_the_engine(tiny_model, rpc_server, split_c
     assert e["gpu_experts"] > 0 and sum(s["runs"] for s in e["layers"]) > 0
     with pytest.raises(ValueError, match="expert_used_count must be an integer in 1..8"):
         Llama(str(path), moe_cache=0, kv_overrides={"qwen3moe.expert_used_count": 99}, **_common(rpc_server))
+
+
+def test_engine_refuses_a_ggml_cpu_that_does_not_skip_pairs(tiny_model, tmp_path):
+    """The engine writes -1 for the pairs the GPU computes; llama-cpp-python's own ggml-cpu would write out of bounds
+    on them. A process that loaded that one first (before hybrimoe's) gets a clear error from Llama(moe_cache=...),
+    no crash; in a normal process hybrimoe's is the one loaded."""
+    from hybrimoe import _engine, llama  # noqa: F401  (llama loads hybrimoe's ggml-cpu first)
+
+    assert _engine.cpu_backend_skips_negative_ids()
+    code = textwrap.dedent("""
+        import ctypes, importlib.util, sys
+        from pathlib import Path
+        lib = Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib"
+        ctypes.CDLL(str(lib / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(lib / "libggml-cpu.so.0"), mode=ctypes.RTLD_GLOBAL)  # the stock one, first
+        from hybrimoe import Llama, _engine
+        assert not _engine.cpu_backend_skips_negative_ids()
+        try:
+            Llama(sys.argv[1], moe_cache=0, verbose=False)
+        except RuntimeError as e:
+            print("refused:", e)
+        else:
+            print("ran")
+    """)
+    r = subprocess.run([sys.executable, "-c", code, str(tiny_model("qwen3moe", "Q8_0"))], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "refused:" in r.stdout and "not hybrimoe's ggml-cpu" in r.stdout, r.stdout + r.stderr[-2000:]

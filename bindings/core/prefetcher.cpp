@@ -50,7 +50,7 @@ void bind_prefetcher(py::module_ & m) {
         .def_readwrite("n_tokens", &PrefetchContext::n_tokens)
         .def_readwrite("top_k", &PrefetchContext::top_k)
         .def_readwrite("now_s", &PrefetchContext::now_s)
-        .def_readwrite("link_free_s", &PrefetchContext::link_free_s)
+        .def_readwrite("pcie_free_at_s", &PrefetchContext::pcie_free_at_s)
         .def_readwrite("predictions", &PrefetchContext::predictions);
 
     py::classh<PrefetchPolicy, PyPrefetchPolicy>(m, "PrefetchPolicy",

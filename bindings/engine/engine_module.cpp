@@ -171,6 +171,7 @@ Raises:
                     d["bytes_demand"] = s.bytes_demand; d["bytes_prefetch"] = s.bytes_prefetch;
                     d["bytes_fill"] = s.bytes_fill; d["bytes_act_h2d"] = s.bytes_act_h2d;
                     d["bytes_act_d2h"] = s.bytes_act_d2h; d["plan_s"] = s.plan_s; d["wait_s"] = s.wait_s;
+                    d["cpu_share_s"] = s.cpu_share_s;
                     d["layer_s"] = s.layer_s; d["predicted_s"] = s.predicted_s;
                     out.append(d);
                 }
@@ -178,11 +179,13 @@ Raises:
              "Per MoE layer counters: runs, tokens, cpu/gpu experts (distinct per run) and pairs ((token, rank) pairs "
              "computed on each side), copies and bytes (demand, prefetch, fill), declined loads, GPU launches and "
              "their activation bytes (bytes_act_h2d: inputs up, bytes_act_d2h: weighted rows back), seconds in plan "
-             "/ waiting for the GPU / per layer, predicted makespan seconds.");
+             "/ in the CPU share (plan end to wait start) / waiting for the GPU / per layer, predicted makespan seconds.");
 
     m.def("cpu_backend_skips_negative_ids", &hybrimoe::cpu_backend_skips_negative_ids,
           "Whether the CPU backend in this process is hybrimoe's ggml-cpu (mul_mat_id skips negative expert ids, "
           "patch 0005); the engine refuses to run otherwise.");
+    m.def("cpu_backend_problem", &hybrimoe::cpu_backend_problem,
+          "'' when cpu_backend_skips_negative_ids(), else why the engine cannot run (the message it raises).");
 
     m.def("measure_h2d_s", [](uintptr_t device, size_t bytes, int reps) {
               py::gil_scoped_release nogil;

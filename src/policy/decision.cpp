@@ -29,15 +29,15 @@ void LayerDecider::take_evictions(ExpertPlacement & place, DecisionRecord * rec)
 bool LayerDecider::load(int layer, int expert, ExpertPlacement::Kind kind, ExpertPlacement & place) {
     const double bytes = place.load(layer, expert, kind);
     if (bytes <= 0.0) return false;
-    queue_s_ += cost_.h2d(bytes);
+    pcie_free_s_ += cost_.h2d(bytes);
     // admitted already (ready when admitted: unknown then); the copy's estimated end is its ready time
-    if (kind != ExpertPlacement::kFirstUse) cache_->set_ready(layer, expert, now_s_ + queue_s_);
+    if (kind != ExpertPlacement::kFirstUse) cache_->set_ready(layer, expert, now_s_ + pcie_free_s_);
     return true;
 }
 
 const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, const int32_t * ids, int n_tokens,
                                                  int top_k, std::vector<float> & scores, double expert_bytes,
-                                                 double now_s, double queue_s, ExpertPlacement & place,
+                                                 double now_s, double pcie_free_s, ExpertPlacement & place,
                                                  DecisionRecord * rec) {
     if (layer < 0 || layer >= cache_->n_layers()) {
         throw std::invalid_argument("decision rules: MoE layer " + std::to_string(layer) + " out of range");
@@ -65,8 +65,8 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
             in_.ready_s[i] = std::max(0.0, cache_->ready_s(layer, e) - now_s);
         }
     }
-    queue_s_ = std::max(0.0, queue_s);
-    in_.pcie_free_s = queue_s_;
+    pcie_free_s_ = std::max(0.0, pcie_free_s);
+    in_.pcie_free_s = pcie_free_s_;
     scheduler_->plan(in_, cost_, plan_);
     if (plan_.on_gpu.size() != in_.size() ||
         plan_.gpu_experts.size() + plan_.cpu_experts.size() != in_.size()) {
@@ -93,7 +93,7 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
         rec->scores = obs_.scores;
         rec->expert_bytes = expert_bytes;
         rec->now_s = now_s;
-        rec->pcie_free_s = queue_s_;
+        rec->pcie_free_s = pcie_free_s_;
         rec->experts = in_.experts;
         rec->loads = in_.loads;
         rec->cached = in_.cached;
@@ -151,7 +151,7 @@ void LayerDecider::prefetch(std::vector<Prediction> predictions, int n_moe_layer
     // the prefetcher works on the caller's clock, as the cache's ready times do (start_s comes relative)
     if (rec) rec->predictions = predictions;
     pctx_.now_s = now_s_;
-    pctx_.link_free_s = now_s_ + queue_s_;
+    pctx_.pcie_free_at_s = now_s_ + pcie_free_s_;
     pctx_.predictions = std::move(predictions);
     for (Prediction & p : pctx_.predictions) p.start_s += now_s_;
     prefetch_declined_ = 0;
@@ -184,7 +184,7 @@ void LayerDecider::fills(ExpertPlacement & place, DecisionRecord * rec) {
     for (size_t i = 0; i < in_.size(); ++i) {
         const int32_t e = in_.experts[i];
         if (on_gpu_[i] || cache_->resident(ml, e)) continue;
-        if (queue_s_ >= plan_.makespan_s) break;
+        if (pcie_free_s_ >= plan_.makespan_s) break;
         if (!cache_->admit(ml, e, 0.0, false)) continue;
         take_evictions(place, rec);
         load(ml, e, ExpertPlacement::kFill, place);

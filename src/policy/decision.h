@@ -83,7 +83,7 @@ public:
                  std::shared_ptr<PrefetchPolicy> prefetcher, CostModel cost, DeciderConfig cfg);
 
     /// HybriMoE §IV.B/§IV.D. Observes the router scores (MRS), looks up and pins the activated experts, asks the
-    /// scheduler for the split with the copy queue busy for `queue_s`, and admits the planned loads (a load the
+    /// scheduler for the split with the copy queue busy for `pcie_free_s` (the copy-queue estimate), and admits the planned loads (a load the
     /// cache refuses runs on the CPU); resident experts on the GPU whose weights were never copied get a
     /// first-use copy. ids: [n_tokens, top_k] row-major; scores: [n_tokens, n_experts] router probabilities or
     /// empty, taken by swapping buffers (no copy on the hot path: the caller gets back an earlier buffer to refill).
@@ -92,7 +92,7 @@ public:
     /// range, std::runtime_error on a plan whose size or GPU/CPU lists disagree with its split; policy errors
     /// propagate.
     const std::vector<uint8_t> & split(int64_t ubatch, int layer, const int32_t * ids, int n_tokens, int top_k,
-                                       std::vector<float> & scores, double expert_bytes, double now_s, double queue_s,
+                                       std::vector<float> & scores, double expert_bytes, double now_s, double pcie_free_s,
                                        ExpertPlacement & place, DecisionRecord * rec);
     /// Whether prefetch() would do anything after this split (slots, depth, a prefetcher, a next layer):
     /// callers skip computing predictions otherwise.
@@ -100,7 +100,7 @@ public:
     /// HybriMoE §IV.C: shows the prefetcher `predictions` (of the layers after the split's layer; start_s in
     /// seconds after the split) with the copy queue as estimated now, then admits, pins (until that layer's
     /// release) and loads what it asks for. The prefetcher sees times on the caller's clock, like the cache's
-    /// ready times: now_s, link_free_s = now_s + queue, start_s + now_s. The record keeps the predictions as
+    /// ready times: now_s, pcie_free_at_s = now_s + pcie_free_s, start_s + now_s. The record keeps the predictions as
     /// given. Throws std::invalid_argument on a request outside the next prefetch_layers layers.
     void prefetch(std::vector<Prediction> predictions, int n_moe_layers, ExpertPlacement & place,
                   DecisionRecord * rec);
@@ -113,7 +113,7 @@ public:
     const LayerInput & input() const { return in_; }
     const SchedulePlan & plan() const { return plan_; }
     /// Copy-queue estimate (seconds from the split) after the copies queued so far.
-    double queue_s() const { return queue_s_; }
+    double pcie_free_s() const { return pcie_free_s_; }
     /// Prefetch requests of the last prefetch() that the cache refused.
     int prefetch_declined() const { return prefetch_declined_; }
     ExpertCache & cache() { return *cache_; }
@@ -140,7 +140,7 @@ private:
     std::vector<uint8_t> on_gpu_;
     std::vector<int32_t> pos_;   // expert -> index in in_.experts (-1: not activated)
     double now_s_ = 0.0;
-    double queue_s_ = 0.0;
+    double pcie_free_s_ = 0.0;
     int prefetch_declined_ = 0;
     std::vector<std::vector<int32_t>> used_;            // per MoE layer: experts pinned by its split
     std::vector<std::vector<int32_t>> pending_unpin_;   // per MoE layer: experts pinned by earlier prefetches

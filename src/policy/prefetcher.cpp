@@ -48,13 +48,13 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
     inputs_.resize(n_pred);
     std::vector<double> base(n_pred, 0.0);
     std::vector<Candidate> heap;
-    double link_free = ctx.link_free_s;
+    double pcie_free_at = ctx.pcie_free_at_s;
 
     // Makespan of prediction pi's layer if input i were (already) being copied behind the link.
     auto gain_of = [&](int pi, int i) {
         const Prediction & p = ctx.predictions[pi];
         LayerInput & in = inputs_[pi];
-        const double copy_end = link_free + cost.h2d(p.expert_bytes);
+        const double copy_end = pcie_free_at + cost.h2d(p.expert_bytes);
         in.cached[i] = 1;
         in.ready_s[i] = std::max(0.0, copy_end - p.start_s);
         const double saved_free = in.pcie_free_s;
@@ -77,7 +77,7 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
         in.layer = p.layer;
         in.n_tokens = ctx.n_tokens;
         in.expert_bytes = p.expert_bytes;
-        in.pcie_free_s = std::max(0.0, link_free - p.start_s);
+        in.pcie_free_s = std::max(0.0, pcie_free_at - p.start_s);
         in.experts = p.experts;
         in.loads = p.loads;
         in.cached.assign(p.experts.size(), 0);
@@ -119,10 +119,10 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
         }
         const Prediction & p = ctx.predictions[c.pred];
         LayerInput & in = inputs_[c.pred];
-        link_free += cost.h2d(p.expert_bytes);
+        pcie_free_at += cost.h2d(p.expert_bytes);
         in.cached[c.index] = 1;
-        in.ready_s[c.index] = std::max(0.0, link_free - p.start_s);
-        in.pcie_free_s = std::max(0.0, link_free - p.start_s);
+        in.ready_s[c.index] = std::max(0.0, pcie_free_at - p.start_s);
+        in.pcie_free_s = std::max(0.0, pcie_free_at - p.start_s);
         sched_.plan(in, cost, plan_);
         ++evaluations_;
         base[c.pred] = plan_.makespan_s;

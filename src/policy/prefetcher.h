@@ -32,7 +32,7 @@ struct PrefetchContext {
     int n_tokens = 1;
     int top_k = 1;
     double now_s = 0.0;        ///< current time (seconds)
-    double link_free_s = 0.0;  ///< the copy engine is busy until this time
+    double pcie_free_at_s = 0.0;  ///< the copy-queue estimate as a time: queued copies end then (seconds)
     std::vector<Prediction> predictions;
 };
 

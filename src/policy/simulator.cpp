@@ -252,7 +252,7 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
     std::vector<float> scores;
     std::vector<double> truth_ready((size_t) L * E, 0.0);  // key -> true end of its last copy (0: from the start)
     std::vector<std::pair<double, double>> link_busy;       // copy intervals, in start order
-    double t = 0.0, link_free = 0.0, est_link = 0.0, layer_est = -1.0;
+    double t = 0.0, true_pcie_free_at = 0.0, pcie_free_at = 0.0, layer_est = -1.0;
     double decision_ns = 0.0, prefetch_ns = 0.0;
     int64_t layers_run = 0;
     int current_prompt = -1;
@@ -279,10 +279,10 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
         if (kind == ExpertPlacement::kFirstUse) return 0.0;
         const auto c0 = clock::now();
         const double bytes = trace.expert_bytes[(size_t) layer];
-        const double start = std::max(link_free, t_moe);
+        const double start = std::max(true_pcie_free_at, t_moe);
         const double end = start + truth_cost.h2d(bytes) * truth.h2d_scale * noise.factor(truth.h2d_noise);
         res.link_busy_s += end - start;
-        link_free = end;
+        true_pcie_free_at = end;
         link_busy.emplace_back(start, end);
         truth_ready[(size_t) layer * E + e] = end;
         int tl_kind = 1;
@@ -345,7 +345,7 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
             load_routing(trace, st, l, ids32, scores);
             const std::vector<uint8_t> & on_gpu =
                 decider.split(si, l, ids32.data(), n, K, scores,
-                              trace.expert_bytes[(size_t) l], t_moe, std::max(0.0, est_link - t_moe), place, nullptr);
+                              trace.expert_bytes[(size_t) l], t_moe, std::max(0.0, pcie_free_at - t_moe), place, nullptr);
             decision_ns += std::chrono::duration<double, std::nano>(clock::now() - d0).count() - charge_ns;
             const LayerInput & din = decider.input();
             const SchedulePlan & plan = decider.plan();
@@ -411,7 +411,7 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
                 prefetch_ns += std::chrono::duration<double, std::nano>(clock::now() - p0).count();
             }
             decider.fills(place, nullptr);
-            est_link = t_moe + decider.queue_s();
+            pcie_free_at = t_moe + decider.pcie_free_s();
             decider.release(l);
 
             const double layer_dur = t_end - t_layer0;

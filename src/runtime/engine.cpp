@@ -99,6 +99,13 @@ bool cpu_backend_skips_negative_ids() {
     return fn && fn() >= 1;
 }
 
+std::string cpu_backend_problem() {
+    if (cpu_backend_skips_negative_ids()) return "";
+    return "the CPU backend in this process is not hybrimoe's ggml-cpu (hybrimoe/lib/libggml-cpu.so.0, which skips "
+           "the (token, expert) pairs the GPU computes): llama-cpp-python's was loaded first. Import hybrimoe before "
+           "llama_cpp, in a fresh process, and do not build llama-cpp-python with GGML_BACKEND_DL";
+}
+
 Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared_ptr<SchedulePolicy> scheduler,
                std::shared_ptr<PrefetchPolicy> prefetcher)
     : cfg_(std::move(cfg)), cache_(std::move(cache)), scheduler_(std::move(scheduler)),
@@ -118,13 +125,8 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     if (cfg_.n_slots < 0) throw std::invalid_argument("engine: negative slot count");
     if (cfg_.prefetch_layers < 0) throw std::invalid_argument("engine: prefetch_layers must be >= 0");
     cfg_.cost.validate();
-    if (!cpu_backend_skips_negative_ids()) {
-        throw std::runtime_error(
-            "engine: the CPU backend in this process is not hybrimoe's ggml-cpu (hybrimoe/lib/libggml-cpu.so.0, "
-            "which skips the (token, expert) pairs the GPU computes); llama-cpp-python's was loaded first. Import "
-            "hybrimoe before llama_cpp, in a fresh process, and do not build llama-cpp-python with "
-            "GGML_BACKEND_DL");
-    }
+    const std::string cpu_problem = cpu_backend_problem();
+    if (!cpu_problem.empty()) throw std::runtime_error("engine: " + cpu_problem);
     moe_index_.assign((size_t) cfg_.n_layer, -1);
     for (int i = 0; i < L; ++i) {
         const int il = cfg_.moe_layers[(size_t) i];
@@ -356,6 +358,7 @@ void Engine::launch_gpu_share(ggml_tensor * dst, LayerRun & run, const std::vect
 void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
     const double t_start = now();
     run.t_start = t_start;
+    run.plan_s = 0.0;
     run.launch[0] = run.launch[1] = nullptr;
     const RoutingView routing{dst->src[0], dst->ne[0]};
     const ggml_tensor * x = dst->src[1];
@@ -491,6 +494,7 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
     if (layer_est_ >= 0.0) layer_est_ = 0.8 * layer_est_ + 0.2 * (t1 - run.t_start);
     std::lock_guard<std::mutex> lock(stats_mu_);
     EngineLayerStats & s = stats_[(size_t) run.ml];
+    s.cpu_share_s += std::max(0.0, t0 - (run.t_start + run.plan_s));
     s.wait_s += t1 - t0;
     s.layer_s += t1 - run.t_start;
 }

@@ -54,6 +54,8 @@ namespace hybrimoe {
 /// "ggml_backend_cpu_skips_negative_expert_ids". An unpatched ggml-cpu given a negative id writes out of bounds
 /// (its id assert is compiled out in release builds), so the engine refuses to run without it.
 bool cpu_backend_skips_negative_ids();
+/// "" when cpu_backend_skips_negative_ids(), else why the engine cannot run and what to do (one sentence or two).
+std::string cpu_backend_problem();
 
 /// Facts and settings the engine is built from (Python fills them from the GGUF and the user's options).
 struct EngineConfig {
@@ -90,6 +92,7 @@ struct EngineLayerStats {
     double bytes_demand = 0, bytes_prefetch = 0, bytes_fill = 0;
     double bytes_act_h2d = 0, bytes_act_d2h = 0;     ///< GPU share inputs up, weighted outputs back (bytes)
     double plan_s = 0, wait_s = 0, layer_s = 0;      ///< seconds in plan, waiting for the GPU, plan start to wait end
+    double cpu_share_s = 0;                          ///< seconds from plan end to wait start: the CPU share's nodes
     double predicted_s = 0;                          ///< planner's predicted makespans, summed
 };
 

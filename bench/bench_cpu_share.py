@@ -1,0 +1,238 @@
+"""CPU-side expert work of the hybrid engine against the GPU share it is given (prefill and decode).
+
+Question: does the CPU do only the CPU share's work? The engine runs on the RPC stand-in (a ``ggml-rpc-server``
+on 127.0.0.1: the "GPU" is another process on this CPU), so the client process's CPU time is the CPU share (plus
+the engine's own plan/combine ops and the transfers), and everything the GPU share does is charged to the server.
+
+Model: a DeepSeek-V2-Lite-shaped synthetic Q4_K_M GGUF at full width (``hybrimoe.tiny.make_synthetic_model``:
+n_embd 2048, 64 experts of width 1408, top-6, 2 shared experts, MLA attention), ``--layers`` blocks (the first
+dense), with routing replayed from the DeepSeek-V2-Lite trace (``../shared/traces/dsv2lite_dev.npz``, its first
+``layers - 1`` MoE layers): real activation patterns on random weights.
+
+Configurations, one after another on one RPC server (each loaded, warmed up once, measured ``--reps`` times, closed):
+
+- ``upstream -ot exps=CPU``: attention etc. on the stand-in, every routed expert on the client CPU
+  (``n_gpu_layers=99, tensor_buft_overrides="exps=CPU", no_repack=True``);
+- ``hybrimoe share S`` for S in ``--shares``: the engine with a slot for every expert (``moe_cache="100%"``, no
+  prefetch, no fills) and a test schedule policy that puts experts on the GPU, in expert-id order, until their
+  pairs reach the share S of the layer's (token, rank) pairs; the rest runs on the CPU. The warm-up loads the
+  GPU experts; measured repetitions find them resident.
+
+Figures per configuration (median over repetitions, min..max): client CPU seconds (``time.process_time``: all
+threads of the client) per MoE layer for one ``-p`` token prompt (pp, one ubatch) and per decoded token (tg,
+``-n`` greedy tokens after it), the GPU share of pairs the policy assigned, and wall seconds.
+The engine also reports ``cpu_share_s``: wall seconds from its plan op's end to its wait op's start, i.e. the
+CPU share's nodes. Targets: share 0 within 10 % of upstream (not slower); share S within 10 % of (1 - S) x share 0.
+
+The stand-in runs client and server on the same cores, and OpenMP threads that spin while they wait (the default
+wait policy) steal them from the other process; both run with ``OMP_WAIT_POLICY=PASSIVE`` here (set unless given).
+
+Usage::
+
+    python3 bench/bench_cpu_share.py [--layers 8] [-p 512] [-n 128] [--reps 8] [--threads 2] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def forced_share_policy(share: float):
+    """A schedule policy (hybrimoe.SchedulePolicy) that puts experts on the GPU in expert-id order until their
+    token loads reach ``share`` of the layer's pairs (the expert that crosses the target goes where the total
+    lands closer to it)."""
+    from hybrimoe import _core
+
+    class ForcedShare(_core.SchedulePolicy):
+        pairs = [0, 0]  # (GPU, all) pairs assigned so far: the share run, also with engines that do not count it
+
+        def name(self):
+            return f"forced-share-{share:g}"
+
+        def split(self, layer_input, cost):
+            loads = list(layer_input.loads)
+            order = sorted(range(len(loads)), key=lambda i: layer_input.experts[i])
+            target = share * sum(loads)
+            flags = [0] * len(loads)
+            acc = 0
+            for i in order:
+                if acc + loads[i] / 2.0 > target:
+                    break
+                flags[i] = 1
+                acc += loads[i]
+            self.pairs[0] += acc
+            self.pairs[1] += sum(loads)
+            return flags
+
+    return ForcedShare()
+
+
+def model_and_table(args):
+    """The synthetic model (written once to the cache) and its replay table from the trace."""
+    from hybrimoe.replay import replay_table
+    from hybrimoe.tiny import make_synthetic_model
+    from hybrimoe.trace import RoutingTrace, load_trace
+
+    cache = Path(os.environ.get("HYBRIMOE_CACHE_DIR") or Path.home() / ".cache" / "hybrimoe") / "models"
+    path = cache / f"synthetic-dsv2lite-q4km-{args.layers}.gguf"
+    if not path.exists():
+        print(f"writing {path} ...", file=sys.stderr, flush=True)
+        make_synthetic_model(path, quant="Q4_K_M", n_layer=args.layers)
+    tr = load_trace(args.trace)
+    n_moe = args.layers - 1
+    cut = RoutingTrace(expert_ids=tr.expert_ids[:, :n_moe].copy(), prompt_offsets=tr.prompt_offsets,
+                       num_experts=tr.num_experts, top_k=tr.top_k, expert_bytes=tr.expert_bytes[:n_moe].copy(),
+                       n_dense_layers=1, model=tr.model)
+    # a long prompt of the trace, so that one ubatch holds one prompt's real routing
+    lengths = np.diff(tr.prompt_offsets)
+    long = int(np.argmax(lengths >= args.n_prompt + args.n_gen)) if (lengths >= args.n_prompt + args.n_gen).any() \
+        else int(np.argmax(lengths))
+    start = int(tr.prompt_offsets[long])
+    table = replay_table(cut, path)[start:start + args.n_prompt + args.n_gen]
+    return path, table
+
+
+def measure(label, llm, prompt, n_gen, reps, n_moe, policy=None):
+    from hybrimoe._lib import llama_cpp_module
+
+    lc = llama_cpp_module().llama_cpp
+    ctx = llm._ctx.ctx
+    rows = []
+    for rep in range(reps + 1):
+        llm.reset()
+        eng = llm._moe_engine
+        if eng is not None:
+            eng.reset_stats()
+        if policy is not None:
+            policy.pairs[:] = [0, 0]
+        c0, w0 = time.process_time(), time.perf_counter()
+        llm.eval(prompt)
+        lc.llama_synchronize(ctx)
+        c1, w1 = time.process_time(), time.perf_counter()
+        pp = dict(cpu_s=c1 - c0, wall_s=w1 - w0)
+        if eng is not None:
+            st = eng.layer_stats()
+            if policy is not None:
+                pp["gpu_share"] = policy.pairs[0] / max(1, policy.pairs[1])
+            if "cpu_share_s" in st[0]:
+                pp["engine_cpu_share_s"] = sum(s["cpu_share_s"] for s in st)
+            eng.reset_stats()
+        tok = 0
+        c2, w2 = time.process_time(), time.perf_counter()
+        for _ in range(n_gen):
+            llm.eval([tok])
+            lc.llama_synchronize(ctx)
+        c3, w3 = time.process_time(), time.perf_counter()
+        tg = dict(cpu_s=(c3 - c2) / max(1, n_gen), wall_s=(w3 - w2) / max(1, n_gen))
+        if eng is not None:
+            st = eng.layer_stats()
+            if "cpu_share_s" in st[0]:
+                tg["engine_cpu_share_s"] = sum(s["cpu_share_s"] for s in st) / max(1, n_gen)
+        if rep > 0 or reps == 0:  # the first pass pages the weights in, allocates graphs, loads the GPU experts
+            rows.append(dict(pp=pp, tg=tg))
+        print(f"  [{label}] rep {rep}/{reps}: pp cpu {pp['cpu_s']:.3f} s, tg cpu {1e3 * tg['cpu_s']:.2f} ms/token",
+              file=sys.stderr, flush=True)
+    out = {"label": label}
+    for phase in ("pp", "tg"):
+        for key in ("cpu_s", "wall_s", "engine_cpu_share_s", "gpu_share"):
+            xs = [r[phase][key] for r in rows if key in r[phase]]
+            if xs:
+                per_layer = key != "gpu_share"
+                ys = [x / n_moe for x in xs] if per_layer else xs
+                out[f"{phase}_{key}{'_per_layer' if per_layer else ''}"] = dict(
+                    median=statistics.median(ys), min=min(ys), max=max(ys))
+    return out
+
+
+def configs(args) -> list:
+    """(label, Llama kwargs) of every configuration, in order."""
+    out = [] if args.no_upstream else [("upstream -ot exps=CPU", dict(tensor_buft_overrides="exps=CPU",
+                                                                     no_repack=True))]
+    for s in (float(x) for x in args.shares.split(",")):
+        out.append((f"hybrimoe share {s:g}", dict(
+            moe_cache="100%", moe_prefetch_layers=0, moe_cost_model="rtx4090-desktop",
+            moe_policy={"scheduler": forced_share_policy(s), "fill": False})))
+    return out
+
+
+def run_configs(args, indices) -> list:
+    """Loads, measures and closes the configurations ``indices`` one after another on one RPC server."""
+    from hybrimoe import Llama
+    from hybrimoe.rpc import RPCServer
+
+    path, table = model_and_table(args)
+    n_moe = args.layers - 1
+    common = dict(n_gpu_layers=99, n_ctx=args.n_prompt + args.n_gen + 16, n_batch=args.n_prompt,
+                  n_ubatch=args.n_prompt, n_threads=args.threads, n_threads_batch=args.threads, verbose=False,
+                  moe_replay=table)
+    prompt = [1 + i % 400 for i in range(args.n_prompt)]
+    results = []
+    all_configs = configs(args)
+    with RPCServer(threads=args.threads) as srv:
+        common["rpc_servers"] = srv.endpoint
+        for i in indices:
+            label, kw = all_configs[i]
+            llm = Llama(str(path), **common, **kw)
+            try:
+                pol = kw.get("moe_policy", {}).get("scheduler")
+                results.append(measure(label, llm, prompt, args.n_gen, args.reps, n_moe, pol))
+            finally:
+                llm.close()
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=8, help="blocks (1 dense + layers-1 MoE; default 8)")
+    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-n", "--n-gen", type=int, default=128)
+    p.add_argument("--reps", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--shares", default="0,0.25,0.5,0.75,1")
+    p.add_argument("--trace", default=os.environ.get("HYBRIMOE_TRACE") or
+                   str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "dsv2lite_dev.npz"))
+    p.add_argument("--no-upstream", action="store_true")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    os.environ.setdefault("HYBRIMOE_AUTO_CALIBRATE", "0")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+    results = run_configs(args, range(len(configs(args))))
+    n_moe = args.layers - 1
+    base = next((r for r in results if r["label"] == "hybrimoe share 0"), None)
+    up = next((r for r in results if r["label"].startswith("upstream")), None)
+    print(f"\n{n_moe} MoE layers, pp{args.n_prompt} (one ubatch) and tg{args.n_gen}, {args.threads} threads; per MoE "
+          f"layer, median (min..max) over {args.reps} reps: client CPU ms (pp), the engine's CPU-share wall ms "
+          "(plan end to wait start), decode wall ms per token\n")
+    print("| config | GPU pair share | pp client CPU ms | vs share 0 | target | vs upstream | pp CPU-share ms "
+          "| tg wall ms/token | tg vs upstream |")
+    print("|---|---|---|---|---|---|---|---|---|")
+
+    def med(r, key):
+        return r.get(key, {}).get("median", float("nan"))
+
+    for r in results:
+        pp = r["pp_cpu_s_per_layer"]
+        share = med(r, "pp_gpu_share") if "pp_gpu_share" in r else 0.0
+        rel = pp["median"] / med(base, "pp_cpu_s_per_layer") if base else float("nan")
+        target = f"{1 - share:.2f}" if r["label"].startswith("hybrimoe") else ""
+        vs_up = pp["median"] / med(up, "pp_cpu_s_per_layer") if up else float("nan")
+        tg_up = med(r, "tg_wall_s_per_layer") / med(up, "tg_wall_s_per_layer") if up else float("nan")
+        print(f"| {r['label']} | {share:.3f} | {1e3 * pp['median']:.1f} ({1e3 * pp['min']:.1f}.."
+              f"{1e3 * pp['max']:.1f}) | {rel:.3f} | {target} | {vs_up:.3f} | "
+              f"{1e3 * med(r, 'pp_engine_cpu_share_s_per_layer'):.1f} | "
+              f"{1e3 * med(r, 'tg_wall_s_per_layer'):.2f} | {tg_up:.3f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), results=results), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
