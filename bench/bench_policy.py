@@ -1,4 +1,4 @@
-"""Decision-time benchmark of the HybriMoE policy core (issue 3, item 5).
+"""Decision-time benchmark of the HybriMoE policy core.
 
 Measures, per MoE layer, the HybriMoE split (HybriMoE §IV.B) plus the MRS cache update (§IV.D: observe, look up,
 pin, admit the copies and every CPU-computed miss, unpin) for

@@ -5,7 +5,9 @@ What is measured (all through the engine itself, on the model's own quant types 
 - CPU experts: the model runs with ``moe_cache=0`` (every routed expert on ggml's CPU kernels) for ubatches of
   several sizes; per MoE layer and run the engine reports the time from its plan to its wait op, the distinct
   experts computed and the routed (token, expert) pairs. A least-squares fit of
-  ``time = cpu_startup_s + cpu_a_s * experts + cpu_b_s * pairs`` gives the CPU part.
+  ``time = cpu_startup_s + cpu_a_s * experts + cpu_b_s * pairs`` (relative error: decode and prefill alike)
+  gives the CPU part. The engine's CPU share computes only the CPU experts' pairs, so this is the cost of the
+  pairs the scheduler leaves to the CPU.
 - GPU experts (with an accelerator): the same with every expert resident on the GPU (``gpu-on-demand`` policy, a
   cache that holds all experts, warmed up first): ``time = act_a_s + gpu_a_s * experts + gpu_b_s * pairs``.
 - Host-to-device copies: ``hybrimoe._engine.measure_h2d_s`` times copies of a small and of an expert-sized block
@@ -63,10 +65,15 @@ def stored(model_path, device: str) -> Optional[Path]:
     return p if p.is_file() else None
 
 
-def _fit(rows: list[tuple[float, ...]], y: list[float]) -> np.ndarray:
-    """Least squares with non-negative coefficients (a coefficient that comes out negative is fixed at 0)."""
+def _fit(rows: list[tuple[float, ...]], y: list[float], relative: bool = False) -> np.ndarray:
+    """Least squares with non-negative coefficients (a coefficient that comes out negative is fixed at 0).
+    ``relative``: minimise the relative error (each sample divided by its value), so that a one-token decode layer
+    weighs as much as a 512-token prefill layer."""
     X = np.asarray(rows, dtype=np.float64)
     Y = np.asarray(y, dtype=np.float64)
+    if relative:
+        w = 1.0 / np.maximum(Y, 1e-12)
+        X, Y = X * w[:, None], Y * w
     active = list(range(X.shape[1]))
     coef = np.zeros(X.shape[1])
     while active:
@@ -131,7 +138,9 @@ def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: 
 
     facts = engine_facts(model_path)
     k = facts.top_k
-    sizes = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32, 64]
+    # decode-sized ubatches up to prefill-sized ones: an expert's kernel changes with its row count (ggml-cpu's
+    # tiled K-quant path from 8 rows), and prefill ubatches give experts tens of rows
+    sizes = [1, 4, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     reps = 1 if quick else 2
     base = dict(n_ctx=max(sizes) + 64, n_batch=max(sizes), n_ubatch=max(sizes), verbose=False,
                 rpc_servers=rpc_servers, n_gpu_layers=n_gpu_layers)
@@ -158,7 +167,7 @@ def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: 
                 feats, ys, layer_rows = _runs(llm, prompt, sizes, reps, k, lambda: bar.update(1))
             finally:
                 llm.close()
-            for f, v in zip(fields, _fit(feats, ys)):
+            for f, v in zip(fields, _fit(feats, ys, relative=True)):
                 setattr(cm, f, float(v))
                 sources[f] = f"fit over {len(ys)} (MoE layer, run) samples, ubatches {sizes}, {note}"
             return layer_rows
@@ -222,7 +231,7 @@ def auto_enabled() -> bool:
 def on_first_use(model_path, device: str, *, rpc_servers=None, n_gpu_layers: int = 99,
                  threads: Optional[int] = None) -> "Path | _core.CostModel":
     """The engine's first use of ``model_path`` on ``device`` without a stored calibration: runs a short one (the
-    ``--quick`` sizes: ubatches of 1, 4 and 16 tokens, one repetition each; a progress bar on a terminal, or with
+    ``--quick`` sizes: ubatches of 1, 4, 16 and 64 tokens, one repetition each; a progress bar on a terminal, or with
     ``HYBRIMOE_PROGRESS=1``), stores it where :func:`stored` finds it and returns its path; when the store cannot
     be written it warns and returns the measured cost model itself (used for this run only). ``hybrimoe
     calibrate`` makes a fuller one. Turn it off with ``HYBRIMOE_AUTO_CALIBRATE=0`` (the preset is used then).

@@ -254,7 +254,7 @@ def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert
     return b
 
 
-# ---- system presets (issue 3, item 8) ----------------------------------------------------------------------------
+# ---- system presets -------------------------------------------------------------------------------------------------
 
 SYSTEM_PRESETS = {
     "hybrimoe": dict(scheduler="hybrimoe", cache="mrs", prefetch="impact", fill=True, oracle=False,

@@ -1,4 +1,4 @@
-"""``hybrimoe simulate``: trace-driven comparison of whole policy presets (issue 3, items 7-8).
+"""``hybrimoe simulate``: trace-driven comparison of whole policy presets.
 
 Flow: load a routing trace and a hardware preset; derive the planner's CostModel from the preset and the model's
 facts; profile expert frequencies on the first ``--profile-fraction`` (default 20%) of the prompts (static hot sets
@@ -240,7 +240,7 @@ def cache_hit_rates(setup: Setup, names: Sequence[str] = ("mrs", "lru", "lfu", "
 
 
 def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
-    """Replays an engine's decision records through the simulator's copy of its rules (issue 5, item 5).
+    """Replays an engine's decision records through the simulator's copy of its rules.
 
     ``llm``: the :class:`hybrimoe.Llama` whose engine logged ``log`` (``llm.moe_log()`` before its first decode,
     then ``llm.moe_take_log()``). ``policies``: fresh policy objects built as the engine's were

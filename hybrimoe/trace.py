@@ -1,6 +1,6 @@
 """Routing traces: a versioned ``.npz`` format, its loader, and the model facts the simulator needs.
 
-Format ``hybrimoe.trace`` version 1 (one ``.npz`` file; issue 3, item 6):
+Format ``hybrimoe.trace`` version 1 (one ``.npz`` file):
 
 ================== ============================== =====================================================
 field              shape / dtype                  meaning

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# hybrimoe GPU check (issue 5, item 4): the one script a session that is lent a GPU runs on it.
+# hybrimoe GPU check: the one script a session that is lent a GPU runs on it.
 #
 #   scripts/gpu-check.sh prepare        HERE (network, the repo's Python): fill the carry folder .gpucheck/
 #   scripts/gpu-check.sh run [DIR]      THERE (no network): build, check, bench; results under $OUT (else DIR)

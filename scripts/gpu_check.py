@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Helper of ``scripts/gpu-check.sh`` (issue 5, item 4): the parts of the GPU check that are easier in Python.
+"""Helper of ``scripts/gpu-check.sh``: the parts of the GPU check that are easier in Python.
 
 Subcommands (each prints what it did; run ``gpu_check.py SUBCOMMAND --help``):
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 SCHEMA = "hybrimoe.gpu_check/1"
-# issue 5's targets for hybrimoe over the best upstream mode at a 25% cache
+# the targets for hybrimoe over the best upstream mode at a 25% cache
 TARGET_SPEEDUP = {"prefill": 1.5, "decode": 2.0}
 
 # planner costs under which CPU and GPU are comparable for the tiny models, so that the engine's splits are

@@ -28,7 +28,7 @@ inline std::string python_class_name(const void * self, const std::type_info & t
 }
 
 /// Re-raises a Python policy's exception as RuntimeError("<kind> '<Class>'.<method> failed: ...") chained from it,
-/// so the user sees which policy broke (issue 3, item 9). Needs the GIL.
+/// so the user sees which policy broke. Needs the GIL.
 [[noreturn]] inline void rethrow_policy_error(py::error_already_set & err, const char * kind, const std::string & cls,
                                               const char * method) {
     // Type and message only: the traceback stays on the chained original (__cause__).

@@ -1,4 +1,4 @@
-// Decision-time benchmark of the policy core (issue 3, item 5): per MoE layer, the HybriMoE split plus the MRS
+// Decision-time benchmark of the policy core: per MoE layer, the HybriMoE split plus the MRS
 // cache update, for decode (64 experts, top-6) and a 512-token prefill ubatch (160 experts, top-6); impact-driven
 // prefetch planning (D = 3) reported separately. Run by bench/bench_policy.py, also under callgrind.
 //

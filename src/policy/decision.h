@@ -1,5 +1,5 @@
-// One MoE layer's decisions for one ubatch, as the engine takes them and as the simulator replays them
-// (issue 5, item 5: the engine and the simulator make the same decisions).
+// One MoE layer's decisions for one ubatch, as the engine takes them and as the simulator replays them (the
+// engine and the simulator make the same decisions).
 //
 // LayerDecider holds the decision rules that sit between the policies (cache, scheduler, prefetcher) and the
 // hardware: which experts are looked up and pinned, which planned loads run on the CPU because the cache refused

@@ -1,4 +1,10 @@
-// Trace-driven simulator of CPU, GPU and the copy engine, layer by layer (issue 3, items 6-7).
+// Trace-driven simulator of CPU, GPU and the copy engine, layer by layer.
+//
+// What it charges is the engine's real work (src/runtime/engine.h): per MoE layer, the CPU computes only its own
+// experts, each over its own tokens (cpu(load), the first paying the start-up), and the GPU only its own (after
+// the hidden state went up: act(n_tokens), then gpu(load) each, an expert waiting for its copy); the copy engine
+// copies back to back. In prefill a step is one ubatch of a prompt (every expert's load is its token count in the
+// ubatch); in decode a step is one token.
 #pragma once
 
 #include <cstdint>
@@ -129,7 +135,7 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
 
 /// Replays the engine's decision records (Engine::take_log, logged from the engine's first ubatch on) through
 /// `cache`, `scheduler` and `prefetcher`, which must be fresh objects built as the engine's were (same preset,
-/// budget, initial fill) with the engine's cost model and rules `cfg` (issue 5, item 5). Per record, in order, the
+/// budget, initial fill) with the engine's cost model and rules `cfg`. Per record, in order, the
 /// same rules as the engine (LayerDecider) run on the record's inputs: routing, router scores, expert bytes, the
 /// engine's clock and copy-queue estimate at the split, the predictions the prefetcher was shown and the first-use copies; the layer
 /// is released after its record, as the engine's wait op does. Returns one record per input holding those inputs

@@ -14,9 +14,8 @@ namespace hybrimoe {
 namespace {
 
 // Runs on one CPU thread (n_tasks = 1) once per layer and ubatch. dst: I32 [k, n_tokens], a contiguous copy
-// of the routing ids (src[0], possibly a strided view: LLAMACPP-NOTES section 11). src[1] (routing weights) and
-// src[2] (router probabilities) are inputs so the scheduler brings them to the host in the same split as
-// the ids: one device-to-host round trip per layer. The engine issue reads them here.
+// of the routing ids (src[0], possibly a strided view). src[1] (routing weights) and src[2] (router
+// probabilities) are inputs so the scheduler brings them to the host in the same split as the ids.
 void moe_plan_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith != 0) {
