@@ -170,12 +170,13 @@ def rpc_timeout_s() -> float:
     return t if t > 0 else 5.0
 
 
-def _check_rpc_server(endpoint: str, host: str, port: int) -> None:
-    """HELLO handshake with ``endpoint`` (then disconnect: the server serves one client at a time)."""
+def _check_rpc_server(endpoint: str, host: str, port: int, timeout: float | None = None) -> None:
+    """HELLO handshake with ``endpoint`` (then disconnect: the server serves one client at a time), within
+    ``timeout`` seconds (default :func:`rpc_timeout_s`)."""
     import socket
     import struct
 
-    timeout = rpc_timeout_s()
+    timeout = rpc_timeout_s() if timeout is None else timeout
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
