@@ -13,7 +13,8 @@ child kills its server at one point of a run with the engine on (``moe_cache``) 
 
 Each must end within 10 s of the kill with the default environment. With ``verbose=True`` (llama-cpp-python's
 log callback prints ggml's errors: the callback takes the GIL, the path on which a deadlock bit) the loss is
-logged exactly once. The controls run the same steps without the kill: no error, no disconnect line.
+logged exactly once. The controls run the same steps without the kill: no error, no disconnect line. A server
+that is there but silent (SIGSTOP) is noticed only with ``HYBRIMOE_RPC_IO_TIMEOUT_S`` set.
 """
 from __future__ import annotations
 
@@ -30,11 +31,11 @@ LIMIT_S = 10.0  # every scenario ends within this after the kill
 CHILD_TIMEOUT_S = 150.0
 
 _CHILD = textwrap.dedent("""
-    import json, sys, threading, time
+    import json, os, signal, sys, threading, time
     from hybrimoe import Llama
     from hybrimoe.rpc import RPCServer
 
-    model, scenario, kill, verbose = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
+    model, scenario, how, verbose = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
     out = {"errors": []}
 
     def report():
@@ -48,9 +49,11 @@ _CHILD = textwrap.dedent("""
         out["text"] = llm("Once upon a time", max_tokens=4, temperature=0)["choices"][0]["text"]
 
     def stop_server():
-        if kill:
+        if how == "kill":
             srv.proc.kill()
             srv.proc.wait()
+        elif how == "stop":  # alive but silent: the kernel still takes its bytes
+            os.kill(srv.proc.pid, signal.SIGSTOP)
         out["t_kill"] = time.monotonic()
 
     def attempt(fn):
@@ -108,22 +111,26 @@ _CHILD = textwrap.dedent("""
         out["t_end"] = time.monotonic()
         report()
     else:
+        if how == "stop":
+            os.kill(srv.proc.pid, signal.SIGCONT)
         srv.stop()
         out["t_end"] = time.monotonic()
         report()
 """)
 
 
-def run_scenario(model, scenario: str, kill: bool, verbose: bool) -> tuple[dict, str, float]:
-    """(the child's RESULT, its stderr, seconds from its last statement to its exit)."""
+def run_scenario(model, scenario: str, kill: bool | str, verbose: bool, env: dict | None = None
+                 ) -> tuple[dict, str, float]:
+    """(the child's RESULT, its stderr, seconds from its last statement to its exit). ``kill``: True (SIGKILL
+    the server), False (leave it), "stop" (SIGSTOP it, SIGCONT at the end)."""
     import tempfile
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIMOE_RPC_")}  # default timeouts
-    env["HYBRIMOE_AUTO_CALIBRATE"] = "0"
+    how = kill if isinstance(kill, str) else "kill" if kill else "keep"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIMOE_RPC_")}  # default timeouts
+    env = {**base, "HYBRIMOE_AUTO_CALIBRATE": "0", **(env or {})}
     with tempfile.TemporaryDirectory() as cwd:  # outside the checkout: the installed package is under test
         try:
-            r = subprocess.run([sys.executable, "-c", _CHILD, str(model), scenario, "1" if kill else "0",
-                                "1" if verbose else "0"], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+            r = subprocess.run([sys.executable, "-c", _CHILD, str(model), scenario, how, "1" if verbose else "0"], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
                                env=env, cwd=cwd)
         except subprocess.TimeoutExpired as e:
             pytest.fail(f"scenario {scenario} hung (no exit within {CHILD_TIMEOUT_S:.0f} s); stdout: "
@@ -204,3 +211,17 @@ def test_control_server_kept(model, scenario):
     if scenario != "prefill":
         assert out["text"], out
     assert not disconnect_lines(err, out["endpoint"]), err[-3000:]
+
+
+def test_server_stopped_with_io_timeout(model):
+    """A server that is there but never answers (SIGSTOP: its kernel still acknowledges) is noticed only through
+    HYBRIMOE_RPC_IO_TIMEOUT_S (off by default, so that long graph computes are not cut): with 2 s the decode raises
+    "no reply" in about 2 s, and close() returns at once."""
+    out, err, exit_s = run_scenario(model, "decode", kill="stop", verbose=True,
+                                    env={"HYBRIMOE_RPC_IO_TIMEOUT_S": "2"})
+    lost = f"RPC server {out['endpoint']} disconnected (no reply within HYBRIMOE_RPC_IO_TIMEOUT_S"
+    first, second = out["errors"]
+    assert first and lost in first and second and lost in second, out
+    assert 1.5 < out["attempt_s"][0] < LIMIT_S, out
+    assert out["attempt_s"][1] < 1.0 and out["close_s"] < 1.0, out
+    assert len(disconnect_lines(err, out["endpoint"])) == 1
