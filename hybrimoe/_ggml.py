@@ -127,6 +127,24 @@ def add_rpc_server(endpoint: str) -> list[int]:
     return _endpoint_devices(endpoint)
 
 
+def rpc_connection_error(endpoint: str) -> str:
+    """Why ggml's connection to the RPC server ``endpoint`` is dead ("disconnected (Broken pipe, during
+    SET_TENSOR)"...), or "" while it works, when no connection is open, or when the RPC backend is not loaded or
+    predates hybrimoe patch 0003. Never opens a connection.
+
+    ggml logs the loss once, but llama-cpp-python's log callback shows ggml's errors only with ``verbose=True``
+    (it maps this ggml's ERROR level to DEBUG): errors raised to the user carry this text instead."""
+    g = libggml()
+    reg = g.ggml_backend_reg_by_name(b"RPC")
+    if not reg:
+        return ""
+    fn_addr = g.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_connection_error")
+    if not fn_addr:
+        return ""
+    fn = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_char_p)(fn_addr)
+    return (fn(endpoint.encode()) or b"").decode(errors="replace")
+
+
 def _endpoint_devices(endpoint: str) -> list[int]:
     # RPC devices hang off the one "RPC" registry; each names its server in its buffer type, "RPCn[HOST:PORT]"
     # (ggml-rpc.cpp), or in its description
@@ -152,12 +170,13 @@ def rpc_timeout_s() -> float:
     return t if t > 0 else 5.0
 
 
-def _check_rpc_server(endpoint: str, host: str, port: int) -> None:
-    """HELLO handshake with ``endpoint`` (then disconnect: the server serves one client at a time)."""
+def _check_rpc_server(endpoint: str, host: str, port: int, timeout: float | None = None) -> None:
+    """HELLO handshake with ``endpoint`` (then disconnect: the server serves one client at a time), within
+    ``timeout`` seconds (default :func:`rpc_timeout_s`)."""
     import socket
     import struct
 
-    timeout = rpc_timeout_s()
+    timeout = rpc_timeout_s() if timeout is None else timeout
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:

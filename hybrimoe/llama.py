@@ -370,6 +370,10 @@ class Llama(llama_cpp.Llama):
             super().eval(tokens)
         except RuntimeError as e:
             if self._rpc_endpoints and "llama_decode returned" in str(e):
+                lost = [m for m in map(_ggml.rpc_connection_error, self._rpc_endpoints) if m]
+                if lost:
+                    raise RuntimeError(f"{e}: {'; '.join(lost)}; this Llama cannot compute any more "
+                                       "(close it)") from e
                 raise RuntimeError(f"{e} (the compute failed; with RPC servers ({', '.join(self._rpc_endpoints)}) "
                                    "a server that stopped answering is the usual cause: see the log)") from e
             raise

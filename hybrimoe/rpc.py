@@ -4,9 +4,13 @@ The ggml RPC backend (upstream ``tools/rpc``) with ``--device CPU`` serves a CPU
 reached only through the RPC protocol, like a GPU's. hybrimoe's tests and benchmarks use it as the accelerator
 stand-in (ARCHITECTURE.md, "Test doubles"). It binds to 127.0.0.1 only and serves one client at a time, so
 each process that needs one starts its own.
+
+With ``stats_path`` the server tallies the commands it serves (hybrimoe patch 0004, ``HYBRIMOE_RPC_STATS`` in its
+environment): device-side counts of host-to-device and device-to-host transfers. :func:`read_stats` reads them.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -16,6 +20,8 @@ from pathlib import Path
 from ._lib import LIB_DIR
 
 SERVER_BIN = LIB_DIR / "ggml-rpc-server"
+STATS_ENV = "HYBRIMOE_RPC_STATS"
+STATS_SCHEMA = "hybrimoe.rpc_stats/1"
 
 
 def free_port() -> int:
@@ -35,15 +41,27 @@ class RPCServer:
         threads: CPU threads of the server.
         device: ggml device the server exposes (``CPU`` for the stand-in).
         startup_timeout_s: seconds to wait until the port accepts connections.
+        stats_path: tally the commands served into this file (appended: one JSON record per client connection,
+            written when the client disconnects; see :func:`read_stats`). None: no tally, whatever
+            ``$HYBRIMOE_RPC_STATS`` says.
     Raises:
         FileNotFoundError: the server binary was not built.
+        ValueError: ``stats_path`` is a directory or its directory does not exist.
         RuntimeError: the server exited or did not listen in time (its output is in the message).
     """
 
     def __init__(self, port: int | None = None, threads: int = 1, device: str = "CPU",
-                 startup_timeout_s: float = 30.0):
+                 startup_timeout_s: float = 30.0, stats_path: str | os.PathLike | None = None):
         if not SERVER_BIN.exists():
             raise FileNotFoundError(f"{SERVER_BIN} is missing: hybrimoe's native part was not built")
+        self.stats_path: Path | None = None
+        if stats_path is not None:
+            sp = Path(stats_path).absolute()  # the server may not share our idea of the working directory
+            if sp.is_dir():
+                raise ValueError(f"stats_path {sp} is a directory; give a file to append the records to")
+            if not sp.parent.is_dir():
+                raise ValueError(f"stats_path {sp}: directory {sp.parent} does not exist")
+            self.stats_path = sp
         self.port = port or free_port()
         self.threads = threads
         self.device = device
@@ -62,8 +80,12 @@ class RPCServer:
         self._log_path = Path(log)
         cmd = [str(SERVER_BIN), "--device", self.device, "-H", "127.0.0.1", "-p", str(self.port),
                "-t", str(self.threads)]
+        env = dict(os.environ)
+        env.pop(STATS_ENV, None)
+        if self.stats_path is not None:
+            env[STATS_ENV] = str(self.stats_path)
         self.proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=dict(os.environ), preexec_fn=_die_with_parent)
+                                     env=env, preexec_fn=_die_with_parent)
         os.close(fd)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
@@ -83,6 +105,29 @@ class RPCServer:
         except OSError:
             return ""
 
+    def wait_stats(self, timeout_s: float = 10.0) -> list[dict]:
+        """The tally's records (:func:`read_stats`) once those of every connection that ended before this call
+        are written.
+
+        The server serves one client at a time and writes a connection's record before it takes the next, so
+        this does an RPC handshake of its own (which adds a record: ``HELLO`` only) and reads the file after the
+        reply.
+
+        Raises:
+            ValueError: the server was started without ``stats_path``.
+            TimeoutError: no handshake reply within ``timeout_s`` (a client is still connected).
+        """
+        from . import _ggml
+
+        if self.stats_path is None:
+            raise ValueError("this RPCServer was started without stats_path: it keeps no tally")
+        try:
+            _ggml._check_rpc_server(self.endpoint, "127.0.0.1", self.port, timeout=timeout_s)
+        except ValueError:
+            raise TimeoutError(f"ggml-rpc-server {self.endpoint} did not take a new connection within "
+                               f"{timeout_s:g} s: is a client (a Llama not closed) still connected?") from None
+        return read_stats(self.stats_path)
+
     def stop(self) -> None:
         """Terminate the server (kill after 5 s) and remove its log."""
         if self.proc and self.proc.poll() is None:
@@ -100,6 +145,43 @@ class RPCServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def read_stats(path: str | os.PathLike) -> list[dict]:
+    """Records of an RPC server's command tally (``RPCServer(stats_path=...)``), oldest first.
+
+    One record per client connection (schema ``hybrimoe.rpc_stats/1``): ``connection`` (1, 2, ... since the
+    server started), ``seconds`` (its length), ``graph_computes`` (GRAPH_COMPUTE + GRAPH_RECOMPUTE),
+    ``h2d_bytes`` (tensor data that SET_TENSOR wrote to the device), ``d2h_bytes`` (tensor data that GET_TENSOR
+    returned to the host), and ``commands``: per command served (``SET_TENSOR``, ``GET_TENSOR``,
+    ``COPY_TENSOR``, ``GRAPH_COMPUTE``, ...), ``count``, ``bytes_in`` and ``bytes_out`` (payload bytes of the
+    requests and replies, without the command byte and size fields). Besides the connection that holds a model
+    (its record has ``ALLOC_BUFFER``), ggml's RPC client opens short ones of its own (a device-memory query,
+    ``GET_DEVICE_MEMORY``, when nothing holds a connection) and hybrimoe checks a server with a handshake
+    (``HELLO`` only): each has its record. A server killed with a client connected writes no record for it.
+
+    A missing file gives no records (no connection ended yet, or the tally is off); a last line without its
+    newline is a record being written and is left out.
+
+    Raises:
+        ValueError: a line is not a record of this schema (the message names the line).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")[:-1]  # the part after the last newline is not a whole record yet
+    out = []
+    for i, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{p}:{i}: not a JSON record of the RPC command tally: {e}") from None
+        if not isinstance(rec, dict) or rec.get("schema") != STATS_SCHEMA:
+            raise ValueError(f"{p}:{i}: not a {STATS_SCHEMA} record")
+        out.append(rec)
+    return out
 
 
 def _die_with_parent() -> None:

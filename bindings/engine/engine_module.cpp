@@ -18,6 +18,19 @@ using hybrimoe::RoutingReplay;
 
 namespace {
 
+// The Engine talks to its device when it is made (backends, slot pool), released and destroyed, and waits for
+// it there. Python's GIL must not be held meanwhile: whatever the device's backend calls back into Python (ggml's
+// log callback of llama-cpp-python takes the GIL, from whatever thread logs) would wait for it, and other Python
+// threads could not run. The last reference may be dropped with the GIL held (a wrapper's dealloc, MoeHook
+// replacing its engine): the deleter frees the device side without it, the rest as the caller left the GIL.
+void delete_engine(Engine * e) {
+    if (PyGILState_Check()) {
+        py::gil_scoped_release nogil;
+        e->release();
+    }
+    delete e;
+}
+
 llama_context * ctx_from(uintptr_t ptr) {
     if (ptr == 0) {
         throw std::invalid_argument("llama_context pointer is NULL (model closed?)");
@@ -126,7 +139,9 @@ Raises:
                  auto cache_p = cache.cast<std::shared_ptr<hybrimoe::ExpertCache>>();
                  auto sched_p = scheduler.cast<std::shared_ptr<hybrimoe::SchedulePolicy>>();
                  auto pre_p = prefetcher.cast<std::shared_ptr<hybrimoe::PrefetchPolicy>>();
-                 return std::make_shared<Engine>(std::move(c), cache_p, sched_p, pre_p);
+                 // cache_p and friends keep the policies alive here: nothing Python is freed without the GIL
+                 py::gil_scoped_release nogil;
+                 return std::shared_ptr<Engine>(new Engine(std::move(c), cache_p, sched_p, pre_p), delete_engine);
              }),
              py::arg("n_layer"), py::arg("n_expert"), py::arg("top_k"), py::arg("n_embd"), py::arg("moe_layers"),
              py::arg("expert_bytes"), py::arg("expert_types"), py::arg("n_slots"), py::arg("device"), py::arg("cost_model_json"),
@@ -146,7 +161,7 @@ Raises:
         .def_property_readonly("failed", &Engine::failed)
         .def("clear_failure", &Engine::clear_failure)
         .def("reset_stats", &Engine::reset_stats)
-        .def("release", &Engine::release,
+        .def("release", &Engine::release, py::call_guard<py::gil_scoped_release>(),
              "Free the slot pool, GPU graphs and device backends now (afterwards every layer runs on the CPU).")
         .def("set_logging", &Engine::set_logging, py::arg("on"),
              "Keep a decision record per (MoE layer, ubatch) from now on (False: stop and drop them).")
