@@ -74,7 +74,9 @@ install(TARGETS _engine LIBRARY DESTINATION "${HYBRIMOE_PKG_DIR}")
 # (hybrimoe/_lib.py), so llama-cpp-python's libggml.so takes it for its libggml-cpu.so.0 dependency, and the engine
 # checks that it did (proc address ggml_backend_cpu_skips_negative_expert_ids).
 include(ExternalProject)
-set(HYBRIMOE_CPU_BUILD "${CMAKE_BINARY_DIR}/ggml-cpu-build")
+# one build folder per patched tree: a new patch series is a new source folder, which a configured build refuses
+get_filename_component(HYBRIMOE_LLAMA_SRC_NAME "${HYBRIMOE_LLAMA_SRC}" NAME)
+set(HYBRIMOE_CPU_BUILD "${CMAKE_BINARY_DIR}/ggml-cpu-build/${HYBRIMOE_LLAMA_SRC_NAME}")
 # the library itself (bin/libggml-cpu.so.0 is a symlink to the versioned file), copied to a fixed name
 set(HYBRIMOE_CPU_LIB "${HYBRIMOE_CPU_BUILD}/hybrimoe/libggml-cpu.so.0")
 set(HYBRIMOE_CPU_ARGS
