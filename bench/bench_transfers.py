@@ -14,7 +14,8 @@ resident).
 Configurations: upstream ``-ot exps=CPU`` (the same placement as the engine's), and the engine with the forced
 GPU share of ``bench_cpu_share.py`` (0 and 0.5 of the pairs, a slot for every expert). ``--python`` runs the
 clients with another interpreter (e.g. an older hybrimoe install, for a before/after table); the server is always
-this install's (it has the tally). Model and routing replay as in ``bench_cpu_share.py``.
+this install's (it has the tally). Model as in ``bench_cpu_share.py``; the model's own (random) router decides,
+unless ``--replay`` routes by the trace (the ids are then a host input: one device-to-host transfer fewer upstream).
 
 Usage::
 
@@ -55,7 +56,8 @@ _CHILD = textwrap.dedent("""
     try:
         time.sleep(2)
         kw = dict(n_gpu_layers=99, n_ctx=cfg["n_prompt"] + cfg["n2"] + 16, n_batch=cfg["n_prompt"],
-                  n_ubatch=cfg["n_prompt"], n_threads=2, verbose=False, moe_replay=table,
+                  n_ubatch=cfg["n_prompt"], n_threads=2, verbose=False,
+                  moe_replay=table if cfg["replay"] else None,
                   rpc_servers=f"127.0.0.1:{port}")
         if cfg["mode"] == "upstream":
             kw.update(tensor_buft_overrides="exps=CPU", no_repack=True)
@@ -104,7 +106,7 @@ def run_config(args, mode: str, share: float = 0.0, python: str | None = None) -
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stats.jsonl"
         cfg = dict(server=str(SERVER_BIN), stats=str(stats), layers=args.layers, n_prompt=args.n_prompt,
-                   n1=args.n1, n2=args.n2, trace=args.trace, mode=mode, share=share)
+                   n1=args.n1, n2=args.n2, trace=args.trace, mode=mode, share=share, replay=args.replay)
         r = subprocess.run([python or sys.executable, "-c", _CHILD, str(HERE), json.dumps(cfg)], capture_output=True,
                            text=True, cwd=tmp, timeout=3600)
         if r.returncode != 0:
@@ -140,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--n1", type=int, default=4)
     p.add_argument("--n2", type=int, default=12)
     p.add_argument("--shares", default="0,0.5")
+    p.add_argument("--replay", action="store_true", help="route by the trace (patch 0002): the routing ids are "
+                   "then a host input, so upstream brings only the hidden state to the host")
     p.add_argument("--python", default=None, help="interpreter for the clients (another hybrimoe install)")
     p.add_argument("--trace", default=os.environ.get("HYBRIMOE_TRACE") or
                    str(HERE.parents[1] / "shared" / "traces" / "dsv2lite_dev.npz"))
