@@ -60,11 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import hybrimoe  # noqa: E402  (before llama_cpp: one libllama per process)
+import hybrimoe  # noqa: E402  (the installed package, before llama_cpp: one libllama per process)
 from hybrimoe.bench import Config, interleave, med_spread, prompts  # noqa: E402,F401  (shared with hybrimoe bench)
 
 MODEL = dict(arch="qwen3moe", n_layer=6, n_embd=512, n_ff_exp=512, n_expert=32, n_expert_used=4, n_head=8)

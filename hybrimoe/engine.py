@@ -162,7 +162,8 @@ def cache_slots(spec, facts: EngineFacts) -> int:
 
 def resolve_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
     """The planner's cost model: None (the ``rtx4090-desktop`` preset), a hardware preset name or file
-    (schema ``hybrimoe.hardware/1``), a cost-model JSON file (schema ``hybrimoe.cost_model/1``), or a CostModel.
+    (schema ``hybrimoe.hardware/1``), a cost-model JSON file (schema ``hybrimoe.cost_model/2`` or ``/1``), or a
+    CostModel.
 
     Raises:
         ValueError (CostModelError): unknown preset, unreadable or invalid file.
@@ -182,7 +183,7 @@ def resolve_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
                 doc = json.load(f)
         except (OSError, ValueError) as e:
             raise pol.CostModelError(f"{name}: cannot read the cost model: {e}") from None
-        if isinstance(doc, dict) and doc.get("schema") == pol.COST_MODEL_SCHEMA:
+        if isinstance(doc, dict) and doc.get("schema") in pol.COST_MODEL_SCHEMAS:
             return pol.load_cost_model(name)
     hw = pol.load_hardware(name)
     return pol.cost_model_from_hardware(hw, facts.model)

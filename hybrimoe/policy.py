@@ -11,18 +11,22 @@ one surfaces as RuntimeError naming the policy class and method):
 - :class:`PrefetchPolicy`: ``name()``, ``plan(ctx, cache, cost) -> [(layer, expert), ...]``. C++: impact-driven
   (HybriMoE §IV.C), next-layer top-k, none.
 
-Cost model JSON, schema ``hybrimoe.cost_model/1`` (all times in seconds, bandwidth in bytes/s)::
+Cost model JSON, schema ``hybrimoe.cost_model/2`` (all times in seconds, bandwidth in bytes/s; ``/1`` files,
+without ``copy_overlap``, read with copy_overlap 1)::
 
-    {"schema": "hybrimoe.cost_model/1",
+    {"schema": "hybrimoe.cost_model/2",
      "cpu_a_s": float, "cpu_b_s": float, "cpu_startup_s": float,   # CPU expert: a + b*tokens (+ start-up once)
      "gpu_a_s": float, "gpu_b_s": float,                            # GPU expert: a + b*tokens
      "h2d_bandwidth_Bps": float, "h2d_latency_s": float,            # copy: bytes/bandwidth + latency
      "act_a_s": float, "act_b_s": float,                            # activation round trip of a GPU share
      "layer_a_s": float, "layer_b_s": float,                        # non-expert work of a MoE layer
      "dense_a_s": float, "dense_b_s": float,                        # a dense layer
+     "copy_overlap": float,                                         # 0..1: device computes while it copies
      "sources": {field: str, ...}}                                  # optional: where each number comes from
 
-Every listed number is required, finite and >= 0 (bandwidth > 0); unknown keys are errors. The reader and writer
+Every listed number is required, finite and >= 0 (bandwidth > 0, copy_overlap <= 1); unknown keys are errors.
+``copy_overlap``: the share of a host-to-device copy's time during which the device still computes (1: a GPU's copy
+engine runs beside compute; 0: the device does one thing at a time, as the RPC stand-in does). The reader and writer
 are C++ (``hybrimoe._core.cost_model_from_json`` / ``cost_model_to_json`` / ``load_cost_model`` /
 ``save_cost_model``, src/policy/cost_model.h), shared with the engine; the functions here wrap them.
 
@@ -61,10 +65,11 @@ TopKPrefetcher = _core.TopKPrefetcher
 NoPrefetcher = _core.NoPrefetcher
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
-COST_MODEL_SCHEMA = "hybrimoe.cost_model/1"
+COST_MODEL_SCHEMA = _core.COST_MODEL_SCHEMA          # written ("hybrimoe.cost_model/2")
+COST_MODEL_SCHEMAS = (_core.COST_MODEL_SCHEMA, _core.COST_MODEL_SCHEMA_V1)  # read
 HARDWARE_SCHEMA = "hybrimoe.hardware/1"
 COST_FIELDS = ("cpu_a_s", "cpu_b_s", "cpu_startup_s", "gpu_a_s", "gpu_b_s", "h2d_bandwidth_Bps", "h2d_latency_s",
-               "act_a_s", "act_b_s", "layer_a_s", "layer_b_s", "dense_a_s", "dense_b_s")
+               "act_a_s", "act_b_s", "layer_a_s", "layer_b_s", "dense_a_s", "dense_b_s", "copy_overlap")
 HARDWARE_FACTS = ("gpu_mem_bandwidth_Bps", "gpu_mem_efficiency", "gpu_effective_flops", "gpu_kernel_launch_s",
                   "gpu_kernels_per_expert", "gpu_kernels_per_layer", "cpu_mem_bandwidth_Bps", "cpu_mem_efficiency",
                   "cpu_effective_flops", "cpu_startup_s", "h2d_bandwidth_Bps", "h2d_latency_s", "gpu_memory_bytes")
@@ -79,7 +84,7 @@ class CostModelError(ValueError):
 # these wrappers keep the Python API and turn their ValueError into CostModelError.
 
 def cost_model_from_dict(d: dict, where: str = "cost model") -> "_core.CostModel":
-    """CostModel from a ``hybrimoe.cost_model/1`` dict; raises CostModelError naming the bad field."""
+    """CostModel from a ``hybrimoe.cost_model/2`` (or ``/1``) dict; raises CostModelError naming the bad field."""
     try:
         text = json.dumps(d)
     except (TypeError, ValueError) as e:
@@ -92,7 +97,7 @@ def cost_model_from_dict(d: dict, where: str = "cost model") -> "_core.CostModel
 
 
 def cost_model_to_dict(cm: "_core.CostModel", sources: Optional[dict] = None) -> dict:
-    """The ``hybrimoe.cost_model/1`` dict of a CostModel (numbers as floats)."""
+    """The ``hybrimoe.cost_model/2`` dict of a CostModel (numbers as floats)."""
     return json.loads(_core.cost_model_to_json(cm, _sources_map(sources)), parse_int=float)
 
 
@@ -179,6 +184,8 @@ def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostMode
     - Activations: hidden state (fp32, n_embd) to the GPU and back per token, plus two link latencies.
     - Non-expert work of a layer (attention, router, shared experts) and dense layers: launches + weight bytes at
       GPU bandwidth, plus 2*params FLOP per token.
+    - Copies overlap compute (``copy_overlap`` 1): an assumption for discrete GPUs, whose copy engines run beside the
+      compute queue (the engine copies on a second stream).
     """
     f = hw.facts
     gpu_bw = f["gpu_mem_bandwidth_Bps"] * f["gpu_mem_efficiency"]
@@ -200,6 +207,7 @@ def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostMode
     dense_bytes = model.dense_layer_params * model.bytes_per_param_non_expert
     cm.dense_a_s = f["gpu_kernels_per_layer"] * launch + dense_bytes / gpu_bw
     cm.dense_b_s = 2.0 * model.dense_layer_params / f["gpu_effective_flops"]
+    cm.copy_overlap = 1.0
     cm.validate()
     return cm
 

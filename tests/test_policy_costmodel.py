@@ -28,6 +28,24 @@ def test_corrupt_cost_model(tmp_path, text, msg):
         pol.load_cost_model(tmp_path / "c.json")
 
 
+def test_cost_model_schema_1_reads_with_copies_overlapping():
+    """Files of schema /1 (before copy_overlap existed) still load, as a device whose copies run beside compute;
+    /2 requires the field, /1 refuses it, and it must lie in [0, 1]."""
+    d = pol.cost_model_to_dict(_core.CostModel())
+    assert d["schema"] == "hybrimoe.cost_model/2" and d["copy_overlap"] == 1.0
+    d["copy_overlap"] = 0.25
+    assert pol.cost_model_from_dict(d).copy_overlap == 0.25
+    old = {k: v for k, v in d.items() if k != "copy_overlap"}
+    old["schema"] = "hybrimoe.cost_model/1"
+    assert pol.cost_model_from_dict(old).copy_overlap == 1.0
+    with pytest.raises(ValueError, match="missing field 'copy_overlap'"):
+        pol.cost_model_from_dict(dict(old, schema="hybrimoe.cost_model/2"))
+    with pytest.raises(ValueError, match="'copy_overlap' is not in schema hybrimoe.cost_model/1"):
+        pol.cost_model_from_dict(dict(old, copy_overlap=0.5))
+    with pytest.raises(ValueError, match="copy_overlap' must be in \\[0, 1\\]"):
+        pol.cost_model_from_dict(dict(d, copy_overlap=1.5))
+
+
 def test_cost_model_bad_values(tmp_path):
     d = pol.cost_model_to_dict(_core.CostModel())
     d["gpu_b_s"] = -1

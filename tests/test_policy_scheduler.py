@@ -123,6 +123,31 @@ def test_hand_computed_greedy_timeline():
     assert _core.evaluate_plan(li, cm, [1, 1, 1, 1]).makespan_s == pytest.approx(6.5)
 
 
+def test_copies_delay_the_gpu_on_a_device_that_cannot_overlap_them():
+    """CostModel.copy_overlap: with 1 (a copy engine beside compute) copies delay only the experts they load; with
+    0 (one command at a time, as the RPC stand-in) the GPU works through the whole copy queue first, earlier copies
+    (pcie_free_s) and this layer's loads alike; 0.5 halves that delay. Same numbers as the hand-computed timeline
+    above."""
+    li = _core.LayerInput([10, 11, 12, 13], [1, 3, 2, 1], [1, 0, 0, 0], expert_bytes=2.0)
+
+    def at(overlap, split, pcie_free=0.0):
+        cm = cost(cpu_a=1.0, cpu_b=0.0, start=0.0, gpu_a=0.5, gpu_b=0.0, bw=1.0, lat=0.0, act_a=0.0, act_b=0.0)
+        cm.copy_overlap = overlap
+        li.pcie_free_s = pcie_free
+        return _core.evaluate_plan(li, cm, split)
+
+    # A (cached) and B (copied 0..2): overlapped, A 0..0.5 and B 2..2.5; serial: A 2..2.5, B 2.5..3; half: A 1..1.5
+    assert at(1.0, [1, 1, 0, 0]).gpu_end_s == pytest.approx(2.5)
+    assert at(0.0, [1, 1, 0, 0]).gpu_end_s == pytest.approx(3.0)
+    assert at(0.5, [1, 1, 0, 0]).gpu_end_s == pytest.approx(2.5)  # B still waits for its copy: 2..2.5
+    # only A on the GPU, the queue busy 1 s with earlier copies: 0..0.5 overlapped, 1..1.5 serial, 0.5..1 half
+    assert at(1.0, [1, 0, 0, 0], 1.0).gpu_end_s == pytest.approx(0.5)
+    assert at(0.0, [1, 0, 0, 0], 1.0).gpu_end_s == pytest.approx(1.5)
+    assert at(0.5, [1, 0, 0, 0], 1.0).gpu_end_s == pytest.approx(1.0)
+    # no GPU share: no delay (the CPU does not wait for copies)
+    assert at(0.0, [0, 0, 0, 0], 5.0).makespan_s == pytest.approx(4.0)
+
+
 def test_best_of_trivial_plans_when_greedy_loses():
     # Start-up dominates: paying it for any CPU expert is worse than keeping all on a cached GPU.
     cm = cost(cpu_a=0.1, cpu_b=0.0, start=10.0, gpu_a=1.0, gpu_b=0.0, bw=1e12, lat=0.0, act_a=0.0, act_b=0.0)
@@ -159,7 +184,7 @@ def test_gap_to_exhaustive_optimum(max_k, max_load, record_property):
     assert r.mean() <= 1.05
 
 
-def test_assign_slots_keeps_every_token_slot():
+def test_assign_pairs_keeps_every_token_rank():
     ids = np.array([[1, 2], [2, 3], [1, 3], [5, 2]], dtype=np.int32)
     li = _core.LayerInput()
     li.set_routing(ids, 8)
@@ -167,7 +192,7 @@ def test_assign_slots_keeps_every_token_slot():
     li.cached = [1, 0, 0, 0]
     li.expert_bytes = 6.3e6
     p = _core.HybriMoEScheduler().plan(li, cost())
-    dev = _core.assign_slots(li, p, ids)
+    dev = _core.assign_pairs(li, p, ids)
     assert dev.shape == ids.shape
     on = dict(zip(li.experts, p.on_gpu))
     for t in range(ids.shape[0]):

@@ -109,18 +109,18 @@ void bind_scheduler(py::module_ & m) {
         py::arg("layer_input"), py::arg("cost"), py::arg("on_gpu"),
         "Predicted timeline of a given split (k flags, 1 = GPU). ValueError if the length differs from k.");
     m.def(
-        "assign_slots",
+        "assign_pairs",
         [](const LayerInput & in, const SchedulePlan & plan,
            py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids) {
-            if (ids.ndim() != 2) throw py::value_error("assign_slots: ids must be 2-D [n_tokens, top_k]");
+            if (ids.ndim() != 2) throw py::value_error("assign_pairs: ids must be 2-D [n_tokens, top_k]");
             const int n = static_cast<int>(ids.shape(0)), k = static_cast<int>(ids.shape(1));
-            std::vector<uint8_t> dev = assign_slots(in, plan, ids.data(), n, k);
+            std::vector<uint8_t> dev = assign_pairs(in, plan, ids.data(), n, k);
             py::array_t<uint8_t> out({n, k});
             std::copy(dev.begin(), dev.end(), out.mutable_data());
             return out;
         },
         py::arg("layer_input"), py::arg("plan"), py::arg("ids"),
-        "Device of every routed (token, top-k slot): uint8 [n_tokens, top_k], 1 = GPU, so each partial output "
+        "Device of every routed (token, rank) pair: uint8 [n_tokens, top_k], 1 = GPU, so each partial output "
         "keeps its own routing weight (HybriMoE §IV.B). ValueError on an expert not in the input.");
 
     py::classh<SchedulePolicy, PySchedulePolicy>(m, "SchedulePolicy",

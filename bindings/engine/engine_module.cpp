@@ -209,6 +209,14 @@ Raises:
           "Seconds per host-to-device copy of `bytes` to a ggml device (int pointer): median of `reps` copies, "
           "each synchronised, from the device's pinned host buffer type if it has one. RuntimeError on failure.");
 
+    m.def("measure_copy_overlap", [](uintptr_t device, size_t bytes, int reps) {
+              py::gil_scoped_release nogil;
+              return hybrimoe::measure_copy_overlap(reinterpret_cast<ggml_backend_dev_t>(device), bytes, reps);
+          }, py::arg("device"), py::arg("bytes"), py::arg("reps") = 5,
+          "Share (0..1) of a host-to-device copy of `bytes` during which the device still computes (CostModel."
+          "copy_overlap): a copy alone, a matrix-product chain of about its time alone, both together; median of "
+          "`reps`. RuntimeError on failure.");
+
     py::class_<RoutingReplay>(m, "RoutingReplay", R"doc(
 Forces every MoE layer's routed expert ids (llama_set_moe_routing, patch 0002).
 

@@ -23,7 +23,7 @@ void CostModel::validate() const {
         {"gpu_a_s", gpu_a_s},     {"gpu_b_s", gpu_b_s},     {"h2d_bandwidth_Bps", h2d_bandwidth_Bps},
         {"h2d_latency_s", h2d_latency_s}, {"act_a_s", act_a_s}, {"act_b_s", act_b_s},
         {"layer_a_s", layer_a_s}, {"layer_b_s", layer_b_s}, {"dense_a_s", dense_a_s},
-        {"dense_b_s", dense_b_s},
+        {"dense_b_s", dense_b_s}, {"copy_overlap", copy_overlap},
     };
     for (const auto & f : fields) {
         if (!std::isfinite(f.value) || f.value < 0.0) {
@@ -34,9 +34,12 @@ void CostModel::validate() const {
     if (h2d_bandwidth_Bps <= 0.0) {
         throw std::invalid_argument("CostModel.h2d_bandwidth_Bps must be > 0");
     }
+    if (copy_overlap > 1.0) {
+        throw std::invalid_argument("CostModel.copy_overlap must be in [0, 1], got " + std::to_string(copy_overlap));
+    }
 }
 
-// ---- JSON (schema hybrimoe.cost_model/1, documented in cost_model.h) ----------------------------------------------
+// ---- JSON (schema hybrimoe.cost_model/2, documented in cost_model.h) ----------------------------------------------
 
 namespace {
 
@@ -54,6 +57,7 @@ const CostField kCostFields[] = {
     {"act_a_s", &CostModel::act_a_s},     {"act_b_s", &CostModel::act_b_s},
     {"layer_a_s", &CostModel::layer_a_s}, {"layer_b_s", &CostModel::layer_b_s},
     {"dense_a_s", &CostModel::dense_a_s}, {"dense_b_s", &CostModel::dense_b_s},
+    {"copy_overlap", &CostModel::copy_overlap},  // not in schema /1
 };
 
 /// A parsed JSON value (only as much structure as this flat schema needs; arrays are kept for error messages).
@@ -339,17 +343,24 @@ CostModel cost_model_from_json(const std::string & text, const std::string & whe
         if (m.first == "schema") schema = &m.second;
         if (!known) unknown += (unknown.empty() ? "" : ", ") + m.first;
     }
-    if (!schema || schema->kind != JsonValue::kString || schema->text != kCostModelSchema) {
+    const bool v1 = schema && schema->kind == JsonValue::kString && schema->text == kCostModelSchemaV1;
+    if (!schema || schema->kind != JsonValue::kString || (schema->text != kCostModelSchema && !v1)) {
         const std::string got = !schema ? "nothing" : schema->kind == JsonValue::kString ? quote(schema->text)
                                                                                           : kind_name(schema->kind);
-        throw CostModelError(where + ": 'schema' must be '" + kCostModelSchema + "', got " + got);
+        throw CostModelError(where + ": 'schema' must be '" + kCostModelSchema + "' (or '" + kCostModelSchemaV1 +
+                             "'), got " + got);
     }
     if (!unknown.empty()) throw CostModelError(where + ": unknown field(s) " + unknown);
     CostModel cm;
     for (const CostField & f : kCostFields) {
+        const bool v2_only = std::strcmp(f.name, "copy_overlap") == 0;
         const JsonValue * v = nullptr;
         for (const auto & m : doc.members) {
             if (m.first == f.name) v = &m.second;  // a repeated key: the last one wins, as in Python's json
+        }
+        if (v1 && v2_only) {
+            if (v) throw CostModelError(where + ": field '" + f.name + "' is not in schema " + kCostModelSchemaV1);
+            continue;  // schema /1: copies overlap compute (the default)
         }
         if (!v) throw CostModelError(where + ": missing field '" + f.name + "'");
         if (v->kind != JsonValue::kNumber || !std::isfinite(v->number) || v->number < 0.0) {
@@ -360,6 +371,7 @@ CostModel cost_model_from_json(const std::string & text, const std::string & whe
         cm.*(f.member) = v->number;
     }
     if (cm.h2d_bandwidth_Bps <= 0.0) throw CostModelError(where + ": field 'h2d_bandwidth_Bps' must be > 0");
+    if (cm.copy_overlap > 1.0) throw CostModelError(where + ": field 'copy_overlap' must be in [0, 1]");
     if (sources) {
         sources->clear();
         for (const auto & m : doc.members) {

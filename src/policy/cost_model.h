@@ -16,6 +16,10 @@ namespace hybrimoe {
 ///   `act_a_s + act_b_s * n_tokens` (our MoE op runs on the host side; HYBRIMOE.md §1).
 /// - Non-expert work of a MoE layer (attention, router, shared experts): `layer_a_s + layer_b_s * n_tokens`;
 ///   of a dense layer: `dense_a_s + dense_b_s * n_tokens`.
+/// - `copy_overlap` in [0, 1]: the share of a host-to-device copy's time during which the device still computes.
+///   1: copies run beside compute (a discrete GPU's copy engine, HybriMoE §IV.B's separate PCIe timeline); 0: the
+///   device does one thing at a time (the ggml RPC stand-in serves one command after another), so queued copies
+///   delay the GPU share by (1 - copy_overlap) of their time.
 /// The numbers come from a calibration or from a hardware preset (hybrimoe/presets/*.json), never from constants
 /// in the scheduler. JSON load/save: cost_model_from_json / cost_model_to_json below (schema there).
 struct CostModel {
@@ -32,6 +36,7 @@ struct CostModel {
     double layer_b_s = 0.0;
     double dense_a_s = 0.0;
     double dense_b_s = 0.0;
+    double copy_overlap = 1.0;
 
     double cpu(int n_tokens) const { return cpu_a_s + cpu_b_s * n_tokens; }
     double gpu(int n_tokens) const { return gpu_a_s + gpu_b_s * n_tokens; }
@@ -40,8 +45,11 @@ struct CostModel {
     double layer(int n_tokens) const { return layer_a_s + layer_b_s * n_tokens; }
     double dense(int n_tokens) const { return dense_a_s + dense_b_s * n_tokens; }
 
-    /// Throws std::invalid_argument naming the first field that is negative or not finite, or a
-    /// non-positive bandwidth.
+    /// Seconds of copy-queue time during which the device cannot compute: (1 - copy_overlap) * queue_s.
+    double copy_blocking(double queue_s) const { return (1.0 - copy_overlap) * queue_s; }
+
+    /// Throws std::invalid_argument naming the first field that is negative or not finite, a non-positive
+    /// bandwidth, or a copy_overlap outside [0, 1].
     void validate() const;
 };
 
@@ -51,22 +59,26 @@ struct CostModelError : std::invalid_argument {
     using std::invalid_argument::invalid_argument;
 };
 
-/// Schema tag of the cost-model JSON.
-constexpr const char * kCostModelSchema = "hybrimoe.cost_model/1";
+/// Schema tag of the cost-model JSON this version writes; kCostModelSchemaV1 (no copy_overlap, read as 1) is
+/// still read.
+constexpr const char * kCostModelSchema = "hybrimoe.cost_model/2";
+constexpr const char * kCostModelSchemaV1 = "hybrimoe.cost_model/1";
 
-/// Parses a cost-model JSON document, schema `hybrimoe.cost_model/1` (all times in seconds, bandwidth in
+/// Parses a cost-model JSON document, schema `hybrimoe.cost_model/2` (all times in seconds, bandwidth in
 /// bytes per second):
 ///
-///     {"schema": "hybrimoe.cost_model/1",
+///     {"schema": "hybrimoe.cost_model/2",
 ///      "cpu_a_s": number, "cpu_b_s": number, "cpu_startup_s": number,   // CPU expert: a + b*tokens (+ start-up)
 ///      "gpu_a_s": number, "gpu_b_s": number,                            // GPU expert: a + b*tokens
 ///      "h2d_bandwidth_Bps": number, "h2d_latency_s": number,            // copy: bytes/bandwidth + latency
 ///      "act_a_s": number, "act_b_s": number,                            // activation round trip of a GPU share
 ///      "layer_a_s": number, "layer_b_s": number,                        // non-expert work of a MoE layer
 ///      "dense_a_s": number, "dense_b_s": number,                        // a dense layer
+///      "copy_overlap": number,                                          // 0..1, see CostModel
 ///      "sources": {field: string, ...}}                                 // optional: where each number comes from
 ///
-/// Every number is required, finite and >= 0 (bandwidth > 0); other keys are errors. Standard JSON (RFC 8259);
+/// Every number is required, finite and >= 0 (bandwidth > 0, copy_overlap <= 1); other keys are errors. A
+/// `hybrimoe.cost_model/1` document (the same without copy_overlap) reads with copy_overlap 1. Standard JSON (RFC 8259);
 /// Python's NaN / Infinity / -Infinity literals are read as numbers only so that they are reported as bad values.
 /// `sources`, when not null, receives the "sources" object. Throws CostModelError with `where` in the message.
 CostModel cost_model_from_json(const std::string & text, const std::string & where = "cost model",

@@ -182,7 +182,9 @@ double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std
                earlier);
     double t_gpu = 0.0;
     if (!gpu_tasks.empty()) {
-        t_gpu = cost.act(in.n_tokens);
+        // a device that cannot compute while it copies (copy_overlap < 1) first works through the copy queue, this
+        // layer's loads included (the engine queues them before its launches)
+        t_gpu = cost.copy_blocking(t_link) + cost.act(in.n_tokens);
         for (const Task & task : gpu_tasks) {
             t_gpu = std::max(t_gpu, task.ready) + cost.gpu(in.loads[task.i]);
             out.gpu_experts.push_back(in.experts[task.i]);
@@ -197,10 +199,10 @@ double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std
 
 }  // namespace
 
-std::vector<uint8_t> assign_slots(const LayerInput & in, const SchedulePlan & plan, const int32_t * ids,
+std::vector<uint8_t> assign_pairs(const LayerInput & in, const SchedulePlan & plan, const int32_t * ids,
                                   int n_tokens, int top_k) {
     if (plan.on_gpu.size() != in.size()) {
-        throw std::invalid_argument("assign_slots: plan does not match the layer input");
+        throw std::invalid_argument("assign_pairs: plan does not match the layer input");
     }
     int32_t max_id = -1;
     for (int32_t e : in.experts) {
@@ -214,7 +216,7 @@ std::vector<uint8_t> assign_slots(const LayerInput & in, const SchedulePlan & pl
     for (size_t s = 0; s < device.size(); ++s) {
         const int32_t e = ids[s];
         if (e < 0 || e > max_id || pos[e] < 0) {
-            throw std::invalid_argument("assign_slots: expert " + std::to_string(e) + " of token " +
+            throw std::invalid_argument("assign_pairs: expert " + std::to_string(e) + " of token " +
                                         std::to_string(s / top_k) + " is not among the layer's activated experts");
         }
         device[s] = plan.on_gpu[pos[e]];
@@ -259,7 +261,8 @@ void HybriMoEScheduler::greedy_ordered(const LayerInput & in, const CostModel & 
         const int c = p_cpu_unc < k ? asc[p_cpu_unc] : (p_cpu_cached < k ? asc[p_cpu_cached] : -1);
         const int g = p_gpu >= 0 ? asc[p_gpu] : -1;
         const int p = p_pcie >= 0 ? asc[p_pcie] : -1;
-        const double gpu_base = gpu_started ? t_gpu : gpu_start;
+        // the copy queue (so far) delays the GPU on a device that cannot compute while it copies
+        const double gpu_base = std::max(gpu_started ? t_gpu : gpu_start, cost.copy_blocking(t_link) + gpu_start);
 
         const double f_gpu = g >= 0 ? std::max(gpu_base, in.ready_s[g]) + cost.gpu(in.loads[g]) : inf;
         const double f_cpu = c >= 0 ? t_cpu + (cpu_started ? 0.0 : cost.cpu_startup_s) + cost.cpu(in.loads[c]) : inf;

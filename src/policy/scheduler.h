@@ -48,15 +48,17 @@ struct SchedulePlan {
 /// Predicted timeline of a given split `on_gpu` (size k), filling `out` (method untouched).
 /// CPU experts run back to back (start-up paid once); uncached GPU experts are copied highest load first from
 /// `pcie_free_s` (Johnson's rule with equal copy times, so that order is optimal); the GPU pays one activation
-/// round trip, then runs its experts earliest-ready first (optimal for one machine with release times).
+/// round trip, then runs its experts earliest-ready first (optimal for one machine with release times). On a
+/// device that cannot compute while it copies (CostModel::copy_overlap < 1) the GPU starts only after
+/// copy_blocking(end of the copy queue, this layer's loads included).
 /// Returns the makespan in seconds. Throws std::invalid_argument if on_gpu.size() != k.
 double evaluate_plan(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
                      SchedulePlan & out);
 
-/// Maps a plan back to routed (token, top-k slot) pairs: device[t*top_k + j] = 1 when the expert that token t
-/// routed in slot j runs on the GPU. `ids` `[n_tokens, top_k]` must be the routing `in` was built from.
+/// Maps a plan back to routed (token, rank) pairs: device[t*top_k + j] = 1 when the expert that token t
+/// routed at rank j (top-k position) runs on the GPU. `ids` `[n_tokens, top_k]` must be the routing `in` was built from.
 /// Throws std::invalid_argument on an id not among in.experts.
-std::vector<uint8_t> assign_slots(const LayerInput & in, const SchedulePlan & plan, const int32_t * ids,
+std::vector<uint8_t> assign_pairs(const LayerInput & in, const SchedulePlan & plan, const int32_t * ids,
                                   int n_tokens, int top_k);
 
 /// A scheduling policy: decides the CPU/GPU split of one layer. Subclass and override `split`

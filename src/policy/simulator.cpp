@@ -359,7 +359,9 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
             // ---- truth: GPU, CPU ----
             double t_gpu_end = t_moe;
             if (!gpu_order.empty()) {
-                double tg = t_moe + truth_cost.act(n) * noise.factor(truth.act_noise);
+                // a device that cannot compute while it copies works through the queued copies first
+                const double blocked = truth_cost.copy_blocking(std::max(0.0, true_pcie_free_at - t_moe));
+                double tg = t_moe + blocked + truth_cost.act(n) * noise.factor(truth.act_noise);
                 record(si, l, 1, -1, 5, t_moe, tg);
                 for (int32_t e : gpu_order) {
                     const double s0 = std::max(tg, truth_ready[(size_t) l * E + e]);

@@ -39,7 +39,7 @@ struct TruthModel {
     void validate() const;
 };
 
-/// Imperfect routing predictor for the simulator: each true (token, slot) expert of the layer at distance d is
+/// Imperfect routing predictor for the simulator: each true (token, rank) expert of the layer at distance d is
 /// kept with probability recall[d-1] and otherwise replaced by a random expert that token did not pick. An
 /// assumption standing in for "apply the next layers' routers to the current hidden state" (HybriMoE §IV.C);
 /// recall 1 is the oracle (a bound only).

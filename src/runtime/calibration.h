@@ -13,4 +13,12 @@ namespace hybrimoe {
 /// device, 0 bytes or reps < 1, std::runtime_error when the device or the buffers fail.
 double measure_h2d_s(ggml_backend_dev_t device, size_t bytes, int reps);
 
+/// The share of a host-to-device copy's time during which `device` still computes (CostModel::copy_overlap): 1
+/// when copies run beside compute (a GPU's copy engine: the copy on one backend instance, the compute on another,
+/// as the engine queues them), 0 when the device does one thing at a time (the RPC stand-in). Measured from a copy
+/// of `bytes` alone (t_h), a chain of F32 matrix products sized to take about as long alone (t_c), and both queued
+/// together (t_b): (t_h + t_c - t_b) / min(t_h, t_c), clamped to [0, 1], median of `reps`. Throws
+/// std::invalid_argument on bad arguments, std::runtime_error when the device or its buffers fail.
+double measure_copy_overlap(ggml_backend_dev_t device, size_t bytes, int reps);
+
 }  // namespace hybrimoe
