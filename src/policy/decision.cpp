@@ -99,7 +99,6 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
         rec->cached = in_.cached;
         rec->ready_s = in_.ready_s;
         rec->planned_gpu = plan_.on_gpu;
-        rec->makespan_s = plan_.makespan_s;
     }
     on_gpu_ = plan_.on_gpu;
     if (!cfg_.has_slots) std::fill(on_gpu_.begin(), on_gpu_.end(), 0);
@@ -132,7 +131,18 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
             rec->first_use.push_back(in_.experts[i]);
         }
     }
-    if (rec) rec->on_gpu = on_gpu_;
+    // the prediction of the split that runs: the scheduler's, or its re-evaluation when the cache refused loads or
+    // there are no slots (those experts run on the CPU)
+    if (on_gpu_ == plan_.on_gpu) {
+        run_plan_ = plan_;
+    } else {
+        evaluate_plan(in_, cost_, on_gpu_, run_plan_);
+        run_plan_.method = plan_.method + "+cpu-fallback";
+    }
+    if (rec) {
+        rec->on_gpu = on_gpu_;
+        rec->makespan_s = run_plan_.makespan_s;
+    }
     return on_gpu_;
 }
 
@@ -184,7 +194,7 @@ void LayerDecider::fills(ExpertPlacement & place, DecisionRecord * rec) {
     for (size_t i = 0; i < in_.size(); ++i) {
         const int32_t e = in_.experts[i];
         if (on_gpu_[i] || cache_->resident(ml, e)) continue;
-        if (pcie_free_s_ >= plan_.makespan_s) break;
+        if (pcie_free_s_ >= run_plan_.makespan_s) break;
         if (!cache_->admit(ml, e, 0.0, false)) continue;
         take_evictions(place, rec);
         load(ml, e, ExpertPlacement::kFill, place);

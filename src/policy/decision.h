@@ -43,7 +43,7 @@ struct DecisionRecord {
     std::vector<std::pair<int, int>> prefetched;     ///< (MoE layer, expert) copies issued
     std::vector<Prediction> predictions;             ///< what the prefetcher was shown
     std::vector<int64_t> evicted;        ///< keys (layer * E + expert) evicted while deciding this record
-    double makespan_s = 0;               ///< the planner's predicted makespan (seconds)
+    double makespan_s = 0;               ///< the predicted makespan of the split run (LayerDecider::run_plan, s)
 };
 
 /// Where decisions meet the device. The engine maps admitted experts to GPU slots and queues their copies; the
@@ -105,13 +105,18 @@ public:
     void prefetch(std::vector<Prediction> predictions, int n_moe_layers, ExpertPlacement & place,
                   DecisionRecord * rec);
     /// Fills: CPU-computed misses of the split's layer are offered to the cache, in activation order, while the
-    /// copy-queue estimate stays below the predicted makespan (the copy would end before the layer's work).
+    /// copy-queue estimate stays below the predicted makespan of the split run (the copy would end before the
+    /// layer's work).
     void fills(ExpertPlacement & place, DecisionRecord * rec);
     /// After MoE layer `layer` ran: unpins its activated experts and the ones prefetched for it.
     void release(int layer);
 
     const LayerInput & input() const { return in_; }
+    /// The scheduler's plan of the last split.
     const SchedulePlan & plan() const { return plan_; }
+    /// The plan of the split that runs (split()'s result): plan() itself, or its re-evaluation (evaluate_plan)
+    /// when the cache refused loads or there are no slots; its makespan is the prediction of the layer's time.
+    const SchedulePlan & run_plan() const { return run_plan_; }
     /// Copy-queue estimate (seconds from the split) after the copies queued so far.
     double pcie_free_s() const { return pcie_free_s_; }
     /// Prefetch requests of the last prefetch() that the cache refused.
@@ -134,7 +139,7 @@ private:
     DeciderConfig cfg_;
     bool no_prefetcher_ = false;
     LayerInput in_;
-    SchedulePlan plan_;
+    SchedulePlan plan_, run_plan_;
     LayerObservation obs_;
     PrefetchContext pctx_;
     std::vector<uint8_t> on_gpu_;

@@ -349,7 +349,8 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
             decision_ns += std::chrono::duration<double, std::nano>(clock::now() - d0).count() - charge_ns;
             const LayerInput & din = decider.input();
             const SchedulePlan & plan = decider.plan();
-            res.predicted_moe_s += plan.makespan_s;
+            const double predicted_s = decider.run_plan().makespan_s;
+            res.predicted_moe_s += predicted_s;
             for (size_t i = 0; i < din.size(); ++i) pos[din.experts[i]] = static_cast<int32_t>(i);
             // execution order: the plan's; a load the cache refused runs on the CPU, after the planned CPU experts
             gpu_order.clear();
@@ -397,7 +398,7 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
             // ---- prefetch for the next D layers (planned after this layer's router), then fills ----
             if (decider.wants_prefetch(L)) {
                 const auto p0 = clock::now();
-                if (layer_est < 0.0) layer_est = planner.layer(n) + plan.makespan_s;
+                if (layer_est < 0.0) layer_est = planner.layer(n) + predicted_s;
                 const int depth = std::min(cfg.prefetch_depth, L - 1 - l);
                 preds.resize(static_cast<size_t>(depth));
                 for (int d = 1; d <= depth; ++d) {
@@ -406,7 +407,7 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
                     predictor.predict(trace.row(st.begin, j), static_cast<int64_t>(L) * K, n, K, E, d, p);
                     p.layer = j;
                     p.expert_bytes = trace.expert_bytes[j];
-                    p.start_s = plan.makespan_s + (double(d) - 1.0) * layer_est + planner.layer(n);
+                    p.start_s = predicted_s + (double(d) - 1.0) * layer_est + planner.layer(n);
                 }
                 decider.prefetch(preds, L, place, nullptr);
                 res.prefetch_declined += decider.prefetch_declined();

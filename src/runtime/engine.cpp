@@ -410,6 +410,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
                             std::max(0.0, pcie_free_at_ - t_split), placement_, rp);
         const LayerInput & in = decider_->input();
         const SchedulePlan & plan = decider_->plan();
+        const SchedulePlan & run_plan = decider_->run_plan();
         uint64_t declined = 0;
         if (cfg_.n_slots > 0) {
             for (size_t i = 0; i < in.size(); ++i) declined += plan.on_gpu[i] && !on_gpu[i] ? 1 : 0;
@@ -427,9 +428,9 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
 
         // ---- prefetch for the next layers, then fills ----
         if (decider_->wants_prefetch((int) tensors_.size())) {
-            if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + plan.makespan_s;
+            if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + run_plan.makespan_s;
             predictor_->predict(ml, cfg_.prefetch_layers, (int) T, (const float *) x->data, x->nb[2],
-                                plan.makespan_s, layer_est_, cfg_.cost.layer((int) T), predictions_);
+                                run_plan.makespan_s, layer_est_, cfg_.cost.layer((int) T), predictions_);
             decider_->prefetch(std::move(predictions_), (int) tensors_.size(), placement_, rp);
         }
         decider_->fills(placement_, rp);
@@ -456,7 +457,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         s.bytes_prefetch += copy_bytes_[K::kPrefetch];
         s.bytes_fill += copy_bytes_[K::kFill] + copy_bytes_[K::kFirstUse];
         s.plan_s += run.plan_s;
-        s.predicted_s += plan.makespan_s;
+        s.predicted_s += run_plan.makespan_s;
     } catch (const std::exception & e) {
         // numbers stay right: every pair goes to the CPU (its nodes have not run yet); a launched GPU share is
         // waited for and ignored
