@@ -4,6 +4,7 @@ stand-in device. The pairwise matrix is in test_engine_matrix.py (slow)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -663,3 +664,49 @@ def test_engine_refuses_a_ggml_cpu_that_does_not_skip_pairs(tiny_model, tmp_path
                        text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "refused:" in r.stdout and "not hybrimoe's ggml-cpu" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_hook_nodes_stay_where_patch_0001_pins_them_with_op_offload_on(tiny_model, split_cost_model, tmp_path):
+    """With op offload on (llama-cpp-python's default, which the engine keeps), the scheduler's assignment
+    (GGML_SCHED_DEBUG=2) puts the engine's custom ops and every node after them, the CPU share's mul_mat_id and GLU
+    among them, on the CPU, and the packed routing tensor on the device where the routing is computed (one
+    transfer). On CUDA op offload would otherwise move the CPU share's host-weight nodes of big ubatches to the
+    GPU; the RPC stand-in never offloads, so this checks the placement rule itself."""
+    code = textwrap.dedent("""
+        import ctypes, re, sys
+        from hybrimoe import Llama
+        from hybrimoe._lib import llama_cpp_module
+        from hybrimoe.rpc import RPCServer
+        lc = llama_cpp_module().llama_cpp
+        lines = []
+        @lc.llama_log_callback
+        def cb(level, text, ud):
+            lines.append(text.decode(errors="replace"))
+        lc.llama_log_set(cb, ctypes.c_void_p(0))
+        with RPCServer(threads=1) as srv:
+            llm = Llama(sys.argv[1], rpc_servers=srv.endpoint, n_gpu_layers=99, n_ctx=128, n_batch=64, n_ubatch=64,
+                        verbose=True, op_offload=True, moe_cache="50%", moe_cost_model=sys.argv[2])
+            lines.clear()  # the graphs reserved before the engine was attached are upstream's
+            llm.eval(llm.tokenize(b"Once upon a time there was a robot", add_bos=True))
+            assert llm.moe_stats()["engine"]["gpu_experts"] > 0
+            llm.close()
+        text = "".join(lines)
+        where = {}
+        for m in re.finditer(r"node #\\s*\\d+ \\(\\s*[^)]*\\):\\s+(\\S+) \\([^)]*\\) \\[\\s*(\\S+)", text):
+            where.setdefault(m.group(1), set()).add(m.group(2))
+        print("WHERE", {k: sorted(v) for k, v in where.items() if k.startswith(("hybrimoe", "ffn_moe_out"))})
+    """)
+    r = subprocess.run([sys.executable, "-c", code, str(tiny_model("qwen3moe", "Q8_0")), split_cost_model],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "GGML_SCHED_DEBUG": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    import ast
+
+    where = ast.literal_eval(r.stdout.split("WHERE ", 1)[1].strip())
+    # per MoE layer: plan, the CPU share's up/gate/GLU/down, wait, and the combine (named ffn_moe_out by llama)
+    cpu_side = [n for n in where if re.match(r"(hybrimoe_(plan|wait|cpu_(up|gate|glu|down))|ffn_moe_out)-\d+$", n)]
+    assert len(cpu_side) == 7 * 2, where  # 2 MoE layers
+    for n in cpu_side:
+        assert where[n] == ["CPU"], (n, where[n])
+    routing = [n for n in where if n.startswith("hybrimoe_routing-")]
+    assert routing and all(where[n] != ["CPU"] for n in routing), where
