@@ -12,11 +12,13 @@ What is measured (all through the engine itself, on the model's own quant types 
   cache that holds all experts, warmed up first): ``time = act_a_s + gpu_a_s * experts + gpu_b_s * pairs``.
 - Host-to-device copies: ``hybrimoe._engine.measure_h2d_s`` times copies of a small and of an expert-sized block
   (pinned host memory when the device offers it): bandwidth and latency from the two; and
-  ``hybrimoe._engine.measure_copy_overlap`` whether the device computes while it copies (``copy_overlap``).
+  ``hybrimoe._engine.measure_copy_overlap`` whether the device computes while it copies (``copy_overlap``), and
+  ``hybrimoe._engine.measure_cpu_copy_overlap`` whether the CPU computes at full speed while copies are in flight
+  (``cpu_copy_overlap``: the copies the engine queues for a layer run before and beside its CPU share).
 - Non-expert work per MoE layer: (the run's compute time - the MoE layers' engine time) / layers, fitted against
   the tokens: ``layer_a_s + layer_b_s * tokens`` (dense layers get the same figures; an approximation).
 
-The result is a cost-model JSON (schema ``hybrimoe.cost_model/2``, with ``sources``) stored under
+The result is a cost-model JSON (schema ``hybrimoe.cost_model/3``, with ``sources``) stored under
 ``~/.cache/hybrimoe/calibration/`` (``$HYBRIMOE_CACHE_DIR``), keyed by the model file and the device; the engine
 then uses it when ``moe_cost_model`` is not given. When none is stored, the engine's first use of that model on
 that device runs a short calibration itself (:func:`on_first_use`; ``HYBRIMOE_AUTO_CALIBRATE=0`` turns this off).
@@ -202,6 +204,11 @@ def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: 
             cm.copy_overlap = float(eng.measure_copy_overlap(dev, big, 3 if quick else 5))
             sources["copy_overlap"] = (f"a copy of {big} bytes and a compute of about its length, alone and together "
                                        f"({device_name})")
+            n_thr = int(threads or max(1, (os.cpu_count() or 2) // 2))  # llama-cpp-python's default n_threads
+            cm.cpu_copy_overlap = float(eng.measure_cpu_copy_overlap(dev, big * 4, 3 if quick else 5, n_thr))
+            sources["cpu_copy_overlap"] = (f"copies of {big * 4} bytes queued as the engine queues them and a "
+                                           f"memory-bound CPU chain ({n_thr} threads) of about their length, alone "
+                                           f"and together ({device_name})")
             free = d["free"]
             n_all = len(facts.moe_layers) * facts.n_expert
             slots = n_all

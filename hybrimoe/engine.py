@@ -20,8 +20,7 @@ from . import policy as pol
 from .trace import ModelFacts
 
 DEFAULT_COST_PRESET = "rtx4090-desktop"
-#: engine policy presets: the simulator's system presets that need no clairvoyance (hybrimoe.policy.SYSTEM_PRESETS)
-ENGINE_PRESETS = ("hybrimoe", "hybrimoe-lru", "ktransformers", "upstream-ncmoe", "gpu-on-demand")
+ENGINE_PRESETS = pol.ENGINE_PRESETS
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
@@ -162,7 +161,7 @@ def cache_slots(spec, facts: EngineFacts) -> int:
 
 def resolve_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
     """The planner's cost model: None (the ``rtx4090-desktop`` preset), a hardware preset name or file
-    (schema ``hybrimoe.hardware/1``), a cost-model JSON file (schema ``hybrimoe.cost_model/2`` or ``/1``), or a
+    (schema ``hybrimoe.hardware/1``), a cost-model JSON file (schema ``hybrimoe.cost_model/3``, ``/2`` or ``/1``), or a
     CostModel.
 
     Raises:
@@ -189,82 +188,46 @@ def resolve_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
     return pol.cost_model_from_hardware(hw, facts.model)
 
 
-@dataclass
-class Policies:
-    """The engine's policy objects (hybrimoe._core), plus whether CPU-computed misses are offered to the cache."""
-
-    cache: object
-    scheduler: object
-    prefetcher: object
-    fill_on_miss: bool
-    name: str
 
 
-def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: int) -> Policies:
-    """Policy objects for ``moe_policy``.
 
-    ``policy``: a preset name (:data:`ENGINE_PRESETS`); a ``SchedulePolicy``, ``CachePolicy`` or ``PrefetchPolicy``
-    object (Python subclass or C++), which replaces that part of the ``hybrimoe`` preset; or a dict with keys
-    ``scheduler``, ``cache``, ``prefetch`` (names as in ``hybrimoe._core.make_*`` or objects) and ``fill``.
+def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: int) -> pol.PolicySet:
+    """Policy objects for ``moe_policy``, built by :func:`hybrimoe.policy.build_preset` (the presets' one place).
 
-    The ``ktransformers`` preset has no offline profile here: its hot set is learned online (LFU cache, filled with
-    CPU-computed misses; nothing is ever loaded for a layer that needs it). ``upstream-ncmoe`` keeps whole layers
-    (the last ones, as many as fit) resident, like upstream's ``--n-cpu-moe``.
+    ``policy``: a preset name (:data:`hybrimoe.policy.ENGINE_PRESETS`); a ``SchedulePolicy``, ``CachePolicy`` or
+    ``PrefetchPolicy`` object (Python subclass or C++), which replaces that part of the ``hybrimoe`` preset; or a
+    dict with keys ``scheduler``, ``cache``, ``prefetch`` (names as in ``hybrimoe._core.make_*`` or objects) and
+    ``fill``. Every layer's experts take one GPU slot (``facts.slot_bytes``); the engine has no profile of earlier
+    prompts, so caches start empty and ``ktransformers``' hot set is learned online (LFU, filled with CPU-computed
+    misses; nothing is ever loaded for a layer that needs it).
 
     Raises:
-        ValueError: unknown preset or component name, or a clairvoyant preset (``belady``, ``oracle``: simulator only).
+        ValueError: unknown preset or component name, or a clairvoyant preset or cache (``belady``, ``oracle``:
+            simulator only).
     """
-    L, E, sb = len(facts.moe_layers), facts.n_expert, facts.slot_bytes
-    budget = float(n_slots * sb)
-    spec: dict
     if isinstance(policy, str):
-        if policy in ("belady", "oracle"):
+        if policy in pol.SYSTEM_PRESETS and pol.SYSTEM_PRESETS[policy]["clairvoyant"]:
             raise ValueError(f"moe_policy '{policy}' is clairvoyant (it needs the future routing): simulator only")
-        if policy not in ENGINE_PRESETS:
-            raise ValueError(f"unknown moe_policy '{policy}' (known: {', '.join(ENGINE_PRESETS)}, or a policy object)")
-        spec = pol.system_preset(policy)
-        name = policy
+        if policy not in pol.ENGINE_PRESETS:
+            raise ValueError(f"unknown moe_policy '{policy}' (known: {', '.join(pol.ENGINE_PRESETS)}, or a policy "
+                             "object)")
+        spec, name = policy, policy
     elif isinstance(policy, dict):
-        unknown = set(policy) - {"scheduler", "cache", "prefetch", "fill"}
-        if unknown:
-            raise ValueError(f"moe_policy dict has unknown keys {sorted(unknown)} (scheduler, cache, prefetch, fill)")
-        spec = dict(pol.system_preset("hybrimoe"))
-        spec.update(policy)
-        name = "custom"
+        spec, name = dict(policy), "custom"
     elif isinstance(policy, (_core.SchedulePolicy, _core.CachePolicy, _core.PrefetchPolicy)):
-        spec = dict(pol.system_preset("hybrimoe"))
         key = ("scheduler" if isinstance(policy, _core.SchedulePolicy) else
                "cache" if isinstance(policy, _core.CachePolicy) else "prefetch")
-        spec[key] = policy
-        name = f"custom {key}"
+        spec, name = {key: policy}, f"custom {key}"
     else:
         raise ValueError(f"moe_policy must be a preset name, a policy object or a dict, not {type(policy).__name__}")
-
-    n_cpu_layers = 0
-    cache_spec = spec["cache"]
-    fill = bool(spec.get("fill", True))
-    if isinstance(cache_spec, _core.CachePolicy):
-        cache = _core.ExpertCache([float(sb)] * L, E, budget, cache_spec)
-    elif cache_spec == "static-layers":
-        n_gpu_layers = min(L, n_slots // E) if E else 0
-        n_cpu_layers = L - n_gpu_layers
-        keys = [l * E + e for l in range(n_cpu_layers, L) for e in range(E)]
-        cache = _core.ExpertCache([float(sb)] * L, E, budget, _core.StaticPolicy(keys, []))
-        cache.fill(keys)
-    elif cache_spec == "static-frequency":
-        cache = _core.ExpertCache([float(sb)] * L, E, budget, _core.make_cache_policy("lfu"))
-        fill = True
-    else:
-        if cache_spec == "belady":
-            raise ValueError("the belady cache is clairvoyant: simulator only")
-        cache = _core.ExpertCache([float(sb)] * L, E, budget, _core.make_cache_policy(str(cache_spec)))
-    sched = spec["scheduler"]
-    if not isinstance(sched, _core.SchedulePolicy):
-        sched = _core.make_scheduler(str(sched), n_cpu_layers)
-    pre = spec["prefetch"]
-    if not isinstance(pre, _core.PrefetchPolicy):
-        pre = _core.make_prefetcher(str(pre) if prefetch_layers > 0 else "none")
-    return Policies(cache=cache, scheduler=sched, prefetcher=pre, fill_on_miss=fill, name=name)
+    if isinstance(spec, dict) and spec.get("cache") == "belady":
+        raise ValueError("the belady cache is clairvoyant: simulator only")
+    sb = facts.slot_bytes
+    try:
+        return pol.build_preset(spec, [float(sb)] * len(facts.moe_layers), facts.n_expert, float(n_slots * sb),
+                                prefetch=prefetch_layers > 0, name=name)
+    except ValueError as e:
+        raise ValueError(f"moe_policy: {e}") from None
 
 
 def layer_totals(layers: list) -> dict:
@@ -299,7 +262,7 @@ def device_memory(device_ptr: int) -> tuple[int, int]:
     raise ValueError("unknown ggml device")
 
 
-def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], policies: Policies,
+def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], policies: pol.PolicySet,
                 cost: "_core.CostModel", prefetch_layers: int):
     """Builds the ``hybrimoe._engine.Engine``.
 

@@ -11,10 +11,10 @@ one surfaces as RuntimeError naming the policy class and method):
 - :class:`PrefetchPolicy`: ``name()``, ``plan(ctx, cache, cost) -> [(layer, expert), ...]``. C++: impact-driven
   (HybriMoE §IV.C), next-layer top-k, none.
 
-Cost model JSON, schema ``hybrimoe.cost_model/2`` (all times in seconds, bandwidth in bytes/s; ``/1`` files,
-without ``copy_overlap``, read with copy_overlap 1)::
+Cost model JSON, schema ``hybrimoe.cost_model/3`` (all times in seconds, bandwidth in bytes/s; ``/2`` files,
+without ``cpu_copy_overlap``, read with it 1; ``/1`` files, without either overlap, read with both 1)::
 
-    {"schema": "hybrimoe.cost_model/2",
+    {"schema": "hybrimoe.cost_model/3",
      "cpu_a_s": float, "cpu_b_s": float, "cpu_startup_s": float,   # CPU expert: a + b*tokens (+ start-up once)
      "gpu_a_s": float, "gpu_b_s": float,                            # GPU expert: a + b*tokens
      "h2d_bandwidth_Bps": float, "h2d_latency_s": float,            # copy: bytes/bandwidth + latency
@@ -22,11 +22,15 @@ without ``copy_overlap``, read with copy_overlap 1)::
      "layer_a_s": float, "layer_b_s": float,                        # non-expert work of a MoE layer
      "dense_a_s": float, "dense_b_s": float,                        # a dense layer
      "copy_overlap": float,                                         # 0..1: device computes while it copies
+     "cpu_copy_overlap": float,                                     # 0..1: host CPU share runs while it copies
      "sources": {field: str, ...}}                                  # optional: where each number comes from
 
-Every listed number is required, finite and >= 0 (bandwidth > 0, copy_overlap <= 1); unknown keys are errors.
+Every listed number is required, finite and >= 0 (bandwidth > 0, the overlaps <= 1); unknown keys are errors.
 ``copy_overlap``: the share of a host-to-device copy's time during which the device still computes (1: a GPU's copy
-engine runs beside compute; 0: the device does one thing at a time, as the RPC stand-in does). The reader and writer
+engine runs beside compute; 0: the device does one thing at a time, as the RPC stand-in does).
+``cpu_copy_overlap``: the share of a copy's time during which the host's CPU share still runs at full speed (1:
+copies cost the CPU nothing; 0: the copies issued for a layer delay its CPU share by their whole time, as the RPC
+stand-in's synchronous sends do; between: host-memory contention). The reader and writer
 are C++ (``hybrimoe._core.cost_model_from_json`` / ``cost_model_to_json`` / ``load_cost_model`` /
 ``save_cost_model``, src/policy/cost_model.h), shared with the engine; the functions here wrap them.
 
@@ -42,7 +46,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from hybrimoe import _core
 from hybrimoe.trace import ModelFacts
@@ -65,11 +69,12 @@ TopKPrefetcher = _core.TopKPrefetcher
 NoPrefetcher = _core.NoPrefetcher
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
-COST_MODEL_SCHEMA = _core.COST_MODEL_SCHEMA          # written ("hybrimoe.cost_model/2")
-COST_MODEL_SCHEMAS = (_core.COST_MODEL_SCHEMA, _core.COST_MODEL_SCHEMA_V1)  # read
+COST_MODEL_SCHEMA = _core.COST_MODEL_SCHEMA          # written ("hybrimoe.cost_model/3")
+COST_MODEL_SCHEMAS = (_core.COST_MODEL_SCHEMA, _core.COST_MODEL_SCHEMA_V2, _core.COST_MODEL_SCHEMA_V1)  # read
 HARDWARE_SCHEMA = "hybrimoe.hardware/1"
 COST_FIELDS = ("cpu_a_s", "cpu_b_s", "cpu_startup_s", "gpu_a_s", "gpu_b_s", "h2d_bandwidth_Bps", "h2d_latency_s",
-               "act_a_s", "act_b_s", "layer_a_s", "layer_b_s", "dense_a_s", "dense_b_s", "copy_overlap")
+               "act_a_s", "act_b_s", "layer_a_s", "layer_b_s", "dense_a_s", "dense_b_s", "copy_overlap",
+               "cpu_copy_overlap")
 HARDWARE_FACTS = ("gpu_mem_bandwidth_Bps", "gpu_mem_efficiency", "gpu_effective_flops", "gpu_kernel_launch_s",
                   "gpu_kernels_per_expert", "gpu_kernels_per_layer", "cpu_mem_bandwidth_Bps", "cpu_mem_efficiency",
                   "cpu_effective_flops", "cpu_startup_s", "h2d_bandwidth_Bps", "h2d_latency_s", "gpu_memory_bytes")
@@ -84,7 +89,7 @@ class CostModelError(ValueError):
 # these wrappers keep the Python API and turn their ValueError into CostModelError.
 
 def cost_model_from_dict(d: dict, where: str = "cost model") -> "_core.CostModel":
-    """CostModel from a ``hybrimoe.cost_model/2`` (or ``/1``) dict; raises CostModelError naming the bad field."""
+    """CostModel from a ``hybrimoe.cost_model/3`` (or ``/2``, ``/1``) dict; raises CostModelError naming the bad field."""
     try:
         text = json.dumps(d)
     except (TypeError, ValueError) as e:
@@ -97,7 +102,7 @@ def cost_model_from_dict(d: dict, where: str = "cost model") -> "_core.CostModel
 
 
 def cost_model_to_dict(cm: "_core.CostModel", sources: Optional[dict] = None) -> dict:
-    """The ``hybrimoe.cost_model/2`` dict of a CostModel (numbers as floats)."""
+    """The ``hybrimoe.cost_model/3`` dict of a CostModel (numbers as floats)."""
     return json.loads(_core.cost_model_to_json(cm, _sources_map(sources)), parse_int=float)
 
 
@@ -186,6 +191,8 @@ def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostMode
       GPU bandwidth, plus 2*params FLOP per token.
     - Copies overlap compute (``copy_overlap`` 1): an assumption for discrete GPUs, whose copy engines run beside the
       compute queue (the engine copies on a second stream).
+    - Copies cost the CPU share nothing (``cpu_copy_overlap`` 1): an assumption of the planner (HybriMoE §IV.B's
+      separate PCIe timeline); the simulator's truth model charges host-memory contention (:func:`truth_model_for`).
     """
     f = hw.facts
     gpu_bw = f["gpu_mem_bandwidth_Bps"] * f["gpu_mem_efficiency"]
@@ -208,6 +215,7 @@ def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostMode
     cm.dense_a_s = f["gpu_kernels_per_layer"] * launch + dense_bytes / gpu_bw
     cm.dense_b_s = 2.0 * model.dense_layer_params / f["gpu_effective_flops"]
     cm.copy_overlap = 1.0
+    cm.cpu_copy_overlap = 1.0
     cm.validate()
     return cm
 
@@ -263,23 +271,31 @@ def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert
 
 
 # ---- system presets -------------------------------------------------------------------------------------------------
+# The one place that says what each preset is made of; the engine (hybrimoe.engine) and the simulator
+# (hybrimoe.simulate) both build their policies with build_preset().
 
 SYSTEM_PRESETS = {
     "hybrimoe": dict(scheduler="hybrimoe", cache="mrs", prefetch="impact", fill=True, oracle=False,
-                     about="HybriMoE split + MRS cache + impact-driven prefetch"),
+                     clairvoyant=False, about="HybriMoE split + MRS cache + impact-driven prefetch"),
     "hybrimoe-lru": dict(scheduler="hybrimoe", cache="lru", prefetch="impact", fill=True, oracle=False,
-                         about="HybriMoE split + LRU cache + impact-driven prefetch"),
+                         clairvoyant=False, about="HybriMoE split + LRU cache + impact-driven prefetch"),
     "ktransformers": dict(scheduler="ktransformers", cache="static-frequency", prefetch="none", fill=False,
-                          oracle=False, about="profiled hot set resident, all else on CPU, nothing loaded"),
+                          oracle=False, clairvoyant=False,
+                          about="hot set resident (profiled; online LFU without a profile), all else on CPU, "
+                                "nothing loaded for a layer that needs it"),
     "upstream-ncmoe": dict(scheduler="upstream-ncmoe", cache="static-layers", prefetch="none", fill=False,
-                           oracle=False, about="llama.cpp --n-cpu-moe: whole layers resident, the rest on CPU"),
+                           oracle=False, clairvoyant=False,
+                           about="llama.cpp --n-cpu-moe: whole layers resident, the rest on CPU"),
     "gpu-on-demand": dict(scheduler="gpu-on-demand", cache="lru", prefetch="none", fill=False, oracle=False,
-                          about="every expert on GPU, LRU cache, load on demand"),
+                          clairvoyant=False, about="every expert on GPU, LRU cache, load on demand"),
     "belady": dict(scheduler="hybrimoe", cache="belady", prefetch="impact", fill=True, oracle=False,
-                   about="bound: hybrimoe with a clairvoyant (Belady, bypass) cache"),
+                   clairvoyant=True, about="bound: hybrimoe with a clairvoyant (Belady, bypass) cache"),
     "oracle": dict(scheduler="exhaustive", cache="belady", prefetch="impact", fill=True, oracle=True,
-                   about="bound: clairvoyant cache + exhaustive split + oracle prefetch"),
+                   clairvoyant=True, about="bound: clairvoyant cache + exhaustive split + oracle prefetch"),
 }
+#: the presets the engine runs: those that need no knowledge of the future routing
+ENGINE_PRESETS = tuple(n for n, s in SYSTEM_PRESETS.items() if not s["clairvoyant"])
+DEFAULT_PRESET = "hybrimoe"
 
 
 def system_preset(name: str) -> dict:
@@ -287,3 +303,82 @@ def system_preset(name: str) -> dict:
     if name not in SYSTEM_PRESETS:
         raise ValueError(f"unknown policy preset '{name}' (known: {', '.join(SYSTEM_PRESETS)})")
     return dict(SYSTEM_PRESETS[name])
+
+
+@dataclass
+class PolicySet:
+    """The policy objects of one run (hybrimoe._core): cache, scheduler and prefetcher, whether CPU-computed misses
+    are offered to the cache as fills, whether the prefetcher is shown the true routing (``oracle``), and a name."""
+
+    cache: object
+    scheduler: object
+    prefetcher: object
+    fill_on_miss: bool
+    name: str
+    oracle: bool = False
+
+
+def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_experts: int, budget_bytes: float, *,
+                 prefetch: bool = True, hot_keys: Optional[Sequence[int]] = None,
+                 profile: Optional[Sequence[float]] = None, name: Optional[str] = None) -> PolicySet:
+    """Builds the policies of a system preset (:data:`SYSTEM_PRESETS`) or of a dict of components.
+
+    ``spec``: a preset name or a dict with keys ``scheduler``, ``cache``, ``prefetch`` (names as in
+    ``hybrimoe._core.make_*``, or policy objects) and ``fill`` (bool). ``expert_bytes``: bytes of one expert per
+    MoE layer (the engine passes its slot size for every layer); ``budget_bytes``: the GPU cache budget.
+    ``prefetch=False`` replaces the prefetcher with none (prefetch depth 0). ``hot_keys``: keys ``layer * n_experts
+    + expert`` hottest first, from a profile of earlier prompts (the simulator's): the adaptive caches start filled
+    with them and the ``static-frequency`` cache holds the hottest that fit (``profile``: their counts, the
+    priorities). Without a profile (the engine) the adaptive caches start empty and ``static-frequency`` becomes
+    an online LFU cache filled with CPU-computed misses. ``static-layers`` keeps the last MoE layers whole (as many
+    as fit), like upstream's ``--n-cpu-moe``.
+
+    Raises:
+        ValueError: unknown preset, component or dict key.
+    """
+    if isinstance(spec, str):
+        comp = system_preset(spec)
+        name = name or spec
+    elif isinstance(spec, dict):
+        unknown = set(spec) - {"scheduler", "cache", "prefetch", "fill"}
+        if unknown:
+            raise ValueError(f"policy dict has unknown keys {sorted(unknown)} (scheduler, cache, prefetch, fill)")
+        comp = dict(SYSTEM_PRESETS[DEFAULT_PRESET])
+        comp.update(spec)
+        name = name or "custom"
+    else:
+        raise ValueError(f"a policy preset must be a name or a dict, not {type(spec).__name__}")
+    L, E = len(expert_bytes), int(n_experts)
+    eb = [float(b) for b in expert_bytes]
+    fill = bool(comp.get("fill", True))
+    n_cpu_layers = 0
+    c = comp["cache"]
+    if isinstance(c, _core.CachePolicy):
+        cache = _core.ExpertCache(eb, E, budget_bytes, c)
+    elif c == "static-layers":
+        n_gpu_layers = min(L, int(budget_bytes // (eb[0] * E))) if E and budget_bytes > 0 else 0
+        n_cpu_layers = L - n_gpu_layers
+        keys = [l * E + e for l in range(n_cpu_layers, L) for e in range(E)]
+        cache = _core.ExpertCache(eb, E, budget_bytes, _core.StaticPolicy(keys, []))
+        cache.fill(keys)
+    elif c == "static-frequency" and hot_keys is not None:
+        n_fit = int(budget_bytes // eb[0]) if budget_bytes > 0 else 0
+        keys = [int(k) for k in hot_keys[:n_fit]]
+        prio = [float(profile[k]) for k in keys] if profile is not None else []
+        cache = _core.ExpertCache(eb, E, budget_bytes, _core.StaticPolicy(keys, prio))
+        cache.fill(keys)
+    elif c == "static-frequency":
+        cache = _core.ExpertCache(eb, E, budget_bytes, _core.make_cache_policy("lfu"))
+        fill = True
+    else:
+        cache = _core.ExpertCache(eb, E, budget_bytes, _core.make_cache_policy(str(c)))
+        if hot_keys is not None and budget_bytes > 0:
+            cache.fill([int(k) for k in hot_keys])
+    sched = comp["scheduler"]
+    if not isinstance(sched, _core.SchedulePolicy):
+        sched = _core.make_scheduler(str(sched), n_cpu_layers)
+    pre = comp["prefetch"]
+    if not isinstance(pre, _core.PrefetchPolicy):
+        pre = _core.make_prefetcher(str(pre) if prefetch else "none")
+    return PolicySet(cache=cache, scheduler=sched, prefetcher=pre, fill_on_miss=fill, name=name,
+                     oracle=bool(comp.get("oracle", False)))

@@ -128,41 +128,18 @@ class Setup:
         order = np.lexsort((np.arange(L * E), -self.profile.ravel()))
         self.hot_keys = [int(k) for k in order]
 
-    def make_cache(self, policy: "_core.CachePolicy", fill: bool = True) -> "_core.ExpertCache":
-        """A cache under this budget, filled with the profile's hottest experts."""
-        cache = _core.ExpertCache(self.expert_bytes, self.trace.num_experts, self.budget, policy)
-        if fill and self.budget > 0:
-            cache.fill(self.hot_keys)
-        return cache
-
     def build(self, name: str):
-        """(cache, scheduler, prefetcher, config) of a system preset; ValueError on an unknown name."""
-        spec = pol.system_preset(name)
-        L, E = self.trace.n_layers, self.trace.num_experts
+        """(cache, scheduler, prefetcher, config) of a system preset (:func:`hybrimoe.policy.build_preset`, with
+        the profile's hot set); ValueError on an unknown name."""
+        ps = pol.build_preset(name, self.expert_bytes, self.trace.num_experts, self.budget, hot_keys=self.hot_keys,
+                              profile=self.profile.ravel())
         cfg = _core.SimConfig()
         for f in ("stage", "ubatch", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
             setattr(cfg, f, getattr(self.cfg, f))
-        cfg.fill_on_miss = bool(spec["fill"])
-        if spec["oracle"]:
+        cfg.fill_on_miss = ps.fill_on_miss
+        if ps.oracle:
             cfg.recall = [1.0] * max(1, cfg.prefetch_depth)
-        n_cpu_layers = 0
-        if spec["cache"] == "static-frequency":
-            n_fit = int(self.budget // self.expert_bytes[0]) if self.budget > 0 else 0
-            keys = self.hot_keys[:n_fit]
-            cache = self.make_cache(_core.StaticPolicy(keys, [float(self.profile.ravel()[k]) for k in keys]), False)
-            cache.fill(keys)
-        elif spec["cache"] == "static-layers":
-            layer_bytes = self.expert_bytes[0] * E
-            n_gpu_layers = min(L, int(self.budget // layer_bytes))
-            n_cpu_layers = L - n_gpu_layers
-            keys = [l * E + e for l in range(n_cpu_layers, L) for e in range(E)]
-            cache = self.make_cache(_core.StaticPolicy(keys, []), False)
-            cache.fill(keys)
-        else:
-            cache = self.make_cache(_core.make_cache_policy(spec["cache"]))
-        sched = _core.make_scheduler(spec["scheduler"], n_cpu_layers)
-        pre = _core.make_prefetcher(spec["prefetch"])
-        return cache, sched, pre, cfg
+        return ps.cache, ps.scheduler, ps.prefetcher, cfg
 
     def assumptions(self, name: str) -> dict:
         spec = pol.system_preset(name)

@@ -187,6 +187,37 @@ def test_fills_stop_when_the_copy_queue_reaches_the_makespan():
     assert len(busy["filled"]) == 1
 
 
+def test_fills_and_prefetches_that_cost_the_cpu_lengthen_the_predicted_layer():
+    """cpu_copy_overlap < 1: the copies queued after the plan (fills, prefetches) run before the layer's CPU share
+    in the engine, so they delay it. ktransformers with 3 CPU experts (30.1 ms) and 12 ms fills: at 1 the three
+    fills are free for the CPU (makespan 30.1 ms); at 0 the CPU share is the critical path and a fill would
+    lengthen it, so none is issued. A prefetch (hybrimoe rules, impact prefetcher) at 0.5 adds half its 1 ms copy
+    to the CPU end of a CPU-only layer."""
+    def fills(cpu_overlap):
+        cache = _core.ExpertCache([float(B)] * 2, 8, 8.0 * B, _core.LRUPolicy())
+        cm = _cost(h2d_s=0.012)
+        cm.cpu_copy_overlap = cpu_overlap
+        return _core.replay_decisions([_rec(0, 0, [[0, 1, 2]], 5.0)], cache, _core.make_scheduler("ktransformers"),
+                                      _core.make_prefetcher("none"), cm, has_slots=True, prefetch_layers=0,
+                                      fill_on_miss=True)[0]
+    free, paid = fills(1.0), fills(0.0)
+    assert sorted(free["filled"]) == [0, 1, 2] and free["makespan_s"] == pytest.approx(0.0301)
+    assert paid["filled"] == [] and paid["makespan_s"] == pytest.approx(0.0301)
+
+    def prefetched(cpu_overlap):
+        cache = _core.ExpertCache([float(B)] * 2, 4, 4.0 * B, _core.LRUPolicy())
+        cm = _cost(h2d_s=0.001)
+        cm.cpu_copy_overlap = cpu_overlap
+        pred = dict(layer=1, distance=1, confidence=1.0, start_s=0.05, expert_bytes=float(B), experts=[3],
+                    loads=[1])
+        return _core.replay_decisions([_rec(0, 0, [[0]], 10.0, predictions=[pred]), _rec(0, 1, [[3]], 10.05)], cache,
+                                      _core.make_scheduler("ktransformers"), _core.make_prefetcher("impact"), cm,
+                                      has_slots=True, prefetch_layers=1, fill_on_miss=False)[0]
+    a, b = prefetched(1.0), prefetched(0.5)
+    assert [tuple(p) for p in a["prefetched"]] == [(1, 3)] == [tuple(p) for p in b["prefetched"]]
+    assert b["makespan_s"] - a["makespan_s"] == pytest.approx(0.0005)
+
+
 def test_prefetch_sees_the_callers_clock():
     """Regression: the prefetcher compares the cache's ready times (caller's clock) with the predictions' start
     (relative to the split, converted by the rules). Late in a run (t=1000 s) with a resident expert copied long

@@ -28,22 +28,33 @@ def test_corrupt_cost_model(tmp_path, text, msg):
         pol.load_cost_model(tmp_path / "c.json")
 
 
-def test_cost_model_schema_1_reads_with_copies_overlapping():
-    """Files of schema /1 (before copy_overlap existed) still load, as a device whose copies run beside compute;
-    /2 requires the field, /1 refuses it, and it must lie in [0, 1]."""
+def test_older_schemas_read_with_the_overlaps_they_lack_at_1():
+    """Files of schema /2 (before cpu_copy_overlap) and /1 (before copy_overlap too) still load, the missing
+    overlaps at 1 (copies beside compute, free for the CPU); /3 requires both, an older schema refuses a field it
+    did not have, and both must lie in [0, 1]."""
     d = pol.cost_model_to_dict(_core.CostModel())
-    assert d["schema"] == "hybrimoe.cost_model/2" and d["copy_overlap"] == 1.0
-    d["copy_overlap"] = 0.25
-    assert pol.cost_model_from_dict(d).copy_overlap == 0.25
-    old = {k: v for k, v in d.items() if k != "copy_overlap"}
-    old["schema"] = "hybrimoe.cost_model/1"
-    assert pol.cost_model_from_dict(old).copy_overlap == 1.0
+    assert d["schema"] == "hybrimoe.cost_model/3" and d["copy_overlap"] == 1.0 and d["cpu_copy_overlap"] == 1.0
+    d["copy_overlap"], d["cpu_copy_overlap"] = 0.25, 0.5
+    back = pol.cost_model_from_dict(d)
+    assert (back.copy_overlap, back.cpu_copy_overlap) == (0.25, 0.5)
+    v2 = dict({k: v for k, v in d.items() if k != "cpu_copy_overlap"}, schema="hybrimoe.cost_model/2")
+    back = pol.cost_model_from_dict(v2)
+    assert (back.copy_overlap, back.cpu_copy_overlap) == (0.25, 1.0)
+    v1 = dict({k: v for k, v in v2.items() if k != "copy_overlap"}, schema="hybrimoe.cost_model/1")
+    back = pol.cost_model_from_dict(v1)
+    assert (back.copy_overlap, back.cpu_copy_overlap) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="missing field 'cpu_copy_overlap'"):
+        pol.cost_model_from_dict(dict(v2, schema="hybrimoe.cost_model/3"))
     with pytest.raises(ValueError, match="missing field 'copy_overlap'"):
-        pol.cost_model_from_dict(dict(old, schema="hybrimoe.cost_model/2"))
+        pol.cost_model_from_dict(dict(v1, schema="hybrimoe.cost_model/2"))
     with pytest.raises(ValueError, match="'copy_overlap' is not in schema hybrimoe.cost_model/1"):
-        pol.cost_model_from_dict(dict(old, copy_overlap=0.5))
+        pol.cost_model_from_dict(dict(v1, copy_overlap=0.5))
+    with pytest.raises(ValueError, match="'cpu_copy_overlap' is not in schema hybrimoe.cost_model/2"):
+        pol.cost_model_from_dict(dict(v2, cpu_copy_overlap=0.5))
     with pytest.raises(ValueError, match="copy_overlap' must be in \\[0, 1\\]"):
         pol.cost_model_from_dict(dict(d, copy_overlap=1.5))
+    with pytest.raises(ValueError, match="cpu_copy_overlap' must be in \\[0, 1\\]"):
+        pol.cost_model_from_dict(dict(d, cpu_copy_overlap=1.5))
 
 
 def test_cost_model_bad_values(tmp_path):

@@ -148,6 +148,33 @@ def test_copies_delay_the_gpu_on_a_device_that_cannot_overlap_them():
     assert at(0.0, [0, 0, 0, 0], 5.0).makespan_s == pytest.approx(4.0)
 
 
+def test_copies_delay_the_cpu_share_on_a_host_that_pays_for_them():
+    """CostModel.cpu_copy_overlap: with 1 copies cost the CPU share nothing; with 0 (the copies block the host, as
+    the RPC stand-in's sends on a busy 2-core host) the CPU share ends later by this plan's whole copy time, 0.5
+    by half. Same layer as above: every CPU expert takes 1 s, so C and D take 2 s; A is cached, B's copy takes
+    2 s."""
+    li = _core.LayerInput([10, 11, 12, 13], [1, 3, 2, 1], [1, 0, 0, 0], expert_bytes=2.0)
+
+    def at(cpu_overlap, split):
+        cm = cost(cpu_a=1.0, cpu_b=0.0, start=0.0, gpu_a=0.5, gpu_b=0.0, bw=1.0, lat=0.0, act_a=0.0, act_b=0.0)
+        cm.cpu_copy_overlap = cpu_overlap
+        return _core.evaluate_plan(li, cm, split)
+
+    assert at(1.0, [1, 1, 0, 0]).cpu_end_s == pytest.approx(2.0)
+    assert at(0.0, [1, 1, 0, 0]).cpu_end_s == pytest.approx(4.0)
+    assert at(0.5, [1, 1, 0, 0]).cpu_end_s == pytest.approx(3.0)
+    # no copy in the plan (A is cached): nothing to pay; no CPU share: nothing delayed
+    assert at(0.0, [1, 0, 0, 0]).cpu_end_s == pytest.approx(3.0)
+    assert at(0.0, [1, 1, 1, 1]).cpu_end_s == 0.0
+    # the greedy split sees the price: at 1 it copies B (makespan 2.5 < all-CPU 4), at 0 a copy of 2 s that
+    # also delays the CPU by 2 s no longer beats computing B on the CPU
+    cm = cost(cpu_a=1.0, cpu_b=0.0, start=0.0, gpu_a=0.5, gpu_b=0.0, bw=1.0, lat=0.0, act_a=0.0, act_b=0.0)
+    assert list(_core.HybriMoEScheduler().plan(li, cm).load_experts) != []
+    cm.cpu_copy_overlap = 0.0
+    p = _core.HybriMoEScheduler().plan(li, cm)
+    assert list(p.load_experts) == [] and p.makespan_s == pytest.approx(3.0)
+
+
 def test_best_of_trivial_plans_when_greedy_loses():
     # Start-up dominates: paying it for any CPU expert is worse than keeping all on a cached GPU.
     cm = cost(cpu_a=0.1, cpu_b=0.0, start=10.0, gpu_a=1.0, gpu_b=0.0, bw=1e12, lat=0.0, act_a=0.0, act_b=0.0)

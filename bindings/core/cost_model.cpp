@@ -7,7 +7,7 @@ namespace hybrimoe_bind {
 void bind_cost_model(py::module_ & m) {
     using hybrimoe::CostModel;
     py::class_<CostModel>(m, "CostModel", "Per-expert and per-layer costs in seconds (HybriMoE §IV.B). "
-                                          "JSON (schema hybrimoe.cost_model/2; /1 is read too): cost_model_from_json / cost_model_to_json / "
+                                          "JSON (schema hybrimoe.cost_model/3; /2 and /1 are read too): cost_model_from_json / cost_model_to_json / "
                                           "load_cost_model / save_cost_model.")
         .def(py::init<>())
         .def_readwrite("cpu_a_s", &CostModel::cpu_a_s)
@@ -26,6 +26,10 @@ void bind_cost_model(py::module_ & m) {
         .def_readwrite("copy_overlap", &CostModel::copy_overlap,
                        "Share (0..1) of a host-to-device copy's time during which the device still computes (1: a "
                        "copy engine beside compute; 0: one thing at a time, as the RPC stand-in).")
+        .def_readwrite("cpu_copy_overlap", &CostModel::cpu_copy_overlap,
+                       "Share (0..1) of a host-to-device copy's time during which the host's CPU share still runs at "
+                       "full speed (1: copies cost the CPU nothing; 0: the copies issued for a layer delay its CPU "
+                       "share by their whole time, as the RPC stand-in's synchronous sends do).")
         .def("cpu", &CostModel::cpu, py::arg("n_tokens"), "CPU seconds of one expert over n tokens (no start-up).")
         .def("gpu", &CostModel::gpu, py::arg("n_tokens"), "GPU seconds of one expert over n tokens.")
         .def("h2d", &CostModel::h2d, py::arg("bytes"), "Seconds to copy `bytes` host to device.")
@@ -41,6 +45,7 @@ void bind_cost_model(py::module_ & m) {
 
     using hybrimoe::CostModelError;
     m.attr("COST_MODEL_SCHEMA") = hybrimoe::kCostModelSchema;
+    m.attr("COST_MODEL_SCHEMA_V2") = hybrimoe::kCostModelSchemaV2;
     m.attr("COST_MODEL_SCHEMA_V1") = hybrimoe::kCostModelSchemaV1;
     // CostModelError derives from std::invalid_argument: pybind11 raises it as ValueError with the message.
     m.def("cost_model_from_json",
@@ -50,11 +55,11 @@ void bind_cost_model(py::module_ & m) {
               return std::make_pair(cm, sources);
           },
           py::arg("text"), py::arg("where") = "cost model",
-          "Parses a hybrimoe.cost_model/2 (or /1) document; returns (CostModel, sources dict). ValueError naming `where` "
+          "Parses a hybrimoe.cost_model/3 (or /2, /1) document; returns (CostModel, sources dict). ValueError naming `where` "
           "and the problem (not valid JSON, not an object, schema, missing/unknown/bad field).");
     m.def("cost_model_to_json", &hybrimoe::cost_model_to_json, py::arg("cost"),
           py::arg("sources") = std::map<std::string, std::string>{},
-          "The hybrimoe.cost_model/2 document of a CostModel (17 significant digits: reads back exactly).");
+          "The hybrimoe.cost_model/3 document of a CostModel (17 significant digits: reads back exactly).");
     m.def("load_cost_model",
           [](const std::string & path) {
               std::map<std::string, std::string> sources;

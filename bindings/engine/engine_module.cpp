@@ -217,6 +217,15 @@ Raises:
           "copy_overlap): a copy alone, a matrix-product chain of about its time alone, both together; median of "
           "`reps`. RuntimeError on failure.");
 
+    m.def("measure_cpu_copy_overlap", [](uintptr_t device, size_t bytes, int reps, int n_threads) {
+              py::gil_scoped_release nogil;
+              return hybrimoe::measure_cpu_copy_overlap(reinterpret_cast<ggml_backend_dev_t>(device), bytes, reps,
+                                                        n_threads);
+          }, py::arg("device"), py::arg("bytes"), py::arg("reps") = 5, py::arg("n_threads") = 1,
+          "Share (0..1) of a host-to-device copy of `bytes` during which the host CPU still computes at full speed "
+          "(CostModel.cpu_copy_overlap): copies queued as the engine queues them alone, a memory-bound CPU chain "
+          "(n_threads threads) of about their time alone, both together; median of `reps`. RuntimeError on failure.");
+
     py::class_<RoutingReplay>(m, "RoutingReplay", R"doc(
 Forces every MoE layer's routed expert ids (llama_set_moe_routing, patch 0002).
 

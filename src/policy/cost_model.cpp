@@ -23,7 +23,7 @@ void CostModel::validate() const {
         {"gpu_a_s", gpu_a_s},     {"gpu_b_s", gpu_b_s},     {"h2d_bandwidth_Bps", h2d_bandwidth_Bps},
         {"h2d_latency_s", h2d_latency_s}, {"act_a_s", act_a_s}, {"act_b_s", act_b_s},
         {"layer_a_s", layer_a_s}, {"layer_b_s", layer_b_s}, {"dense_a_s", dense_a_s},
-        {"dense_b_s", dense_b_s}, {"copy_overlap", copy_overlap},
+        {"dense_b_s", dense_b_s}, {"copy_overlap", copy_overlap}, {"cpu_copy_overlap", cpu_copy_overlap},
     };
     for (const auto & f : fields) {
         if (!std::isfinite(f.value) || f.value < 0.0) {
@@ -37,9 +37,13 @@ void CostModel::validate() const {
     if (copy_overlap > 1.0) {
         throw std::invalid_argument("CostModel.copy_overlap must be in [0, 1], got " + std::to_string(copy_overlap));
     }
+    if (cpu_copy_overlap > 1.0) {
+        throw std::invalid_argument("CostModel.cpu_copy_overlap must be in [0, 1], got " +
+                                    std::to_string(cpu_copy_overlap));
+    }
 }
 
-// ---- JSON (schema hybrimoe.cost_model/2, documented in cost_model.h) ----------------------------------------------
+// ---- JSON (schema hybrimoe.cost_model/3, documented in cost_model.h) ----------------------------------------------
 
 namespace {
 
@@ -47,17 +51,19 @@ namespace {
 struct CostField {
     const char * name;
     double CostModel::*member;
+    int since;  // the first schema version with the field (older documents read the CostModel default)
 };
 const CostField kCostFields[] = {
-    {"cpu_a_s", &CostModel::cpu_a_s},     {"cpu_b_s", &CostModel::cpu_b_s},
-    {"cpu_startup_s", &CostModel::cpu_startup_s},
-    {"gpu_a_s", &CostModel::gpu_a_s},     {"gpu_b_s", &CostModel::gpu_b_s},
-    {"h2d_bandwidth_Bps", &CostModel::h2d_bandwidth_Bps},
-    {"h2d_latency_s", &CostModel::h2d_latency_s},
-    {"act_a_s", &CostModel::act_a_s},     {"act_b_s", &CostModel::act_b_s},
-    {"layer_a_s", &CostModel::layer_a_s}, {"layer_b_s", &CostModel::layer_b_s},
-    {"dense_a_s", &CostModel::dense_a_s}, {"dense_b_s", &CostModel::dense_b_s},
-    {"copy_overlap", &CostModel::copy_overlap},  // not in schema /1
+    {"cpu_a_s", &CostModel::cpu_a_s, 1},     {"cpu_b_s", &CostModel::cpu_b_s, 1},
+    {"cpu_startup_s", &CostModel::cpu_startup_s, 1},
+    {"gpu_a_s", &CostModel::gpu_a_s, 1},     {"gpu_b_s", &CostModel::gpu_b_s, 1},
+    {"h2d_bandwidth_Bps", &CostModel::h2d_bandwidth_Bps, 1},
+    {"h2d_latency_s", &CostModel::h2d_latency_s, 1},
+    {"act_a_s", &CostModel::act_a_s, 1},     {"act_b_s", &CostModel::act_b_s, 1},
+    {"layer_a_s", &CostModel::layer_a_s, 1}, {"layer_b_s", &CostModel::layer_b_s, 1},
+    {"dense_a_s", &CostModel::dense_a_s, 1}, {"dense_b_s", &CostModel::dense_b_s, 1},
+    {"copy_overlap", &CostModel::copy_overlap, 2},
+    {"cpu_copy_overlap", &CostModel::cpu_copy_overlap, 3},
 };
 
 /// A parsed JSON value (only as much structure as this flat schema needs; arrays are kept for error messages).
@@ -343,24 +349,27 @@ CostModel cost_model_from_json(const std::string & text, const std::string & whe
         if (m.first == "schema") schema = &m.second;
         if (!known) unknown += (unknown.empty() ? "" : ", ") + m.first;
     }
-    const bool v1 = schema && schema->kind == JsonValue::kString && schema->text == kCostModelSchemaV1;
-    if (!schema || schema->kind != JsonValue::kString || (schema->text != kCostModelSchema && !v1)) {
+    int version = 0;
+    if (schema && schema->kind == JsonValue::kString) {
+        version = schema->text == kCostModelSchema ? 3 : schema->text == kCostModelSchemaV2 ? 2
+                  : schema->text == kCostModelSchemaV1 ? 1 : 0;
+    }
+    if (version == 0) {
         const std::string got = !schema ? "nothing" : schema->kind == JsonValue::kString ? quote(schema->text)
                                                                                           : kind_name(schema->kind);
-        throw CostModelError(where + ": 'schema' must be '" + kCostModelSchema + "' (or '" + kCostModelSchemaV1 +
-                             "'), got " + got);
+        throw CostModelError(where + ": 'schema' must be '" + kCostModelSchema + "' (or '" + kCostModelSchemaV2 +
+                             "', '" + kCostModelSchemaV1 + "'), got " + got);
     }
     if (!unknown.empty()) throw CostModelError(where + ": unknown field(s) " + unknown);
     CostModel cm;
     for (const CostField & f : kCostFields) {
-        const bool v2_only = std::strcmp(f.name, "copy_overlap") == 0;
         const JsonValue * v = nullptr;
         for (const auto & m : doc.members) {
             if (m.first == f.name) v = &m.second;  // a repeated key: the last one wins, as in Python's json
         }
-        if (v1 && v2_only) {
-            if (v) throw CostModelError(where + ": field '" + f.name + "' is not in schema " + kCostModelSchemaV1);
-            continue;  // schema /1: copies overlap compute (the default)
+        if (f.since > version) {
+            if (v) throw CostModelError(where + ": field '" + f.name + "' is not in schema " + schema->text);
+            continue;  // an older schema: the default (copies overlap compute and cost the CPU nothing)
         }
         if (!v) throw CostModelError(where + ": missing field '" + f.name + "'");
         if (v->kind != JsonValue::kNumber || !std::isfinite(v->number) || v->number < 0.0) {
@@ -372,6 +381,7 @@ CostModel cost_model_from_json(const std::string & text, const std::string & whe
     }
     if (cm.h2d_bandwidth_Bps <= 0.0) throw CostModelError(where + ": field 'h2d_bandwidth_Bps' must be > 0");
     if (cm.copy_overlap > 1.0) throw CostModelError(where + ": field 'copy_overlap' must be in [0, 1]");
+    if (cm.cpu_copy_overlap > 1.0) throw CostModelError(where + ": field 'cpu_copy_overlap' must be in [0, 1]");
     if (sources) {
         sources->clear();
         for (const auto & m : doc.members) {

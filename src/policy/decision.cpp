@@ -30,6 +30,7 @@ bool LayerDecider::load(int layer, int expert, ExpertPlacement::Kind kind, Exper
     const double bytes = place.load(layer, expert, kind);
     if (bytes <= 0.0) return false;
     pcie_free_s_ += cost_.h2d(bytes);
+    if (kind != ExpertPlacement::kDemand) extra_copy_s_ += cost_.h2d(bytes);  // demand loads are in the plan
     // admitted already (ready when admitted: unknown then); the copy's estimated end is its ready time
     if (kind != ExpertPlacement::kFirstUse) cache_->set_ready(layer, expert, now_s_ + pcie_free_s_);
     return true;
@@ -67,6 +68,7 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
     }
     pcie_free_s_ = std::max(0.0, pcie_free_s);
     in_.pcie_free_s = pcie_free_s_;
+    extra_copy_s_ = 0.0;
     scheduler_->plan(in_, cost_, plan_);
     if (plan_.on_gpu.size() != in_.size() ||
         plan_.gpu_experts.size() + plan_.cpu_experts.size() != in_.size()) {
@@ -139,11 +141,18 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
         evaluate_plan(in_, cost_, on_gpu_, run_plan_);
         run_plan_.method = plan_.method + "+cpu-fallback";
     }
-    if (rec) {
-        rec->on_gpu = on_gpu_;
-        rec->makespan_s = run_plan_.makespan_s;
-    }
+    plan_cpu_end_s_ = run_plan_.cpu_end_s;
+    if (rec) rec->on_gpu = on_gpu_;
+    charge_extra_copies(rec);
     return on_gpu_;
+}
+
+void LayerDecider::charge_extra_copies(DecisionRecord * rec) {
+    if (!run_plan_.cpu_experts.empty()) {
+        run_plan_.cpu_end_s = plan_cpu_end_s_ + cost_.cpu_copy_blocking(extra_copy_s_);
+        run_plan_.makespan_s = std::max(run_plan_.cpu_end_s, run_plan_.gpu_end_s);
+    }
+    if (rec) rec->makespan_s = run_plan_.makespan_s;
 }
 
 bool LayerDecider::wants_prefetch(int n_moe_layers) const {
@@ -186,19 +195,25 @@ void LayerDecider::prefetch(std::vector<Prediction> predictions, int n_moe_layer
         if (rec) rec->prefetched.emplace_back(j, e);
     }
     take_evictions(place, rec);
+    charge_extra_copies(rec);
 }
 
 void LayerDecider::fills(ExpertPlacement & place, DecisionRecord * rec) {
     if (!cfg_.has_slots || !cfg_.fill_on_miss) return;
     const int ml = in_.layer;
+    // what one fill costs the CPU share on a host that pays for copies (0 when copies cost it nothing)
+    const double fill_block =
+        run_plan_.cpu_experts.empty() ? 0.0 : cost_.cpu_copy_blocking(cost_.h2d(in_.expert_bytes));
     for (size_t i = 0; i < in_.size(); ++i) {
         const int32_t e = in_.experts[i];
         if (on_gpu_[i] || cache_->resident(ml, e)) continue;
         if (pcie_free_s_ >= run_plan_.makespan_s) break;
+        if (fill_block > 0.0 && run_plan_.cpu_end_s + fill_block > run_plan_.makespan_s) break;
         if (!cache_->admit(ml, e, 0.0, false)) continue;
         take_evictions(place, rec);
         load(ml, e, ExpertPlacement::kFill, place);
         if (rec) rec->filled.push_back(e);
+        charge_extra_copies(rec);
     }
     take_evictions(place, rec);
 }

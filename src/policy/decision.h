@@ -106,7 +106,8 @@ public:
                   DecisionRecord * rec);
     /// Fills: CPU-computed misses of the split's layer are offered to the cache, in activation order, while the
     /// copy-queue estimate stays below the predicted makespan of the split run (the copy would end before the
-    /// layer's work).
+    /// layer's work) and, on a host that pays for copies (CostModel::cpu_copy_overlap < 1), while the CPU share
+    /// so delayed still ends by then.
     void fills(ExpertPlacement & place, DecisionRecord * rec);
     /// After MoE layer `layer` ran: unpins its activated experts and the ones prefetched for it.
     void release(int layer);
@@ -116,6 +117,9 @@ public:
     const SchedulePlan & plan() const { return plan_; }
     /// The plan of the split that runs (split()'s result): plan() itself, or its re-evaluation (evaluate_plan)
     /// when the cache refused loads or there are no slots; its makespan is the prediction of the layer's time.
+    /// On a host that pays for copies (CostModel::cpu_copy_overlap < 1) its CPU end, and so the makespan, grows
+    /// with the first-use copies, prefetches and fills queued after the plan (the engine queues them all before
+    /// the layer's CPU share runs).
     const SchedulePlan & run_plan() const { return run_plan_; }
     /// Copy-queue estimate (seconds from the split) after the copies queued so far.
     double pcie_free_s() const { return pcie_free_s_; }
@@ -131,6 +135,9 @@ private:
     void take_evictions(ExpertPlacement & place, DecisionRecord * rec);
     /// Queues the copy of an admitted expert; true when one was queued (the cache then gets its ready time).
     bool load(int layer, int expert, ExpertPlacement::Kind kind, ExpertPlacement & place);
+    /// run_plan_'s CPU end and makespan with the copies queued after the plan (extra_copy_s_) charged to the
+    /// CPU share; updates the record's makespan.
+    void charge_extra_copies(DecisionRecord * rec);
 
     std::shared_ptr<ExpertCache> cache_;
     std::shared_ptr<SchedulePolicy> scheduler_;
@@ -146,6 +153,8 @@ private:
     std::vector<int32_t> pos_;   // expert -> index in in_.experts (-1: not activated)
     double now_s_ = 0.0;
     double pcie_free_s_ = 0.0;
+    double extra_copy_s_ = 0.0;   // copy time queued after the plan (first use, prefetch, fill) for this layer
+    double plan_cpu_end_s_ = 0.0; // run_plan_'s CPU end before those copies
     int prefetch_declined_ = 0;
     std::vector<std::vector<int32_t>> used_;            // per MoE layer: experts pinned by its split
     std::vector<std::vector<int32_t>> pending_unpin_;   // per MoE layer: experts pinned by earlier prefetches

@@ -190,6 +190,8 @@ double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std
             out.gpu_experts.push_back(in.experts[task.i]);
         }
     }
+    // the copies this plan queues delay the CPU share on a host that pays for them (cpu_copy_overlap < 1)
+    if (!out.cpu_experts.empty()) t_cpu += cost.cpu_copy_blocking(t_link - in.pcie_free_s);
     out.cpu_end_s = t_cpu;
     out.gpu_end_s = t_gpu;
     out.pcie_end_s = t_link;
@@ -264,10 +266,17 @@ void HybriMoEScheduler::greedy_ordered(const LayerInput & in, const CostModel & 
         // the copy queue (so far) delays the GPU on a device that cannot compute while it copies
         const double gpu_base = std::max(gpu_started ? t_gpu : gpu_start, cost.copy_blocking(t_link) + gpu_start);
 
+        // the CPU's work so far plus what this layer's copies so far cost it (cpu_copy_overlap < 1)
+        const double cpu_block = cost.cpu_copy_blocking(t_link - in.pcie_free_s);
         const double f_gpu = g >= 0 ? std::max(gpu_base, in.ready_s[g]) + cost.gpu(in.loads[g]) : inf;
-        const double f_cpu = c >= 0 ? t_cpu + (cpu_started ? 0.0 : cost.cpu_startup_s) + cost.cpu(in.loads[c]) : inf;
+        const double f_cpu =
+            c >= 0 ? t_cpu + cpu_block + (cpu_started ? 0.0 : cost.cpu_startup_s) + cost.cpu(in.loads[c]) : inf;
         const double copy_end = t_link + h2d;
-        const double f_pcie = p >= 0 ? std::max(gpu_base, copy_end) + cost.gpu(in.loads[p]) : inf;
+        double f_pcie = p >= 0 ? std::max(gpu_base, copy_end) + cost.gpu(in.loads[p]) : inf;
+        // a copy that costs the CPU time is judged by the later of the two ends it makes
+        if (p >= 0 && cpu_started && cost.cpu_copy_overlap < 1.0) {
+            f_pcie = std::max(f_pcie, t_cpu + cpu_block + cost.cpu_copy_blocking(h2d));
+        }
 
         // Ties: a cached GPU task first (no copy), then the CPU, then a copy.
         if (f_gpu <= f_cpu && f_gpu <= f_pcie) {
@@ -276,7 +285,7 @@ void HybriMoEScheduler::greedy_ordered(const LayerInput & in, const CostModel & 
             on_gpu[g] = 1;
             done_[g] = 1;
         } else if (f_cpu <= f_pcie) {
-            t_cpu = f_cpu;
+            t_cpu = f_cpu - cpu_block;
             cpu_started = true;
             done_[c] = 1;
         } else {

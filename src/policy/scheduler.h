@@ -50,7 +50,8 @@ struct SchedulePlan {
 /// `pcie_free_s` (Johnson's rule with equal copy times, so that order is optimal); the GPU pays one activation
 /// round trip, then runs its experts earliest-ready first (optimal for one machine with release times). On a
 /// device that cannot compute while it copies (CostModel::copy_overlap < 1) the GPU starts only after
-/// copy_blocking(end of the copy queue, this layer's loads included).
+/// copy_blocking(end of the copy queue, this layer's loads included). On a host that pays for copies
+/// (CostModel::cpu_copy_overlap < 1) the CPU share ends later by cpu_copy_blocking(this plan's copy time).
 /// Returns the makespan in seconds. Throws std::invalid_argument if on_gpu.size() != k.
 double evaluate_plan(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
                      SchedulePlan & out);

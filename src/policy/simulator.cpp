@@ -275,6 +275,7 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
         bool holds(int) const override { return true; }
     } place;
     double charge_ns = 0.0;  // time spent charging copies inside a timed decision (not part of deciding)
+    double layer_copy_s = 0.0;  // true copy time queued for the current layer (loads, prefetches, fills)
     place.on_load = [&](int layer, int e, ExpertPlacement::Kind kind) -> double {
         if (kind == ExpertPlacement::kFirstUse) return 0.0;
         const auto c0 = clock::now();
@@ -282,6 +283,7 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
         const double start = std::max(true_pcie_free_at, t_moe);
         const double end = start + truth_cost.h2d(bytes) * truth.h2d_scale * noise.factor(truth.h2d_noise);
         res.link_busy_s += end - start;
+        layer_copy_s += end - start;
         true_pcie_free_at = end;
         link_busy.emplace_back(start, end);
         truth_ready[(size_t) layer * E + e] = end;
@@ -342,6 +344,7 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
             // ---- decision (timed): observe, look up, split, demand loads, as the engine decides ----
             const auto d0 = clock::now();
             charge_ns = 0.0;
+            layer_copy_s = 0.0;
             load_routing(trace, st, l, ids32, scores);
             const std::vector<uint8_t> & on_gpu =
                 decider.split(si, l, ids32.data(), n, K, scores,
@@ -350,14 +353,13 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
             const LayerInput & din = decider.input();
             const SchedulePlan & plan = decider.plan();
             const double predicted_s = decider.run_plan().makespan_s;
-            res.predicted_moe_s += predicted_s;
             for (size_t i = 0; i < din.size(); ++i) pos[din.experts[i]] = static_cast<int32_t>(i);
             // execution order: the plan's; a load the cache refused runs on the CPU, after the planned CPU experts
             gpu_order.clear();
             cpu_order.assign(plan.cpu_experts.begin(), plan.cpu_experts.end());
             for (int32_t e : plan.gpu_experts) (on_gpu[pos[e]] ? gpu_order : cpu_order).push_back(e);
 
-            // ---- truth: GPU, CPU ----
+            // ---- truth: GPU ----
             double t_gpu_end = t_moe;
             if (!gpu_order.empty()) {
                 // a device that cannot compute while it copies works through the queued copies first
@@ -373,28 +375,6 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
                 }
                 t_gpu_end = tg;
             }
-            double t_cpu_end = t_moe;
-            if (!cpu_order.empty()) {
-                double tc = t_moe + truth_cost.cpu_startup_s + truth.cpu_startup_extra_s;
-                for (int32_t e : cpu_order) {
-                    double dur = truth_cost.cpu(din.loads[pos[e]]) * truth.cpu_scale * noise.factor(truth.cpu_noise);
-                    if (truth.contention > 0.0) {
-                        double overlap = 0.0;
-                        for (const auto & iv : link_busy) {
-                            overlap += std::max(0.0, std::min(tc + dur, iv.second) - std::max(tc, iv.first));
-                        }
-                        dur += truth.contention * overlap;
-                    }
-                    record(si, l, 0, e, 0, tc, tc + dur);
-                    tc += dur;
-                }
-                res.cpu_busy_s += tc - t_moe;
-                t_cpu_end = tc;
-            }
-            const double t_end = std::max(t_moe, std::max(t_cpu_end, t_gpu_end));
-            res.charged_moe_s += t_end - t_moe;
-            res.layer_moe_s[l] += t_end - t_moe;
-
             // ---- prefetch for the next D layers (planned after this layer's router), then fills ----
             if (decider.wants_prefetch(L)) {
                 const auto p0 = clock::now();
@@ -415,6 +395,34 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
             }
             decider.fills(place, nullptr);
             pcie_free_at = t_moe + decider.pcie_free_s();
+            res.predicted_moe_s += decider.run_plan().makespan_s;  // with the copies queued after the plan
+
+            // ---- truth: CPU (after the copies the layer queued) ----
+            double t_cpu_end = t_moe;
+            if (!cpu_order.empty()) {
+                // the layer's copies (loads, prefetches, fills), all queued before its CPU share runs, delay it on a
+                // host that pays for them
+                double tc = t_moe + truth_cost.cpu_copy_blocking(layer_copy_s) + truth_cost.cpu_startup_s +
+                            truth.cpu_startup_extra_s;
+                for (int32_t e : cpu_order) {
+                    double dur = truth_cost.cpu(din.loads[pos[e]]) * truth.cpu_scale * noise.factor(truth.cpu_noise);
+                    if (truth.contention > 0.0) {
+                        double overlap = 0.0;
+                        for (const auto & iv : link_busy) {
+                            overlap += std::max(0.0, std::min(tc + dur, iv.second) - std::max(tc, iv.first));
+                        }
+                        dur += truth.contention * overlap;
+                    }
+                    record(si, l, 0, e, 0, tc, tc + dur);
+                    tc += dur;
+                }
+                res.cpu_busy_s += tc - t_moe;
+                t_cpu_end = tc;
+            }
+            const double t_end = std::max(t_moe, std::max(t_cpu_end, t_gpu_end));
+            res.charged_moe_s += t_end - t_moe;
+            res.layer_moe_s[l] += t_end - t_moe;
+
             decider.release(l);
 
             const double layer_dur = t_end - t_layer0;

@@ -21,4 +21,15 @@ double measure_h2d_s(ggml_backend_dev_t device, size_t bytes, int reps);
 /// std::invalid_argument on bad arguments, std::runtime_error when the device or its buffers fail.
 double measure_copy_overlap(ggml_backend_dev_t device, size_t bytes, int reps);
 
+/// The share of a host-to-device copy's time during which the host CPU still computes at full speed
+/// (CostModel::cpu_copy_overlap): copies of `bytes` queued on `device` as the engine queues its expert copies (a
+/// second backend instance, asynchronous when the device has events, else blocking), alone (t_h); a chain of
+/// F32 matrix-vector products over a 16 MiB matrix (memory-bound, as decode-time experts are) on ggml's CPU
+/// backend with `n_threads` threads, sized to take about as long alone (t_c); and both, the copies queued first
+/// and the CPU chain run while they are in flight (t_b): (t_h + t_c - t_b) / min(t_h, t_c), clamped to [0, 1],
+/// median of `reps`. 1: copies cost the CPU nothing (a DMA engine); 0: the CPU waits for them (a blocking copy,
+/// or a client that sends the data itself on a fully busy host). Throws std::invalid_argument on bad arguments,
+/// std::runtime_error when a device or its buffers fail.
+double measure_cpu_copy_overlap(ggml_backend_dev_t device, size_t bytes, int reps, int n_threads);
+
 }  // namespace hybrimoe

@@ -303,7 +303,9 @@ double Engine::Placement::load(int layer, int expert, Kind kind) {
     if (bytes <= 0.0) return 0.0;
     en.copies_[(size_t) kind] += 1;
     en.copy_bytes_[(size_t) kind] += bytes;
-    en.pcie_free_at_ = std::max(en.pcie_free_at_, en.now()) + en.cfg_.cost.h2d(bytes);
+    // an asynchronous copy ends by the estimate; a blocking one (a device without events) has ended
+    en.pcie_free_at_ = en.pool_.async_copies() ? std::max(en.pcie_free_at_, en.now()) + en.cfg_.cost.h2d(bytes)
+                                               : en.now();
     return bytes;
 }
 

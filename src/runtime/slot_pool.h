@@ -69,6 +69,8 @@ public:
     /// file's layout) into the slot of (layer, expert) on the copy queue. Returns the bytes queued (0: no slot, or
     /// already loaded). Without events the copy is synchronous.
     double copy(int layer, int expert, const ggml_tensor * gate, const ggml_tensor * up, const ggml_tensor * down);
+    /// Whether copies are queued (the device has events) rather than blocking until they end.
+    bool async_copies() const { return !events_.empty(); }
     /// Sequence number of the last copy of `key` (0: none).
     uint64_t copy_seq(int64_t key) const { return key_copy_seq_[(size_t) key]; }
     /// Makes the compute queue wait until the copy with sequence number `seq` ended (0: nothing to wait for).
