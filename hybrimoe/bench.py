@@ -32,6 +32,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .policy import ENGINE_PRESETS
+
 def prompts(llm, n: int, n_tokens: int) -> list[list[int]]:
     """``n`` prompts of exactly ``n_tokens`` tokens (BOS + seeded random words), one per repetition."""
     from hybrimoe.tiny import _WORDS
@@ -64,7 +66,7 @@ class Config:
         # the engine's decision records from its first ubatch on, for the simulator's replay; each repetition keeps
         # the indices of its prompt's and its decode's records
         self.log: list[dict] = []
-        if self.llm._moe_engine is not None:
+        if self.llm.moe_engine is not None:
             self.llm.moe_log()
 
     # ---- one repetition: start() evaluates the prompt, step() decodes one greedy token, finish() collects ----
@@ -73,7 +75,7 @@ class Config:
 
         self._lc = lc = llama_cpp_module().llama_cpp
         llm = self.llm
-        ctx = llm._ctx.ctx
+        ctx = llm.ctx
         llm.reset()
         lc.llama_perf_context_reset(ctx)
         t0 = time.perf_counter()
@@ -82,7 +84,7 @@ class Config:
         wall = time.perf_counter() - t0
         self._cur = dict(prompt_wall_s=wall, prompt_perf_s=lc.llama_perf_context(ctx).t_p_eval_ms * 1e-3,
                          n_prompt=len(prompt), tokens=[], step_wall_s=[], step_perf_s=[])
-        eng = llm._moe_engine
+        eng = llm.moe_engine
         if eng is not None:
             from .engine import layer_totals
 
@@ -92,14 +94,14 @@ class Config:
             self._cur["prefill_layer_s"] = layer_totals(eng.layer_stats())["layer_s"]
             self.log.extend(part)
             eng.reset_stats()
-            llm._moe_setup["policies"].cache.reset_stats()
+            llm.moe_setup.policies.cache.reset_stats()
         lc.llama_perf_context_reset(ctx)
         self._t_eval = 0.0
 
     def step(self) -> None:
         lc, llm = self._lc, self.llm
-        ctx = llm._ctx.ctx
-        tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+        ctx = llm.ctx
+        tok = int(np.argmax(np.ctypeslib.as_array(lc.llama_get_logits(ctx), shape=(llm.n_vocab(),))))
         t0 = time.perf_counter()
         llm.eval([tok])
         lc.llama_synchronize(ctx)
@@ -117,14 +119,14 @@ class Config:
         lc, llm = self._lc, self.llm
         r = self._cur
         n = len(r["tokens"])
-        pd = lc.llama_perf_context(llm._ctx.ctx)
+        pd = lc.llama_perf_context(llm.ctx)
         if pd.n_eval != n:
             raise RuntimeError(f"{self.label}: llama_perf_context counted {pd.n_eval} decodes, expected {n}")
         r.update(n_decode=n, decode_wall_s=sum(r["step_wall_s"]), decode_perf_s=sum(r["step_perf_s"]))
-        eng = llm._moe_engine
+        eng = llm.moe_engine
         if eng is not None:
             layers = eng.layer_stats()
-            cs = llm._moe_setup["policies"].cache.stats
+            cs = llm.moe_setup.policies.cache.stats
             tot = layer_totals(layers)
             e = {k: tot[k] for k in ("runs", "tokens", "plan_s", "wait_s", "layer_s", "cpu_experts", "gpu_experts",
                                      "bytes_demand", "bytes_prefetch", "bytes_fill")}
@@ -273,7 +275,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc", default=None, metavar="HOST:PORT", help="ggml RPC server as the GPU")
     p.add_argument("--stand-in", action="store_true",
                    help="start a ggml-rpc-server on 127.0.0.1 as the GPU (machines without one; no speed claim)")
-    p.add_argument("--policies", default="hybrimoe,hybrimoe-lru,ktransformers,upstream-ncmoe,gpu-on-demand",
+    p.add_argument("--policies", default=",".join(ENGINE_PRESETS),
                    help="engine policies to run (comma-separated)")
     p.add_argument("--upstream", default="exps,ncmoe,ngl", help="upstream modes to run: exps, ncmoe, ngl")
     p.add_argument("--moe-cost-model", default=None, help="planner cost model for hybrimoe (preset or JSON)")
@@ -307,7 +309,7 @@ UPSTREAM_MODES = ("exps", "ncmoe", "ngl")
 
 def _check_modes(args, facts) -> tuple[list[str], set]:
     """The policies and upstream modes asked for, checked before anything runs."""
-    from .engine import ENGINE_PRESETS, resolve_cost_model
+    from .engine import resolve_cost_model
 
     pols = [x.strip() for x in args.policies.split(",") if x.strip()]
     for p in pols:
@@ -398,7 +400,7 @@ def run(args) -> int:
                         cfg.step()
                     cfg.finish(keep=i >= 0)
                     bar.update(1)
-                checked = cfg.replay() if cfg.llm._moe_engine is not None else {}
+                checked = cfg.replay() if cfg.llm.moe_engine is not None else {}
             finally:
                 cfg.close()
             pp = [r["n_prompt"] / r["prompt_perf_s"] for r in cfg.reps if r["prompt_perf_s"] > 0]

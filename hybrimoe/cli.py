@@ -15,15 +15,11 @@ from pathlib import Path
 DEFAULT_PROMPT = "Once upon a time"
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("HYBRIMOE_CACHE_DIR") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybrimoe")
-    return Path(root)
-
-
 def default_model_path() -> Path:
     """The default model of ``hybrimoe run``: a tiny qwen3moe Q8_0 GGUF in the cache, written on first use."""
-    path = _cache_dir() / "models" / "tiny-qwen3moe-q8_0-seed0.gguf"
+    from .defaults import cache_dir
+
+    path = cache_dir() / "models" / "tiny-qwen3moe-q8_0-seed0.gguf"
     if not path.exists():
         from .tiny import make_tiny_model
 
@@ -60,19 +56,24 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc", default=None, metavar="HOST:PORT,...", help="ggml RPC servers to use as devices")
     p.add_argument("--moe-hook", action="store_true",
                    help="install hybrimoe's MoE hook alone (CPU path, upstream's numbers; for checks)")
+    from . import defaults
+    from .policy import DEFAULT_PRESET, ENGINE_PRESETS, preset_names
+
     p.add_argument("--moe-cache", default=None, metavar="SIZE",
                    help="turn on the hybrid CPU+GPU engine with a GPU expert cache of SIZE: 25%% (of all routed "
-                        "experts), 3GiB, 512MB or bytes; 0 = every expert on the CPU through the engine")
+                        "experts), 3GiB, 512MB or bytes; auto = as much as the device has left after the model "
+                        "(like upstream's --fit); 0 = every expert on the CPU through the engine")
     p.add_argument("--moe-policy", default=None,
-                   help="engine policy: hybrimoe, hybrimoe-lru, ktransformers, upstream-ncmoe, gpu-on-demand "
-                        "(default: hybrimoe; needs --moe-cache)")
+                   help=f"engine policy: {', '.join(ENGINE_PRESETS)} (default: {DEFAULT_PRESET}; needs --moe-cache)")
     p.add_argument("--moe-prefetch-layers", type=int, default=None, metavar="N",
-                   help="MoE layers predicted and prefetched ahead (0: none; default: 3; needs --moe-cache)")
+                   help=f"MoE layers predicted and prefetched ahead (0: none; default: {defaults.PREFETCH_LAYERS}; "
+                        "needs --moe-cache)")
     p.add_argument("--moe-cost-model", default=None, metavar="PRESET|FILE",
-                   help="planner cost model: a hardware preset (paper-a6000, rtx4090-desktop, h200) or a JSON "
+                   help=f"planner cost model: a hardware preset ({', '.join(preset_names())}) or a JSON "
                         "file (default: this model's stored calibration on this device, see hybrimoe calibrate; "
                         "without one, a short calibration runs on first use and is stored; "
-                        "HYBRIMOE_AUTO_CALIBRATE=0: rtx4090-desktop instead; --moe-stats names the one used)")
+                        f"{defaults.AUTO_CALIBRATE_ENV}=0: {defaults.COST_PRESET} instead; --moe-stats names the "
+                        "one used)")
     p.add_argument("-nr", "--no-repack", action="store_true",
                    help="keep CPU weights in the file's layout (upstream --no-repack)")
     p.add_argument("--replay-trace", default=None, metavar="TRACE.npz",
@@ -192,7 +193,7 @@ def generate_tokens(llm, prompt_tokens: list[int], n_predict: int, *, temp: floa
     from ._lib import llama_cpp_module
 
     lc = llama_cpp_module().llama_cpp
-    vocab = lc.llama_model_get_vocab(llm._model.model)
+    vocab = lc.llama_model_get_vocab(llm.model)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out: list[int] = []
     # stop at the context's end (llama-cpp-python would fail to find a KV slot)

@@ -1,17 +1,20 @@
 """Set-up of the hybrid CPU+GPU MoE engine (``hybrimoe._engine.Engine``) for a model and the user's options.
 
-What ``hybrimoe.Llama(..., moe_cache=..., moe_policy=..., moe_prefetch_layers=..., moe_cost_model=...)`` and
-``hybrimoe run --moe-cache ...`` use: model facts from the GGUF (expert sizes per layer and matrix, routers for
-prefetch prediction), the slot count from the cache budget, the policies (policy core, or Python objects) and the
-planner's cost model (a named hardware preset or a JSON file; calibration is a later issue).
+:class:`EngineSetup` is the one place where ``hybrimoe.Llama(..., moe_cache=..., moe_policy=...,
+moe_prefetch_layers=..., moe_cost_model=...)`` (and ``hybrimoe run --moe-cache ...``) become an engine: model facts
+from the GGUF (expert sizes per layer and matrix, routers for prefetch prediction), the slot count from the cache
+budget (or, for ``"auto"``, from the device memory left after the model loaded), the policies (presets built by
+:func:`hybrimoe.policy.build_preset`, or Python objects), the device and the planner's cost model (a preset, a
+JSON file, a stored calibration, or one measured at first use on the loaded model).
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -19,8 +22,12 @@ from . import _core
 from . import policy as pol
 from .trace import ModelFacts
 
-DEFAULT_COST_PRESET = "rtx4090-desktop"
+from .defaults import COST_PRESET as DEFAULT_COST_PRESET
+from .defaults import PREFETCH_LAYERS
+
 ENGINE_PRESETS = pol.ENGINE_PRESETS
+#: upstream LLM_FFN_EXPS_REGEX (common/common.h): the routed-expert weight tensors
+EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
@@ -143,7 +150,7 @@ def slot_bytes(model_path: Union[str, os.PathLike]) -> int:
 
 
 def cache_slots(spec, facts: EngineFacts) -> int:
-    """Number of GPU expert slots for a ``moe_cache`` budget.
+    """Number of GPU expert slots for a ``moe_cache`` budget (``"auto"`` is sized later: :meth:`EngineSetup.complete`).
 
     ``spec``: ``"25%"`` (of the model's routed experts: 100% = a slot for every expert), ``"3GiB"``, ``"512MB"``, or
     bytes (int). 0 is valid (nothing cached). A byte budget is rounded down to whole slots of ``facts.slot_bytes``
@@ -288,3 +295,169 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         prefetch_layers=int(prefetch_layers), fill_on_miss=policies.fill_on_miss, routers=facts.routers,
         router_bias=facts.router_bias, sigmoid_gating=facts.sigmoid_gating, cache=policies.cache,
         scheduler=policies.scheduler, prefetcher=policies.prefetcher)
+
+
+def gpu_work_bytes(facts: EngineFacts, n_ubatch: int) -> int:
+    """Upper bound, in bytes, of the device memory the engine's GPU share allocates besides its slot pool for
+    ubatches of up to ``n_ubatch`` tokens: per launch graph (pair counts bucketed to powers of two up to
+    ``n_ubatch * top_k``, two launches per layer) its packed inputs (slot id, row, weight and hidden row per pair)
+    and its work tensors (each pair's hidden row, gate, up and activation rows of the expert FFN width, down and
+    weighted output rows), all F32; summed over the buckets (each graph has its own allocation)."""
+    D = int(facts.n_embd)
+    F = int(facts.model.n_ff_exp) if facts.model is not None else D
+    per_pair = 4 * (3 + D) + 4 * D + 4 * 3 * F + 4 * 2 * D
+    top = 1
+    while top < max(1, int(n_ubatch) * int(facts.top_k)):
+        top *= 2
+    pairs = 0
+    b = 1
+    while b <= top:
+        pairs += 2 * b
+        b *= 2
+    return int(pairs * per_pair)
+
+
+def auto_slots(facts: EngineFacts, free_bytes: int, n_ubatch: int) -> tuple[int, str]:
+    """``moe_cache="auto"``: the most GPU expert slots that fit in ``free_bytes`` (the device's free memory after
+    the model's device weights, KV cache and compute buffers) less the engine's own GPU work buffers
+    (:func:`gpu_work_bytes`) and a margin (:data:`hybrimoe.defaults.AUTO_MARGIN_FRACTION` of the free memory, at
+    least :data:`hybrimoe.defaults.AUTO_MARGIN_MIN_BYTES`), at most one per expert (the pool adds a null slot).
+    Returns ``(slots, why)``, ``why`` a sentence with the figures."""
+    from .defaults import AUTO_MARGIN_FRACTION, AUTO_MARGIN_MIN_BYTES
+
+    sb = facts.slot_bytes
+    work = gpu_work_bytes(facts, n_ubatch)
+    margin = max(AUTO_MARGIN_MIN_BYTES, int(free_bytes * AUTO_MARGIN_FRACTION))
+    n_all = len(facts.moe_layers) * facts.n_expert
+    room = int(free_bytes) - work - margin
+    n = max(0, min(n_all, room // sb - 1)) if room > 0 else 0
+    why = (f"auto: {free_bytes} bytes free on the device after the model, KV cache and compute buffers, less "
+           f"{work} for the engine's GPU work buffers (ubatches of {n_ubatch}) and a margin of {margin}: "
+           f"{n} of {n_all} experts in slots of {sb} bytes")
+    return int(n), why
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """How one :class:`hybrimoe.Llama` runs the MoE engine, decided once (read-only: ``Llama.moe_setup``).
+
+    :meth:`create` builds it from the user's options and the GGUF's facts before the model loads: every
+    validation, default and device check happens there. Two things are only known once the model is loaded: the
+    slot count of ``moe_cache="auto"`` (:meth:`with_auto_slots`: the device memory left) and, without a cost model
+    given or stored, one measured on the loaded model (:func:`hybrimoe.calibration.with_first_use_cost`); each
+    returns a new set-up. Units: bytes, seconds.
+
+    Fields: ``facts`` (:class:`EngineFacts`), ``cache_spec`` (the user's ``moe_cache``), ``n_slots`` (GPU expert
+    slots; ``None`` until completed for ``"auto"``), ``slots_note`` (how they were chosen), ``policy_spec`` (the
+    user's ``moe_policy``), ``policies`` (:class:`hybrimoe.policy.PolicySet`; ``None`` until completed for
+    ``"auto"``), ``prefetch_layers``, ``cost`` (the planner's ``CostModel``; ``None`` until completed when it is
+    to be measured), ``cost_source`` (where it came from), ``device`` (ggml device pointer of the accelerator, or
+    ``None``), ``device_label``, ``host_buffer_type`` (the device's pinned host buffer type, where the routed
+    experts are kept; ``None``: plain host memory).
+    """
+
+    facts: EngineFacts
+    cache_spec: object
+    n_slots: Optional[int]
+    slots_note: str
+    policy_spec: object
+    policies: Optional[pol.PolicySet]
+    prefetch_layers: int
+    cost: Optional["_core.CostModel"]
+    cost_source: str
+    device: Optional[int]
+    device_label: str
+    host_buffer_type: Optional[str]
+
+    @classmethod
+    def create(cls, model_path, *, moe_cache, moe_policy=None, moe_prefetch_layers=None, moe_cost_model=None,
+               kv_overrides: Optional[dict] = None, rpc_devices: Sequence[int] = (),
+               tensor_overrides: Sequence[tuple] = ()) -> Optional["EngineSetup"]:
+        """The set-up for these options, or None when the engine is off (``moe_cache`` None).
+
+        ``rpc_devices``: the device pointers of the Llama's RPC servers (the first is the accelerator, else this
+        machine's first GPU); ``tensor_overrides``: the user's ``(pattern, buffer type)`` overrides (none may put
+        routed experts on a device: the engine keeps them in host memory).
+
+        Raises:
+            ValueError: a ``moe_*`` option without ``moe_cache``; a bad budget, policy, prefetch depth, cost model
+                or ``expert_used_count`` override; not a MoE model; a cache without an accelerator; an override
+                that moves routed experts to a device.
+            RuntimeError: the process's CPU backend is not hybrimoe's ggml-cpu (llama_cpp loaded first).
+        """
+        if moe_cache is None:
+            given = [n for n, v in (("moe_policy", moe_policy), ("moe_prefetch_layers", moe_prefetch_layers),
+                                    ("moe_cost_model", moe_cost_model)) if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} set without moe_cache: the MoE engine is off; give moe_cache "
+                                 "(e.g. '25%', 'auto', or 0 for no GPU cache) to turn it on")
+            return None
+        from . import _ggml
+
+        policy_spec = pol.DEFAULT_PRESET if moe_policy is None else moe_policy
+        prefetch = PREFETCH_LAYERS if moe_prefetch_layers is None else moe_prefetch_layers
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"moe_prefetch_layers must be an integer >= 0, got {prefetch!r}")
+        why = _engine_module().cpu_backend_problem()
+        if why:  # the engine's own check, made before the model is loaded (which can take minutes)
+            raise RuntimeError(f"moe_cache: {why}")
+        facts = engine_facts(model_path)
+        # llama.cpp applies kv_overrides of "<arch>.expert_used_count" to top-k: the engine must see the same k
+        k_over = (kv_overrides or {}).get(f"{facts.arch}.expert_used_count")
+        if k_over is not None:
+            if isinstance(k_over, bool) or not isinstance(k_over, int) or not 1 <= k_over <= facts.n_expert:
+                raise ValueError(f"kv_overrides {facts.arch}.expert_used_count must be an integer in "
+                                 f"1..{facts.n_expert}, got {k_over!r}")
+            facts = dataclasses.replace(facts, top_k=int(k_over))
+        auto = isinstance(moe_cache, str) and moe_cache.strip().lower() == "auto"
+        n_slots = None if auto else cache_slots(moe_cache, facts)
+        # an unknown or clairvoyant policy fails now, not after the model loaded
+        policies = build_policies(policy_spec, facts, 0 if auto else n_slots, prefetch)
+        if auto:
+            policies = None
+        device = _ggml.accelerator(list(rpc_devices))
+        if (auto or n_slots > 0) and not device:
+            raise ValueError(f"moe_cache={moe_cache!r} needs an accelerator (a CUDA device, or an RPC server via "
+                             "rpc_servers); none was found. Use moe_cache=0 to run every expert on the CPU")
+        host = host_buffer_type_name(device) if device else None
+        for pattern, buft_name in tensor_overrides:
+            if buft_name not in ("CPU", host) and re.search(pattern, "blk.0.ffn_up_exps.weight"):
+                raise ValueError(f"tensor override {pattern}={buft_name} puts routed experts on a device; with "
+                                 "moe_cache the engine keeps them in host memory and caches them itself")
+        label = _ggml.device_label(device)
+        cost, source = None, "none yet (a stored calibration, else one measured at first use)"
+        if moe_cost_model is not None:
+            cost = resolve_cost_model(moe_cost_model, facts)
+            source = "CostModel object" if isinstance(moe_cost_model, _core.CostModel) else str(moe_cost_model)
+        note = "" if auto else f"moe_cache={moe_cache!r}: {n_slots} slots of {facts.slot_bytes} bytes"
+        return cls(facts=facts, cache_spec=moe_cache, n_slots=n_slots, slots_note=note, policy_spec=policy_spec,
+                   policies=policies, prefetch_layers=prefetch, cost=cost, cost_source=source, device=device,
+                   device_label=label, host_buffer_type=host)
+
+    def expert_override(self) -> tuple:
+        """The tensor override that keeps the routed experts in host memory, in the file's layout: the device's
+        pinned host buffer type when it has one (``(pattern, buffer type name)``)."""
+        return (EXPS_REGEX, self.host_buffer_type or "CPU")
+
+    def with_auto_slots(self, n_ubatch: int) -> "EngineSetup":
+        """For ``moe_cache="auto"``, once the model is loaded: the set-up with the slots that fit the device's free
+        memory now (:func:`auto_slots`) and the policies for them; other set-ups are returned unchanged.
+
+        Raises:
+            ValueError: no room for a single slot.
+        """
+        if self.n_slots is not None:
+            return self
+        free, _ = device_memory(self.device)
+        n, why = auto_slots(self.facts, free, int(n_ubatch))
+        if n < 1:
+            raise ValueError(f"moe_cache='auto' found no room for an expert slot ({why}); give a smaller ubatch, "
+                             "or moe_cache=0")
+        return dataclasses.replace(self, n_slots=n, slots_note=why,
+                                   policies=build_policies(self.policy_spec, self.facts, n, self.prefetch_layers))
+
+    def make_engine(self):
+        """The ``hybrimoe._engine.Engine`` of a completed set-up (:func:`make_engine`)."""
+        if self.n_slots is None or self.cost is None or self.policies is None:
+            raise ValueError("EngineSetup.make_engine: complete() the set-up first")
+        return make_engine(self.facts, self.n_slots, self.device, self.policies, self.cost, self.prefetch_layers)

@@ -18,13 +18,15 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from . import _ggml
+from . import calibration
 from ._lib import llama_cpp_module
+from .defaults import AUTO_CALIBRATE_ENV, COST_PRESET, PREFETCH_LAYERS
+from .engine import EXPS_REGEX, EngineSetup
+from .policy import DEFAULT_PRESET, ENGINE_PRESETS
 
 llama_cpp = llama_cpp_module()
 _lc = llama_cpp.llama_cpp  # the ctypes layer, where Llama looks up llama_model_default_params
 
-# upstream LLM_FFN_EXPS_REGEX (common/common.h): the routed-expert weight tensors
-EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 
 _params_lock = threading.Lock()
 
@@ -109,7 +111,7 @@ def check_gguf(path: str | os.PathLike) -> None:
 
 
 class Llama(llama_cpp.Llama):
-    """llama-cpp-python's ``Llama`` on hybrimoe's patched libllama, with upstream's offload options.
+    __doc__ = """llama-cpp-python's ``Llama`` on hybrimoe's patched libllama, with upstream's offload options.
 
     Args (besides llama-cpp-python's, which keep their meaning):
         rpc_servers: ``"HOST:PORT[,HOST:PORT...]"`` or a list: ggml RPC servers whose devices join the
@@ -127,19 +129,22 @@ class Llama(llama_cpp.Llama):
             position p gets row ``p % n_rows`` (benchmarks replay real routing; outputs become meaningless).
         moe_cache: turns on the hybrid CPU+GPU engine (HybriMoE) with a GPU expert cache of this size: ``"25%"``
             (of all routed-expert bytes), ``"3GiB"``, ``"512MB"`` or bytes; rounded down to whole expert slots
-            (``hybrimoe.engine.slot_bytes(model_path)``); 0 runs every expert on the CPU through the engine.
+            (``hybrimoe.engine.slot_bytes(model_path)``); 0 runs every expert on the CPU through the engine;
+            ``"auto"``: as many slots as fit the device's memory left once the model is loaded
+            (``hybrimoe.engine.auto_slots``; ``moe_stats()["engine"]["moe_cache"]`` says what it chose and why).
             Routed experts then stay in host memory (pinned when the device offers it), unrepacked. The GPU is the
-            first RPC server of ``rpc_servers``, else the first GPU device.
-        moe_policy: ``"hybrimoe"`` (default), ``"hybrimoe-lru"``, ``"ktransformers"``, ``"upstream-ncmoe"``,
-            ``"gpu-on-demand"``, a ``hybrimoe.SchedulePolicy`` / ``CachePolicy`` / ``PrefetchPolicy`` object
-            (replaces that part of ``"hybrimoe"``), or a dict (see ``hybrimoe.engine.build_policies``).
-        moe_prefetch_layers: MoE layers whose experts are predicted and prefetched ahead (0: none). Default 3.
+            first RPC server of ``rpc_servers``, else the first GPU device. The set-up is ``moe_setup``.
+        moe_policy: {presets} (default ``"{default_preset}"``), a ``hybrimoe.SchedulePolicy`` / ``CachePolicy`` /
+            ``PrefetchPolicy`` object (replaces that part of ``"{default_preset}"``), or a dict (see
+            ``hybrimoe.policy.build_preset``).
+        moe_prefetch_layers: MoE layers whose experts are predicted and prefetched ahead (0: none). Default
+            {prefetch}.
         moe_cost_model: the planner's cost model: a hardware preset name (``hybrimoe/presets``), a preset or
             cost-model JSON file, or a ``CostModel``. Default: this model's stored calibration on this device
-            (``hybrimoe calibrate``); without one, a short calibration runs now (seconds to a minute; a progress
-            bar on a terminal) and is stored (``hybrimoe.calibrate.on_first_use``); with
-            ``HYBRIMOE_AUTO_CALIBRATE=0`` the ``rtx4090-desktop`` preset instead. ``moe_stats()["engine"]
-            ["cost_model"]`` says which.
+            (``hybrimoe calibrate``); without one, a short calibration runs on the loaded model (seconds to a
+            minute; a progress bar on a terminal) and is stored (``hybrimoe.calibration.on_first_use``); with
+            ``{auto_env}=0`` the ``{cost_preset}`` preset instead. ``moe_stats()["engine"]["cost_model"]`` says
+            which.
 
     Raises:
         FileNotFoundError: ``model_path`` does not exist.
@@ -149,7 +154,8 @@ class Llama(llama_cpp.Llama):
         RuntimeError: ``moe_cache`` in a process whose CPU backend is not hybrimoe's ggml-cpu (llama_cpp was
             loaded before hybrimoe). From ``eval`` and everything that decodes: the engine failed during a decode
             (a Python policy raised, the device failed); the message names the layer and the cause.
-    """
+    """.format(presets=", ".join(f'``"{n}"``' for n in ENGINE_PRESETS), default_preset=DEFAULT_PRESET,
+               prefetch=PREFETCH_LAYERS, auto_env=AUTO_CALIBRATE_ENV, cost_preset=COST_PRESET)
 
     def __init__(self, model_path: str, *, rpc_servers: str | Sequence[str] | None = None,
                  tensor_buft_overrides: str | Sequence[str] | None = None, cpu_moe: bool = False,
@@ -165,98 +171,28 @@ class Llama(llama_cpp.Llama):
         check_gguf(model_path)
         if n_seq_max is not None and (not isinstance(n_seq_max, int) or n_seq_max < 1):
             raise ValueError(f"n_seq_max must be an integer >= 1, got {n_seq_max!r}")
-        if moe_cache is None:
-            given = [n for n, v in (("moe_policy", moe_policy), ("moe_prefetch_layers", moe_prefetch_layers),
-                                    ("moe_cost_model", moe_cost_model)) if v is not None]
-            if given:
-                raise ValueError(f"{', '.join(given)} set without moe_cache: the MoE engine is off; give moe_cache "
-                                 "(e.g. '25%', or 0 for no GPU cache) to turn it on")
-        else:
-            from . import engine as eng
-
-            moe_policy = "hybrimoe" if moe_policy is None else moe_policy
-            moe_prefetch_layers = 3 if moe_prefetch_layers is None else moe_prefetch_layers
-            if isinstance(moe_prefetch_layers, bool) or not isinstance(moe_prefetch_layers, int) or \
-                    moe_prefetch_layers < 0:
-                raise ValueError(f"moe_prefetch_layers must be an integer >= 0, got {moe_prefetch_layers!r}")
-            why = eng._engine_module().cpu_backend_problem()
-            if why:  # the engine's own check, made before the model is loaded (which can take minutes)
-                raise RuntimeError(f"moe_cache: {why}")
-            facts = eng.engine_facts(model_path)
-            # llama.cpp applies kv_overrides of "<arch>.expert_used_count" to top-k: the engine must see the same k
-            k_over = (kwargs.get("kv_overrides") or {}).get(f"{facts.arch}.expert_used_count")
-            if k_over is not None:
-                if isinstance(k_over, bool) or not isinstance(k_over, int) or not 1 <= k_over <= facts.n_expert:
-                    raise ValueError(f"kv_overrides {facts.arch}.expert_used_count must be an integer in "
-                                     f"1..{facts.n_expert}, got {k_over!r}")
-                facts = dataclasses.replace(facts, top_k=int(k_over))
-            n_slots = eng.cache_slots(moe_cache, facts)
-            policies = eng.build_policies(moe_policy, facts, n_slots, moe_prefetch_layers)
-            cost = eng.resolve_cost_model(moe_cost_model, facts) if moe_cost_model is not None else None
-            self._moe_setup = dict(facts=facts, n_slots=n_slots, policies=policies, cost=cost,
-                                   cost_source=None if moe_cost_model is None else str(moe_cost_model)
-                                   if not isinstance(moe_cost_model, _core_cost_model_type()) else "CostModel object",
-                                   prefetch_layers=moe_prefetch_layers, policy_spec=moe_policy)
-
         endpoints: list[str] = []
         if rpc_servers:
             parts = [rpc_servers] if isinstance(rpc_servers, str) else list(rpc_servers)
             endpoints = [e.strip() for p in parts for e in p.split(",") if e.strip()]
         self._rpc_endpoints = endpoints
+        overrides = parse_tensor_overrides(tensor_buft_overrides) + moe_overrides(cpu_moe, n_cpu_moe)
+        # the engine's options, all checked before the model loads (EngineSetup.create); RPC servers come first:
+        # the engine's device is the first of them
+        if moe_cache is None:
+            EngineSetup.create(model_path, moe_cache=None, moe_policy=moe_policy,
+                               moe_prefetch_layers=moe_prefetch_layers, moe_cost_model=moe_cost_model)
         rpc_devs: list[int] = []
         for ep in endpoints:
             rpc_devs.extend(_ggml.add_rpc_server(ep))
-
-        overrides = parse_tensor_overrides(tensor_buft_overrides) + moe_overrides(cpu_moe, n_cpu_moe)
-        engine_device = None
-        if self._moe_setup is not None:
-            engine_device = _ggml.accelerator(rpc_devs)
-            if self._moe_setup["n_slots"] > 0 and not engine_device:
-                raise ValueError("moe_cache needs an accelerator (a CUDA device, or an RPC server via rpc_servers); "
-                                 "none was found. Use moe_cache=0 to run every expert on the CPU")
-            from .engine import host_buffer_type_name
-
-            host = host_buffer_type_name(engine_device) if engine_device else None
-            if self._moe_setup["cost"] is None:
-                # a stored calibration of this model on this device (hybrimoe calibrate), else a short one measured
-                # now (first use), else (HYBRIMOE_AUTO_CALIBRATE=0) the default preset
-                from . import calibrate as cal
-                from .engine import DEFAULT_COST_PRESET, resolve_cost_model
-
-                label = _ggml.device_label(engine_device)
-                found = cal.stored(model_path, label)
-                st = self._moe_setup
-                failed = None
-                if found is None and st["n_slots"] > 0 and cal.auto_enabled():
-                    try:
-                        found = cal.on_first_use(model_path, label, rpc_servers=",".join(endpoints) or None,
-                                                 n_gpu_layers=kwargs.get("n_gpu_layers", 0),
-                                                 threads=kwargs.get("n_threads"))
-                    except (OSError, ValueError, RuntimeError) as e:
-                        # a failed measurement must not cost the user the model
-                        failed = str(e)
-                        warnings.warn(f"the first-use calibration failed ({e}); using the {DEFAULT_COST_PRESET} "
-                                      "preset (hybrimoe calibrate measures one)", RuntimeWarning, stacklevel=2)
-                if isinstance(found, _core_cost_model_type()):  # measured, but the store was not writable
-                    st["cost"], st["cost_source"] = found, "first-use calibration (not stored)"
-                elif found is not None:
-                    st["cost"], st["cost_source"] = resolve_cost_model(str(found), st["facts"]), str(found)
-                else:
-                    st["cost"] = resolve_cost_model(None, st["facts"])
-                    if failed:
-                        why = f"first-use calibration failed: {failed}"
-                    elif st["n_slots"] == 0:
-                        why = "no calibration stored; none measured without GPU slots"
-                    else:
-                        why = "no calibration stored, first-use calibration off"
-                    st["cost_source"] = f"preset {DEFAULT_COST_PRESET} ({why}: hybrimoe calibrate)"
-            # the engine reads the routed experts from host memory in the file's layout (pinned if possible)
-            host_names = {"CPU", host}
-            for pattern, buft_name in overrides:
-                if buft_name not in host_names and re.search(pattern, "blk.0.ffn_up_exps.weight"):
-                    raise ValueError(f"tensor override {pattern}={buft_name} puts routed experts on a device; with "
-                                     "moe_cache the engine keeps them in host memory and caches them itself")
-            overrides.append((EXPS_REGEX, host or "CPU"))
+        setup = EngineSetup.create(model_path, moe_cache=moe_cache, moe_policy=moe_policy,
+                                   moe_prefetch_layers=moe_prefetch_layers, moe_cost_model=moe_cost_model,
+                                   kv_overrides=kwargs.get("kv_overrides"), rpc_devices=rpc_devs,
+                                   tensor_overrides=overrides)
+        if setup is not None:
+            setup = calibration.with_stored_cost(setup, model_path)
+            overrides.append(setup.expert_override())
+        self._moe_setup = setup
         self._override_keepalive = None
         ov_array = None
         if overrides:
@@ -278,7 +214,10 @@ class Llama(llama_cpp.Llama):
             dev_array = (ctypes.c_void_p * (len(chosen) + 1))(*chosen, None)
             self._devices_keepalive = dev_array
 
-        engine_on = self._moe_setup is not None
+        engine_on = setup is not None
+        # what llama-cpp-python's constructor has no argument for goes into the default-parameter functions it
+        # calls (model: load progress, tensor overrides, devices, no repacking; context: n_seq_max); everything
+        # else (op_offload included) is its own keyword argument
         with _params_lock:
             original = _lc.llama_model_default_params
 
@@ -308,8 +247,6 @@ class Llama(llama_cpp.Llama):
                 c = original_ctx()
                 if n_seq_max is not None:
                     c.n_seq_max = int(n_seq_max)
-                # op_offload keeps the user's setting with the engine on: the hook's CPU share is pinned to the CPU
-                # (patch 0001), so op offload can move no routed expert; other host weights move as upstream's do
                 return c
 
             _lc.llama_model_default_params = patched
@@ -320,26 +257,51 @@ class Llama(llama_cpp.Llama):
                 _lc.llama_model_default_params = original
                 _lc.llama_context_default_params = original_ctx
 
-        n_layer = int(_lc.llama_model_n_layer(self._model.model))
-        if moe_replay is not None:
-            self._attach_replay(np.asarray(moe_replay), n_layer)
-        if moe_hook or engine_on:
-            from . import _engine
+        # hybrimoe's objects live on llama-cpp-python's exit stack, after the context: close() (and the stack's
+        # own unwinding) releases the engine and detaches the hook and the replay before the context is freed
+        self._stack.callback(self._close_moe)
+        try:
+            n_layer = int(_lc.llama_model_n_layer(self.model))
+            if moe_replay is not None:
+                self._attach_replay(np.asarray(moe_replay), n_layer)
+            if moe_hook or engine_on:
+                from . import _engine
 
-            self._moe_hook = _engine.MoeHook(n_layer)
-            self._moe_hook.attach(self._ctx_ptr())
-        if engine_on:
-            from . import engine as eng
+                self._moe_hook = _engine.MoeHook(n_layer)
+                self._moe_hook.attach(self._ctx_ptr())
+            if engine_on:
+                # known only now: the device memory left ("auto") and the loaded model to calibrate on
+                setup = setup.with_auto_slots(self.context_params.n_ubatch)
+                setup = calibration.with_first_use_cost(self, setup, kwargs.get("n_threads"))
+                self._moe_setup = setup
+                self._moe_engine = setup.make_engine()
+                self._moe_hook.set_engine(self._moe_engine)
+        except BaseException:
+            self.close()
+            raise
 
-            st = self._moe_setup
-            try:
-                self._moe_engine = eng.make_engine(st["facts"], st["n_slots"], engine_device, st["policies"],
-                                                   st["cost"], st["prefetch_layers"])
-            except Exception:
-                self.close()
-                raise
-            st["device"] = engine_device
-            self._moe_hook.set_engine(self._moe_engine)
+    @property
+    def moe_setup(self) -> "EngineSetup | None":
+        """The engine's set-up (:class:`hybrimoe.engine.EngineSetup`: facts, slots, policies, cost model, device),
+        read-only; None without ``moe_cache``."""
+        return self._moe_setup
+
+    @property
+    def moe_engine(self):
+        """The MoE engine (``hybrimoe._engine.Engine``: counters, decision log, slot pool), or None without
+        ``moe_cache`` (and after :meth:`close`)."""
+        return self._moe_engine
+
+    @property
+    def moe_hook(self):
+        """hybrimoe's MoE hook on this context (``hybrimoe._engine.MoeHook``: per-layer counters, routing
+        recording), or None without ``moe_hook`` / ``moe_cache`` (and after :meth:`close`)."""
+        return self._moe_hook
+
+    @property
+    def moe_replay(self):
+        """The routing replay (``hybrimoe._engine.RoutingReplay``) of ``moe_replay``, or None."""
+        return self._moe_replay
 
     def _ctx_ptr(self) -> int:
         ctx = self._ctx.ctx
@@ -348,7 +310,7 @@ class Llama(llama_cpp.Llama):
     def _attach_replay(self, ids: np.ndarray, n_layer: int) -> None:
         from . import _engine
 
-        n_expert = int(_lc.llama_model_n_expert(self._model.model)) if hasattr(_lc, "llama_model_n_expert") \
+        n_expert = int(_lc.llama_model_n_expert(self.model)) if hasattr(_lc, "llama_model_n_expert") \
             else _gguf_n_expert(self.model_path)
         if ids.ndim != 3:
             raise ValueError(f"moe_replay must have shape [n_rows, n_layer, k], got {ids.shape}")
@@ -439,10 +401,12 @@ class Llama(llama_cpp.Llama):
 
             layers = self._moe_engine.layer_stats()
             tot = layer_totals(layers)
-            cs = self._moe_setup["policies"].cache.stats
+            st = self._moe_setup
+            cs = st.policies.cache.stats
             out["engine"] = {
-                "policy": self._moe_setup["policies"].name,
-                "cost_model": self._moe_setup["cost_source"],
+                "policy": st.policies.name,
+                "cost_model": st.cost_source,
+                "moe_cache": st.slots_note,
                 "n_slots": self._moe_engine.n_slots,
                 "slot_bytes": self._moe_engine.slot_bytes,
                 "hit_rate": cs.hit_rate,
@@ -463,11 +427,12 @@ class Llama(llama_cpp.Llama):
             raise ValueError("prompt is empty: give at least one character or token")
         return super().create_completion(prompt, *args, **kwargs)
 
-    def close(self) -> None:
-        """Remove hybrimoe's hooks from the context, then free it (llama-cpp-python's ``close``)."""
-        if getattr(self, "_moe_engine", None) is not None:
-            self._moe_engine.release()  # device memory and backends go now, while the device is surely there
-        for attr in ("_moe_hook", "_moe_replay"):  # the hook holds the engine; dropping it frees the slot pool
+    def _close_moe(self) -> None:
+        """Releases the engine (device memory and backends go now, while the device is surely there), then detaches
+        the hook (which holds the engine: dropping it frees the slot pool) and the replay from the context."""
+        if self._moe_engine is not None:
+            self._moe_engine.release()
+        for attr in ("_moe_hook", "_moe_replay"):
             obj = getattr(self, attr, None)
             if obj is not None:
                 try:
@@ -476,14 +441,14 @@ class Llama(llama_cpp.Llama):
                 finally:
                     setattr(self, attr, None)
         self._moe_engine = None
+
+    def close(self) -> None:
+        """Frees the context and the model (llama-cpp-python's ``close``): hybrimoe's engine, hook and replay go
+        first (they are on its exit stack, after the context)."""
         if hasattr(self, "_stack"):  # llama-cpp-python's __init__ may not have run (bad input)
             super().close()
-
-
-def _core_cost_model_type():
-    from . import _core
-
-    return _core.CostModel
+        else:
+            self._close_moe()
 
 
 def _gguf_n_expert(path: str) -> int:

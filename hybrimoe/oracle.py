@@ -21,7 +21,10 @@ def prompt_tokens(llm, n: int) -> list[int]:
 
 def last_logits(llm) -> np.ndarray:
     """A copy of the logits (float32 ``[n_vocab]``) of the last evaluated token."""
-    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
+    from hybrimoe._lib import llama_cpp_module
+
+    lc = llama_cpp_module().llama_cpp
+    return np.ctypeslib.as_array(lc.llama_get_logits(llm.ctx), shape=(llm.n_vocab(),)).copy()
 
 
 def greedy_with_logits(llm, tokens: list[int], n: int = 32) -> tuple[list[int], np.ndarray]:

@@ -6,28 +6,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-CACHE_FRACTIONS = (0.1, 0.25, 0.5, 0.75)
 
+def write_plots(setup, records: Sequence[dict], out_dir: Path, hit_rates: dict) -> list[Path]:
+    """Writes ``hit_rate_vs_cache.png`` and ``timeline.png`` into out_dir; returns their paths.
 
-def write_plots(setup, records: Sequence[dict], out_dir: Path) -> list[Path]:
-    """Writes ``hit_rate_vs_cache.png`` and ``timeline.png`` into out_dir; returns their paths."""
+    ``setup``: the simulation's ``hybrimoe.simulate.Setup``; ``hit_rates``: ``{cache fraction (0..1): {policy:
+    {"hit_rate": ...}}}``, the cache-only replays to plot (``hybrimoe.simulate.cache_hit_rates`` per budget)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hybrimoe.simulate import cache_hit_rates
-
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     fig, ax = plt.subplots(figsize=(6, 4))
+    fractions = sorted(hit_rates)
     rates: dict = {}
-    for f in CACHE_FRACTIONS:
-        hr = cache_hit_rates(setup, budget=f * setup.total_bytes)
-        for name, v in hr.items():
+    for f in fractions:
+        for name, v in hit_rates[f].items():
             rates.setdefault(name, []).append(v["hit_rate"])
     for name, ys in rates.items():
-        ax.plot([100 * f for f in CACHE_FRACTIONS], ys, marker="o", label=name)
+        ax.plot([100 * f for f in fractions], ys, marker="o", label=name)
     ax.set_xlabel("GPU expert cache, % of routed-expert bytes")
     ax.set_ylabel("hit rate")
     ax.set_title(f"cache-only replay, {setup.stage} ({setup.trace.model or 'trace'})")

@@ -35,6 +35,8 @@ from hybrimoe import _core
 from hybrimoe import policy as pol
 from hybrimoe.trace import RoutingTrace, default_trace_path, load_trace
 
+#: cache sizes (fractions of all routed-expert bytes) of the hit-rate plot
+PLOT_CACHE_FRACTIONS = (0.1, 0.25, 0.5, 0.75)
 DEFAULT_POLICIES = ("hybrimoe", "hybrimoe-lru", "ktransformers", "upstream-ncmoe", "gpu-on-demand", "belady",
                     "oracle")
 
@@ -232,8 +234,8 @@ def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
     """
     from hybrimoe import engine as eng
 
-    setup = getattr(llm, "_moe_setup", None)
-    if setup is None or getattr(llm, "_moe_engine", None) is None:
+    setup = getattr(llm, "moe_setup", None)
+    if setup is None or getattr(llm, "moe_engine", None) is None:
         raise ValueError("replay_engine_log needs a Llama with the MoE engine on (moe_cache=...)")
     log = list(log)
     if log and (not isinstance(log[0], dict) or "ubatch" not in log[0]):
@@ -242,14 +244,14 @@ def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
         raise ValueError(f"the log starts at ubatch {log[0]['ubatch']}: turn logging on before the first decode (the "
                          "replay starts from the engine's initial cache)")
     if policies is None:
-        spec = setup["policy_spec"]
+        spec = setup.policy_spec
         if not (isinstance(spec, str) or (isinstance(spec, dict) and
                                           all(isinstance(v, (str, bool)) for v in spec.values()))):
             raise ValueError("moe_policy was given as policy objects, which keep state: pass fresh ones as "
                              "policies=hybrimoe.engine.build_policies(...)")
-        policies = eng.build_policies(spec, setup["facts"], setup["n_slots"], setup["prefetch_layers"])
-    return _core.replay_decisions(log, policies.cache, policies.scheduler, policies.prefetcher, setup["cost"],
-                                  has_slots=setup["n_slots"] > 0, prefetch_layers=int(setup["prefetch_layers"]),
+        policies = eng.build_policies(spec, setup.facts, setup.n_slots, setup.prefetch_layers)
+    return _core.replay_decisions(log, policies.cache, policies.scheduler, policies.prefetcher, setup.cost,
+                                  has_slots=setup.n_slots > 0, prefetch_layers=int(setup.prefetch_layers),
                                   fill_on_miss=policies.fill_on_miss)
 
 
@@ -348,7 +350,8 @@ def run(args) -> int:
     if args.plot:
         from hybrimoe import plots
 
-        out = plots.write_plots(setup, records, Path(args.plot))
+        rates = {f: cache_hit_rates(setup, budget=f * setup.total_bytes) for f in PLOT_CACHE_FRACTIONS}
+        out = plots.write_plots(setup, records, Path(args.plot), rates)
         print("plots: " + ", ".join(str(p) for p in out))
     return 0
 

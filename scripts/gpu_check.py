@@ -288,7 +288,7 @@ def cmd_correctness(args) -> int:
                                 **common)
                     try:
                         if kind == "control":
-                            llm._moe_engine.set_drop_gpu_share(True)
+                            llm.moe_engine.set_drop_gpu_share(True)
                         out_t, lg = greedy_with_logits(llm, tokens, args.n_gen)
                         st = llm.moe_stats().get("engine", {})
                     finally:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# The engine calibrates its cost model on first use of a model on a device (hybrimoe.calibrate.on_first_use). Tests
+# The engine calibrates its cost model on first use of a model on a device (hybrimoe.calibration.on_first_use). Tests
 # give their cost model or get the preset, so that their splits do not depend on timings of the shared CPU; the
 # first-use calibration is tested on its own (test_calibrate.py).
 os.environ.setdefault("HYBRIMOE_AUTO_CALIBRATE", "0")

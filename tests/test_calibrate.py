@@ -1,5 +1,6 @@
-"""``hybrimoe calibrate`` (issue 5, item 1) on the RPC stand-in: writes a valid cost model with its sources, and
-the engine uses the stored calibration when no cost model is given. (Figures on the stand-in mean nothing.)"""
+"""``hybrimoe calibrate`` and the first-use calibration on the RPC stand-in: a valid cost model with its sources,
+stored where the engine finds it and used when no cost model is given; the first use measures on the model it
+loaded. (Figures on the stand-in mean nothing.)"""
 from __future__ import annotations
 
 import json
@@ -8,13 +9,13 @@ import pytest
 
 
 def test_calibrate_writes_a_cost_model_the_engine_uses(tiny_model, rpc_server, tmp_path, monkeypatch):
-    from hybrimoe import Llama, calibrate, policy
+    from hybrimoe import Llama, calibrate, calibration, policy
     from hybrimoe.engine import slot_bytes
 
     monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
     path = tiny_model("qwen3moe", "Q8_0")
     assert calibrate.main(["-m", str(path), "--rpc", rpc_server.endpoint, "--quick"]) == 0
-    stored = calibrate.stored(path, rpc_server.endpoint)
+    stored = calibration.stored(path, rpc_server.endpoint)
     assert stored is not None and stored.parent == tmp_path / "cache" / "calibration"
     cm = policy.load_cost_model(stored)  # schema-checked by the C++ reader
     doc = json.loads(stored.read_text())
@@ -33,7 +34,7 @@ def test_calibrate_writes_a_cost_model_the_engine_uses(tiny_model, rpc_server, t
 def test_first_use_runs_a_short_calibration_once(tiny_model, rpc_server, tmp_path, monkeypatch, capfd):
     """No stored calibration: the engine's first use measures one (progress bar shown), stores it and uses it; the
     next use loads it without measuring; an empty cache (moe_cache=0) needs none."""
-    from hybrimoe import Llama, calibrate, policy
+    from hybrimoe import Llama, calibrate, calibration, policy
     from hybrimoe.engine import slot_bytes
 
     monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
@@ -43,12 +44,12 @@ def test_first_use_runs_a_short_calibration_once(tiny_model, rpc_server, tmp_pat
     kw = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=128, verbose=False)
     llm = Llama(str(path), moe_cache=0, **kw)
     llm.close()
-    assert calibrate.stored(path, rpc_server.endpoint) is None
+    assert calibration.stored(path, rpc_server.endpoint) is None
     capfd.readouterr()
     llm = Llama(str(path), moe_cache=4 * slot_bytes(path), **kw)
     try:
         err = capfd.readouterr().err
-        stored = calibrate.stored(path, rpc_server.endpoint)
+        stored = calibration.stored(path, rpc_server.endpoint)
         assert stored is not None and llm.moe_stats()["engine"]["cost_model"] == str(stored)
         assert "measuring a short one" in err and "calibrating (first use)" in err and "100%" in err, err
         doc = json.loads(stored.read_text())
@@ -75,8 +76,10 @@ def test_without_calibration_the_preset_is_named(tiny_model, rpc_server, tmp_pat
     path = tiny_model("qwen3moe", "Q8_0")
     llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache=4 * slot_bytes(path),
                 n_ctx=128, verbose=False)
+    from hybrimoe.defaults import COST_PRESET
+
     try:
-        assert "preset rtx4090-desktop" in llm.moe_stats()["engine"]["cost_model"]
+        assert f"preset {COST_PRESET}" in llm.moe_stats()["engine"]["cost_model"]
     finally:
         llm.close()
 
@@ -120,7 +123,7 @@ def test_an_unwritable_store_keeps_the_measured_calibration_for_the_run(tiny_mod
 
 def test_a_failed_first_use_calibration_falls_back_to_the_preset(tiny_model, rpc_server, tmp_path, monkeypatch):
     """A measurement that fails (or a store that cannot be written) costs a warning, not the model."""
-    from hybrimoe import Llama, calibrate
+    from hybrimoe import Llama, calibration
     from hybrimoe.engine import slot_bytes
 
     def broken(*a, **k):
@@ -128,7 +131,7 @@ def test_a_failed_first_use_calibration_falls_back_to_the_preset(tiny_model, rpc
 
     monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("HYBRIMOE_AUTO_CALIBRATE", "1")
-    monkeypatch.setattr(calibrate, "calibrate", broken)
+    monkeypatch.setattr(calibration, "measure", broken)
     path = tiny_model("qwen3moe", "Q8_0")
     with pytest.warns(RuntimeWarning, match="first-use calibration failed .measurement failed.; using the"):
         llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache=4 * slot_bytes(path),
@@ -136,6 +139,62 @@ def test_a_failed_first_use_calibration_falls_back_to_the_preset(tiny_model, rpc
     try:
         assert "preset rtx4090-desktop (first-use calibration failed: measurement failed" in \
             llm.moe_stats()["engine"]["cost_model"]
-        assert calibrate.stored(path, rpc_server.endpoint) is None
+        assert calibration.stored(path, rpc_server.endpoint) is None
+    finally:
+        llm.close()
+
+
+def test_first_use_measures_on_the_loaded_model_within_its_context(tiny_model, rpc_server, tmp_path, monkeypatch):
+    """The first-use calibration loads nothing more (one Llama constructed, one model load), measures within the
+    user's n_ubatch (16: ubatches of 1, 4 and 16 tokens, no 64), and leaves the context as it found it: the first
+    generation equals that of a Llama given the stored calibration as its cost model."""
+    from hybrimoe import Llama, calibration
+    from hybrimoe._lib import llama_cpp_module
+    from hybrimoe.engine import slot_bytes
+
+    monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HYBRIMOE_AUTO_CALIBRATE", "1")
+    path = tiny_model("qwen3moe", "Q8_0")
+    lc = llama_cpp_module().llama_cpp
+    loads = []
+    real_load = lc.llama_model_load_from_file
+    monkeypatch.setattr(lc, "llama_model_load_from_file", lambda *a: loads.append(a) or real_load(*a))
+    kw = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=128, n_batch=16, n_ubatch=16, verbose=False)
+    llm = Llama(str(path), moe_cache="100%", **kw)
+    try:
+        assert len(loads) == 1
+        stored = calibration.stored(path, rpc_server.endpoint)
+        assert llm.moe_stats()["engine"]["cost_model"] == str(stored)
+        src = json.loads(stored.read_text())["sources"]
+        assert "ubatches [1, 4, 16]" in src["cpu_a_s"] and "ubatches [1, 4, 16]" in src["gpu_a_s"], src
+        first = llm("Once upon a time", max_tokens=8, temperature=0)["choices"][0]["text"]
+    finally:
+        llm.close()
+    again = Llama(str(path), moe_cache="100%", moe_cost_model=str(stored), **kw)
+    try:
+        assert again("Once upon a time", max_tokens=8, temperature=0)["choices"][0]["text"] == first
+    finally:
+        again.close()
+
+
+def test_first_use_with_too_few_slots_keeps_the_presets_gpu_costs(tiny_model, rpc_server, tmp_path, monkeypatch):
+    """One GPU slot cannot hold the experts of two calibration ubatches: the GPU fields stay at the preset's values
+    (the sources say why), the CPU and copy fields are measured."""
+    from hybrimoe import Llama, calibration
+    from hybrimoe.engine import resolve_cost_model, engine_facts, slot_bytes
+
+    monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HYBRIMOE_AUTO_CALIBRATE", "1")
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache=slot_bytes(path), n_ctx=128,
+                verbose=False)
+    try:
+        stored = calibration.stored(path, rpc_server.endpoint)
+        doc = json.loads(stored.read_text())
+        preset = resolve_cost_model(None, engine_facts(path))
+        for f in ("gpu_a_s", "gpu_b_s", "act_a_s"):
+            assert "not measured: 1 GPU slots hold the experts of fewer than two" in doc["sources"][f]
+            assert doc[f] == getattr(preset, f)
+        assert "fit over" in doc["sources"]["cpu_b_s"] and "timed copies" in doc["sources"]["h2d_bandwidth_Bps"]
     finally:
         llm.close()

@@ -51,11 +51,11 @@ def test_replay_reproduces_engine_decisions(policy, tiny_model, rpc_server, spli
     try:
         from hybrimoe import engine as eng
 
-        setup = llm._moe_setup
-        fresh = eng.build_policies(policy, setup["facts"], setup["n_slots"], setup["prefetch_layers"])
+        setup = llm.moe_setup
+        fresh = eng.build_policies(policy, setup.facts, setup.n_slots, setup.prefetch_layers)
         sim = replay_engine_log(llm, log, policies=fresh)
         st = llm.moe_stats()["engine"]
-        ran = setup["policies"].cache
+        ran = setup.policies.cache
     finally:
         llm.close()
     assert len(log) == sum(s["runs"] for s in st["layers"]) > 0
@@ -82,11 +82,11 @@ def test_replay_detects_other_settings(tiny_model, rpc_server, split_cost_model,
     llm, log = _logged_run(path, rpc_server, engine_tools, moe_cache=_slots(path, 4), moe_policy="hybrimoe",
                            moe_cost_model=split_cost_model)
     try:
-        setup = llm._moe_setup
+        setup = llm.moe_setup
         assert _core.first_difference(log, replay_engine_log(llm, log)) == ""
-        smaller = eng.build_policies("hybrimoe", setup["facts"], 2, setup["prefetch_layers"])
+        smaller = eng.build_policies("hybrimoe", setup.facts, 2, setup.prefetch_layers)
         assert _core.first_difference(log, replay_engine_log(llm, log, policies=smaller)) != ""
-        other = eng.build_policies("gpu-on-demand", setup["facts"], 4, setup["prefetch_layers"])
+        other = eng.build_policies("gpu-on-demand", setup.facts, 4, setup.prefetch_layers)
         assert _core.first_difference(log, replay_engine_log(llm, log, policies=other)) != ""
         # a later split sees a copy queue it cannot finish: that record's plan changes
         busy = copy.deepcopy(log)

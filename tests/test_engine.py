@@ -90,7 +90,7 @@ def test_negative_control_dropping_the_gpu_share_fails(tiny_model, rpc_server, s
     path = tiny_model("qwen3moe", "Q8_0")
     llm = Llama(str(path), moe_cache=_slots(path, 6), moe_cost_model=split_cost_model, **_common(rpc_server))
     try:
-        llm._moe_engine.set_drop_gpu_share(True)
+        llm.moe_engine.set_drop_gpu_share(True)
         tokens = engine_tools.prompt_of(llm, 40)
         out, lg = engine_tools.run_greedy(llm, tokens, 8)
         assert llm.moe_stats()["engine"]["gpu_experts"] > 0
@@ -134,9 +134,9 @@ def test_big_prefill_ubatch_loads_by_cost(costs, tiny_model, rpc_server, engine_
         tokens = engine_tools.prompt_of(llm, 64)
         out, lg = engine_tools.run_greedy(llm, tokens, 4)
         log = llm.moe_take_log()
-        eng = llm._moe_engine
+        eng = llm.moe_engine
         assert eng.slots_in_use() <= n_slots
-        assert llm._moe_setup["policies"].cache.n_resident <= n_slots
+        assert llm.moe_setup.policies.cache.n_resident <= n_slots
     finally:
         llm.close()
     # the prompt's ubatch (its last MoE layer computes only the token whose logits are wanted)
@@ -187,8 +187,8 @@ def test_repeated_runs_with_prefetch_are_identical(tiny_model, rpc_server, split
         tokens = engine_tools.prompt_of(llm, 20)
         runs = [engine_tools.run_greedy(llm, tokens, 24)[0] for _ in range(5)]
         e = llm.moe_stats()["engine"]
-        eng = llm._moe_engine
-        assert eng.slots_in_use() == llm._moe_setup["policies"].cache.n_resident
+        eng = llm.moe_engine
+        assert eng.slots_in_use() == llm.moe_setup.policies.cache.n_resident
         assert eng.pinned_count() == 0  # every layer ran in the last decode step: its pins were released
     finally:
         llm.close()
@@ -207,7 +207,7 @@ def test_parallel_sequences_match_single_runs(tiny_model, rpc_server, split_cost
     path = tiny_model("qwen3moe", "Q8_0")
     llm = Llama(str(path), moe_cache=_slots(path, 6), moe_cost_model=split_cost_model, n_seq_max=4,
                 **_common(rpc_server, n_ctx=1024))
-    ctx = llm._ctx.ctx
+    ctx = llm.ctx
     n_vocab = llm.n_vocab()
     texts = ["Once upon a time", "The harbour was quiet", "Every morning the robot", "Boats have names"]
     prompts = [llm.tokenize(t.encode(), add_bos=True, special=False) for t in texts]
@@ -492,9 +492,9 @@ def test_long_generation_keeps_memory_flat(tiny_model, rpc_server, split_cost_mo
             if n == 2000:
                 break
         e = llm.moe_stats()["engine"]
-        eng = llm._moe_engine
+        eng = llm.moe_engine
         assert eng.pinned_count() == 0
-        assert eng.slots_in_use() == llm._moe_setup["policies"].cache.n_resident <= eng.n_slots
+        assert eng.slots_in_use() == llm.moe_setup.policies.cache.n_resident <= eng.n_slots
     finally:
         llm.close()
     assert n == 2000
@@ -584,19 +584,19 @@ def test_decision_log_matches_what_ran(tiny_model, rpc_server, split_cost_model,
     path = tiny_model("qwen3moe", "Q4_K_M")
     llm = Llama(str(path), moe_cache=_slots(path, 3), moe_cost_model=split_cost_model, **_common(rpc_server))
     try:
-        eng = llm._moe_engine
+        eng = llm.moe_engine
         eng.set_logging(True)
-        llm._moe_hook.set_recording(True)
+        llm.moe_hook.set_recording(True)
         tokens = engine_tools.prompt_of(llm, 20)
         engine_tools.run_greedy(llm, tokens, 8)
         log = eng.take_log()
         st = llm.moe_stats()["engine"]
-        cache = llm._moe_setup["policies"].cache
+        cache = llm.moe_setup.policies.cache
         for layer in (0, 1):
             recs = [r for r in log if r["layer"] == layer]
             assert len(recs) == st["layers"][layer]["runs"]
             seen = np.concatenate([r["ids"] for r in recs])
-            assert np.array_equal(seen, llm._moe_hook.recorded(layer))
+            assert np.array_equal(seen, llm.moe_hook.recorded(layer))
         assert sum(sum(r["on_gpu"]) for r in log) == st["gpu_experts"] > 0
         for r in log:
             assert r["scores"].shape == (r["n_tokens"], 8) and np.allclose(r["scores"].sum(1), 1, atol=1e-4)

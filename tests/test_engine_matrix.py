@@ -72,8 +72,8 @@ def test_engine_matrix(arch, quant, cache, policy, ub, length, tiny_model, rpc_s
     try:
         out, lg = engine_tools.run_greedy(llm, tokens, 32)
         st = llm.moe_stats()
-        assert llm._moe_engine.pinned_count() == 0
-        assert llm._moe_engine.slots_in_use() == llm._moe_setup["policies"].cache.n_resident <= n_slots
+        assert llm.moe_engine.pinned_count() == 0
+        assert llm.moe_engine.slots_in_use() == llm.moe_setup.policies.cache.n_resident <= n_slots
     finally:
         llm.close()
     assert out == ref_out

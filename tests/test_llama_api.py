@@ -109,7 +109,7 @@ def test_hook_detach_restores_upstream_graph(tiny_model, greedy):
     path = tiny_model("qwen3moe", "Q8_0")
     llm = Llama(str(path), n_ctx=128, n_threads=2, verbose=False, moe_hook=True)
     with_hook = greedy(llm, PROMPT, 6)
-    hook = llm._moe_hook
+    hook = llm.moe_hook
     runs_before = sum(hook.runs())
     hook.detach()
     without = greedy(llm, PROMPT, 6)

@@ -45,17 +45,17 @@ def test_replay_forces_the_trace_ids(tiny_model, trace_path):
     table = replay_table(tr, path)
     llm = Llama(str(path), moe_replay=table, moe_hook=True, n_ctx=256, n_ubatch=16, verbose=False)
     try:
-        llm._moe_hook.set_recording(True)
+        llm.moe_hook.set_recording(True)
         n = 37
         toks = llm.tokenize(b"hello " * 40, add_bos=True)[:n]
         llm.eval(toks)
         st = llm.moe_stats()
         moe_layers = [il for il in range(27) if il >= 1]
         for i, il in enumerate(moe_layers[:-1]):
-            rec = llm._moe_hook.recorded(il)
+            rec = llm.moe_hook.recorded(il)
             assert np.array_equal(rec, tr.expert_ids[:n, i, :].astype(np.int32)), il
             assert st["tokens"][il] == n
-        last = llm._moe_hook.recorded(moe_layers[-1])  # the last layer computes the output row only
+        last = llm.moe_hook.recorded(moe_layers[-1])  # the last layer computes the output row only
         assert np.array_equal(last[-1], tr.expert_ids[n - 1, -1, :].astype(np.int32))
     finally:
         llm.close()
@@ -71,10 +71,10 @@ def test_replay_with_the_engine(tiny_model, small_trace, rpc_server):
     llm = Llama(str(path), moe_replay=replay_table(tp, path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1,
                 moe_cache=4 * slot_bytes(path), moe_policy="gpu-on-demand", n_ctx=256, verbose=False)
     try:
-        llm._moe_hook.set_recording(True)
+        llm.moe_hook.set_recording(True)
         toks = llm.tokenize(b"hello " * 20, add_bos=True)[:12]
         llm.eval(toks)
-        assert np.array_equal(llm._moe_hook.recorded(0), ids[:12, 0, :].astype(np.int32))
+        assert np.array_equal(llm.moe_hook.recorded(0), ids[:12, 0, :].astype(np.int32))
         assert llm.moe_stats()["engine"]["gpu_experts"] > 0
     finally:
         llm.close()

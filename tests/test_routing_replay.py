@@ -13,7 +13,7 @@ PROMPT = "One two three four five six seven"
 
 
 def _record(llm, tokens, n_layer, logits_of):
-    hook = llm._moe_hook
+    hook = llm.moe_hook
     hook.set_recording(True)
     llm.reset()
     llm.eval(tokens)
@@ -31,7 +31,7 @@ def test_replay_reproduces_and_forces_routing(arch, tiny_model, logits):
     kw = dict(n_ctx=128, n_threads=2, verbose=False, moe_hook=True)
     llm = Llama(path, **kw)
     tokens = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
-    n_layer = llm._moe_hook.max_layers
+    n_layer = llm.moe_hook.max_layers
     base_logits, natural = _record(llm, tokens, n_layer, logits)
     llm.close()
     moe = [il for il in range(n_layer) if natural[il].size]
@@ -45,7 +45,7 @@ def test_replay_reproduces_and_forces_routing(arch, tiny_model, logits):
     logits_replayed, seen = _record(llm, tokens, n_layer, logits)
     for il in moe:
         np.testing.assert_array_equal(seen[il], natural[il])
-        assert llm._moe_replay.calls(il) >= 1
+        assert llm.moe_replay.calls(il) >= 1
     np.testing.assert_array_equal(logits_replayed, base_logits)
     llm.close()
 

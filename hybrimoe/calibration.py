@@ -1,0 +1,342 @@
+"""Calibration of the engine's cost model (HybriMoE §IV.B) for one model on this machine's devices: the measurement
+(:func:`measure`, on a loaded model), the first-use calibration (:func:`on_first_use`) and the store.
+``hybrimoe calibrate`` (:mod:`hybrimoe.calibrate`) is its command.
+
+What is measured (all through the engine itself, on one loaded model with the engine's hook: its own quant types,
+context and devices; :func:`measure` swaps measuring engines onto the hook):
+
+- CPU experts: every routed expert on ggml's CPU kernels (an engine without GPU slots) for ubatches of several
+  sizes; per MoE layer and run the engine reports the time from its plan to its wait op, the distinct experts
+  computed and the routed (token, expert) pairs. A least-squares fit of
+  ``time = cpu_startup_s + cpu_a_s * experts + cpu_b_s * pairs`` (relative error: decode and prefill alike)
+  gives the CPU part. The engine's CPU share computes only the CPU experts' pairs, so this is the cost of the
+  pairs the scheduler leaves to the CPU.
+- GPU experts (with an accelerator): the same with every expert resident on the GPU (``gpu-on-demand`` policy,
+  warmed up first, on the ubatch sizes whose experts fit the slots): ``time = act_a_s + gpu_a_s * experts +
+  gpu_b_s * pairs``. ``hybrimoe calibrate`` gives it slots for every expert; the first-use calibration the user's.
+- Host-to-device copies: ``hybrimoe._engine.measure_h2d_s`` times copies of a small and of an expert-sized block
+  (pinned host memory when the device offers it): bandwidth and latency from the two;
+  ``hybrimoe._engine.measure_copy_overlap`` whether the device computes while it copies (``copy_overlap``), and
+  ``hybrimoe._engine.measure_cpu_copy_overlap`` whether the CPU computes at full speed while copies are in flight
+  (``cpu_copy_overlap``: the copies the engine queues for a layer run before and beside its CPU share).
+- Non-expert work per MoE layer: (the run's compute time - the MoE layers' engine time) / layers, fitted against
+  the tokens: ``layer_a_s + layer_b_s * tokens`` (dense layers get the same figures; an approximation).
+
+The result is a cost-model JSON (schema ``hybrimoe.cost_model/3``, with ``sources``) stored under ``calibration/``
+in hybrimoe's cache directory (:func:`hybrimoe.defaults.cache_dir`), keyed by the model file and the device; the
+engine then uses it when ``moe_cost_model`` is not given. When none is stored, the engine's first use of that model
+on that device runs a short calibration on the model it just loaded (:func:`on_first_use`;
+``HYBRIMOE_AUTO_CALIBRATE=0`` turns this off).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from . import _core
+from . import policy as pol
+from .defaults import AUTO_CALIBRATE_ENV, COST_PRESET, cache_dir
+
+
+def _store_dir() -> Path:
+    return cache_dir() / "calibration"
+
+
+def model_key(model_path) -> str:
+    """Identifies a model file: name, size and a hash of its first MiB (its header and first tensors)."""
+    p = Path(model_path)
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        h.update(f.read(1 << 20))
+    return f"{p.stem}-{p.stat().st_size}-{h.hexdigest()[:12]}"
+
+
+def calibration_path(model_path, device: str) -> Path:
+    """Where the calibration of ``model_path`` on ``device`` (a ggml device description or endpoint, or "cpu") is
+    stored."""
+    dev = re.sub(r"[^A-Za-z0-9._-]+", "_", device or "cpu")
+    return _store_dir() / f"{model_key(model_path)}--{dev}.json"
+
+
+def stored(model_path, device: str) -> Optional[Path]:
+    """The stored calibration for this model and device, or None."""
+    p = calibration_path(model_path, device)
+    return p if p.is_file() else None
+
+
+def _fit(rows: list[tuple[float, ...]], y: list[float], relative: bool = False) -> np.ndarray:
+    """Least squares with non-negative coefficients (a coefficient that comes out negative is fixed at 0).
+    ``relative``: minimise the relative error (each sample divided by its value), so that a one-token decode layer
+    weighs as much as a 512-token prefill layer."""
+    X = np.asarray(rows, dtype=np.float64)
+    Y = np.asarray(y, dtype=np.float64)
+    if relative:
+        w = 1.0 / np.maximum(Y, 1e-12)
+        X, Y = X * w[:, None], Y * w
+    active = list(range(X.shape[1]))
+    coef = np.zeros(X.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(X[:, active], Y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+#: ubatch sizes of a calibration: decode-sized up to prefill-sized (an expert's kernel changes with its row count:
+#: ggml-cpu's tiled K-quant path from 8 rows; prefill ubatches give experts tens of rows)
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+QUICK_SIZES = (1, 4, 16, 64)
+
+
+def _runs(llm, engine, prompt: list[int], sizes: Sequence[int], reps: int, k: int, tick) -> tuple[list, list, list]:
+    """Per (MoE layer, run) feature rows (1, experts, pairs), engine seconds, per eval (tokens, non-expert s), and
+    per size the distinct experts the MoE layers used (summed over the layers)."""
+    from ._lib import llama_cpp_module
+
+    lc = llama_cpp_module().llama_cpp
+    feats, ys, layer_rows, used = [], [], [], {}
+    for T in sizes:
+        for r in range(reps + 1):
+            llm.reset()
+            engine.reset_stats()
+            lc.llama_perf_context_reset(llm.ctx)
+            llm.eval(prompt[:T])
+            lc.llama_synchronize(llm.ctx)
+            total = lc.llama_perf_context(llm.ctx).t_p_eval_ms * 1e-3
+            tick()
+            if r == 0:
+                continue  # warm-up (graph allocation, first copies)
+            engine_s = 0.0
+            n_moe, n_used = 0, 0.0
+            for st in engine.layer_stats():
+                if st["runs"] == 0:
+                    continue
+                n_moe += 1
+                engine_s += st["layer_s"]
+                experts = (st["cpu_experts"] + st["gpu_experts"]) / st["runs"]
+                n_used += experts
+                feats.append((1.0, experts, st["tokens"] * k / st["runs"]))
+                ys.append(st["layer_s"] / st["runs"])
+            used[T] = n_used
+            if n_moe:
+                layer_rows.append((T, max(0.0, total - engine_s) / n_moe))
+    return feats, ys, layer_rows, used
+
+
+def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, threads: Optional[int] = None,
+            progress: bool = True, desc: str = "calibrating") -> tuple["_core.CostModel", dict, str]:
+    """Measures the cost model on a loaded :class:`hybrimoe.Llama` with the engine's hook (``moe_cache`` given):
+    its model, context and devices, within its ``n_ubatch`` and ``n_ctx``.
+
+    Measuring engines are put on the Llama's hook in turn (``MoeHook.set_engine``) and the hook's engine is put back
+    after; the context's memory (KV cache) is cleared after. ``device``: the accelerator (ggml device pointer) or
+    None; ``n_slots``: GPU expert slots the GPU measurement may use (at most: the budget is the user's). The GPU
+    is measured on the ubatch sizes whose experts (all MoE layers together) fit in those slots; with fewer than two
+    such sizes the GPU fields keep the preset's values (sources say so). Returns ``(cost model, sources {field:
+    how it was measured}, device label)``.
+
+    Raises:
+        ValueError: the context is too small (n_ubatch or n_ctx below 4 tokens); RuntimeError: a measurement failed.
+    """
+    from tqdm import tqdm
+
+    from . import _ggml
+    from .engine import _engine_module, build_policies, make_engine, resolve_cost_model
+
+    setup = llm.moe_setup
+    if setup is None:
+        raise ValueError("calibration.measure needs a hybrimoe.Llama with the engine's hook (moe_cache=...)")
+    facts = setup.facts
+    k = facts.top_k
+    limit = min(int(llm.context_params.n_ubatch), int(llm.n_batch), int(llm.n_ctx()) - 1)
+    sizes = [T for T in (QUICK_SIZES if quick else SIZES) if T <= limit]
+    if len(sizes) < 2:
+        raise ValueError(f"too small a context to calibrate in (n_ubatch {llm.context_params.n_ubatch}, n_ctx "
+                         f"{llm.n_ctx()}): at least {QUICK_SIZES[1]} tokens needed")
+    reps = 1 if quick else 2
+    preset = resolve_cost_model(None, facts)
+    cm = _core.CostModel()
+    for f in pol.COST_FIELDS:
+        setattr(cm, f, getattr(preset, f))
+    sources = {f: f"{COST_PRESET} preset (not measured)" for f in pol.COST_FIELDS}
+    steps = len(sizes) * (reps + 1) * (2 if device and n_slots > 0 else 1) + 2
+    bar = tqdm(total=steps, desc=desc, unit="step", file=sys.stderr,
+               disable=not progress or (not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS")))
+    hook = llm.moe_hook
+    before = llm.moe_engine  # the Llama's own engine (None during its first-use calibration)
+    prompt = llm.tokenize(b"calibration " * (max(sizes) + 8), add_bos=True)[:max(sizes)]
+    device_name = _ggml.device_label(device) if device else "cpu"
+    engines = []
+
+    def run_with(n, policy, note, fields):
+        eng = make_engine(facts, n, device if n > 0 else None, build_policies(policy, facts, n, 0), preset, 0)
+        engines.append(eng)
+        hook.set_engine(eng)
+        try:
+            if n > 0:
+                llm.reset()
+                llm.eval(prompt[:max(run_sizes)])  # bring the experts the prompt uses to the GPU first
+            feats, ys, rows, used = _runs(llm, eng, prompt, run_sizes, reps, k, lambda: bar.update(1))
+        finally:
+            hook.set_engine(before)
+            eng.release()
+        for f, v in zip(fields, _fit(feats, ys, relative=True)):
+            setattr(cm, f, float(v))
+            sources[f] = f"fit over {len(ys)} (MoE layer, run) samples, ubatches {list(run_sizes)}, {note}"
+        return rows, used
+
+    try:
+        run_sizes = sizes
+        layer_rows, used = run_with(0, "hybrimoe", "every expert on the CPU (moe_cache=0)",
+                                    ("cpu_startup_s", "cpu_a_s", "cpu_b_s"))
+        la, lb = _fit([(1.0, T) for T, _ in layer_rows], [v for _, v in layer_rows])
+        cm.layer_a_s, cm.layer_b_s = float(la), float(lb)
+        cm.dense_a_s, cm.dense_b_s = float(la), float(lb)
+        for f in ("layer_a_s", "layer_b_s"):
+            sources[f] = "(compute time - MoE layers' engine time) / MoE layers, fit against tokens"
+        for f in ("dense_a_s", "dense_b_s"):
+            sources[f] = "set to the MoE layer's non-expert figures (approximation)"
+        if device:
+            eng = _engine_module()
+            big = int(max(sum(b_) for b_ in facts.expert_bytes))
+            t_small = eng.measure_h2d_s(device, 4096, 5)
+            t_big = eng.measure_h2d_s(device, big * 4, 5)
+            bw = (big * 4 - 4096) / max(t_big - t_small, 1e-9)
+            cm.h2d_bandwidth_Bps = float(bw)
+            cm.h2d_latency_s = float(max(0.0, t_small - 4096 / bw))
+            sources["h2d_bandwidth_Bps"] = f"timed copies of 4096 and {big * 4} bytes ({device_name})"
+            sources["h2d_latency_s"] = sources["h2d_bandwidth_Bps"]
+            cm.act_b_s = 2.0 * facts.n_embd * 4 / bw
+            sources["act_b_s"] = "hidden state to the GPU and back per token at the measured bandwidth"
+            cm.copy_overlap = float(eng.measure_copy_overlap(device, big, 3 if quick else 5))
+            sources["copy_overlap"] = (f"a copy of {big} bytes and a compute of about its length, alone and "
+                                       f"together ({device_name})")
+            n_thr = int(threads or llm.n_threads)
+            cm.cpu_copy_overlap = float(eng.measure_cpu_copy_overlap(device, big * 4, 3 if quick else 5, n_thr))
+            sources["cpu_copy_overlap"] = (f"copies of {big * 4} bytes queued as the engine queues them and a "
+                                           f"memory-bound CPU chain ({n_thr} threads) of about their length, alone "
+                                           f"and together ({device_name})")
+            bar.update(1)
+            # the GPU on the sizes whose experts all stay resident in the slots the user's budget allows
+            run_sizes = [T for T in sizes if used.get(T, 0.0) <= n_slots]
+            bar.total = bar.n + (len(run_sizes) * (reps + 1) if len(run_sizes) >= 2 else 0) + 1
+            bar.refresh()
+            if len(run_sizes) >= 2:
+                run_with(n_slots, "gpu-on-demand", f"every expert on {device_name} ({n_slots} slots, gpu-on-demand)",
+                         ("act_a_s", "gpu_a_s", "gpu_b_s"))
+            else:
+                for f in ("act_a_s", "gpu_a_s", "gpu_b_s"):
+                    sources[f] = (f"{COST_PRESET} preset (not measured: {n_slots} GPU slots hold the experts of "
+                                  f"fewer than two calibration ubatches)")
+        bar.update(1)
+    finally:
+        bar.close()
+        llm.reset()
+        from ._lib import llama_cpp_module
+
+        lc = llama_cpp_module().llama_cpp
+        lc.llama_memory_clear(lc.llama_get_memory(llm.ctx), True)
+    cm.validate()
+    return cm, sources, device_name
+
+
+def save(cm: "_core.CostModel", sources: dict, out: Path) -> Path:
+    """Writes a calibration atomically (a reader never sees half a file; an existing one is replaced whole)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    pol.save_cost_model(cm, tmp, sources)
+    os.replace(tmp, out)
+    return out
+
+
+def auto_enabled() -> bool:
+    """First-use calibration is on unless ``HYBRIMOE_AUTO_CALIBRATE=0``."""
+    return os.environ.get(AUTO_CALIBRATE_ENV, "1").strip().lower() not in ("0", "no", "false", "off")
+
+
+def on_first_use(llm, *, device: int, n_slots: int, threads: Optional[int] = None) -> "Path | _core.CostModel":
+    """The engine's first use of a model on a device without a stored calibration: a short one (the ``--quick``
+    sizes up to the Llama's ``n_ubatch``: ubatches of 1, 4, 16 and 64 tokens, one repetition each; a progress bar
+    on a terminal, or with ``HYBRIMOE_PROGRESS=1``) measured on the loaded ``llm`` itself (:func:`measure`, within
+    the user's ``n_slots``), stored where :func:`stored` finds it; returns its path. When the store cannot be
+    written it warns and returns the measured cost model itself (used for this run only). ``hybrimoe calibrate``
+    makes a fuller one. Turn it off with ``HYBRIMOE_AUTO_CALIBRATE=0`` (the preset is used then).
+
+    Raises:
+        ValueError, RuntimeError: as :func:`measure` (the measurement failed).
+    """
+    from . import _ggml
+
+    model_path = llm.model_path
+    label = _ggml.device_label(device)
+    print(f"hybrimoe: no calibration of {Path(model_path).name} on {label}: measuring a short one "
+          f"(hybrimoe calibrate makes a fuller one; {AUTO_CALIBRATE_ENV}=0 skips this)", file=sys.stderr)
+    cm, sources, measured_on = measure(llm, device=device, n_slots=n_slots, quick=True, threads=threads,
+                                       desc="hybrimoe: calibrating (first use)")
+    for f in sources:
+        sources[f] = f"first-use calibration (quick): {sources[f]}"
+    out = calibration_path(model_path, measured_on)
+    try:
+        return save(cm, sources, out)
+    except OSError as e:
+        import warnings
+
+        warnings.warn(f"cannot store the first-use calibration in {out.parent} ({e}); it is used for this run only",
+                      RuntimeWarning, stacklevel=3)
+        return cm
+
+
+def with_stored_cost(setup, model_path):
+    """``setup`` (a :class:`hybrimoe.engine.EngineSetup` without a cost model) with this model's stored calibration
+    on its device, if there is one (else unchanged). Raises ValueError (CostModelError) on an unusable file."""
+    from .engine import resolve_cost_model
+
+    if setup.cost is not None:
+        return setup
+    found = stored(model_path, setup.device_label)
+    if found is None:
+        return setup
+    return dataclasses.replace(setup, cost=resolve_cost_model(str(found), setup.facts), cost_source=str(found))
+
+
+def with_first_use_cost(llm, setup, threads: Optional[int] = None):
+    """``setup`` with a cost model for the loaded ``llm`` (its hook attached, no engine yet): unchanged when it has
+    one; else measured on ``llm`` itself (:func:`on_first_use`) when the engine has GPU slots and
+    ``HYBRIMOE_AUTO_CALIBRATE`` is not 0; else, or when that fails (a warning; the user keeps the loaded model), the
+    default preset, with the reason in ``cost_source``."""
+    import warnings
+
+    from .engine import resolve_cost_model
+
+    if setup.cost is not None:
+        return setup
+    found, failed = None, None
+    if setup.n_slots > 0 and auto_enabled():
+        try:
+            found = on_first_use(llm, device=setup.device, n_slots=setup.n_slots, threads=threads)
+        except (OSError, ValueError, RuntimeError) as e:
+            failed = str(e)
+            warnings.warn(f"the first-use calibration failed ({e}); using the {COST_PRESET} preset (hybrimoe "
+                          "calibrate measures one)", RuntimeWarning, stacklevel=3)
+    if isinstance(found, _core.CostModel):  # measured, but the store was not writable
+        return dataclasses.replace(setup, cost=found, cost_source="first-use calibration (not stored)")
+    if found is not None:
+        return dataclasses.replace(setup, cost=resolve_cost_model(str(found), setup.facts), cost_source=str(found))
+    if failed:
+        why = f"first-use calibration failed: {failed}"
+    elif setup.n_slots == 0:
+        why = "no calibration stored; none measured without GPU slots"
+    else:
+        why = "no calibration stored, first-use calibration off"
+    return dataclasses.replace(setup, cost=resolve_cost_model(None, setup.facts),
+                               cost_source=f"preset {COST_PRESET} ({why}: hybrimoe calibrate)")
