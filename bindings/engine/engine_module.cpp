@@ -102,7 +102,7 @@ Args:
     expert_types: per MoE layer, ggml type ids of the (gate, up, down) matrices.
     n_slots: GPU expert slots (0: everything on the CPU).
     device: ggml_backend_dev_t as an int (0 when n_slots is 0).
-    cost_model_json: planner cost model, schema hybrimoe.cost_model/1 (seconds, bytes/s).
+    cost_model: hybrimoe._core.CostModel, the planner's costs (seconds, bytes/s), copied.
     prefetch_layers: MoE layers predicted ahead (0: none).
     fill_on_miss: offer CPU-computed misses to the cache while the copy queue idles.
     routers: per MoE layer, F32 [n_expert, n_embd] router weights or an empty array (no prediction).
@@ -116,7 +116,7 @@ Raises:
         .def(py::init([](int n_layer, int n_expert, int top_k, int n_embd, std::vector<int> moe_layers,
                          std::vector<std::array<int64_t, 3>> expert_bytes,
                          std::vector<std::array<int32_t, 3>> expert_types, int64_t n_slots, uintptr_t device,
-                         const std::string & cost_model_json, int prefetch_layers, bool fill_on_miss,
+                         const hybrimoe::CostModel & cost_model, int prefetch_layers, bool fill_on_miss,
                          std::vector<py::array_t<float, py::array::c_style | py::array::forcecast>> routers,
                          std::vector<py::array_t<float, py::array::c_style | py::array::forcecast>> router_bias,
                          bool sigmoid_gating, py::object cache, py::object scheduler, py::object prefetcher) {
@@ -130,7 +130,7 @@ Raises:
                  c.expert_types = std::move(expert_types);
                  c.n_slots = n_slots;
                  c.device = reinterpret_cast<ggml_backend_dev_t>(device);
-                 c.cost = hybrimoe::cost_model_from_json(cost_model_json, "engine cost model");
+                 c.cost = cost_model;  // a copy: later changes to the Python object do not reach the engine
                  c.prefetch_layers = prefetch_layers;
                  c.fill_on_miss = fill_on_miss;
                  for (auto & r : routers) c.routers.emplace_back(r.data(), r.data() + r.size());
@@ -144,7 +144,7 @@ Raises:
                  return std::shared_ptr<Engine>(new Engine(std::move(c), cache_p, sched_p, pre_p), delete_engine);
              }),
              py::arg("n_layer"), py::arg("n_expert"), py::arg("top_k"), py::arg("n_embd"), py::arg("moe_layers"),
-             py::arg("expert_bytes"), py::arg("expert_types"), py::arg("n_slots"), py::arg("device"), py::arg("cost_model_json"),
+             py::arg("expert_bytes"), py::arg("expert_types"), py::arg("n_slots"), py::arg("device"), py::arg("cost_model"),
              py::arg("prefetch_layers"), py::arg("fill_on_miss"), py::arg("routers"), py::arg("router_bias"),
              py::arg("sigmoid_gating"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"))
         .def_static("slot_bytes_for", &Engine::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
