@@ -208,6 +208,8 @@ class ImpactPrefetcher(PrefetchPolicy):
 
 def make_prefetcher(name: str) -> PrefetchPolicy: ...
 
+DEFAULT_PREDICTION_CONFIDENCE: tuple[float, ...]  # engine: assumed confidence per look-ahead distance
+
 class Trace:
     def __init__(self, expert_ids: npt.ArrayLike, prompt_offsets: npt.ArrayLike, expert_bytes: Sequence[float],
                  n_experts: int, n_dense_layers: int = 0, scores: Optional[npt.ArrayLike] = None) -> None: ...
@@ -236,6 +238,8 @@ class TruthModel:
     h2d_scale: float
     def __init__(self) -> None: ...
     def validate(self) -> None: ...
+
+DEFAULT_PREDICTOR_RECALL: tuple[float, ...]  # simulator: assumed predictor recall per distance
 
 class SimConfig:
     stage: str

@@ -1,8 +1,9 @@
 """The policy core is one shared library, hybrimoe/lib/libhybrimoe_policy.so, linked by both extension modules:
 hybrimoe._core binds its classes once and hybrimoe._engine takes those objects as they are (no second copy of the
-code, no conversion between the modules)."""
+code, no conversion between the modules). Also the assumptions _core exposes by name."""
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -101,3 +102,16 @@ def test_the_engine_takes_core_objects_as_they_are():
     with pytest.raises(TypeError):
         _engine.Engine(**_engine_args(cache=_core.LRUPolicy()))
 
+
+def test_prediction_assumptions_are_named_constants():
+    """The engine's assumed prediction confidence and the simulator's assumed predictor recall are two constants,
+    read-only tuples in _core; the simulator's defaults (C++ SimConfig, the CLI) are the recall one."""
+    from hybrimoe import simulate
+
+    conf, recall = _core.DEFAULT_PREDICTION_CONFIDENCE, _core.DEFAULT_PREDICTOR_RECALL
+    assert isinstance(conf, tuple) and isinstance(recall, tuple)
+    assert conf == (0.8, 0.65, 0.5) and recall == (0.8, 0.65, 0.5)
+    assert _core.SimConfig().recall == list(recall)
+    parser = argparse.ArgumentParser()
+    simulate.add_arguments(parser)
+    assert [float(v) for v in parser.parse_args([]).recall.split(",")] == list(recall)

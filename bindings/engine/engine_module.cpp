@@ -113,7 +113,8 @@ Args:
     n_slots: GPU expert slots (0: everything on the CPU).
     device: ggml_backend_dev_t as an int (0 when n_slots is 0).
     cost_model: hybrimoe._core.CostModel, the planner's costs (seconds, bytes/s), copied.
-    prefetch_layers: MoE layers predicted ahead (0: none).
+    prefetch_layers: MoE layers predicted ahead (0: none); a prediction at distance d is taken to be right with
+        probability hybrimoe._core.DEFAULT_PREDICTION_CONFIDENCE[d - 1] (the last value beyond).
     fill_on_miss: offer CPU-computed misses to the cache while the copy queue idles.
     routers: per MoE layer, F32 [n_expert, n_embd] router weights or an empty array (no prediction).
     router_bias: per MoE layer, F32 [n_expert] selection bias or an empty array.
