@@ -3,6 +3,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from hybrimoe._core import CostModel, ExpertCache, PrefetchPolicy, SchedulePolicy
+
 class MoeHook:
     def __init__(self, max_layers: int) -> None: ...
     def attach(self, ctx: int) -> None: ...
@@ -21,10 +23,10 @@ class MoeHook:
 
 class Engine:
     def __init__(self, n_layer: int, n_expert: int, top_k: int, n_embd: int, moe_layers: list[int],
-                 expert_bytes: list[tuple[int, int, int]], expert_types: list[tuple[int, int, int]], n_slots: int, device: int, cost_model_json: str,
-                 prefetch_layers: int, fill_on_miss: bool, routers: list[npt.ArrayLike],
-                 router_bias: list[npt.ArrayLike], sigmoid_gating: bool, cache: Any, scheduler: Any,
-                 prefetcher: Any) -> None: ...
+                 expert_bytes: list[tuple[int, int, int]], expert_types: list[tuple[int, int, int]], n_slots: int,
+                 device: int, cost_model: CostModel, prefetch_layers: int, fill_on_miss: bool,
+                 routers: list[npt.ArrayLike], router_bias: list[npt.ArrayLike], sigmoid_gating: bool,
+                 cache: ExpertCache, scheduler: SchedulePolicy, prefetcher: PrefetchPolicy) -> None: ...
     @staticmethod
     def slot_bytes_for(expert_bytes: list[tuple[int, int, int]], expert_types: list[tuple[int, int, int]]) -> int: ...
     @staticmethod

@@ -291,7 +291,7 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         n_layer=facts.n_layer, n_expert=facts.n_expert, top_k=facts.top_k, n_embd=facts.n_embd,
         moe_layers=list(facts.moe_layers), expert_bytes=[tuple(b) for b in facts.expert_bytes],
         expert_types=[tuple(t) for t in facts.expert_types], n_slots=n_slots,
-        device=int(device_ptr or 0), cost_model_json=_core.cost_model_to_json(cost),
+        device=int(device_ptr or 0), cost_model=cost,
         prefetch_layers=int(prefetch_layers), fill_on_miss=policies.fill_on_miss, routers=facts.routers,
         router_bias=facts.router_bias, sigmoid_gating=facts.sigmoid_gating, cache=policies.cache,
         scheduler=policies.scheduler, prefetcher=policies.prefetcher)

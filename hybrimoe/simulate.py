@@ -10,7 +10,7 @@ Assumptions that every report must state (they are also written into each JSON r
 - time is charged by a seeded "truth" model (noise, extra start-up, host-memory contention;
   :func:`hybrimoe.policy.truth_model_for`), not by the planner's own predictions;
 - routing predictions for prefetching come from the trace through an imperfect predictor with recall per distance
-  ``--recall`` (default 0.8, 0.65, 0.5 for 1, 2, 3 layers ahead); ``oracle`` uses recall 1 (a bound only);
+  ``--recall`` (default ``_core.DEFAULT_PREDICTOR_RECALL``, 1, 2, 3 layers ahead); ``oracle`` uses recall 1 (a bound);
 - a trace without router scores makes MRS score each activated expert 1/top_k per token;
 - decode replays prompt tokens as a token stream (one token per step); prefill runs each prompt in ubatches;
 - decisions follow the engine's rules (src/policy/decision.h, shared code): a planned load the cache refuses runs
@@ -33,6 +33,7 @@ import numpy as np
 
 from hybrimoe import _core
 from hybrimoe import policy as pol
+from hybrimoe.defaults import PREFETCH_LAYERS
 from hybrimoe.trace import RoutingTrace, default_trace_path, load_trace
 
 #: cache sizes (fractions of all routed-expert bytes) of the hit-rate plot
@@ -61,8 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop each run after about this many tokens (0 = all; prefill stops at a prompt end)")
     parser.add_argument("--max-prompts", type=int, default=0, help="use at most this many evaluation prompts")
     parser.add_argument("--ubatch", type=int, default=512, help="prefill ubatch size, tokens")
-    parser.add_argument("--prefetch-depth", type=int, default=3, help="D, MoE layers predicted ahead")
-    parser.add_argument("--recall", default="0.8,0.65,0.5", help="predictor recall per distance 1..D")
+    parser.add_argument("--prefetch-depth", type=int, default=PREFETCH_LAYERS,
+                        help="D, MoE layers predicted ahead (default %(default)s)")
+    parser.add_argument("--recall", default=",".join(map(str, _core.DEFAULT_PREDICTOR_RECALL)),
+                        help="predictor recall per distance 1..D")
     parser.add_argument("--profile-fraction", type=float, default=0.2,
                         help="leading fraction of prompts used only to profile expert frequencies")
     parser.add_argument("--seed", type=int, default=1, help="seed of the truth model and the predictor")
@@ -87,8 +90,8 @@ class Setup:
     """Everything shared by the runs of one invocation (trace, costs, profile, prompt split)."""
 
     def __init__(self, trace: RoutingTrace, hw: pol.Hardware, budget_spec, stage: str, *, cost_model=None,
-                 max_tokens: int = 20000, max_prompts: int = 0, ubatch: int = 512, prefetch_depth: int = 3,
-                 recall: Sequence[float] = (0.8, 0.65, 0.5), profile_fraction: float = 0.2, seed: int = 1):
+                 max_tokens: int = 20000, max_prompts: int = 0, ubatch: int = 512, prefetch_depth: int = PREFETCH_LAYERS,
+                 recall: Sequence[float] = _core.DEFAULT_PREDICTOR_RECALL, profile_fraction: float = 0.2, seed: int = 1):
         if stage not in ("decode", "prefill"):
             raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
         if not (0.0 <= profile_fraction < 1.0):

@@ -17,9 +17,10 @@ def test_calibrate_writes_a_cost_model_the_engine_uses(tiny_model, rpc_server, t
     assert calibrate.main(["-m", str(path), "--rpc", rpc_server.endpoint, "--quick"]) == 0
     stored = calibration.stored(path, rpc_server.endpoint)
     assert stored is not None and stored.parent == tmp_path / "cache" / "calibration"
-    cm = policy.load_cost_model(stored)  # schema-checked by the C++ reader
+    cm = policy.load_cost_model(stored)  # schema-checked by hybrimoe.policy's reader
     doc = json.loads(stored.read_text())
-    assert set(doc["sources"]) == set(policy.COST_FIELDS)
+    assert doc["schema"] == policy.COST_MODEL_SCHEMA and set(doc["sources"]) == set(policy.COST_FIELDS)
+    assert all(doc[f] == getattr(cm, f) for f in policy.COST_FIELDS)  # the numbers as written, exactly
     assert "fit over" in doc["sources"]["cpu_a_s"] and "timed copies" in doc["sources"]["h2d_bandwidth_Bps"]
     assert cm.h2d_bandwidth_Bps > 0 and cm.cpu_a_s + cm.cpu_b_s + cm.cpu_startup_s > 0
     llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache=4 * slot_bytes(path),

@@ -1,5 +1,7 @@
 """Cost-model JSON, hardware presets and cache budgets: round trips, derived values, clear errors."""
 import json
+import re
+import struct
 
 import pytest
 
@@ -16,16 +18,94 @@ def test_cost_model_json_roundtrip(tmp_path):
         assert getattr(back, f) == getattr(cm, f)
 
 
+def test_saved_numbers_read_back_bit_for_bit(tmp_path):
+    """Values with no short decimal form (thirds, 0.1 + 0.2, the smallest subnormal, the largest double, -0.0)
+    come back as the same doubles; the file is schema /2 with every field and the sources, sorted."""
+    cm = _core.CostModel()
+    cm.cpu_a_s, cm.cpu_b_s, cm.gpu_b_s = 1e-4 / 3, 0.1 + 0.2, 5e-324
+    cm.h2d_bandwidth_Bps, cm.layer_b_s, cm.dense_a_s, cm.copy_overlap = 24.7e9, 1.7976931348623157e308, -0.0, 2 / 3
+    sources = {"gpu_b_s": "caf\u00e9 \u2713", "cpu_a_s": 'measured "here"\n'}
+    path = tmp_path / "c.json"
+    pol.save_cost_model(cm, path, sources)
+    back = pol.load_cost_model(path)
+    for f in pol.COST_FIELDS:
+        assert struct.pack("<d", getattr(back, f)) == struct.pack("<d", getattr(cm, f)), f
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    assert list(doc) == ["schema", *pol.COST_FIELDS, "sources"] and doc["schema"] == "hybrimoe.cost_model/2"
+    assert list(doc["sources"].items()) == sorted(sources.items())
+    assert pol.cost_model_to_dict(back, sources) == doc
+    # no sources: no "sources" key
+    pol.save_cost_model(cm, path)
+    assert "sources" not in json.loads(path.read_text())
+
+
 @pytest.mark.parametrize("text,msg", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    (json.dumps({"schema": "x"}), "'schema' must be"),
+    ("{not json", r"is not valid JSON: .* \(line 1, column 2\)"),
+    ('{"a": 1} x', r"is not valid JSON: Extra data \(line 1, column 10\)"),
+    ("[1, 2]", "expected a JSON object, got array"),
+    ('"x"', "expected a JSON object, got string"),
+    (json.dumps({"schema": "x"}),
+     "'schema' must be 'hybrimoe.cost_model/2' \\(or 'hybrimoe.cost_model/1'\\), got \"x\""),
+    (json.dumps({"cpu_a_s": 1}), "'schema' must be .* got nothing"),
+    (json.dumps({"schema": 2}), "'schema' must be .* got number"),
     (json.dumps({"schema": pol.COST_MODEL_SCHEMA}), "missing field 'cpu_a_s'"),
 ])
 def test_corrupt_cost_model(tmp_path, text, msg):
     (tmp_path / "c.json").write_text(text)
-    with pytest.raises(pol.CostModelError, match=msg):
+    with pytest.raises(pol.CostModelError, match=f"^cost model {re.escape(str(tmp_path / 'c.json'))}.*{msg}"):
         pol.load_cost_model(tmp_path / "c.json")
+
+
+def _doc(**changes):
+    """A valid schema /3 document with some keys changed."""
+    return dict(pol.cost_model_to_dict(_core.CostModel()), **changes)
+
+
+@pytest.mark.parametrize("doc,msg", [
+    (_doc(cpu_b_s=float("nan")), "field 'cpu_b_s' must be a finite number >= 0, got NaN"),
+    (_doc(gpu_a_s=float("inf")), "field 'gpu_a_s' must be a finite number >= 0, got Infinity"),
+    (_doc(act_a_s=float("-inf")), "field 'act_a_s' must be a finite number >= 0, got -Infinity"),
+    (_doc(gpu_b_s=-1), "field 'gpu_b_s' must be a finite number >= 0, got -1"),
+    (_doc(layer_a_s=-1e-300), "field 'layer_a_s' must be a finite number >= 0, got -1e-300"),
+    (_doc(cpu_b_s=True), "field 'cpu_b_s' must be a finite number >= 0, got boolean"),
+    (_doc(dense_b_s="1.0"), "field 'dense_b_s' must be a finite number >= 0, got \"1.0\""),
+    (_doc(h2d_latency_s=None), "field 'h2d_latency_s' must be a finite number >= 0, got null"),
+    (_doc(cpu_a_s=[1.0]), "field 'cpu_a_s' must be a finite number >= 0, got array"),
+    (_doc(cpu_startup_s=10 ** 400), "field 'cpu_startup_s' must be a finite number >= 0, got 1000"),
+    (_doc(h2d_bandwidth_Bps=0), "field 'h2d_bandwidth_Bps' must be > 0"),
+    (_doc(copy_overlap=1.5), "field 'copy_overlap' must be in \\[0, 1\\]"),
+    (_doc(cpu_copy_overlap=1.5), "field 'cpu_copy_overlap' must be in \\[0, 1\\]"),
+    (_doc(zz=1, aa=2), "unknown field\\(s\\) zz, aa"),
+    (_doc(sources=[]), "'sources' must be an object of strings, got array"),
+    (_doc(sources={"x": 1}), "sources\\['x'\\] must be a string"),
+])
+def test_each_bad_field_is_named(tmp_path, doc, msg):
+    """Through a file (Python's json writes NaN / Infinity as bare literals: still read, then refused) and as a
+    dict, with the file or the given name in the message."""
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(pol.CostModelError, match=f"^cost model {re.escape(str(path))}: {msg}"):
+        pol.load_cost_model(path)
+    with pytest.raises(pol.CostModelError, match=f"^where: {msg}"):
+        pol.cost_model_from_dict(doc, "where")
+
+
+def test_unreadable_and_unwritable_files_are_named(tmp_path):
+    missing = tmp_path / "missing.json"
+    with pytest.raises(pol.CostModelError, match=f"cannot read cost model {re.escape(str(missing))}: No such file"):
+        pol.load_cost_model(missing)
+    (tmp_path / "latin1.json").write_bytes(b'{"schema": "caf\xe9"}')
+    with pytest.raises(pol.CostModelError, match="latin1.json is not valid JSON: not UTF-8"):
+        pol.load_cost_model(tmp_path / "latin1.json")
+    out = tmp_path / "no-such-dir" / "c.json"
+    with pytest.raises(pol.CostModelError, match=f"cannot write cost model {re.escape(str(out))}"):
+        pol.save_cost_model(_core.CostModel(), out)
+    cm = _core.CostModel()
+    cm.gpu_a_s = float("nan")
+    with pytest.raises(pol.CostModelError, match=f"cost model {re.escape(str(tmp_path))}/c.json: field 'gpu_a_s' is "
+                                                 "not finite"):
+        pol.save_cost_model(cm, tmp_path / "c.json")
+    assert not (tmp_path / "c.json").exists()
 
 
 def test_older_schemas_read_with_the_overlaps_they_lack_at_1():
@@ -55,17 +135,6 @@ def test_older_schemas_read_with_the_overlaps_they_lack_at_1():
         pol.cost_model_from_dict(dict(d, copy_overlap=1.5))
     with pytest.raises(ValueError, match="cpu_copy_overlap' must be in \\[0, 1\\]"):
         pol.cost_model_from_dict(dict(d, cpu_copy_overlap=1.5))
-
-
-def test_cost_model_bad_values(tmp_path):
-    d = pol.cost_model_to_dict(_core.CostModel())
-    d["gpu_b_s"] = -1
-    with pytest.raises(ValueError, match="'gpu_b_s' must be a finite number >= 0"):
-        pol.cost_model_from_dict(d)
-    d["gpu_b_s"] = 0
-    d["extra"] = 1
-    with pytest.raises(ValueError, match="unknown field"):
-        pol.cost_model_from_dict(d)
 
 
 def test_presets_have_sources_and_derive_sane_costs():
@@ -118,41 +187,23 @@ def test_unknown_system_preset():
         pol.system_preset("fast")
 
 
-def test_cpp_json_reader_writer(tmp_path):
-    """The C++ reader/writer (used by the engine without Python): exact round trip, sources, clear errors."""
-    cm = _core.CostModel()
-    cm.cpu_a_s, cm.gpu_b_s, cm.h2d_bandwidth_Bps = 1e-4 / 3, 0.1 + 0.2, 24.7e9
-    _core.save_cost_model(cm, str(tmp_path / "c.json"), {"cpu_a_s": 'measured "here"\n'})
-    back, sources = _core.load_cost_model(str(tmp_path / "c.json"))
-    assert (back.cpu_a_s, back.gpu_b_s, back.h2d_bandwidth_Bps) == (cm.cpu_a_s, cm.gpu_b_s, cm.h2d_bandwidth_Bps)
-    assert sources == {"cpu_a_s": 'measured "here"\n'}
-    # Python's json reads the C++ document, and the C++ reader reads Python's (escapes, exponents, ints).
-    d = json.loads((tmp_path / "c.json").read_text())
-    assert d["schema"] == _core.COST_MODEL_SCHEMA and d["cpu_a_s"] == cm.cpu_a_s
-    d["sources"] = {"gpu_a_s": "caf\u00e9 \u2713"}
-    d["gpu_a_s"] = 2
-    again, src = _core.cost_model_from_json(json.dumps(d))
-    assert again.gpu_a_s == 2.0 and src == {"gpu_a_s": "caf\u00e9 \u2713"}
-    for text, msg in [
-        ('{"schema": "hybrimoe.cost_model/1",', "not valid JSON"),
-        ('{"a": 1} x', "not valid JSON"),
-        ('"x"', "expected a JSON object, got string"),
-        (json.dumps({**d, "cpu_b_s": float("nan")}), "'cpu_b_s' must be a finite number >= 0, got NaN"),
-        (json.dumps({**d, "cpu_b_s": True}), "'cpu_b_s' must be a finite number >= 0, got boolean"),
-        (json.dumps({**d, "h2d_bandwidth_Bps": 0}), "'h2d_bandwidth_Bps' must be > 0"),
-        (json.dumps({**d, "zz": 1, "aa": 2}), r"unknown field\(s\) zz, aa"),
-        (json.dumps({**d, "sources": {"x": 1}}), r"sources\['x'\] must be a string"),
-    ]:
-        with pytest.raises(ValueError, match=msg):
-            _core.cost_model_from_json(text, "t.json")
-    with pytest.raises(ValueError, match="cannot read cost model"):
-        _core.load_cost_model(str(tmp_path / "missing.json"))
-    with pytest.raises(pol.CostModelError, match="cannot read cost model"):
-        pol.load_cost_model(tmp_path / "missing.json")
-
-
-def test_bundled_cost_model_presets_read_the_same_in_cpp_and_python(tmp_path):
+def test_a_document_written_by_hand_reads(tmp_path):
+    """Compact JSON, integers for floats, keys in any order, schema /1: what a user may write."""
     cm = pol.cost_model_from_hardware(pol.load_hardware("paper-a6000"), MODEL_FACTS["deepseek-v2-lite"])
-    (tmp_path / "p.json").write_text(json.dumps(pol.cost_model_to_dict(cm)))  # written by Python's json
+    d = pol.cost_model_to_dict(cm)
+    d["cpu_startup_s"] = 0
+    d.pop("copy_overlap")
+    d["schema"] = "hybrimoe.cost_model/1"
+    (tmp_path / "p.json").write_text(json.dumps(dict(reversed(list(d.items()))), separators=(",", ":")))
     back = pol.load_cost_model(tmp_path / "p.json")
-    assert all(getattr(back, f) == getattr(cm, f) for f in pol.COST_FIELDS)
+    assert back.cpu_startup_s == 0.0 and back.copy_overlap == 1.0
+    assert all(getattr(back, f) == getattr(cm, f) for f in pol.COST_FIELDS if f not in ("cpu_startup_s",))
+
+
+def test_the_policy_core_has_no_json_of_its_own():
+    """hybrimoe.policy is the one reader and writer; the C++ core only holds a CostModel (and validates it)."""
+    assert not [n for n in dir(_core) if "json" in n.lower() or n.endswith("_cost_model") or "SCHEMA" in n]
+    cm = _core.CostModel()
+    cm.copy_overlap = 1.5
+    with pytest.raises(ValueError, match="CostModel.copy_overlap must be in"):
+        cm.validate()

@@ -1,6 +1,7 @@
 #include "common.h"
 
 #include "policy/prefetcher.h"
+#include "policy/router_predictor.h"
 
 namespace hybrimoe_bind {
 
@@ -71,6 +72,9 @@ void bind_prefetcher(py::module_ & m) {
         .def_property_readonly("evaluations", &ImpactPrefetcher::evaluations);
     m.def("make_prefetcher", &make_prefetcher, py::arg("name"),
           "Prefetcher by name: none, topk, impact. ValueError on an unknown name.");
+    // A tuple, so that it cannot be changed in place: the engine's default is compiled in, a changed copy here
+    // would not reach it.
+    m.attr("DEFAULT_PREDICTION_CONFIDENCE") = py::tuple(py::cast(kDefaultPredictionConfidence));
 }
 
 }  // namespace hybrimoe_bind

@@ -73,6 +73,9 @@ void bind_simulator(py::module_ & m) {
         .def_readwrite("h2d_scale", &TruthModel::h2d_scale)
         .def("validate", &TruthModel::validate);
 
+    // A tuple, so that it cannot be changed in place: SimConfig() starts from the compiled-in default, a changed
+    // copy here would not reach it.
+    m.attr("DEFAULT_PREDICTOR_RECALL") = py::tuple(py::cast(kDefaultPredictorRecall));
     py::class_<SimConfig>(m, "SimConfig", "Simulator settings; recall per distance is an assumption to report.")
         .def(py::init<>())
         .def_readwrite("stage", &SimConfig::stage)

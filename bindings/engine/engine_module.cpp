@@ -1,9 +1,17 @@
 // pybind11 module hybrimoe._engine: the runtime side that links our patched libllama.
 // The llama_context pointer comes from llama-cpp-python (Llama._ctx.ctx, a ctypes c_void_p) as an int.
+//
+// The policy core's classes (CostModel, ExpertCache, the policies) are bound once, by hybrimoe._core; this module
+// imports it first and takes those objects as they are: both modules link the one libhybrimoe_policy.so, so the
+// C++ types behind _core's Python classes are the types the engine uses, and pybind11 (one registry per
+// interpreter) converts them for the arguments below.
 #include "runtime/calibration.h"
 #include "runtime/engine.h"
 #include "runtime/moe_hook.h"
 #include "policy/cost_model.h"
+#include "policy/expert_cache.h"
+#include "policy/prefetcher.h"
+#include "policy/scheduler.h"
 #include "../decision_dict.h"
 
 #include <pybind11/numpy.h>
@@ -43,6 +51,8 @@ llama_context * ctx_from(uintptr_t ptr) {
 PYBIND11_MODULE(_engine, m) {
     m.doc() = "hybrimoe runtime: the MoE hook and routing replay installed into a llama_context "
               "(vendor/llama.cpp/patches 0001 and 0002).";
+    // registers the policy core's classes, which Engine's arguments are
+    py::module_::import("hybrimoe._core");
 
     py::class_<MoeHook>(m, "MoeHook", R"doc(
 The MoE hook of one llama_context (llama_set_moe_hook, patch 0001).
@@ -102,8 +112,9 @@ Args:
     expert_types: per MoE layer, ggml type ids of the (gate, up, down) matrices.
     n_slots: GPU expert slots (0: everything on the CPU).
     device: ggml_backend_dev_t as an int (0 when n_slots is 0).
-    cost_model_json: planner cost model, schema hybrimoe.cost_model/1 (seconds, bytes/s).
-    prefetch_layers: MoE layers predicted ahead (0: none).
+    cost_model: hybrimoe._core.CostModel, the planner's costs (seconds, bytes/s), copied.
+    prefetch_layers: MoE layers predicted ahead (0: none); a prediction at distance d is taken to be right with
+        probability hybrimoe._core.DEFAULT_PREDICTION_CONFIDENCE[d - 1] (the last value beyond).
     fill_on_miss: offer CPU-computed misses to the cache while the copy queue idles.
     routers: per MoE layer, F32 [n_expert, n_embd] router weights or an empty array (no prediction).
     router_bias: per MoE layer, F32 [n_expert] selection bias or an empty array.
@@ -112,14 +123,17 @@ Args:
     scheduler, prefetcher: hybrimoe._core.SchedulePolicy / PrefetchPolicy.
 Raises:
     ValueError: inconsistent facts or cost model. RuntimeError: the device cannot hold the slot pool.
+    TypeError: cache, scheduler, prefetcher or cost_model is not the hybrimoe._core class named above.
 )doc")
         .def(py::init([](int n_layer, int n_expert, int top_k, int n_embd, std::vector<int> moe_layers,
                          std::vector<std::array<int64_t, 3>> expert_bytes,
                          std::vector<std::array<int32_t, 3>> expert_types, int64_t n_slots, uintptr_t device,
-                         const std::string & cost_model_json, int prefetch_layers, bool fill_on_miss,
+                         const hybrimoe::CostModel & cost_model, int prefetch_layers, bool fill_on_miss,
                          std::vector<py::array_t<float, py::array::c_style | py::array::forcecast>> routers,
                          std::vector<py::array_t<float, py::array::c_style | py::array::forcecast>> router_bias,
-                         bool sigmoid_gating, py::object cache, py::object scheduler, py::object prefetcher) {
+                         bool sigmoid_gating, std::shared_ptr<hybrimoe::ExpertCache> cache,
+                         std::shared_ptr<hybrimoe::SchedulePolicy> scheduler,
+                         std::shared_ptr<hybrimoe::PrefetchPolicy> prefetcher) {
                  EngineConfig c;
                  c.n_layer = n_layer;
                  c.n_expert = n_expert;
@@ -130,21 +144,20 @@ Raises:
                  c.expert_types = std::move(expert_types);
                  c.n_slots = n_slots;
                  c.device = reinterpret_cast<ggml_backend_dev_t>(device);
-                 c.cost = hybrimoe::cost_model_from_json(cost_model_json, "engine cost model");
+                 c.cost = cost_model;  // a copy: later changes to the Python object do not reach the engine
                  c.prefetch_layers = prefetch_layers;
                  c.fill_on_miss = fill_on_miss;
                  for (auto & r : routers) c.routers.emplace_back(r.data(), r.data() + r.size());
                  for (auto & b : router_bias) c.router_bias.emplace_back(b.data(), b.data() + b.size());
                  c.sigmoid_gating = sigmoid_gating;
-                 auto cache_p = cache.cast<std::shared_ptr<hybrimoe::ExpertCache>>();
-                 auto sched_p = scheduler.cast<std::shared_ptr<hybrimoe::SchedulePolicy>>();
-                 auto pre_p = prefetcher.cast<std::shared_ptr<hybrimoe::PrefetchPolicy>>();
-                 // cache_p and friends keep the policies alive here: nothing Python is freed without the GIL
+                 // The arguments keep the policies (and a Python subclass's object) alive while the GIL is
+                 // released: nothing Python is freed without it.
                  py::gil_scoped_release nogil;
-                 return std::shared_ptr<Engine>(new Engine(std::move(c), cache_p, sched_p, pre_p), delete_engine);
+                 return std::shared_ptr<Engine>(new Engine(std::move(c), cache, scheduler, prefetcher),
+                                                delete_engine);
              }),
              py::arg("n_layer"), py::arg("n_expert"), py::arg("top_k"), py::arg("n_embd"), py::arg("moe_layers"),
-             py::arg("expert_bytes"), py::arg("expert_types"), py::arg("n_slots"), py::arg("device"), py::arg("cost_model_json"),
+             py::arg("expert_bytes"), py::arg("expert_types"), py::arg("n_slots"), py::arg("device"), py::arg("cost_model"),
              py::arg("prefetch_layers"), py::arg("fill_on_miss"), py::arg("routers"), py::arg("router_bias"),
              py::arg("sigmoid_gating"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"))
         .def_static("slot_bytes_for", &Engine::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),

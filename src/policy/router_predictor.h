@@ -5,6 +5,7 @@
 // the engine's predictor; the simulator, which has no hidden states, uses TracePredictor (simulator.h).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -12,6 +13,13 @@
 #include "policy/prefetcher.h"
 
 namespace hybrimoe {
+
+/// The engine's assumed probability that an expert its router predictor names for the MoE layer at look-ahead
+/// distance d = 1, 2, 3 is really activated there (EngineConfig::confidence; each Prediction's confidence, by
+/// which the impact prefetcher weighs a prefetch's gain; the last value repeats beyond 3). An assumption the
+/// engine acts on, not a measurement, and not the simulator's kDefaultPredictorRecall (simulator.h), which sets
+/// how often its stand-in predictor is right. Python: hybrimoe._core.DEFAULT_PREDICTION_CONFIDENCE.
+inline constexpr std::array<double, 3> kDefaultPredictionConfidence = {0.8, 0.65, 0.5};
 
 /// Applies the routers of the next MoE layers to a hidden state. Plain arrays in, Predictions out (no ggml).
 class RouterPredictor {

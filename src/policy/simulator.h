@@ -7,6 +7,7 @@
 // ubatch); in decode a step is one token.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -39,6 +40,13 @@ struct TruthModel {
     void validate() const;
 };
 
+/// The simulator's assumed recall of a routing predictor at look-ahead distance d = 1, 2, 3: the probability that
+/// TracePredictor keeps a true (token, rank) expert of that layer (SimConfig::recall, `hybrimoe simulate
+/// --recall`). It also becomes each simulated Prediction's confidence. An assumption every simulator report
+/// states; not the engine's kDefaultPredictionConfidence (router_predictor.h), whose values it happens to share
+/// today. Python: hybrimoe._core.DEFAULT_PREDICTOR_RECALL.
+inline constexpr std::array<double, 3> kDefaultPredictorRecall = {0.8, 0.65, 0.5};
+
 /// Imperfect routing predictor for the simulator: each true (token, rank) expert of the layer at distance d is
 /// kept with probability recall[d-1] and otherwise replaced by a random expert that token did not pick. An
 /// assumption standing in for "apply the next layers' routers to the current hidden state" (HybriMoE §IV.C);
@@ -62,7 +70,8 @@ struct SimConfig {
     std::string stage = "decode";       ///< "decode" (one token per step) or "prefill" (ubatches of a prompt)
     int ubatch = 512;                   ///< prefill ubatch size, tokens
     int prefetch_depth = 3;             ///< D, predicted MoE layers ahead
-    std::vector<double> recall = {0.8, 0.65, 0.5};  ///< predictor recall per distance (assumption)
+    /// predictor recall per distance 1..prefetch_depth (an assumption to report)
+    std::vector<double> recall{kDefaultPredictorRecall.begin(), kDefaultPredictorRecall.end()};
     uint64_t predictor_seed = 7;
     bool fill_on_miss = true;           ///< offer CPU-computed misses to the cache, copied while the link is idle
     int64_t max_tokens = 0;             ///< stop after about this many tokens (0 = all); prefill: whole prompts

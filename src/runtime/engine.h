@@ -73,7 +73,8 @@ struct EngineConfig {
     CostModel cost;                        ///< planner cost model (seconds, bytes/s)
     int prefetch_layers = 3;               ///< predicted MoE layers ahead (0: no prefetch)
     bool fill_on_miss = true;              ///< offer CPU-computed misses to the cache while the copy queue idles
-    std::vector<double> confidence = {0.8, 0.65, 0.5};  ///< assumed prediction confidence per distance
+    /// assumed prediction confidence per distance 1..D (RouterPredictor; the last value repeats beyond D)
+    std::vector<double> confidence{kDefaultPredictionConfidence.begin(), kDefaultPredictionConfidence.end()};
     /// per MoE layer: router weights F32 [n_expert, n_embd] row-major (empty: no prediction for that layer)
     std::vector<std::vector<float>> routers;
     /// per MoE layer: selection bias added to sigmoid scores (DeepSeek-V3 exp_probs_b) or empty
