@@ -20,7 +20,7 @@ def test_cost_model_json_roundtrip(tmp_path):
 
 def test_saved_numbers_read_back_bit_for_bit(tmp_path):
     """Values with no short decimal form (thirds, 0.1 + 0.2, the smallest subnormal, the largest double, -0.0)
-    come back as the same doubles; the file is schema /2 with every field and the sources, sorted."""
+    come back as the same doubles; the file is schema /3 with every field and the sources, sorted."""
     cm = _core.CostModel()
     cm.cpu_a_s, cm.cpu_b_s, cm.gpu_b_s = 1e-4 / 3, 0.1 + 0.2, 5e-324
     cm.h2d_bandwidth_Bps, cm.layer_b_s, cm.dense_a_s, cm.copy_overlap = 24.7e9, 1.7976931348623157e308, -0.0, 2 / 3
@@ -31,7 +31,7 @@ def test_saved_numbers_read_back_bit_for_bit(tmp_path):
     for f in pol.COST_FIELDS:
         assert struct.pack("<d", getattr(back, f)) == struct.pack("<d", getattr(cm, f)), f
     doc = json.loads(path.read_text(encoding="utf-8"))
-    assert list(doc) == ["schema", *pol.COST_FIELDS, "sources"] and doc["schema"] == "hybrimoe.cost_model/2"
+    assert list(doc) == ["schema", *pol.COST_FIELDS, "sources"] and doc["schema"] == "hybrimoe.cost_model/3"
     assert list(doc["sources"].items()) == sorted(sources.items())
     assert pol.cost_model_to_dict(back, sources) == doc
     # no sources: no "sources" key
@@ -45,7 +45,8 @@ def test_saved_numbers_read_back_bit_for_bit(tmp_path):
     ("[1, 2]", "expected a JSON object, got array"),
     ('"x"', "expected a JSON object, got string"),
     (json.dumps({"schema": "x"}),
-     "'schema' must be 'hybrimoe.cost_model/2' \\(or 'hybrimoe.cost_model/1'\\), got \"x\""),
+     "'schema' must be 'hybrimoe.cost_model/3' \\(or 'hybrimoe.cost_model/2', 'hybrimoe.cost_model/1'\\), got "
+     "\"x\""),
     (json.dumps({"cpu_a_s": 1}), "'schema' must be .* got nothing"),
     (json.dumps({"schema": 2}), "'schema' must be .* got number"),
     (json.dumps({"schema": pol.COST_MODEL_SCHEMA}), "missing field 'cpu_a_s'"),
@@ -193,10 +194,11 @@ def test_a_document_written_by_hand_reads(tmp_path):
     d = pol.cost_model_to_dict(cm)
     d["cpu_startup_s"] = 0
     d.pop("copy_overlap")
+    d.pop("cpu_copy_overlap")
     d["schema"] = "hybrimoe.cost_model/1"
     (tmp_path / "p.json").write_text(json.dumps(dict(reversed(list(d.items()))), separators=(",", ":")))
     back = pol.load_cost_model(tmp_path / "p.json")
-    assert back.cpu_startup_s == 0.0 and back.copy_overlap == 1.0
+    assert back.cpu_startup_s == 0.0 and back.copy_overlap == 1.0 and back.cpu_copy_overlap == 1.0
     assert all(getattr(back, f) == getattr(cm, f) for f in pol.COST_FIELDS if f not in ("cpu_startup_s",))
 
 
