@@ -12,7 +12,7 @@ Two model makers:
 Modules, one concept each:
 
 ===================  ===========================================================================================
-``tiny_model``       :func:`make_tiny_model`, ``ARCHS``: architectures, tensors, writer
+``tiny_model``       :func:`make_tiny_model`, ``ARCHS``, :func:`default_widths`: architectures, tensors, writer
 ``router``           the designed router: embeddings and router matrices with a top-k logit margin
 ``tokenizers``       the SPM (``llama``) and byte-level BPE (``gpt2``) vocabularies of ``N_VOCAB`` tokens
 ``quantize``         quant arguments (``FTYPES``, ``MIX_PRESETS``), :func:`quantize_gguf` through
@@ -32,7 +32,7 @@ from .fixtures import fixture_set
 from .quantize import FTYPES, MIX_PRESETS, QuantSpec, parse_quant, q4_k_m_type, quantize_gguf
 from .rows import random_quant_rows
 from .synthetic import DSV2_LITE_SHAPE, make_synthetic_model, synthetic_tensor_plan
-from .tiny_model import ARCHS, make_tiny_model
+from .tiny_model import ARCHS, DEFAULT_N_EMBD, DEFAULT_N_FF_EXP, default_widths, make_tiny_model
 from .tokenizers import N_VOCAB, TOKENIZERS
 
 # private names that other modules and tests read from here (hybrimoe.bench builds prompts from _WORDS; the
@@ -42,8 +42,8 @@ from .tiny_model import _DEFAULTS  # noqa: E402,F401
 from .tokenizers import _WORDS  # noqa: E402,F401
 
 __all__ = [
-    "ARCHS", "DSV2_LITE_SHAPE", "FTYPES", "MIX_PRESETS", "N_VOCAB", "QuantSpec", "TOKENIZERS", "add_arguments",
-    "fixture_set", "make_synthetic_model",
+    "ARCHS", "DEFAULT_N_EMBD", "DEFAULT_N_FF_EXP", "DSV2_LITE_SHAPE", "FTYPES", "MIX_PRESETS", "N_VOCAB",
+    "QuantSpec", "TOKENIZERS", "add_arguments", "default_widths", "fixture_set", "make_synthetic_model",
     "make_tiny_model", "parse_quant", "q4_k_m_type", "quantize_gguf", "random_quant_rows", "run",
     "synthetic_tensor_plan",
 ]

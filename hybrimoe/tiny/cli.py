@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .tiny_model import ARCHS, make_tiny_model
+from .tiny_model import ARCHS, DEFAULT_N_EMBD, DEFAULT_N_FF_EXP, make_tiny_model
 from .tokenizers import TOKENIZERS
 
 
@@ -17,10 +17,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default="qwen3moe", help=f"architecture: {', '.join(ARCHS)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    parser.add_argument("--n-embd", type=int, default=64, help="hidden size")
+    # widths left out (None) are chosen by make_tiny_model to fit the quant's blocks (default_widths)
+    parser.add_argument("--n-embd", type=int, default=None,
+                        help=f"hidden size (default {DEFAULT_N_EMBD}; 256 with K-quants and mix, whose blocks "
+                             "are 256 wide)")
     parser.add_argument("--n-expert", type=int, default=None, help="routed experts per MoE layer")
     parser.add_argument("--n-expert-used", type=int, default=None, help="experts per token (top-k)")
-    parser.add_argument("--n-ff-exp", type=int, default=32, help="expert FFN width")
+    parser.add_argument("--n-ff-exp", type=int, default=None,
+                        help=f"expert FFN width (default {DEFAULT_N_FF_EXP}; 256 with K-quants and mix)")
     parser.add_argument("--n-shared", type=int, default=None, help="shared experts (qwen2moe, deepseek2)")
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-dense-lead", type=int, default=1, help="deepseek2: leading dense layers")

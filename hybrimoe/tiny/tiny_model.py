@@ -32,7 +32,9 @@ generation produces readable text pieces and never a lone byte token (invalid UT
 
 Quantized models are first written as F32 to a temporary file next to ``path`` and then quantized through
 ``llama_model_quantize``. Row lengths must fit the quant's blocks (multiples of 256 for K-quants, 32 for Q8_0
-and the other 32-wide types): ``n_embd`` or ``n_ff_exp`` that do not are refused with ``ValueError``.
+and the other 32-wide types): an explicit ``n_embd`` or ``n_ff_exp`` that does not is refused with
+``ValueError``; left out, they default to 64 and 32 rounded up to the quant's block width
+(:func:`default_widths`: 256 and 256 for K-quants and ``"mix"``).
 """
 from __future__ import annotations
 
@@ -53,14 +55,38 @@ _DEFAULTS = {
     "qwen3moe": (8, 2, 0), "qwen2moe": (8, 2, 1), "olmoe": (8, 2, 0), "llama": (8, 2, 0),
     "deepseek2": (8, 2, 1), "gpt-oss": (8, 2, 0),
 }
+# widths (elements) of an unquantized or 32-block model when none are given; a quant with wider blocks raises
+# them to its block width (default_widths)
+DEFAULT_N_EMBD = 64
+DEFAULT_N_FF_EXP = 32
+
+
+def default_widths(quant=None) -> tuple[int, int]:
+    """``(n_embd, n_ff_exp)`` that :func:`make_tiny_model` uses for ``quant`` when they are not given.
+
+    Each is the smallest multiple of the widest block among the quant's types (``QuantSpec.block``, elements)
+    that is at least ``DEFAULT_N_EMBD`` = 64 / ``DEFAULT_N_FF_EXP`` = 32: (64, 32) for F32, F16 and the 32-wide
+    types (Q8_0, Q4_0, ...), (256, 256) for K-quant file types (Q4_K_M, Q6_K, ...) and ``"mix"``.
+
+    Raises:
+        ValueError: ``quant`` is not a valid quant argument (:func:`hybrimoe.tiny.quantize.parse_quant`).
+    """
+    return _default_widths(parse_quant(quant))
+
+
+def _default_widths(spec) -> tuple[int, int]:
+    """:func:`default_widths` of an already parsed quant (a ``QuantSpec``, or None for F32)."""
+    blk = spec.block if spec is not None else 1
+    return -(-DEFAULT_N_EMBD // blk) * blk, -(-DEFAULT_N_FF_EXP // blk) * blk
+
 
 def _normal(rng, shape, std):
     """float32 array of ``shape`` drawn from N(0, std^2) with ``rng``."""
     return (rng.standard_normal(shape) * std).astype(np.float32)
 
 
-def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int = 2, n_embd: int = 64,
-                    n_expert: int | None = None, n_expert_used: int | None = None, n_ff_exp: int = 32,
+def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int = 2, n_embd: int | None = None,
+                    n_expert: int | None = None, n_expert_used: int | None = None, n_ff_exp: int | None = None,
                     n_shared: int | None = None, n_head: int = 4, n_dense_lead: int = 1, n_ff_dense: int | None = None,
                     quant=None, tokenizer: str = "spm", router_margin: float = 4.0,
                     residual_scale: float = 0.15, n_ctx_train: int = 512) -> Path:
@@ -71,10 +97,13 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
         arch: one of ``ARCHS`` (``qwen3moe``, ``qwen2moe``, ``olmoe``, ``llama``, ``deepseek2``, ``gpt-oss``).
         seed: RNG seed; the same arguments and seed give a byte-identical file.
         n_layer: transformer blocks (for deepseek2, including the ``n_dense_lead`` leading dense ones).
-        n_embd: hidden size D (elements); must be a multiple of ``n_head`` (and of 256 for K-quants).
+        n_embd: hidden size D (elements); must be a multiple of ``n_head`` and of the quant's block width
+            (32 for Q8_0/Q4_0, 256 for K-quants). Default: 64, or the block width when wider
+            (:func:`default_widths`).
         n_expert: routed experts E per MoE layer (any value >= 1, e.g. 6 or 60; default 8).
         n_expert_used: experts selected per token k (1 <= k <= E; default 2).
-        n_ff_exp: routed expert FFN width F (elements; multiple of 32 for Q8_0/Q4_0, 256 for K-quants).
+        n_ff_exp: routed expert FFN width F (elements; a multiple of the quant's block width). Default: 32, or
+            the block width when wider.
         n_shared: shared experts. qwen2moe: one shared FFN of width ``n_shared * n_ff_exp`` (default 1, >= 1);
             deepseek2: ``expert_shared_count`` (default 1, >= 1); other archs: must be 0/None.
         n_head: attention heads (head dim D / n_head; deepseek2 uses its own MLA sizes, see below).
@@ -110,7 +139,11 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
     E = d_e if n_expert is None else int(n_expert)
     k = d_k if n_expert_used is None else int(n_expert_used)
     ns = d_s if n_shared is None else int(n_shared)
-    D, F, L = int(n_embd), int(n_ff_exp), int(n_layer)
+    qspec = parse_quant(quant)
+    d_embd, d_ff = _default_widths(qspec)
+    D = d_embd if n_embd is None else int(n_embd)
+    F = d_ff if n_ff_exp is None else int(n_ff_exp)
+    L = int(n_layer)
     if L < 1 or D < 1 or F < 1:
         raise ValueError("n_layer, n_embd and n_ff_exp must be >= 1")
     if not 1 <= E <= 256:
@@ -136,7 +169,6 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
         if not 0 <= n_dense < L:
             raise ValueError(f"n_dense_lead must be in 0..n_layer-1 ({L - 1}), got {n_dense}")
     n_ff_d = int(n_ff_dense) if n_ff_dense is not None else 2 * F
-    qspec = parse_quant(quant)
     check_rows(quant, qspec, (("n_embd", D), ("n_ff_exp", F)))
 
     path = Path(path)
