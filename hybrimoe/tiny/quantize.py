@@ -52,22 +52,20 @@ class QuantSpec(NamedTuple):
 
 
 def _llama_cpp():
-    """Return the ``llama_cpp`` module: hybrimoe's (patched libllama) when built, else plain llama_cpp.
+    """Return the ``llama_cpp`` module bound to hybrimoe's patched libllama (``hybrimoe._lib.llama_cpp_module``).
+
+    There is no fallback to a plain ``import llama_cpp``: it would bind this process to upstream's libllama for
+    good, so a later ``hybrimoe.Llama`` in it would fail with a misleading "llama_cpp was imported before
+    hybrimoe" (the usual cause being a source checkout, which has no native part, shadowing the installed
+    package on ``sys.path``). The error names the missing file instead.
 
     Raises:
-        ImportError: llama-cpp-python is not installed, or llama_cpp was imported before hybrimoe while
-            hybrimoe's libllama exists (see ``hybrimoe._lib.llama_cpp_module``).
+        ImportError (``hybrimoe.HybrimoeImportError``): llama-cpp-python is not installed, llama_cpp was imported
+            before hybrimoe, or the imported hybrimoe has no libllama (not built, or a source tree).
     """
-    from hybrimoe import _lib
+    from hybrimoe._lib import llama_cpp_module
 
-    try:
-        return _lib.llama_cpp_module()
-    except _lib.HybrimoeImportError:
-        if (_lib.LIB_DIR / "libllama.so").exists():
-            raise
-        import llama_cpp  # development fallback: hybrimoe's native part is not built yet
-
-        return llama_cpp
+    return llama_cpp_module()
 
 
 def parse_quant(quant) -> QuantSpec | None:
