@@ -8,6 +8,7 @@ import ctypes
 import hashlib
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -415,6 +416,32 @@ def test_router_margin_on_real_hidden_states(tmp_path, arch, E, k):
         toks = np.array(ids if n == len(ids) else ids[-n:])  # the last layer may keep only output rows
         nom = np.sort(np.argsort(-nominal[il][toks], axis=1)[:, :k], axis=1)
         assert (real == nom).all(axis=1).mean() >= 0.95, il
+
+
+def test_quantizing_without_libllama_names_the_missing_file(tmp_path):
+    """A hybrimoe without its native part (like a source checkout that shadows the installed package on
+    sys.path) refuses to quantize and names the missing libllama, without importing upstream's llama_cpp
+    (which would make a later hybrimoe.Llama in the process fail with "llama_cpp was imported before hybrimoe")."""
+    import shutil
+
+    import hybrimoe
+
+    src = tmp_path / "src"
+    shutil.copytree(Path(hybrimoe.__file__).parent, src / "hybrimoe",
+                    ignore=shutil.ignore_patterns("lib", "*.so", "__pycache__"))
+    code = ("import sys\n"
+            "from hybrimoe.tiny import make_tiny_model\n"
+            "try:\n"
+            "    make_tiny_model(sys.argv[1], quant='Q8_0')\n"
+            "except ImportError as e:\n"
+            "    print('error:', e)\n"
+            "print('llama_cpp imported:', 'llama_cpp' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.gguf")], capture_output=True, text=True,
+                       cwd=src, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"error: {src / 'hybrimoe' / 'lib' / 'libllama.so'} is missing" in r.stdout
+    assert "llama_cpp imported: False" in r.stdout
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_quantizer_failure_is_reported(tmp_path):
