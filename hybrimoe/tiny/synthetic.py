@@ -24,7 +24,6 @@ DSV2_LITE_SHAPE = dict(n_embd=2048, n_ff_exp=1408, n_ff_dense=10944, n_expert=64
                        n_head=16, kv_lora_rank=512, qk_rope=64, qk_nope=128, v_head=128, n_dense_lead=1)
 
 
-
 def synthetic_tensor_plan(*, n_layer: int, n_embd: int, n_ff_exp: int, n_ff_dense: int, n_expert: int,
                           n_shared: int, n_head: int, kv_lora_rank: int, qk_rope: int, qk_nope: int, v_head: int,
                           n_dense_lead: int, n_vocab: int = N_VOCAB, quant: str = "Q4_K_M",
