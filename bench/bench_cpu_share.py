@@ -44,6 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
+import hybrimoe  # noqa: F401  (the installed package, before anything loads llama_cpp: one libllama per process)
+
 
 def forced_share_policy(share: float):
     """A schedule policy (hybrimoe.SchedulePolicy) that puts experts on the GPU in expert-id order until their

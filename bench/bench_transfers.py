@@ -34,12 +34,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
+# The client process: argv[1] is bench_cpu_share.py, loaded by its path (its model, replay table and forced-share
+# policy), argv[2] the configuration as JSON. hybrimoe is the interpreter's installed package, imported first.
 _CHILD = textwrap.dedent("""
-    import json, os, subprocess, sys, time
-    sys.path.insert(0, sys.argv[1])
+    import importlib.util, json, os, subprocess, sys, time
     os.environ.setdefault("HYBRIMOE_AUTO_CALIBRATE", "0")
-    import bench_cpu_share as b
+    import hybrimoe
     from hybrimoe import Llama
+    spec = importlib.util.spec_from_file_location("bench_cpu_share", sys.argv[1])
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
     from hybrimoe.rpc import free_port
 
     cfg = json.loads(sys.argv[2])
@@ -107,8 +111,8 @@ def run_config(args, mode: str, share: float = 0.0, python: str | None = None) -
         stats = Path(tmp) / "stats.jsonl"
         cfg = dict(server=str(SERVER_BIN), stats=str(stats), layers=args.layers, n_prompt=args.n_prompt,
                    n1=args.n1, n2=args.n2, trace=args.trace, mode=mode, share=share, replay=args.replay)
-        r = subprocess.run([python or sys.executable, "-c", _CHILD, str(HERE), json.dumps(cfg)], capture_output=True,
-                           text=True, cwd=tmp, timeout=3600)
+        r = subprocess.run([python or sys.executable, "-c", _CHILD, str(HERE / "bench_cpu_share.py"), json.dumps(cfg)],
+                           capture_output=True, text=True, cwd=tmp, timeout=3600)
         if r.returncode != 0:
             raise RuntimeError(f"{mode} {share}: child failed: {r.stderr[-3000:]}")
         copies = json.loads(r.stdout.split("COPIES ", 1)[1])

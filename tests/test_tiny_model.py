@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -242,6 +245,69 @@ def test_cli(tmp_path, capsys):
     assert err.count("\n") == 0 and "unknown arch" in err and "qwen3moe" in err
 
 
+# ------------------------------------------------------------------------------------------------ default widths
+
+@pytest.mark.parametrize("quant,widths", [
+    (None, (64, 32)), ("F16", (64, 32)), ("Q8_0", (64, 32)), ("Q4_0", (64, 32)),
+    ("Q4_K_M", (256, 256)), ("Q6_K", (256, 256)), ("Q2_K", (256, 256)), ("mix", (256, 256)),
+    ({"ffn_gate_exps": "Q4_0"}, (64, 32)), ({"ffn_down_exps": "Q6_K"}, (256, 256)),
+])
+def test_default_widths_fit_the_quant_blocks(quant, widths):
+    """Left-out widths: 64 / 32, raised to the widest block of the quant's types (oracle: ggml's block sizes)."""
+    assert tiny.default_widths(quant) == widths
+    spec = tiny.parse_quant(quant)
+    blocks = [gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]][0] for t in (spec.overrides if spec else {}).values()]
+    for w in widths:
+        assert all(w % b == 0 for b in blocks)
+
+
+def test_cli_k_quant_at_default_width_is_written_and_loads(tmp_path):
+    """``hybrimoe make-tiny-model --quant Q4_K_M OUT`` with no width: 256-wide rows, K-quant experts, loads and
+    generates in llama.cpp."""
+    out = tmp_path / "q4km.gguf"
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "make-tiny-model", "--quant", "Q4_K_M", str(out)],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {out}" in r.stdout
+    shapes = {t.name: [int(x) for x in t.shape] for t in gguf.GGUFReader(str(out)).tensors}
+    assert shapes["blk.0.ffn_gate_exps.weight"] == [256, 256, 8]
+    assert shapes["blk.0.ffn_down_exps.weight"] == [256, 256, 8]
+    types = _exps_types(out)
+    assert types["ffn_gate_exps"] == {"Q4_K"} and types["ffn_up_exps"] == {"Q4_K"}
+    assert types["ffn_down_exps"] <= {"Q4_K", "Q6_K"}
+    assert _generate(out, n=4)[1] >= 1
+
+
+def test_cli_q6_k_at_default_width_is_written_and_loads(tmp_path):
+    ap = argparse.ArgumentParser()
+    tiny.add_arguments(ap)
+    out = tmp_path / "q6k.gguf"
+    assert tiny.run(ap.parse_args([str(out), "--arch", "llama", "--layers", "1", "--quant", "Q6_K"])) == 0
+    assert _exps_types(out) == {k: {"Q6_K"} for k in EXPS}
+    assert gguf.GGUFReader(str(out)).fields["llama.embedding_length"].contents() == 256
+    assert _generate(out, n=4)[1] >= 1
+
+
+@pytest.mark.parametrize("flags,name", [(["--n-embd", "64"], "n_embd=64"), (["--n-ff-exp", "128"], "n_ff_exp=128")])
+def test_cli_explicit_width_that_misfits_the_blocks_is_refused(tmp_path, capsys, flags, name):
+    ap = argparse.ArgumentParser()
+    tiny.add_arguments(ap)
+    out = tmp_path / "x.gguf"
+    assert tiny.run(ap.parse_args([str(out), "--quant", "Q4_K_M"] + flags)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert f"uses 256-wide blocks but {name} is not a multiple of 256" in err
+    assert not out.exists() and not list(tmp_path.glob("*.gguf"))
+
+
+def test_cli_help_gives_the_default_widths():
+    ap = argparse.ArgumentParser()
+    tiny.add_arguments(ap)
+    text = " ".join(ap.format_help().split())
+    assert "hidden size (default 64; 256 with K-quants and mix" in text
+    assert "expert FFN width (default 32; 256 with K-quants and mix)" in text
+
+
 # ------------------------------------------------------------------------------------------------ router margins
 
 def _nominal_logits(path):
@@ -350,6 +416,32 @@ def test_router_margin_on_real_hidden_states(tmp_path, arch, E, k):
         toks = np.array(ids if n == len(ids) else ids[-n:])  # the last layer may keep only output rows
         nom = np.sort(np.argsort(-nominal[il][toks], axis=1)[:, :k], axis=1)
         assert (real == nom).all(axis=1).mean() >= 0.95, il
+
+
+def test_quantizing_without_libllama_names_the_missing_file(tmp_path):
+    """A hybrimoe without its native part (like a source checkout that shadows the installed package on
+    sys.path) refuses to quantize and names the missing libllama, without importing upstream's llama_cpp
+    (which would make a later hybrimoe.Llama in the process fail with "llama_cpp was imported before hybrimoe")."""
+    import shutil
+
+    import hybrimoe
+
+    src = tmp_path / "src"
+    shutil.copytree(Path(hybrimoe.__file__).parent, src / "hybrimoe",
+                    ignore=shutil.ignore_patterns("lib", "*.so", "__pycache__"))
+    code = ("import sys\n"
+            "from hybrimoe.tiny import make_tiny_model\n"
+            "try:\n"
+            "    make_tiny_model(sys.argv[1], quant='Q8_0')\n"
+            "except ImportError as e:\n"
+            "    print('error:', e)\n"
+            "print('llama_cpp imported:', 'llama_cpp' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.gguf")], capture_output=True, text=True,
+                       cwd=src, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"error: {src / 'hybrimoe' / 'lib' / 'libllama.so'} is missing" in r.stdout
+    assert "llama_cpp imported: False" in r.stdout
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_quantizer_failure_is_reported(tmp_path):

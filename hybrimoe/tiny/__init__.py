@@ -1,0 +1,49 @@
+"""Synthetic Mixture-of-Experts GGUF models written locally, for tests, demos and benchmarks.
+
+Two model makers:
+
+- :func:`make_tiny_model`: a small model of one of six MoE architectures (``ARCHS``) that llama.cpp loads and
+  generates from, with seeded random weights, a real tokenizer, a router designed for wide top-k margins and,
+  optionally, quantized through llama.cpp's own quantizer; :func:`fixture_set` lists the recipes the test suite
+  uses. ``hybrimoe make-tiny-model`` is its command line.
+- :func:`make_synthetic_model`: a full-size DeepSeek-V2-Lite-shaped deepseek2 model for benchmarks, its
+  quantized blocks written directly (random, valid) instead of quantized from floats.
+
+Modules, one concept each:
+
+===================  ===========================================================================================
+``tiny_model``       :func:`make_tiny_model`, ``ARCHS``, :func:`default_widths`: architectures, tensors, writer
+``router``           the designed router: embeddings and router matrices with a top-k logit margin
+``tokenizers``       the SPM (``llama``) and byte-level BPE (``gpt2``) vocabularies of ``N_VOCAB`` tokens
+``quantize``         quant arguments (``FTYPES``, ``MIX_PRESETS``), :func:`quantize_gguf` through
+                     ``llama_model_quantize``, :func:`q4_k_m_type` (upstream's Q4_K_M types restated)
+``rows``             :func:`random_quant_rows`: random valid Q4_K/Q5_0/Q6_K/Q8_0 blocks
+``synthetic``        :func:`make_synthetic_model`, :func:`synthetic_tensor_plan`, ``DSV2_LITE_SHAPE``
+``fixtures``         :func:`fixture_set`
+``cli``              ``add_arguments`` / ``run`` of ``hybrimoe make-tiny-model``
+===================  ===========================================================================================
+
+Every name below is importable from ``hybrimoe.tiny`` itself.
+"""
+from __future__ import annotations
+
+from .cli import add_arguments, run
+from .fixtures import fixture_set
+from .quantize import FTYPES, MIX_PRESETS, QuantSpec, parse_quant, q4_k_m_type, quantize_gguf
+from .rows import random_quant_rows
+from .synthetic import DSV2_LITE_SHAPE, make_synthetic_model, synthetic_tensor_plan
+from .tiny_model import ARCHS, DEFAULT_N_EMBD, DEFAULT_N_FF_EXP, default_widths, make_tiny_model
+from .tokenizers import N_VOCAB, TOKENIZERS
+
+# private names that other modules and tests read from here (hybrimoe.bench builds prompts from _WORDS; the
+# tests load models through _llama_cpp and check the per-arch defaults of _DEFAULTS)
+from .quantize import _llama_cpp  # noqa: E402,F401
+from .tiny_model import _DEFAULTS  # noqa: E402,F401
+from .tokenizers import _WORDS  # noqa: E402,F401
+
+__all__ = [
+    "ARCHS", "DEFAULT_N_EMBD", "DEFAULT_N_FF_EXP", "DSV2_LITE_SHAPE", "FTYPES", "MIX_PRESETS", "N_VOCAB",
+    "QuantSpec", "TOKENIZERS", "add_arguments", "default_widths", "fixture_set", "make_synthetic_model",
+    "make_tiny_model", "parse_quant", "q4_k_m_type", "quantize_gguf", "random_quant_rows", "run",
+    "synthetic_tensor_plan",
+]

@@ -1,0 +1,48 @@
+"""``hybrimoe make-tiny-model``: the command line of :func:`hybrimoe.tiny.make_tiny_model`.
+
+``hybrimoe.cli`` registers it through :func:`add_arguments` and :func:`run`, re-exported by ``hybrimoe.tiny``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .tiny_model import ARCHS, DEFAULT_N_EMBD, DEFAULT_N_FF_EXP, make_tiny_model
+from .tokenizers import TOKENIZERS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``make-tiny-model`` arguments to ``parser``."""
+    parser.add_argument("out", metavar="OUT.gguf", help="output GGUF file")
+    parser.add_argument("--arch", default="qwen3moe", help=f"architecture: {', '.join(ARCHS)}")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    # widths left out (None) are chosen by make_tiny_model to fit the quant's blocks (default_widths)
+    parser.add_argument("--n-embd", type=int, default=None,
+                        help=f"hidden size (default {DEFAULT_N_EMBD}; 256 with K-quants and mix, whose blocks "
+                             "are 256 wide)")
+    parser.add_argument("--n-expert", type=int, default=None, help="routed experts per MoE layer")
+    parser.add_argument("--n-expert-used", type=int, default=None, help="experts per token (top-k)")
+    parser.add_argument("--n-ff-exp", type=int, default=None,
+                        help=f"expert FFN width (default {DEFAULT_N_FF_EXP}; 256 with K-quants and mix)")
+    parser.add_argument("--n-shared", type=int, default=None, help="shared experts (qwen2moe, deepseek2)")
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-dense-lead", type=int, default=1, help="deepseek2: leading dense layers")
+    parser.add_argument("--quant", default=None,
+                        help="F32 (default), F16, Q8_0, Q4_K_M, ... or mix (gate Q4_K, up Q8_0, down Q6_K)")
+    parser.add_argument("--tokenizer", default="spm", choices=TOKENIZERS)
+    parser.add_argument("--router-margin", type=float, default=4.0, help="designed top-k router logit gap")
+
+
+def run(args) -> int:
+    """Run ``make-tiny-model``; returns 0, or 2 with a one-line error on stderr for bad input."""
+    try:
+        p = make_tiny_model(args.out, args.arch, seed=args.seed, n_layer=args.layers, n_embd=args.n_embd,
+                            n_expert=args.n_expert, n_expert_used=args.n_expert_used, n_ff_exp=args.n_ff_exp,
+                            n_shared=args.n_shared, n_head=args.n_head, n_dense_lead=args.n_dense_lead,
+                            quant=args.quant, tokenizer=args.tokenizer, router_margin=args.router_margin)
+    except (ValueError, RuntimeError, OSError, ImportError) as e:
+        print(f"hybrimoe make-tiny-model: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {p} ({p.stat().st_size} bytes)")
+    return 0

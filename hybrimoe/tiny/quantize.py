@@ -1,0 +1,243 @@
+"""Quantization of the tiny models through llama.cpp's own quantizer, and upstream's Q4_K_M type rules restated.
+
+A ``quant`` argument of ``make_tiny_model`` is one of:
+
+- ``None`` or ``"F32"``: the model is written as F32 directly, nothing is quantized;
+- a llama.cpp file type name (``"F16"``, ``"Q8_0"``, ``"Q4_0"``, ``"Q4_K_M"``, ``"Q6_K"``, ...; the keys of
+  ``FTYPES``), applied to every tensor llama.cpp quantizes;
+- the preset ``"mix"`` (``MIX_PRESETS``: base Q8_0 with ``ffn_gate_exps`` Q4_K, ``ffn_up_exps`` Q8_0,
+  ``ffn_down_exps`` Q6_K);
+- a dict mapping tensor-name patterns (regular expressions searched in the tensor name, e.g.
+  ``"ffn_gate_exps"``) to ggml type names, with an optional ``"base"`` entry naming the file type of all other
+  tensors (default ``"Q8_0"``).
+
+:func:`parse_quant` turns it into a :class:`QuantSpec`; :func:`quantize_gguf` runs ``llama_model_quantize`` with
+the base file type and the per-tensor types as its ``tt_overrides``. Types with 256-wide blocks (K-quants) need
+rows (``n_embd``, ``n_ff_exp``) that are multiples of 256, 32-wide types multiples of 32: on other rows upstream
+silently falls back to another type (``tensor_type_fallback`` in llama-quant.cpp), so :func:`check_rows` raises
+``ValueError`` instead of letting a file with unexpected types be written.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+# llama.cpp file types reachable by name (value: suffix of llama_cpp.LLAMA_FTYPE_*).
+FTYPES = {
+    "F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16",
+    "Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0",
+    "Q5_1": "MOSTLY_Q5_1", "Q2_K": "MOSTLY_Q2_K", "Q3_K_S": "MOSTLY_Q3_K_S", "Q3_K_M": "MOSTLY_Q3_K_M",
+    "Q3_K_L": "MOSTLY_Q3_K_L", "Q4_K_S": "MOSTLY_Q4_K_S", "Q4_K_M": "MOSTLY_Q4_K_M",
+    "Q5_K_S": "MOSTLY_Q5_K_S", "Q5_K_M": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K",
+}
+# block width (elements) of the ggml types each file type may produce for the (large, 2-D/3-D) weights, used for
+# the row-size check; file types not listed (the K-quant mixes) produce 256-wide blocks
+_FTYPE_BLOCK = {"F32": 1, "F16": 1, "BF16": 1, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32}
+MIX_PRESETS = {
+    "mix": {"base": "Q8_0", "ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q8_0", "ffn_down_exps": "Q6_K"},
+}
+
+
+class QuantSpec(NamedTuple):
+    """A parsed ``quant`` argument: what :func:`quantize_gguf` is given, and the rows it needs."""
+
+    base: str                  # llama.cpp file type name (a key of FTYPES) for tensors no override matches
+    overrides: dict[str, str]  # {regex searched in tensor names: ggml type name}
+    block: int                 # widest block (elements) among the types the spec may write: rows must be multiples
+
+
+def _llama_cpp():
+    """Return the ``llama_cpp`` module bound to hybrimoe's patched libllama (``hybrimoe._lib.llama_cpp_module``).
+
+    There is no fallback to a plain ``import llama_cpp``: it would bind this process to upstream's libllama for
+    good, so a later ``hybrimoe.Llama`` in it would fail with a misleading "llama_cpp was imported before
+    hybrimoe" (the usual cause being a source checkout, which has no native part, shadowing the installed
+    package on ``sys.path``). The error names the missing file instead.
+
+    Raises:
+        ImportError (``hybrimoe.HybrimoeImportError``): llama-cpp-python is not installed, llama_cpp was imported
+            before hybrimoe, or the imported hybrimoe has no libllama (not built, or a source tree).
+    """
+    from hybrimoe._lib import llama_cpp_module
+
+    return llama_cpp_module()
+
+
+def parse_quant(quant) -> QuantSpec | None:
+    """Normalise a ``quant`` argument (module doc) to a :class:`QuantSpec`, or None for F32 (nothing to quantize).
+
+    Raises:
+        ValueError: unknown file type or ggml type name, a tensor pattern that is not a regular expression, or a
+            ``quant`` that is neither None, a name nor a dict.
+    """
+    import gguf
+
+    if quant is None:
+        return None
+    if isinstance(quant, str):
+        q = quant.upper() if quant.lower() != "mix" else "mix"
+        if q == "F32":
+            return None
+        if q in MIX_PRESETS or quant in MIX_PRESETS:
+            spec = dict(MIX_PRESETS[quant if quant in MIX_PRESETS else q])
+        elif q in FTYPES:
+            spec = {"base": q}
+        else:
+            raise ValueError(f"unknown quant {quant!r}; valid: {', '.join(list(FTYPES) + list(MIX_PRESETS))} "
+                             "or a dict {tensor pattern: ggml type}")
+    elif isinstance(quant, dict):
+        spec = {str(k): str(v).upper() for k, v in quant.items()}
+        spec.setdefault("base", "Q8_0")
+    else:
+        raise ValueError(f"quant must be None, a name or a dict, not {type(quant).__name__}")
+    base = spec.pop("base").upper()
+    if base not in FTYPES:
+        raise ValueError(f"unknown base file type {base!r}; valid: {', '.join(FTYPES)}")
+    blocks = [_FTYPE_BLOCK.get(base, 256)]
+    for pat, tname in spec.items():
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise ValueError(f"bad tensor pattern {pat!r}: {e}") from None
+        try:
+            t = gguf.GGMLQuantizationType[tname]
+        except KeyError:
+            raise ValueError(f"unknown ggml type {tname!r} for {pat!r}") from None
+        blocks.append(gguf.GGML_QUANT_SIZES[t][0])
+    return QuantSpec(base, spec, max(blocks))
+
+
+def check_rows(quant, spec: QuantSpec | None, rows) -> None:
+    """Check that every row length fits the blocks of ``spec`` (parsed from ``quant``, named in the message).
+
+    Args:
+        rows: ``(name, row length in elements)`` pairs, e.g. ``[("n_embd", 64), ("n_ff_exp", 32)]``.
+
+    Raises:
+        ValueError: a row length that is not a multiple of ``spec.block`` (the message names it and the block).
+    """
+    if spec is None:
+        return
+    blk = spec.block
+    for name, n in rows:
+        if n % blk:
+            raise ValueError(f"quant {quant!r} uses {blk}-wide blocks but {name}={n} is not a multiple of "
+                             f"{blk}; llama.cpp would silently write another type. Use multiples of {blk}.")
+
+
+def quantize_gguf(src, dst, base: str = "Q8_0", overrides: dict | None = None, nthread: int = 2,
+                  verbose: bool = False) -> Path:
+    """Quantize GGUF ``src`` into ``dst`` with llama.cpp's ``llama_model_quantize``; returns ``Path(dst)``.
+
+    Args:
+        base: llama.cpp file type name (key of ``FTYPES``) for all tensors not matched by ``overrides``.
+        overrides: {regex searched in tensor names: ggml type name} (llama's ``tt_overrides``).
+        nthread: quantizer threads (the output does not depend on it).
+        verbose: also print llama.cpp's quantizer log (per-tensor types, fallbacks) to stderr; it is
+            captured otherwise and its last lines go into the error message on failure.
+
+    Raises:
+        ValueError: unknown type names. RuntimeError: the quantizer returned non-zero.
+    """
+    import gguf
+
+    llama_cpp = _llama_cpp()
+    if base not in FTYPES:
+        raise ValueError(f"unknown file type {base!r}; valid: {', '.join(FTYPES)}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_" + FTYPES[base])
+    params.nthread = nthread
+    keep = []  # the patterns and the array must outlive the call: ctypes holds only pointers to them
+    if overrides:
+        arr = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()
+        for i, (pat, tname) in enumerate(overrides.items()):
+            try:
+                ttype = int(gguf.GGMLQuantizationType[tname.upper()])
+            except KeyError:
+                raise ValueError(f"unknown ggml type {tname!r}") from None
+            b = pat.encode()
+            keep.append(b)
+            arr[i].pattern = b
+            arr[i].type = ttype
+        arr[len(overrides)].pattern = None  # the list ends with a null pattern
+        keep.append(arr)
+        params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+    with _captured_output() as log:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if verbose:
+        sys.stderr.write(log.text)
+    if rc != 0:
+        tail = " | ".join(log.text.strip().splitlines()[-3:])
+        raise RuntimeError(f"llama_model_quantize({src} -> {dst}, {base}) failed with {rc}: {tail}")
+    return Path(dst)
+
+
+class _captured_output:
+    """Context manager collecting what llama.cpp prints (through llama_cpp's Python log callback, or
+    straight to file descriptors 1/2) into ``.text`` instead of the terminal."""
+
+    def __enter__(self):
+        import io
+
+        self.text = ""
+        self._buf = io.StringIO()
+        self._old = sys.stdout, sys.stderr
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._tmp = tempfile.TemporaryFile(mode="w+b")
+        self._saved = [os.dup(1), os.dup(2)]
+        os.dup2(self._tmp.fileno(), 1)
+        os.dup2(self._tmp.fileno(), 2)
+        sys.stdout = sys.stderr = self._buf
+        return self
+
+    def __exit__(self, *exc):
+        sys.stdout, sys.stderr = self._old
+        for fd, saved in zip((1, 2), self._saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+        self._tmp.seek(0)
+        self.text = self._buf.getvalue() + self._tmp.read().decode(errors="replace")
+        self._tmp.close()
+        return False
+
+
+# fallback of a 256-wide type when a row length is not a multiple of 256 (llama-quant.cpp, tensor_type_fallback)
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def q4_k_m_type(name: str, ne0: int, n_layer: int) -> str:
+    """The ggml type upstream's ``Q4_K_M`` file type gives tensor ``name`` (row length ``ne0`` elements) of a
+    deepseek2 model with ``n_layer`` blocks; the rules of llama.cpp's ``llama_tensor_get_type`` that apply to
+    that architecture, restated:
+
+    - not quantized (F32): 1-D tensors, ``*_norm.weight``, the router ``ffn_gate_inp``;
+    - ``output.weight``: Q6_K; every other tensor Q4_K, except
+    - ``ffn_down*`` (dense, ``_exps`` and ``_shexp``) of the layers where ``use_more_bits(il, n_layer)`` holds
+      (``il < n/8``, ``il >= 7n/8`` or ``(il - n/8) % 3 == 2``): Q6_K;
+    - then the row-length fallback: a 256-wide type on rows that are not a multiple of 256 becomes Q4_K -> Q5_0,
+      Q6_K -> Q8_0 (DeepSeek-V2-Lite's ``ffn_down_exps``, rows of 1408), and F16 if even 32 does not divide.
+
+    Not restated: upstream's special case for models with exactly 8 experts (``attn_output`` Q5_K);
+    ``make_synthetic_model`` refuses ``n_expert == 8`` with Q4_K_M.
+    """
+    if name.endswith("_norm.weight") or "ffn_gate_inp" in name or not name.endswith(".weight"):
+        return "F32"
+    if name == "output.weight":
+        t = "Q6_K"
+    elif "ffn_down" in name:
+        il = int(name.split(".")[1])
+        n8 = n_layer // 8
+        t = "Q6_K" if (il < n8 or il >= 7 * n_layer // 8 or (il - n8) % 3 == 2) else "Q4_K"
+    else:
+        t = "Q4_K"
+    if ne0 % 256:
+        t = _FALLBACK.get(t, t)
+        if ne0 % 32:
+            t = "F16"
+    return t

@@ -1,0 +1,325 @@
+"""Tiny MoE GGUF models for tests and demos: :func:`make_tiny_model`.
+
+``make_tiny_model(path, arch=...)`` writes a small, valid GGUF file that llama.cpp loads and generates from,
+with random (seeded) weights, a real tokenizer (:mod:`hybrimoe.tiny.tokenizers`), a router designed for wide
+top-k margins (:mod:`hybrimoe.tiny.router`) and, optionally, quantized through llama.cpp's own quantizer
+(:mod:`hybrimoe.tiny.quantize`), including per-tensor mixes for the expert tensors.
+
+Architectures (GGUF ``general.architecture``):
+
+============  ============================================================================================
+``qwen3moe``  routed experts only; q/k RMS norms per head; top-k weights normalised
+``qwen2moe``  routed experts + one shared expert of width ``n_shared * n_ff_exp`` with its sigmoid gate
+              (``ffn_gate_inp_shexp``)
+``olmoe``     routed experts only; q/k norms over the whole projection (so ``n_head_kv == n_head``)
+``llama``     Mixtral-style: ``feed_forward_length`` is the expert width, softmax routing
+``deepseek2`` MLA attention (q/kv low-rank, split ``attn_k_b``/``attn_v_b``), ``n_dense_lead`` leading
+              dense FFN layers, ``n_shared`` shared experts, ``expert_weights_scale``,
+              ``expert_weights_norm`` and ``expert_gating_func`` (sigmoid by default, as DeepSeek-V3)
+``gpt-oss``   OpenAI-MoE: attention sinks, sliding-window layers, router bias and per-expert biases
+              (``ffn_{gate,up,down}_exps.bias``), SwiGLU-OAI activation
+============  ============================================================================================
+
+Tensor shapes below use ggml order ``{ne0, ne1, ne2}`` (ne0 = contiguous row length); the numpy arrays
+handed to the gguf writer have the reversed shape. ``D = n_embd``, ``F = n_ff_exp``, ``E = n_expert``,
+``k = n_expert_used``, ``V = N_VOCAB`` = 512 tokens (both tokenizers).
+Routed experts: ``ffn_gate_exps``/``ffn_up_exps`` ``{D, F, E}``, ``ffn_down_exps`` ``{F, D, E}``; router
+``ffn_gate_inp`` ``{D, E}`` (llama.cpp's quantizer never quantizes it; it stays F32).
+
+The output head is random for text-piece tokens and zero for byte, control and unused tokens, so greedy
+generation produces readable text pieces and never a lone byte token (invalid UTF-8 keeps llama-cpp-python's
+``create_completion`` generating past ``max_tokens``) nor EOS.
+
+Quantized models are first written as F32 to a temporary file next to ``path`` and then quantized through
+``llama_model_quantize``. Row lengths must fit the quant's blocks (multiples of 256 for K-quants, 32 for Q8_0
+and the other 32-wide types): an explicit ``n_embd`` or ``n_ff_exp`` that does not is refused with
+``ValueError``; left out, they default to 64 and 32 rounded up to the quant's block width
+(:func:`default_widths`: 256 and 256 for K-quants and ``"mix"``).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .quantize import check_rows, parse_quant, quantize_gguf
+from .router import router_design
+from .tokenizers import TOKENIZERS, _write_tokenizer
+
+ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2", "gpt-oss")
+
+_DEFAULTS = {
+    # arch: (n_expert, n_expert_used, n_shared)
+    "qwen3moe": (8, 2, 0), "qwen2moe": (8, 2, 1), "olmoe": (8, 2, 0), "llama": (8, 2, 0),
+    "deepseek2": (8, 2, 1), "gpt-oss": (8, 2, 0),
+}
+# widths (elements) of an unquantized or 32-block model when none are given; a quant with wider blocks raises
+# them to its block width (default_widths)
+DEFAULT_N_EMBD = 64
+DEFAULT_N_FF_EXP = 32
+
+
+def default_widths(quant=None) -> tuple[int, int]:
+    """``(n_embd, n_ff_exp)`` that :func:`make_tiny_model` uses for ``quant`` when they are not given.
+
+    Each is the smallest multiple of the widest block among the quant's types (``QuantSpec.block``, elements)
+    that is at least ``DEFAULT_N_EMBD`` = 64 / ``DEFAULT_N_FF_EXP`` = 32: (64, 32) for F32, F16 and the 32-wide
+    types (Q8_0, Q4_0, ...), (256, 256) for K-quant file types (Q4_K_M, Q6_K, ...) and ``"mix"``.
+
+    Raises:
+        ValueError: ``quant`` is not a valid quant argument (:func:`hybrimoe.tiny.quantize.parse_quant`).
+    """
+    return _default_widths(parse_quant(quant))
+
+
+def _default_widths(spec) -> tuple[int, int]:
+    """:func:`default_widths` of an already parsed quant (a ``QuantSpec``, or None for F32)."""
+    blk = spec.block if spec is not None else 1
+    return -(-DEFAULT_N_EMBD // blk) * blk, -(-DEFAULT_N_FF_EXP // blk) * blk
+
+
+def _normal(rng, shape, std):
+    """float32 array of ``shape`` drawn from N(0, std^2) with ``rng``."""
+    return (rng.standard_normal(shape) * std).astype(np.float32)
+
+
+def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int = 2, n_embd: int | None = None,
+                    n_expert: int | None = None, n_expert_used: int | None = None, n_ff_exp: int | None = None,
+                    n_shared: int | None = None, n_head: int = 4, n_dense_lead: int = 1, n_ff_dense: int | None = None,
+                    quant=None, tokenizer: str = "spm", router_margin: float = 4.0,
+                    residual_scale: float = 0.15, n_ctx_train: int = 512) -> Path:
+    """Write a tiny MoE GGUF model to ``path`` and return it as a ``Path``.
+
+    Args:
+        path: output file (parent directories are created; an existing file is replaced).
+        arch: one of ``ARCHS`` (``qwen3moe``, ``qwen2moe``, ``olmoe``, ``llama``, ``deepseek2``, ``gpt-oss``).
+        seed: RNG seed; the same arguments and seed give a byte-identical file.
+        n_layer: transformer blocks (for deepseek2, including the ``n_dense_lead`` leading dense ones).
+        n_embd: hidden size D (elements); must be a multiple of ``n_head`` and of the quant's block width
+            (32 for Q8_0/Q4_0, 256 for K-quants). Default: 64, or the block width when wider
+            (:func:`default_widths`).
+        n_expert: routed experts E per MoE layer (any value >= 1, e.g. 6 or 60; default 8).
+        n_expert_used: experts selected per token k (1 <= k <= E; default 2).
+        n_ff_exp: routed expert FFN width F (elements; a multiple of the quant's block width). Default: 32, or
+            the block width when wider.
+        n_shared: shared experts. qwen2moe: one shared FFN of width ``n_shared * n_ff_exp`` (default 1, >= 1);
+            deepseek2: ``expert_shared_count`` (default 1, >= 1); other archs: must be 0/None.
+        n_head: attention heads (head dim D / n_head; deepseek2 uses its own MLA sizes, see below).
+        n_dense_lead: deepseek2 only: leading dense FFN layers (``leading_dense_block_count``, < n_layer).
+        n_ff_dense: deepseek2 only: dense FFN width (default ``2 * n_ff_exp``).
+        quant: None/"F32", a file-type name (``FTYPES``), ``"mix"`` or a {pattern: ggml type} dict
+            (:mod:`hybrimoe.tiny.quantize`).
+        tokenizer: ``"spm"`` (llama SPM with byte fallback) or ``"bpe"`` (gpt2 byte-level BPE).
+        router_margin: designed minimum gap (router-logit units) between the k-th and (k+1)-th router logit
+            for the nominal hidden state of every vocabulary token (:mod:`hybrimoe.tiny.router`). Must be > 0.
+        residual_scale: RMS (relative to the embedding's) that each attention / FFN block adds to the residual
+            stream; smaller keeps routing closer to the design.
+        n_ctx_train: ``context_length`` written to the file.
+
+    deepseek2 MLA sizes (fixed): q_lora_rank 32 (none with 26 or 27 blocks: llama.cpp reads those as
+    DeepSeek-V2-Lite, whose queries have no low-rank projection), kv_lora_rank 32, qk_rope 16, qk_nope 16, v_head 16,
+    ``head_count_kv`` 1 (``key_length`` = kv_lora_rank + rope = 48, ``value_length`` = kv_lora_rank = 32,
+    ``key_length_mla`` 32, ``value_length_mla`` 16), sigmoid gating, ``expert_weights_norm`` true,
+    ``expert_weights_scale`` 2.5.
+
+    Raises:
+        ValueError: unknown arch, tokenizer or quant; inconsistent sizes (k > E, n_embd % n_head, rows not a
+            multiple of the quant block, shared experts on an arch without them, ...).
+        RuntimeError: llama.cpp's quantizer failed.
+    """
+    import gguf
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; valid: {', '.join(TOKENIZERS)}")
+    d_e, d_k, d_s = _DEFAULTS[arch]
+    E = d_e if n_expert is None else int(n_expert)
+    k = d_k if n_expert_used is None else int(n_expert_used)
+    ns = d_s if n_shared is None else int(n_shared)
+    qspec = parse_quant(quant)
+    d_embd, d_ff = _default_widths(qspec)
+    D = d_embd if n_embd is None else int(n_embd)
+    F = d_ff if n_ff_exp is None else int(n_ff_exp)
+    L = int(n_layer)
+    if L < 1 or D < 1 or F < 1:
+        raise ValueError("n_layer, n_embd and n_ff_exp must be >= 1")
+    if not 1 <= E <= 256:
+        raise ValueError(f"n_expert must be in 1..256, got {E}")
+    if not 1 <= k <= E:
+        raise ValueError(f"n_expert_used must be in 1..n_expert ({E}), got {k}")
+    if n_head < 1:
+        raise ValueError(f"n_head must be >= 1, got {n_head}")
+    if D % n_head:
+        raise ValueError(f"n_embd ({D}) must be a multiple of n_head ({n_head})")
+    if not np.isfinite(router_margin) or router_margin <= 0:
+        raise ValueError(f"router_margin must be a finite number > 0, got {router_margin}")
+    if not np.isfinite(residual_scale) or residual_scale < 0:
+        raise ValueError(f"residual_scale must be a finite number >= 0, got {residual_scale}")
+    if arch in ("qwen2moe", "deepseek2"):
+        if ns < 1:
+            raise ValueError(f"{arch} needs n_shared >= 1")
+    elif ns:
+        raise ValueError(f"{arch} has no shared experts (n_shared must be 0); qwen2moe and deepseek2 have them")
+    n_dense = 0
+    if arch == "deepseek2":
+        n_dense = int(n_dense_lead)
+        if not 0 <= n_dense < L:
+            raise ValueError(f"n_dense_lead must be in 0..n_layer-1 ({L - 1}), got {n_dense}")
+    n_ff_d = int(n_ff_dense) if n_ff_dense is not None else 2 * F
+    check_rows(quant, qspec, (("n_embd", D), ("n_ff_exp", F)))
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    hd = D // n_head
+    n_head_kv = n_head if arch == "olmoe" else max(1, n_head // 2)
+    s = float(residual_scale)
+
+    # write next to the target and rename at the end: a failure never leaves a damaged file at `path`
+    fd, out_tmp = tempfile.mkstemp(suffix=".tmp.gguf", dir=str(path.parent))
+    os.close(fd)
+    try:
+        if qspec is None:
+            _write(Path(out_tmp), gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d,
+                   tokenizer, router_margin, s, n_ctx_train)
+        else:
+            fd, tmp = tempfile.mkstemp(suffix=".f32.gguf", dir=str(path.parent))
+            os.close(fd)
+            try:
+                _write(Path(tmp), gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d,
+                       tokenizer, router_margin, s, n_ctx_train)
+                quantize_gguf(tmp, out_tmp, qspec.base, qspec.overrides)
+            finally:
+                os.unlink(tmp)
+        os.replace(out_tmp, path)
+    finally:
+        if os.path.exists(out_tmp):
+            os.unlink(out_tmp)
+    return path
+
+
+def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d, tokenizer,
+           router_margin, s, n_ctx_train):
+    """Write the F32 model of :func:`make_tiny_model` to ``path`` with the checked sizes (``D`` n_embd, ``F``
+    n_ff_exp, ``E`` experts, ``k`` top-k, ``ns`` shared experts, ``L`` blocks, ``hd`` head dim, ``n_ff_d`` dense
+    FFN width, ``s`` residual scale), drawing every weight from ``rng`` in a fixed order."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"hybrimoe-tiny-{arch}")
+    normal = _write_tokenizer(w, tokenizer)
+    n_vocab = len(normal)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(D)
+    w.add_block_count(L)
+    w.add_head_count(n_head)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_expert_count(E)
+    w.add_expert_used_count(k)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch in ("llama", "olmoe"):
+        w.add_feed_forward_length(F)
+    else:
+        w.add_feed_forward_length(n_ff_d if arch == "deepseek2" else F)
+        w.add_expert_feed_forward_length(F)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(ns * F)
+    mla = dict(q_lora=32, kv_lora=32, rope=16, nope=16, v=16)
+    # llama.cpp takes a deepseek2 model with 26 or 27 blocks for DeepSeek-V2-Lite, whose queries have no
+    # low-rank projection (src/models/deepseek2.cpp, is_lite): write attn_q then, like that model
+    lite = arch == "deepseek2" and L in (26, 27)
+    if arch == "deepseek2":
+        w.add_head_count_kv(1)
+        w.add_leading_dense_block_count(n_dense)
+        if not lite:
+            w.add_q_lora_rank(mla["q_lora"])
+        w.add_kv_lora_rank(mla["kv_lora"])
+        w.add_key_length(mla["kv_lora"] + mla["rope"])
+        w.add_value_length(mla["kv_lora"])
+        w.add_key_length_mla(mla["nope"] + mla["rope"])
+        w.add_value_length_mla(mla["v"])
+        w.add_rope_dimension_count(mla["rope"])
+        w.add_expert_shared_count(ns)
+        w.add_expert_weights_scale(2.5)
+        w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    else:
+        w.add_head_count_kv(n_head_kv)
+        w.add_rope_dimension_count(hd)
+    if arch == "gpt-oss":
+        w.add_sliding_window(64)
+        w.add_expert_weights_scale(1.0)
+
+    n_moe = L - n_dense
+    emb, routers, _ = router_design(rng, n_vocab, D, E, k, n_moe, router_margin)
+    t = {}
+    t["token_embd.weight"] = emb
+    t["output_norm.weight"] = np.ones(D, np.float32)
+    # output head: rows of byte, control and unused tokens are zero (logit 0), so greedy decoding emits
+    # text pieces (a lone byte token is invalid UTF-8 and llama-cpp-python then never stops generating)
+    t["output.weight"] = _normal(rng, (n_vocab, D), 1.0 / np.sqrt(D)) * normal[:, None].astype(np.float32)
+    for il in range(L):
+        p = f"blk.{il}."
+        t[p + "attn_norm.weight"] = np.ones(D, np.float32)
+        if arch == "deepseek2":
+            qk = mla["nope"] + mla["rope"]
+            t[p + "attn_kv_a_norm.weight"] = np.ones(mla["kv_lora"], np.float32)
+            if lite:
+                t[p + "attn_q.weight"] = _normal(rng, (n_head * qk, D), 1 / np.sqrt(D))
+            else:
+                t[p + "attn_q_a_norm.weight"] = np.ones(mla["q_lora"], np.float32)
+                t[p + "attn_q_a.weight"] = _normal(rng, (mla["q_lora"], D), 1 / np.sqrt(D))
+                t[p + "attn_q_b.weight"] = _normal(rng, (n_head * qk, mla["q_lora"]),
+                                                   1 / np.sqrt(mla["q_lora"]))
+            t[p + "attn_kv_a_mqa.weight"] = _normal(rng, (mla["kv_lora"] + mla["rope"], D), 1 / np.sqrt(D))
+            t[p + "attn_k_b.weight"] = _normal(rng, (n_head, mla["kv_lora"], mla["nope"]), 1 / np.sqrt(mla["nope"]))
+            t[p + "attn_v_b.weight"] = _normal(rng, (n_head, mla["v"], mla["kv_lora"]), 1 / np.sqrt(mla["kv_lora"]))
+            t[p + "attn_output.weight"] = _normal(rng, (D, n_head * mla["v"]), s / np.sqrt(n_head * mla["v"]))
+        else:
+            t[p + "attn_q.weight"] = _normal(rng, (n_head * hd, D), 1 / np.sqrt(D))
+            t[p + "attn_k.weight"] = _normal(rng, (n_head_kv * hd, D), 1 / np.sqrt(D))
+            t[p + "attn_v.weight"] = _normal(rng, (n_head_kv * hd, D), 1 / np.sqrt(D))
+            t[p + "attn_output.weight"] = _normal(rng, (D, n_head * hd), s / np.sqrt(n_head * hd))
+            if arch == "qwen3moe":
+                t[p + "attn_q_norm.weight"] = np.ones(hd, np.float32)
+                t[p + "attn_k_norm.weight"] = np.ones(hd, np.float32)
+            elif arch == "olmoe":
+                t[p + "attn_q_norm.weight"] = np.ones(D, np.float32)
+                t[p + "attn_k_norm.weight"] = np.ones(D, np.float32)
+            elif arch == "gpt-oss":
+                t[p + "attn_output.bias"] = np.zeros(D, np.float32)
+                t[p + "attn_sinks.weight"] = _normal(rng, (n_head,), 0.5)
+        if arch == "gpt-oss":
+            t[p + "post_attention_norm.weight"] = np.ones(D, np.float32)
+        else:
+            t[p + "ffn_norm.weight"] = np.ones(D, np.float32)
+        if il < n_dense:
+            t[p + "ffn_gate.weight"] = _normal(rng, (n_ff_d, D), 1 / np.sqrt(D))
+            t[p + "ffn_up.weight"] = _normal(rng, (n_ff_d, D), 1 / np.sqrt(D))
+            t[p + "ffn_down.weight"] = _normal(rng, (D, n_ff_d), 2 * s / np.sqrt(n_ff_d))
+            continue
+        t[p + "ffn_gate_inp.weight"] = routers[il - n_dense]
+        t[p + "ffn_gate_exps.weight"] = _normal(rng, (E, F, D), 1 / np.sqrt(D))
+        t[p + "ffn_up_exps.weight"] = _normal(rng, (E, F, D), 1 / np.sqrt(D))
+        t[p + "ffn_down_exps.weight"] = _normal(rng, (E, D, F), 2 * s / np.sqrt(F))
+        if arch == "gpt-oss":
+            t[p + "ffn_gate_inp.bias"] = np.zeros(E, np.float32)
+            t[p + "ffn_gate_exps.bias"] = _normal(rng, (E, F), 0.05)
+            t[p + "ffn_up_exps.bias"] = _normal(rng, (E, F), 0.05)
+            t[p + "ffn_down_exps.bias"] = _normal(rng, (E, D), 0.05 * s)
+        if arch in ("qwen2moe", "deepseek2"):
+            fs = ns * F
+            if arch == "qwen2moe":
+                t[p + "ffn_gate_inp_shexp.weight"] = _normal(rng, (D,), 1 / np.sqrt(D))
+            t[p + "ffn_gate_shexp.weight"] = _normal(rng, (fs, D), 1 / np.sqrt(D))
+            t[p + "ffn_up_shexp.weight"] = _normal(rng, (fs, D), 1 / np.sqrt(D))
+            t[p + "ffn_down_shexp.weight"] = _normal(rng, (D, fs), 2 * s / np.sqrt(fs))
+    for name, arr in t.items():
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
