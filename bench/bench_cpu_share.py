@@ -6,8 +6,8 @@ the engine's own plan/combine ops and the transfers), and everything the GPU sha
 
 Model: a DeepSeek-V2-Lite-shaped synthetic Q4_K_M GGUF at full width (``hybrimoe.tiny.make_synthetic_model``:
 n_embd 2048, 64 experts of width 1408, top-6, 2 shared experts, MLA attention), ``--layers`` blocks (the first
-dense), with routing replayed from the DeepSeek-V2-Lite trace (``../shared/traces/dsv2lite_dev.npz``, its first
-``layers - 1`` MoE layers): real activation patterns on random weights.
+dense), with routing replayed from the DeepSeek-V2-Lite development trace (a file given with ``--trace`` /
+``$HYBRIMOE_TRACE``; its first ``layers - 1`` MoE layers): real activation patterns on random weights.
 
 Configurations, one after another on one RPC server (each loaded, warmed up once, measured ``--reps`` times, closed):
 

@@ -1,4 +1,4 @@
-"""Overhead benchmark of the hybrid CPU+GPU MoE engine against upstream llama.cpp (engine issue, two figures).
+"""Overhead benchmark of the hybrid CPU+GPU MoE engine against upstream llama.cpp: two figures.
 
 1. CPU-only overhead. Upstream CPU-only (``Llama(model, n_gpu_layers=0, no_repack=True)``) against the engine
    attached with nothing cached (``moe_cache=0``: every routed expert still runs on ggml's CPU kernels, through

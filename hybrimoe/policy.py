@@ -294,7 +294,7 @@ def load_hardware(name_or_path: str) -> Hardware:
 
 
 def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostModel":
-    """Derives a CostModel for ``model`` on ``hw`` (HYBRIMOE.md §1, "Facts for presets").
+    """Derives a CostModel for ``model`` on ``hw`` (docs/design.md §1 and §6).
 
     - CPU expert: reading its bytes at the effective host bandwidth (a decode-time expert is bandwidth bound), plus
       2*params FLOP per token at the effective CPU throughput; start-up from the preset.

@@ -18,10 +18,11 @@ field              shape / dtype                  meaning
 ``router_scores``  ``[tokens, moe_layers, E]``    optional router probabilities (float16/32)
 ================== ============================== =====================================================
 
-Files without ``format`` (such as ``../shared/traces/dsv2lite_dev.npz``: ids, offsets, ``moe_layer_ids``,
-``num_experts``, ``top_k``, no scores) load as version 0; their model facts come from :data:`MODEL_FACTS`
-(``model=`` or recognised by shape). Without router scores, score-based policies (MRS) fall back to 1/top_k for
-each activated expert: say so in any result that uses such a trace.
+Files without ``format`` (such as the DeepSeek-V2-Lite development trace, a file given with ``--trace`` /
+``$HYBRIMOE_TRACE``, docs/design.md §12: ids, offsets, ``moe_layer_ids``, ``num_experts``, ``top_k``, no scores)
+load as version 0; their model facts come from :data:`MODEL_FACTS` (``model=`` or recognised by shape). Without
+router scores, score-based policies (MRS) fall back to 1/top_k for each activated expert: say so in any result that
+uses such a trace.
 """
 from __future__ import annotations
 
@@ -78,10 +79,10 @@ def _dsv2_lite() -> ModelFacts:
         sources={
             "shape": "DeepSeek-V2-Lite config.json: hidden 2048, moe_intermediate 1408, intermediate 10944, 27 layers "
                      "(first 1 dense), 64 routed experts, top-6, 2 shared, 16 heads, kv_lora_rank 512, "
-                     "qk_nope 128 + qk_rope 64, v_head 128; HYBRIMOE.md (Setting, Facts for presets)",
-            "expert_bytes": "HYBRIMOE.md: Q4_K_M DeepSeek-V2-Lite, gate+up Q4_K (4.5 bpw, 3.24 MB) + ffn_down legacy "
-                            "fallback (Q8_0, 8.5 bpw, 3.06 MB) = 6.31 MB, the top of the 5.2-6.3 MB range; read the "
-                            "real sizes from the GGUF when one is at hand",
+                     "qk_nope 128 + qk_rope 64, v_head 128; docs/design.md §6",
+            "expert_bytes": "docs/design.md §6: Q4_K_M DeepSeek-V2-Lite, gate+up Q4_K (4.5 bpw, 3.24 MB) + ffn_down "
+                            "legacy fallback (Q8_0, 8.5 bpw, 3.06 MB) = 6.31 MB, the top of the 5.2-6.3 MB range; read "
+                            "the real sizes from the GGUF when one is at hand",
             "non_expert": "our arithmetic from the config (MLA attention 13.8 M + 2 shared experts 17.3 M + router "
                           "0.13 M params per MoE layer), stored at the experts' bytes per parameter (assumption)",
         },
@@ -185,9 +186,10 @@ class RoutingTrace:
 
 
 def default_trace_path() -> Path:
-    """``$HYBRIMOE_TRACE``, else ``shared/traces/dsv2lite_dev.npz`` beside the checkout: looked up next to the
-    source tree and next to the current directory and its parents (an installed package is not in the
-    checkout). Returns the first that exists, or the one beside the current directory."""
+    """Where the DeepSeek-V2-Lite development trace is (docs/design.md §12): ``$HYBRIMOE_TRACE``, else the
+    default relative path ``shared/traces/dsv2lite_dev.npz``, looked up beside the source tree and in the current
+    directory and its parents (an installed package is not in the checkout). Returns the first that exists, or the
+    one beside the current directory."""
     env = os.environ.get("HYBRIMOE_TRACE")
     if env:
         return Path(env)

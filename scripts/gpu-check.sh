@@ -8,7 +8,8 @@
 #   llama_cpp_python-<v>-trimmed.tar.gz  llama-cpp-python's Python package + CMake files + a trimmed
 #                                        vendor/llama.cpp (scripts/pack-llama-source.sh; CUDA sources kept)
 #   wheels/       gguf and diskcache, pure-Python wheels (absent from the GPU machine's Python 3.12)
-#   trace.npz     the first prompts (GPUCHECK_TRACE_TOKENS, default 16384 tokens) of ../shared/traces/dsv2lite_dev.npz
+#   trace.npz     the first prompts (GPUCHECK_TRACE_TOKENS, default 16384 tokens) of the DeepSeek-V2-Lite
+#                 development trace (GPUCHECK_TRACE, else $HYBRIMOE_TRACE, else the default path in prepare)
 # Nothing in it is ever committed (upstream source, wheels, trace).
 #
 # run, one step after another, each under a time budget (a failed or timed-out step is recorded and the next

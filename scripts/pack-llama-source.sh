@@ -3,7 +3,7 @@
 #   scripts/pack-llama-source.sh OUT.tar.gz [SDIST]
 # then there: HYBRIMOE_LLAMA_SRC=OUT.tar.gz pip install --no-build-isolation .
 # The tree is taken from the pinned sdist (fetched by pip if SDIST is not given) and keeps only what the build
-# reads (LLAMACPP-NOTES section 10): CMake files, ggml without the backends hybrimoe never builds, src, include,
+# reads (docs/design.md §11): CMake files, ggml without the backends hybrimoe never builds, src, include,
 # common, vendor, tools/rpc. prepare_source.py patches it like the sdist.
 set -euo pipefail
 out=${1:?usage: $0 OUT.tar.gz [SDIST]}

@@ -1,5 +1,6 @@
-"""``hybrimoe bench`` (issue 5, item 3) end to end on the RPC stand-in: one row per mode in JSON and CSV, the same
-tokens in every mode, clear errors for bad input. No speed is asserted (the stand-in is the same CPU)."""
+"""``hybrimoe bench`` (hybrimoe against upstream's placements) end to end on the RPC stand-in: one row per mode in
+JSON and CSV, the same tokens in every mode, clear errors for bad input. No speed is asserted (the stand-in is the
+same CPU)."""
 from __future__ import annotations
 
 import csv

@@ -1,4 +1,4 @@
-"""Issue 5, item 5: the engine and the simulator make the same decisions. The engine logs each (MoE layer, ubatch)
+"""The engine and the simulator make the same decisions (docs/design.md §7). The engine logs each (MoE layer, ubatch)
 (routing, router scores, expert bytes, copy-queue estimate, predictions); the simulator replays that log through
 fresh policies of the same preset, budget and cost model and must reproduce every decision exactly: cached, the
 planned and the run split, demand loads admitted / declined, first-use copies, prefetches, fills, evictions and

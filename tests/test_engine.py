@@ -1,6 +1,6 @@
-"""The hybrid engine (issue 4) against its oracle: upstream llama.cpp with the same placement (non-expert weights on
-the device, routed experts in host memory, no repacking: ``-ngl 99 -ot exps=CPU --no-repack``), on the RPC
-stand-in device. The pairwise matrix is in test_engine_matrix.py (slow)."""
+"""The hybrid engine against its oracle (docs/design.md §12): upstream llama.cpp with the same placement
+(non-expert weights on the device, routed experts in host memory, no repacking: ``-ngl 99 -ot exps=CPU
+--no-repack``), on the RPC stand-in device. The pairwise matrix is in test_engine_matrix.py (slow)."""
 from __future__ import annotations
 
 import os
@@ -576,9 +576,10 @@ def test_many_ubatch_sizes_keep_upstreams_numbers(tiny_model, rpc_server, engine
 
 
 def test_decision_log_matches_what_ran(tiny_model, rpc_server, split_cost_model, engine_tools):
-    """The engine's decision records (input for the simulator replay of issue 5) agree with what ran: one record per
-    MoE layer and ubatch with the routed ids the layer saw, GPU experts summing to the engine's counters, every
-    split consistent (a planned GPU expert either ran there or was declined by the cache), evicted experts gone."""
+    """The engine's decision records (what the simulator replays in test_decision_replay.py) agree with what ran:
+    one record per MoE layer and ubatch with the routed ids the layer saw, GPU experts summing to the engine's
+    counters, every split consistent (a planned GPU expert either ran there or was declined by the cache), evicted
+    experts gone."""
     from hybrimoe import Llama
 
     path = tiny_model("qwen3moe", "Q4_K_M")

@@ -1,4 +1,4 @@
-"""Pairwise correctness matrix of the hybrid engine (issue 4, item 7), slow suite (CI runs it: ``pytest``).
+"""Pairwise correctness matrix of the hybrid engine (docs/design.md §12), slow suite (CI runs it: ``pytest``).
 
 Every pair of values of any two dimensions appears in some run (allpairspy), not the full product:
 architecture x quantisation x cache size (expert slots: 0, 1, top-k - 1, top-k, all) x policy x ubatch x prompt

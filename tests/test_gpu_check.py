@@ -1,4 +1,4 @@
-"""The GPU check's pieces that run without a GPU (issue 5, item 4): the synthetic DeepSeek-V2-Lite-shaped model
+"""The GPU check's pieces that run without a GPU (scripts/gpu-check.sh): the synthetic DeepSeek-V2-Lite-shaped model
 whose quantized blocks are written directly (hybrimoe.tiny.make_synthetic_model), and scripts/gpu_check.py's
 packing, trace, bench-model and summary steps. The script itself is rehearsed end to end by hand
 (``OUT=/tmp/gpucheck-out scripts/gpu-check.sh run``: it builds everything, too slow for the suite)."""

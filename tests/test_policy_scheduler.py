@@ -20,7 +20,7 @@ def cost(cpu_a=1e-4, cpu_b=1e-6, start=2e-5, gpu_a=2e-5, gpu_b=1e-7, bw=12e9, la
 
 
 def py_makespan(li, cm, on_gpu, copy_order=None, gpu_order=None):
-    """Independent evaluator from the spec: CPU back to back (+start-up), copies back to back from pcie_free,
+    """Independent evaluator from docs/design.md §2: CPU back to back (+start-up), copies back to back from pcie_free,
     GPU after one activation round trip, each task after its copy. Default orders: copies by load desc (ties
     expert id), GPU earliest-ready first."""
     k = len(li.experts)

@@ -1,5 +1,5 @@
-"""Routing replay from a trace (``--replay-trace``; issue 5, item 2): the model's MoE layers see exactly the
-trace's expert ids, for upstream's placements and the engine alike; mismatched traces are refused."""
+"""Routing replay from a trace (``--replay-trace``; patch 0002, docs/design.md §8): the model's MoE layers see
+exactly the trace's expert ids, for upstream's placements and the engine alike; mismatched traces are refused."""
 from __future__ import annotations
 
 import subprocess

@@ -1,6 +1,6 @@
 """Placements on the accelerator stand-in (a ggml RPC server with --device CPU on 127.0.0.1, started here).
 
-Oracle: upstream's own placements agree on short prompts (LLAMACPP-NOTES section 6/11): CPU only, all layers on
+Oracle: upstream's own placements agree on short prompts (docs/design.md §12): CPU only, all layers on
 the RPC device, and all layers on the device with routed experts kept in host memory (-ot exps=CPU) give the
 same greedy tokens; with hybrimoe's hook on the last placement the tokens stay the same.
 """

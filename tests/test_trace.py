@@ -1,4 +1,5 @@
-"""Trace format (hybrimoe.trace v1) and the loader for ../shared/traces/dsv2lite_dev.npz."""
+"""Trace format (hybrimoe.trace v1) and the loader for the DeepSeek-V2-Lite development trace (a file given with
+--trace / $HYBRIMOE_TRACE; docs/design.md §12)."""
 import numpy as np
 import pytest
 
@@ -82,7 +83,7 @@ def test_bad_files(tmp_path):
 def test_dsv2lite_facts_match_hybrimoe_md():
     f = MODEL_FACTS["deepseek-v2-lite"]
     assert f.expert_params == 3 * 2048 * 1408
-    # HYBRIMOE.md: gate+up Q4_K 3.24 MB, about 5.2-6.3 MB per expert in total.
+    # docs/design.md §6: gate+up Q4_K 3.24 MB, about 5.2-6.3 MB per expert in total.
     assert 2 * 2048 * 1408 * 4.5 / 8 == pytest.approx(3.24e6, rel=2e-3)
     assert 5.2e6 <= f.expert_bytes <= 6.32e6
 

@@ -3,7 +3,7 @@
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "HybriMoE policy core (cost model, expert cache, scheduler, prefetcher) and trace simulator.\n"
-              "Source: Zhong et al., HybriMoE, arXiv:2504.05897; spec: HYBRIMOE.md.";
+              "Source: Zhong et al., HybriMoE, arXiv:2504.05897; design: docs/design.md.";
     hybrimoe_bind::bind_cost_model(m);
     hybrimoe_bind::bind_scheduler(m);
     hybrimoe_bind::bind_expert_cache(m);

@@ -164,8 +164,8 @@ void bind_simulator(py::module_ & m) {
           py::arg("has_slots"), py::arg("prefetch_layers"), py::arg("fill_on_miss"), R"doc(
 Replays the engine's decision records (``Engine.take_log()``, logged from its first ubatch on) through fresh policy
 objects built as the engine's were (same preset, budget in slots, initial fill) with the engine's cost model and
-rules, and returns the simulator's records (same keys; its own decisions). Issue 5, item 5; see
-``hybrimoe.simulate.replay_engine_log``.
+rules, and returns the simulator's records (same keys; its own decisions, which must equal the engine's:
+docs/design.md §7); see ``hybrimoe.simulate.replay_engine_log``.
 
 Raises:
     ValueError: a record misses a key, has the wrong types, or does not fit the cache (layer, expert, shapes).

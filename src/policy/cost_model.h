@@ -1,4 +1,4 @@
-// Cost model of one MoE layer's work on CPU, GPU and the host-to-device link (HybriMoE §IV.B; HYBRIMOE.md §1).
+// Cost model of one MoE layer's work on CPU, GPU and the host-to-device link (HybriMoE §IV.B; docs/design.md §1).
 #pragma once
 
 namespace hybrimoe {
@@ -9,7 +9,7 @@ namespace hybrimoe {
 /// - GPU expert over n tokens: `gpu_a_s + gpu_b_s * n`.
 /// - Host-to-device copy of `bytes`: `bytes / h2d_bandwidth_Bps + h2d_latency_s`.
 /// - A GPU share of a layer moves the hidden state to the GPU and the partial output back once:
-///   `act_a_s + act_b_s * n_tokens` (our MoE op runs on the host side; HYBRIMOE.md §1).
+///   `act_a_s + act_b_s * n_tokens` (our MoE op runs on the host side; docs/design.md §1).
 /// - Non-expert work of a MoE layer (attention, router, shared experts): `layer_a_s + layer_b_s * n_tokens`;
 ///   of a dense layer: `dense_a_s + dense_b_s * n_tokens`.
 /// - `copy_overlap` in [0, 1]: the share of a host-to-device copy's time during which the device still computes.

@@ -63,7 +63,8 @@ void MRSPolicy::observe(const LayerObservation & obs) {
             for (double & v : agg_) v /= obs.n_tokens;
         }
     } else {
-        // No router scores: each token gives 1/top_k to each of its activated experts (HYBRIMOE.md fallback).
+        // No router scores: each token gives 1/top_k to each of its activated experts (docs/design.md §4,
+        // no-scores fallback).
         for (size_t i = 0; i < obs.experts.size(); ++i) {
             agg_[obs.experts[i]] = use_max_ ? 1.0 / obs.top_k : double(obs.loads[i]) / (double(obs.n_tokens) * obs.top_k);
         }

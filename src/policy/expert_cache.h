@@ -1,4 +1,4 @@
-// GPU expert cache over one global byte budget shared by all MoE layers (HybriMoE §IV.D; HYBRIMOE.md §3).
+// GPU expert cache over one global byte budget shared by all MoE layers (HybriMoE §IV.D; docs/design.md §4).
 #pragma once
 
 #include <algorithm>
@@ -11,7 +11,7 @@
 namespace hybrimoe {
 
 /// What a cache policy sees of one (MoE layer, ubatch) after its router ran.
-/// `scores` is empty (no router scores: MRS then scores each activated expert 1/top_k per token, as the spec
+/// `scores` is empty (no router scores: MRS then scores each activated expert 1/top_k per token, as docs/design.md §4
 /// says for traces without scores) or row-major `[n_tokens, n_experts]` router probabilities.
 struct LayerObservation {
     int64_t step = 0;              ///< ubatch index (decode: token index)

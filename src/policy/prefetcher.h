@@ -1,4 +1,4 @@
-// Inter-layer expert prefetching (HybriMoE §IV.C; HYBRIMOE.md §2).
+// Inter-layer expert prefetching (HybriMoE §IV.C; docs/design.md §3).
 #pragma once
 
 #include <cstdint>

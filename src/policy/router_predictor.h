@@ -1,4 +1,4 @@
-// Look-ahead routing prediction for prefetching (HybriMoE §IV.C; HYBRIMOE.md §2 step 1).
+// Look-ahead routing prediction for prefetching (HybriMoE §IV.C; docs/design.md §3 step 1).
 //
 // Hidden states change little between consecutive layers (the residual stream), so the routers of the next MoE
 // layers applied to the current layer's hidden state predict which experts those layers will activate. This is

@@ -1,4 +1,4 @@
-// Intra-layer CPU/GPU split of a MoE layer's activated experts (HybriMoE §IV.B; HYBRIMOE.md §1).
+// Intra-layer CPU/GPU split of a MoE layer's activated experts (HybriMoE §IV.B; docs/design.md §2).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Device measurements for the cost model (hybrimoe calibrate, hybrimoe/calibrate.py; HYBRIMOE.md §1 "h2d").
+// Device measurements for the cost model (hybrimoe calibrate, hybrimoe/calibrate.py; docs/design.md §1).
 #pragma once
 
 #include "ggml-backend.h"

@@ -1,4 +1,4 @@
-// The hybrid CPU+GPU MoE engine (HybriMoE, Zhong et al., DAC 2025; HYBRIMOE.md, ARCHITECTURE.md).
+// The hybrid CPU+GPU MoE engine (HybriMoE, Zhong et al., DAC 2025; docs/design.md §7-§8).
 //
 // One Engine per llama_context, driven by the MoE hook (moe_hook.h). Per MoE layer and ubatch the hook's subgraph
 // is (node names "hybrimoe_*-il"):
