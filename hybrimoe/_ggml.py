@@ -51,15 +51,17 @@ DEV_CPU, DEV_GPU, DEV_IGPU, DEV_ACCEL = 0, 1, 2, 3
 _registered_endpoints: dict[str, int] = {}
 
 
-def devices() -> list[dict]:
+def devices(memory: bool = True) -> list[dict]:
     """All registered ggml devices: dicts with ``ptr``, ``name``, ``description``, ``type``, ``reg``, ``buft``,
-    ``buft_name``, ``free`` and ``total`` (bytes)."""
+    ``buft_name``, ``free`` and ``total`` (bytes; 0 with ``memory=False``, which asks no device: an RPC server
+    that has gone away is not contacted)."""
     g = libggml()
     out = []
     for i in range(g.ggml_backend_dev_count()):
         d = g.ggml_backend_dev_get(i)
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        g.ggml_backend_dev_memory(d, ctypes.byref(free), ctypes.byref(total))
+        if memory:
+            g.ggml_backend_dev_memory(d, ctypes.byref(free), ctypes.byref(total))
         reg = g.ggml_backend_dev_backend_reg(d)
         buft = g.ggml_backend_dev_buffer_type(d)
         out.append({
@@ -148,7 +150,7 @@ def rpc_connection_error(endpoint: str) -> str:
 def _endpoint_devices(endpoint: str) -> list[int]:
     # RPC devices hang off the one "RPC" registry; each names its server in its buffer type, "RPCn[HOST:PORT]"
     # (ggml-rpc.cpp), or in its description
-    return [d["ptr"] for d in devices()
+    return [d["ptr"] for d in devices(memory=False)
             if d["buft_name"].endswith(f"[{endpoint}]") or d["description"] == endpoint]
 
 
@@ -213,7 +215,7 @@ def local_gpus() -> list[int]:
     """Device pointers of this machine's accelerators (GPU or integrated GPU), without the RPC servers this
     process registered (those belong to the Llama instances that named them)."""
     rpc = rpc_device_ptrs()
-    return [d["ptr"] for d in devices() if d["type"] in (DEV_GPU, DEV_IGPU) and d["ptr"] not in rpc]
+    return [d["ptr"] for d in devices(memory=False) if d["type"] in (DEV_GPU, DEV_IGPU) and d["ptr"] not in rpc]
 
 
 def accelerator(rpc_devs: list[int]) -> int | None:
@@ -230,7 +232,7 @@ def device_label(ptr: int | None) -> str:
     None. Calibrations are stored under it."""
     if not ptr:
         return "cpu"
-    d = next(x for x in devices() if x["ptr"] == ptr)
+    d = next(x for x in devices(memory=False) if x["ptr"] == ptr)
     return d["description"] or d["name"]
 
 
@@ -241,7 +243,7 @@ def buffer_type(name: str) -> int:
     Raises:
         ValueError: no device has a buffer type of that name (the message lists the known names).
     """
-    devs = devices()
+    devs = devices(memory=False)
     for d in devs:
         if d["buft_name"] == name:
             return d["buft"]

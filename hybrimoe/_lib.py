@@ -29,6 +29,18 @@ def _llama_cpp_lib_dir() -> Path:
     return Path(spec.origin).resolve().parent / "lib"
 
 
+def server_env(env: dict) -> dict:
+    """``env`` for a child process running one of hybrimoe's native programs (``ggml-rpc-server``): its library
+    search path starts with hybrimoe's lib folder (our ggml-cpu) and then llama-cpp-python's (the ggml it
+    installed), wherever each is installed (the programs' RUNPATH finds llama-cpp-python only beside hybrimoe)."""
+    out = dict(env)
+    dirs = [str(LIB_DIR), str(_llama_cpp_lib_dir())]
+    if out.get("LD_LIBRARY_PATH"):
+        dirs.append(out["LD_LIBRARY_PATH"])
+    out["LD_LIBRARY_PATH"] = os.pathsep.join(dirs)
+    return out
+
+
 _loaded = None
 
 

@@ -364,7 +364,7 @@ def run(args) -> int:
     if not endpoint:
         from . import _ggml
 
-        if not any(d["type"] in (_ggml.DEV_GPU, _ggml.DEV_IGPU) for d in _ggml.devices()):
+        if not any(d["type"] in (_ggml.DEV_GPU, _ggml.DEV_IGPU) for d in _ggml.devices(memory=False)):
             print("hybrimoe bench: error: no GPU found: give --rpc HOST:PORT (a ggml-rpc-server) or --stand-in",
                   file=sys.stderr)
             return 1

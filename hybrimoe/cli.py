@@ -257,12 +257,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def rpc_server_main() -> None:
     """``ggml-rpc-server``: upstream's RPC server as built by hybrimoe (same flags)."""
+    from ._lib import server_env
     from .rpc import SERVER_BIN
 
     if not SERVER_BIN.exists():
         print(f"ggml-rpc-server: {SERVER_BIN} is missing (hybrimoe not built)", file=sys.stderr)
         sys.exit(1)
-    os.execv(str(SERVER_BIN), [str(SERVER_BIN)] + sys.argv[1:])
+    os.execve(str(SERVER_BIN), [str(SERVER_BIN)] + sys.argv[1:], server_env(os.environ))
 
 
 if __name__ == "__main__":

@@ -260,13 +260,13 @@ def host_buffer_type_name(device_ptr: int) -> Optional[str]:
 
 
 def device_memory(device_ptr: int) -> tuple[int, int]:
-    """(free, total) bytes of a ggml device."""
+    """(free, total) bytes of a ggml device (asks that device only: ``ggml_backend_dev_memory``)."""
     from . import _ggml
 
-    for d in _ggml.devices():
-        if d["ptr"] == device_ptr:
-            return int(d["free"]), int(d["total"])
-    raise ValueError("unknown ggml device")
+    g = _ggml.libggml()
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    g.ggml_backend_dev_memory(ctypes.c_void_p(device_ptr), ctypes.byref(free), ctypes.byref(total))
+    return int(free.value), int(total.value)
 
 
 def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], policies: pol.PolicySet,

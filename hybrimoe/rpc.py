@@ -2,11 +2,13 @@
 
 The ggml RPC backend (upstream ``tools/rpc``) with ``--device CPU`` serves a CPU as a device whose memory is
 reached only through the RPC protocol, like a GPU's. hybrimoe's tests and benchmarks use it as the accelerator
-stand-in (ARCHITECTURE.md, "Test doubles"). It binds to 127.0.0.1 only and serves one client at a time, so
+stand-in (docs/design.md §12). It binds to 127.0.0.1 only and serves one client at a time, so
 each process that needs one starts its own.
 
 With ``stats_path`` the server tallies the commands it serves (hybrimoe patch 0004, ``HYBRIMOE_RPC_STATS`` in its
 environment): device-side counts of host-to-device and device-to-host transfers. :func:`read_stats` reads them.
+With ``memory_bytes`` it reports a device of that size (hybrimoe patch 0006, ``HYBRIMOE_RPC_MEMORY``): free memory
+is that less the buffers the client holds, as a GPU's would be.
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from ._lib import LIB_DIR
+from ._lib import LIB_DIR, server_env
 
 SERVER_BIN = LIB_DIR / "ggml-rpc-server"
 STATS_ENV = "HYBRIMOE_RPC_STATS"
+MEMORY_ENV = "HYBRIMOE_RPC_MEMORY"
 STATS_SCHEMA = "hybrimoe.rpc_stats/1"
 
 
@@ -44,14 +47,17 @@ class RPCServer:
         stats_path: tally the commands served into this file (appended: one JSON record per client connection,
             written when the client disconnects; see :func:`read_stats`). None: no tally, whatever
             ``$HYBRIMOE_RPC_STATS`` says.
+        memory_bytes: report a device of this many bytes (free: that less the client's buffers). None: the
+            device's own figures (the host's RAM for ``CPU``), whatever ``$HYBRIMOE_RPC_MEMORY`` says.
     Raises:
         FileNotFoundError: the server binary was not built.
-        ValueError: ``stats_path`` is a directory or its directory does not exist.
+        ValueError: ``stats_path`` is a directory or its directory does not exist; ``memory_bytes`` < 1.
         RuntimeError: the server exited or did not listen in time (its output is in the message).
     """
 
     def __init__(self, port: int | None = None, threads: int = 1, device: str = "CPU",
-                 startup_timeout_s: float = 30.0, stats_path: str | os.PathLike | None = None):
+                 startup_timeout_s: float = 30.0, stats_path: str | os.PathLike | None = None,
+                 memory_bytes: int | None = None):
         if not SERVER_BIN.exists():
             raise FileNotFoundError(f"{SERVER_BIN} is missing: hybrimoe's native part was not built")
         self.stats_path: Path | None = None
@@ -62,6 +68,10 @@ class RPCServer:
             if not sp.parent.is_dir():
                 raise ValueError(f"stats_path {sp}: directory {sp.parent} does not exist")
             self.stats_path = sp
+        if memory_bytes is not None and (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int)
+                                         or memory_bytes < 1):
+            raise ValueError(f"memory_bytes must be a positive integer, got {memory_bytes!r}")
+        self.memory_bytes = memory_bytes
         self.port = port or free_port()
         self.threads = threads
         self.device = device
@@ -80,10 +90,13 @@ class RPCServer:
         self._log_path = Path(log)
         cmd = [str(SERVER_BIN), "--device", self.device, "-H", "127.0.0.1", "-p", str(self.port),
                "-t", str(self.threads)]
-        env = dict(os.environ)
+        env = server_env(os.environ)
         env.pop(STATS_ENV, None)
+        env.pop(MEMORY_ENV, None)
         if self.stats_path is not None:
             env[STATS_ENV] = str(self.stats_path)
+        if self.memory_bytes is not None:
+            env[MEMORY_ENV] = str(self.memory_bytes)
         self.proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, preexec_fn=_die_with_parent)
         os.close(fd)

@@ -483,6 +483,9 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
             rows += gpu_->pairs(*l) * dst->ne[0];
         }
         ggml_backend_synchronize(pool_.compute());
+        // the launches waited for every copy queued so far: the copy queue is empty now, whatever the estimate
+        // (a bandwidth below the real one would otherwise let the estimate run ahead without bound)
+        if (pool_.all_copies_waited()) pcie_free_at_ = std::min(pcie_free_at_, now());
         if (drop_gpu_) std::memset(dst->data, 0, down);
         std::lock_guard<std::mutex> lock(stats_mu_);
         stats_[(size_t) run.ml].bytes_act_d2h += (double) down;

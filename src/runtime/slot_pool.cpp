@@ -187,6 +187,7 @@ double SlotPool::copy(int layer, int expert, const ggml_tensor * gate, const ggm
 
 void SlotPool::wait_for_copy(uint64_t seq) {
     if (seq == 0 || events_.empty()) return;
+    waited_seq_ = std::max(waited_seq_, seq);
     // a ring slot holds its copy or a later one of the same in-order queue: waiting on it covers seq (the oldest
     // record still in the ring that is not older than seq: waits no longer than needed)
     const uint64_t oldest = copy_seq_ >= (uint64_t) kEvents ? copy_seq_ - kEvents + 1 : 1;

@@ -75,6 +75,9 @@ public:
     uint64_t copy_seq(int64_t key) const { return key_copy_seq_[(size_t) key]; }
     /// Makes the compute queue wait until the copy with sequence number `seq` ended (0: nothing to wait for).
     void wait_for_copy(uint64_t seq);
+    /// Whether every copy queued so far has been waited for by the compute queue (wait_for_copy of the last one):
+    /// once the compute queue is synchronised, the copy queue is then empty.
+    bool all_copies_waited() const { return events_.empty() || waited_seq_ >= copy_seq_; }
 
     /// A view of region `which` (0 gate, 1 up, 2 down) as a [like->ne[0], like->ne[1], n_slots + 1] tensor of
     /// like's type, in `ctx` (no_alloc), pointing into the pool.
@@ -96,6 +99,7 @@ private:
     static constexpr int kEvents = 64;
     std::vector<ggml_backend_event_t> events_;
     uint64_t copy_seq_ = 0;
+    uint64_t waited_seq_ = 0;  // the latest copy the compute queue was made to wait for
     ggml_context * ctx_ = nullptr;
     ggml_backend_buffer_t buf_ = nullptr;
     ggml_tensor * pool_ = nullptr;
