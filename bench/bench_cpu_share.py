@@ -106,11 +106,11 @@ def measure(label, llm, prompt, n_gen, reps, n_moe, policy=None):
     from hybrimoe._lib import llama_cpp_module
 
     lc = llama_cpp_module().llama_cpp
-    ctx = llm._ctx.ctx
+    ctx = llm.ctx
     rows = []
     for rep in range(reps + 1):
         llm.reset()
-        eng = llm._moe_engine
+        eng = llm.moe_engine
         if eng is not None:
             eng.reset_stats()
         if policy is not None:

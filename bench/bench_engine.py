@@ -229,7 +229,7 @@ def part2(args) -> dict:
                         hit_rate=(e["hits"] / e["accesses"]) if e["accesses"] else float("nan"),
                         mib_copied_per_token=e["bytes"] / 2**20 / max(1, n_tok),
                         gpu_expert_share=e["gpu_experts"] / max(1, e["gpu_experts"] + e["cpu_experts"]),
-                        n_slots=c.llm._moe_engine.n_slots)
+                        n_slots=c.llm.moe_engine.n_slots)
                     en = entry["engine"]
                     eng_cols = [f"{en['plan_us_per_layer']:.0f}", f"{en['wait_us_per_layer']:.0f}",
                                 f"{en['layer_us_per_layer']:.0f}", f"{en['hit_rate']:.3f}",

@@ -73,7 +73,7 @@ _CHILD = textwrap.dedent("""
         for run in ("load", "prompt", "n1", "n2"):
             llm = Llama(str(path), **kw)
             llm.eval(prompt)  # warm-up: graphs allocated, the engine's GPU experts copied
-            eng = llm._moe_engine
+            eng = llm.moe_engine
             if eng is not None:
                 eng.reset_stats()
             if run != "load":

@@ -17,7 +17,7 @@ def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: 
               quick: bool = False, progress: bool = True, desc: str = "calibrating") -> tuple["_core.CostModel", dict, str]:
     """Measures the cost model of ``model_path`` on this machine (``hybrimoe calibrate``): loads it once with the
     engine's hook (``moe_cache=0``, the user's devices) and runs :func:`measure` with GPU slots for every expert
-    (half the device's free memory when they do not fit).
+    when they fit the device's free memory, else as many as ``moe_cache="auto"`` would take.
 
     Returns ``(cost model, sources {field: how it was measured}, device name)``. Without an accelerator (no GPU, no
     ``rpc_servers``) the GPU and copy fields stay at the default preset's values (marked so).
@@ -25,7 +25,7 @@ def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: 
     Raises:
         ValueError: not a MoE model or not loadable; RuntimeError: a measurement failed.
     """
-    from .engine import device_memory, engine_facts, resolve_cost_model
+    from .engine import auto_slots, device_memory, engine_facts, resolve_cost_model
     from .llama import Llama
 
     facts = engine_facts(model_path)
@@ -40,10 +40,9 @@ def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: 
         dev = llm.moe_setup.device
         n_slots = 0
         if dev:
+            # every expert if it fits beside the GPU share's work buffers, else what "auto" would take
             free, _ = device_memory(dev)
-            n_slots = len(facts.moe_layers) * facts.n_expert
-            if (n_slots + 1) * facts.slot_bytes > free:
-                n_slots = max(1, int(free // facts.slot_bytes) // 2)
+            n_slots = auto_slots(facts, free, top)[0]
         return measure(llm, device=dev, n_slots=n_slots, quick=quick, threads=threads, progress=progress,
                        desc=desc)
     finally:

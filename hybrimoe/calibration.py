@@ -108,10 +108,15 @@ def _runs(llm, engine, prompt: list[int], sizes: Sequence[int], reps: int, k: in
         for r in range(reps + 1):
             llm.reset()
             engine.reset_stats()
+            engine.clear_failure()
             lc.llama_perf_context_reset(llm.ctx)
             llm.eval(prompt[:T])
             lc.llama_synchronize(llm.ctx)
-            total = lc.llama_perf_context(llm.ctx).t_p_eval_ms * 1e-3
+            err = engine.take_error()
+            if err:  # its layers ran on the CPU: timings of the wrong thing
+                raise RuntimeError(f"the measuring engine failed: {err}")
+            pd = lc.llama_perf_context(llm.ctx)
+            total = (pd.t_p_eval_ms + pd.t_eval_ms) * 1e-3  # llama.cpp counts a 1-token ubatch as t_eval
             tick()
             if r == 0:
                 continue  # warm-up (graph allocation, first copies)
@@ -145,7 +150,8 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
     how it was measured}, device label)``.
 
     Raises:
-        ValueError: the context is too small (n_ubatch or n_ctx below 4 tokens); RuntimeError: a measurement failed.
+        ValueError: the context is too small for two of the ubatch sizes; RuntimeError: a measurement failed (the
+            measuring engine included).
     """
     from tqdm import tqdm
 
@@ -288,7 +294,7 @@ def on_first_use(llm, *, device: int, n_slots: int, threads: Optional[int] = Non
     out = calibration_path(model_path, measured_on)
     try:
         return save(cm, sources, out)
-    except OSError as e:
+    except (OSError, pol.CostModelError) as e:
         import warnings
 
         warnings.warn(f"cannot store the first-use calibration in {out.parent} ({e}); it is used for this run only",

@@ -150,7 +150,8 @@ def slot_bytes(model_path: Union[str, os.PathLike]) -> int:
 
 
 def cache_slots(spec, facts: EngineFacts) -> int:
-    """Number of GPU expert slots for a ``moe_cache`` budget (``"auto"`` is sized later: :meth:`EngineSetup.complete`).
+    """Number of GPU expert slots for a ``moe_cache`` budget (``"auto"`` is sized once the model is loaded:
+    :meth:`EngineSetup.with_auto_slots`).
 
     ``spec``: ``"25%"`` (of the model's routed experts: 100% = a slot for every expert), ``"3GiB"``, ``"512MB"``, or
     bytes (int). 0 is valid (nothing cached). A byte budget is rounded down to whole slots of ``facts.slot_bytes``
@@ -302,7 +303,8 @@ def gpu_work_bytes(facts: EngineFacts, n_ubatch: int) -> int:
     ubatches of up to ``n_ubatch`` tokens: per launch graph (pair counts bucketed to powers of two up to
     ``n_ubatch * top_k``, two launches per layer) its packed inputs (slot id, row, weight and hidden row per pair)
     and its work tensors (each pair's hidden row, gate, up and activation rows of the expert FFN width, down and
-    weighted output rows), all F32; summed over the buckets (each graph has its own allocation)."""
+    weighted output rows), all F32; summed over the buckets (each graph has its own allocation) and over the
+    layers' distinct expert type triples."""
     D = int(facts.n_embd)
     F = int(facts.model.n_ff_exp) if facts.model is not None else D
     per_pair = 4 * (3 + D) + 4 * D + 4 * 3 * F + 4 * 2 * D
@@ -314,7 +316,9 @@ def gpu_work_bytes(facts: EngineFacts, n_ubatch: int) -> int:
     while b <= top:
         pairs += 2 * b
         b *= 2
-    return int(pairs * per_pair)
+    # graphs are kept per (gate, up, down) type triple too (a Q4_K_M file mixes Q4_K and Q6_K down matrices)
+    triples = max(1, len({tuple(t) for t in facts.expert_types}))
+    return int(pairs * per_pair * triples)
 
 
 def auto_slots(facts: EngineFacts, free_bytes: int, n_ubatch: int) -> tuple[int, str]:
@@ -459,5 +463,6 @@ class EngineSetup:
     def make_engine(self):
         """The ``hybrimoe._engine.Engine`` of a completed set-up (:func:`make_engine`)."""
         if self.n_slots is None or self.cost is None or self.policies is None:
-            raise ValueError("EngineSetup.make_engine: complete() the set-up first")
+            raise ValueError("EngineSetup.make_engine: the set-up lacks its slots or cost model (with_auto_slots, "
+                             "hybrimoe.calibration.with_first_use_cost)")
         return make_engine(self.facts, self.n_slots, self.device, self.policies, self.cost, self.prefetch_layers)

@@ -110,6 +110,32 @@ def check_gguf(path: str | os.PathLike) -> None:
         raise ValueError(f"{p}: truncated or corrupt GGUF file: {type(e).__name__}: {e}") from None
 
 
+class _MoeParts:
+    """hybrimoe's objects on one llama context: the hook, the routing replay and the engine. Llama puts its
+    ``close`` on llama-cpp-python's exit stack after the context, so they go first; it holds the context's wrapper,
+    not the Llama (no reference cycle: a dropped Llama frees its model at once)."""
+
+    def __init__(self):
+        self.ctx = None  # llama-cpp-python's LlamaContext, once created
+        self.hook = None
+        self.replay = None
+        self.engine = None
+
+    def close(self) -> None:
+        """Releases the engine (device memory and backends go now, while the device is surely there), then detaches
+        the hook (which holds the engine: dropping it frees the slot pool) and the replay from the context."""
+        engine, self.engine = self.engine, None
+        try:
+            if engine is not None:
+                engine.release()
+        finally:
+            for attr in ("hook", "replay"):
+                obj = getattr(self, attr)
+                setattr(self, attr, None)
+                if obj is not None and self.ctx is not None and self.ctx.ctx is not None:
+                    obj.detach()
+
+
 class Llama(llama_cpp.Llama):
     __doc__ = """llama-cpp-python's ``Llama`` on hybrimoe's patched libllama, with upstream's offload options.
 
@@ -163,9 +189,7 @@ class Llama(llama_cpp.Llama):
                  moe_hook: bool = False, moe_replay: np.ndarray | None = None,
                  moe_cache=None, moe_policy=None, moe_prefetch_layers: int | None = None, moe_cost_model=None,
                  load_progress=None, **kwargs):
-        self._moe_hook = None
-        self._moe_replay = None
-        self._moe_engine = None
+        self._moe = _MoeParts()
         self._moe_setup = None
         self._moe_warned = False
         check_gguf(model_path)
@@ -259,7 +283,8 @@ class Llama(llama_cpp.Llama):
 
         # hybrimoe's objects live on llama-cpp-python's exit stack, after the context: close() (and the stack's
         # own unwinding) releases the engine and detaches the hook and the replay before the context is freed
-        self._stack.callback(self._close_moe)
+        self._moe.ctx = self._ctx
+        self._stack.callback(self._moe.close)
         try:
             n_layer = int(_lc.llama_model_n_layer(self.model))
             if moe_replay is not None:
@@ -267,15 +292,17 @@ class Llama(llama_cpp.Llama):
             if moe_hook or engine_on:
                 from . import _engine
 
-                self._moe_hook = _engine.MoeHook(n_layer)
-                self._moe_hook.attach(self._ctx_ptr())
+                self._moe.hook = _engine.MoeHook(n_layer)
+                self._moe.hook.attach(self._ctx_ptr())
             if engine_on:
                 # known only now: the device memory left ("auto") and the loaded model to calibrate on
                 setup = setup.with_auto_slots(self.context_params.n_ubatch)
                 setup = calibration.with_first_use_cost(self, setup, kwargs.get("n_threads"))
+                self._moe.hook.reset_counters()  # the user's statistics start with the user's first eval
+                self._moe_warned = False
                 self._moe_setup = setup
-                self._moe_engine = setup.make_engine()
-                self._moe_hook.set_engine(self._moe_engine)
+                self._moe.engine = setup.make_engine()
+                self._moe.hook.set_engine(self._moe.engine)
         except BaseException:
             self.close()
             raise
@@ -290,18 +317,18 @@ class Llama(llama_cpp.Llama):
     def moe_engine(self):
         """The MoE engine (``hybrimoe._engine.Engine``: counters, decision log, slot pool), or None without
         ``moe_cache`` (and after :meth:`close`)."""
-        return self._moe_engine
+        return self._moe.engine
 
     @property
     def moe_hook(self):
         """hybrimoe's MoE hook on this context (``hybrimoe._engine.MoeHook``: per-layer counters, routing
         recording), or None without ``moe_hook`` / ``moe_cache`` (and after :meth:`close`)."""
-        return self._moe_hook
+        return self._moe.hook
 
     @property
     def moe_replay(self):
         """The routing replay (``hybrimoe._engine.RoutingReplay``) of ``moe_replay``, or None."""
-        return self._moe_replay
+        return self._moe.replay
 
     def _ctx_ptr(self) -> int:
         ctx = self._ctx.ctx
@@ -318,16 +345,16 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"moe_replay has {ids.shape[1]} layers, the model has {n_layer}")
         if n_expert and (ids.min() < 0 or ids.max() >= n_expert):
             raise ValueError(f"moe_replay holds expert ids outside [0, {n_expert})")
-        self._moe_replay = _engine.RoutingReplay(ids.astype(np.int32), n_expert)
-        self._moe_replay.attach(self._ctx_ptr())
+        self._moe.replay = _engine.RoutingReplay(ids.astype(np.int32), n_expert)
+        self._moe.replay.attach(self._ctx_ptr())
 
     def eval(self, tokens):
         """llama-cpp-python's ``eval``; raises RuntimeError when the MoE engine failed during it (the layers it
         failed in were computed on the CPU; the next call tries the engine again). llama-cpp-python has then
         already counted the tokens as evaluated (``n_tokens``). With ``moe_hook`` or ``moe_cache``, warns once
         (RuntimeWarning) when MoE layers were left to upstream's path or to the CPU only."""
-        if self._moe_engine is not None:
-            self._moe_engine.clear_failure()
+        if self._moe.engine is not None:
+            self._moe.engine.clear_failure()
         try:
             super().eval(tokens)
         except RuntimeError as e:
@@ -339,7 +366,7 @@ class Llama(llama_cpp.Llama):
                 raise RuntimeError(f"{e} (the compute failed; with RPC servers ({', '.join(self._rpc_endpoints)}) "
                                    "a server that stopped answering is the usual cause: see the log)") from e
             raise
-        if self._moe_hook is not None and not self._moe_warned:
+        if self._moe.hook is not None and not self._moe_warned:
             self._moe_warned = True  # the hook has seen every layer once the first graph ran
             import warnings
 
@@ -349,7 +376,7 @@ class Llama(llama_cpp.Llama):
                     reasons = sorted({u["reason"] for u in st[key]})
                     warnings.warn(f"{len(st[key])} MoE layer(s) ran on {where} ({'; '.join(reasons)})",
                                   RuntimeWarning, stacklevel=2)
-        err = self._moe_engine.take_error() if self._moe_engine is not None else ""
+        err = self._moe.engine.take_error() if self._moe.engine is not None else ""
         if err:  # (no engine reference left in this frame: a kept traceback must not keep the engine alive)
             raise RuntimeError(f"hybrimoe engine failed: {err}")
 
@@ -362,16 +389,16 @@ class Llama(llama_cpp.Llama):
         are ``T x E`` floats per MoE layer and ubatch: about 3.4 MB per 512-token prompt of a 26-layer,
         64-expert model): take it often or stop it on long runs. Raises ValueError without the engine
         (``moe_cache``)."""
-        if self._moe_engine is None:
+        if self._moe.engine is None:
             raise ValueError("moe_log needs the MoE engine (moe_cache=...)")
-        self._moe_engine.set_logging(bool(on))
+        self._moe.engine.set_logging(bool(on))
 
     def moe_take_log(self) -> list:
         """The decision records kept since the last call (see :meth:`moe_log`), as dicts. Raises ValueError
         without the engine."""
-        if self._moe_engine is None:
+        if self._moe.engine is None:
             raise ValueError("moe_take_log needs the MoE engine (moe_cache=...)")
-        return self._moe_engine.take_log()
+        return self._moe.engine.take_log()
 
     def moe_stats(self) -> dict:
         """Statistics of hybrimoe's MoE hook and engine.
@@ -387,19 +414,19 @@ class Llama(llama_cpp.Llama):
         bytes), ``layer_s`` (mean seconds per MoE layer run, plan start to GPU share done) and ``layers`` (per MoE
         layer counters, see ``hybrimoe._engine.Engine.layer_stats``).
         """
-        if self._moe_hook is None:
+        if self._moe.hook is None:
             return {}
         out = {
-            "runs": list(self._moe_hook.runs()),
-            "tokens": list(self._moe_hook.tokens()),
-            "hook_calls": list(self._moe_hook.hook_calls()),
-            "unsupported": [{"layer": il, "reason": why} for il, why in self._moe_hook.unsupported()],
-            "engine_skipped": [{"layer": il, "reason": why} for il, why in self._moe_hook.engine_skipped()],
+            "runs": list(self._moe.hook.runs()),
+            "tokens": list(self._moe.hook.tokens()),
+            "hook_calls": list(self._moe.hook.hook_calls()),
+            "unsupported": [{"layer": il, "reason": why} for il, why in self._moe.hook.unsupported()],
+            "engine_skipped": [{"layer": il, "reason": why} for il, why in self._moe.hook.engine_skipped()],
         }
-        if self._moe_engine is not None:
+        if self._moe.engine is not None:
             from .engine import layer_totals
 
-            layers = self._moe_engine.layer_stats()
+            layers = self._moe.engine.layer_stats()
             tot = layer_totals(layers)
             st = self._moe_setup
             cs = st.policies.cache.stats
@@ -407,8 +434,8 @@ class Llama(llama_cpp.Llama):
                 "policy": st.policies.name,
                 "cost_model": st.cost_source,
                 "moe_cache": st.slots_note,
-                "n_slots": self._moe_engine.n_slots,
-                "slot_bytes": self._moe_engine.slot_bytes,
+                "n_slots": self._moe.engine.n_slots,
+                "slot_bytes": self._moe.engine.slot_bytes,
                 "hit_rate": cs.hit_rate,
                 "cache": {"accesses": cs.accesses, "hits": cs.demand_hits + cs.prefetch_hits,
                           "prefetch_hits": cs.prefetch_hits, "misses": cs.misses, "admissions": cs.admissions,
@@ -416,7 +443,7 @@ class Llama(llama_cpp.Llama):
                 **{k: tot[k] for k in ("cpu_experts", "gpu_experts", "bytes_demand", "bytes_prefetch", "bytes_fill",
                                        "bytes_copied")},
                 "layer_s": tot["layer_s"] / tot["runs"] if tot["runs"] else 0.0,
-                "failed": self._moe_engine.failed,
+                "failed": self._moe.engine.failed,
                 "layers": layers,
             }
         return out
@@ -427,28 +454,13 @@ class Llama(llama_cpp.Llama):
             raise ValueError("prompt is empty: give at least one character or token")
         return super().create_completion(prompt, *args, **kwargs)
 
-    def _close_moe(self) -> None:
-        """Releases the engine (device memory and backends go now, while the device is surely there), then detaches
-        the hook (which holds the engine: dropping it frees the slot pool) and the replay from the context."""
-        if self._moe_engine is not None:
-            self._moe_engine.release()
-        for attr in ("_moe_hook", "_moe_replay"):
-            obj = getattr(self, attr, None)
-            if obj is not None:
-                try:
-                    if getattr(self, "_ctx", None) is not None and self._ctx.ctx is not None:
-                        obj.detach()
-                finally:
-                    setattr(self, attr, None)
-        self._moe_engine = None
-
     def close(self) -> None:
         """Frees the context and the model (llama-cpp-python's ``close``): hybrimoe's engine, hook and replay go
         first (they are on its exit stack, after the context)."""
         if hasattr(self, "_stack"):  # llama-cpp-python's __init__ may not have run (bad input)
             super().close()
-        else:
-            self._close_moe()
+        elif getattr(self, "_moe", None) is not None:
+            self._moe.close()
 
 
 def _gguf_n_expert(path: str) -> int:

@@ -54,6 +54,25 @@ def rpc_server():
         yield server
 
 
+@pytest.fixture(scope="session")
+def rpc_server_factory():
+    """Starts more RPC servers on demand (keyword arguments of ``hybrimoe.rpc.RPCServer``), all stopped at the end
+    of the session: a server a test process has registered must outlive every later Llama, because upstream's
+    ``llama_cpp.Llama`` (the tests' oracle) uses every registered device."""
+    from hybrimoe.rpc import RPCServer
+
+    servers = []
+
+    def start(**kw):
+        srv = RPCServer(threads=1, **kw).start()
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.stop()
+
+
 def greedy_tokens(llm, prompt: str, n: int) -> list[int]:
     """Greedy continuation of ``prompt`` (``n`` tokens at most; stops at end of generation)."""
     from hybrimoe.cli import generate_tokens

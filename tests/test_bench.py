@@ -84,6 +84,6 @@ def test_bench_without_a_gpu(tiny_model, capsys, monkeypatch):
     from hybrimoe import _ggml
 
     cpu_only = [d for d in _ggml.devices() if d["type"] == _ggml.DEV_CPU]
-    monkeypatch.setattr(_ggml, "devices", lambda: cpu_only)  # as on a machine without a GPU
+    monkeypatch.setattr(_ggml, "devices", lambda memory=True: cpu_only)  # as on a machine without a GPU
     assert _bench(["-m", tiny_model("qwen3moe", "Q8_0")]) == 1
     assert "no GPU found" in capsys.readouterr().err

@@ -137,3 +137,25 @@ def test_unsupported_expert_variant_stays_upstream(tiny_model, greedy, tmp_path)
     cli = run_cli(["run", "-m", path, "-p", PROMPT, "-n", "4", "--temp", "0", "--moe-hook"], tmp_path)
     assert cli.returncode == 0, cli.stderr
     assert "warning:" in cli.stderr and "ran on upstream's path" in cli.stderr
+
+
+def test_a_dropped_llama_is_freed_at_once(tiny_model, rpc_server):
+    """No reference cycle through hybrimoe's objects: with the cycle collector off, dropping the last reference to
+    a Llama with the engine on frees it (and so its model, context and slot pool) at once."""
+    import gc
+    import weakref
+
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    gc.collect()
+    gc.disable()
+    try:
+        llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache="50%", n_ctx=64,
+                    moe_cost_model="rtx4090-desktop", verbose=False)
+        llm("Once", max_tokens=2, temperature=0)
+        ref = weakref.ref(llm)
+        del llm
+        assert ref() is None
+    finally:
+        gc.enable()

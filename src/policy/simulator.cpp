@@ -375,7 +375,29 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
                 }
                 t_gpu_end = tg;
             }
+            // ---- truth: CPU ----
+            double t_cpu_end = t_moe;
+            if (!cpu_order.empty()) {
+                // the layer's loads, queued before its CPU share runs, delay it on a host that pays for copies
+                double tc = t_moe + truth_cost.cpu_copy_blocking(layer_copy_s) + truth_cost.cpu_startup_s +
+                            truth.cpu_startup_extra_s;
+                for (int32_t e : cpu_order) {
+                    double dur = truth_cost.cpu(din.loads[pos[e]]) * truth.cpu_scale * noise.factor(truth.cpu_noise);
+                    if (truth.contention > 0.0) {
+                        double overlap = 0.0;
+                        for (const auto & iv : link_busy) {
+                            overlap += std::max(0.0, std::min(tc + dur, iv.second) - std::max(tc, iv.first));
+                        }
+                        dur += truth.contention * overlap;
+                    }
+                    record(si, l, 0, e, 0, tc, tc + dur);
+                    tc += dur;
+                }
+                res.cpu_busy_s += tc - t_moe;
+                t_cpu_end = tc;
+            }
             // ---- prefetch for the next D layers (planned after this layer's router), then fills ----
+            const double demand_copy_s = layer_copy_s;
             if (decider.wants_prefetch(L)) {
                 const auto p0 = clock::now();
                 if (layer_est < 0.0) layer_est = planner.layer(n) + predicted_s;
@@ -396,29 +418,15 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
             decider.fills(place, nullptr);
             pcie_free_at = t_moe + decider.pcie_free_s();
             res.predicted_moe_s += decider.run_plan().makespan_s;  // with the copies queued after the plan
-
-            // ---- truth: CPU (after the copies the layer queued) ----
-            double t_cpu_end = t_moe;
+            // the prefetches and fills are queued before the CPU share runs too (the engine's order): on a host that
+            // pays for copies they delay it as well (0 when copies cost the CPU nothing: the order of the draws
+            // and the contention above stay as without the term)
             if (!cpu_order.empty()) {
-                // the layer's copies (loads, prefetches, fills), all queued before its CPU share runs, delay it on a
-                // host that pays for them
-                double tc = t_moe + truth_cost.cpu_copy_blocking(layer_copy_s) + truth_cost.cpu_startup_s +
-                            truth.cpu_startup_extra_s;
-                for (int32_t e : cpu_order) {
-                    double dur = truth_cost.cpu(din.loads[pos[e]]) * truth.cpu_scale * noise.factor(truth.cpu_noise);
-                    if (truth.contention > 0.0) {
-                        double overlap = 0.0;
-                        for (const auto & iv : link_busy) {
-                            overlap += std::max(0.0, std::min(tc + dur, iv.second) - std::max(tc, iv.first));
-                        }
-                        dur += truth.contention * overlap;
-                    }
-                    record(si, l, 0, e, 0, tc, tc + dur);
-                    tc += dur;
-                }
-                res.cpu_busy_s += tc - t_moe;
-                t_cpu_end = tc;
+                const double late = truth_cost.cpu_copy_blocking(layer_copy_s - demand_copy_s);
+                res.cpu_busy_s += late;
+                t_cpu_end += late;
             }
+
             const double t_end = std::max(t_moe, std::max(t_cpu_end, t_gpu_end));
             res.charged_moe_s += t_end - t_moe;
             res.layer_moe_s[l] += t_end - t_moe;
