@@ -77,6 +77,8 @@ class Config:
         llm = self.llm
         ctx = llm.ctx
         llm.reset()
+        if llm.moe_engine is not None:
+            llm.moe_engine.reset_stats()  # the prompt's MoE time alone (not the previous repetition's decode)
         lc.llama_perf_context_reset(ctx)
         t0 = time.perf_counter()
         llm.eval(prompt)

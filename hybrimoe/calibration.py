@@ -6,7 +6,7 @@ What is measured (all through the engine itself, on one loaded model with the en
 context and devices; :func:`measure` swaps measuring engines onto the hook):
 
 - CPU experts: every routed expert on ggml's CPU kernels (an engine without GPU slots) for ubatches of several
-  sizes; per MoE layer and run the engine reports the time from its plan to its wait op, the distinct experts
+  sizes, each repetition on other tokens (shuffled English words: varied routing, as in decoding); per MoE layer and run the engine reports the time from its plan to its wait op, the distinct experts
   computed and the routed (token, expert) pairs. A least-squares fit of
   ``time = cpu_startup_s + cpu_a_s * experts + cpu_b_s * pairs`` (relative error: decode and prefill alike)
   gives the CPU part. The engine's CPU share computes only the CPU experts' pairs, so this is the cost of the
@@ -97,9 +97,28 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 QUICK_SIZES = (1, 4, 16, 64)
 
 
-def _runs(llm, engine, prompt: list[int], sizes: Sequence[int], reps: int, k: int, tick) -> tuple[list, list, list]:
+def _varied_prompt(llm, n: int, seed: int = 0) -> list[int]:
+    """``n`` tokens of English words in a seeded random order (BOS first): varied routing, as real decoding has
+    (one token repeated would route to the same few experts every time, whose weights and page tables stay warm
+    and cost the CPU less than a varied decode's)."""
+    import random
+
+    from .oracle import FIXED_TEXT
+
+    words = FIXED_TEXT.split()
+    rng = random.Random(seed)
+    toks = llm.tokenize(b"", add_bos=True)
+    while len(toks) < n:
+        rng.shuffle(words)
+        toks += llm.tokenize(" ".join(words).encode(), add_bos=False)
+    return toks[:n]
+
+
+def _runs(llm, engine, prompt: list[int], sizes: Sequence[int], reps: int, k: int, tick,
+          vary: bool = False) -> tuple[list, list, list]:
     """Per (MoE layer, run) feature rows (1, experts, pairs), engine seconds, per eval (tokens, non-expert s), and
-    per size the distinct experts the MoE layers used (summed over the layers)."""
+    per size the distinct experts the MoE layers used (summed over the layers). ``vary``: repetition r evaluates
+    tokens [r*T, (r+1)*T) of ``prompt`` (varied routing), else its first T tokens every time."""
     from ._lib import llama_cpp_module
 
     lc = llama_cpp_module().llama_cpp
@@ -110,7 +129,8 @@ def _runs(llm, engine, prompt: list[int], sizes: Sequence[int], reps: int, k: in
             engine.reset_stats()
             engine.clear_failure()
             lc.llama_perf_context_reset(llm.ctx)
-            llm.eval(prompt[:T])
+            start = r * T if vary else 0
+            llm.eval(prompt[start:start + T])
             lc.llama_synchronize(llm.ctx)
             err = engine.take_error()
             if err:  # its layers ran on the CPU: timings of the wrong thing
@@ -179,7 +199,7 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
                disable=not progress or (not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS")))
     hook = llm.moe_hook
     before = llm.moe_engine  # the Llama's own engine (None during its first-use calibration)
-    prompt = llm.tokenize(b"calibration " * (max(sizes) + 8), add_bos=True)[:max(sizes)]
+    prompt = _varied_prompt(llm, max(sizes) * (reps + 1))
     device_name = _ggml.device_label(device) if device else "cpu"
     engines = []
 
@@ -191,7 +211,8 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
             if n > 0:
                 llm.reset()
                 llm.eval(prompt[:max(run_sizes)])  # bring the experts the prompt uses to the GPU first
-            feats, ys, rows, used = _runs(llm, eng, prompt, run_sizes, reps, k, lambda: bar.update(1))
+            # the CPU on varied routing; the GPU on one prompt whose experts the warm-up made resident
+            feats, ys, rows, used = _runs(llm, eng, prompt, run_sizes, reps, k, lambda: bar.update(1), vary=n == 0)
         finally:
             hook.set_engine(before)
             eng.release()
