@@ -7,6 +7,7 @@ import numpy.typing as npt
 class CostModel:
     cpu_a_s: float
     cpu_b_s: float
+    cpu_c_s: float
     cpu_startup_s: float
     gpu_a_s: float
     gpu_b_s: float

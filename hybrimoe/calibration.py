@@ -6,11 +6,13 @@ What is measured (all through the engine itself, on one loaded model with the en
 context and devices; :func:`measure` swaps measuring engines onto the hook):
 
 - CPU experts: every routed expert on ggml's CPU kernels (an engine without GPU slots) for ubatches of several
-  sizes, each repetition on other tokens (shuffled English words: varied routing, as in decoding); per MoE layer and run the engine reports the time from its plan to its wait op, the distinct experts
-  computed and the routed (token, expert) pairs. A least-squares fit of
-  ``time = cpu_startup_s + cpu_a_s * experts + cpu_b_s * pairs`` (relative error: decode and prefill alike)
-  gives the CPU part. The engine's CPU share computes only the CPU experts' pairs, so this is the cost of the
-  pairs the scheduler leaves to the CPU.
+  sizes, each repetition on other tokens (shuffled English words: varied routing, as in decoding); per MoE layer
+  and run the engine reports the time from its plan to its wait op, the distinct experts computed, the routed
+  (token, expert) pairs and, from its decision records, the small rows (per expert min(rows, 8)). A least-squares
+  fit of ``time = cpu_startup_s + cpu_a_s * experts + cpu_b_s * pairs + cpu_c_s * small rows`` (relative error:
+  decode and prefill alike; ``cpu_c_s``: ggml-cpu's row-by-row kernels for experts with few rows cost more per row
+  than its tiled ones) gives the CPU part. The engine's CPU share computes only the CPU experts' pairs, so this is
+  the cost of the pairs the scheduler leaves to the CPU.
 - GPU experts (with an accelerator): the same with every expert resident on the GPU (``gpu-on-demand`` policy,
   warmed up first, on the ubatch sizes whose experts fit the slots): ``time = act_a_s + gpu_a_s * experts +
   gpu_b_s * pairs``. ``hybrimoe calibrate`` gives it slots for every expert; the first-use calibration the user's.
@@ -116,12 +118,15 @@ def _varied_prompt(llm, n: int, seed: int = 0) -> list[int]:
 
 def _runs(llm, engine, prompt: list[int], sizes: Sequence[int], reps: int, k: int, tick,
           vary: bool = False) -> tuple[list, list, list]:
-    """Per (MoE layer, run) feature rows (1, experts, pairs), engine seconds, per eval (tokens, non-expert s), and
-    per size the distinct experts the MoE layers used (summed over the layers). ``vary``: repetition r evaluates
-    tokens [r*T, (r+1)*T) of ``prompt`` (varied routing), else its first T tokens every time."""
+    """Per (MoE layer, run) feature rows (1, experts, pairs, small rows: the sum over the layer's experts of
+    min(rows, CPU_SMALL_ROWS), from the engine's decision records), engine seconds, per eval (tokens, non-expert s),
+    and per size the distinct experts the MoE layers used (summed over the layers). ``vary``: repetition r
+    evaluates tokens [r*T, (r+1)*T) of ``prompt`` (varied routing), else its first T tokens every time."""
     from ._lib import llama_cpp_module
 
     lc = llama_cpp_module().llama_cpp
+    knee = int(_core.CPU_SMALL_ROWS)
+    engine.set_logging(True)
     feats, ys, layer_rows, used = [], [], [], {}
     for T in sizes:
         for r in range(reps + 1):
@@ -138,22 +143,27 @@ def _runs(llm, engine, prompt: list[int], sizes: Sequence[int], reps: int, k: in
             pd = lc.llama_perf_context(llm.ctx)
             total = (pd.t_p_eval_ms + pd.t_eval_ms) * 1e-3  # llama.cpp counts a 1-token ubatch as t_eval
             tick()
+            small = {}  # MoE layer -> sum over its experts of min(rows, knee)
+            for rec in engine.take_log():
+                counts = np.bincount(np.asarray(rec["ids"], dtype=np.int64).ravel())
+                small[rec["layer"]] = small.get(rec["layer"], 0.0) + float(np.minimum(counts, knee).sum())
             if r == 0:
                 continue  # warm-up (graph allocation, first copies)
             engine_s = 0.0
             n_moe, n_used = 0, 0.0
-            for st in engine.layer_stats():
+            for ml, st in enumerate(engine.layer_stats()):
                 if st["runs"] == 0:
                     continue
                 n_moe += 1
                 engine_s += st["layer_s"]
                 experts = (st["cpu_experts"] + st["gpu_experts"]) / st["runs"]
                 n_used += experts
-                feats.append((1.0, experts, st["tokens"] * k / st["runs"]))
+                feats.append((1.0, experts, st["tokens"] * k / st["runs"], small.get(ml, 0.0) / st["runs"]))
                 ys.append(st["layer_s"] / st["runs"])
             used[T] = n_used
             if n_moe:
                 layer_rows.append((T, max(0.0, total - engine_s) / n_moe))
+    engine.set_logging(False)
     return feats, ys, layer_rows, used
 
 
@@ -216,7 +226,7 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
         finally:
             hook.set_engine(before)
             eng.release()
-        for f, v in zip(fields, _fit(feats, ys, relative=True)):
+        for f, v in zip(fields, _fit([row[:len(fields)] for row in feats], ys, relative=True)):
             setattr(cm, f, float(v))
             sources[f] = f"fit over {len(ys)} (MoE layer, run) samples, ubatches {list(run_sizes)}, {note}"
         return rows, used
@@ -224,7 +234,7 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
     try:
         run_sizes = sizes
         layer_rows, used = run_with(0, "hybrimoe", "every expert on the CPU (moe_cache=0)",
-                                    ("cpu_startup_s", "cpu_a_s", "cpu_b_s"))
+                                    ("cpu_startup_s", "cpu_a_s", "cpu_b_s", "cpu_c_s"))
         la, lb = _fit([(1.0, T) for T, _ in layer_rows], [v for _, v in layer_rows])
         cm.layer_a_s, cm.layer_b_s = float(la), float(lb)
         cm.dense_a_s, cm.dense_b_s = float(la), float(lb)

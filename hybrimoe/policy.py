@@ -12,10 +12,12 @@ one surfaces as RuntimeError naming the policy class and method):
   (HybriMoE §IV.C), next-layer top-k, none.
 
 Cost model JSON, schema ``hybrimoe.cost_model/3`` (all times in seconds, bandwidth in bytes/s; ``/2`` files,
-without ``cpu_copy_overlap``, read with it 1; ``/1`` files, without either overlap, read with both 1)::
+without ``cpu_copy_overlap`` and ``cpu_c_s``, read with 1 and 0; ``/1`` files, without ``copy_overlap`` either, read
+with it 1)::
 
     {"schema": "hybrimoe.cost_model/3",
-     "cpu_a_s": float, "cpu_b_s": float, "cpu_startup_s": float,   # CPU expert: a + b*tokens (+ start-up once)
+     "cpu_a_s": float, "cpu_b_s": float, "cpu_c_s": float,         # CPU expert: a + b*n + c*min(n, 8) (n tokens)
+     "cpu_startup_s": float,                                        # (+ start-up once per layer)
      "gpu_a_s": float, "gpu_b_s": float,                            # GPU expert: a + b*tokens
      "h2d_bandwidth_Bps": float, "h2d_latency_s": float,            # copy: bytes/bandwidth + latency
      "act_a_s": float, "act_b_s": float,                            # activation round trip of a GPU share
@@ -70,15 +72,15 @@ NoPrefetcher = _core.NoPrefetcher
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 COST_MODEL_SCHEMA = "hybrimoe.cost_model/3"         # written
-COST_MODEL_SCHEMA_V2 = "hybrimoe.cost_model/2"      # still read: no cpu_copy_overlap (read as 1)
+COST_MODEL_SCHEMA_V2 = "hybrimoe.cost_model/2"      # still read: no cpu_copy_overlap (read as 1), no cpu_c_s (0)
 COST_MODEL_SCHEMA_V1 = "hybrimoe.cost_model/1"      # still read: no copy_overlap either (both read as 1)
 COST_MODEL_SCHEMAS = (COST_MODEL_SCHEMA, COST_MODEL_SCHEMA_V2, COST_MODEL_SCHEMA_V1)  # read
 #: the schema version each field first appeared in (an older document reads CostModel's default, 1, for it)
-_FIELD_SINCE = {"copy_overlap": 2, "cpu_copy_overlap": 3}
+_FIELD_SINCE = {"copy_overlap": 2, "cpu_copy_overlap": 3, "cpu_c_s": 3}
 HARDWARE_SCHEMA = "hybrimoe.hardware/1"
-COST_FIELDS = ("cpu_a_s", "cpu_b_s", "cpu_startup_s", "gpu_a_s", "gpu_b_s", "h2d_bandwidth_Bps", "h2d_latency_s",
-               "act_a_s", "act_b_s", "layer_a_s", "layer_b_s", "dense_a_s", "dense_b_s", "copy_overlap",
-               "cpu_copy_overlap")
+COST_FIELDS = ("cpu_a_s", "cpu_b_s", "cpu_c_s", "cpu_startup_s", "gpu_a_s", "gpu_b_s", "h2d_bandwidth_Bps",
+               "h2d_latency_s", "act_a_s", "act_b_s", "layer_a_s", "layer_b_s", "dense_a_s", "dense_b_s",
+               "copy_overlap", "cpu_copy_overlap")
 HARDWARE_FACTS = ("gpu_mem_bandwidth_Bps", "gpu_mem_efficiency", "gpu_effective_flops", "gpu_kernel_launch_s",
                   "gpu_kernels_per_expert", "gpu_kernels_per_layer", "cpu_mem_bandwidth_Bps", "cpu_mem_efficiency",
                   "cpu_effective_flops", "cpu_startup_s", "h2d_bandwidth_Bps", "h2d_latency_s", "gpu_memory_bytes")
@@ -137,7 +139,7 @@ def _cost_model_and_sources(doc, where: str) -> tuple["_core.CostModel", dict]:
         if _FIELD_SINCE.get(f, 1) > version:
             if f in doc:
                 raise CostModelError(f"{where}: field '{f}' is not in schema {schema}")
-            continue  # an older schema: copies overlap compute and cost the CPU nothing (CostModel's default, 1)
+            continue  # an older schema: CostModel's default (overlaps 1: copies beside compute, free for the CPU; c 0)
         if f not in doc:
             raise CostModelError(f"{where}: missing field '{f}'")
         v = doc[f]
@@ -315,6 +317,7 @@ def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostMode
     cm = _core.CostModel()
     cm.cpu_a_s = model.expert_bytes / cpu_bw
     cm.cpu_b_s = 2.0 * model.expert_params / f["cpu_effective_flops"]
+    cm.cpu_c_s = 0.0
     cm.cpu_startup_s = f["cpu_startup_s"]
     cm.gpu_a_s = f["gpu_kernels_per_expert"] * launch + model.expert_bytes / gpu_bw
     cm.gpu_b_s = 2.0 * model.expert_params / f["gpu_effective_flops"]

@@ -118,14 +118,17 @@ def test_older_schemas_read_with_the_overlaps_they_lack_at_1():
     d["copy_overlap"], d["cpu_copy_overlap"] = 0.25, 0.5
     back = pol.cost_model_from_dict(d)
     assert (back.copy_overlap, back.cpu_copy_overlap) == (0.25, 0.5)
-    v2 = dict({k: v for k, v in d.items() if k != "cpu_copy_overlap"}, schema="hybrimoe.cost_model/2")
+    v2 = dict({k: v for k, v in d.items() if k not in ("cpu_copy_overlap", "cpu_c_s")}, schema="hybrimoe.cost_model/2")
     back = pol.cost_model_from_dict(v2)
     assert (back.copy_overlap, back.cpu_copy_overlap) == (0.25, 1.0)
+    assert pol.cost_model_from_dict(v2).cpu_c_s == 0.0
     v1 = dict({k: v for k, v in v2.items() if k != "copy_overlap"}, schema="hybrimoe.cost_model/1")
     back = pol.cost_model_from_dict(v1)
     assert (back.copy_overlap, back.cpu_copy_overlap) == (1.0, 1.0)
-    with pytest.raises(ValueError, match="missing field 'cpu_copy_overlap'"):
+    with pytest.raises(ValueError, match="missing field 'cpu_c_s'"):
         pol.cost_model_from_dict(dict(v2, schema="hybrimoe.cost_model/3"))
+    with pytest.raises(ValueError, match="missing field 'cpu_copy_overlap'"):
+        pol.cost_model_from_dict(dict(v2, schema="hybrimoe.cost_model/3", cpu_c_s=0.0))
     with pytest.raises(ValueError, match="missing field 'copy_overlap'"):
         pol.cost_model_from_dict(dict(v1, schema="hybrimoe.cost_model/2"))
     with pytest.raises(ValueError, match="'copy_overlap' is not in schema hybrimoe.cost_model/1"):
@@ -195,6 +198,7 @@ def test_a_document_written_by_hand_reads(tmp_path):
     d["cpu_startup_s"] = 0
     d.pop("copy_overlap")
     d.pop("cpu_copy_overlap")
+    d.pop("cpu_c_s")
     d["schema"] = "hybrimoe.cost_model/1"
     (tmp_path / "p.json").write_text(json.dumps(dict(reversed(list(d.items()))), separators=(",", ":")))
     back = pol.load_cost_model(tmp_path / "p.json")
@@ -209,3 +213,14 @@ def test_the_policy_core_has_no_json_of_its_own():
     cm.copy_overlap = 1.5
     with pytest.raises(ValueError, match="CostModel.copy_overlap must be in"):
         cm.validate()
+
+
+def test_cpu_expert_cost_pays_the_small_row_term_up_to_its_knee():
+    """cpu(n) = a + b*n + c*min(n, CPU_SMALL_ROWS): the first rows of an expert (row-by-row kernels) cost c more."""
+    cm = _core.CostModel()
+    cm.cpu_a_s, cm.cpu_b_s, cm.cpu_c_s = 1.0, 0.5, 0.25
+    knee = _core.CPU_SMALL_ROWS
+    assert knee == 8
+    assert cm.cpu(1) == pytest.approx(1.0 + 0.5 + 0.25)
+    assert cm.cpu(knee) == pytest.approx(1.0 + 0.5 * knee + 0.25 * knee)
+    assert cm.cpu(100) == pytest.approx(1.0 + 0.5 * 100 + 0.25 * knee)

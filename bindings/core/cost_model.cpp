@@ -12,6 +12,8 @@ void bind_cost_model(py::module_ & m) {
         .def(py::init<>())
         .def_readwrite("cpu_a_s", &CostModel::cpu_a_s)
         .def_readwrite("cpu_b_s", &CostModel::cpu_b_s)
+        .def_readwrite("cpu_c_s", &CostModel::cpu_c_s,
+                       "Extra seconds of each of a CPU expert's first CPU_SMALL_ROWS rows (row-by-row kernels).")
         .def_readwrite("cpu_startup_s", &CostModel::cpu_startup_s)
         .def_readwrite("gpu_a_s", &CostModel::gpu_a_s)
         .def_readwrite("gpu_b_s", &CostModel::gpu_b_s)
@@ -30,7 +32,8 @@ void bind_cost_model(py::module_ & m) {
                        "Share (0..1) of a host-to-device copy's time during which the host's CPU share still runs at "
                        "full speed (1: copies cost the CPU nothing; 0: the copies issued for a layer delay its CPU "
                        "share by their whole time).")
-        .def("cpu", &CostModel::cpu, py::arg("n_tokens"), "CPU seconds of one expert over n tokens (no start-up).")
+        .def("cpu", &CostModel::cpu, py::arg("n_tokens"),
+             "CPU seconds of one expert over n tokens (no start-up): a + b*n + c*min(n, CPU_SMALL_ROWS).")
         .def("gpu", &CostModel::gpu, py::arg("n_tokens"), "GPU seconds of one expert over n tokens.")
         .def("h2d", &CostModel::h2d, py::arg("bytes"), "Seconds to copy `bytes` host to device.")
         .def("act", &CostModel::act, py::arg("n_tokens"), "Activation round trip of a GPU share, seconds.")
@@ -44,6 +47,7 @@ void bind_cost_model(py::module_ & m) {
                    std::to_string(c.gpu_a_s) + "+" + std::to_string(c.gpu_b_s) + "n, h2d_bw=" +
                    std::to_string(c.h2d_bandwidth_Bps) + ")";
         });
+    m.attr("CPU_SMALL_ROWS") = CostModel::kCpuSmallRows;
 }
 
 }  // namespace hybrimoe_bind

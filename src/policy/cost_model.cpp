@@ -11,7 +11,7 @@ void CostModel::validate() const {
         const char * name;
         double value;
     } fields[] = {
-        {"cpu_a_s", cpu_a_s},     {"cpu_b_s", cpu_b_s},     {"cpu_startup_s", cpu_startup_s},
+        {"cpu_a_s", cpu_a_s},     {"cpu_b_s", cpu_b_s},     {"cpu_c_s", cpu_c_s},     {"cpu_startup_s", cpu_startup_s},
         {"gpu_a_s", gpu_a_s},     {"gpu_b_s", gpu_b_s},     {"h2d_bandwidth_Bps", h2d_bandwidth_Bps},
         {"h2d_latency_s", h2d_latency_s}, {"act_a_s", act_a_s}, {"act_b_s", act_b_s},
         {"layer_a_s", layer_a_s}, {"layer_b_s", layer_b_s}, {"dense_a_s", dense_a_s},

@@ -5,7 +5,10 @@ namespace hybrimoe {
 
 /// Predicted durations, all in seconds, of the pieces of one MoE layer.
 ///
-/// - CPU expert over n tokens: `cpu_a_s + cpu_b_s * n`; the first CPU expert of a layer also pays `cpu_startup_s`.
+/// - CPU expert over n tokens: `cpu_a_s + cpu_b_s * n + cpu_c_s * min(n, kCpuSmallRows)`; the first CPU expert of a
+///   layer also pays `cpu_startup_s`. `cpu_c_s` is the extra cost of each of an expert's first rows: ggml-cpu runs
+///   an expert with few rows row by row and one with many through its tiled kernels, which cost less per row
+///   (docs/design.md §9), so a row costs more in decode than in a prefill ubatch.
 /// - GPU expert over n tokens: `gpu_a_s + gpu_b_s * n`.
 /// - Host-to-device copy of `bytes`: `bytes / h2d_bandwidth_Bps + h2d_latency_s`.
 /// - A GPU share of a layer moves the hidden state to the GPU and the partial output back once:
@@ -28,6 +31,7 @@ namespace hybrimoe {
 struct CostModel {
     double cpu_a_s = 0.0;
     double cpu_b_s = 0.0;
+    double cpu_c_s = 0.0;
     double cpu_startup_s = 0.0;
     double gpu_a_s = 0.0;
     double gpu_b_s = 0.0;
@@ -42,7 +46,12 @@ struct CostModel {
     double copy_overlap = 1.0;
     double cpu_copy_overlap = 1.0;
 
-    double cpu(int n_tokens) const { return cpu_a_s + cpu_b_s * n_tokens; }
+    /// Rows of an expert up to which each pays cpu_c_s on top of cpu_b_s.
+    static constexpr int kCpuSmallRows = 8;
+
+    double cpu(int n_tokens) const {
+        return cpu_a_s + cpu_b_s * n_tokens + cpu_c_s * (n_tokens < kCpuSmallRows ? n_tokens : kCpuSmallRows);
+    }
     double gpu(int n_tokens) const { return gpu_a_s + gpu_b_s * n_tokens; }
     double h2d(double bytes) const { return bytes / h2d_bandwidth_Bps + h2d_latency_s; }
     double act(int n_tokens) const { return act_a_s + act_b_s * n_tokens; }
