@@ -62,10 +62,12 @@ def test_policy_code_is_defined_only_in_the_library():
         assert "hybrimoe::CostModel::validate() const" in _run("nm", "-DC", "--undefined-only", path), name
 
 
-def test_the_engine_module_imports_core_first():
+def test_the_engine_module_imports_core_first(tmp_path):
     code = ("import sys, hybrimoe; assert 'hybrimoe._core' not in sys.modules; import hybrimoe._engine; "
             "assert 'hybrimoe._core' in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    # run outside the checkout: `python -c` puts the working directory first on sys.path, and the source tree's
+    # hybrimoe has no built modules
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
 
 
 def _engine_args(**changes):
