@@ -335,7 +335,11 @@ def on_first_use(llm, *, device: int, n_slots: int, threads: Optional[int] = Non
 
 def with_stored_cost(setup, model_path):
     """``setup`` (a :class:`hybrimoe.engine.EngineSetup` without a cost model) with this model's stored calibration
-    on its device, if there is one (else unchanged). Raises ValueError (CostModelError) on an unusable file."""
+    on its device, if there is one (else unchanged). A stored file that cannot be used (damaged, or of a schema
+    this version does not read) is set aside as ``<name>.bad`` with a warning, and the set-up is returned
+    unchanged: the first use measures a new one."""
+    import warnings
+
     from .engine import resolve_cost_model
 
     if setup.cost is not None:
@@ -343,7 +347,19 @@ def with_stored_cost(setup, model_path):
     found = stored(model_path, setup.device_label)
     if found is None:
         return setup
-    return dataclasses.replace(setup, cost=resolve_cost_model(str(found), setup.facts), cost_source=str(found))
+    try:
+        cost = resolve_cost_model(str(found), setup.facts)
+    except ValueError as e:
+        bad = found.with_name(found.name + ".bad")
+        try:
+            os.replace(found, bad)
+            kept = f"moved to {bad}"
+        except OSError:
+            kept = "left in place"
+        warnings.warn(f"the stored calibration {found} cannot be used ({e}); {kept}, a new one is measured",
+                      RuntimeWarning, stacklevel=3)
+        return setup
+    return dataclasses.replace(setup, cost=cost, cost_source=str(found))
 
 
 def with_first_use_cost(llm, setup, threads: Optional[int] = None):

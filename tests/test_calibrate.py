@@ -199,3 +199,27 @@ def test_first_use_with_too_few_slots_keeps_the_presets_gpu_costs(tiny_model, rp
         assert "fit over" in doc["sources"]["cpu_b_s"] and "timed copies" in doc["sources"]["h2d_bandwidth_Bps"]
     finally:
         llm.close()
+
+
+def test_a_damaged_stored_calibration_is_set_aside_and_measured_again(tiny_model, rpc_server, tmp_path,
+                                                                       monkeypatch):
+    """A stored calibration that cannot be read costs a warning, not the model: the file is kept as .bad (the
+    user's bytes are not lost) and the first use measures and stores a new one."""
+    from hybrimoe import Llama, calibration
+    from hybrimoe.engine import slot_bytes
+
+    monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HYBRIMOE_AUTO_CALIBRATE", "1")
+    path = tiny_model("qwen3moe", "Q8_0")
+    target = calibration.calibration_path(path, rpc_server.endpoint)
+    target.parent.mkdir(parents=True)
+    target.write_text('{"schema": "hybrimoe.cost_model/3", "cpu_a_s": ')
+    with pytest.warns(RuntimeWarning, match="cannot be used .*moved to .*json.bad, a new one is measured"):
+        llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache=4 * slot_bytes(path),
+                    n_ctx=128, verbose=False)
+    try:
+        assert llm.moe_stats()["engine"]["cost_model"] == str(target)
+        assert target.with_name(target.name + ".bad").read_text().startswith('{"schema"')
+        assert json.loads(target.read_text())["schema"] == "hybrimoe.cost_model/3"
+    finally:
+        llm.close()
