@@ -117,7 +117,7 @@ def _varied_prompt(llm, n: int, seed: int = 0) -> list[int]:
 
 
 def _runs(llm, engine, prompt: list[int], sizes: Sequence[int], reps: int, k: int, tick,
-          vary: bool = False) -> tuple[list, list, list]:
+          vary: bool = False) -> tuple[list, list, list, dict]:
     """Per (MoE layer, run) feature rows (1, experts, pairs, small rows: the sum over the layer's experts of
     min(rows, CPU_SMALL_ROWS), from the engine's decision records), engine seconds, per eval (tokens, non-expert s),
     and per size the distinct experts the MoE layers used (summed over the layers). ``vary``: repetition r
@@ -211,11 +211,10 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
     before = llm.moe_engine  # the Llama's own engine (None during its first-use calibration)
     prompt = _varied_prompt(llm, max(sizes) * (reps + 1))
     device_name = _ggml.device_label(device) if device else "cpu"
-    engines = []
 
-    def run_with(n, policy, note, fields):
+    def run_with(n, run_sizes, policy, note, fields):
+        """A measuring engine with n slots and `policy` on the hook for the ubatch sizes; fits `fields`."""
         eng = make_engine(facts, n, device if n > 0 else None, build_policies(policy, facts, n, 0), preset, 0)
-        engines.append(eng)
         hook.set_engine(eng)
         try:
             if n > 0:
@@ -232,8 +231,7 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
         return rows, used
 
     try:
-        run_sizes = sizes
-        layer_rows, used = run_with(0, "hybrimoe", "every expert on the CPU (moe_cache=0)",
+        layer_rows, used = run_with(0, sizes, "hybrimoe", "every expert on the CPU (moe_cache=0)",
                                     ("cpu_startup_s", "cpu_a_s", "cpu_b_s", "cpu_c_s"))
         la, lb = _fit([(1.0, T) for T, _ in layer_rows], [v for _, v in layer_rows])
         cm.layer_a_s, cm.layer_b_s = float(la), float(lb)
@@ -268,7 +266,8 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
             bar.total = bar.n + (len(run_sizes) * (reps + 1) if len(run_sizes) >= 2 else 0) + 1
             bar.refresh()
             if len(run_sizes) >= 2:
-                run_with(n_slots, "gpu-on-demand", f"every expert on {device_name} ({n_slots} slots, gpu-on-demand)",
+                run_with(n_slots, run_sizes, "gpu-on-demand",
+                         f"every expert on {device_name} ({n_slots} slots, gpu-on-demand)",
                          ("act_a_s", "gpu_a_s", "gpu_b_s"))
             else:
                 for f in ("act_a_s", "gpu_a_s", "gpu_b_s"):

@@ -22,10 +22,8 @@ from . import _core
 from . import policy as pol
 from .trace import ModelFacts
 
-from .defaults import COST_PRESET as DEFAULT_COST_PRESET
-from .defaults import PREFETCH_LAYERS
+from .defaults import COST_PRESET, PREFETCH_LAYERS
 
-ENGINE_PRESETS = pol.ENGINE_PRESETS
 #: upstream LLM_FFN_EXPS_REGEX (common/common.h): the routed-expert weight tensors
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
@@ -168,9 +166,9 @@ def cache_slots(spec, facts: EngineFacts) -> int:
 
 
 def resolve_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
-    """The planner's cost model: None (the ``rtx4090-desktop`` preset), a hardware preset name or file
-    (schema ``hybrimoe.hardware/1``), a cost-model JSON file (schema ``hybrimoe.cost_model/3``, ``/2`` or ``/1``), or a
-    CostModel.
+    """The planner's cost model: None (the default preset, :data:`hybrimoe.defaults.COST_PRESET`), a hardware
+    preset name or file (schema ``hybrimoe.hardware/1``), a cost-model JSON file (schema ``hybrimoe.cost_model/3``,
+    ``/2`` or ``/1``), or a CostModel.
 
     Raises:
         ValueError (CostModelError): unknown preset, unreadable or invalid file.
@@ -181,7 +179,7 @@ def resolve_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
     if spec is not None and not isinstance(spec, (str, os.PathLike)):
         raise ValueError(f"moe_cost_model must be a preset name, a JSON file path or a CostModel, not "
                          f"{type(spec).__name__}")
-    name = DEFAULT_COST_PRESET if spec is None else os.fspath(spec)
+    name = COST_PRESET if spec is None else os.fspath(spec)
     if os.path.isfile(name):
         import json
 
@@ -191,12 +189,9 @@ def resolve_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
         except (OSError, ValueError) as e:
             raise pol.CostModelError(f"{name}: cannot read the cost model: {e}") from None
         if isinstance(doc, dict) and doc.get("schema") in pol.COST_MODEL_SCHEMAS:
-            return pol.load_cost_model(name)
+            return pol.cost_model_from_dict(doc, f"cost model {name}")  # the document read above, not again
     hw = pol.load_hardware(name)
     return pol.cost_model_from_hardware(hw, facts.model)
-
-
-
 
 
 def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: int) -> pol.PolicySet:

@@ -201,11 +201,8 @@ class Llama(llama_cpp.Llama):
             endpoints = [e.strip() for p in parts for e in p.split(",") if e.strip()]
         self._rpc_endpoints = endpoints
         overrides = parse_tensor_overrides(tensor_buft_overrides) + moe_overrides(cpu_moe, n_cpu_moe)
-        # the engine's options, all checked before the model loads (EngineSetup.create); RPC servers come first:
-        # the engine's device is the first of them
-        if moe_cache is None:
-            EngineSetup.create(model_path, moe_cache=None, moe_policy=moe_policy,
-                               moe_prefetch_layers=moe_prefetch_layers, moe_cost_model=moe_cost_model)
+        # RPC servers first (the engine's device is the first of them), then the engine's options, all checked
+        # before the model loads (EngineSetup.create)
         rpc_devs: list[int] = []
         for ep in endpoints:
             rpc_devs.extend(_ggml.add_rpc_server(ep))

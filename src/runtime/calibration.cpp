@@ -15,46 +15,6 @@
 
 namespace hybrimoe {
 
-double measure_h2d_s(ggml_backend_dev_t device, size_t bytes, int reps) {
-    if (!device || bytes == 0 || reps < 1) throw std::invalid_argument("measure_h2d_s: device, bytes and reps needed");
-    ggml_backend_t be = ggml_backend_dev_init(device, nullptr);
-    if (!be) throw std::runtime_error(std::string("cannot initialise device ") + ggml_backend_dev_name(device));
-    ggml_init_params ip = {ggml_tensor_overhead() * 2, nullptr, true};
-    ggml_context * ctx = ggml_init(ip);
-    ggml_tensor * t = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, (int64_t) bytes);
-    ggml_backend_buffer_t dbuf = ggml_backend_alloc_ctx_tensors(ctx, be);
-    ggml_backend_dev_props props;
-    ggml_backend_dev_get_props(device, &props);
-    ggml_backend_buffer_type_t hbt = props.caps.host_buffer ? ggml_backend_dev_host_buffer_type(device) : nullptr;
-    ggml_backend_buffer_t hbuf = hbt ? ggml_backend_buft_alloc_buffer(hbt, bytes) : nullptr;
-    std::vector<uint8_t> pageable;
-    uint8_t * src = nullptr;
-    if (hbuf) {
-        src = (uint8_t *) ggml_backend_buffer_get_base(hbuf);
-    } else {
-        pageable.assign(bytes, 1);
-        src = pageable.data();
-    }
-    std::vector<double> times;
-    if (dbuf) {
-        std::memset(src, 1, bytes);
-        for (int i = 0; i < reps + 1; ++i) {
-            const auto t0 = std::chrono::steady_clock::now();
-            ggml_backend_tensor_set(t, src, 0, bytes);
-            ggml_backend_synchronize(be);
-            const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-            if (i > 0) times.push_back(dt);  // the first copy pays one-time costs
-        }
-    }
-    if (hbuf) ggml_backend_buffer_free(hbuf);
-    if (dbuf) ggml_backend_buffer_free(dbuf);
-    ggml_free(ctx);
-    ggml_backend_free(be);
-    if (times.empty()) throw std::runtime_error("cannot allocate " + std::to_string(bytes) + " bytes on the device");
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-}
-
 namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -66,7 +26,7 @@ double median(std::vector<double> v) {
     return v[v.size() / 2];
 }
 
-// The resources of one overlap measurement, freed in one place whatever throws: two backends (the compute one,
+// The resources of one measurement, freed in one place whatever throws: up to two backends (the compute one,
 // the device or the CPU, and the device's copy instance), the contexts and buffers of the copy's destination and of
 // the compute's operands, the compute graph's allocation, an event, and the copy's host source.
 struct Rig {
@@ -158,6 +118,29 @@ int64_t chain_length(const std::function<double(bool, bool)> & timed, const std:
 }
 
 }  // namespace
+
+double measure_h2d_s(ggml_backend_dev_t device, size_t bytes, int reps) {
+    if (!device || bytes == 0 || reps < 1) throw std::invalid_argument("measure_h2d_s: device, bytes and reps needed");
+    Rig r;
+    r.copy = ggml_backend_dev_init(device, nullptr);
+    if (!r.copy) throw std::runtime_error(std::string("cannot initialise device ") + ggml_backend_dev_name(device));
+    ggml_init_params ip = {ggml_tensor_overhead() * 2, nullptr, true};
+    r.dst_ctx = ggml_init(ip);
+    ggml_tensor * t = ggml_new_tensor_1d(r.dst_ctx, GGML_TYPE_I8, (int64_t) bytes);
+    r.dst_buf = ggml_backend_alloc_ctx_tensors(r.dst_ctx, r.copy);
+    if (!r.dst_buf) throw std::runtime_error("cannot allocate " + std::to_string(bytes) + " bytes on the device");
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(device, &props);
+    const uint8_t * src = r.source(device, props, bytes);
+    std::vector<double> times;
+    for (int i = 0; i < reps + 1; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        ggml_backend_tensor_set(t, src, 0, bytes);
+        ggml_backend_synchronize(r.copy);
+        if (i > 0) times.push_back(seconds_since(t0));  // the first copy pays one-time costs
+    }
+    return median(times);
+}
 
 double measure_copy_overlap(ggml_backend_dev_t device, size_t bytes, int reps) {
     if (!device || bytes == 0 || reps < 1) {
