@@ -225,9 +225,28 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
         finally:
             hook.set_engine(before)
             eng.release()
-        for f, v in zip(fields, _fit([row[:len(fields)] for row in feats], ys, relative=True)):
+        rows_used = [row[:len(fields)] for row in feats]
+        rank = int(np.linalg.matrix_rank(np.asarray(rows_used, dtype=np.float64))) if rows_used else 0
+        if rank < len(fields) and fields[-1] == "cpu_c_s":
+            # the small-row and per-pair terms move together at these sizes (few experts reach 8 rows): c is left
+            # at 0 and the rest fitted
+            cm.cpu_c_s = 0.0
+            sources["cpu_c_s"] = f"0: not separable from cpu_b_s at ubatches {list(run_sizes)}"
+            fields = fields[:-1]
+            rows_used = [row[:len(fields)] for row in rows_used]
+            rank = int(np.linalg.matrix_rank(np.asarray(rows_used, dtype=np.float64))) if rows_used else 0
+        caveat = ""
+        if rank < len(fields):
+            # e.g. a model whose only MoE layer is the last: upstream computes just the output row there, so every
+            # ubatch size reaches it with the same routed pairs
+            caveat = (f"; the samples do not separate {', '.join(fields)} (rank {rank} of {len(fields)}: the MoE "
+                      "layers saw the same experts and pairs at every size), so these are one of many fits")
+            import warnings
+
+            warnings.warn(f"calibration: {note}{caveat}", RuntimeWarning, stacklevel=4)
+        for f, v in zip(fields, _fit(rows_used, ys, relative=True)):
             setattr(cm, f, float(v))
-            sources[f] = f"fit over {len(ys)} (MoE layer, run) samples, ubatches {list(run_sizes)}, {note}"
+            sources[f] = f"fit over {len(ys)} (MoE layer, run) samples, ubatches {list(run_sizes)}, {note}{caveat}"
         return rows, used
 
     try:
@@ -335,8 +354,8 @@ def on_first_use(llm, *, device: int, n_slots: int, threads: Optional[int] = Non
 def with_stored_cost(setup, model_path):
     """``setup`` (a :class:`hybrimoe.engine.EngineSetup` without a cost model) with this model's stored calibration
     on its device, if there is one (else unchanged). A stored file that cannot be used (damaged, or of a schema
-    this version does not read) is set aside as ``<name>.bad`` with a warning, and the set-up is returned
-    unchanged: the first use measures a new one."""
+    this version does not read) is set aside as ``<name>.bad`` (``.bad2``, ... when that exists) with a
+    warning, and the set-up is returned unchanged: the first use measures a new one."""
     import warnings
 
     from .engine import resolve_cost_model
@@ -350,6 +369,10 @@ def with_stored_cost(setup, model_path):
         cost = resolve_cost_model(str(found), setup.facts)
     except ValueError as e:
         bad = found.with_name(found.name + ".bad")
+        n = 1
+        while bad.exists():  # an earlier damaged file is kept too
+            n += 1
+            bad = found.with_name(f"{found.name}.bad{n}")
         try:
             os.replace(found, bad)
             kept = f"moved to {bad}"

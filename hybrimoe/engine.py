@@ -180,6 +180,11 @@ def resolve_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
         raise ValueError(f"moe_cost_model must be a preset name, a JSON file path or a CostModel, not "
                          f"{type(spec).__name__}")
     name = COST_PRESET if spec is None else os.fspath(spec)
+    looks_like_file = name.endswith(".json") or os.sep in name
+    if looks_like_file and not os.path.isfile(name):
+        what = "is a directory" if os.path.isdir(name) else "does not exist"
+        raise pol.CostModelError(f"cost model {name} {what} (give a cost-model or hardware-preset JSON file, or a "
+                                 f"preset name: {', '.join(pol.preset_names())})")
     if os.path.isfile(name):
         import json
 
@@ -188,8 +193,13 @@ def resolve_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
                 doc = json.load(f)
         except (OSError, ValueError) as e:
             raise pol.CostModelError(f"{name}: cannot read the cost model: {e}") from None
-        if isinstance(doc, dict) and doc.get("schema") in pol.COST_MODEL_SCHEMAS:
+        schema = doc.get("schema") if isinstance(doc, dict) else None
+        if schema in pol.COST_MODEL_SCHEMAS:
             return pol.cost_model_from_dict(doc, f"cost model {name}")  # the document read above, not again
+        if schema != pol.HARDWARE_SCHEMA:
+            got = f"schema {schema!r}" if isinstance(doc, dict) and "schema" in doc else "no schema"
+            raise pol.CostModelError(f"{name}: {got}: neither a cost model ({', '.join(pol.COST_MODEL_SCHEMAS)}) "
+                                     f"nor a hardware preset ({pol.HARDWARE_SCHEMA})")
     hw = pol.load_hardware(name)
     return pol.cost_model_from_hardware(hw, facts.model)
 

@@ -449,3 +449,18 @@ def test_quantizer_failure_is_reported(tmp_path):
     bad.write_bytes(b"not a gguf at all")
     with pytest.raises(RuntimeError, match="failed"):
         tiny.quantize_gguf(bad, tmp_path / "out.gguf", "Q8_0")
+
+
+def test_cli_replaces_no_file_and_creates_no_folder_unasked(tmp_path, capsys):
+    """An existing OUT stays as it was without --force (its bytes kept), a missing folder is an error, not made."""
+    ap = argparse.ArgumentParser()
+    tiny.add_arguments(ap)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert tiny.run(ap.parse_args([str(notes)])) == 2
+    assert "exists (--force replaces it)" in capsys.readouterr().err and notes.read_text() == "mine"
+    missing = tmp_path / "no" / "such" / "x.gguf"
+    assert tiny.run(ap.parse_args([str(missing)])) == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "no").exists()
+    assert tiny.run(ap.parse_args([str(notes), "--force"])) == 0
+    assert notes.read_bytes()[:4] == b"GGUF"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .tiny_model import ARCHS, DEFAULT_N_EMBD, DEFAULT_N_FF_EXP, make_tiny_model
 from .tokenizers import TOKENIZERS
@@ -32,10 +33,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="F32 (default), F16, Q8_0, Q4_K_M, ... or mix (gate Q4_K, up Q8_0, down Q6_K)")
     parser.add_argument("--tokenizer", default="spm", choices=TOKENIZERS)
     parser.add_argument("--router-margin", type=float, default=4.0, help="designed top-k router logit gap")
+    parser.add_argument("-f", "--force", action="store_true", help="replace OUT.gguf if it exists")
 
 
 def run(args) -> int:
-    """Run ``make-tiny-model``; returns 0, or 2 with a one-line error on stderr for bad input."""
+    """Run ``make-tiny-model``; returns 0, or 2 with a one-line error on stderr for bad input (an existing OUT
+    without ``--force``, a missing output folder: the command creates neither folders nor replaces files unasked)."""
+    out = Path(args.out)
+    problem = None
+    if out.is_dir():
+        problem = f"{out} is a directory"
+    elif out.exists() and not args.force:
+        problem = f"{out} exists (--force replaces it)"
+    elif not out.absolute().parent.is_dir():
+        problem = f"folder {out.absolute().parent} does not exist"
+    if problem:
+        print(f"hybrimoe make-tiny-model: error: {problem}", file=sys.stderr)
+        return 2
     try:
         p = make_tiny_model(args.out, args.arch, seed=args.seed, n_layer=args.layers, n_embd=args.n_embd,
                             n_expert=args.n_expert, n_expert_used=args.n_expert_used, n_ff_exp=args.n_ff_exp,
