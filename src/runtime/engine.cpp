@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <ctime>
 #include <stdexcept>
 
 namespace hybrimoe {
@@ -22,6 +23,14 @@ struct RoutingView {
         return *(const float *) ((const char *) t->data + r * t->nb[0] + tok * t->nb[1]);
     }
 };
+
+// CPU seconds of this process, all threads (CLOCK_PROCESS_CPUTIME_ID): between the plan op and the wait op only the
+// CPU share's nodes run in this process, whatever another process (the RPC stand-in's server) does meanwhile
+double process_cpu_s() {
+    timespec ts{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
+}
 
 int32_t * plane(ggml_tensor * plan, int p, int64_t tok) {
     return (int32_t *) ((char *) plan->data + tok * plan->nb[1] + p * plan->nb[2]);
@@ -439,6 +448,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
 
         const double t_end = now();
         run.plan_s = t_end - t_start;
+        run.cpu_at_plan_end = process_cpu_s();
         std::lock_guard<std::mutex> lock(stats_mu_);
         if (rp) log_.push_back(std::move(rec));
         using K = ExpertPlacement;
@@ -473,6 +483,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
 
 void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
     const double t0 = now();
+    const double cpu0 = process_cpu_s();
     if (run.launch[0] || run.launch[1]) {
         // dst [n_embd, k * T]: launch 0's rows, then launch 1's, as the plan numbered them
         size_t down = 0;
@@ -501,6 +512,8 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
     std::lock_guard<std::mutex> lock(stats_mu_);
     EngineLayerStats & s = stats_[(size_t) run.ml];
     s.cpu_share_s += std::max(0.0, t0 - (run.t_start + run.plan_s));
+    if (run.cpu_at_plan_end > 0.0) s.cpu_share_cpu_s += std::max(0.0, cpu0 - run.cpu_at_plan_end);
+    run.cpu_at_plan_end = 0.0;
     s.wait_s += t1 - t0;
     s.layer_s += t1 - run.t_start;
 }

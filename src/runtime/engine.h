@@ -94,6 +94,7 @@ struct EngineLayerStats {
     double bytes_act_h2d = 0, bytes_act_d2h = 0;     ///< GPU share inputs up, weighted outputs back (bytes)
     double plan_s = 0, wait_s = 0, layer_s = 0;      ///< seconds in plan, waiting for the GPU, plan start to wait end
     double cpu_share_s = 0;                          ///< seconds from plan end to wait start: the CPU share's nodes
+    double cpu_share_cpu_s = 0;                      ///< process CPU seconds over the same span (all threads)
     double predicted_s = 0;                          ///< planner's predicted makespans, summed
 };
 
@@ -228,6 +229,7 @@ struct Engine::LayerRun {
     GpuShare::Launch * launch[2] = {nullptr, nullptr};
     double t_start = 0.0;
     double plan_s = 0.0;
+    double cpu_at_plan_end = 0.0;  ///< process CPU clock when the plan op ended (seconds)
 };
 
 }  // namespace hybrimoe
