@@ -348,7 +348,8 @@ def run(args) -> int:
         if args.replay_trace:
             from .replay import replay_table
 
-            replay = replay_table(args.replay_trace, args.model)
+            # a recorded trace (with phases): prefill routing for the prompt, decode routing for the generated tokens
+            replay = replay_table(args.replay_trace, args.model, layout=(args.n_prompt, args.n_gen))
     except (OSError, ValueError) as e:
         print(f"hybrimoe bench: error: {e}", file=sys.stderr)
         return 1

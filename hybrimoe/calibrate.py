@@ -14,7 +14,8 @@ from .calibration import QUICK_SIZES, SIZES, calibration_path, measure, save, st
 
 
 def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: Optional[int] = None,
-              quick: bool = False, progress: bool = True, desc: str = "calibrating") -> tuple["_core.CostModel", dict, str]:
+              quick: bool = False, progress: bool = True, desc: str = "calibrating",
+              reps: Optional[int] = None) -> tuple["_core.CostModel", dict, str]:
     """Measures the cost model of ``model_path`` on this machine (``hybrimoe calibrate``): loads it once with the
     engine's hook (``moe_cache=0``, the user's devices) and runs :func:`measure` with GPU slots for every expert
     when they fit the device's free memory, else as many as ``moe_cache="auto"`` would take.
@@ -43,7 +44,7 @@ def calibrate(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: 
             # every expert if it fits beside the GPU share's work buffers, else what "auto" would take
             free, _ = device_memory(dev)
             n_slots = auto_slots(facts, free, top)[0]
-        return measure(llm, device=dev, n_slots=n_slots, quick=quick, threads=threads, progress=progress,
+        return measure(llm, device=dev, n_slots=n_slots, quick=quick, threads=threads, progress=progress, reps=reps,
                        desc=desc)
     finally:
         llm.close()
@@ -55,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=99, help="layers on the GPU (default %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
     p.add_argument("--quick", action="store_true", help="fewer ubatch sizes and repetitions")
+    p.add_argument("-r", "--reps", type=int, default=None,
+                   help="measured runs per ubatch size (default 2, 1 with --quick); more: steadier figures")
     p.add_argument("-o", "--output", default=None,
                    help="write here instead of the calibration store (calibration/ in hybrimoe's cache directory: "
                         "$HYBRIMOE_CACHE_DIR, else $XDG_CACHE_HOME/hybrimoe, else ~/.cache/hybrimoe)")
@@ -67,7 +70,7 @@ def run(args) -> int:
             if not d.is_dir() or not os.access(d, os.W_OK):
                 raise ValueError(f"cannot write {args.output}: {d} is not a writable directory")
         cm, sources, device = calibrate(args.model, rpc_servers=args.rpc, n_gpu_layers=args.n_gpu_layers,
-                                        threads=args.threads, quick=args.quick)
+                                        threads=args.threads, quick=args.quick, reps=args.reps)
         out = save(cm, sources, Path(args.output) if args.output else calibration_path(args.model, device))
     except (OSError, ValueError, RuntimeError) as e:
         print(f"hybrimoe calibrate: error: {e}", file=sys.stderr)

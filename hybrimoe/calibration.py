@@ -168,7 +168,8 @@ def _runs(llm, engine, prompt: list[int], sizes: Sequence[int], reps: int, k: in
 
 
 def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, threads: Optional[int] = None,
-            progress: bool = True, desc: str = "calibrating") -> tuple["_core.CostModel", dict, str]:
+            progress: bool = True, desc: str = "calibrating",
+            reps: Optional[int] = None) -> tuple["_core.CostModel", dict, str]:
     """Measures the cost model on a loaded :class:`hybrimoe.Llama` with the engine's hook (``moe_cache`` given):
     its model, context and devices, within its ``n_ubatch`` and ``n_ctx``.
 
@@ -176,8 +177,10 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
     after; the context's memory (KV cache) is cleared after. ``device``: the accelerator (ggml device pointer) or
     None; ``n_slots``: GPU expert slots the GPU measurement may use (at most: the budget is the user's). The GPU
     is measured on the ubatch sizes whose experts (all MoE layers together) fit in those slots; with fewer than two
-    such sizes the GPU fields keep the preset's values (sources say so). Returns ``(cost model, sources {field:
-    how it was measured}, device label)``.
+    such sizes the GPU fields keep the preset's values (sources say so). ``reps``: measured runs per ubatch size
+    (default 2, 1 with ``quick``; the copy-overlap measurements take the median of ``2 reps + 1``); more give
+    steadier figures on a noisy machine. Returns ``(cost model, sources {field: how it was measured}, device
+    label)``.
 
     Raises:
         ValueError: the context is too small for two of the ubatch sizes; RuntimeError: a measurement failed (the
@@ -198,7 +201,11 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
     if len(sizes) < 2:
         raise ValueError(f"too small a context to calibrate in (n_ubatch {llm.context_params.n_ubatch}, n_ctx "
                          f"{llm.n_ctx()}): at least {QUICK_SIZES[1]} tokens needed")
-    reps = 1 if quick else 2
+    if reps is None:
+        reps = 1 if quick else 2
+    if reps < 1:
+        raise ValueError(f"calibration repetitions must be >= 1, got {reps}")
+    overlap_reps = 2 * reps + 1
     preset = resolve_cost_model(None, facts)
     cm = _core.CostModel()
     for f in pol.COST_FIELDS:
@@ -271,11 +278,11 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
             sources["h2d_latency_s"] = sources["h2d_bandwidth_Bps"]
             cm.act_b_s = 2.0 * facts.n_embd * 4 / bw
             sources["act_b_s"] = "hidden state to the GPU and back per token at the measured bandwidth"
-            cm.copy_overlap = float(eng.measure_copy_overlap(device, big, 3 if quick else 5))
+            cm.copy_overlap = float(eng.measure_copy_overlap(device, big, overlap_reps))
             sources["copy_overlap"] = (f"a copy of {big} bytes and a compute of about its length, alone and "
                                        f"together ({device_name})")
             n_thr = int(threads or llm.n_threads)
-            cm.cpu_copy_overlap = float(eng.measure_cpu_copy_overlap(device, big * 4, 3 if quick else 5, n_thr))
+            cm.cpu_copy_overlap = float(eng.measure_cpu_copy_overlap(device, big * 4, overlap_reps, n_thr))
             sources["cpu_copy_overlap"] = (f"copies of {big * 4} bytes queued as the engine queues them and a "
                                            f"memory-bound CPU chain ({n_thr} threads) of about their length, alone "
                                            f"and together ({device_name})")

@@ -1,4 +1,5 @@
-"""The ``hybrimoe`` command line: ``run``, ``info``, ``make-tiny-model``, ``simulate``, ``calibrate``, ``bench``.
+"""The ``hybrimoe`` command line: ``run``, ``info``, ``make-tiny-model``, ``trace``, ``simulate``, ``calibrate``,
+``bench``.
 
 Flags follow llama.cpp's tools (``-m -p -n -t -c -ngl -ub --seed --temp -ot --n-cpu-moe --rpc``); hybrimoe's
 own flags start with ``--moe-``.
@@ -35,9 +36,21 @@ def default_model_path() -> Path:
 
 
 def _add_run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", help="GGUF model (default: a tiny qwen3moe model, created on first use)")
     p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text (default: %(default)r)")
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default: %(default)s)")
+    add_llama_arguments(p)
+    p.add_argument("--replay-trace", default=None, metavar="TRACE.npz",
+                   help="force every MoE layer's expert ids from a routing trace (token at position p gets row "
+                        "p mod rows): real activation patterns on a synthetic model; the text is then meaningless")
+    p.add_argument("--moe-stats", action="store_true",
+                   help="print the engine's statistics (hit rate, CPU/GPU experts, bytes copied) on stderr")
+    p.add_argument("--output-format", choices=["text", "json"], default="text",
+                   help="text: stream the generated text; json: print {prompt_tokens, tokens, text, n_ctx} at the end")
+
+
+def add_llama_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, placement, sampling and engine flags that ``run`` and ``trace`` share (llama.cpp's names)."""
+    p.add_argument("-m", "--model", help="GGUF model (default: a tiny qwen3moe model, created on first use)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama-cpp-python's)")
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="context size in tokens")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size in tokens")
@@ -76,39 +89,28 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "one used)")
     p.add_argument("-nr", "--no-repack", action="store_true",
                    help="keep CPU weights in the file's layout (upstream --no-repack)")
-    p.add_argument("--replay-trace", default=None, metavar="TRACE.npz",
-                   help="force every MoE layer's expert ids from a routing trace (token at position p gets row "
-                        "p mod rows): real activation patterns on a synthetic model; the text is then meaningless")
-    p.add_argument("--moe-stats", action="store_true",
-                   help="print the engine's statistics (hit rate, CPU/GPU experts, bytes copied) on stderr")
-    p.add_argument("--output-format", choices=["text", "json"], default="text",
-                   help="text: stream the generated text; json: print {prompt_tokens, tokens, text, n_ctx} at the end")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's log on stderr")
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.prompt == "":
-        print("hybrimoe run: error: the prompt is empty (-p TEXT)", file=sys.stderr)
-        return 2
-    if args.n_predict < 0:
-        print("hybrimoe run: error: -n must be >= 0", file=sys.stderr)
-        return 2
+def check_llama_arguments(args: argparse.Namespace, prog: str) -> str:
+    """The first bad value among :func:`add_llama_arguments`'s flags, as an error line, or ''."""
+    if getattr(args, "n_predict", 0) < 0:
+        return f"{prog}: error: -n must be >= 0"
     for name, value, low in (("-t", args.threads, 1), ("-c", args.ctx_size, 0), ("-b", args.batch_size, 1),
                              ("-ub", args.ubatch_size, 1)):
         if value is not None and value < low:
-            print(f"hybrimoe run: error: {name} must be >= {low}, got {value}", file=sys.stderr)
-            return 2
+            return f"{prog}: error: {name} must be >= {low}, got {value}"
     if args.moe_prefetch_layers is not None and args.moe_prefetch_layers < 0:
-        print("hybrimoe run: error: --moe-prefetch-layers must be >= 0", file=sys.stderr)
-        return 2
+        return f"{prog}: error: --moe-prefetch-layers must be >= 0"
     if not 0.0 < args.top_p <= 1.0:
-        print(f"hybrimoe run: error: --top-p must be in (0, 1], got {args.top_p}", file=sys.stderr)
-        return 2
-    try:
-        model = Path(args.model) if args.model else default_model_path()
-    except OSError as e:
-        print(f"hybrimoe run: error: cannot write the default model: {e}", file=sys.stderr)
-        return 1
+        return f"{prog}: error: --top-p must be in (0, 1], got {args.top_p}"
+    return ""
+
+
+def load_llama(args: argparse.Namespace, model: Path, prog: str, **extra):
+    """A :class:`hybrimoe.Llama` from :func:`add_llama_arguments`'s flags (``extra``: more keyword arguments), with
+    a load progress bar on a terminal; library warnings print as one ``hybrimoe: warning:`` line each. Returns None
+    after printing ``prog: error: ...`` when the model cannot be loaded."""
     import warnings
 
     from tqdm import tqdm
@@ -117,6 +119,49 @@ def _run(args: argparse.Namespace) -> int:
 
     # the library's warnings (e.g. MoE layers left to upstream's path), one line each in the CLI's style
     warnings.formatwarning = lambda message, *args, **kwargs: f"hybrimoe: warning: {message}\n"
+    bar = tqdm(total=100, desc="loading", unit="%", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS"))
+
+    def progress(fraction: float) -> None:
+        bar.n = int(round(100 * fraction))
+        bar.refresh()
+
+    try:
+        return Llama(
+            str(model), n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+            n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
+            seed=args.seed if args.seed >= 0 else 0xFFFFFFFF, verbose=args.verbose,
+            rpc_servers=args.rpc, tensor_buft_overrides=args.override_tensor or None,
+            cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook, no_repack=args.no_repack,
+            moe_cache=args.moe_cache, moe_policy=args.moe_policy, moe_prefetch_layers=args.moe_prefetch_layers,
+            moe_cost_model=args.moe_cost_model, load_progress=progress, **extra)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return None
+    finally:
+        bar.close()
+
+
+def model_argument(args: argparse.Namespace, prog: str) -> Path | None:
+    """``-m`` as a path, or the default tiny model (written on first use); None after printing the error."""
+    try:
+        return Path(args.model) if args.model else default_model_path()
+    except OSError as e:
+        print(f"{prog}: error: cannot write the default model: {e}", file=sys.stderr)
+        return None
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.prompt == "":
+        print("hybrimoe run: error: the prompt is empty (-p TEXT)", file=sys.stderr)
+        return 2
+    bad = check_llama_arguments(args, "hybrimoe run")
+    if bad:
+        print(bad, file=sys.stderr)
+        return 2
+    model = model_argument(args, "hybrimoe run")
+    if model is None:
+        return 1
 
     replay = None
     if args.replay_trace:
@@ -130,27 +175,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"hybrimoe: routing replayed from {args.replay_trace} ({len(replay)} rows): the generated text is "
               "meaningless", file=sys.stderr)
 
-    bar = tqdm(total=100, desc="loading", unit="%", file=sys.stderr, leave=False,
-               disable=not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS"))
-
-    def progress(fraction: float) -> None:
-        bar.n = int(round(100 * fraction))
-        bar.refresh()
-
-    try:
-        llm = Llama(
-            str(model), n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
-            n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
-            seed=args.seed if args.seed >= 0 else 0xFFFFFFFF, verbose=args.verbose,
-            rpc_servers=args.rpc, tensor_buft_overrides=args.override_tensor or None,
-            cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook, no_repack=args.no_repack,
-            moe_cache=args.moe_cache, moe_policy=args.moe_policy, moe_prefetch_layers=args.moe_prefetch_layers,
-            moe_cost_model=args.moe_cost_model, moe_replay=replay, load_progress=progress)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        bar.close()
-        print(f"hybrimoe run: error: {e}", file=sys.stderr)
+    llm = load_llama(args, model, "hybrimoe run", moe_replay=replay)
+    if llm is None:
         return 1
-    bar.close()
     try:
         prompt_tokens = llm.tokenize(args.prompt.encode(), add_bos=True, special=False)
         if len(prompt_tokens) >= llm.n_ctx():
@@ -237,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_run)
     _register_optional(sub, "info", "info", "MoE structure and expert bytes of a GGUF file")
     _register_optional(sub, "make-tiny-model", "tiny", "write a tiny synthetic MoE GGUF (tests, demos)")
+    _register_optional(sub, "trace", "record", "record a model's routing (expert ids and router scores per token "
+                       "and MoE layer) into a trace file for simulate and --replay-trace")
     _register_optional(sub, "simulate", "simulate", "trace-driven comparison of expert placement policies")
     _register_optional(sub, "calibrate", "calibrate", "measure the engine's cost model for a model on this "
                        "machine (stored for later runs)")

@@ -153,6 +153,9 @@ class Llama(llama_cpp.Llama):
             ``moe_stats()``.
         moe_replay: int array ``[n_rows, n_layer, k]``: force every MoE layer's routed expert ids; the token at
             position p gets row ``p % n_rows`` (benchmarks replay real routing; outputs become meaningless).
+        record_routing: record every MoE layer's routed ids and router scores as llama.cpp computes them, with
+            any placement (llama.cpp's eval callback, ``hybrimoe._engine.RoutingRecorder``; ``moe_recorder``;
+            ``hybrimoe.record`` writes traces with it). Off by default; costs a little per graph when on.
         moe_cache: turns on the hybrid CPU+GPU engine (HybriMoE) with a GPU expert cache of this size: ``"25%"``
             (of all routed-expert bytes), ``"3GiB"``, ``"512MB"`` or bytes; rounded down to whole expert slots
             (``hybrimoe.engine.slot_bytes(model_path)``); 0 runs every expert on the CPU through the engine;
@@ -188,8 +191,9 @@ class Llama(llama_cpp.Llama):
                  n_cpu_moe: int | None = None, no_repack: bool = False, n_seq_max: int | None = None,
                  moe_hook: bool = False, moe_replay: np.ndarray | None = None,
                  moe_cache=None, moe_policy=None, moe_prefetch_layers: int | None = None, moe_cost_model=None,
-                 load_progress=None, **kwargs):
+                 load_progress=None, record_routing: bool = False, **kwargs):
         self._moe = _MoeParts()
+        self._recorder = None
         self._moe_setup = None
         self._moe_warned = False
         check_gguf(model_path)
@@ -263,11 +267,22 @@ class Llama(llama_cpp.Llama):
                 return p
 
             original_ctx = _lc.llama_context_default_params
+            eval_cb = None
+            if record_routing:
+                from . import _engine
+
+                # kept on the Llama, which outlives its context (the context calls it on every graph)
+                self._recorder = _engine.RoutingRecorder()
+                eval_cb = _lc.ggml_backend_sched_eval_callback(_engine.RoutingRecorder.callback_address)
+                self._eval_cb_keepalive = eval_cb
 
             def patched_ctx():
                 c = original_ctx()
                 if n_seq_max is not None:
                     c.n_seq_max = int(n_seq_max)
+                if eval_cb is not None:
+                    c.cb_eval = eval_cb
+                    c.cb_eval_user_data = ctypes.c_void_p(self._recorder.address)
                 return c
 
             _lc.llama_model_default_params = patched
@@ -323,6 +338,11 @@ class Llama(llama_cpp.Llama):
         return self._moe.hook
 
     @property
+    def moe_recorder(self):
+        """The routing recorder (``hybrimoe._engine.RoutingRecorder``) of ``record_routing``, or None."""
+        return self._recorder
+
+    @property
     def moe_replay(self):
         """The routing replay (``hybrimoe._engine.RoutingReplay``) of ``moe_replay``, or None."""
         return self._moe.replay
@@ -345,15 +365,23 @@ class Llama(llama_cpp.Llama):
         self._moe.replay = _engine.RoutingReplay(ids.astype(np.int32), n_expert)
         self._moe.replay.attach(self._ctx_ptr())
 
-    def eval(self, tokens):
+    def eval(self, tokens, *, logits_all: bool = False):
         """llama-cpp-python's ``eval``; raises RuntimeError when the MoE engine failed during it (the layers it
         failed in were computed on the CPU; the next call tries the engine again). llama-cpp-python has then
         already counted the tokens as evaluated (``n_tokens``). With ``moe_hook`` or ``moe_cache``, warns once
-        (RuntimeWarning) when MoE layers were left to upstream's path or to the CPU only."""
+        (RuntimeWarning) when MoE layers were left to upstream's path or to the CPU only.
+
+        ``logits_all``: compute the outputs of every token, not only the last of each batch, so that every layer
+        sees every token (llama.cpp's model builders drop the tokens without an output before the last layer's
+        FFN; the routing recorder needs them all). The extra logits are not kept (``scores`` is llama-cpp-python's
+        and sized for its own ``logits_all``)."""
         if self._moe.engine is not None:
             self._moe.engine.clear_failure()
         try:
-            super().eval(tokens)
+            if logits_all:
+                self._eval_all_outputs(tokens)
+            else:
+                super().eval(tokens)
         except RuntimeError as e:
             if self._rpc_endpoints and "llama_decode returned" in str(e):
                 lost = [m for m in map(_ggml.rpc_connection_error, self._rpc_endpoints) if m]
@@ -376,6 +404,18 @@ class Llama(llama_cpp.Llama):
         err = self._moe.engine.take_error() if self._moe.engine is not None else ""
         if err:  # (no engine reference left in this frame: a kept traceback must not keep the engine alive)
             raise RuntimeError(f"hybrimoe engine failed: {err}")
+
+    def _eval_all_outputs(self, tokens) -> None:
+        # llama-cpp-python's eval loop (Llama.eval) with every token's output flag set
+        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        for i in range(0, len(tokens), self.n_batch):
+            batch = tokens[i:min(len(tokens), i + self.n_batch)]
+            n_past = self.n_tokens
+            self._batch.set_batch(batch=batch, n_past=n_past, logits_all=True)
+            self._ctx.decode(self._batch)
+            self.input_ids[n_past:n_past + len(batch)] = batch
+            self.n_tokens += len(batch)
+            self._requires_eval = False
 
     def moe_log(self, on: bool = True) -> None:
         """Starts (or, ``on=False``, stops and drops) the engine's decision log: one record per MoE layer and

@@ -1,5 +1,6 @@
 """Plots for ``hybrimoe simulate --plot DIR`` (matplotlib, Agg backend): hit rate against cache size per cache
-policy (cache-only replay, same initial fill), and a Gantt timeline of CPU / GPU / PCIe for the first MoE layers
+policy (cache-only replay, same initial fill), simulated tokens/s against cache size per system preset, and a Gantt
+timeline of CPU / GPU / PCIe for the first MoE layers
 of the first simulated step of the ``hybrimoe`` preset."""
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ from pathlib import Path
 from typing import Sequence
 
 
-def write_plots(setup, records: Sequence[dict], out_dir: Path, hit_rates: dict) -> list[Path]:
-    """Writes ``hit_rate_vs_cache.png`` and ``timeline.png`` into out_dir; returns their paths.
+def write_plots(setup, records: Sequence[dict], out_dir: Path, hit_rates: dict,
+                speeds: dict | None = None) -> list[Path]:
+    """Writes ``hit_rate_vs_cache.png``, ``tokens_per_s_vs_cache.png`` (with ``speeds``) and ``timeline.png`` into
+    out_dir; returns their paths.
 
     ``setup``: the simulation's ``hybrimoe.simulate.Setup``; ``hit_rates``: ``{cache fraction (0..1): {policy:
-    {"hit_rate": ...}}}``, the cache-only replays to plot (``hybrimoe.simulate.cache_hit_rates`` per budget)."""
+    {"hit_rate": ...}}}``, the cache-only replays to plot (``hybrimoe.simulate.cache_hit_rates`` per budget);
+    ``speeds``: ``{cache fraction: {system preset: tokens/s}}`` from whole simulations at each size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -19,6 +23,21 @@ def write_plots(setup, records: Sequence[dict], out_dir: Path, hit_rates: dict) 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
+    if speeds:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        fr = sorted(speeds)
+        for name in speeds[fr[0]]:
+            ax.plot([100 * f for f in fr], [speeds[f][name] for f in fr], marker="o", label=name)
+        ax.set_xlabel("GPU expert cache, % of routed-expert bytes")
+        ax.set_ylabel(f"{setup.stage} tokens/s (simulated)")
+        ax.set_title(f"{setup.hw.name}, {setup.stage} ({setup.trace.model or 'trace'})")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        p = out_dir / "tokens_per_s_vs_cache.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
     fig, ax = plt.subplots(figsize=(6, 4))
     fractions = sorted(hit_rates)
     rates: dict = {}

@@ -8,11 +8,14 @@
 #include "runtime/calibration.h"
 #include "runtime/engine.h"
 #include "runtime/moe_hook.h"
+#include "runtime/routing_recorder.h"
 #include "policy/cost_model.h"
 #include "policy/expert_cache.h"
 #include "policy/prefetcher.h"
 #include "policy/scheduler.h"
 #include "../decision_dict.h"
+
+#include <cstring>
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -23,6 +26,7 @@ using hybrimoe::Engine;
 using hybrimoe::EngineConfig;
 using hybrimoe::MoeHook;
 using hybrimoe::RoutingReplay;
+using hybrimoe::RoutingRecorder;
 
 namespace {
 
@@ -199,7 +203,7 @@ Raises:
                     d["bytes_demand"] = s.bytes_demand; d["bytes_prefetch"] = s.bytes_prefetch;
                     d["bytes_fill"] = s.bytes_fill; d["bytes_act_h2d"] = s.bytes_act_h2d;
                     d["bytes_act_d2h"] = s.bytes_act_d2h; d["plan_s"] = s.plan_s; d["wait_s"] = s.wait_s;
-                    d["cpu_share_s"] = s.cpu_share_s;
+                    d["cpu_share_s"] = s.cpu_share_s; d["cpu_share_cpu_s"] = s.cpu_share_cpu_s;
                     d["layer_s"] = s.layer_s; d["predicted_s"] = s.predicted_s;
                     out.append(d);
                 }
@@ -259,4 +263,50 @@ Raises:
         .def("attach", [](RoutingReplay & r, uintptr_t ctx) { r.attach(ctx_from(ctx)); }, py::arg("ctx"))
         .def("detach", &RoutingReplay::detach)
         .def("calls", &RoutingReplay::calls, py::arg("layer"), "ubatches replayed so far in a layer");
+
+    py::class_<RoutingRecorder>(m, "RoutingRecorder", R"doc(
+Records every MoE layer's routed ids and router scores through llama.cpp's eval callback (cb_eval).
+
+Install it before the context exists: ``llama_context_params.cb_eval = callback_address`` and
+``cb_eval_user_data = address`` (hybrimoe.Llama(record_routing=True) does it). It reads the nodes
+build_moe_ffn names "ffn_moe_topk-<il>" (I32 [k, T]) and "ffn_moe_probs-<il>" (F32 [E, T]: after the gating
+function, before any selection bias) from whichever device computed them; results are unchanged. Starts
+disabled. The object must outlive the context.
+)doc")
+        .def(py::init<>())
+        .def_property("enabled", &RoutingRecorder::enabled, &RoutingRecorder::set_enabled,
+                      "whether computed graphs are recorded")
+        .def_property_readonly("address", [](RoutingRecorder & r) { return (uintptr_t) &r; },
+                               "the cb_eval_user_data pointer (an int)")
+        .def_property_readonly_static("callback_address", [](py::object) {
+                return (uintptr_t) &RoutingRecorder::callback;
+            }, "the cb_eval function pointer (an int)")
+        .def_property_readonly("error", &RoutingRecorder::error,
+                               "the first node that could not be recorded (type or shape), or ''")
+        .def("rows", [](const RoutingRecorder & r) {
+                py::dict d;
+                for (size_t il = 0; il < r.layers().size(); ++il) {
+                    const auto & L = r.layers()[il];
+                    if (L.k == 0 && L.n_expert == 0) continue;
+                    d[py::int_(il)] = py::make_tuple(L.k ? L.ids.size() / (size_t) L.k : 0,
+                                                     L.n_expert ? L.scores.size() / (size_t) L.n_expert : 0);
+                }
+                return d;
+            }, "{layer: (id rows, score rows)} recorded so far")
+        .def("take", [](RoutingRecorder & r) {
+                py::dict d;
+                auto layers = r.take();
+                for (size_t il = 0; il < layers.size(); ++il) {
+                    auto & L = layers[il];
+                    if (L.k == 0 && L.n_expert == 0) continue;
+                    const py::ssize_t nk = L.k ? (py::ssize_t) (L.ids.size() / (size_t) L.k) : 0;
+                    const py::ssize_t ns = L.n_expert ? (py::ssize_t) (L.scores.size() / (size_t) L.n_expert) : 0;
+                    py::array_t<int32_t> ids({nk, (py::ssize_t) L.k});
+                    if (!L.ids.empty()) std::memcpy(ids.mutable_data(), L.ids.data(), L.ids.size() * 4);
+                    py::array_t<float> sc({ns, (py::ssize_t) L.n_expert});
+                    if (!L.scores.empty()) std::memcpy(sc.mutable_data(), L.scores.data(), L.scores.size() * 4);
+                    d[py::int_(il)] = py::make_tuple(ids, sc);
+                }
+                return d;
+            }, "{layer: (ids int32 [rows, k], scores float32 [rows, E])} recorded since the last take; starts empty");
 }

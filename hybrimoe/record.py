@@ -1,0 +1,349 @@
+"""``hybrimoe trace``: record a model's own routing into a trace file (:mod:`hybrimoe.trace` format).
+
+The model runs as ``hybrimoe run`` would run it (any placement: ``-ngl``, ``-ot``, ``--n-cpu-moe``, ``--rpc``,
+``--moe-cache``), prompt after prompt. For every token and MoE layer it records the routed expert ids and the
+router's scores over all experts as llama.cpp computed them (llama.cpp's eval callback reads the nodes
+``ffn_moe_topk`` and ``ffn_moe_probs`` of llm_graph_context::build_moe_ffn: scores after the gating function,
+before any selection bias; :class:`hybrimoe._engine.RoutingRecorder`), the phase of the token (the prompt's tokens
+are prefill, each generated token's step is decode), the prompt offsets, and the model facts read from the GGUF.
+
+Prompts: ``-p TEXT`` (repeatable), ``-f FILE`` (repeatable): a ``.jsonl`` file holds one JSON value per line, a
+string (the prompt) or an object with ``"prompt"`` (a string) or ``"messages"`` (a chat, ``[{"role", "content"}]``);
+any other file holds one prompt per non-empty line. ``--chat`` applies the model's chat template
+(``tokenizer.chat_template``) to plain prompts as one user message; ``"messages"`` always use it.
+
+Every prompt starts from an empty context. Its tokens are evaluated with every token's output computed
+(llama.cpp otherwise drops the tokens without an output before the last layer's FFN, which would leave that layer
+unrecorded); then ``-n`` tokens are generated one step at a time (stopping at an end-of-generation token or the
+context's end) with the sampling flags (greedy with ``--temp 0``).
+
+The file is written atomically (a temporary file beside it, then renamed); an existing ``-o`` file is kept
+unless ``--force``. Ctrl-C stops the recording: the tokens recorded so far are written, flagged ``partial``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+#: a prompt: text, or a chat (a list of {"role", "content"} messages)
+Prompt = Union[str, list]
+
+
+def read_prompts(texts: Sequence[str], files: Sequence[str]) -> list:
+    """The prompts of ``-p`` texts and ``-f`` files, in that order (see the module docstring for the formats).
+
+    Raises:
+        FileNotFoundError: a file is missing.
+        ValueError: a file is not UTF-8 text, a ``.jsonl`` line is not valid JSON or not a string / an object with
+            ``prompt`` or ``messages``, a prompt is empty, or there is no prompt at all.
+    """
+    out: list = []
+    for t in texts:
+        if not t:
+            raise ValueError("-p: the prompt is empty")
+        out.append(t)
+    for f in files:
+        p = Path(f)
+        if not p.is_file():
+            raise FileNotFoundError(f"-f {p}: no such file")
+        try:
+            lines = p.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"-f {p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if p.suffix.lower() == ".jsonl":
+            for no, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    v = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"-f {p}:{no}: not valid JSON ({e.msg})") from None
+                out.append(_jsonl_prompt(v, f"-f {p}:{no}"))
+        else:
+            out.extend(line for line in lines if line.strip())
+    if not out:
+        raise ValueError("no prompt: give -p TEXT or -f FILE (a file with at least one non-empty line)")
+    return out
+
+
+def _jsonl_prompt(v, where: str) -> Prompt:
+    if isinstance(v, str) and v:
+        return v
+    if isinstance(v, dict):
+        if isinstance(v.get("prompt"), str) and v["prompt"]:
+            return v["prompt"]
+        msgs = v.get("messages")
+        if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                   and isinstance(m.get("content"), str) for m in msgs):
+            return msgs
+    raise ValueError(f"{where}: expected a non-empty string, {{\"prompt\": TEXT}} or {{\"messages\": [{{\"role\", "
+                     "\"content\"}, ...]}")
+
+
+def prompt_tokens(llm, prompt: Prompt, chat: bool) -> list[int]:
+    """Token ids of one prompt: plain text tokenized with a BOS (as ``hybrimoe run``), or, for a chat (or any
+    prompt with ``chat``), the model's chat template applied (llama-cpp-python's ``Jinja2ChatFormatter``).
+
+    Raises:
+        ValueError: a chat prompt for a model without ``tokenizer.chat_template``; the prompt has no tokens.
+    """
+    if isinstance(prompt, list) or chat:
+        from llama_cpp import llama_chat_format
+
+        template = llm.metadata.get("tokenizer.chat_template")
+        if not template:
+            raise ValueError("the model has no chat template (tokenizer.chat_template): drop --chat and give "
+                             "plain prompts")
+        msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        vocab_text = llm.detokenize
+        bos = vocab_text([llm.token_bos()]).decode("utf-8", errors="replace") if llm.token_bos() >= 0 else ""
+        eos = vocab_text([llm.token_eos()]).decode("utf-8", errors="replace") if llm.token_eos() >= 0 else ""
+        fmt = llama_chat_format.Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+        res = fmt(messages=msgs)
+        toks = llm.tokenize(res.prompt.encode(), add_bos=not res.added_special, special=True)
+    else:
+        toks = llm.tokenize(prompt.encode(), add_bos=True, special=False)
+    if not toks:
+        raise ValueError("the prompt has no tokens")
+    return toks
+
+
+@dataclass
+class _Rows:
+    """Recorded rows so far: per evaluated chunk, ids [n, L, k] int16, scores [n, L, E] float16, phase."""
+
+    ids: list = field(default_factory=list)
+    scores: list = field(default_factory=list)
+    phases: list = field(default_factory=list)
+    offsets: list = field(default_factory=lambda: [0])
+    n: int = 0
+
+    def add(self, ids: np.ndarray, scores: np.ndarray, phase: int) -> None:
+        self.ids.append(ids)
+        self.scores.append(scores)
+        self.phases.append(np.full(len(ids), phase, dtype=np.int8))
+        self.n += len(ids)
+
+    def end_prompt(self) -> None:
+        if self.n > self.offsets[-1]:
+            self.offsets.append(self.n)
+
+
+class Recorder:
+    """Drives a :class:`hybrimoe.Llama` made with ``record_routing=True`` over prompts and collects its routing.
+
+    Args:
+        llm: the Llama (any placement).
+        on_token: called with the number of tokens just recorded (progress), or None.
+        on_prompt: called once a prompt is done (recorded, failed or interrupted), or None.
+
+    Raises:
+        ValueError: the Llama was not made with ``record_routing=True``, or its model has no MoE layer.
+    """
+
+    def __init__(self, llm, on_token=None, on_prompt=None):
+        from .engine import engine_facts
+
+        if llm.moe_recorder is None:
+            raise ValueError("the Llama records nothing: make it with record_routing=True")
+        self.llm = llm
+        self.facts = engine_facts(llm.model_path)
+        if not self.facts.moe_layers:
+            raise ValueError(f"{llm.model_path}: the model has no MoE layer")
+        self.rows = _Rows()
+        self.on_token = on_token
+        self.on_prompt = on_prompt
+        self.interrupted = False
+        self.stopped_at: Optional[str] = None
+
+    def _collect(self, n: int, phase: int) -> None:
+        """Takes the recorder's rows of the last evaluation of ``n`` tokens; every MoE layer must have them all."""
+        got = self.llm.moe_recorder.take()
+        err = self.llm.moe_recorder.error
+        L, k, E = len(self.facts.moe_layers), self.facts.top_k, self.facts.n_expert
+        ids = np.empty((n, L, k), dtype=np.int16)
+        scores = np.empty((n, L, E), dtype=np.float16)
+        for j, il in enumerate(self.facts.moe_layers):
+            if il not in got:
+                raise RuntimeError(f"MoE layer {il} recorded nothing for {n} token(s)"
+                                   + (f" ({err})" if err else " (no ffn_moe_topk / ffn_moe_probs node: an "
+                                                              "architecture whose router llama.cpp builds "
+                                                              "otherwise)"))
+            li, ls = got[il]
+            if li.shape != (n, k) or ls.shape != (n, E):
+                raise RuntimeError(f"MoE layer {il} recorded ids {li.shape} and scores {ls.shape} for {n} token(s); "
+                                   f"expected ({n}, {k}) and ({n}, {E})" + (f" ({err})" if err else ""))
+            ids[:, j, :] = li
+            scores[:, j, :] = ls
+        self.rows.add(ids, scores, phase)
+        if self.on_token is not None:
+            self.on_token(n)
+
+    def record(self, prompts: Sequence[Prompt], n_predict: int, *, chat: bool = False, temp: float = 0.0,
+               top_k: int = 40, top_p: float = 0.95) -> None:
+        """Records every prompt (prefill) and ``n_predict`` generated tokens after each (decode).
+
+        Ctrl-C (KeyboardInterrupt) stops it, keeping every evaluation that completed (``interrupted`` is then
+        True); any other error propagates after the rows so far are kept.
+
+        Raises:
+            ValueError: a prompt does not fit the context (the message names it), or see :func:`prompt_tokens`.
+            RuntimeError: a layer's routing was not recorded, or a decode failed.
+        """
+        from .trace import PHASE_DECODE, PHASE_PREFILL
+        from ._lib import llama_cpp_module
+
+        lc = llama_cpp_module().llama_cpp
+        llm = self.llm
+        vocab = lc.llama_model_get_vocab(llm.model)
+        rec = llm.moe_recorder
+        n_ctx = llm.n_ctx()
+        try:
+            for i, prompt in enumerate(prompts):
+                toks = prompt_tokens(llm, prompt, chat)
+                if len(toks) >= n_ctx:
+                    raise ValueError(f"prompt {i} has {len(toks)} tokens, the context holds {n_ctx} (-c)")
+                llm.reset()
+                rec.take()  # nothing left from an interrupted or failed evaluation
+                rec.enabled = True
+                try:
+                    llm.eval(toks, logits_all=True)
+                    self._collect(len(toks), PHASE_PREFILL)
+                    for _ in range(min(n_predict, n_ctx - len(toks))):
+                        tok = llm.sample(temp=temp, top_k=top_k, top_p=top_p)
+                        if lc.llama_vocab_is_eog(vocab, tok):
+                            break
+                        llm.eval([tok])
+                        self._collect(1, PHASE_DECODE)
+                finally:
+                    rec.enabled = False
+                    self.rows.end_prompt()
+                    if self.on_prompt is not None:
+                        self.on_prompt()
+        except KeyboardInterrupt:
+            self.interrupted = True
+            rec.take()
+
+    def trace(self, model_path=None):
+        """The :class:`hybrimoe.trace.RoutingTrace` of everything recorded (``partial`` when interrupted), with the
+        model facts, expert bytes per layer, gating function and selection bias read from the GGUF.
+
+        Raises:
+            ValueError: nothing was recorded.
+        """
+        from .trace import RoutingTrace, facts_from_gguf, selection_bias_from_gguf
+
+        if self.rows.n == 0:
+            raise ValueError("nothing was recorded")
+        path = model_path or self.llm.model_path
+        facts = facts_from_gguf(path)
+        return RoutingTrace(
+            expert_ids=np.concatenate(self.rows.ids), prompt_offsets=np.asarray(self.rows.offsets, dtype=np.int64),
+            num_experts=self.facts.n_expert, top_k=self.facts.top_k,
+            expert_bytes=np.asarray(facts.layer_expert_bytes, dtype=np.float64),
+            n_dense_layers=facts.n_dense_layers, moe_layer_ids=np.asarray(self.facts.moe_layers, dtype=np.int64),
+            router_scores=np.concatenate(self.rows.scores).astype(np.float32), model=facts.name,
+            phases=np.concatenate(self.rows.phases), gating=facts.gating,
+            selection_bias=selection_bias_from_gguf(path), partial=self.interrupted, facts=facts)
+
+
+# ---- command line ------------------------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``trace`` options: llama.cpp's model, placement and sampling flags (as ``run``) and the recording's."""
+    from .cli import add_llama_arguments
+
+    p.add_argument("-p", "--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
+    p.add_argument("-f", "--file", action="append", default=[], metavar="FILE",
+                   help="prompts: one per non-empty line, or a .jsonl file of strings / {\"prompt\"} / "
+                        "{\"messages\"} (repeatable)")
+    p.add_argument("-n", "--n-predict", type=int, default=32,
+                   help="tokens to generate after each prompt (decode phase; default: %(default)s)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to plain prompts")
+    p.add_argument("-o", "--output", required=True, metavar="TRACE.npz", help="the trace file to write")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    add_llama_arguments(p)
+    p.set_defaults(temp=0.0)
+
+
+def _check_output(path: Path, force: bool) -> str:
+    if path.exists() and path.is_dir():
+        return f"-o {path}: is a directory"
+    if path.exists() and not force:
+        return f"-o {path}: exists (give --force to replace it)"
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        return f"-o {path}: the folder {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"-o {path}: cannot write in {parent}"
+    return ""
+
+
+def run(args) -> int:
+    """Runs ``hybrimoe trace``; returns the exit status (0 ok, 1 failed, 2 bad input, 130 interrupted; an
+    interrupted run still writes what it recorded)."""
+    from tqdm import tqdm
+
+    from .cli import check_llama_arguments, load_llama, model_argument
+
+    prog = "hybrimoe trace"
+    bad = check_llama_arguments(args, prog)
+    out = Path(args.output)
+    bad = bad or _check_output(out, args.force)
+    if bad:
+        print(bad if bad.startswith(prog) else f"{prog}: error: {bad}", file=sys.stderr)
+        return 2
+    try:
+        prompts = read_prompts(args.prompt, args.file)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    model = model_argument(args, prog)
+    if model is None:
+        return 1
+    llm = load_llama(args, model, prog, record_routing=True)
+    if llm is None:
+        return 1
+    bar = tqdm(total=len(prompts), desc="trace", unit="prompt", file=sys.stderr,
+               disable=not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS"))
+    tokens = [0]
+
+    def on_token(n: int) -> None:
+        tokens[0] += n
+        bar.set_postfix_str(f"{tokens[0]} tokens")
+
+    status = 0
+    try:
+        rec = Recorder(llm, on_token=on_token, on_prompt=lambda: bar.update(1))
+        try:
+            rec.record(prompts, args.n_predict, chat=args.chat, temp=args.temp, top_k=args.top_k, top_p=args.top_p)
+        except (ValueError, RuntimeError) as e:
+            print(f"\n{prog}: error: {e}", file=sys.stderr)
+            status = 1
+        if rec.interrupted:
+            status = 130
+        if rec.rows.n == 0:
+            print(f"{prog}: nothing recorded; {out} not written", file=sys.stderr)
+            return status or 1
+        tr = rec.trace(model)
+        if status:
+            tr.partial = True
+        tr.save(out)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        bar.close()
+        llm.close()
+    n_dec = int(np.sum(tr.phases == 1))
+    print(f"{prog}: wrote {out}: {tr.n_tokens} tokens ({tr.n_tokens - n_dec} prefill, {n_dec} decode) of "
+          f"{tr.n_prompts} prompt(s), {tr.n_layers} MoE layers, {tr.num_experts} experts, top-{tr.top_k}, gating "
+          f"{tr.gating or 'unknown'}" + (" (partial: interrupted or failed)" if tr.partial else ""), file=sys.stderr)
+    return status
