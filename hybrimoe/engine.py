@@ -20,14 +20,12 @@ import numpy as np
 
 from . import _core
 from . import policy as pol
-from .trace import ModelFacts
+from .facts import ModelFacts
 
 from .defaults import COST_PRESET, PREFETCH_LAYERS
 
 #: upstream LLM_FFN_EXPS_REGEX (common/common.h): the routed-expert weight tensors
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
-_EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
-_BLK = re.compile(r"^blk\.(\d+)\.")
 
 
 def _engine_module():
@@ -84,7 +82,8 @@ def engine_facts(path: Union[str, os.PathLike]) -> EngineFacts:
     """
     import gguf
 
-    from .info import _field, describe
+    from .facts import facts_from_description
+    from .info import describe
 
     d = describe(path)
     if not d["has_experts"]:
@@ -112,31 +111,8 @@ def engine_facts(path: Union[str, os.PathLike]) -> EngineFacts:
         b = tensors.get(f"blk.{il}.exp_probs_b.bias")
         biases.append(np.asarray(b.data, dtype=np.float32).ravel().copy() if b is not None
                       else np.zeros(0, np.float32))
-    gating = _field(r, f"{arch}.expert_gating_func")
-    sigmoid = gating is not None and int(gating) == int(gguf.ExpertGatingFuncType.SIGMOID)
-
-    # facts for the hardware presets' cost model (hybrimoe.policy.cost_model_from_hardware)
-    n_moe = len(moe_layers)
-    ff = int(kinds["gate"]["shape"][1])
-    expert_bytes = float(np.mean([sum(b) for b in eb]))
-    per_layer_other = {}
-    for t in r.tensors:
-        m = _BLK.match(t.name)
-        if m and not _EXPS.match(t.name):
-            per_layer_other.setdefault(int(m.group(1)), []).append((int(t.n_elements), int(t.n_bytes)))
-    moe_other = [sum(n for n, _ in per_layer_other.get(il, [])) for il in moe_layers]
-    dense = [il for il in range(d["n_layer"]) if il not in moe_layers]
-    dense_params = [sum(n for n, _ in per_layer_other.get(il, [])) for il in dense]
-    all_other = [x for v in per_layer_other.values() for x in v]
-    bpp = (sum(b for _, b in all_other) / max(1, sum(n for n, _ in all_other))) if all_other else 2.0
-    model = ModelFacts(
-        name=os.path.basename(os.fspath(path)), n_moe_layers=n_moe, n_dense_layers=len(dense),
-        n_experts=int(d["n_expert"]), top_k=int(d["n_expert_used"]),
-        n_shared_experts=int(d["shared"]["count"]) if d["shared"] else 0, n_embd=int(d["n_embd"]), n_ff_exp=ff,
-        expert_bytes=expert_bytes, expert_params=3.0 * d["n_embd"] * ff,
-        non_expert_params_per_moe_layer=float(np.mean(moe_other)) if moe_other else 0.0,
-        dense_layer_params=float(np.mean(dense_params)) if dense_params else 0.0,
-        bytes_per_param_non_expert=float(bpp), sources={"all": f"read from {os.fspath(path)}"})
+    sigmoid = d["gating"] == "sigmoid"
+    model = facts_from_description(d)  # for the hardware presets' cost model (policy.cost_model_from_hardware)
     return EngineFacts(path=os.fspath(path), arch=arch, n_layer=int(d["n_layer"]), n_expert=int(d["n_expert"]),
                        top_k=int(d["n_expert_used"]), n_embd=int(d["n_embd"]), moe_layers=moe_layers,
                        expert_bytes=eb, expert_types=et, routers=routers, router_bias=biases, sigmoid_gating=sigmoid, model=model)

@@ -15,6 +15,13 @@ from pathlib import Path
 EXPERT_KINDS = ("gate", "up", "down", "gate_up")
 _EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias)$")
 _BLK_RE = re.compile(r"^blk\.(\d+)\.")
+#: the parts of a block's other (non-routed-expert) tensors, as :func:`describe` sorts them (``layer_parts``)
+LAYER_PARTS = ("attention", "shared_experts", "router", "norms", "dense_ffn", "other")
+#: upstream's llama_expert_gating_func_type (src/llama-hparams.h), by the value of ``<arch>.expert_gating_func``
+GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
+#: architectures whose graph gates with another function than softmax when the key is absent (upstream's
+#: models/openai-moe.cpp and models/llama4.cpp pass it to llm_graph_context::build_moe_ffn)
+_ARCH_GATING = {"gpt-oss": "softmax_weight", "llama4": "sigmoid"}
 
 
 def _field(reader, key, default=None):
@@ -52,6 +59,56 @@ def _open(path):
     return p, size, reader
 
 
+def _layer_part(kind: str) -> str:
+    """The part of a block tensor (its name after ``blk.N.``, e.g. ``attn_q.weight``): one of LAYER_PARTS."""
+    if "norm" in kind:
+        return "norms"
+    stem = kind.rsplit(".", 1)[0]
+    if stem.endswith("_shexp"):
+        return "shared_experts"
+    if stem in ("ffn_gate_inp", "exp_probs_b"):
+        return "router"
+    if stem.startswith("attn"):
+        return "attention"
+    if stem in ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_up"):
+        return "dense_ffn"
+    return "other"
+
+
+def _count(v):
+    """A head count as stored: an int, or per layer an array (its largest value); None when absent or not a
+    number."""
+    try:
+        if isinstance(v, (list, tuple)):
+            return max((int(x) for x in v), default=None)
+        return None if v is None or isinstance(v, str) else int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def expert_gating(arch: str, raw, n_layer: int, n_vocab) -> tuple[str, str]:
+    """(gating function name, where it came from) of a MoE model's router.
+
+    ``raw``: the value of ``<arch>.expert_gating_func`` or None (absent; 0, upstream's NONE, reads as absent).
+    Names: ``"softmax"``, ``"sigmoid"``, ``"softmax_weight"`` (softmax over the selected experts' logits, gpt-oss),
+    ``"sqrt_softplus"``, or ``""`` for a value this hybrimoe does not know. Absent: deepseek2 follows upstream's
+    loader (src/models/deepseek2.cpp: sigmoid for GLM 4.7 Lite, 47 or 48 layers and 154880 tokens, else softmax),
+    gpt-oss and llama4 the function their graph passes to build_moe_ffn, every other architecture softmax.
+    """
+    key = f"{arch}.expert_gating_func"
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw != 0:
+        if raw not in GATING_FUNCS:
+            return "", f"GGUF key {key} = {raw}, a value this hybrimoe does not know"
+        return GATING_FUNCS[raw], f"GGUF key {key} = {raw}"
+    if raw is not None and not isinstance(raw, int):
+        return "", f"GGUF key {key} is not an integer"
+    if arch == "deepseek2" and n_layer in (47, 48) and n_vocab == 154880:
+        return "sigmoid", (f"{key} absent: upstream's deepseek2 loader takes 47/48 layers and 154880 tokens "
+                           "for GLM 4.7 Lite, sigmoid")
+    name = _ARCH_GATING.get(arch, "softmax")
+    return name, f"{key} absent: {name}, the gating upstream's {arch} graph uses"
+
+
 def _ranges(ids):
     ids = sorted(ids)
     out, i = [], 0
@@ -72,10 +129,17 @@ def describe(path) -> dict:
         n_vocab, has_experts (bool), moe_layers / dense_layers (lists of block ids), n_expert, n_expert_used
         (top-k), shared: {"count", "ff" (width), "gated" (has ffn_gate_inp_shexp)} or None,
         expert_tensors: {kind: {"types": [ggml type names], "bytes_per_expert": int or None when it differs
-            between layers, "shape": [ne0, ne1] of one expert, "layers": {block id: {"type", "bytes",
-            "bytes_per_expert"}}}} for kind in gate/up/down/gate_up present (weights only),
+            between layers, "shape": [ne0, ne1] of one expert (the first layer's), "layers": {block id: {"type",
+            "bytes", "bytes_per_expert", "n_expert", "shape"}}}} for kind in gate/up/down/gate_up present
+            (weights only),
         routed_expert_bytes (all ``ffn_*_exps`` tensors, biases included), other_bytes (every other tensor),
-        tensor_bytes (sum of both), tensor_types ({ggml type name: tensor count}).
+        tensor_bytes (sum of both), tensor_types ({ggml type name: tensor count}),
+        n_head / n_head_kv (``attention.head_count`` / ``_kv``; the largest when stored per layer; None when
+        absent), n_layer_nextn (``nextn_predict_layers``, trailing blocks that inference does not run; 0 when
+        absent), gating / gating_source (:func:`expert_gating`),
+        layer_parts: {block id: {part: [params, bytes]}}, the block's other tensors (weights and biases, not
+        the routed experts) summed per part of :data:`LAYER_PARTS` (attention, shared experts and their gate,
+        router and selection bias, norms, a dense FFN, other).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -105,6 +169,7 @@ def describe(path) -> dict:
     all_layers: set = set()
     types: dict = {}
     sh = {"ff": None, "gated": False, "present": False}
+    parts: dict = {}
     for t in r.tensors:
         tname = gguf.GGMLQuantizationType(int(t.tensor_type)).name
         types[tname] = types.get(tname, 0) + 1
@@ -124,11 +189,15 @@ def describe(path) -> dict:
                 if tname not in k["types"]:
                     k["types"].append(tname)
                 k["layers"][il] = {"type": tname, "bytes": nb, "bytes_per_expert": nb // ne if ne else nb,
-                                   "n_expert": ne}
+                                   "n_expert": ne, "shape": shape[:2]}
                 if n_expert is None:
                     n_expert = ne
             continue
         other += nb
+        if mb:
+            acc = parts.setdefault(int(mb.group(1)), {}).setdefault(_layer_part(t.name[mb.end():]), [0, 0])
+            acc[0] += int(t.n_elements)
+            acc[1] += nb
         if ".ffn_up_shexp.weight" in t.name or ".ffn_down_shexp.weight" in t.name:
             sh["present"] = True
             if ".ffn_up_shexp." in t.name:
@@ -145,15 +214,23 @@ def describe(path) -> dict:
     if n_layer is None:
         n_layer = (max(all_layers) + 1) if all_layers else 0
     has_experts = bool(moe_layers)
+    n_vocab = None if n_vocab is None else int(n_vocab)
+    nextn = _field(r, f"{arch}.nextn_predict_layers")
+    nextn = int(nextn) if isinstance(nextn, int) else 0
+    gating, gating_source = expert_gating(arch, _field(r, f"{arch}.expert_gating_func"), int(n_layer) - nextn,
+                                          n_vocab)
     return {
         "path": str(p), "file_size": size, "architecture": arch, "name": _field(r, "general.name"),
         "file_type": ft_name, "n_layer": int(n_layer), "n_embd": None if n_embd is None else int(n_embd),
-        "n_vocab": None if n_vocab is None else int(n_vocab), "has_experts": has_experts,
+        "n_vocab": n_vocab, "has_experts": has_experts,
         "moe_layers": sorted(moe_layers), "dense_layers": [i for i in range(int(n_layer)) if i not in moe_layers],
         "n_expert": int(n_expert) if (n_expert and has_experts) else 0,
         "n_expert_used": int(n_used) if (n_used and has_experts) else 0,
         "shared": shared, "expert_tensors": kinds, "routed_expert_bytes": routed, "other_bytes": other,
         "tensor_bytes": routed + other, "tensor_types": types,
+        "n_head": _count(_field(r, f"{arch}.attention.head_count")),
+        "n_head_kv": _count(_field(r, f"{arch}.attention.head_count_kv")), "n_layer_nextn": nextn,
+        "gating": gating, "gating_source": gating_source, "layer_parts": parts,
     }
 
 

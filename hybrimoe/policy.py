@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from hybrimoe import _core
-from hybrimoe.trace import ModelFacts
+from hybrimoe.facts import ModelFacts
 
 CachePolicy = _core.CachePolicy
 SchedulePolicy = _core.SchedulePolicy
@@ -303,8 +303,9 @@ def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostMode
     - GPU expert: kernel launches + reading its bytes at effective GPU bandwidth, plus 2*params FLOP per token.
     - Copy: the preset's effective link bandwidth and latency.
     - Activations: hidden state (fp32, n_embd) to the GPU and back per token, plus two link latencies.
-    - Non-expert work of a layer (attention, router, shared experts) and dense layers: launches + weight bytes at
-      GPU bandwidth, plus 2*params FLOP per token.
+    - Non-expert work of a layer (attention, router, shared experts, norms) and dense layers: launches + weight
+      bytes at GPU bandwidth, plus 2*params FLOP per token; counts and bytes are the model's facts (a GGUF's real
+      tensors with :func:`hybrimoe.facts.facts_from_gguf`; params x bytes per param where only counts are known).
     - Copies overlap compute (``copy_overlap`` 1): an assumption for discrete GPUs, whose copy engines run beside the
       compute queue (the engine copies on a second stream).
     - Copies cost the CPU share nothing (``cpu_copy_overlap`` 1): an assumption of the planner (HybriMoE §IV.B's
@@ -325,10 +326,10 @@ def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostMode
     cm.h2d_latency_s = f["h2d_latency_s"]
     cm.act_a_s = 2.0 * f["h2d_latency_s"]
     cm.act_b_s = 2.0 * model.n_embd * 4 / f["h2d_bandwidth_Bps"]
-    ne_bytes = model.non_expert_params_per_moe_layer * model.bytes_per_param_non_expert
+    ne_bytes = model.moe_layer_other_bytes()
     cm.layer_a_s = f["gpu_kernels_per_layer"] * launch + ne_bytes / gpu_bw
     cm.layer_b_s = 2.0 * model.non_expert_params_per_moe_layer / f["gpu_effective_flops"]
-    dense_bytes = model.dense_layer_params * model.bytes_per_param_non_expert
+    dense_bytes = model.dense_bytes()
     cm.dense_a_s = f["gpu_kernels_per_layer"] * launch + dense_bytes / gpu_bw
     cm.dense_b_s = 2.0 * model.dense_layer_params / f["gpu_effective_flops"]
     cm.copy_overlap = 1.0

@@ -12,7 +12,18 @@ Assumptions that every report must state (they are also written into each JSON r
 - routing predictions for prefetching come from the trace through an imperfect predictor with recall per distance
   ``--recall`` (default ``_core.DEFAULT_PREDICTOR_RECALL``, 1, 2, 3 layers ahead); ``oracle`` uses recall 1 (a bound);
 - a trace without router scores makes MRS score each activated expert 1/top_k per token;
-- decode replays prompt tokens as a token stream (one token per step); prefill runs each prompt in ubatches;
+- tokens and stages: decode runs one token per step, prompt after prompt, prefill each prompt in ubatches of
+  ``--ubatch`` tokens. A trace with phases (a recorded one) gives each stage its own tokens: prefill the prefill-phase
+  tokens of each prompt, decode the decode-phase tokens (so a decode run leaves out the prompts' prefill, and the
+  cache enters a prompt's decode as the previous prompt's decode left it); a trace without phases gives both stages
+  every token of each prompt. The profile (below) and ``--max-tokens`` count the stage's tokens only;
+- a partial trace (an interrupted recording) is simulated as recorded: its last prompt is as long as it got;
+  incomplete tokens (an id outside 0..E-1, such as -1 for a layer the recorder did not reach, a repeated id, a score
+  that is not finite) are an error, or with ``--drop-incomplete`` left out (the count is printed and recorded);
+- model facts (non-expert costs, expert parameters; :func:`hybrimoe.policy.cost_model_from_hardware`) come from
+  ``-m MODEL.gguf``, else ``--model-facts NAME`` (:data:`hybrimoe.trace.MODEL_FACTS`), else the facts the trace
+  carries, else the built-in entry of its model name; expert bytes per layer are the GGUF's with ``-m`` (a note is
+  printed when the trace's differ), else the trace's;
 - decisions follow the engine's rules (src/policy/decision.h, shared code): a planned load the cache refuses runs
   on the CPU, fills stop when the planner's copy-queue estimate reaches the predicted makespan, and the scheduler
   sees the copy queue and in-flight copies as the planner estimates them, not as the truth model charges them;
@@ -23,6 +34,7 @@ Assumptions that every report must state (they are also written into each JSON r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -34,7 +46,8 @@ import numpy as np
 from hybrimoe import _core
 from hybrimoe import policy as pol
 from hybrimoe.defaults import PREFETCH_LAYERS
-from hybrimoe.trace import RoutingTrace, default_trace_path, load_trace
+from hybrimoe.facts import MODEL_FACTS, ModelFacts, facts_from_gguf
+from hybrimoe.trace import PHASE_DECODE, PHASE_PREFILL, RoutingTrace, default_trace_path, load_trace
 
 #: cache sizes (fractions of all routed-expert bytes) of the hit-rate plot
 PLOT_CACHE_FRACTIONS = (0.1, 0.25, 0.5, 0.75)
@@ -46,7 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the ``simulate`` options to ``parser``."""
     parser.add_argument("--trace", default=None, help="routing trace .npz (default: $HYBRIMOE_TRACE or "
                                                       "../shared/traces/dsv2lite_dev.npz)")
-    parser.add_argument("--model", default=None, help="model facts for traces without expert sizes")
+    parser.add_argument("-m", "--model", default=None, metavar="MODEL.gguf",
+                        help="the traced model's GGUF file: model facts (expert bytes per layer, non-expert sizes) "
+                             "from its tensors; its MoE layers, experts and top-k must match the trace's")
+    parser.add_argument("--model-facts", default=None, metavar="NAME",
+                        help=f"built-in model facts ({', '.join(sorted(MODEL_FACTS))}) instead of a GGUF or the "
+                             "facts a trace carries")
+    parser.add_argument("--drop-incomplete", action="store_true",
+                        help="leave out tokens with an id outside 0..E-1 (e.g. -1: a layer the recorder did not "
+                             "reach), a repeated id or a score that is not finite, and print how many")
     parser.add_argument("--hardware", default="paper-a6000",
                         help=f"hardware preset name ({', '.join(pol.preset_names())}) or a preset .json path")
     parser.add_argument("--cost-model", default=None, help="a calibrated cost-model JSON (overrides the preset's "
@@ -86,21 +107,59 @@ def _positive_recall(text: str, depth: int) -> list[float]:
     return vals
 
 
+def stage_tokens(trace: RoutingTrace, stage: str) -> RoutingTrace:
+    """The tokens a stage simulates: with phases, the prefill- or decode-phase tokens (prompt offsets moved;
+    :meth:`RoutingTrace.select_tokens`), without, the trace itself.
+
+    Raises:
+        ValueError: the trace has phases but none of this stage (it names the other stage).
+    """
+    if trace.phases is None:
+        return trace
+    want = PHASE_PREFILL if stage == "prefill" else PHASE_DECODE
+    keep = np.asarray(trace.phases) == want
+    if not keep.any():
+        other = "decode" if stage == "prefill" else "prefill"
+        raise ValueError(f"{trace.path or 'the trace'} has no {stage}-phase tokens (all {trace.n_tokens} are "
+                         f"{other}): simulate --stage {other}")
+    return trace.select_tokens(keep)
+
+
 class Setup:
-    """Everything shared by the runs of one invocation (trace, costs, profile, prompt split)."""
+    """Everything shared by the runs of one invocation (trace, costs, profile, prompt split).
+
+    ``facts``: the model facts to use (``facts_source`` says where they came from, for the records); None takes
+    the trace's (:meth:`RoutingTrace.resolve_facts`). ``n_dropped``: incomplete tokens dropped before (recorded).
+    The trace is cut to the stage's tokens (:func:`stage_tokens`).
+
+    Raises:
+        ValueError: a bad stage, fraction or limit; no model facts (the message names ``-m``, ``--model-facts`` and a
+            trace with facts); no tokens of the stage; no prompts left after profiling.
+    """
 
     def __init__(self, trace: RoutingTrace, hw: pol.Hardware, budget_spec, stage: str, *, cost_model=None,
                  max_tokens: int = 20000, max_prompts: int = 0, ubatch: int = 512, prefetch_depth: int = PREFETCH_LAYERS,
-                 recall: Sequence[float] = _core.DEFAULT_PREDICTOR_RECALL, profile_fraction: float = 0.2, seed: int = 1):
+                 recall: Sequence[float] = _core.DEFAULT_PREDICTOR_RECALL, profile_fraction: float = 0.2, seed: int = 1,
+                 facts: Optional[ModelFacts] = None, facts_source: str = "", n_dropped: int = 0):
         if stage not in ("decode", "prefill"):
             raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
         if not (0.0 <= profile_fraction < 1.0):
             raise ValueError(f"profile fraction must be in [0, 1), got {profile_fraction}")
         if max_tokens < 0 or max_prompts < 0:
             raise ValueError("max_tokens and max_prompts must be >= 0")
-        facts = trace.facts()
         if facts is None:
-            raise ValueError(f"no model facts for trace model {trace.model!r}; pass --model")
+            facts = trace.resolve_facts()
+            facts_source = ("carried by the trace" if trace.facts is not None else
+                            f"built-in model facts '{trace.model}'")
+        if facts is None:
+            raise ValueError(f"no model facts for {trace.path or 'the trace'} (model {trace.model!r}): give the "
+                             f"model's GGUF with -m MODEL.gguf, built-in facts with --model-facts NAME (known: "
+                             f"{', '.join(sorted(MODEL_FACTS))}), or a trace that carries its facts (hybrimoe "
+                             "trace records them)")
+        self.phased = trace.phases is not None
+        trace = stage_tokens(trace, stage)
+        self.facts_source = facts_source or "given"
+        self.n_dropped = int(n_dropped)
         self.trace, self.hw, self.facts, self.stage = trace, hw, facts, stage
         self.core_trace = trace.to_core()
         self.planner = cost_model if cost_model is not None else pol.cost_model_from_hardware(hw, facts)
@@ -153,9 +212,22 @@ class Setup:
             "router_scores": "trace" if self.trace.has_scores else "none: MRS scores activated experts 1/top_k",
             "truth_model": "seeded log-normal noise, extra CPU start-up, host-memory contention (policy.truth_model_for)",
             "profile": f"first {self.first} of {self.trace.n_prompts} prompts; evaluated prompts {self.first}..{self.end}",
-            "stage_model": "decode: prompt tokens replayed one per step" if self.stage == "decode"
-            else f"prefill: ubatches of {self.cfg.ubatch} tokens per prompt",
+            "stage_model": self.stage_model(),
+            "partial_trace": "yes: the recording was interrupted; its last prompt is simulated as far as it got"
+            if self.trace.partial else "no",
+            "incomplete_tokens": f"{self.n_dropped} dropped (--drop-incomplete)" if self.n_dropped else "none",
+            "model_facts": f"{self.facts.name}: {self.facts_source}",
         }
+
+    def stage_model(self) -> str:
+        """How this run's stage uses the trace's tokens (the records' ``assumptions.stage_model``)."""
+        if self.stage == "decode":
+            return ("decode: the decode-phase tokens, one per step, prompt after prompt (prefill-phase tokens left "
+                    "out)" if self.phased else "decode: every token of each prompt, one per step (the trace has "
+                    "no phases)")
+        return (f"prefill: the prefill-phase tokens of each prompt in ubatches of {self.cfg.ubatch} (decode-phase "
+                "tokens left out)" if self.phased else f"prefill: every token of each prompt in ubatches of "
+                f"{self.cfg.ubatch} (the trace has no phases)")
 
     def run(self, name: str, cache=None, sched=None, pre=None, cfg=None) -> dict:
         """Simulates one system preset (or the given components) and returns its JSON record."""
@@ -301,6 +373,51 @@ def _check_outputs(json_path, plot_dir) -> None:
             raise ValueError(f"--plot {d}: cannot write there")
 
 
+def load_inputs(args) -> tuple[RoutingTrace, Optional[ModelFacts], str, int, list]:
+    """(trace, model facts or None for the trace's own, where the facts came from, incomplete tokens dropped,
+    notes to print) from the command's ``--trace``, ``-m``, ``--model-facts`` and ``--drop-incomplete``.
+
+    With ``-m`` the GGUF's (MoE layers, experts, top-k) must be the trace's, and its expert bytes per layer replace
+    the trace's (the model named is the one simulated; a note says when they differ).
+
+    Raises:
+        FileNotFoundError: a missing trace or GGUF.
+        ValueError: both ``-m`` and ``--model-facts``; an unknown facts name; a bad GGUF or trace; a GGUF of another
+            shape (both shapes given); an incomplete token without ``--drop-incomplete``; no token left with it.
+    """
+    gguf_path, name = args.model, args.model_facts
+    if gguf_path and name:
+        raise ValueError("give -m MODEL.gguf or --model-facts NAME, not both")
+    if name is not None and name not in MODEL_FACTS:
+        raise ValueError(f"unknown model facts '{name}' (known: {', '.join(sorted(MODEL_FACTS))})")
+    facts, source = None, ""
+    if gguf_path:
+        if gguf_path in MODEL_FACTS and not Path(gguf_path).exists():
+            raise ValueError(f"-m/--model takes the model's GGUF file; for built-in facts give --model-facts "
+                             f"{gguf_path}")
+        facts, source = facts_from_gguf(gguf_path), f"read from {gguf_path} (-m)"
+    elif name:
+        facts, source = MODEL_FACTS[name], f"built-in model facts '{name}' (--model-facts)"
+    trace = load_trace(args.trace or default_trace_path(), model=name, facts=facts if gguf_path else None,
+                       check_tokens=not args.drop_incomplete)
+    notes = []
+    if gguf_path:
+        trace.check_shape(facts, f"the model {gguf_path}")
+        own = facts.per_layer_expert_bytes()
+        if not np.allclose(trace.expert_bytes, own, rtol=1e-9, atol=0.0):
+            notes.append(f"expert bytes per layer from {gguf_path}, mean {own.mean():.0f}; the trace's differ (mean "
+                         f"{np.mean(trace.expert_bytes):.0f}: recorded with another quant?)")
+        trace = dataclasses.replace(trace, expert_bytes=own)
+    n_dropped = 0
+    if args.drop_incomplete:
+        trace, n_dropped = trace.drop_incomplete()
+        notes.append(f"dropped {n_dropped} incomplete token(s) (ids outside 0..{trace.num_experts - 1}, repeated "
+                     f"ids or scores not finite); {trace.n_tokens} left")
+        if trace.n_tokens == 0:
+            raise ValueError(f"--drop-incomplete left no tokens of the {n_dropped} in {trace.path or 'the trace'}")
+    return trace, facts, source, n_dropped, notes
+
+
 def run(args) -> int:
     """Runs ``hybrimoe simulate``; returns the exit status (0 ok, 2 bad input)."""
     try:
@@ -312,14 +429,17 @@ def run(args) -> int:
         recall = _positive_recall(args.recall, args.prefetch_depth)
         _check_outputs(args.json, args.plot)
         hw = pol.load_hardware(args.hardware)
-        trace = load_trace(args.trace or default_trace_path(), model=args.model)
+        trace, facts, source, n_dropped, notes = load_inputs(args)
         cm = pol.load_cost_model(args.cost_model) if args.cost_model else None
         setup = Setup(trace, hw, args.moe_cache, args.stage, cost_model=cm, max_tokens=args.max_tokens,
                       max_prompts=args.max_prompts, ubatch=args.ubatch, prefetch_depth=args.prefetch_depth,
-                      recall=recall, profile_fraction=args.profile_fraction, seed=args.seed)
+                      recall=recall, profile_fraction=args.profile_fraction, seed=args.seed, facts=facts,
+                      facts_source=source, n_dropped=n_dropped)
     except (ValueError, FileNotFoundError) as e:
         print(f"hybrimoe simulate: error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"hybrimoe simulate: {note}")
 
     records = []
     iterator = names
@@ -342,7 +462,8 @@ def run(args) -> int:
     print(format_table(records))
     a = setup.assumptions(names[0])
     print(f"assumptions: predictor recall {setup.recall} (oracle: 1.0); router scores: {a['router_scores']}; "
-          f"truth: {a['truth_model']}")
+          f"truth: {a['truth_model']}; {a['stage_model']}; model facts {a['model_facts']}"
+          + (f"; partial trace: {a['partial_trace']}" if setup.trace.partial else ""))
     if args.hit_rates:
         hr = cache_hit_rates(setup)
         print("cache-only replay hit rates: " + ", ".join(f"{k} {v['hit_rate']:.3f}" for k, v in hr.items()))

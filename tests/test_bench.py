@@ -74,7 +74,8 @@ def test_bench_trace_of_another_model(tiny_model, rpc_server, tmp_path, capsys):
     import numpy as np
 
     trace = tmp_path / "t.npz"
-    np.savez(trace, expert_ids=np.zeros((4, 5, 2), np.int16), prompt_offsets=np.array([0, 4]), num_experts=8,
+    ids = np.broadcast_to(np.array([0, 1], np.int16), (4, 5, 2))  # each row a set of 2 experts, as a trace holds
+    np.savez(trace, expert_ids=ids, prompt_offsets=np.array([0, 4]), num_experts=8,
              top_k=2, expert_bytes=np.full(5, 1e6), format_version=1)
     rc = _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--rpc", rpc_server.endpoint, "--replay-trace", trace])
     assert rc == 1 and "has 5 MoE layers" in capsys.readouterr().err

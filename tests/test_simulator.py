@@ -1,5 +1,6 @@
 """Event-driven simulator: conservation checks, planner == truth when the truth adds nothing, determinism,
-system presets and the ``hybrimoe simulate`` command."""
+system presets and the ``hybrimoe simulate`` command, on any model (facts from a GGUF or carried by the trace), with
+the stages' phase tokens and incomplete tokens dropped on request."""
 import argparse
 import json
 
@@ -222,3 +223,144 @@ def test_simulate_checks_outputs_before_running(tmp_path, capsys):
         err = capsys.readouterr().err
         assert ("--json" in err or "--plot" in err) and "missing.npz" not in err
     assert afile.read_text() == "x"
+
+
+# ---- any model: facts from a GGUF or carried by the trace; phases; incomplete tokens -------------------------------
+
+def for_model(path, n_prompts=10, prefill=12, decode=8, seed=3, **kw):
+    """A trace of random routing shaped for the GGUF at ``path`` (its MoE layers, experts, top-k), each prompt
+    ``prefill`` prefill-phase then ``decode`` decode-phase tokens; bogus expert bytes (1.0) unless given."""
+    from hybrimoe.info import describe
+
+    d = describe(path)
+    L, E, k = len(d["moe_layers"]), d["n_expert"], d["n_expert_used"]
+    n = n_prompts * (prefill + decode)
+    rng = np.random.default_rng(seed)
+    ids = np.array([[rng.choice(E, k, replace=False) for _ in range(L)] for _ in range(n)], dtype=np.int16)
+    phases = np.tile(np.r_[np.zeros(prefill), np.ones(decode)].astype(np.int8), n_prompts)
+    args = dict(expert_ids=ids, prompt_offsets=np.arange(0, n + 1, prefill + decode), num_experts=E, top_k=k,
+                expert_bytes=np.ones(L), n_dense_layers=len(d["dense_layers"]), phases=phases, model="")
+    args.update(kw)
+    return RoutingTrace(**args)
+
+
+def _run(capsys, **kw):
+    capsys.readouterr()
+    rc = simulate.run(_args(no_progress=True, policies="hybrimoe,ktransformers", **kw))
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_simulate_a_model_from_its_gguf_alone(tiny_model, tmp_path, capsys):
+    """``simulate -m tiny.gguf --trace T``: a model with no built-in facts, its trace without facts; the facts, the
+    expert bytes per layer and the non-expert costs all come from the GGUF."""
+    from hybrimoe.facts import facts_from_gguf
+
+    gguf_path = tiny_model("qwen3moe", "Q8_0")
+    facts = facts_from_gguf(gguf_path)
+    trace = tmp_path / "t.npz"
+    for_model(gguf_path).save(trace)
+    rc, _, err = _run(capsys, trace=trace)
+    assert rc == 2 and "no model facts" in err and "-m MODEL.gguf" in err and "--model-facts NAME" in err \
+        and "carries its facts" in err
+    out_json = tmp_path / "r.json"
+    rc, out, err = _run(capsys, trace=trace, model=gguf_path, stage="prefill", json=out_json)
+    assert rc == 0, err
+    assert f"expert bytes per layer from {gguf_path}, mean 6528; the trace's differ" in out
+    recs = json.loads(out_json.read_text())
+    assert [r["policy"] for r in recs] == ["hybrimoe", "ktransformers"]
+    for r in recs:
+        assert r["tokens"] == 8 * 12 and r["ttft_s"] > 0  # 2 of 10 prompts profile; 12 prefill tokens each
+        assert r["assumptions"]["model_facts"] == f"{facts.name}: read from {gguf_path} (-m)"
+        assert "prefill-phase tokens" in r["assumptions"]["stage_model"]
+    assert recs[0]["budget_bytes"] == pytest.approx(0.25 * 2 * 8 * 6528)  # 25% of the GGUF's expert bytes
+    # the non-expert costs are the facts' real bytes, not DeepSeek constants
+    hw = pol.load_hardware("paper-a6000")
+    cm = pol.cost_model_from_hardware(hw, facts)
+    f = hw.facts
+    assert cm.layer_a_s == pytest.approx(f["gpu_kernels_per_layer"] * f["gpu_kernel_launch_s"] + 15744 /
+                                         (f["gpu_mem_bandwidth_Bps"] * f["gpu_mem_efficiency"]))
+    assert cm.cpu_a_s == pytest.approx(6528 / (f["cpu_mem_bandwidth_Bps"] * f["cpu_mem_efficiency"]))
+    # a trace that carries the facts needs no -m
+    for_model(gguf_path, facts=facts, expert_bytes=facts.per_layer_expert_bytes()).save(tmp_path / "f.npz")
+    rc, out, err = _run(capsys, trace=tmp_path / "f.npz", json=out_json)
+    assert rc == 0, err
+    recs = json.loads(out_json.read_text())
+    assert recs[0]["assumptions"]["model_facts"] == f"{facts.name}: carried by the trace"
+    assert recs[0]["tokens"] == 8 * 8 and "decode-phase tokens" in recs[0]["assumptions"]["stage_model"]
+
+
+def test_a_gguf_of_another_shape_is_refused(tiny_model, tmp_path, capsys):
+    trace = tmp_path / "t.npz"
+    for_model(tiny_model("qwen3moe", "Q8_0")).save(trace)  # 2 MoE layers, 8 experts, top-2
+    other = tiny_model("deepseek2", "Q8_0")                  # 2 MoE layers, 6 experts, top-2
+    rc, _, err = _run(capsys, trace=trace, model=other)
+    assert rc == 2
+    assert f"has 2 MoE layers, 8 experts, top-2; the model {other} has 2 MoE layers, 6 experts, top-2" in err
+    assert len(err.strip().splitlines()) == 1
+    rc, _, err = _run(capsys, trace=trace, model="deepseek-v2-lite")
+    assert rc == 2 and "--model-facts deepseek-v2-lite" in err
+    rc, _, err = _run(capsys, trace=trace, model=other, model_facts="deepseek-v2-lite")
+    assert rc == 2 and "not both" in err
+
+
+def test_stages_take_their_phase_tokens():
+    """With phases, prefill simulates the prefill-phase tokens and decode the decode-phase ones; without phases
+    both take every token; a stage without tokens is an error naming the other stage."""
+    facts = simulate.MODEL_FACTS["deepseek-v2-lite"]  # for the cost model only
+    rt = synthetic(n_tok=400, prompts=tuple(range(0, 401, 40)))  # 10 prompts of 40 tokens
+    rt.phases = np.tile(np.r_[np.zeros(30), np.ones(10)].astype(np.int8), 10)
+    hw = pol.load_hardware("paper-a6000")
+
+    def tokens(tr, stage):
+        s = simulate.Setup(tr, hw, "25%", stage, max_tokens=0, facts=facts, facts_source="test")
+        return s.run("hybrimoe")["tokens"]
+
+    assert (tokens(rt, "prefill"), tokens(rt, "decode")) == (8 * 30, 8 * 10)  # the first 2 prompts profile
+    rt_all = synthetic(n_tok=400, prompts=tuple(range(0, 401, 40)))
+    assert (tokens(rt_all, "prefill"), tokens(rt_all, "decode")) == (8 * 40, 8 * 40)
+    rt.phases = np.zeros(400, np.int8)
+    with pytest.raises(ValueError, match="no decode-phase tokens .*simulate --stage prefill"):
+        simulate.Setup(rt, hw, "25%", "decode", facts=facts)
+
+
+def test_drop_incomplete(tiny_model, tmp_path, capsys):
+    """Tokens the recorder did not finish (-1 ids) and a NaN score: without --drop-incomplete one line naming the
+    first token, its prompt and layer; with it they are left out and counted."""
+    gguf_path = tiny_model("qwen3moe", "Q8_0")
+    tr = for_model(gguf_path, router_scores=np.full((200, 2, 8), 0.125, np.float32))
+    tr.expert_ids[155, 1] = -1           # prompt 7 (a decode token), the last layer not reached
+    tr.expert_ids[199, 0:2] = -1         # the last token of the last prompt (an interrupted recording)
+    tr.router_scores[60, 0, 5] = np.nan  # prompt 3
+    tr.partial = True
+    trace = tmp_path / "p.npz"
+    tr.save(trace)
+    rc, _, err = _run(capsys, trace=trace, model=gguf_path)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "token 60 (prompt 3), MoE layer 0: the router score of expert 5 is nan; 3 token(s)" in err
+    assert "--drop-incomplete" in err
+    out_json = tmp_path / "r.json"
+    rc, out, err = _run(capsys, trace=trace, model=gguf_path, drop_incomplete=True, stage="decode",
+                        max_tokens=0, json=out_json)
+    assert rc == 0, err
+    assert "dropped 3 incomplete token(s)" in out and "197 left" in out
+    assert "decode: the decode-phase tokens" in out and "partial trace: yes" in out  # the printed assumptions
+    rec = json.loads(out_json.read_text())[0]
+    assert rec["tokens"] == 8 * 8 - 2  # decode tokens of prompts 2..9, less tokens 155 and 199 (60 is prefill)
+    assert rec["assumptions"]["incomplete_tokens"] == "3 dropped (--drop-incomplete)"
+    assert rec["assumptions"]["partial_trace"].startswith("yes")
+
+
+def test_model_facts_by_name_on_the_dsv2lite_trace(tmp_path, capsys):
+    path = default_trace_path()
+    if not path.is_file():
+        pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
+    out_json = tmp_path / "r.json"
+    rc, _, err = _run(capsys, trace=path, model_facts="deepseek-v2-lite", max_tokens=500, json=out_json)
+    assert rc == 0, err
+    rec = json.loads(out_json.read_text())[0]
+    assert rec["assumptions"]["model_facts"] == "deepseek-v2-lite: built-in model facts 'deepseek-v2-lite' " \
+                                                "(--model-facts)"
+    assert "the trace has no phases" in rec["assumptions"]["stage_model"] and rec["tokens"] >= 500
+    rc, _, err = _run(capsys, trace=path, model_facts="mixtral")
+    assert rc == 2 and "unknown model facts 'mixtral'" in err

@@ -1,0 +1,386 @@
+"""Model facts: what the cost model and the simulator need to know about a MoE model, built in or read from a GGUF.
+
+:class:`ModelFacts` holds the sizes (bytes, parameter counts) of a model's routed experts and of its other work per
+layer; :data:`MODEL_FACTS` has the built-in entries (DeepSeek-V2-Lite, from its config.json and docs/design.md §6);
+:func:`facts_from_gguf` reads them from a GGUF file's real tensors (through :func:`hybrimoe.info.describe`, the one
+reader of GGUF structure); :meth:`ModelFacts.to_dict` / :meth:`ModelFacts.from_dict` are their JSON form (schema
+``hybrimoe.model_facts/1``, carried by routing traces as the field ``model_facts``);
+:func:`selection_bias_from_gguf` reads DeepSeek-V3's selection bias (``exp_probs_b``).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import numpy as np
+
+FACTS_SCHEMA = "hybrimoe.model_facts/1"
+#: the router's gating functions (upstream's llama_expert_gating_func_type; "" = unknown)
+GATINGS = ("softmax", "sigmoid", "softmax_weight", "sqrt_softplus", "")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Facts about a MoE model used to size experts and non-expert work (bytes, parameter counts).
+
+    ``expert_bytes``: bytes of one routed expert (its gate, up and down weights as stored), the mean over the MoE
+    layers; ``layer_expert_bytes``: the same per MoE layer (empty when only the mean is known). ``*_params`` are
+    weight counts: ``expert_params`` of one routed expert, ``non_expert_params_per_moe_layer`` of everything else
+    in a MoE layer (attention, shared experts, router, norms; mean over the MoE layers, per part in
+    ``non_expert_parts``), ``dense_layer_params`` of a dense (non-MoE) layer (mean). Their bytes are
+    ``non_expert_bytes_per_moe_layer`` / ``dense_layer_bytes`` when known (a GGUF's real tensor bytes), else the
+    params times ``bytes_per_param_non_expert`` (:meth:`moe_layer_other_bytes`, :meth:`dense_bytes`).
+    ``moe_layer_ids``: the model layer of each MoE layer (empty: unknown); ``n_layer``: the model's layers (0:
+    unknown); ``n_head`` / ``n_head_kv``: attention heads (None: unknown); ``gating``: the router's gating
+    function, one of :data:`GATINGS`. ``sources`` says where each number comes from.
+    """
+
+    name: str
+    n_moe_layers: int
+    n_dense_layers: int
+    n_experts: int
+    top_k: int
+    n_shared_experts: int
+    n_embd: int
+    n_ff_exp: int
+    expert_bytes: float
+    expert_params: float
+    non_expert_params_per_moe_layer: float
+    dense_layer_params: float
+    bytes_per_param_non_expert: float
+    sources: dict = field(default_factory=dict)
+    architecture: str = ""
+    n_layer: int = 0
+    moe_layer_ids: tuple = ()
+    layer_expert_bytes: tuple = ()
+    n_head: Optional[int] = None
+    n_head_kv: Optional[int] = None
+    gating: str = ""
+    non_expert_bytes_per_moe_layer: Optional[float] = None
+    dense_layer_bytes: Optional[float] = None
+    non_expert_parts: dict = field(default_factory=dict)
+
+    def moe_layer_other_bytes(self) -> float:
+        """Bytes of a MoE layer's non-expert weights: the real ones when known, else params x bytes per param."""
+        if self.non_expert_bytes_per_moe_layer is not None:
+            return float(self.non_expert_bytes_per_moe_layer)
+        return self.non_expert_params_per_moe_layer * self.bytes_per_param_non_expert
+
+    def dense_bytes(self) -> float:
+        """Bytes of a dense layer's weights: the real ones when known, else params x bytes per param."""
+        if self.dense_layer_bytes is not None:
+            return float(self.dense_layer_bytes)
+        return self.dense_layer_params * self.bytes_per_param_non_expert
+
+    def per_layer_expert_bytes(self) -> np.ndarray:
+        """float64 ``[n_moe_layers]``: ``layer_expert_bytes``, or ``expert_bytes`` for every layer."""
+        if self.layer_expert_bytes:
+            return np.array(self.layer_expert_bytes, dtype=np.float64)
+        return np.full(self.n_moe_layers, float(self.expert_bytes))
+
+    def validate(self, where: str = "model facts") -> None:
+        """Raises ValueError ``<where>: '<field>' ...`` naming the first field without a valid value (types,
+        ranges, lengths)."""
+        for f in fields(self):
+            _check_field(f.name, getattr(self, f.name), where)
+        if self.n_moe_layers < 1 or self.n_experts < 1:
+            raise ValueError(f"{where}: 'n_moe_layers' and 'n_experts' must be >= 1, got {self.n_moe_layers} and "
+                             f"{self.n_experts}")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"{where}: 'top_k' must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
+        if self.expert_bytes <= 0 or self.expert_params <= 0:
+            raise ValueError(f"{where}: 'expert_bytes' and 'expert_params' must be > 0")
+        for key in ("layer_expert_bytes", "moe_layer_ids"):
+            v = getattr(self, key)
+            if v and len(v) != self.n_moe_layers:
+                raise ValueError(f"{where}: '{key}' has {len(v)} entries for {self.n_moe_layers} MoE layers")
+        if any(b <= 0 for b in self.layer_expert_bytes):
+            raise ValueError(f"{where}: 'layer_expert_bytes' must all be > 0")
+        ids = [int(i) for i in self.moe_layer_ids]
+        if ids and (any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0
+                    or (self.n_layer and ids[-1] >= self.n_layer)):
+            raise ValueError(f"{where}: 'moe_layer_ids' must increase within 0..n_layer-1 ({self.n_layer - 1}), got "
+                             f"{ids}")
+
+    def to_dict(self) -> dict:
+        """The JSON-safe dict (schema :data:`FACTS_SCHEMA`): ``"schema"`` and every field, tuples as lists, None as
+        null.
+
+        Raises:
+            ValueError: the facts are not valid (:meth:`validate`), e.g. a number that JSON cannot hold.
+        """
+        self.validate()
+        d: dict = {"schema": FACTS_SCHEMA}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "moe_layer_ids":
+                v = [int(x) for x in v]
+            elif f.name == "layer_expert_bytes":
+                v = [float(x) for x in v]
+            elif f.name == "non_expert_parts":
+                v = {str(k): float(x) for k, x in v.items()}
+            elif f.name == "sources":
+                v = dict(v)
+            elif isinstance(v, (np.integer, np.floating)):
+                v = v.item()
+            d[f.name] = v
+        return d
+
+    @classmethod
+    def from_dict(cls, d, where: str = "model facts") -> "ModelFacts":
+        """ModelFacts from :meth:`to_dict`'s dict (as :func:`json.loads` gives it). ``sources`` and the keys from
+        ``architecture`` on may be left out (their defaults); the others are required.
+
+        Raises:
+            ValueError: not a dict, a wrong or missing ``schema``, or a missing, unknown or bad key (named, with
+                ``where``).
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        if d.get("schema") != FACTS_SCHEMA:
+            raise ValueError(f"{where}: 'schema' must be '{FACTS_SCHEMA}', got {d.get('schema')!r}")
+        known = [f.name for f in fields(cls)]
+        unknown = [str(k) for k in d if k != "schema" and k not in known]
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}")
+        kw = {}
+        for name in known:
+            if name not in d:
+                if name in _REQUIRED:
+                    raise ValueError(f"{where}: missing key '{name}'")
+                continue
+            v = d[name]
+            _check_field(name, v, where)
+            kw[name] = tuple(v) if isinstance(v, list) else (dict(v) if isinstance(v, dict) else v)
+        facts = cls(**kw)
+        facts.validate(where)
+        return facts
+
+
+_INTS = ("n_moe_layers", "n_dense_layers", "n_experts", "top_k", "n_shared_experts", "n_embd", "n_ff_exp", "n_layer")
+_FLOATS = ("expert_bytes", "expert_params", "non_expert_params_per_moe_layer", "dense_layer_params",
+           "bytes_per_param_non_expert")
+_REQUIRED = ("name",) + _INTS[:-1] + _FLOATS
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+            and math.isfinite(v) and v >= 0)
+
+
+def _check_field(name: str, v, where: str) -> None:
+    """ValueError ``<where>: '<name>' must be ...`` when ``v`` is not a valid value of the ModelFacts field
+    ``name``."""
+    if name in ("name", "architecture"):
+        ok, want = isinstance(v, str), "a string"
+    elif name == "gating":
+        ok, want = v in GATINGS, "one of " + ", ".join(repr(g) for g in GATINGS)
+    elif name in _INTS:
+        ok, want = _is_int(v) and v >= 0, "an integer >= 0"
+    elif name in ("n_head", "n_head_kv"):
+        ok, want = v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"
+    elif name in _FLOATS:
+        ok, want = _is_number(v), "a finite number >= 0"
+    elif name in ("non_expert_bytes_per_moe_layer", "dense_layer_bytes"):
+        ok, want = v is None or _is_number(v), "null or a finite number >= 0"
+    elif name == "moe_layer_ids":
+        ok, want = isinstance(v, (list, tuple)) and all(_is_int(x) for x in v), "a list of integers"
+    elif name == "layer_expert_bytes":
+        ok, want = isinstance(v, (list, tuple)) and all(_is_number(x) for x in v), "a list of finite numbers >= 0"
+    elif name == "sources":
+        ok = isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+        want = "an object of strings"
+    else:  # non_expert_parts
+        ok = isinstance(v, dict) and all(isinstance(k, str) and _is_number(x) for k, x in v.items())
+        want = "an object of finite numbers >= 0"
+    if not ok:
+        shown = v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__
+        raise ValueError(f"{where}: '{name}' must be {want}, got {shown!r}")
+
+
+def _dsv2_lite() -> ModelFacts:
+    n_embd, n_ff_exp, n_ff_dense, heads = 2048, 1408, 10944, 16
+    gate_up = 2 * n_embd * n_ff_exp * 4.5 / 8          # Q4_K, 4.5 bpw
+    down = n_embd * n_ff_exp * 8.5 / 8                 # rows of 1408 cannot be K-quants: Q8_0 fallback, 8.5 bpw
+    expert_params = 3 * n_embd * n_ff_exp
+    attn = n_embd * heads * 192 + n_embd * (512 + 64) + 512 * heads * 256 + heads * 128 * n_embd
+    shared = 2 * expert_params
+    router = n_embd * 64
+    return ModelFacts(
+        name="deepseek-v2-lite", n_moe_layers=26, n_dense_layers=1, n_experts=64, top_k=6, n_shared_experts=2,
+        n_embd=n_embd, n_ff_exp=n_ff_exp, expert_bytes=gate_up + down, expert_params=expert_params,
+        non_expert_params_per_moe_layer=attn + shared + router,
+        dense_layer_params=attn + 3 * n_embd * n_ff_dense,
+        bytes_per_param_non_expert=(gate_up + down) / expert_params,
+        architecture="deepseek2", n_layer=27, moe_layer_ids=tuple(range(1, 27)), n_head=heads, gating="softmax",
+        non_expert_parts={"attention": float(attn), "shared_experts": float(shared), "router": float(router)},
+        sources={
+            "shape": "DeepSeek-V2-Lite config.json: hidden 2048, moe_intermediate 1408, intermediate 10944, 27 layers "
+                     "(first 1 dense), 64 routed experts, top-6, 2 shared, 16 heads, kv_lora_rank 512, "
+                     "qk_nope 128 + qk_rope 64, v_head 128, scoring_func softmax; docs/design.md §6",
+            "expert_bytes": "docs/design.md §6: Q4_K_M DeepSeek-V2-Lite, gate+up Q4_K (4.5 bpw, 3.24 MB) + ffn_down "
+                            "legacy fallback (Q8_0, 8.5 bpw, 3.06 MB) = 6.31 MB, the top of the 5.2-6.3 MB range; read "
+                            "the real sizes from the GGUF when one is at hand",
+            "non_expert": "our arithmetic from the config (MLA attention 13.8 M + 2 shared experts 17.3 M + router "
+                          "0.13 M params per MoE layer; norms left out), stored at the experts' bytes per parameter "
+                          "(assumption)",
+        },
+    )
+
+
+MODEL_FACTS = {"deepseek-v2-lite": _dsv2_lite()}
+
+
+# ---- from a GGUF ---------------------------------------------------------------------------------------------------
+
+def _run_moe_layers(d: dict) -> tuple[int, list]:
+    """(layers that inference runs, their MoE layers) of a :func:`hybrimoe.info.describe` dict: upstream's
+    llama_hparams::n_layer() leaves out the trailing ``nextn_predict_layers`` blocks (multi-token prediction), whose
+    experts no token routes through in a normal run.
+
+    Raises:
+        ValueError: no MoE layer among them.
+    """
+    n_run = int(d["n_layer"]) - int(d.get("n_layer_nextn") or 0)
+    moe = [il for il in d["moe_layers"] if il < n_run]
+    if not d["has_experts"] or not moe:
+        raise ValueError(f"{d['path']}: not a Mixture-of-Experts model (no ffn_*_exps tensors in the layers that "
+                         "run)")
+    return n_run, moe
+
+
+def _expert_width(kinds: dict, il: int) -> int:
+    """n_ff_exp of MoE layer ``il``: ne1 of its gate (or up) experts, half of a fused gate_up's; 0 when unknown."""
+    for kind, div in (("gate", 1), ("up", 1), ("gate_up", 2)):
+        if il in kinds.get(kind, {}).get("layers", {}):
+            return int(kinds[kind]["layers"][il]["shape"][1]) // div
+    return 0
+
+
+def facts_from_description(d: dict) -> ModelFacts:
+    """ModelFacts from a :func:`hybrimoe.info.describe` dict (see :func:`facts_from_gguf`).
+
+    Raises:
+        ValueError: not a MoE model, or a key the facts need is missing from the file (named).
+    """
+    where, arch = d["path"], d["architecture"]
+    n_run, moe = _run_moe_layers(d)
+    if not d["n_embd"]:
+        raise ValueError(f"{where}: no {arch}.embedding_length")
+    if not d["n_expert_used"]:
+        raise ValueError(f"{where}: no {arch}.expert_used_count (top-k)")
+    kinds = d["expert_tensors"]
+    layer_bytes, layer_params = [], []
+    for il in moe:
+        per = [k["layers"][il] for k in kinds.values() if il in k["layers"]]
+        layer_bytes.append(float(sum(v["bytes_per_expert"] for v in per)))
+        layer_params.append(float(sum(v["shape"][0] * v["shape"][1] for v in per)))
+    widths = [_expert_width(kinds, il) for il in moe]
+    dense = [il for il in range(n_run) if il not in d["moe_layers"]]
+    parts = d["layer_parts"]
+
+    def totals(il):
+        p = parts.get(il, {})
+        return float(sum(v[0] for v in p.values())), float(sum(v[1] for v in p.values()))
+
+    moe_pb = [totals(il) for il in moe]
+    dense_pb = [totals(il) for il in dense]
+    all_params, all_bytes = sum(p for p, _ in moe_pb + dense_pb), sum(b for _, b in moe_pb + dense_pb)
+    if all_params > 0:
+        bpp, bpp_src = all_bytes / all_params, "these tensors' bytes / elements over all layers that run"
+    else:
+        bpp, bpp_src = sum(layer_bytes) / sum(layer_params), "no such tensors: the routed experts' bytes / elements"
+    mean_parts = {part: float(np.mean([parts.get(il, {}).get(part, [0, 0])[0] for il in moe]))
+                  for part in sorted({p for il in moe for p in parts.get(il, {})})}
+    name = d["name"] if isinstance(d.get("name"), str) and d["name"] else os.path.basename(where)
+    ff_note = "" if len(set(widths)) == 1 else " (it varies between MoE layers: the first one's)"
+    facts = ModelFacts(
+        name=name, n_moe_layers=len(moe), n_dense_layers=len(dense), n_experts=int(d["n_expert"]),
+        top_k=int(d["n_expert_used"]), n_shared_experts=int(d["shared"]["count"]) if d["shared"] else 0,
+        n_embd=int(d["n_embd"]), n_ff_exp=widths[0], expert_bytes=float(np.mean(layer_bytes)),
+        expert_params=float(np.mean(layer_params)),
+        non_expert_params_per_moe_layer=float(np.mean([p for p, _ in moe_pb])),
+        dense_layer_params=float(np.mean([p for p, _ in dense_pb])) if dense_pb else 0.0,
+        bytes_per_param_non_expert=float(bpp), architecture=arch, n_layer=n_run, moe_layer_ids=tuple(moe),
+        layer_expert_bytes=tuple(layer_bytes), n_head=d.get("n_head"), n_head_kv=d.get("n_head_kv"),
+        gating=d["gating"], non_expert_bytes_per_moe_layer=float(np.mean([b for _, b in moe_pb])),
+        dense_layer_bytes=float(np.mean([b for _, b in dense_pb])) if dense_pb else None,
+        non_expert_parts=mean_parts,
+        sources={
+            "shape": f"GGUF {where}: {arch}.block_count (less nextn_predict_layers), embedding_length, expert_count, "
+                     "expert_used_count, attention.head_count(_kv), expert_shared_count; MoE layers are the blocks "
+                     "with ffn_*_exps tensors",
+            "expert_bytes": f"GGUF {where}: per MoE layer, the ffn_*_exps weight tensors' bytes / experts (hybrimoe "
+                            "info's bytes per expert; biases left out); expert_bytes is their mean",
+            "expert_params": f"GGUF {where}: elements of one expert's ffn_*_exps weights (mean over the MoE layers); "
+                             f"n_ff_exp from their shape{ff_note}",
+            "non_expert": f"GGUF {where}: elements and bytes of every other blk.N tensor (attention, shared experts, "
+                          "router, norms; a dense layer's FFN), per MoE layer and per dense layer, mean over those "
+                          "layers; token embedding and output head left out",
+            "bytes_per_param_non_expert": f"GGUF {where}: {bpp_src}",
+            "gating": f"GGUF {where}: {d['gating_source']}",
+        })
+    facts.validate(f"model facts of {where}")
+    return facts
+
+
+def facts_from_gguf(path) -> ModelFacts:
+    """The ModelFacts of a GGUF MoE model, every number read from the file (``sources`` says which keys and
+    tensors).
+
+    Expert bytes are per MoE layer (``layer_expert_bytes``: ``hybrimoe info``'s bytes per expert summed over gate,
+    up and down; ``expert_bytes``: their mean); the non-expert parameter counts and bytes are the file's other
+    ``blk.N`` tensors (attention, shared experts, router, norms per MoE layer; dense layers), averaged over those
+    layers; bytes per non-expert parameter are their bytes / elements; the gating function is
+    ``<arch>.expert_gating_func`` (:func:`hybrimoe.info.expert_gating` when absent). Multi-token-prediction blocks
+    (``nextn_predict_layers``) are left out, as upstream's inference leaves them out.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: not a GGUF file, truncated or corrupt; not a MoE model; a key the facts need is missing.
+    """
+    from .info import describe
+
+    return facts_from_description(describe(path))
+
+
+def selection_bias_from_gguf(path) -> Optional[np.ndarray]:
+    """DeepSeek-V3's selection bias of a GGUF MoE model: float32 ``[moe_layers, n_experts]`` from the tensors
+    ``blk.N.exp_probs_b.bias`` (added to the router's scores for the choice of experts only: upstream's
+    llm_graph_context::build_moe_ffn), rows in the order of :attr:`ModelFacts.moe_layer_ids`; a MoE layer without
+    the tensor gets zeros (nothing added); None when no layer has one.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: not a GGUF or not a MoE file; a bias tensor that is not F32/F16 or not ``n_experts`` long.
+    """
+    import gguf
+
+    from .info import _open, describe
+
+    d = describe(path)
+    _, moe = _run_moe_layers(d)
+    _, _, reader = _open(path)
+    tensors = {t.name: t for t in reader.tensors}
+    E = int(d["n_expert"])
+    out = np.zeros((len(moe), E), np.float32)
+    found = False
+    for i, il in enumerate(moe):
+        t = tensors.get(f"blk.{il}.exp_probs_b.bias")
+        if t is None:
+            continue
+        kind = gguf.GGMLQuantizationType(int(t.tensor_type))
+        if kind not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            raise ValueError(f"{d['path']}: {t.name} is {kind.name}, expected F32 or F16")
+        v = np.asarray(t.data).astype(np.float32).ravel()
+        if v.size != E:
+            raise ValueError(f"{d['path']}: {t.name} has {v.size} values for {E} experts")
+        out[i] = v
+        found = True
+    return out if found else None
