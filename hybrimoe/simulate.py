@@ -431,10 +431,14 @@ def run(args) -> int:
         hw = pol.load_hardware(args.hardware)
         trace, facts, source, n_dropped, notes = load_inputs(args)
         cm = pol.load_cost_model(args.cost_model) if args.cost_model else None
-        setup = Setup(trace, hw, args.moe_cache, args.stage, cost_model=cm, max_tokens=args.max_tokens,
-                      max_prompts=args.max_prompts, ubatch=args.ubatch, prefetch_depth=args.prefetch_depth,
-                      recall=recall, profile_fraction=args.profile_fraction, seed=args.seed, facts=facts,
-                      facts_source=source, n_dropped=n_dropped)
+
+        def make_setup(budget_spec) -> Setup:
+            return Setup(trace, hw, budget_spec, args.stage, cost_model=cm, max_tokens=args.max_tokens,
+                         max_prompts=args.max_prompts, ubatch=args.ubatch, prefetch_depth=args.prefetch_depth,
+                         recall=recall, profile_fraction=args.profile_fraction, seed=args.seed, facts=facts,
+                         facts_source=source, n_dropped=n_dropped)
+
+        setup = make_setup(args.moe_cache)
     except (ValueError, FileNotFoundError) as e:
         print(f"hybrimoe simulate: error: {e}", file=sys.stderr)
         return 2
@@ -475,7 +479,12 @@ def run(args) -> int:
         from hybrimoe import plots
 
         rates = {f: cache_hit_rates(setup, budget=f * setup.total_bytes) for f in PLOT_CACHE_FRACTIONS}
-        out = plots.write_plots(setup, records, Path(args.plot), rates)
+        # whole simulations at each plotted cache size, every policy asked for
+        speeds = {}
+        for f in PLOT_CACHE_FRACTIONS:
+            at = make_setup(f"{100 * f:g}%")
+            speeds[f] = {n: at.run(n)["tokens_per_s"] for n in names}
+        out = plots.write_plots(setup, records, Path(args.plot), rates, speeds)
         print("plots: " + ", ".join(str(p) for p in out))
     return 0
 

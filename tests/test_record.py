@@ -20,6 +20,7 @@ from hybrimoe.trace import PHASE_DECODE, PHASE_PREFILL, load_trace
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog, again and again", "Once upon a time"]
 N_PREDICT = 4
+THREADS = 2
 
 
 class _TensorHead(ctypes.Structure):
@@ -65,10 +66,12 @@ def upstream_routing(model_path, prompts, n_predict, n_batch=64, n_ubatch=32):
                 return True
         return False if ask else True
 
-    mp = lc.llama_model_default_params()
-    model = lc.llama_model_load_from_file(str(model_path).encode(), mp)
-    cp = lc.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch = 256, n_batch, n_ubatch
+    # a plain Llama (no hook, no recorder) gives the model and the context parameters (flash attention, threads,
+    # batch sizes: as the recording's); its own context is not used, a second one gets the callback
+    plain = hybrimoe.Llama(str(model_path), n_ctx=256, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=THREADS,
+                           n_threads_batch=THREADS, verbose=False)
+    model = plain.model
+    cp = type(plain.context_params).from_buffer_copy(plain.context_params)
     cp.cb_eval = cb
     ctx = lc.llama_init_from_model(model, cp)
     vocab = lc.llama_model_get_vocab(model)
@@ -114,13 +117,13 @@ def upstream_routing(model_path, prompts, n_predict, n_batch=64, n_ubatch=32):
                             toks + gen))
     finally:
         lc.llama_free(ctx)
-        lc.llama_model_free(model)
+        plain.close()
     return results
 
 
 def recorded(model_path, prompts, n_predict, **kw):
-    llm = hybrimoe.Llama(str(model_path), n_ctx=256, n_batch=64, n_ubatch=32, verbose=False, record_routing=True,
-                         **kw)
+    llm = hybrimoe.Llama(str(model_path), n_ctx=256, n_batch=64, n_ubatch=32, n_threads=THREADS,
+                         n_threads_batch=THREADS, verbose=False, record_routing=True, **kw)
     try:
         rec = record.Recorder(llm)
         rec.record(prompts, n_predict, temp=0.0)
@@ -261,3 +264,29 @@ def test_recording_with_the_engine_on_sees_the_same_routing(tiny_model, rpc_serv
     np.testing.assert_array_equal(eng.expert_ids, plain.expert_ids)
     np.testing.assert_allclose(eng.router_scores, plain.router_scores, rtol=0, atol=2e-3)
     json.dumps(eng.facts.to_dict())
+
+
+def test_simulate_runs_on_a_recorded_trace_with_facts_from_the_gguf_alone(tiny_model, tmp_path):
+    """No built-in facts for this model: `simulate -m` and the trace's own facts both work, and --plot writes the
+    hit-rate, tokens/s and timeline plots."""
+    from hybrimoe.trace import MODEL_FACTS
+
+    path = tiny_model("deepseek2", "Q8_0")
+    prompts = [f"{PROMPTS[0]} number {i}" for i in range(6)]
+    tr = recorded(path, prompts, 3)
+    assert tr.model not in MODEL_FACTS
+    out = tmp_path / "rec.npz"
+    tr.save(out)
+    for extra in (["-m", str(path)], []):
+        plots = tmp_path / f"plots{len(extra)}"
+        r = subprocess.run([sys.executable, "-m", "hybrimoe", "simulate", "--trace", str(out), *extra,
+                            "--policies", "hybrimoe,upstream-ncmoe", "--stage", "decode", "--moe-cache", "50%",
+                            "--no-progress", "--plot", str(plots), "--json", str(tmp_path / "r.json")],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        recs = json.loads((tmp_path / "r.json").read_text())
+        assert [x["policy"] for x in recs] == ["hybrimoe", "upstream-ncmoe"]
+        # decode simulates the decode-phase tokens of the evaluated prompts
+        assert all(x["tokens"] > 0 for x in recs)
+        for name in ("hit_rate_vs_cache.png", "tokens_per_s_vs_cache.png", "timeline.png"):
+            assert (plots / name).stat().st_size > 1000, name
