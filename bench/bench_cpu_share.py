@@ -31,8 +31,12 @@ within 10 % of (1 - S) x share 0.
 The stand-in runs client and server on the same machine. Each gets half the cores by default (``--threads``): with
 more, the server's GPU share preempts client threads while the others spin at ggml's barriers, which bills the CPU
 share for time it spends waiting (2 cores, 2 threads each: share 0.75 measured 1.29x its target, with 1 thread each
-1.05x). OpenMP threads that spin while they wait (the default wait policy) steal cores from the other process too;
-both run with ``OMP_WAIT_POLICY=PASSIVE`` here (set unless given).
+1.05x). Even on separate cores the server's GPU share, running beside the CPU share, competes with it for the
+shared cache and memory (1.05x to 1.35x at share 0.75 over three runs on 2 cores), which a real GPU does not: for the
+CPU share's own cost run client and server on one core, ``taskset -c 0 python3 bench/bench_cpu_share.py --threads
+1`` (they then take turns; share 0.75 measured 1.07x its target, min..max within 6%). OpenMP threads that spin
+while they wait (the default wait policy) steal cores from the other process too; both run with
+``OMP_WAIT_POLICY=PASSIVE`` here (set unless given).
 
 Usage::
 

@@ -132,7 +132,10 @@ def recorded(model_path, prompts, n_predict, **kw):
         llm.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+GATING = {"qwen3moe": "softmax", "deepseek2": "sigmoid", "gpt-oss": "softmax_weight"}
+
+
+@pytest.mark.parametrize("arch", sorted(GATING))
 def test_recorded_ids_and_scores_are_upstreams_nodes(tiny_model, arch):
     path = tiny_model(arch, "Q8_0")
     tr = recorded(path, PROMPTS, N_PREDICT)
@@ -155,7 +158,7 @@ def test_recorded_ids_and_scores_are_upstreams_nodes(tiny_model, arch):
                                           err_msg=f"prompt {p} layer {il}")
     # the facts come from the GGUF
     assert tr.facts is not None and tr.facts.top_k == tr.top_k and tr.facts.n_experts == tr.num_experts
-    assert tr.gating == ("sigmoid" if arch == "deepseek2" else "softmax")
+    assert tr.gating == GATING[arch]
 
 
 def test_trace_file_round_trip_and_replay_reproduces_logits(tiny_model, tmp_path, logits):
@@ -223,6 +226,33 @@ def test_interrupted_recording_keeps_whole_tokens_flagged_partial(tiny_model):
     # the evaluation whose callback was interrupted was collected before the callback ran: all three are kept
     assert tr.n_tokens == sum(seen)
     assert list(tr.phases).count(PHASE_DECODE) == 2
+
+
+def test_ctrl_c_writes_what_was_recorded_flagged_partial(tiny_model, tmp_path):
+    """A real SIGINT to `hybrimoe trace` mid-run: exit 130, and the file holds the whole tokens recorded so far."""
+    import os
+    import signal
+    import time
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    out = tmp_path / "cut.npz"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(f"{PROMPTS[0]} {i}" for i in range(2000)) + "\n")
+    env = dict(os.environ, HYBRIMOE_PROGRESS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "hybrimoe", "trace", "-m", str(path), "-f", str(prompts), "-n",
+                             "8", "-c", "256", "-o", str(out)], stderr=subprocess.PIPE, text=True, env=env)
+    # wait until some prompts are done (the progress bar counts them), then interrupt
+    seen = ""
+    deadline = time.time() + 60
+    while time.time() < deadline and "5/2000" not in seen:
+        seen += proc.stderr.read(64)
+    proc.send_signal(signal.SIGINT)
+    err = seen + proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130, err
+    assert "partial" in err and "Traceback" not in err
+    tr = load_trace(out)
+    assert tr.partial and 5 <= tr.n_prompts < 2000
+    assert tr.n_tokens == int(tr.prompt_offsets[-1]) and tr.router_scores.shape[0] == tr.n_tokens
 
 
 def test_prompt_files(tmp_path):
