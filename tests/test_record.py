@@ -1,5 +1,8 @@
 """Routing recording (``hybrimoe trace``, hybrimoe.record) against upstream's own nodes.
 
+The command-line runs start in ``tmp_path``: from the repository root, ``python -m hybrimoe`` would import the
+source tree (no compiled modules) instead of the installed package.
+
 Oracle: a plain llama.cpp context (no hook, no recorder) built with the low-level API, whose eval callback, written
 here in ctypes, reads the nodes ``ffn_moe_topk-<il>`` and ``ffn_moe_probs-<il>`` of build_moe_ffn; prompts are
 decoded with every output on and continued greedily (argmax), as the recorder does with ``--temp 0``.
@@ -168,7 +171,7 @@ def test_trace_file_round_trip_and_replay_reproduces_logits(tiny_model, tmp_path
     path = tiny_model("qwen3moe", "Q8_0")
     out = tmp_path / "t.npz"
     r = subprocess.run([sys.executable, "-m", "hybrimoe", "trace", "-m", str(path), "-p", PROMPTS[0], "-n", "6",
-                        "-c", "256", "-b", "64", "-ub", "32", "-o", str(out)], capture_output=True, text=True)
+                        "-c", "256", "-b", "64", "-ub", "32", "-o", str(out)], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "wrote" in r.stderr and "prefill" in r.stderr
     tr = load_trace(out)
@@ -200,7 +203,7 @@ def test_existing_output_is_kept_without_force(tiny_model, tmp_path):
     out = tmp_path / "keep.npz"
     out.write_bytes(b"mine")
     r = subprocess.run([sys.executable, "-m", "hybrimoe", "trace", "-m", str(path), "-p", "hi", "-n", "1", "-o",
-                        str(out)], capture_output=True, text=True)
+                        str(out)], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2 and "exists" in r.stderr and "--force" in r.stderr
     assert out.read_bytes() == b"mine"
 
@@ -240,7 +243,8 @@ def test_ctrl_c_writes_what_was_recorded_flagged_partial(tiny_model, tmp_path):
     prompts.write_text("\n".join(f"{PROMPTS[0]} {i}" for i in range(2000)) + "\n")
     env = dict(os.environ, HYBRIMOE_PROGRESS="1")
     proc = subprocess.Popen([sys.executable, "-m", "hybrimoe", "trace", "-m", str(path), "-f", str(prompts), "-n",
-                             "8", "-c", "256", "-o", str(out)], stderr=subprocess.PIPE, text=True, env=env)
+                             "8", "-c", "256", "-o", str(out)], stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=tmp_path)
     # wait until some prompts are done (the progress bar counts them), then interrupt
     seen = ""
     deadline = time.time() + 60
@@ -279,7 +283,7 @@ def test_chat_without_template_is_a_clear_error(tiny_model, tmp_path):
     path = tiny_model("qwen3moe", "Q8_0")
     out = tmp_path / "c.npz"
     r = subprocess.run([sys.executable, "-m", "hybrimoe", "trace", "-m", str(path), "-p", "hi", "--chat", "-o",
-                        str(out)], capture_output=True, text=True)
+                        str(out)], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode != 0 and "chat template" in r.stderr
     assert "Traceback" not in r.stderr
     assert not out.exists()
@@ -312,7 +316,7 @@ def test_simulate_runs_on_a_recorded_trace_with_facts_from_the_gguf_alone(tiny_m
         r = subprocess.run([sys.executable, "-m", "hybrimoe", "simulate", "--trace", str(out), *extra,
                             "--policies", "hybrimoe,upstream-ncmoe", "--stage", "decode", "--moe-cache", "50%",
                             "--no-progress", "--plot", str(plots), "--json", str(tmp_path / "r.json")],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         recs = json.loads((tmp_path / "r.json").read_text())
         assert [x["policy"] for x in recs] == ["hybrimoe", "upstream-ncmoe"]
