@@ -293,6 +293,16 @@ class Llama(llama_cpp.Llama):
                 _lc.llama_model_default_params = original
                 _lc.llama_context_default_params = original_ctx
 
+        # llama.cpp pads the context (llama_n_ctx can exceed the n_ctx asked for: 256 for 64), and llama-cpp-python
+        # checks prompts against the padded size but sized its token array (and, with logits_all, its logits) by
+        # the request: a prompt between the two sizes overflowed them. They get the context's real size.
+        n_real = int(self.n_ctx())
+        if len(self.input_ids) < n_real:
+            ids = np.zeros(n_real, dtype=self.input_ids.dtype)
+            ids[:len(self.input_ids)] = self.input_ids
+            self.input_ids = ids
+            if getattr(self, "_logits_all", False) and self.scores.shape[0] < n_real:
+                self.scores = np.zeros((n_real, self.scores.shape[1]), dtype=self.scores.dtype)
         # hybrimoe's objects live on llama-cpp-python's exit stack, after the context: close() (and the stack's
         # own unwinding) releases the engine and detaches the hook and the replay before the context is freed
         self._moe.ctx = self._ctx

@@ -190,11 +190,12 @@ class Recorder:
                top_k: int = 40, top_p: float = 0.95) -> None:
         """Records every prompt (prefill) and ``n_predict`` generated tokens after each (decode).
 
-        Ctrl-C (KeyboardInterrupt) stops it, keeping every evaluation that completed (``interrupted`` is then
-        True); any other error propagates after the rows so far are kept.
+        Every prompt is tokenized and checked first. Ctrl-C (KeyboardInterrupt) stops it, keeping every evaluation
+        that completed (``interrupted`` is then True); any other error propagates after the rows so far are kept.
 
         Raises:
-            ValueError: a prompt does not fit the context (the message names it), or see :func:`prompt_tokens`.
+            ValueError: before any decode: a prompt does not fit the context (the message names it), or see
+                :func:`prompt_tokens`.
             RuntimeError: a layer's routing was not recorded, or a decode failed.
         """
         from .trace import PHASE_DECODE, PHASE_PREFILL
@@ -205,11 +206,15 @@ class Recorder:
         vocab = lc.llama_model_get_vocab(llm.model)
         rec = llm.moe_recorder
         n_ctx = llm.n_ctx()
+        # every prompt tokenized and checked before the first decode: a bad one fails the run before it starts
+        all_toks = []
+        for i, prompt in enumerate(prompts):
+            toks = prompt_tokens(llm, prompt, chat)
+            if len(toks) >= n_ctx:
+                raise ValueError(f"prompt {i} has {len(toks)} tokens, the context holds {n_ctx} (-c)")
+            all_toks.append(toks)
         try:
-            for i, prompt in enumerate(prompts):
-                toks = prompt_tokens(llm, prompt, chat)
-                if len(toks) >= n_ctx:
-                    raise ValueError(f"prompt {i} has {len(toks)} tokens, the context holds {n_ctx} (-c)")
+            for toks in all_toks:
                 llm.reset()
                 rec.take()  # nothing left from an interrupted or failed evaluation
                 rec.enabled = True

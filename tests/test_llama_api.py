@@ -159,3 +159,21 @@ def test_a_dropped_llama_is_freed_at_once(tiny_model, rpc_server):
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_a_prompt_between_the_asked_and_the_padded_context_fits(tiny_model):
+    """llama.cpp pads n_ctx (64 asked: 256 held); llama-cpp-python checks prompts against the padded size, so its
+    arrays must hold that many tokens (they were sized by the request and overflowed)."""
+    from hybrimoe import Llama
+
+    llm = Llama(str(tiny_model("qwen3moe", "Q8_0")), n_ctx=64, verbose=False)
+    try:
+        n = llm.n_ctx()
+        assert n > 64, "llama.cpp no longer pads the context: this test no longer tests anything"
+        toks = [1 + i % 50 for i in range(min(n - 8, 120))]
+        llm.eval(toks)
+        assert llm.n_tokens == len(toks)
+        out = llm.create_completion(toks, max_tokens=4, temperature=0)
+        assert out["usage"]["prompt_tokens"] == len(toks)
+    finally:
+        llm.close()

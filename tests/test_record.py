@@ -279,6 +279,16 @@ def test_prompt_files(tmp_path):
         record.read_prompts([], [str(tmp_path / "missing.txt")])
 
 
+def test_a_prompt_longer_than_the_context_fails_before_any_decode(tiny_model, tmp_path):
+    path = tiny_model("qwen3moe", "Q8_0")
+    out = tmp_path / "long.npz"
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "trace", "-m", str(path), "-p", "hi", "-p", PROMPTS[0] * 40,
+                        "-c", "64", "-o", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 1 and "prompt 1 has" in r.stderr and "(-c)" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
+
+
 def test_chat_without_template_is_a_clear_error(tiny_model, tmp_path):
     path = tiny_model("qwen3moe", "Q8_0")
     out = tmp_path / "c.npz"
