@@ -99,6 +99,9 @@ def prompt_tokens(llm, prompt: Prompt, chat: bool) -> list[int]:
 
         template = llm.metadata.get("tokenizer.chat_template")
         if not template:
+            if isinstance(prompt, list):
+                raise ValueError("a chat prompt ({\"messages\": ...}) needs the model's chat template, and the "
+                                 "model has none (tokenizer.chat_template): give it as plain text")
             raise ValueError("the model has no chat template (tokenizer.chat_template): drop --chat and give "
                              "plain prompts")
         msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -209,7 +212,10 @@ class Recorder:
         # every prompt tokenized and checked before the first decode: a bad one fails the run before it starts
         all_toks = []
         for i, prompt in enumerate(prompts):
-            toks = prompt_tokens(llm, prompt, chat)
+            try:
+                toks = prompt_tokens(llm, prompt, chat)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
             if len(toks) >= n_ctx:
                 raise ValueError(f"prompt {i} has {len(toks)} tokens, the context holds {n_ctx} (-c)")
             all_toks.append(toks)
@@ -286,8 +292,15 @@ def _check_output(path: Path, force: bool) -> str:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         return f"-o {path}: the folder {parent} does not exist"
-    if not os.access(parent, os.W_OK):
-        return f"-o {path}: cannot write in {parent}"
+    # a real probe, as the save will do it (a temporary file beside the output): permissions alone can mislead
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"-o {path}: cannot write in {parent} ({e.strerror})"
     return ""
 
 
@@ -340,7 +353,11 @@ def run(args) -> int:
         tr = rec.trace(model)
         if status:
             tr.partial = True
-        tr.save(out)
+        try:
+            tr.save(out)
+        except OSError as e:
+            print(f"{prog}: error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+            return 1
     except (ValueError, RuntimeError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1

@@ -401,6 +401,8 @@ def load_inputs(args) -> tuple[RoutingTrace, Optional[ModelFacts], str, int, lis
     trace = load_trace(args.trace or default_trace_path(), model=name, facts=facts if gguf_path else None,
                        check_tokens=not args.drop_incomplete)
     notes = []
+    if name:
+        trace.check_shape(MODEL_FACTS[name], f"the built-in model facts '{name}'")
     if gguf_path:
         trace.check_shape(facts, f"the model {gguf_path}")
         own = facts.per_layer_expert_bytes()

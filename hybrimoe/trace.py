@@ -378,56 +378,82 @@ def load_trace(path: str | os.PathLike, model: Optional[str] = None, *, facts: O
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # a .npz is a zip archive
+        raise ValueError(f"{path} is not a .npz trace (not a zip archive: it starts with {magic!r})")
     try:
         z = np.load(path, allow_pickle=False)
     except Exception as e:  # zipfile/npz errors come in many types
         raise ValueError(f"{path} is not a readable .npz trace: {e}") from e
     with z:
-        names = set(z.files)
-        for need in ("expert_ids", "prompt_offsets", "num_experts", "top_k"):
-            if need not in names:
-                raise ValueError(f"trace {path} lacks the field '{need}'")
-        version = int(z["format_version"]) if "format_version" in names else 0
-        if version > FORMAT_VERSION:
-            raise ValueError(f"trace {path} has format version {version}; this hybrimoe reads up to "
-                             f"{FORMAT_VERSION}")
-        ids = z["expert_ids"]
-        num_experts, top_k = int(z["num_experts"]), int(z["top_k"])
-        if ids.ndim != 3:
-            raise ValueError(f"trace {path}: expert_ids must be 3-D [tokens, moe_layers, top_k], got shape "
-                             f"{ids.shape}")
-        if model is not None and model not in MODEL_FACTS:
-            raise ValueError(f"unknown model '{model}' (known: {', '.join(sorted(MODEL_FACTS))})")
-        carried = _facts_field(z, path)
-        name = model or (str(z["model"]) if "model" in names else "") or \
-            (carried.name if carried is not None else _guess_model(num_experts, top_k, ids.shape[1]))
-        if facts is None:
-            facts = MODEL_FACTS[model] if model is not None else (carried or MODEL_FACTS.get(name))
-        if "expert_bytes" in names:
-            expert_bytes = z["expert_bytes"].astype(np.float64)
-        elif facts is not None:
-            expert_bytes = facts.per_layer_expert_bytes() if facts.n_moe_layers == ids.shape[1] else \
-                np.full(ids.shape[1], facts.expert_bytes)
-        else:
-            raise ValueError(f"trace {path} has no expert_bytes and its model is unknown: give its GGUF (simulate -m, "
-                             f"facts=facts_from_gguf(...)) or built-in facts (--model-facts, model=: "
-                             f"{', '.join(sorted(MODEL_FACTS))})")
-        if "n_dense_layers" in names:
-            n_dense = int(z["n_dense_layers"])
-        elif "moe_layer_ids" in names:
-            n_dense = int(np.min(z["moe_layer_ids"]))
-        else:
-            n_dense = facts.n_dense_layers if facts else 0
-        tr = RoutingTrace(
-            expert_ids=_as_int(ids, np.int16),
-            prompt_offsets=z["prompt_offsets"].astype(np.int64), num_experts=num_experts, top_k=top_k,
-            expert_bytes=expert_bytes, n_dense_layers=n_dense,
-            moe_layer_ids=z["moe_layer_ids"] if "moe_layer_ids" in names else None,
-            router_scores=z["router_scores"].astype(np.float32) if "router_scores" in names else None,
-            model=name, format_version=version, path=str(path),
-            phases=_as_int(z["phases"], np.int8) if "phases" in names else None,
-            gating=str(z["gating"]) if "gating" in names else "",
-            selection_bias=z["selection_bias"].astype(np.float32) if "selection_bias" in names else None,
-            partial=bool(z["partial"]) if "partial" in names else False, facts=carried)
+        try:
+            tr = _read_fields(z, path, model, facts)
+        except ValueError:
+            raise
+        except Exception as e:  # a damaged member (bad CRC, truncated data) surfaces only when it is read
+            raise ValueError(f"trace {path} is damaged: {type(e).__name__}: {e}") from None
     tr.validate(check_tokens=check_tokens)
+    return tr
+
+
+def _scalar(z, key: str, path, cast):
+    """Field ``key`` of an open npz as one ``cast`` value; ValueError naming the file and field otherwise."""
+    v = z[key]
+    if v.ndim != 0:
+        raise ValueError(f"trace {path}: field '{key}' must be a single value, got shape {v.shape}")
+    try:
+        return cast(v)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"trace {path}: field '{key}' is not a {cast.__name__} ({v.dtype})") from None
+
+
+def _read_fields(z, path, model, facts) -> RoutingTrace:
+    """The RoutingTrace of an open npz (see :func:`load_trace`), not yet validated."""
+    names = set(z.files)
+    for need in ("expert_ids", "prompt_offsets", "num_experts", "top_k"):
+        if need not in names:
+            raise ValueError(f"trace {path} lacks the field '{need}'")
+    version = _scalar(z, "format_version", path, int) if "format_version" in names else 0
+    if version > FORMAT_VERSION:
+        raise ValueError(f"trace {path} has format version {version}; this hybrimoe reads up to "
+                         f"{FORMAT_VERSION}")
+    ids = z["expert_ids"]
+    num_experts, top_k = _scalar(z, "num_experts", path, int), _scalar(z, "top_k", path, int)
+    if ids.ndim != 3:
+        raise ValueError(f"trace {path}: expert_ids must be 3-D [tokens, moe_layers, top_k], got shape "
+                         f"{ids.shape}")
+    if model is not None and model not in MODEL_FACTS:
+        raise ValueError(f"unknown model '{model}' (known: {', '.join(sorted(MODEL_FACTS))})")
+    carried = _facts_field(z, path)
+    name = model or (_scalar(z, "model", path, str) if "model" in names else "") or \
+        (carried.name if carried is not None else _guess_model(num_experts, top_k, ids.shape[1]))
+    if facts is None:
+        facts = MODEL_FACTS[model] if model is not None else (carried or MODEL_FACTS.get(name))
+    if "expert_bytes" in names:
+        expert_bytes = z["expert_bytes"].astype(np.float64)
+    elif facts is not None:
+        expert_bytes = facts.per_layer_expert_bytes() if facts.n_moe_layers == ids.shape[1] else \
+            np.full(ids.shape[1], facts.expert_bytes)
+    else:
+        raise ValueError(f"trace {path} has no expert_bytes and its model is unknown: give its GGUF (simulate -m, "
+                         f"facts=facts_from_gguf(...)) or built-in facts (--model-facts, model=: "
+                         f"{', '.join(sorted(MODEL_FACTS))})")
+    if "n_dense_layers" in names:
+        n_dense = _scalar(z, "n_dense_layers", path, int)
+    elif "moe_layer_ids" in names:
+        n_dense = int(np.min(z["moe_layer_ids"]))
+    else:
+        n_dense = facts.n_dense_layers if facts else 0
+    tr = RoutingTrace(
+        expert_ids=_as_int(ids, np.int16),
+        prompt_offsets=z["prompt_offsets"].astype(np.int64), num_experts=num_experts, top_k=top_k,
+        expert_bytes=expert_bytes, n_dense_layers=n_dense,
+        moe_layer_ids=z["moe_layer_ids"] if "moe_layer_ids" in names else None,
+        router_scores=z["router_scores"].astype(np.float32) if "router_scores" in names else None,
+        model=name, format_version=version, path=str(path),
+        phases=_as_int(z["phases"], np.int8) if "phases" in names else None,
+        gating=_scalar(z, "gating", path, str) if "gating" in names else "",
+        selection_bias=z["selection_bias"].astype(np.float32) if "selection_bias" in names else None,
+        partial=_scalar(z, "partial", path, bool) if "partial" in names else False, facts=carried)
     return tr

@@ -297,6 +297,20 @@ def test_chat_without_template_is_a_clear_error(tiny_model, tmp_path):
     assert r.returncode != 0 and "chat template" in r.stderr
     assert "Traceback" not in r.stderr
     assert not out.exists()
+    # a {"messages"} line of a .jsonl, without --chat: named, refused before any prompt runs, nothing written
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('"plain first"\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "trace", "-m", str(path), "-f", str(jl), "-o", str(out)],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 1 and "prompt 1: a chat prompt" in r.stderr and "--chat" not in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_an_output_folder_that_cannot_be_written_fails_before_the_run(tiny_model, tmp_path):
+    path = tiny_model("qwen3moe", "Q8_0")
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "trace", "-m", str(path), "-p", "hi", "-o",
+                        "/proc/x.npz"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "-o /proc/x.npz: cannot write in /proc" in r.stderr, r.stderr
 
 
 def test_recording_with_the_engine_on_sees_the_same_routing(tiny_model, rpc_server):

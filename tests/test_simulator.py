@@ -302,6 +302,9 @@ def test_a_gguf_of_another_shape_is_refused(tiny_model, tmp_path, capsys):
     assert rc == 2 and "--model-facts deepseek-v2-lite" in err
     rc, _, err = _run(capsys, trace=trace, model=other, model_facts="deepseek-v2-lite")
     assert rc == 2 and "not both" in err
+    # built-in facts of another shape are refused as a GGUF of another shape is
+    rc, _, err = _run(capsys, trace=trace, model_facts="deepseek-v2-lite")
+    assert rc == 2 and "the built-in model facts 'deepseek-v2-lite' has 26 MoE layers, 64 experts, top-6" in err
 
 
 def test_stages_take_their_phase_tokens():

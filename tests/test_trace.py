@@ -184,8 +184,11 @@ def test_bad_files(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_trace(tmp_path / "none.npz")
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(ValueError, match="not a readable .npz"):
+    with pytest.raises(ValueError, match="not a .npz trace \\(not a zip archive"):
         load_trace(tmp_path / "junk.npz")
+    (tmp_path / "cut.npz").write_bytes(b"PK\x03\x04 and then nothing")
+    with pytest.raises(ValueError, match="not a readable .npz"):
+        load_trace(tmp_path / "cut.npz")
     np.savez(tmp_path / "noids.npz", prompt_offsets=np.array([0, 1]), num_experts=4, top_k=1)
     with pytest.raises(ValueError, match="lacks the field 'expert_ids'"):
         load_trace(tmp_path / "noids.npz")
@@ -352,3 +355,32 @@ def test_model_facts_json_round_trip_and_errors(tiny_model):
     del bad["n_embd"]
     with pytest.raises(ValueError, match="missing key 'n_embd'"):
         ModelFacts.from_dict(bad)
+
+
+def test_damaged_members_and_malformed_scalars_name_the_file(tmp_path):
+    """A member whose bytes are damaged (found only when it is read) and a scalar field stored as an array get one
+    ValueError naming the file (and the field), not a zipfile or numpy traceback."""
+    tr = make()
+    tr.gating = "softmax"
+    good = tmp_path / "good.npz"
+    tr.save(good)
+    import zipfile
+
+    with zipfile.ZipFile(good) as zf:
+        info = max(zf.infolist(), key=lambda i: i.compress_size)  # the largest member: its data, not its header
+    raw = bytearray(good.read_bytes())
+    start = info.header_offset + 30 + len(info.filename) + len(info.extra)
+    mid = start + info.compress_size // 2
+    raw[mid:mid + 8] = bytes(b ^ 0xFF for b in raw[mid:mid + 8])
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="bad.npz"):
+        load_trace(bad)
+    fields = dict(np.load(good))
+    for key, value in (("num_experts", np.array([8, 8])), ("partial", np.array([True, False])),
+                       ("gating", np.array(["softmax", "sigmoid"]))):
+        f = dict(fields, **{key: value})
+        p = tmp_path / f"{key}.npz"
+        np.savez(p, **f)
+        with pytest.raises(ValueError, match=rf"{key}.npz: field '{key}' must be a single value"):
+            load_trace(p)
