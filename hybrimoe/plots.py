@@ -8,6 +8,24 @@ from pathlib import Path
 from typing import Sequence
 
 
+def _against_cache(plt, path: Path, values: dict, ylabel: str, title: str) -> Path:
+    """One line per name of ``values`` ({cache fraction: {name: y}}) against the cache size in percent; writes
+    ``path``."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    fractions = sorted(values)
+    for name in values[fractions[0]]:
+        ax.plot([100 * f for f in fractions], [values[f][name] for f in fractions], marker="o", label=name)
+    ax.set_xlabel("GPU expert cache, % of routed-expert bytes")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_plots(setup, records: Sequence[dict], out_dir: Path, hit_rates: dict,
                 speeds: dict | None = None) -> list[Path]:
     """Writes ``hit_rate_vs_cache.png``, ``tokens_per_s_vs_cache.png`` (with ``speeds``) and ``timeline.png`` into
@@ -23,39 +41,14 @@ def write_plots(setup, records: Sequence[dict], out_dir: Path, hit_rates: dict,
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
+    model = setup.trace.model or "trace"
     if speeds:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        fr = sorted(speeds)
-        for name in speeds[fr[0]]:
-            ax.plot([100 * f for f in fr], [speeds[f][name] for f in fr], marker="o", label=name)
-        ax.set_xlabel("GPU expert cache, % of routed-expert bytes")
-        ax.set_ylabel(f"{setup.stage} tokens/s (simulated)")
-        ax.set_title(f"{setup.hw.name}, {setup.stage} ({setup.trace.model or 'trace'})")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        p = out_dir / "tokens_per_s_vs_cache.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    fractions = sorted(hit_rates)
-    rates: dict = {}
-    for f in fractions:
-        for name, v in hit_rates[f].items():
-            rates.setdefault(name, []).append(v["hit_rate"])
-    for name, ys in rates.items():
-        ax.plot([100 * f for f in fractions], ys, marker="o", label=name)
-    ax.set_xlabel("GPU expert cache, % of routed-expert bytes")
-    ax.set_ylabel("hit rate")
-    ax.set_title(f"cache-only replay, {setup.stage} ({setup.trace.model or 'trace'})")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    p = out_dir / "hit_rate_vs_cache.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+        paths.append(_against_cache(plt, out_dir / "tokens_per_s_vs_cache.png",
+                                    {f: dict(v) for f, v in speeds.items()}, f"{setup.stage} tokens/s (simulated)",
+                                    f"{setup.hw.name}, {setup.stage} ({model})"))
+    paths.append(_against_cache(plt, out_dir / "hit_rate_vs_cache.png",
+                                {f: {n: v["hit_rate"] for n, v in r.items()} for f, r in hit_rates.items()},
+                                "hit rate", f"cache-only replay, {setup.stage} ({model})"))
 
     cache, sched, pre, cfg = setup.build("hybrimoe")
     cfg.timeline_step, cfg.timeline_layers = 0, 4
