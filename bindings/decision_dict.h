@@ -44,6 +44,11 @@ inline py::dict decision_to_dict(const hybrimoe::DecisionRecord & r) {
     d["prefetched"] = r.prefetched;
     d["evicted"] = r.evicted;
     d["makespan_s"] = r.makespan_s;
+    d["extra_copy_bytes"] = r.extra_copy_bytes;
+    d["extra_copies"] = r.extra_copies;
+    d["post_launch_copy_bytes"] = r.post_launch_copy_bytes;
+    d["post_launch_copies"] = r.post_launch_copies;
+    d["measured_s"] = r.measured_s;
     py::list preds;
     for (const auto & p : r.predictions) {
         py::dict q;
@@ -121,6 +126,11 @@ inline hybrimoe::DecisionRecord decision_from_dict(py::handle h, size_t index) {
         key = "prefetched"; r.prefetched = field_or_empty<std::pair<int, int>>(d, key);
         key = "evicted"; r.evicted = field_or_empty<int64_t>(d, key);
         key = "makespan_s"; r.makespan_s = d.contains(key) ? d[key].cast<double>() : 0.0;
+        key = "extra_copy_bytes"; r.extra_copy_bytes = d.contains(key) ? d[key].cast<double>() : 0.0;
+        key = "extra_copies"; r.extra_copies = d.contains(key) ? d[key].cast<int>() : 0;
+        key = "post_launch_copy_bytes"; r.post_launch_copy_bytes = d.contains(key) ? d[key].cast<double>() : 0.0;
+        key = "post_launch_copies"; r.post_launch_copies = d.contains(key) ? d[key].cast<int>() : 0;
+        key = "measured_s"; r.measured_s = d.contains(key) ? d[key].cast<double>() : -1.0;
     } catch (const py::error_already_set & e) {
         if (e.matches(PyExc_KeyError)) throw py::value_error(where + ": key '" + key + "' is missing");
         throw py::value_error(where + ": key '" + key + "' has the wrong type or shape");

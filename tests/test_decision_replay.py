@@ -60,6 +60,11 @@ def test_replay_reproduces_engine_decisions(policy, tiny_model, rpc_server, spli
         llm.close()
     assert len(log) == sum(s["runs"] for s in st["layers"]) > 0
     assert _core.first_difference(log, sim) == ""
+    # each record's own decisions re-timed under the cost model they were decided with give its makespan, and the
+    # engine measured each run (plan start to wait end) while the replay measured none
+    again = _core.record_makespans(log, setup.cost)
+    assert again == pytest.approx([r["makespan_s"] for r in log], rel=1e-12, abs=1e-15)
+    assert all(r["measured_s"] > 0 for r in log) and all(r["measured_s"] == -1 for r in sim)
     # the cache counted the same hits, misses, admissions and evictions, and ends with the same residents
     fields = ("accesses", "demand_hits", "prefetch_hits", "misses", "late", "admissions", "evictions", "declined")
     assert [getattr(fresh.cache.stats, f) for f in fields] == [getattr(ran.stats, f) for f in fields]
@@ -216,6 +221,39 @@ def test_fills_and_prefetches_that_cost_the_cpu_lengthen_the_predicted_layer():
     a, b = prefetched(1.0), prefetched(0.5)
     assert [tuple(p) for p in a["prefetched"]] == [(1, 3)] == [tuple(p) for p in b["prefetched"]]
     assert b["makespan_s"] - a["makespan_s"] == pytest.approx(0.0005)
+
+
+def test_copies_queued_after_the_gpu_launch_delay_its_outputs_on_a_one_queue_device():
+    """The engine queues prefetches after the layer's GPU launch. On a device that cannot compute while it copies
+    (copy_overlap 0: one queue, as ggml's RPC backend has) the launch's outputs come back after those copies, so
+    they lengthen the GPU share; with copy_overlap 1 they do not. gpu-on-demand, one expert loaded (1 ms) and one
+    prefetched for the next layer (1 ms): the makespan differs by the prefetch's 1 ms, and record_makespans
+    re-times the 0-overlap record under the 1-overlap model to the other run's makespan."""
+    def run(overlap):
+        cache = _core.ExpertCache([float(B)] * 2, 4, 4.0 * B, _core.LRUPolicy())
+        cm = _cost(h2d_s=0.001)
+        cm.copy_overlap = overlap
+        pred = dict(layer=1, distance=1, confidence=1.0, start_s=0.05, expert_bytes=float(B), experts=[3],
+                    loads=[1])
+        log = [_rec(0, 0, [[0]], 10.0, predictions=[pred]), _rec(0, 1, [[3]], 10.05)]
+        return _core.replay_decisions(log, cache, _core.make_scheduler("gpu-on-demand"),
+                                      _core.make_prefetcher("impact"), cm, has_slots=True, prefetch_layers=1,
+                                      fill_on_miss=False)[0], cm
+    (one, cm1), (queue, cm0) = run(1.0), run(0.0)
+    for r in (one, queue):
+        assert list(r["on_gpu"]) == [1] and r["loaded"] == [0] and [tuple(p) for p in r["prefetched"]] == [(1, 3)]
+        assert r["post_launch_copies"] == 1 and r["post_launch_copy_bytes"] == B
+    assert one["makespan_s"] == pytest.approx(0.0011)  # the load's copy, then the expert's 0.1 ms
+    assert queue["makespan_s"] - one["makespan_s"] == pytest.approx(0.001)
+    assert _core.record_makespans([queue], cm1) == pytest.approx([one["makespan_s"]])
+    assert _core.record_makespans([queue], cm0) == pytest.approx([queue["makespan_s"]])
+
+
+def test_record_makespans_rejects_a_record_of_mismatched_lengths():
+    bad = dict(_rec(0, 0, [[0, 1]], 1.0), experts=[0, 1], loads=[1, 1], cached=[0], ready_s=[0.0, 0.0],
+               on_gpu=[0, 0])
+    with pytest.raises(ValueError, match="different lengths"):
+        _core.record_makespans([bad], _cost())
 
 
 def test_prefetch_sees_the_callers_clock():

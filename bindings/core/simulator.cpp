@@ -171,6 +171,25 @@ Raises:
     ValueError: a record misses a key, has the wrong types, or does not fit the cache (layer, expert, shapes).
     RuntimeError: a policy failed.
 )doc");
+    m.def(
+        "record_makespans",
+        [](py::iterable log, const CostModel & cost) {
+            const std::vector<DecisionRecord> recs = decisions_from_list(log);
+            cost.validate();
+            std::vector<double> out;
+            out.reserve(recs.size());
+            for (const DecisionRecord & r : recs) out.push_back(record_makespan(r, cost));
+            return out;
+        },
+        py::arg("log"), py::arg("cost_model"), R"doc(
+Predicted makespans (seconds, one per record) of logged decision records' split runs under ``cost_model``
+(``hybrimoe::record_makespan``: the record's own decisions, re-timed). Under the cost model the records were
+decided with, each equals its ``makespan_s``; ``hybrimoe.calibration`` fits the copy-overlap fields with it against
+the engine's ``measured_s``.
+
+Raises:
+    ValueError: a record misses a key or its vectors disagree in length; a cost model field out of range.
+)doc");
     m.def("first_difference",
           [](py::iterable a, py::iterable b) { return first_difference(decisions_from_list(a), decisions_from_list(b)); },
           py::arg("a"), py::arg("b"),

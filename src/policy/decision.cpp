@@ -30,7 +30,16 @@ bool LayerDecider::load(int layer, int expert, ExpertPlacement::Kind kind, Exper
     const double bytes = place.load(layer, expert, kind);
     if (bytes <= 0.0) return false;
     pcie_free_s_ += cost_.h2d(bytes);
-    if (kind != ExpertPlacement::kDemand) extra_copy_s_ += cost_.h2d(bytes);  // demand loads are in the plan
+    if (kind != ExpertPlacement::kDemand) {  // demand loads are in the plan
+        extra_copy_s_ += cost_.h2d(bytes);
+        extra_copy_bytes_ += bytes;
+        ++extra_copies_;
+    }
+    if (kind == ExpertPlacement::kPrefetch || kind == ExpertPlacement::kFill) {  // queued after the GPU launch
+        post_launch_copy_s_ += cost_.h2d(bytes);
+        post_launch_copy_bytes_ += bytes;
+        ++post_launch_copies_;
+    }
     // admitted already (ready when admitted: unknown then); the copy's estimated end is its ready time
     if (kind != ExpertPlacement::kFirstUse) cache_->set_ready(layer, expert, now_s_ + pcie_free_s_);
     return true;
@@ -69,6 +78,11 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
     pcie_free_s_ = std::max(0.0, pcie_free_s);
     in_.pcie_free_s = pcie_free_s_;
     extra_copy_s_ = 0.0;
+    extra_copy_bytes_ = 0.0;
+    extra_copies_ = 0;
+    post_launch_copy_s_ = 0.0;
+    post_launch_copy_bytes_ = 0.0;
+    post_launch_copies_ = 0;
     scheduler_->plan(in_, cost_, plan_);
     if (plan_.on_gpu.size() != in_.size() ||
         plan_.gpu_experts.size() + plan_.cpu_experts.size() != in_.size()) {
@@ -142,6 +156,7 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
         run_plan_.method = plan_.method + "+cpu-fallback";
     }
     plan_cpu_end_s_ = run_plan_.cpu_end_s;
+    plan_gpu_end_s_ = run_plan_.gpu_end_s;
     if (rec) rec->on_gpu = on_gpu_;
     charge_extra_copies(rec);
     return on_gpu_;
@@ -150,9 +165,48 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
 void LayerDecider::charge_extra_copies(DecisionRecord * rec) {
     if (!run_plan_.cpu_experts.empty()) {
         run_plan_.cpu_end_s = plan_cpu_end_s_ + cost_.cpu_copy_blocking(extra_copy_s_);
-        run_plan_.makespan_s = std::max(run_plan_.cpu_end_s, run_plan_.gpu_end_s);
     }
-    if (rec) rec->makespan_s = run_plan_.makespan_s;
+    if (!run_plan_.gpu_experts.empty()) {
+        run_plan_.gpu_end_s = plan_gpu_end_s_ + cost_.copy_blocking(post_launch_copy_s_);
+    }
+    run_plan_.makespan_s = std::max(run_plan_.cpu_end_s, run_plan_.gpu_end_s);
+    if (rec) {
+        rec->makespan_s = run_plan_.makespan_s;
+        rec->extra_copy_bytes = extra_copy_bytes_;
+        rec->extra_copies = extra_copies_;
+        rec->post_launch_copy_bytes = post_launch_copy_bytes_;
+        rec->post_launch_copies = post_launch_copies_;
+    }
+}
+
+double record_makespan(const DecisionRecord & rec, const CostModel & cost) {
+    const size_t k = rec.experts.size();
+    if (rec.loads.size() != k || rec.cached.size() != k || rec.ready_s.size() != k || rec.on_gpu.size() != k) {
+        throw std::invalid_argument("record_makespan: record (ubatch " + std::to_string(rec.ubatch) + ", MoE layer " +
+                                    std::to_string(rec.layer) + ") has experts, loads, cached, ready_s and on_gpu "
+                                    "of different lengths");
+    }
+    LayerInput in;
+    in.layer = rec.layer;
+    in.n_tokens = rec.n_tokens;
+    in.expert_bytes = rec.expert_bytes;
+    in.pcie_free_s = rec.pcie_free_s;
+    in.experts = rec.experts;
+    in.loads = rec.loads;
+    in.cached = rec.cached;
+    in.ready_s = rec.ready_s;
+    SchedulePlan plan;
+    evaluate_plan(in, cost, rec.on_gpu, plan);
+    if (!plan.cpu_experts.empty() && rec.extra_copies > 0) {
+        const double extra_s = rec.extra_copy_bytes / cost.h2d_bandwidth_Bps + rec.extra_copies * cost.h2d_latency_s;
+        plan.cpu_end_s += cost.cpu_copy_blocking(extra_s);
+    }
+    if (!plan.gpu_experts.empty() && rec.post_launch_copies > 0) {
+        const double post_s =
+            rec.post_launch_copy_bytes / cost.h2d_bandwidth_Bps + rec.post_launch_copies * cost.h2d_latency_s;
+        plan.gpu_end_s += cost.copy_blocking(post_s);
+    }
+    return std::max(plan.cpu_end_s, plan.gpu_end_s);
 }
 
 bool LayerDecider::wants_prefetch(int n_moe_layers) const {
@@ -204,11 +258,15 @@ void LayerDecider::fills(ExpertPlacement & place, DecisionRecord * rec) {
     // what one fill costs the CPU share on a host that pays for copies (0 when copies cost it nothing)
     const double fill_block =
         run_plan_.cpu_experts.empty() ? 0.0 : cost_.cpu_copy_blocking(cost_.h2d(in_.expert_bytes));
+    // and the GPU share's (its outputs are read after the fill on a device that cannot compute while it copies)
+    const double fill_gpu_block =
+        run_plan_.gpu_experts.empty() ? 0.0 : cost_.copy_blocking(cost_.h2d(in_.expert_bytes));
     for (size_t i = 0; i < in_.size(); ++i) {
         const int32_t e = in_.experts[i];
         if (on_gpu_[i] || cache_->resident(ml, e)) continue;
         if (pcie_free_s_ >= run_plan_.makespan_s) break;
         if (fill_block > 0.0 && run_plan_.cpu_end_s + fill_block > run_plan_.makespan_s) break;
+        if (fill_gpu_block > 0.0 && run_plan_.gpu_end_s + fill_gpu_block > run_plan_.makespan_s) break;
         if (!cache_->admit(ml, e, 0.0, false)) continue;
         take_evictions(place, rec);
         load(ml, e, ExpertPlacement::kFill, place);

@@ -44,7 +44,19 @@ struct DecisionRecord {
     std::vector<Prediction> predictions;             ///< what the prefetcher was shown
     std::vector<int64_t> evicted;        ///< keys (layer * E + expert) evicted while deciding this record
     double makespan_s = 0;               ///< the predicted makespan of the split run (LayerDecider::run_plan, s)
+    double extra_copy_bytes = 0;         ///< bytes of the copies queued after the plan (first use, prefetch, fill)
+    int extra_copies = 0;                ///< how many copies those are
+    double post_launch_copy_bytes = 0;   ///< of those, the bytes queued after the GPU share's launch (prefetch, fill)
+    int post_launch_copies = 0;          ///< how many copies those are
+    double measured_s = -1;              ///< engine: plan start to the end of the layer's wait op (s); -1: not measured
 };
+
+/// The predicted makespan (seconds) of a logged record's split run (`on_gpu`) under `cost`: evaluate_plan on the
+/// record's inputs (experts, loads, cached, ready_s, pcie_free_s), then the copies queued after the plan charged
+/// to the CPU share and those queued after the GPU launch to the GPU share, as LayerDecider does. Equals the record's makespan_s under the cost model it was decided with;
+/// under another one it is what that model predicts for the same decisions (calibration fits the copy-overlap
+/// fields on engine runs with it). Throws std::invalid_argument on a record whose vectors disagree in length.
+double record_makespan(const DecisionRecord & rec, const CostModel & cost);
 
 /// Where decisions meet the device. The engine maps admitted experts to GPU slots and queues their copies; the
 /// replay only counts.
@@ -107,7 +119,7 @@ public:
     /// Fills: CPU-computed misses of the split's layer are offered to the cache, in activation order, while the
     /// copy-queue estimate stays below the predicted makespan of the split run (the copy would end before the
     /// layer's work) and, on a host that pays for copies (CostModel::cpu_copy_overlap < 1), while the CPU share
-    /// so delayed still ends by then.
+    /// so delayed still ends by then; likewise the GPU share on a device that cannot compute while it copies.
     void fills(ExpertPlacement & place, DecisionRecord * rec);
     /// After MoE layer `layer` ran: unpins its activated experts and the ones prefetched for it.
     void release(int layer);
@@ -136,7 +148,8 @@ private:
     /// Queues the copy of an admitted expert; true when one was queued (the cache then gets its ready time).
     bool load(int layer, int expert, ExpertPlacement::Kind kind, ExpertPlacement & place);
     /// run_plan_'s CPU end and makespan with the copies queued after the plan (extra_copy_s_) charged to the
-    /// CPU share; updates the record's makespan.
+    /// CPU share and, on a device that cannot compute while it copies (CostModel::copy_overlap < 1), the ones
+    /// queued after the GPU launch to the GPU share (its outputs are read after them); updates the record.
     void charge_extra_copies(DecisionRecord * rec);
 
     std::shared_ptr<ExpertCache> cache_;
@@ -154,6 +167,12 @@ private:
     double now_s_ = 0.0;
     double pcie_free_s_ = 0.0;
     double extra_copy_s_ = 0.0;   // copy time queued after the plan (first use, prefetch, fill) for this layer
+    double extra_copy_bytes_ = 0.0;
+    int extra_copies_ = 0;
+    double post_launch_copy_s_ = 0.0;  // of extra_copy_s_, the copies queued after the GPU launch (prefetch, fill)
+    double post_launch_copy_bytes_ = 0.0;
+    int post_launch_copies_ = 0;
+    double plan_gpu_end_s_ = 0.0; // run_plan_'s GPU end before those copies
     double plan_cpu_end_s_ = 0.0; // run_plan_'s CPU end before those copies
     int prefetch_declined_ = 0;
     std::vector<std::vector<int32_t>> used_;            // per MoE layer: experts pinned by its split

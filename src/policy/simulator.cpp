@@ -426,6 +426,9 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
                 res.cpu_busy_s += late;
                 t_cpu_end += late;
             }
+            // and they are queued after the GPU share's launch: a device that cannot compute while it copies
+            // returns the share's outputs after them
+            if (!gpu_order.empty()) t_gpu_end += truth_cost.copy_blocking(layer_copy_s - demand_copy_s);
 
             const double t_end = std::max(t_moe, std::max(t_cpu_end, t_gpu_end));
             res.charged_moe_s += t_end - t_moe;

@@ -370,6 +370,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
     const double t_start = now();
     run.t_start = t_start;
     run.plan_s = 0.0;
+    run.log_pos = -1;
     run.launch[0] = run.launch[1] = nullptr;
     const RoutingView routing{dst->src[0], dst->ne[0]};
     const ggml_tensor * x = dst->src[1];
@@ -450,7 +451,11 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         run.plan_s = t_end - t_start;
         run.cpu_at_plan_end = process_cpu_s();
         std::lock_guard<std::mutex> lock(stats_mu_);
-        if (rp) log_.push_back(std::move(rec));
+        if (rp) {
+            run.log_pos = (int64_t) log_.size();
+            run.log_ubatch = ubatch_;
+            log_.push_back(std::move(rec));
+        }
         using K = ExpertPlacement;
         EngineLayerStats & s = stats_[(size_t) ml];
         s.runs += 1;
@@ -516,6 +521,11 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
     run.cpu_at_plan_end = 0.0;
     s.wait_s += t1 - t0;
     s.layer_s += t1 - run.t_start;
+    if (run.log_pos >= 0 && run.log_pos < (int64_t) log_.size()) {
+        DecisionRecord & r = log_[(size_t) run.log_pos];
+        if (r.layer == run.ml && r.ubatch == run.log_ubatch) r.measured_s = t1 - run.t_start;
+    }
+    run.log_pos = -1;
 }
 
 }  // namespace hybrimoe

@@ -230,6 +230,8 @@ struct Engine::LayerRun {
     double t_start = 0.0;
     double plan_s = 0.0;
     double cpu_at_plan_end = 0.0;  ///< process CPU clock when the plan op ended (seconds)
+    int64_t log_pos = -1;          ///< this run's decision record in the log (-1: none); measured_s is set at the wait
+    int64_t log_ubatch = -1;       ///< and its ubatch (the record at log_pos must match: take_log may run between)
 };
 
 }  // namespace hybrimoe
