@@ -204,13 +204,15 @@ class TopKPrefetcher(PrefetchPolicy):
     def __init__(self, count: int = 0) -> None: ...
 
 class ImpactPrefetcher(PrefetchPolicy):
-    def __init__(self, max_copies: int = 0, max_candidates: int = 12, use_confidence: bool = True) -> None: ...
+    def __init__(self, max_copies: int = 0, max_candidates: int = 12, use_confidence: bool = True,
+                 waste_weight: float = ...) -> None: ...
     @property
     def evaluations(self) -> int: ...
 
 def make_prefetcher(name: str) -> PrefetchPolicy: ...
 
 DEFAULT_PREDICTION_CONFIDENCE: tuple[float, ...]  # engine: assumed confidence per look-ahead distance
+DEFAULT_PREFETCH_WASTE_WEIGHT: float  # ImpactPrefetcher: weight of a wrong prediction's copy time
 
 class Trace:
     def __init__(self, expert_ids: npt.ArrayLike, prompt_offsets: npt.ArrayLike, expert_bytes: Sequence[float],

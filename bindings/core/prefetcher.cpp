@@ -66,14 +66,16 @@ void bind_prefetcher(py::module_ & m) {
         .def(py::init<int>(), py::arg("count") = 0);
     py::classh<ImpactPrefetcher, PrefetchPolicy>(m, "ImpactPrefetcher",
                                                  "HybriMoE §IV.C impact-driven prefetch (gain = drop in the layer's "
-                                                 "simulated makespan), lazy greedy, bounded candidates.")
-        .def(py::init<int, int, bool>(), py::arg("max_copies") = 0, py::arg("max_candidates") = 12,
-             py::arg("use_confidence") = true)
+                                                 "simulated makespan x confidence, minus waste_weight x (1 - "
+                                                 "confidence) x the copy's seconds), lazy greedy, bounded candidates.")
+        .def(py::init<int, int, bool, double>(), py::arg("max_copies") = 0, py::arg("max_candidates") = 12,
+             py::arg("use_confidence") = true, py::arg("waste_weight") = kDefaultPrefetchWasteWeight)
         .def_property_readonly("evaluations", &ImpactPrefetcher::evaluations);
     m.def("make_prefetcher", &make_prefetcher, py::arg("name"),
           "Prefetcher by name: none, topk, impact. ValueError on an unknown name.");
     // A tuple, so that it cannot be changed in place: the engine's default is compiled in, a changed copy here
     // would not reach it.
+    m.attr("DEFAULT_PREFETCH_WASTE_WEIGHT") = kDefaultPrefetchWasteWeight;
     m.attr("DEFAULT_PREDICTION_CONFIDENCE") = py::tuple(py::cast(kDefaultPredictionConfidence));
 }
 

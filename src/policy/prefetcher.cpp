@@ -29,8 +29,9 @@ std::vector<std::pair<int, int>> TopKPrefetcher::plan(const PrefetchContext & ct
     return out;
 }
 
-ImpactPrefetcher::ImpactPrefetcher(int max_copies, int max_candidates, bool use_confidence)
-    : max_copies_(max_copies), max_candidates_(max_candidates), use_confidence_(use_confidence) {
+ImpactPrefetcher::ImpactPrefetcher(int max_copies, int max_candidates, bool use_confidence, double waste_weight)
+    : max_copies_(max_copies), max_candidates_(max_candidates), use_confidence_(use_confidence),
+      waste_weight_(waste_weight) {
     if (max_copies < 0 || max_candidates < 1) {
         throw std::invalid_argument("ImpactPrefetcher: max_copies must be >= 0 and max_candidates >= 1");
     }
@@ -65,7 +66,8 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
         in.cached[i] = 0;
         in.ready_s[i] = 0.0;
         const double g = base[pi] - plan_.makespan_s;
-        return use_confidence_ ? g * p.confidence : g;
+        const double waste = waste_weight_ * (1.0 - p.confidence) * cost.h2d(p.expert_bytes);
+        return (use_confidence_ ? g * p.confidence : g) - waste;
     };
 
     for (size_t pi = 0; pi < n_pred; ++pi) {

@@ -68,15 +68,25 @@ private:
     int count_;
 };
 
+/// Weight of a prefetch's expected waste (ImpactPrefetcher): a prediction of confidence c is wrong with
+/// probability 1 - c, and its copy then took the link for h2d(bytes) from copies that were needed; the copied
+/// expert stays cached and may still be used later, so only part of that time counts. 0.5 is the value that did
+/// best in `hybrimoe simulate` sweeps over 0 .. 4 (DeepSeek-V2-Lite routing, paper-a6000, rtx4090-desktop and h200
+/// presets, 10-75% caches, decode): without the term, prefetching at the default confidences was slower than no
+/// prefetching at all.
+constexpr double kDefaultPrefetchWasteWeight = 0.5;
+
 /// HybriMoE §IV.C impact-driven prefetch: for each predicted, uncached (layer j, expert e), gain = drop in layer
 /// j's simulated HybriMoE makespan if e were cached, the copy queued after everything already on the link
-/// (so late copies gain little), times the prediction's confidence. Lazy greedy: issue the highest current
-/// gain while it is > 0, up to `max_copies` (0 = top_k) copies per call. Cost is bounded: at most
+/// (so late copies gain little), times the prediction's confidence, minus the expected waste
+/// `waste_weight * (1 - confidence) * h2d(bytes)` (the link time of a copy made for a wrong prediction). Lazy
+/// greedy: issue the highest current net gain while it is > 0, up to `max_copies` (0 = top_k) copies per call. Cost is bounded: at most
 /// `max_candidates` (highest predicted load) candidates per predicted layer; a candidate's gain is recomputed only
 /// when it reaches the top. Throws std::invalid_argument on negative limits.
 class ImpactPrefetcher : public PrefetchPolicy {
 public:
-    explicit ImpactPrefetcher(int max_copies = 0, int max_candidates = 12, bool use_confidence = true);
+    explicit ImpactPrefetcher(int max_copies = 0, int max_candidates = 12, bool use_confidence = true,
+                              double waste_weight = kDefaultPrefetchWasteWeight);
     std::string name() const override { return "impact"; }
     std::vector<std::pair<int, int>> plan(const PrefetchContext & ctx, const ExpertCache & cache,
                                           const CostModel & cost) override;
@@ -86,6 +96,7 @@ private:
     int max_copies_;
     int max_candidates_;
     bool use_confidence_;
+    double waste_weight_;
     HybriMoEScheduler sched_;
     SchedulePlan plan_;
     std::vector<LayerInput> inputs_;
