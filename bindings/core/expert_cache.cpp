@@ -144,7 +144,9 @@ void bind_expert_cache(py::module_ & m) {
              py::arg("now_s") = std::numeric_limits<double>::infinity(),
              "Counts a lookup at now_s: 0 miss, 1 demand hit, 2 prefetch hit, 3 late (copy still in flight: a miss).")
         .def("admit", &ExpertCache::admit, py::arg("layer"), py::arg("expert"), py::arg("ready_s") = 0.0,
-             py::arg("by_prefetch") = false)
+             py::arg("by_prefetch") = false, py::arg("demand") = false,
+             "Makes (layer, expert) resident, evicting the lowest priorities; False when refused. demand: a load "
+             "the scheduler runs on the GPU now, which a bypass policy (Belady) does not refuse.")
         .def("admit_batch", &ExpertCache::admit_batch, py::arg("layer"), py::arg("experts"),
              py::arg("ready_s") = std::vector<double>{}, py::arg("by_prefetch") = false,
              "Admits several experts of one layer, highest priority first, as sequential admits with the newcomers "

@@ -122,7 +122,7 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
     // demand loads, in the plan's copy order: admit; a load the cache refuses runs on the CPU
     auto demand = [&](size_t i) {
         const int32_t e = in_.experts[i];
-        if (cache_->admit(layer, e, 0.0, false)) {
+        if (cache_->admit(layer, e, 0.0, false, /*demand=*/true)) {
             take_evictions(place, rec);
             load(layer, e, ExpertPlacement::kDemand, place);
             if (rec) rec->loaded.push_back(e);

@@ -355,7 +355,7 @@ void ExpertCache::head_changed(int layer) {
     for (i >>= 1; i > 0; i >>= 1) tree_[i] = better_layer(tree_[2 * i], tree_[2 * i + 1]);
 }
 
-bool ExpertCache::choose_victims(double need, double incoming, bool & refreshed) {
+bool ExpertCache::choose_victims(double need, double incoming, bool & refreshed, bool allow_bypass) {
     victims_.clear();
     if (used_ + need <= budget_ * (1.0 + 1e-12)) return true;
     const int L = n_layers();
@@ -370,7 +370,7 @@ bool ExpertCache::choose_victims(double need, double incoming, bool & refreshed)
         for (int i = tree_leaves_ - 1; i > 0; --i) tree_[i] = better_layer(tree_[2 * i], tree_[2 * i + 1]);
         refreshed = true;
     }
-    const bool bypass = policy_->bypass();
+    const bool bypass = allow_bypass && policy_->bypass();
     bool ok = true;
     double freed = 0.0;
     touched_.clear();
@@ -451,7 +451,7 @@ void ExpertCache::admit_key(int64_t key, double p, double ready_s, bool by_prefe
     ++stats_.admissions;
 }
 
-bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch) {
+bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch, bool demand) {
     Entry & en = entry(layer, expert);
     const int64_t key = static_cast<int64_t>(layer) * n_experts_ + expert;
     if (en.resident) return true;
@@ -465,7 +465,7 @@ bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch)
     const bool full = used_ + need > budget_ * (1.0 + 1e-12);
     const double p = (full || tracks_) ? policy_->priority(layer, expert) : 0.0;
     bool refreshed = false;
-    const bool ok = choose_victims(need, p, refreshed);
+    const bool ok = choose_victims(need, p, refreshed, !demand);
     if (ok) admit_key(key, p, ready_s, by_prefetch);
     tree_valid_ = false;
     if (!ok) ++stats_.declined;

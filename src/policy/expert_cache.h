@@ -244,8 +244,11 @@ public:
     int access(int layer, int expert, double now_s = std::numeric_limits<double>::infinity());
     /// Tries to make (layer, expert) resident, usable from ready_s, evicting unpinned residents of lowest priority
     /// (ties LRU). Returns false (and changes nothing) when the policy vetoes or bypasses, or not enough unpinned
-    /// bytes exist. Already resident: returns true.
-    bool admit(int layer, int expert, double ready_s, bool by_prefetch);
+    /// bytes exist. Already resident: returns true. `demand`: the scheduler runs this expert on the GPU now (a
+    /// demand load); a bypass policy (Belady) then does not refuse it, since refusing moves the expert to the CPU,
+    /// which in a large ubatch costs far more than the copy (a clairvoyant bound must not be slower than the
+    /// policies it bounds).
+    bool admit(int layer, int expert, double ready_s, bool by_prefetch, bool demand = false);
     /// Admits several experts of one layer at once, most valuable (highest priority) first, with one scan for
     /// victims instead of one per expert; same decisions as calling `admit` in that order when the newcomers are
     /// pinned. ready_s: one per expert or empty (all 0). Returns how many were admitted (already resident not
@@ -327,7 +330,7 @@ private:
     /// False (victims_ then meaningless) when not enough unpinned bytes exist or, for bypass policies, when
     /// `incoming` does not outrank a victim. Brings every layer's order up to date first unless `refreshed`
     /// (then sets it): callers that change nothing else between calls refresh once.
-    bool choose_victims(double need, double incoming, bool & refreshed);
+    bool choose_victims(double need, double incoming, bool & refreshed, bool allow_bypass = true);
     /// admit() after the checks: evict victims_ (from choose_victims) and insert.
     void admit_key(int64_t key, double p, double ready_s, bool by_prefetch);
     std::vector<std::vector<Rank>> order_;
