@@ -267,9 +267,9 @@ def _use_more_bits(i_layer: int, n_layers: int) -> bool:
 
 def q4_k_m_expert_bytes(n_embd: int, n_ff_exp: int, moe_layer_ids, n_layer_all: int) -> tuple:
     """Bytes of one routed expert per MoE layer of a llama.cpp Q4_K_M file: gate and up (``n_embd x n_ff_exp``
-    each) Q4_K; ffn_down Q6_K in the layers of upstream's use_more_bits(il, n_layer_all), else Q4_K (src/llama-quant.cpp,
-    llama_tensor_get_type: ftype Q4_K_M, FFN_DOWN; the layer is parsed from the tensor name for MoE models and
-    n_layer_all is the GGUF's block count). Valid only when both widths are multiples of 256 (K-quant rows; else
+    each) Q4_K; ffn_down Q6_K in the layers of upstream's use_more_bits(il, n_layer_all), else Q4_K
+    (src/llama-quant.cpp, llama_tensor_get_type: ftype Q4_K_M, FFN_DOWN; the layer is parsed from the tensor name
+    for MoE models and n_layer_all is the GGUF's block count). Valid only when both widths are multiples of 256 (K-quant rows; else
     upstream falls back to another type).
 
     Raises:
@@ -298,7 +298,8 @@ def _config_facts(name: str, *, arch: str, n_layer: int, n_dense: int, n_experts
         n_shared_experts=n_shared, n_embd=n_embd, n_ff_exp=n_ff_exp, expert_bytes=float(np.mean(layer_bytes)),
         expert_params=float(expert_params), non_expert_params_per_moe_layer=float(attn_params + shared + router),
         dense_layer_params=float(attn_params + 3 * n_embd * n_ff_dense) if n_dense else 0.0,
-        bytes_per_param_non_expert=bpp, architecture=arch, n_layer=n_layer, moe_layer_ids=tuple(range(n_dense, n_layer)),
+        bytes_per_param_non_expert=bpp, architecture=arch, n_layer=n_layer,
+        moe_layer_ids=tuple(range(n_dense, n_layer)),
         layer_expert_bytes=tuple(layer_bytes), n_head=n_head, n_head_kv=n_head_kv, gating=gating,
         non_expert_parts={"attention": float(attn_params), "shared_experts": float(shared), "router": float(router)},
         sources={
