@@ -1,5 +1,5 @@
 """Synthetic routing traces whose knobs are measured statistics of real routing (re-exported by
-:mod:`hybrimoe.trace`).
+:mod:`hybrimoe.trace`; docs/design.md §13 has the fit to the DeepSeek-V2-Lite trace and what it does not reproduce).
 
 Statistics (:func:`routing_stats`), per MoE layer and as the means over layers that the knobs are:
 
