@@ -1,5 +1,5 @@
-"""The ``hybrimoe`` command line: ``run``, ``info``, ``make-tiny-model``, ``trace``, ``simulate``, ``calibrate``,
-``bench``.
+"""The ``hybrimoe`` command line: ``run``, ``info``, ``make-tiny-model``, ``trace``, ``simulate``, ``synth``,
+``calibrate``, ``bench``.
 
 Flags follow llama.cpp's tools (``-m -p -n -t -c -ngl -ub --seed --temp -ot --n-cpu-moe --rpc``); hybrimoe's
 own flags start with ``--moe-``.
@@ -267,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     _register_optional(sub, "trace", "record", "record a model's routing (expert ids and router scores per token "
                        "and MoE layer) into a trace file for simulate and --replay-trace")
     _register_optional(sub, "simulate", "simulate", "trace-driven comparison of expert placement policies")
+    _register_optional(sub, "synth", "synth", "write a synthetic routing trace of a model shape whose statistics "
+                       "(popularity skew, temporal and cross-layer locality) are knobs")
     _register_optional(sub, "calibrate", "calibrate", "measure the engine's cost model for a model on this "
                        "machine (stored for later runs)")
     _register_optional(sub, "bench", "bench", "hybrimoe against upstream offloading at the same GPU memory "

@@ -1,7 +1,9 @@
 """Model facts: what the cost model and the simulator need to know about a MoE model, built in or read from a GGUF.
 
 :class:`ModelFacts` holds the sizes (bytes, parameter counts) of a model's routed experts and of its other work per
-layer; :data:`MODEL_FACTS` has the built-in entries (DeepSeek-V2-Lite, from its config.json and docs/design.md §6);
+layer; :data:`MODEL_FACTS` has the built-in entries (DeepSeek-V2-Lite, from its config.json and docs/design.md §6;
+Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 and gpt-oss-120b from their config.json and llama.cpp's quant table, for
+synthetic traces: :data:`QUANT_BLOCKS`, :func:`q4_k_m_expert_bytes`);
 :func:`facts_from_gguf` reads them from a GGUF file's real tensors (through :func:`hybrimoe.info.describe`, the one
 reader of GGUF structure); :meth:`ModelFacts.to_dict` / :meth:`ModelFacts.from_dict` are their JSON form (schema
 ``hybrimoe.model_facts/1``, carried by routing traces as the field ``model_facts``);
@@ -234,7 +236,159 @@ def _dsv2_lite() -> ModelFacts:
     )
 
 
-MODEL_FACTS = {"deepseek-v2-lite": _dsv2_lite()}
+# ---- built-in shapes for synthetic traces: config.json numbers and llama.cpp's quant table ----------------------
+
+#: ggml's block sizes, ``type: (weights per block, bytes per block)``: ggml/src/ggml-common.h of the pinned upstream
+#: (vendor/llama.cpp/pin.json): block_q4_K = 2 fp16 (d, dmin) + 12 bytes of scales + 128 bytes of 4-bit quants;
+#: block_q6_K = 128 (ql) + 64 (qh) + 16 int8 scales + fp16 d; block_q8_0 = fp16 d + 32 int8; block_mxfp4 = 1 byte
+#: (e8m0 scale) + 16 bytes (32 4-bit values)
+QUANT_BLOCKS = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34), "MXFP4": (32, 17)}
+_QUANT_SOURCE = ("ggml/src/ggml-common.h (pinned upstream): Q4_K 144 bytes / 256 weights = 4.5 bpw, Q6_K 210 / 256 = "
+                 "6.5625 bpw, Q8_0 34 / 32 = 8.5 bpw, MXFP4 17 / 32 = 4.25 bpw")
+
+
+def bits_per_weight(quant: str) -> float:
+    """Bits per weight of a ggml quant type of :data:`QUANT_BLOCKS` (8 x bytes per block / weights per block).
+
+    Raises:
+        ValueError: a type not in :data:`QUANT_BLOCKS` (named, with the known ones).
+    """
+    if quant not in QUANT_BLOCKS:
+        raise ValueError(f"unknown quant type {quant!r} (known: {', '.join(QUANT_BLOCKS)})")
+    n, b = QUANT_BLOCKS[quant]
+    return 8.0 * b / n
+
+
+def _use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """upstream's use_more_bits (src/llama-quant.cpp, llama_tensor_get_type): the layers whose ffn_down a Q4_K_M
+    file stores as Q6_K (the first and last eighth and every third layer between)."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def q4_k_m_expert_bytes(n_embd: int, n_ff_exp: int, moe_layer_ids, n_layer_all: int) -> tuple:
+    """Bytes of one routed expert per MoE layer of a llama.cpp Q4_K_M file: gate and up (``n_embd x n_ff_exp``
+    each) Q4_K; ffn_down Q6_K in the layers of upstream's use_more_bits(il, n_layer_all), else Q4_K
+    (src/llama-quant.cpp, llama_tensor_get_type: ftype Q4_K_M, FFN_DOWN; the layer is parsed from the tensor name
+    for MoE models and n_layer_all is the GGUF's block count). Valid only when both widths are multiples of 256 (K-quant rows; else
+    upstream falls back to another type).
+
+    Raises:
+        ValueError: a width that is not a multiple of 256.
+    """
+    if n_embd % 256 or n_ff_exp % 256:
+        raise ValueError(f"K-quant rows must be multiples of 256, got n_embd {n_embd}, n_ff_exp {n_ff_exp}")
+    q4, q6 = bits_per_weight("Q4_K"), bits_per_weight("Q6_K")
+    gate_up = 2 * n_embd * n_ff_exp * q4 / 8
+    return tuple(float(gate_up + n_embd * n_ff_exp * (q6 if _use_more_bits(il, n_layer_all) else q4) / 8)
+                 for il in moe_layer_ids)
+
+
+def _config_facts(name: str, *, arch: str, n_layer: int, n_dense: int, n_experts: int, top_k: int, n_shared: int,
+                  n_embd: int, n_ff_exp: int, n_ff_dense: int, n_head: int, n_head_kv: int, attn_params: float,
+                  gating: str, layer_bytes: tuple, shape_src: str, bytes_src: str, attn_src: str) -> ModelFacts:
+    """ModelFacts of a model known from its config.json (numbers in ``shape_src``) and a stated quant type
+    (``layer_bytes``, explained by ``bytes_src``); non-expert bytes at the experts' bytes per weight (an assumption,
+    as for DeepSeek-V2-Lite)."""
+    expert_params = 3 * n_embd * n_ff_exp
+    shared = n_shared * expert_params
+    router = n_embd * n_experts
+    bpp = float(np.mean(layer_bytes)) / expert_params
+    f = ModelFacts(
+        name=name, n_moe_layers=n_layer - n_dense, n_dense_layers=n_dense, n_experts=n_experts, top_k=top_k,
+        n_shared_experts=n_shared, n_embd=n_embd, n_ff_exp=n_ff_exp, expert_bytes=float(np.mean(layer_bytes)),
+        expert_params=float(expert_params), non_expert_params_per_moe_layer=float(attn_params + shared + router),
+        dense_layer_params=float(attn_params + 3 * n_embd * n_ff_dense) if n_dense else 0.0,
+        bytes_per_param_non_expert=bpp, architecture=arch, n_layer=n_layer,
+        moe_layer_ids=tuple(range(n_dense, n_layer)),
+        layer_expert_bytes=tuple(layer_bytes), n_head=n_head, n_head_kv=n_head_kv, gating=gating,
+        non_expert_parts={"attention": float(attn_params), "shared_experts": float(shared), "router": float(router)},
+        sources={
+            "shape": shape_src,
+            "expert_params": f"3 matrices (gate, up, down) x n_embd {n_embd} x n_ff_exp {n_ff_exp} = {expert_params}",
+            "expert_bytes": bytes_src + "; " + _QUANT_SOURCE,
+            "non_expert": f"our arithmetic from the config: {attn_src}; + {n_shared} shared expert(s) + router "
+                          f"n_embd x {n_experts}; norms left out. Stored at the routed experts' bytes per weight "
+                          "(assumption: the file's other tensors may use other types)",
+            "assumptions": "not read from a GGUF: layer counts and widths from config.json, bytes from the quant "
+                           "table; biases (gpt-oss) and norms left out",
+        })
+    f.validate(f"built-in model facts {name}")
+    return f
+
+
+def _mixtral_8x7b() -> ModelFacts:
+    n_embd, n_ff, n_layer, heads, kv, hd = 4096, 14336, 32, 32, 8, 128
+    attn = n_embd * heads * hd + 2 * n_embd * kv * hd + heads * hd * n_embd
+    return _config_facts(
+        "mixtral-8x7b", arch="llama", n_layer=n_layer, n_dense=0, n_experts=8, top_k=2, n_shared=0, n_embd=n_embd,
+        n_ff_exp=n_ff, n_ff_dense=0, n_head=heads, n_head_kv=kv, attn_params=attn, gating="softmax",
+        layer_bytes=q4_k_m_expert_bytes(n_embd, n_ff, range(n_layer), n_layer),
+        shape_src="mistralai/Mixtral-8x7B-v0.1 config.json: hidden_size 4096, intermediate_size 14336 (each expert), "
+                  "num_hidden_layers 32 (all MoE), num_local_experts 8, num_experts_per_tok 2, num_attention_heads 32, "
+                  "num_key_value_heads 8 (head_dim 4096/32 = 128); softmax router",
+        bytes_src="Q4_K_M (llama.cpp's llama_tensor_get_type as pinned): gate+up Q4_K 2 x 33.03 MB; ffn_down Q6_K "
+                  "(48.17 MB) in the 16 use_more_bits layers of 32, Q4_K (33.03 MB) in the others: 114.23 or 99.09 MB "
+                  "per expert (files made by older llama.cpp, with one tensor per expert, may differ)",
+        attn_src="GQA attention q 4096x4096 + k, v 4096x1024 + o 4096x4096 = 41.9 M")
+
+
+def _qwen3_30b_a3b() -> ModelFacts:
+    n_embd, n_ff, n_layer, heads, kv, hd = 2048, 768, 48, 32, 4, 128
+    attn = n_embd * heads * hd + 2 * n_embd * kv * hd + heads * hd * n_embd
+    return _config_facts(
+        "qwen3-30b-a3b", arch="qwen3moe", n_layer=n_layer, n_dense=0, n_experts=128, top_k=8, n_shared=0,
+        n_embd=n_embd, n_ff_exp=n_ff, n_ff_dense=0, n_head=heads, n_head_kv=kv, attn_params=attn, gating="softmax",
+        layer_bytes=q4_k_m_expert_bytes(n_embd, n_ff, range(n_layer), n_layer),
+        shape_src="Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, moe_intermediate_size 768, num_hidden_layers 48 "
+                  "(decoder_sparse_step 1, mlp_only_layers []: all MoE), num_experts 128, num_experts_per_tok 8, "
+                  "num_attention_heads 32, num_key_value_heads 4, head_dim 128, norm_topk_prob true; softmax router",
+        bytes_src="Q4_K_M (llama.cpp's llama_tensor_get_type as pinned): gate+up Q4_K 2 x 0.88 MB; ffn_down Q6_K "
+                  "(1.29 MB) in the 24 use_more_bits layers of 48, Q4_K (0.88 MB) in the others: 3.06 or 2.65 MB per "
+                  "expert",
+        attn_src="GQA attention q 2048x4096 + k, v 2048x512 + o 4096x2048 = 18.9 M (q/k norms left out)")
+
+
+def _deepseek_v3() -> ModelFacts:
+    n_embd, n_ff, n_dense_ff, n_layer, heads = 7168, 2048, 18432, 61, 128
+    q_lora, kv_lora, nope, rope, v = 1536, 512, 128, 64, 128
+    attn = (n_embd * q_lora + q_lora * heads * (nope + rope) + n_embd * (kv_lora + rope)
+            + kv_lora * heads * (nope + v) + heads * v * n_embd)
+    return _config_facts(
+        "deepseek-v3", arch="deepseek2", n_layer=n_layer, n_dense=3, n_experts=256, top_k=8, n_shared=1,
+        n_embd=n_embd, n_ff_exp=n_ff, n_ff_dense=n_dense_ff, n_head=heads, n_head_kv=heads, attn_params=attn,
+        gating="sigmoid", layer_bytes=q4_k_m_expert_bytes(n_embd, n_ff, range(3, n_layer), n_layer),
+        shape_src="deepseek-ai/DeepSeek-V3 config.json: hidden_size 7168, moe_intermediate_size 2048, "
+                  "intermediate_size 18432 (dense layers), num_hidden_layers 61, first_k_dense_replace 3 (58 MoE "
+                  "layers), n_routed_experts 256, num_experts_per_tok 8, n_shared_experts 1, num_attention_heads 128, "
+                  "q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, "
+                  "scoring_func sigmoid (topk_method noaux_tc, n_group 8, topk_group 4); the MTP layer "
+                  "(num_nextn_predict_layers 1) is not converted (upstream conversion/deepseek.py: skip_mtp)",
+        bytes_src="Q4_K_M (llama.cpp's llama_tensor_get_type as pinned, 61 blocks): gate+up Q4_K 2 x 8.26 MB; "
+                  "ffn_down Q6_K (12.04 MB) in the 27 use_more_bits layers of the 58 MoE layers, Q4_K (8.26 MB) in "
+                  "the others: 28.56 or 24.77 MB per expert",
+        attn_src="MLA attention q_a 7168x1536 + q_b 1536x(128x192) + kv_a 7168x576 + kv_b 512x(128x256) + o "
+                 "(128x128)x7168 = 187.1 M; dense layers add 3 x 7168 x 18432")
+
+
+def _gpt_oss_120b() -> ModelFacts:
+    n_embd, n_ff, n_layer, heads, kv, hd = 2880, 2880, 36, 64, 8, 64
+    attn = n_embd * heads * hd + 2 * n_embd * kv * hd + heads * hd * n_embd
+    per = 3 * n_embd * n_ff * bits_per_weight("MXFP4") / 8
+    return _config_facts(
+        "gpt-oss-120b", arch="gpt-oss", n_layer=n_layer, n_dense=0, n_experts=128, top_k=4, n_shared=0,
+        n_embd=n_embd, n_ff_exp=n_ff, n_ff_dense=0, n_head=heads, n_head_kv=kv, attn_params=attn,
+        gating="softmax_weight", layer_bytes=(per,) * n_layer,
+        shape_src="openai/gpt-oss-120b config.json: hidden_size 2880, intermediate_size 2880 (each expert; gate_up "
+                  "fused, 2 x 2880), num_hidden_layers 36 (all MoE), num_local_experts 128, experts_per_token 4, "
+                  "num_attention_heads 64, num_key_value_heads 8, head_dim 64; softmax over the selected experts' "
+                  "logits (upstream's gating softmax_weight for gpt-oss)",
+        bytes_src="MXFP4 experts, as OpenAI ships them and upstream keeps them (llama-quant.cpp: MXFP4_MOE stores "
+                  "expert tensors as MXFP4): 3 x 2880 x 2880 x 4.25 / 8 = 13.22 MB per expert (expert biases left out)",
+        attn_src="GQA attention q 2880x4096 + k, v 2880x512 + o 4096x2880 = 26.5 M (sinks, biases left out)")
+
+
+MODEL_FACTS = {"deepseek-v2-lite": _dsv2_lite(), "mixtral-8x7b": _mixtral_8x7b(), "qwen3-30b-a3b": _qwen3_30b_a3b(),
+               "deepseek-v3": _deepseek_v3(), "gpt-oss-120b": _gpt_oss_120b()}
 
 
 # ---- from a GGUF ---------------------------------------------------------------------------------------------------

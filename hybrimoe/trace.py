@@ -25,6 +25,9 @@ field              shape / dtype                  meaning
                                                   (DeepSeek-V3's ``exp_probs_b``)
 ``partial``        bool                           v2: the recording was interrupted (its last prompt may be cut)
 ``model_facts``    str (JSON)                     v2, optional: :meth:`ModelFacts.to_dict` of the recorded model
+``synthetic``      str (JSON)                     v2, optional: present only in a generated trace
+                                                  (:func:`synthetic_trace`): generator, shape, seed, knobs, and
+                                                  the router-score model, an assumption
 ================== ============================== =====================================================
 
 Files without ``format`` (such as the DeepSeek-V2-Lite development trace, a file given with ``--trace`` /
@@ -70,8 +73,9 @@ class RoutingTrace:
     ``[tokens, moe_layers, E]``; ``phases``: None or int8 ``[tokens]`` (:data:`PHASE_PREFILL` /
     :data:`PHASE_DECODE`); ``gating``: one of :data:`hybrimoe.facts.GATINGS`; ``selection_bias``: None or float32
     ``[moe_layers, E]``; ``partial``: an interrupted recording; ``facts``: None or the :class:`ModelFacts` the
-    file carries (:meth:`resolve_facts` falls back to :data:`MODEL_FACTS` by ``model``). ``format_version`` and
-    ``path`` say where a loaded trace came from.
+    file carries (:meth:`resolve_facts` falls back to :data:`MODEL_FACTS` by ``model``); ``synthetic``: None for
+    recorded routing, else the dict :func:`synthetic_trace` describes its generation with (its router scores are an
+    assumption). ``format_version`` and ``path`` say where a loaded trace came from.
     """
 
     expert_ids: np.ndarray
@@ -90,6 +94,7 @@ class RoutingTrace:
     selection_bias: Optional[np.ndarray] = None
     partial: bool = False
     facts: Optional[ModelFacts] = None
+    synthetic: Optional[dict] = None
 
     @property
     def n_tokens(self) -> int:
@@ -160,6 +165,8 @@ class RoutingTrace:
                 raise ValueError(f"{w}: facts must be a ModelFacts, got {type(self.facts).__name__}")
             self.facts.validate(f"{w}: model facts")
             self.check_shape(self.facts, "its model facts")
+        if self.synthetic is not None and not isinstance(self.synthetic, dict):
+            raise ValueError(f"{w}: synthetic must be None or a dict, got {type(self.synthetic).__name__}")
         if check_tokens:
             self._check_tokens()
 
@@ -285,6 +292,8 @@ class RoutingTrace:
             arrays["selection_bias"] = np.asarray(self.selection_bias, np.float32)
         if self.facts is not None:
             arrays["model_facts"] = np.array(json.dumps(self.facts.to_dict(), allow_nan=False))
+        if self.synthetic is not None:
+            arrays["synthetic"] = np.array(json.dumps(self.synthetic, allow_nan=False))
         _write_atomically(Path(path), arrays)
 
 
@@ -346,6 +355,19 @@ def _facts_field(z, path) -> Optional[ModelFacts]:
     except ValueError as e:
         raise ValueError(f"{where} is not valid JSON: {e}") from None
     return ModelFacts.from_dict(doc, where)
+
+
+def _synthetic_field(z, path) -> Optional[dict]:
+    """The dict of a generated trace's ``synthetic`` JSON field, None when absent; ValueError naming the file."""
+    if "synthetic" not in z.files:
+        return None
+    try:
+        doc = json.loads(str(z["synthetic"]))
+    except ValueError as e:
+        raise ValueError(f"trace {path}: synthetic is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"trace {path}: synthetic must be a JSON object, got {type(doc).__name__}")
+    return doc
 
 
 def _as_int(a: np.ndarray, dtype) -> np.ndarray:
@@ -455,5 +477,20 @@ def _read_fields(z, path, model, facts) -> RoutingTrace:
         phases=_as_int(z["phases"], np.int8) if "phases" in names else None,
         gating=_scalar(z, "gating", path, str) if "gating" in names else "",
         selection_bias=z["selection_bias"].astype(np.float32) if "selection_bias" in names else None,
-        partial=_scalar(z, "partial", path, bool) if "partial" in names else False, facts=carried)
+        partial=_scalar(z, "partial", path, bool) if "partial" in names else False, facts=carried,
+        synthetic=_synthetic_field(z, path))
     return tr
+
+
+#: synthetic traces and routing statistics, defined in :mod:`hybrimoe.synth` (which needs RoutingTrace) and
+#: re-exported here on first use
+_SYNTH_NAMES = ("DEFAULT_TOPK_MASS", "FITTED_DSV2_LITE", "LOCALITY", "PERSIST_LAG", "SHAPES", "Knobs", "calibrate",
+                "fit_synthetic", "resolve_knobs", "routing_stats", "synthetic_trace")
+
+
+def __getattr__(name):
+    if name in _SYNTH_NAMES:
+        from . import synth
+
+        return getattr(synth, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,596 @@
+"""Synthetic routing traces whose knobs are measured statistics of real routing (re-exported by
+:mod:`hybrimoe.trace`; docs/design.md §13 has the fit to the DeepSeek-V2-Lite trace and what it does not reproduce).
+
+Statistics (:func:`routing_stats`), per MoE layer and as the means over layers that the knobs are:
+
+- ``skew``: popularity skew, the share of a layer's activations taken by its hottest 25% of experts
+  (``ceil(E / 4)`` of them; 0.25 when routing is uniform, up to 1).
+- ``overlap``: temporal locality, the mean ``|S_t & S_(t-1)| / k`` of a token's expert set with the previous
+  token's in the same layer and prompt, as a lift over chance: ``(o - o0) / (1 - o0)`` where ``o0 = k sum_e f_e^2``
+  is what tokens drawn independently from the layer's expert frequencies ``f`` (shares, summing to 1) would give.
+  0: no temporal locality beyond popularity; 1: every token repeats the previous token's set.
+- ``persistence``: the same lift at lag :data:`PERSIST_LAG` (token t against token t - 16 of the same prompt): how
+  slowly locality fades (real routing keeps about a third of its lag-1 lift there; an AR(1) process would not).
+- ``cross_layer``: correlation across adjacent layers, how predictable layer l+1's set is from layer l's through the
+  best fixed expert mapping: each expert a of layer l is mapped to the expert b of layer l+1 whose co-activations
+  with it on the first half of the tokens most exceed independence (``C[a, b] - n_a n_b / T``: the mapping that
+  maximises the lift below); on the second half, the share of layer l's routed experts whose mapped expert is
+  routed in layer l+1, as a lift over what the same mapping gives for independent layers
+  (``k sum_a f_l[a] f_l+1[map a]``). Fitting on one half and scoring on the other keeps noise from passing for
+  correlation; with few tokens per expert pair (short traces, many experts, weak correlation) the fitted mapping
+  misses some pairs and the value comes out low.
+
+The raw values (``overlap_raw``, ``cross_layer_raw``), their chance levels, the top-10% share, the hottest expert's
+share over the uniform one and the temporal lift at longer lags are reported too.
+
+Generator (:func:`synthetic_trace`): router logits ``z[t, l, e] = b[l, e] + u[t, l, e]``, the top-k of ``z`` routed.
+``b[l]`` is a random permutation of ``sigma_b`` times the standard normal quantiles of E points (popularity); ``u``
+is unit-variance Gaussian noise, ``sqrt(w)`` times a part drawn once per prompt plus ``sqrt(1 - w)`` times an AR(1)
+process in t with coefficient ``rho`` (restarted at each prompt), so its correlation at lag n within a prompt is
+``w + (1 - w) rho^n``; both parts' draws are correlated ``c`` across adjacent layers through a random expert mapping
+per layer pair. ``sigma_b``, ``w``, ``rho`` and ``c`` are solved (:func:`calibrate`) so that the population values
+of the statistics are the knobs; the marginal of ``u`` does not depend on ``w``, ``rho`` or ``c``, so the skew has its
+own parameter, as does the cross-layer correlation (its lag is 0).
+
+Router scores (the DeepSeek-V2-Lite trace has none; an ASSUMPTION, recorded in every synthetic trace's
+``synthetic["score_model"]``): the logits are scaled by ``lam``, solved so that the mean softmax probability mass of
+the k routed experts is ``topk_mass`` (default :data:`DEFAULT_TOPK_MASS`, not measured: no trace with scores was at
+hand), then passed through the shape's gating: softmax over all experts; sigmoid (DeepSeek-V3: ``sigmoid(lam z)``,
+no selection bias, no group-limited routing); for ``softmax_weight`` (gpt-oss) the raw logits ``lam z`` are stored, as
+the trace format says.
+
+Shapes (:data:`SHAPES`) are the :data:`hybrimoe.facts.MODEL_FACTS` entries; locality presets (:data:`LOCALITY`):
+``high`` = the values fitted to the DeepSeek-V2-Lite development trace (:data:`FITTED_DSV2_LITE`), ``low`` = the same
+skew and cross-layer correlation with no temporal locality (overlap and persistence 0: each token independent of the
+previous ones given the popularity).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional, Union
+
+import numpy as np
+
+from .facts import MODEL_FACTS, ModelFacts
+from .trace import RoutingTrace
+
+SYNTH_FORMAT = "hybrimoe.synth/1"
+#: mean softmax mass of the k routed experts the generated scores get unless told: an ASSUMPTION (no trace with
+#: router scores was at hand to measure it; the DeepSeek-V2-Lite trace has ids only)
+DEFAULT_TOPK_MASS = 0.6
+#: the temporal lags :func:`routing_stats` reports lifts for (``overlap_by_lag``)
+STAT_LAGS = (1, 2, 4, 8, 16, 32)
+#: the lag of the ``persistence`` knob (tokens)
+PERSIST_LAG = 16
+#: tokens per prompt unless told: the DeepSeek-V2-Lite trace's mean prompt length (170,338 tokens / 1,799 prompts)
+DEFAULT_PROMPT_TOKENS = 95
+
+
+def default_prompts(n_tokens: int) -> int:
+    """The prompts a trace of ``n_tokens`` gets unless told: about one per :data:`DEFAULT_PROMPT_TOKENS` tokens,
+    within 1..n_tokens/2."""
+    return int(min(max(1, round(n_tokens / DEFAULT_PROMPT_TOKENS)), max(1, n_tokens // 2)))
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The generator's knobs, in the units of :func:`routing_stats` (means over MoE layers).
+
+    ``skew``: share of the activations taken by the hottest 25% of experts, in [0.25, 1); ``overlap``: temporal lift
+    over chance of consecutive tokens' expert sets (lag 1), in [0, 1); ``persistence``: the same lift at lag
+    :data:`PERSIST_LAG`, in [0, overlap] (how slowly locality fades within a prompt); ``cross_layer``: lift over
+    chance of adjacent layers' sets through the best fixed expert mapping, in [0, 1).
+    """
+
+    skew: float
+    overlap: float
+    persistence: float
+    cross_layer: float
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first knob outside its range (or not a finite number)."""
+        for name, lo in (("skew", 0.25), ("overlap", 0.0), ("persistence", 0.0), ("cross_layer", 0.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
+                raise ValueError(f"knob '{name}' must be a finite number, got {v!r}")
+            if not lo <= v < 1.0:
+                raise ValueError(f"knob '{name}' must be in [{lo}, 1), got {v!r}")
+        if self.persistence > self.overlap:
+            raise ValueError(f"knob 'persistence' ({self.persistence}) must not exceed 'overlap' ({self.overlap}): "
+                             "locality at a longer lag cannot be higher in this model")
+
+
+#: fitted by :func:`fit_synthetic` to the DeepSeek-V2-Lite development trace (../shared/traces/dsv2lite_dev.npz,
+#: 170,338 prefill tokens of 1,799 chat prompts, 26 MoE layers, 64 experts, top-6, ids only; docs/design.md §12) on
+#: 2026-12-01; stored here because CI has no trace (tests/test_synth.py refits it when $HYBRIMOE_TRACE is set)
+FITTED_DSV2_LITE = Knobs(skew=0.3304, overlap=0.1838, persistence=0.0602, cross_layer=0.388)
+
+#: locality presets: ``high`` the fitted DeepSeek-V2-Lite values; ``low`` no temporal locality (overlap and
+#: persistence 0: tokens independent given popularity), the same skew and cross-layer correlation
+LOCALITY = {"high": FITTED_DSV2_LITE,
+            "low": Knobs(skew=FITTED_DSV2_LITE.skew, overlap=0.0, persistence=0.0,
+                         cross_layer=FITTED_DSV2_LITE.cross_layer)}
+
+#: the named shapes synthetic traces can have (model facts with their sources: :mod:`hybrimoe.facts`)
+SHAPES = {name: MODEL_FACTS[name] for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b",
+                                                "deepseek-v2-lite")}
+
+
+# ---- statistics ----------------------------------------------------------------------------------------------------
+
+def _freq(ids: np.ndarray, E: int) -> np.ndarray:
+    """float64 ``[E]``: each expert's share of the activations of one layer's ids ``[T, k]`` (sums to 1)."""
+    return np.bincount(ids.ravel().astype(np.int64), minlength=E) / ids.size
+
+
+def _top_share(f: np.ndarray, frac: float) -> float:
+    n = max(1, int(math.ceil(frac * f.size)))
+    return float(np.sort(f)[::-1][:n].sum())
+
+
+def _intersections(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """int ``[T]``: ``|a_t & b_t|`` of id rows ``[T, k]`` that are sets."""
+    return (a[:, :, None] == b[:, None, :]).sum(axis=(1, 2))
+
+
+def _lift(raw: float, chance: float) -> float:
+    return (raw - chance) / (1.0 - chance) if chance < 1 else 0.0
+
+
+def _cross(a: np.ndarray, b: np.ndarray, E: int) -> tuple[float, float, float]:
+    """(raw, chance, lift) of adjacent layers' ids ``a``, ``b`` ``[T, k]``: the mapping (each expert of ``a``'s
+    layer to the expert of ``b``'s layer active with it most often beyond what independence would give; ties and
+    experts never seen to the lower id) is fitted on the first half of the tokens and scored on the second (module
+    docstring)."""
+    T, k = a.shape
+    h = T // 2
+    pairs = (a[:h, :, None].astype(np.int64) * E + b[:h, None, :]).ravel()
+    co = np.bincount(pairs, minlength=E * E).reshape(E, E).astype(np.float64)
+    expected = np.outer(np.bincount(a[:h].ravel().astype(np.int64), minlength=E),
+                        np.bincount(b[:h].ravel().astype(np.int64), minlength=E)) / max(1, h)
+    mapping = np.argmax(co - expected, axis=1)
+    at, bt = a[h:], b[h:]
+    raw = float((mapping[at][:, :, None] == bt[:, None, :]).any(axis=2).mean())
+    chance = float(k * np.sum(_freq(at, E) * _freq(bt, E)[mapping]))
+    return raw, chance, _lift(raw, chance)
+
+
+def routing_stats(trace: RoutingTrace, lags=STAT_LAGS) -> dict:
+    """The routing statistics of a trace (module docstring for their definitions).
+
+    Returns a dict: ``skew``, ``overlap``, ``persistence`` (the temporal lift at lag :data:`PERSIST_LAG`; NaN when
+    no prompt is that long), ``cross_layer`` (floats: means over MoE layers, the units of :class:`Knobs`);
+    ``overlap_raw``, ``cross_layer_raw`` (means of the raw values); ``per_layer``: lists of ``top25_share``,
+    ``top10_share``, ``max_over_uniform`` (hottest expert's share x E), ``overlap``, ``overlap_raw``,
+    ``overlap_chance`` (one per MoE layer) and ``cross_layer``, ``cross_layer_raw``, ``cross_layer_chance`` (one per
+    adjacent pair, ``moe_layers - 1``); ``overlap_by_lag``: {lag: mean lift over layers} for ``lags`` (and
+    :data:`PERSIST_LAG`) that some prompt is long enough for; ``n_tokens``, ``n_pairs`` (consecutive token pairs
+    within prompts).
+
+    Temporal pairs never cross a prompt boundary. Statistics of short traces are noisy, and the skew is biased up by
+    sampling noise (a trace of T tokens has about ``T k / E`` activations per expert).
+
+    Raises:
+        ValueError: fewer than 4 tokens, or no two consecutive tokens within a prompt.
+    """
+    ids = np.asarray(trace.expert_ids)
+    T, L, k = ids.shape
+    E = int(trace.num_experts)
+    if T < 4:
+        raise ValueError(f"routing_stats needs at least 4 tokens, the trace has {T}")
+    off = np.asarray(trace.prompt_offsets)
+    pos = np.arange(T) - np.repeat(off[:-1], np.diff(off))                      # position within its prompt
+    lag_rows = {}
+    for lag in sorted(set(int(x) for x in lags) | {1, PERSIST_LAG}):
+        rows = np.flatnonzero(pos >= lag)                                       # tokens t with t - lag in the prompt
+        if rows.size:
+            lag_rows[lag] = rows
+    if 1 not in lag_rows:
+        raise ValueError("routing_stats needs two consecutive tokens within a prompt; every prompt has one token")
+    per = {key: [] for key in ("top25_share", "top10_share", "max_over_uniform", "overlap", "overlap_raw",
+                               "overlap_chance", "cross_layer", "cross_layer_raw", "cross_layer_chance")}
+    by_lag = {lag: [] for lag in lag_rows}
+    for l in range(L):
+        x = ids[:, l]
+        f = _freq(x, E)
+        per["top25_share"].append(_top_share(f, 0.25))
+        per["top10_share"].append(_top_share(f, 0.10))
+        per["max_over_uniform"].append(float(f.max() * E))
+        chance = float(k * np.sum(f * f))
+        for lag, rows in lag_rows.items():
+            o = float(_intersections(x[rows], x[rows - lag]).mean()) / k
+            by_lag[lag].append(_lift(o, chance))
+            if lag == 1:
+                per["overlap"].append(_lift(o, chance))
+                per["overlap_raw"].append(o)
+                per["overlap_chance"].append(chance)
+        if l > 0:
+            raw, ch, lift = _cross(ids[:, l - 1], x, E)
+            per["cross_layer"].append(lift)
+            per["cross_layer_raw"].append(raw)
+            per["cross_layer_chance"].append(ch)
+    mean = lambda v: float(np.mean(v)) if len(v) else float("nan")  # noqa: E731
+    lag_means = {lag: mean(v) for lag, v in by_lag.items()}
+    return {
+        "skew": mean(per["top25_share"]), "overlap": mean(per["overlap"]),
+        "persistence": lag_means.get(PERSIST_LAG, float("nan")), "cross_layer": mean(per["cross_layer"]),
+        "overlap_raw": mean(per["overlap_raw"]), "cross_layer_raw": mean(per["cross_layer_raw"]),
+        "per_layer": per, "overlap_by_lag": lag_means, "n_tokens": int(T), "n_pairs": int(lag_rows[1].size),
+    }
+
+
+def fit_synthetic(trace: RoutingTrace) -> Knobs:
+    """The knobs that make :func:`synthetic_trace` reproduce ``trace``'s statistics: its :func:`routing_stats` means
+    (``skew``, ``overlap``, ``persistence``, ``cross_layer``), rounded to 4 digits and clipped into the knobs'
+    ranges. For the DeepSeek-V2-Lite development trace they are :data:`FITTED_DSV2_LITE`.
+
+    Raises:
+        ValueError: as :func:`routing_stats`; a trace with no prompt longer than :data:`PERSIST_LAG` tokens.
+    """
+    s = routing_stats(trace)
+    if not math.isfinite(s["persistence"]):
+        raise ValueError(f"fit_synthetic needs prompts longer than {PERSIST_LAG} tokens (for 'persistence')")
+    clip = lambda v, lo, hi=0.999: round(float(min(max(v, lo), hi)), 4)  # noqa: E731
+    overlap = clip(s["overlap"], 0.0)
+    return Knobs(skew=clip(s["skew"], 0.25), overlap=overlap, persistence=clip(s["persistence"], 0.0, overlap),
+                 cross_layer=clip(s["cross_layer"], 0.0))
+
+
+# ---- calibration ---------------------------------------------------------------------------------------------------
+
+_CAL_SAMPLES = 4096
+_CAL_SEED = 12345
+_cal_cache: dict = {}
+
+
+def _norm_sf(x: np.ndarray) -> np.ndarray:
+    """P(N(0, 1) > x), elementwise, through Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7; numpy has no erf)."""
+    x = np.asarray(x, np.float64) / math.sqrt(2.0)
+    a = np.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    erfc = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erfc *= np.exp(-a * a)
+    return 0.5 * np.where(x >= 0, erfc, 2.0 - erfc)
+
+
+def _quantiles(E: int) -> np.ndarray:
+    """Standard normal quantiles at (i + 0.5) / E, i = 0..E-1, descending (by bisection on :func:`_norm_sf`)."""
+    p = (np.arange(E) + 0.5) / E                    # upper-tail probabilities: the first is the largest quantile
+    lo, hi = np.full(E, -10.0), np.full(E, 10.0)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        above = _norm_sf(mid) > p
+        lo, hi = np.where(above, mid, lo), np.where(above, hi, mid)
+    return (lo + hi) / 2
+
+
+def _inclusion(b: np.ndarray, u: np.ndarray, k: int) -> np.ndarray:
+    """float64 ``[E]``: P(expert e is in the top-k of b + noise), noise iid N(0, 1), estimated from the samples
+    ``u`` ``[N, E]`` by conditioning on the others: e is routed when b_e + u_e beats the k-th largest of the other
+    experts' values, so each sample gives P(N(0,1) > that - b_e) (far less noisy than counting)."""
+    z = b + u
+    part = -np.partition(-z, (k - 1, k), axis=1)
+    kth, next_ = part[:, k - 1:k], part[:, k:k + 1]
+    others = np.where(z >= kth, next_, kth)         # the k-th largest of the other experts
+    return _norm_sf(others - b).mean(axis=0)
+
+
+def _topk(z: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest entries of each row of ``z`` (unordered)."""
+    return np.argpartition(-z, k - 1, axis=-1)[..., :k]
+
+
+def _bisect(fn, target: float, lo: float, hi: float, what: str, iters: int = 20) -> float:
+    """x in [lo, hi] with fn(x) = target for an increasing fn; ValueError naming ``what`` when out of reach."""
+    if target <= fn(lo):
+        return lo
+    top = fn(hi)
+    if target > top:
+        raise ValueError(f"knob '{what}' = {target} is out of reach for this shape (at most {top:.4f})")
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if fn(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def calibrate(n_experts: int, top_k: int, knobs: Knobs, topk_mass: float = DEFAULT_TOPK_MASS) -> dict:
+    """The generator's internal parameters for a shape (E experts, top-k) and knobs: ``sigma_b`` (spread of the
+    popularity biases, in units of the noise's standard deviation), ``r1`` and ``r_persist`` (the noise correlation
+    at lag 1 and :data:`PERSIST_LAG` that give ``overlap`` and ``persistence``), ``w`` (variance share of the
+    per-prompt component) and ``rho`` (AR(1) coefficient of the rest), so that corr(lag) = w + (1 - w) rho^lag;
+    ``c`` (correlation of adjacent layers' noise through the expert mapping); ``lam`` (the scores' logit scale).
+
+    Solved by bisection on a fixed-seed Monte Carlo sample of 4,096 tokens (or token pairs) so that the population
+    statistics equal the knobs (a ``persistence`` below what the AR(1) part alone gives, ``r1^16``, gets w = 0);
+    cached per (E, k, knobs, topk_mass).
+
+    Raises:
+        ValueError: a bad knob or ``topk_mass`` (outside (k/E, 1)), or a knob this shape cannot reach (named).
+    """
+    knobs.validate()
+    E, k = int(n_experts), int(top_k)
+    if not 1 <= k < E:
+        raise ValueError(f"synthetic routing needs 1 <= top_k < n_experts, got top_k {k} of {E}")
+    if (isinstance(topk_mass, bool) or not isinstance(topk_mass, (int, float)) or not math.isfinite(topk_mass)
+            or not k / E < topk_mass < 1):
+        raise ValueError(f"'topk_mass' must be in (top_k / n_experts = {k / E:.4f}, 1), got {topk_mass!r}")
+    key = (E, k, knobs, float(topk_mass))
+    if key in _cal_cache:
+        return dict(_cal_cache[key])
+    rng = np.random.default_rng(_CAL_SEED)
+    N = _CAL_SAMPLES
+    q = _quantiles(E)
+    u1 = rng.standard_normal((N, E)).astype(np.float32)
+    eta = rng.standard_normal((N, E)).astype(np.float32)
+    perm_b = rng.permutation(E)          # the next layer's popularity order
+    mapping = rng.permutation(E)         # expert a of a layer drives expert mapping[a] of the next
+
+    def share_at(sb):
+        f = _inclusion(sb * q, u1, k)
+        return _top_share(f / f.sum(), 0.25)
+
+    sigma_b = _bisect(share_at, knobs.skew, 0.0, 8.0, "skew")
+    b1 = (sigma_b * q).astype(np.float32)
+    s1 = _topk(b1 + u1, k)
+    f1 = _inclusion(b1, u1, k)
+    f1 /= f1.sum()
+    chance = float(k * np.sum(f1 * f1))
+
+    def lift_at(r):
+        s2 = _topk(b1 + r * u1 + math.sqrt(max(0.0, 1 - r * r)) * eta, k)
+        return _lift(float(_intersections(s1, s2).mean()) / k, chance)
+
+    r1 = _bisect(lift_at, knobs.overlap, 0.0, 0.9999, "overlap") if knobs.overlap > 0 else 0.0
+    rp = _bisect(lift_at, knobs.persistence, 0.0, r1, "persistence") if knobs.persistence > 0 else 0.0
+    n = PERSIST_LAG
+    if rp <= r1 ** n:
+        w, rho = 0.0, r1
+    else:  # w + (1 - w) ((r1 - w) / (1 - w))^n = rp, increasing in w on [0, rp]
+        w = _bisect(lambda w_: w_ + (1 - w_) * ((r1 - w_) / (1 - w_)) ** n, rp, 0.0, rp, "persistence", 50)
+        rho = (r1 - w) / (1 - w)
+    b2 = b1[perm_b]
+    inv = np.argsort(mapping)
+    cross_chance = float(k * np.sum(f1 * f1[perm_b][mapping]))
+
+    def cross_at(c):  # with the true mapping: the population value routing_stats's fitted mapping converges to
+        u2 = (c * u1 + math.sqrt(max(0.0, 1 - c * c)) * eta)[:, inv]   # u2[:, mapping[a]] tracks u1[:, a]
+        s2 = _topk(b2 + u2, k)
+        return _lift(float((mapping[s1][:, :, None] == s2[:, None, :]).any(axis=2).mean()), cross_chance)
+
+    c = _bisect(cross_at, knobs.cross_layer, 0.0, 0.9999, "cross_layer") if knobs.cross_layer > 0 else 0.0
+    x0 = b1 + u1
+    x0 = x0 - x0.max(axis=1, keepdims=True)
+    routed = np.zeros((N, E), bool)
+    np.put_along_axis(routed, s1, True, axis=1)
+
+    def mass_at(lam):
+        p = np.exp(lam * x0)
+        return float(((p * routed).sum(axis=1) / p.sum(axis=1)).mean())
+
+    lam = _bisect(mass_at, topk_mass, 0.0, 50.0, "topk_mass")
+    out = {"sigma_b": float(sigma_b), "r1": float(r1), "r_persist": float(rp), "w": float(w), "rho": float(rho),
+           "c": float(c), "lam": float(lam)}
+    _cal_cache[key] = dict(out)
+    return out
+
+
+# ---- generator -----------------------------------------------------------------------------------------------------
+
+def _resolve_shape(shape) -> tuple[str, ModelFacts]:
+    if isinstance(shape, ModelFacts):
+        shape.validate(f"model facts {shape.name}")
+        return shape.name, shape
+    if isinstance(shape, str) and shape in SHAPES:
+        return shape, SHAPES[shape]
+    raise ValueError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
+
+
+def resolve_knobs(locality: Optional[str] = None, *, skew=None, overlap=None, persistence=None,
+                  cross_layer=None) -> Knobs:
+    """Knobs from a :data:`LOCALITY` preset (default ``"high"``), any of ``skew``, ``overlap``, ``persistence``,
+    ``cross_layer`` given replacing the preset's. An ``overlap`` given without ``persistence`` scales the preset's
+    persistence by overlap / the preset's overlap (0 when the preset has none).
+
+    Raises:
+        ValueError: an unknown locality, or a knob outside its range (named).
+    """
+    if locality is None:
+        locality = "high"
+    if not isinstance(locality, str) or locality not in LOCALITY:
+        raise ValueError(f"unknown locality {locality!r} (known: {', '.join(LOCALITY)})")
+    base = LOCALITY[locality]
+    if persistence is None and overlap is not None:
+        ok = isinstance(overlap, (int, float, np.integer, np.floating)) and not isinstance(overlap, bool)
+        persistence = (base.persistence * overlap / base.overlap if ok and base.overlap > 0 and
+                       math.isfinite(overlap) else 0.0)
+    k = Knobs(skew=base.skew if skew is None else skew, overlap=base.overlap if overlap is None else overlap,
+              persistence=base.persistence if persistence is None else persistence,
+              cross_layer=base.cross_layer if cross_layer is None else cross_layer)
+    k.validate()
+    return k
+
+
+def _prompt_offsets(n_tokens: int, n_prompts: int) -> np.ndarray:
+    return np.round(np.linspace(0, n_tokens, n_prompts + 1)).astype(np.int64)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def synthetic_trace(shape: Union[str, ModelFacts], n_tokens: int, *, locality: Optional[str] = None,
+                    skew: Optional[float] = None, overlap: Optional[float] = None,
+                    persistence: Optional[float] = None, cross_layer: Optional[float] = None,
+                    n_prompts: Optional[int] = None, seed: int = 0, topk_mass: float = DEFAULT_TOPK_MASS,
+                    scores: bool = True) -> RoutingTrace:
+    """A synthetic routing trace of a named shape (:data:`SHAPES`) or any :class:`ModelFacts`.
+
+    ``n_tokens`` tokens in ``n_prompts`` prompts of (nearly) equal length (default :func:`default_prompts`: one per
+    :data:`DEFAULT_PROMPT_TOKENS` tokens; each prompt restarts the temporal process, and few long prompts make the
+    skew of a short trace come out higher, as with real prompts); knobs from ``locality`` (:data:`LOCALITY`,
+    default ``"high"``) unless given (:class:`Knobs`, :func:`resolve_knobs`; :func:`routing_stats` measures them
+    back); ``seed`` fixes everything (same seed, same trace). ``scores``: router scores ``[tokens, moe_layers, E]``
+    under the stated score model with mean top-k softmax mass ``topk_mass`` (an ASSUMPTION, module docstring);
+    False leaves them out (the simulator then scores activated experts 1/top_k).
+
+    Returns a :class:`RoutingTrace`: ``expert_ids`` int16 ``[n_tokens, n_moe_layers, top_k]`` (each row k distinct
+    ids, highest logit first), ``prompt_offsets``, ``expert_bytes`` (the facts' bytes per MoE layer),
+    ``n_dense_layers``, ``moe_layer_ids``, ``model`` (the shape's name), ``facts``, ``gating`` (the facts'),
+    ``router_scores`` (float32) and ``synthetic``: a dict with the generator version, shape, seed, knobs, the
+    calibrated internal parameters and the score model (marked as an assumption); :meth:`RoutingTrace.save` keeps
+    it all. Memory: about ``12 x n_tokens x n_moe_layers x E`` bytes while generating (DeepSeek-V3, 2,000 tokens:
+    0.36 GB).
+
+    Raises:
+        ValueError: an unknown shape or locality; a knob, ``topk_mass``, ``n_tokens`` (< 2), ``n_prompts``
+            (< 1 or > n_tokens / 2) or ``seed`` (not an integer >= 0) out of range, each named.
+    """
+    name, facts = _resolve_shape(shape)
+    if not _is_int(n_tokens) or n_tokens < 2:
+        raise ValueError(f"'n_tokens' must be an integer >= 2, got {n_tokens!r}")
+    if n_prompts is None:
+        n_prompts = default_prompts(n_tokens)
+    if not _is_int(n_prompts) or not 1 <= n_prompts <= n_tokens // 2:
+        raise ValueError(f"'n_prompts' must be an integer in 1..n_tokens/2 ({n_tokens // 2}), got {n_prompts!r}")
+    if not _is_int(seed) or seed < 0:
+        raise ValueError(f"'seed' must be an integer >= 0, got {seed!r}")
+    knobs = resolve_knobs(locality, skew=skew, overlap=overlap, persistence=persistence, cross_layer=cross_layer)
+    L, E, k = facts.n_moe_layers, facts.n_experts, facts.top_k
+    p = calibrate(E, k, knobs, topk_mass)
+    rng = np.random.default_rng(seed)
+    T, P = int(n_tokens), int(n_prompts)
+    q = (p["sigma_b"] * _quantiles(E)).astype(np.float32)
+    bias = np.stack([q[rng.permutation(E)] for _ in range(L)])                   # [L, E]
+    inv_maps = [np.argsort(rng.permutation(E)) for _ in range(L - 1)]
+    c, rho, w = p["c"], p["rho"], p["w"]
+    sc, sr = math.sqrt(max(0.0, 1 - c * c)), math.sqrt(max(0.0, 1 - rho * rho))
+
+    def layered(n):
+        """unit Gaussian [n, L, E], adjacent layers correlated c through the expert mappings"""
+        x = np.empty((n, L, E), np.float32)
+        x[:, 0] = rng.standard_normal((n, E), dtype=np.float32)
+        for l in range(1, L):
+            x[:, l] = (c * x[:, l - 1] + sc * rng.standard_normal((n, E), dtype=np.float32))[:, inv_maps[l - 1]]
+        return x
+
+    u = layered(T)                                                                 # innovations
+    prompt_part = layered(P)                                                       # one per prompt
+    off = _prompt_offsets(T, P)
+    start = np.zeros(T, bool)
+    start[off[:-1]] = True
+    for t in range(1, T):                                                          # AR(1) within each prompt
+        if not start[t]:
+            u[t] *= sr
+            u[t] += rho * u[t - 1]
+    u *= math.sqrt(1 - w)
+    u += math.sqrt(w) * np.repeat(prompt_part, np.diff(off), axis=0)
+    z = u
+    z += bias[None]
+    idx = _topk(z, k)
+    order = np.argsort(-np.take_along_axis(z, idx, axis=-1), axis=-1, kind="stable")
+    ids = np.take_along_axis(idx, order, axis=-1).astype(np.int16)
+    router_scores = None
+    gating = facts.gating
+    if scores:
+        x = z
+        x *= p["lam"]
+        if gating == "sigmoid":
+            np.negative(x, out=x)
+            np.exp(x, out=x)
+            x += 1.0
+            np.reciprocal(x, out=x)
+        elif gating != "softmax_weight":                                           # softmax over all experts
+            x -= x.max(axis=-1, keepdims=True)
+            np.exp(x, out=x)
+            x /= x.sum(axis=-1, keepdims=True)
+        router_scores = x
+    how = {"sigmoid": "sigmoid(lam z) (no selection bias, no group-limited routing)",
+           "softmax_weight": "the raw logits lam z, as the trace format stores them for softmax_weight"}
+    score_model = (f"ASSUMPTION (no measured scores): logits lam z, lam = {p['lam']:.4g} so that the mean softmax "
+                   f"mass of the {k} routed experts is {topk_mass}; stored as "
+                   f"{how.get(gating, 'softmax(lam z) over all experts')}" if scores else
+                   "none: no scores generated (MRS scores activated experts 1/top_k)")
+    synthetic = {"generator": SYNTH_FORMAT, "shape": name, "seed": int(seed), "n_prompts": P,
+                 "locality": locality or "high", "knobs": asdict(knobs), "params": p, "topk_mass": float(topk_mass),
+                 "score_model": score_model,
+                 "routing_model": "z = b + u, top-k of z: per-layer popularity biases b (standard normal quantiles "
+                                  "x sigma_b, permuted per layer); unit Gaussian noise u = sqrt(w) x a per-prompt "
+                                  "part + sqrt(1 - w) x AR(1) in tokens (rho, restarted per prompt), adjacent layers' "
+                                  "noise correlated c through a random expert mapping"}
+    tr = RoutingTrace(expert_ids=ids, prompt_offsets=off, num_experts=E, top_k=k,
+                      expert_bytes=facts.per_layer_expert_bytes(), n_dense_layers=facts.n_dense_layers,
+                      moe_layer_ids=np.asarray(facts.moe_layer_ids or range(facts.n_dense_layers,
+                                                                            facts.n_dense_layers + L), np.int64),
+                      router_scores=router_scores, model=name, gating=gating, facts=facts, synthetic=synthetic)
+    tr.validate(check_tokens=False)
+    return tr
+
+
+# ---- command line: hybrimoe synth ----------------------------------------------------------------------------------
+
+def add_arguments(parser) -> None:
+    """The flags of ``hybrimoe synth``."""
+    parser.add_argument("--shape", required=True, help=f"model shape: {', '.join(SHAPES)}")
+    parser.add_argument("--locality", default="high",
+                        help=f"knob preset: {', '.join(LOCALITY)} (high: fitted to the DeepSeek-V2-Lite trace; low: "
+                             "no temporal locality)")
+    parser.add_argument("-n", "--n-tokens", type=int, default=2000, help="tokens (default: %(default)s)")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help=f"prompts (equal lengths; default: tokens / {DEFAULT_PROMPT_TOKENS}, the real trace's "
+                             "mean prompt length)")
+    parser.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
+    for knob, what in (("skew", "share of the hottest 25%% of experts"), ("overlap", "lag-1 temporal lift"),
+                       ("persistence", f"lag-{PERSIST_LAG} temporal lift"),
+                       ("cross-layer", "adjacent-layer lift")):
+        parser.add_argument(f"--{knob}", type=float, default=None, help=f"knob: {what} (default: the preset's)")
+    parser.add_argument("--topk-mass", type=float, default=DEFAULT_TOPK_MASS,
+                        help="mean softmax mass of the routed experts in the generated scores (an assumption; "
+                             "default: %(default)s)")
+    parser.add_argument("--no-scores", action="store_true", help="write no router scores")
+    parser.add_argument("--stats", action="store_true", help="measure the written trace's statistics and print them")
+    parser.add_argument("-o", "--output", required=True, help="trace file to write (.npz)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing file")
+
+
+def run(args) -> int:
+    """Runs ``hybrimoe synth``; returns the exit status (0 ok, 2 bad input or an unwritable file)."""
+    import os
+    import sys
+
+    prog = "hybrimoe synth"
+    try:
+        if os.path.exists(args.output) and not args.force:
+            raise ValueError(f"{args.output} exists (--force overwrites it)")
+        folder = os.path.dirname(args.output) or "."
+        if not os.path.isdir(folder):
+            raise ValueError(f"cannot write {args.output}: the folder {folder} does not exist")
+        n_prompts = args.prompts
+        if n_prompts is None:
+            n_prompts = default_prompts(args.n_tokens) if _is_int(args.n_tokens) and args.n_tokens >= 2 else 1
+        tr = synthetic_trace(args.shape, args.n_tokens, locality=args.locality, skew=args.skew, overlap=args.overlap,
+                             persistence=args.persistence, cross_layer=args.cross_layer, n_prompts=n_prompts,
+                             seed=args.seed, topk_mass=args.topk_mass, scores=not args.no_scores)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        tr.save(args.output)
+    except (OSError, ValueError) as e:
+        print(f"{prog}: error: cannot write {args.output}: {e}", file=sys.stderr)
+        return 2
+    syn = tr.synthetic
+    knobs = ", ".join(f"{k} {v:g}" for k, v in syn["knobs"].items())
+    print(f"{prog}: wrote {args.output}: {args.shape}, {tr.n_tokens} tokens in {tr.n_prompts} prompts, "
+          f"{tr.n_layers} MoE layers x {tr.num_experts} experts, top-{tr.top_k}; seed {args.seed}; locality "
+          f"{syn['locality']}: {knobs}")
+    print(f"router scores: {syn['score_model']}")
+    if args.stats:
+        s = routing_stats(tr)
+        print("measured: " + ", ".join(f"{k} {s[k]:.4f}" for k in ("skew", "overlap", "persistence", "cross_layer"))
+              + " (short traces: skew biased up, cross_layer down)")
+    return 0
