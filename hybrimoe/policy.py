@@ -308,8 +308,11 @@ def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostMode
       tensors with :func:`hybrimoe.facts.facts_from_gguf`; params x bytes per param where only counts are known).
     - Copies overlap compute (``copy_overlap`` 1): an assumption for discrete GPUs, whose copy engines run beside the
       compute queue (the engine copies on a second stream).
-    - Copies cost the CPU share nothing (``cpu_copy_overlap`` 1): an assumption of the planner (HybriMoE §IV.B's
-      separate PCIe timeline); the simulator's truth model charges host-memory contention (:func:`truth_model_for`).
+    - What copies cost the CPU share (``cpu_copy_overlap = 1 - h2d bandwidth / effective host bandwidth``, at
+      least 0): an assumption of the planner: a copy's DMA reads host memory at the link's bandwidth, which a
+      bandwidth-bound CPU expert running beside it loses (the copy-aware planner charges that share of every copy
+      queued for a layer to its CPU share). The simulator's truth model charges the same physics in another form,
+      per overlapped second (:func:`truth_model_for`); HybriMoE §IV.B itself keeps PCIe on a timeline of its own.
     """
     f = hw.facts
     gpu_bw = f["gpu_mem_bandwidth_Bps"] * f["gpu_mem_efficiency"]
@@ -333,7 +336,7 @@ def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostMode
     cm.dense_a_s = f["gpu_kernels_per_layer"] * launch + dense_bytes / gpu_bw
     cm.dense_b_s = 2.0 * model.dense_layer_params / f["gpu_effective_flops"]
     cm.copy_overlap = 1.0
-    cm.cpu_copy_overlap = 1.0
+    cm.cpu_copy_overlap = max(0.0, 1.0 - f["h2d_bandwidth_Bps"] / cpu_bw)
     cm.validate()
     return cm
 
@@ -394,9 +397,11 @@ def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert
 
 SYSTEM_PRESETS = {
     "hybrimoe": dict(scheduler="hybrimoe", cache="mrs", prefetch="impact", fill=True, oracle=False,
-                     clairvoyant=False, about="HybriMoE split + MRS cache + impact-driven prefetch"),
+                     clairvoyant=False, admission="tinylfu",
+                     about="HybriMoE split + MRS cache (TinyLFU admission) + impact-driven prefetch"),
     "hybrimoe-lru": dict(scheduler="hybrimoe", cache="lru", prefetch="impact", fill=True, oracle=False,
-                         clairvoyant=False, about="HybriMoE split + LRU cache + impact-driven prefetch"),
+                         clairvoyant=False, admission="tinylfu",
+                         about="HybriMoE split + LRU cache (TinyLFU admission) + impact-driven prefetch"),
     "ktransformers": dict(scheduler="ktransformers", cache="static-frequency", prefetch="none", fill=False,
                           oracle=False, clairvoyant=False,
                           about="hot set resident (profiled; online LFU without a profile), all else on CPU, "
@@ -442,7 +447,9 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
     """Builds the policies of a system preset (:data:`SYSTEM_PRESETS`) or of a dict of components.
 
     ``spec``: a preset name or a dict with keys ``scheduler``, ``cache``, ``prefetch`` (names as in
-    ``hybrimoe._core.make_*``, or policy objects) and ``fill`` (bool). ``expert_bytes``: bytes of one expert per
+    ``hybrimoe._core.make_*``, or policy objects), ``fill`` (bool) and ``admission`` (``"none"``, the default for
+    dicts, or ``"tinylfu"``: :meth:`hybrimoe._core.ExpertCache.set_frequency_admission`, which the ``hybrimoe``
+    presets use). ``expert_bytes``: bytes of one expert per
     MoE layer (the engine passes its slot size for every layer); ``budget_bytes``: the GPU cache budget.
     ``prefetch=False`` replaces the prefetcher with none (prefetch depth 0). ``hot_keys``: keys ``layer * n_experts
     + expert`` hottest first, from a profile of earlier prompts (the simulator's): the adaptive caches start filled
@@ -458,11 +465,15 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
         comp = system_preset(spec)
         name = name or spec
     elif isinstance(spec, dict):
-        unknown = set(spec) - {"scheduler", "cache", "prefetch", "fill"}
+        unknown = set(spec) - {"scheduler", "cache", "prefetch", "fill", "admission"}
         if unknown:
-            raise ValueError(f"policy dict has unknown keys {sorted(unknown)} (scheduler, cache, prefetch, fill)")
+            raise ValueError(f"policy dict has unknown keys {sorted(unknown)} (scheduler, cache, prefetch, fill, "
+                             "admission)")
+        if spec.get("admission", "none") not in ("none", "tinylfu"):
+            raise ValueError(f"policy dict: unknown admission {spec['admission']!r} (none, tinylfu)")
         comp = dict(SYSTEM_PRESETS[DEFAULT_PRESET])
         comp.update(spec)
+        comp["admission"] = spec.get("admission", "none")  # not inherited: it belongs to the preset's cache
         name = name or "custom"
     else:
         raise ValueError(f"a policy preset must be a name or a dict, not {type(spec).__name__}")
@@ -492,6 +503,8 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
         cache = _core.ExpertCache(eb, E, budget_bytes, _core.make_cache_policy(str(c)))
         if hot_keys is not None and budget_bytes > 0:
             cache.fill([int(k) for k in hot_keys])
+    if comp.get("admission", "none") == "tinylfu":
+        cache.set_frequency_admission(True)
     sched = comp["scheduler"]
     if not isinstance(sched, _core.SchedulePolicy):
         sched = _core.make_scheduler(str(sched), n_cpu_layers)

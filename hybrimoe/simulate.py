@@ -164,6 +164,9 @@ class Setup:
         self.core_trace = trace.to_core()
         self.planner = cost_model if cost_model is not None else pol.cost_model_from_hardware(hw, facts)
         self.truth_cost = pol.cost_model_from_hardware(hw, facts)
+        # the truth charges host-memory contention per overlapped second (TruthModel.contention), not the planner's
+        # fixed share of each copy
+        self.truth_cost.cpu_copy_overlap = 1.0
         self.truth = pol.truth_model_for(hw, seed)
         self.expert_bytes = [float(b) for b in trace.expert_bytes]
         self.total_bytes = float(np.sum(trace.expert_bytes) * trace.num_experts)

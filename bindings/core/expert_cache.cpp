@@ -156,6 +156,12 @@ void bind_expert_cache(py::module_ & m) {
         .def("evict", &ExpertCache::evict, py::arg("layer"), py::arg("expert"))
         .def("fill", &ExpertCache::fill, py::arg("keys"))
         .def("reset_stats", &ExpertCache::reset_stats)
+        .def("set_frequency_admission", &ExpertCache::set_frequency_admission, py::arg("on"), py::arg("window") = 0,
+             "TinyLFU frequency admission (Einziger et al., ACM ToS 2017): a prefetch or fill needing victims is "
+             "admitted only if the newcomer's access frequency is above each victim's (demand loads exempt); "
+             "counts halve every window accesses (0: 10 x the capacity in experts). ValueError on window < 0.")
+        .def_property_readonly("frequency_admission", &ExpertCache::frequency_admission)
+        .def("frequency", &ExpertCache::frequency, py::arg("layer"), py::arg("expert"))
         .def("set_record_evicted", &ExpertCache::set_record_evicted, py::arg("on"))
         .def("take_evicted", &ExpertCache::take_evicted);
 }

@@ -265,9 +265,29 @@ ExpertCache::Entry & ExpertCache::entry(int layer, int expert) {
 
 void ExpertCache::observe(const LayerObservation & obs) { policy_->observe(obs); }
 
+void ExpertCache::set_frequency_admission(bool on, int64_t window) {
+    if (window < 0) throw std::invalid_argument("ExpertCache.set_frequency_admission: window must be >= 0");
+    freq_admission_ = on;
+    freq_.assign(on ? bytes_.size() * (size_t) n_experts_ : 0, 0.0);
+    freq_count_ = 0;
+    if (window == 0) {
+        double smallest = std::numeric_limits<double>::infinity();
+        for (double b : bytes_) if (b > 0.0) smallest = std::min(smallest, b);
+        window = 10 * std::max<int64_t>(1, (int64_t) (budget_ / smallest));
+    }
+    freq_window_ = window;
+}
+
 int ExpertCache::access(int layer, int expert, double now_s) {
     Entry & en = entry(layer, expert);
     ++stats_.accesses;
+    if (freq_admission_) {
+        freq_[(size_t) layer * n_experts_ + expert] += 1.0;
+        if (++freq_count_ >= freq_window_) {  // TinyLFU's reset: halve every count
+            for (double & f : freq_) f *= 0.5;
+            freq_count_ = 0;
+        }
+    }
     en.last_use = ++clock_;
     if (!en.resident) {
         ++stats_.misses;
@@ -465,7 +485,11 @@ bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch,
     const bool full = used_ + need > budget_ * (1.0 + 1e-12);
     const double p = (full || tracks_) ? policy_->priority(layer, expert) : 0.0;
     bool refreshed = false;
-    const bool ok = choose_victims(need, p, refreshed, !demand);
+    bool ok = choose_victims(need, p, refreshed, !demand);
+    // frequency admission: a prefetch or fill does not displace a more frequently used expert
+    if (ok && freq_admission_ && !demand) {
+        for (int64_t v : victims_) ok = ok && freq_[(size_t) key] > freq_[(size_t) v];
+    }
     if (ok) admit_key(key, p, ready_s, by_prefetch);
     tree_valid_ = false;
     if (!ok) ++stats_.declined;

@@ -269,6 +269,16 @@ public:
 
     const CacheStats & stats() const { return stats_; }
     void reset_stats() { stats_ = CacheStats{}; }
+
+    /// Frequency admission (TinyLFU, Einziger, Friedman and Manes, ACM Trans. Storage 13(4), 2017): a prefetch or
+    /// fill that needs victims is admitted only if the newcomer's access frequency is above each victim's, so an
+    /// expert seen once does not displace one used every token. Demand loads (the scheduler runs the expert on the
+    /// GPU now) are exempt. Frequencies count every access() and are halved every `window` accesses (TinyLFU's
+    /// reset; window 0: 10 x the cache's capacity in experts, as the paper's sample size). Off by default.
+    void set_frequency_admission(bool on, int64_t window = 0);
+    bool frequency_admission() const { return freq_admission_; }
+    /// The access frequency admission compares (0 for keys never accessed).
+    double frequency(int layer, int expert) const { return freq_.empty() ? 0.0 : freq_[(size_t) layer * n_experts_ + expert]; }
     /// Evicted keys, in order, since the last call; recorded only after set_record_evicted(true).
     std::vector<int64_t> take_evicted();
     void set_record_evicted(bool on) { record_evicted_ = on; }
@@ -346,6 +356,9 @@ private:
     bool tree_valid_ = false;
     std::vector<int32_t> touched_;
     std::vector<int64_t> victims_;
+    bool freq_admission_ = false;
+    int64_t freq_window_ = 0, freq_count_ = 0;
+    std::vector<double> freq_;
     std::vector<int64_t> rank_keys_;
     std::vector<double> rank_p_;
     struct Candidate {

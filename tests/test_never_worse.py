@@ -1,0 +1,71 @@
+"""hybrimoe is never slower than static placement, and the clairvoyant bounds bound (simulation).
+
+For every trace (the shared DeepSeek-V2-Lite routing when present, and synthetic traces of the shapes of
+Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 and gpt-oss-120b at low and high temporal locality), seed (0, 1, 2: the
+synthetic trace, the truth model's noise and the predictor), hardware preset (paper-a6000, rtx4090-desktop, h200),
+cache size (10, 25, 50, 75%) and stage (decode: TPOT, prefill: TTFT), on the first 2,000 tokens:
+
+- hybrimoe's time is at most 1.01 x the best static placement's (every preset whose cache is static: nothing is
+  loaded at run time);
+- the ``oracle`` bound is at least as fast as hybrimoe and every static placement.
+
+The synthetic traces' router scores are an assumption (hybrimoe.synth); the truth model charges host-memory
+contention per overlapped second while the planner charges a fixed share of each copy (policy.cost_model_from_hardware,
+policy.truth_model_for), so the planner is not judged by its own formula.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hybrimoe import policy as pol
+from hybrimoe.simulate import Setup
+
+HARDWARE = ("paper-a6000", "rtx4090-desktop", "h200")
+CACHES = ("10%", "25%", "50%", "75%")
+SEEDS = (0, 1, 2)
+TOKENS = 2000
+STATIC = tuple(n for n, s in pol.SYSTEM_PRESETS.items()
+               if isinstance(s["cache"], str) and s["cache"].startswith("static") and not s["clairvoyant"])
+TRACES = [("dsv2lite", None)] + [(shape, loc) for shape in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3",
+                                                            "gpt-oss-120b") for loc in ("low", "high")]
+
+
+def _trace(shape, locality, seed):
+    if locality is None:
+        from hybrimoe.trace import load_trace
+
+        path = Path(os.environ.get("HYBRIMOE_TRACE", "../shared/traces/dsv2lite_dev.npz"))
+        if not path.exists():
+            pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
+        return load_trace(path)
+    from hybrimoe.synth import synthetic_trace
+
+    # enough prompts after the simulator's 20% profile for 2,000 evaluated tokens
+    return synthetic_trace(shape, TOKENS * 5 // 4 + 200, locality=locality, seed=seed)
+
+
+@pytest.mark.parametrize("shape,locality", TRACES, ids=[f"{s}-{loc or 'real'}" for s, loc in TRACES])
+def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(shape, locality):
+    assert len(STATIC) >= 2, STATIC
+    worse, unbounded = [], []
+    for seed in SEEDS:
+        tr = _trace(shape, locality, seed)
+        for hw_name in HARDWARE:
+            hw = pol.load_hardware(hw_name)
+            for cache in CACHES:
+                for stage in ("decode", "prefill"):
+                    s = Setup(tr, hw, cache, stage, max_tokens=TOKENS, seed=seed + 1)
+                    t = {p: s.run(p)["total_s"] for p in ("hybrimoe", "oracle") + STATIC}
+                    best_static = min(t[p] for p in STATIC)
+                    where = f"seed {seed} {hw_name} {cache} {stage}"
+                    if t["hybrimoe"] > 1.01 * best_static:
+                        worse.append(f"{where}: hybrimoe {t['hybrimoe']:.4g} s vs best static {best_static:.4g} s")
+                    if t["oracle"] > min(t["hybrimoe"], best_static) * (1 + 1e-9):
+                        unbounded.append(f"{where}: oracle {t['oracle']:.4g} s vs {min(t['hybrimoe'], best_static):.4g} s")
+    assert not worse, f"{shape} {locality}: hybrimoe slower than static placement in {len(worse)} runs: " + \
+        "; ".join(worse[:10])
+    assert not unbounded, f"{shape} {locality}: the oracle is not a bound in {len(unbounded)} runs: " + \
+        "; ".join(unbounded[:10])
