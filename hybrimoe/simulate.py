@@ -306,7 +306,7 @@ def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
     ``llm``: the :class:`hybrimoe.Llama` whose engine logged ``log`` (``llm.moe_log()`` before its first decode,
     then ``llm.moe_take_log()``). ``policies``: fresh policy objects built as the engine's were
     (:func:`hybrimoe.engine.build_policies`); by default they are rebuilt from the Llama's ``moe_policy``,
-    ``moe_cache`` and ``moe_prefetch_layers``, which needs a preset name or a dict of names (policy *objects* keep
+    ``moe_cache``, ``moe_prefetch_layers`` and ``moe_profile``, which needs a preset name or a dict of names (policy *objects* keep
     state: pass fresh ones). The cost model is the engine's. Returns the simulator's records (the keys of
     ``moe_take_log()``); :func:`hybrimoe._core.first_difference` compares them with ``log``.
 
@@ -331,7 +331,7 @@ def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
                                           all(isinstance(v, (str, bool)) for v in spec.values()))):
             raise ValueError("moe_policy was given as policy objects, which keep state: pass fresh ones as "
                              "policies=hybrimoe.engine.build_policies(...)")
-        policies = eng.build_policies(spec, setup.facts, setup.n_slots, setup.prefetch_layers)
+        policies = eng.build_policies(spec, setup.facts, setup.n_slots, setup.prefetch_layers, setup.profile)
     return _core.replay_decisions(log, policies.cache, policies.scheduler, policies.prefetcher, setup.cost,
                                   has_slots=setup.n_slots > 0, prefetch_layers=int(setup.prefetch_layers),
                                   fill_on_miss=policies.fill_on_miss)
