@@ -210,6 +210,42 @@ def test_engine_hot_set_from_a_trace_file(tiny_model, rpc_server, split_cost_mod
     assert out == ref_out
 
 
+def test_engine_profile_fills_an_adaptive_cache_and_the_replay_agrees(tiny_model, rpc_server, split_cost_model,
+                                                                       engine_tools, tmp_path):
+    """With moe_profile the hybrimoe preset's MRS cache starts holding the profile's hottest experts (as the
+    simulator's profile fills it), without one it starts empty; the simulator's replay rebuilds the same policies
+    (the profile included) and reproduces every decision."""
+    from hybrimoe import Llama, _core
+    from hybrimoe import engine as eng
+    from hybrimoe.engine import slot_bytes
+    from hybrimoe.simulate import replay_engine_log
+
+    path = _model(tiny_model)
+    trace = _skewed_trace(path, seed=9)
+    prof = tmp_path / "profile.npz"
+    trace.save(prof)
+    kw = dict(moe_cache=12 * slot_bytes(path), moe_policy="hybrimoe", moe_cost_model=split_cost_model,
+              **_common(rpc_server))
+    plain = Llama(str(path), **kw)
+    try:
+        assert plain.moe_setup.policies.cache.resident_keys() == [] and plain.moe_setup.profile is None
+    finally:
+        plain.close()
+    llm = Llama(str(path), moe_profile=str(prof), **kw)
+    try:
+        assert sorted(llm.moe_setup.policies.cache.resident_keys()) == _hottest(_counts(trace), 12)
+        llm.moe_log()
+        engine_tools.run_greedy(llm, engine_tools.prompt_of(llm, 40), 8)
+        log = llm.moe_take_log()
+        assert log and _core.first_difference(log, replay_engine_log(llm, log)) == ""
+        # negative control: the same preset rebuilt without the profile starts empty and decides otherwise
+        setup = llm.moe_setup
+        bare = eng.build_policies("hybrimoe", setup.facts, setup.n_slots, setup.prefetch_layers)
+        assert _core.first_difference(log, replay_engine_log(llm, log, policies=bare)) != ""
+    finally:
+        llm.close()
+
+
 # ---- bad profiles ------------------------------------------------------------------------------------------------
 
 def test_bad_profiles_are_named_errors(tiny_model, tmp_path):
