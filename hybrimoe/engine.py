@@ -445,8 +445,8 @@ class EngineSetup:
 
         Raises:
             ValueError: a ``moe_*`` option without ``moe_cache``; a bad budget, policy, prefetch depth, cost model,
-                profile (``hot-set`` without one, a trace of another shape) or ``expert_used_count`` override; not a MoE model; a cache without an accelerator; an override
-                that moves routed experts to a device.
+                profile (``hot-set`` without one, a trace of another shape) or ``expert_used_count`` override; not a
+                MoE model; a cache without an accelerator; an override that moves routed experts to a device.
             RuntimeError: the process's CPU backend is not hybrimoe's ggml-cpu (llama_cpp loaded first).
         """
         if moe_cache is None:

@@ -218,8 +218,8 @@ class Llama(llama_cpp.Llama):
             rpc_devs.extend(_ggml.add_rpc_server(ep))
         setup = EngineSetup.create(model_path, moe_cache=moe_cache, moe_policy=moe_policy,
                                    moe_prefetch_layers=moe_prefetch_layers, moe_cost_model=moe_cost_model,
-                                   moe_profile=moe_profile, kv_overrides=kwargs.get("kv_overrides"), rpc_devices=rpc_devs,
-                                   tensor_overrides=overrides)
+                                   moe_profile=moe_profile, kv_overrides=kwargs.get("kv_overrides"),
+                                   rpc_devices=rpc_devs, tensor_overrides=overrides)
         if setup is not None:
             setup = calibration.with_stored_cost(setup, model_path)
             overrides.append(setup.expert_override())

@@ -306,9 +306,9 @@ def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
     ``llm``: the :class:`hybrimoe.Llama` whose engine logged ``log`` (``llm.moe_log()`` before its first decode,
     then ``llm.moe_take_log()``). ``policies``: fresh policy objects built as the engine's were
     (:func:`hybrimoe.engine.build_policies`); by default they are rebuilt from the Llama's ``moe_policy``,
-    ``moe_cache``, ``moe_prefetch_layers`` and ``moe_profile``, which needs a preset name or a dict of names (policy *objects* keep
-    state: pass fresh ones). The cost model is the engine's. Returns the simulator's records (the keys of
-    ``moe_take_log()``); :func:`hybrimoe._core.first_difference` compares them with ``log``.
+    ``moe_cache``, ``moe_prefetch_layers`` and ``moe_profile``, which needs a preset name or a dict of names
+    (policy *objects* keep state: pass fresh ones). The cost model is the engine's. Returns the simulator's records
+    (the keys of ``moe_take_log()``); :func:`hybrimoe._core.first_difference` compares them with ``log``.
 
     Raises:
         ValueError: the Llama has no MoE engine, the log does not start at the engine's first ubatch (the replay

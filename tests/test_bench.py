@@ -86,7 +86,8 @@ def test_bench_hot_set_with_a_profile(tiny_model, rpc_server, tmp_path, capsys):
              expert_bytes=np.full(2, 1e6), format_version=1)
     out = tmp_path / "b.json"
     assert _bench(["-m", path, "--rpc", rpc_server.endpoint, "-p", 8, "-n", 2, "-r", 1, "--upstream", "exps",
-                   "--policies", "hot-set,ktransformers", "--moe-profile", prof, "--moe-cache", "50%", "--json", out]) == 0
+                   "--policies", "hot-set,ktransformers", "--moe-profile", prof, "--moe-cache", "50%",
+                   "--json", out]) == 0
     doc = json.loads(out.read_text())
     assert doc["moe_profile"] == str(prof)
     rows = {r["mode"]: r for r in doc["rows"]}
