@@ -8,7 +8,9 @@ On one model and the same prompts, each mode is loaded, warmed up, measured over
   cache budget holds (the smallest N that fits);
 - ``upstream -ngl K``: whole layers on the GPU, as many of the last ones as fit in the GPU memory the other modes
   use (their non-expert weights plus the budget);
-- ``hybrimoe <policy>`` for each engine policy, with ``moe_cache`` = the budget.
+- ``hybrimoe <policy>`` for each engine policy, with ``moe_cache`` = the budget (by default every engine preset;
+  ``hot-set`` only with ``--moe-profile``, which every hybrimoe mode is then given: see ``hybrimoe.Llama``'s
+  ``moe_profile``).
 
 Figures per mode: prompt processing (pp, ``-p`` tokens in one batch) and text generation (tg, ``-n`` greedy
 tokens after it) in tokens/s, mean and standard deviation over the repetitions; for hybrimoe the cache hit rate
@@ -32,7 +34,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .policy import ENGINE_PRESETS
+from .policy import ENGINE_PRESETS, PROFILE_PRESETS
 
 def prompts(llm, n: int, n_tokens: int) -> list[list[int]]:
     """``n`` prompts of exactly ``n_tokens`` tokens (BOS + seeded random words), one per repetition."""
@@ -277,8 +279,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc", default=None, metavar="HOST:PORT", help="ggml RPC server as the GPU")
     p.add_argument("--stand-in", action="store_true",
                    help="start a ggml-rpc-server on 127.0.0.1 as the GPU (machines without one; no speed claim)")
-    p.add_argument("--policies", default=",".join(ENGINE_PRESETS),
-                   help="engine policies to run (comma-separated)")
+    p.add_argument("--policies", default=None,
+                   help=f"engine policies to run, comma-separated (default: {','.join(ENGINE_PRESETS)}; "
+                        f"{', '.join(PROFILE_PRESETS)} only with --moe-profile)")
+    p.add_argument("--moe-profile", default=None, metavar="TRACE.npz",
+                   help="profile of expert frequencies for every hybrimoe mode: a routing trace (hybrimoe trace) of "
+                        "this model; hot-set needs it")
     p.add_argument("--upstream", default="exps,ncmoe,ngl", help="upstream modes to run: exps, ncmoe, ngl")
     p.add_argument("--moe-cost-model", default=None, help="planner cost model for hybrimoe (preset or JSON)")
     p.add_argument("--replay-trace", default=None, metavar="TRACE.npz", help="route every mode by a trace")
@@ -313,10 +319,19 @@ def _check_modes(args, facts) -> tuple[list[str], set]:
     """The policies and upstream modes asked for, checked before anything runs."""
     from .engine import resolve_cost_model
 
-    pols = [x.strip() for x in args.policies.split(",") if x.strip()]
+    from .engine import load_profile
+
+    profile = getattr(args, "moe_profile", None)
+    if args.policies is None:
+        pols = [p for p in ENGINE_PRESETS if profile is not None or p not in PROFILE_PRESETS]
+    else:
+        pols = [x.strip() for x in args.policies.split(",") if x.strip()]
     for p in pols:
         if p not in ENGINE_PRESETS:
             raise ValueError(f"--policies: unknown policy '{p}' (known: {', '.join(ENGINE_PRESETS)})")
+        if p in PROFILE_PRESETS and profile is None:
+            raise ValueError(f"--policies: '{p}' needs --moe-profile (a routing trace of this model, hybrimoe trace)")
+    load_profile(profile, facts)  # a bad profile fails before anything runs
     up = {m.strip() for m in args.upstream.split(",") if m.strip()}
     bad = up - set(UPSTREAM_MODES)
     if bad:
@@ -381,7 +396,8 @@ def run(args) -> int:
             modes.append((label, kw, gpu_bytes))
     for pol in pols:
         modes.append((f"hybrimoe {pol}", dict(n_gpu_layers=args.n_gpu_layers, moe_cache=budget, moe_policy=pol,
-                                              moe_cost_model=args.moe_cost_model), budget))
+                                              moe_cost_model=args.moe_cost_model, moe_profile=args.moe_profile),
+                      budget))
     rows = []
     bar = tqdm(total=len(modes) * (args.repetitions + 1), desc="bench", unit="run", file=sys.stderr,
                disable=not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS"))
@@ -436,7 +452,7 @@ def run(args) -> int:
               "exactly" + (f"; differ: {', '.join(bad)}" if bad else ""))
     doc = dict(model=os.fspath(args.model), moe_cache=str(args.moe_cache), budget_bytes=budget,
                slot_bytes=facts.slot_bytes, n_slots=n_slots, device=endpoint or "first GPU",
-               stand_in=bool(server), replay_trace=args.replay_trace, rows=rows)
+               stand_in=bool(server), replay_trace=args.replay_trace, moe_profile=args.moe_profile, rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2))
     if args.csv:

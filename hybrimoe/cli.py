@@ -77,7 +77,13 @@ def add_llama_arguments(p: argparse.ArgumentParser) -> None:
                         "experts), 3GiB, 512MB or bytes; auto = as much as the device has left after the model "
                         "(like upstream's --fit); 0 = every expert on the CPU through the engine")
     p.add_argument("--moe-policy", default=None,
-                   help=f"engine policy: {', '.join(ENGINE_PRESETS)} (default: {DEFAULT_PRESET}; needs --moe-cache)")
+                   help=f"engine policy: {', '.join(ENGINE_PRESETS)} (default: {DEFAULT_PRESET}; needs --moe-cache; "
+                        "hot-set needs --moe-profile; what each does: hybrimoe.policy.SYSTEM_PRESETS)")
+    p.add_argument("--moe-profile", default=None, metavar="TRACE.npz",
+                   help="profile of expert frequencies: a routing trace (hybrimoe trace -o FILE) whose activation "
+                        "counts per (MoE layer, expert) choose hot-set's resident experts and the adaptive caches' "
+                        "initial fill; its MoE layers and experts must be the model's (needs --moe-cache; "
+                        "--moe-policy hot-set needs it)")
     p.add_argument("--moe-prefetch-layers", type=int, default=None, metavar="N",
                    help=f"MoE layers predicted and prefetched ahead (0: none; default: {defaults.PREFETCH_LAYERS}; "
                         "needs --moe-cache)")
@@ -134,7 +140,7 @@ def load_llama(args: argparse.Namespace, model: Path, prog: str, **extra):
             rpc_servers=args.rpc, tensor_buft_overrides=args.override_tensor or None,
             cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook, no_repack=args.no_repack,
             moe_cache=args.moe_cache, moe_policy=args.moe_policy, moe_prefetch_layers=args.moe_prefetch_layers,
-            moe_cost_model=args.moe_cost_model, load_progress=progress, **extra)
+            moe_cost_model=args.moe_cost_model, moe_profile=args.moe_profile, load_progress=progress, **extra)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return None
@@ -203,7 +209,8 @@ def _run(args: argparse.Namespace) -> int:
             print(f"hybrimoe: engine {e['policy']}: {e['n_slots']} slots of {e['slot_bytes']} B, hit rate "
                   f"{e['hit_rate']:.3f}, experts CPU {e['cpu_experts']} / GPU {e['gpu_experts']}, H2D "
                   f"{e['bytes_copied'] / 2**20:.1f} MiB, {e['layer_s'] * 1e6:.0f} us per MoE layer; cost model: "
-                  f"{e['cost_model']}", file=sys.stderr)
+                  f"{e['cost_model']}" + (f"; profile: {e['profile']}" if e.get("profile") else ""),
+                  file=sys.stderr)
     finally:
         llm.close()
     return 0

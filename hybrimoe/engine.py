@@ -180,19 +180,80 @@ def resolve_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
     return pol.cost_model_from_hardware(hw, facts.model)
 
 
-def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: int) -> pol.PolicySet:
-    """Policy objects for ``moe_policy``, built by :func:`hybrimoe.policy.build_preset` (the presets' one place).
+def load_profile(spec, facts: EngineFacts) -> tuple[Optional[np.ndarray], str]:
+    """The engine's profile of expert frequencies (``moe_profile``) and a line saying where it came from.
+
+    ``spec``: None (no profile: ``(None, "")``); a routing trace file (``.npz``, as ``hybrimoe trace -o FILE``
+    writes, any format version :func:`hybrimoe.trace.load_trace` reads): the activations of each (MoE layer,
+    expert) over all its tokens, prefill and decode alike, incomplete tokens (ids -1, repeated ids, scores that are
+    not finite) left out and counted in the line; or an array-like of counts ``[moe_layers, experts]`` (finite,
+    >= 0). Returns float64 counts ``[len(facts.moe_layers), facts.n_expert]``.
+
+    Raises:
+        FileNotFoundError: a trace file that does not exist.
+        ValueError: an unreadable or invalid trace (named); a trace or array whose MoE layer count or expert count
+            is not the model's (both shapes named); no complete token in the trace; negative or non-finite
+            counts; an integer (profiling the first N routed tokens online is not implemented) or another type.
+    """
+    if spec is None:
+        return None, ""
+    L, E = len(facts.moe_layers), int(facts.n_expert)
+    model_shape = f"the model {facts.path} has {L} MoE layers x {E} experts"
+    if isinstance(spec, (bool, int, np.integer)):
+        raise ValueError(f"moe_profile={spec!r}: profiling the first N routed tokens online is not implemented; give "
+                         "a routing trace file (hybrimoe trace -o FILE.npz) or an array of counts [MoE layers, "
+                         "experts]")
+    if isinstance(spec, (str, os.PathLike)):
+        from .trace import load_trace
+
+        path = os.fspath(spec)
+        try:
+            tr = load_trace(path, facts=facts.model, check_tokens=False)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"moe_profile: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"moe_profile: {e}") from None
+        if (tr.n_layers, tr.num_experts) != (L, E):
+            raise ValueError(f"moe_profile {path}: the trace has {tr.n_layers} MoE layers x {tr.num_experts} "
+                             f"experts; {model_shape}")
+        tr, dropped = tr.drop_incomplete()
+        if tr.n_tokens == 0:
+            raise ValueError(f"moe_profile {path}: no complete token to count ({dropped} incomplete)")
+        ids = tr.expert_ids.astype(np.int64)
+        flat = (ids + (np.arange(L) * E)[None, :, None]).ravel()
+        counts = np.bincount(flat, minlength=L * E).astype(np.float64).reshape(L, E)
+        note = f"routing trace {path}: {tr.n_tokens} tokens" + (f" ({dropped} incomplete left out)" if dropped else "")
+        return counts, note
+    try:
+        counts = np.array(spec, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"moe_profile must be a routing trace file or an array of counts [MoE layers, experts], not "
+                         f"{type(spec).__name__}") from None
+    if counts.shape != (L, E):
+        raise ValueError(f"moe_profile: the counts have shape {counts.shape}, expected ({L}, {E}): {model_shape}")
+    if not np.isfinite(counts).all() or (counts < 0).any():
+        raise ValueError("moe_profile: the counts must be finite and >= 0")
+    return counts, f"counts [{L}, {E}] given"
+
+
+def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: int,
+                   profile: Optional[np.ndarray] = None) -> pol.PolicySet:
+    """Policy objects for ``moe_policy``, built by :func:`hybrimoe.policy.build_preset` (the presets' one place,
+    shared with the simulator).
 
     ``policy``: a preset name (:data:`hybrimoe.policy.ENGINE_PRESETS`); a ``SchedulePolicy``, ``CachePolicy`` or
     ``PrefetchPolicy`` object (Python subclass or C++), which replaces that part of the ``hybrimoe`` preset; or a
     dict with keys ``scheduler``, ``cache``, ``prefetch`` (names as in ``hybrimoe._core.make_*`` or objects) and
-    ``fill``. Every layer's experts take one GPU slot (``facts.slot_bytes``); the engine has no profile of earlier
-    prompts, so caches start empty and ``ktransformers``' hot set is learned online (LFU, filled with CPU-computed
-    misses; nothing is ever loaded for a layer that needs it).
+    ``fill``. Every layer's experts take one GPU slot (``facts.slot_bytes``). ``profile``: counts ``[MoE layers,
+    experts]`` (:func:`load_profile`), as the simulator's profiling prompts give it: ``hot-set`` holds the hottest
+    experts that fit and needs it; the adaptive caches (``hybrimoe``, ``hybrimoe-lru``, ``gpu-on-demand``) start
+    filled with the hottest experts instead of empty; ``ktransformers`` and ``upstream-ncmoe`` (whole layers)
+    ignore it.
 
     Raises:
-        ValueError: unknown preset or component name, or a clairvoyant preset or cache (``belady``, ``oracle``:
-            simulator only).
+        ValueError: unknown preset or component name, a clairvoyant preset or cache (``belady``, ``oracle``:
+            simulator only), or ``hot-set`` (a ``static-frequency`` cache) without a profile (the message names
+            ``moe_profile``).
     """
     if isinstance(policy, str):
         if policy in pol.SYSTEM_PRESETS and pol.SYSTEM_PRESETS[policy]["clairvoyant"]:
@@ -211,10 +272,23 @@ def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: in
         raise ValueError(f"moe_policy must be a preset name, a policy object or a dict, not {type(policy).__name__}")
     if isinstance(spec, dict) and spec.get("cache") == "belady":
         raise ValueError("the belady cache is clairvoyant: simulator only")
+    cache_name = pol.SYSTEM_PRESETS[spec]["cache"] if isinstance(spec, str) else spec.get("cache")
+    if cache_name == "static-frequency" and profile is None:
+        what = f"moe_policy '{spec}'" if isinstance(spec, str) else "a static-frequency cache"
+        raise ValueError(f"{what} needs moe_profile (the CLI's --moe-profile): a routing trace file as hybrimoe "
+                         "trace writes (its expert counts per MoE layer and expert choose the hot set) or an array "
+                         "of counts [MoE layers, experts]")
+    hot = prio = None
+    if profile is not None:
+        counts = np.asarray(profile, dtype=np.float64)
+        if counts.shape != (len(facts.moe_layers), facts.n_expert):
+            raise ValueError(f"moe_profile: counts of shape {counts.shape}, expected "
+                             f"({len(facts.moe_layers)}, {facts.n_expert})")
+        hot, prio = pol.hot_keys_from_counts(counts), counts.ravel()
     sb = facts.slot_bytes
     try:
         return pol.build_preset(spec, [float(sb)] * len(facts.moe_layers), facts.n_expert, float(n_slots * sb),
-                                prefetch=prefetch_layers > 0, name=name)
+                                prefetch=prefetch_layers > 0, hot_keys=hot, profile=prio, name=name)
     except ValueError as e:
         raise ValueError(f"moe_policy: {e}") from None
 
@@ -338,7 +412,8 @@ class EngineSetup:
     ``"auto"``), ``prefetch_layers``, ``cost`` (the planner's ``CostModel``; ``None`` until completed when it is
     to be measured), ``cost_source`` (where it came from), ``device`` (ggml device pointer of the accelerator, or
     ``None``), ``device_label``, ``host_buffer_type`` (the device's pinned host buffer type, where the routed
-    experts are kept; ``None``: plain host memory).
+    experts are kept; ``None``: plain host memory), ``profile`` (float64 counts ``[MoE layers, experts]`` from
+    ``moe_profile``, :func:`load_profile`; ``None``: none given) and ``profile_source`` (where they came from).
     """
 
     facts: EngineFacts
@@ -353,26 +428,31 @@ class EngineSetup:
     device: Optional[int]
     device_label: str
     host_buffer_type: Optional[str]
+    profile: Optional[np.ndarray] = field(default=None, compare=False)
+    profile_source: str = ""
 
     @classmethod
     def create(cls, model_path, *, moe_cache, moe_policy=None, moe_prefetch_layers=None, moe_cost_model=None,
-               kv_overrides: Optional[dict] = None, rpc_devices: Sequence[int] = (),
+               moe_profile=None, kv_overrides: Optional[dict] = None, rpc_devices: Sequence[int] = (),
                tensor_overrides: Sequence[tuple] = ()) -> Optional["EngineSetup"]:
         """The set-up for these options, or None when the engine is off (``moe_cache`` None).
 
+        ``moe_profile``: a routing trace file or counts ``[MoE layers, experts]`` (:func:`load_profile`): the
+        profile ``hot-set`` needs and the adaptive caches start filled from (:func:`build_policies`).
         ``rpc_devices``: the device pointers of the Llama's RPC servers (the first is the accelerator, else this
         machine's first GPU); ``tensor_overrides``: the user's ``(pattern, buffer type)`` overrides (none may put
         routed experts on a device: the engine keeps them in host memory).
 
         Raises:
-            ValueError: a ``moe_*`` option without ``moe_cache``; a bad budget, policy, prefetch depth, cost model
-                or ``expert_used_count`` override; not a MoE model; a cache without an accelerator; an override
-                that moves routed experts to a device.
+            ValueError: a ``moe_*`` option without ``moe_cache``; a bad budget, policy, prefetch depth, cost model,
+                profile (``hot-set`` without one, a trace of another shape) or ``expert_used_count`` override; not a
+                MoE model; a cache without an accelerator; an override that moves routed experts to a device.
             RuntimeError: the process's CPU backend is not hybrimoe's ggml-cpu (llama_cpp loaded first).
         """
         if moe_cache is None:
             given = [n for n, v in (("moe_policy", moe_policy), ("moe_prefetch_layers", moe_prefetch_layers),
-                                    ("moe_cost_model", moe_cost_model)) if v is not None]
+                                    ("moe_cost_model", moe_cost_model), ("moe_profile", moe_profile))
+                     if v is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} set without moe_cache: the MoE engine is off; give moe_cache "
                                  "(e.g. '25%', 'auto', or 0 for no GPU cache) to turn it on")
@@ -396,8 +476,9 @@ class EngineSetup:
             facts = dataclasses.replace(facts, top_k=int(k_over))
         auto = isinstance(moe_cache, str) and moe_cache.strip().lower() == "auto"
         n_slots = None if auto else cache_slots(moe_cache, facts)
-        # an unknown or clairvoyant policy fails now, not after the model loaded
-        policies = build_policies(policy_spec, facts, 0 if auto else n_slots, prefetch)
+        profile, profile_source = load_profile(moe_profile, facts)
+        # an unknown or clairvoyant policy, or hot-set without a profile, fails now, not after the model loaded
+        policies = build_policies(policy_spec, facts, 0 if auto else n_slots, prefetch, profile)
         if auto:
             policies = None
         device = _ggml.accelerator(list(rpc_devices))
@@ -417,7 +498,7 @@ class EngineSetup:
         note = "" if auto else f"moe_cache={moe_cache!r}: {n_slots} slots of {facts.slot_bytes} bytes"
         return cls(facts=facts, cache_spec=moe_cache, n_slots=n_slots, slots_note=note, policy_spec=policy_spec,
                    policies=policies, prefetch_layers=prefetch, cost=cost, cost_source=source, device=device,
-                   device_label=label, host_buffer_type=host)
+                   device_label=label, host_buffer_type=host, profile=profile, profile_source=profile_source)
 
     def expert_override(self) -> tuple:
         """The tensor override that keeps the routed experts in host memory, in the file's layout: the device's
@@ -439,7 +520,8 @@ class EngineSetup:
             raise ValueError(f"moe_cache='auto' found no room for an expert slot ({why}); give a smaller ubatch, "
                              "or moe_cache=0")
         return dataclasses.replace(self, n_slots=n, slots_note=why,
-                                   policies=build_policies(self.policy_spec, self.facts, n, self.prefetch_layers))
+                                   policies=build_policies(self.policy_spec, self.facts, n, self.prefetch_layers,
+                                                           self.profile))
 
     def make_engine(self):
         """The ``hybrimoe._engine.Engine`` of a completed set-up (:func:`make_engine`)."""

@@ -165,7 +165,13 @@ class Llama(llama_cpp.Llama):
             first RPC server of ``rpc_servers``, else the first GPU device. The set-up is ``moe_setup``.
         moe_policy: {presets} (default ``"{default_preset}"``), a ``hybrimoe.SchedulePolicy`` / ``CachePolicy`` /
             ``PrefetchPolicy`` object (replaces that part of ``"{default_preset}"``), or a dict (see
-            ``hybrimoe.policy.build_preset``).
+            ``hybrimoe.policy.build_preset``). Presets: ``hybrimoe.policy.SYSTEM_PRESETS`` (what each does and
+            its source); ``"hot-set"`` needs ``moe_profile``.
+        moe_profile: a profile of expert frequencies: a routing trace file (``.npz``, as ``hybrimoe trace``
+            writes; its activation counts per (MoE layer, expert)) or an array of counts ``[MoE layers,
+            experts]`` (``hybrimoe.engine.load_profile``). ``"hot-set"`` keeps the hottest experts that fit
+            resident; the adaptive caches start filled with them (as the simulator's profile fills them). The
+            trace's MoE layers and experts must be the model's.
         moe_prefetch_layers: MoE layers whose experts are predicted and prefetched ahead (0: none). Default
             {prefetch}.
         moe_cost_model: the planner's cost model: a hardware preset name (``hybrimoe/presets``), a preset or
@@ -176,9 +182,9 @@ class Llama(llama_cpp.Llama):
             which.
 
     Raises:
-        FileNotFoundError: ``model_path`` does not exist.
+        FileNotFoundError: ``model_path`` (or a ``moe_profile`` trace file) does not exist.
         ValueError: not a GGUF file, truncated, bad override, bad RPC endpoint, bad replay table, bad
-            ``moe_*`` option (budget, policy, cost model; a cache larger than the device's free memory), or
+            ``moe_*`` option (budget, policy, cost model, profile; a cache larger than the device's free memory), or
             llama.cpp could not load the model.
         RuntimeError: ``moe_cache`` in a process whose CPU backend is not hybrimoe's ggml-cpu (llama_cpp was
             loaded before hybrimoe). From ``eval`` and everything that decodes: the engine failed during a decode
@@ -191,7 +197,7 @@ class Llama(llama_cpp.Llama):
                  n_cpu_moe: int | None = None, no_repack: bool = False, n_seq_max: int | None = None,
                  moe_hook: bool = False, moe_replay: np.ndarray | None = None,
                  moe_cache=None, moe_policy=None, moe_prefetch_layers: int | None = None, moe_cost_model=None,
-                 load_progress=None, record_routing: bool = False, **kwargs):
+                 moe_profile=None, load_progress=None, record_routing: bool = False, **kwargs):
         self._moe = _MoeParts()
         self._recorder = None
         self._moe_setup = None
@@ -212,8 +218,8 @@ class Llama(llama_cpp.Llama):
             rpc_devs.extend(_ggml.add_rpc_server(ep))
         setup = EngineSetup.create(model_path, moe_cache=moe_cache, moe_policy=moe_policy,
                                    moe_prefetch_layers=moe_prefetch_layers, moe_cost_model=moe_cost_model,
-                                   kv_overrides=kwargs.get("kv_overrides"), rpc_devices=rpc_devs,
-                                   tensor_overrides=overrides)
+                                   moe_profile=moe_profile, kv_overrides=kwargs.get("kv_overrides"),
+                                   rpc_devices=rpc_devs, tensor_overrides=overrides)
         if setup is not None:
             setup = calibration.with_stored_cost(setup, model_path)
             overrides.append(setup.expert_override())
@@ -454,7 +460,8 @@ class Llama(llama_cpp.Llama):
         (graph builds); layers left on upstream's path (``unsupported``) or on the CPU-only path
         (``engine_skipped``) with the reason. Empty without either option.
 
-        Engine (``moe_cache``), under ``"engine"``: ``policy``, ``n_slots``, ``slot_bytes`` (bytes), ``hit_rate``
+        Engine (``moe_cache``), under ``"engine"``: ``policy``, ``profile`` (where ``moe_profile`` came from, ''
+        without one), ``n_slots``, ``slot_bytes`` (bytes), ``hit_rate``
         (activated experts resident when their layer ran / all activated experts), ``cache`` (accesses, hits,
         misses, admissions, evictions), ``cpu_experts`` / ``gpu_experts`` (distinct experts per layer and ubatch,
         summed), ``bytes_copied`` and its parts ``bytes_demand`` / ``bytes_prefetch`` / ``bytes_fill`` (H2D
@@ -481,6 +488,7 @@ class Llama(llama_cpp.Llama):
                 "policy": st.policies.name,
                 "cost_model": st.cost_source,
                 "moe_cache": st.slots_note,
+                "profile": st.profile_source,
                 "n_slots": self._moe.engine.n_slots,
                 "slot_bytes": self._moe.engine.slot_bytes,
                 "hit_rate": cs.hit_rate,

@@ -395,29 +395,56 @@ def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert
 # The one place that says what each preset is made of; the engine (hybrimoe.engine) and the simulator
 # (hybrimoe.simulate) both build their policies with build_preset().
 
+#: Each preset: its components (``scheduler``, ``cache``, ``prefetch``, ``fill``), whether its prefetcher sees the
+#: true routing (``oracle``) or its cache the future (``clairvoyant``: simulator only), whether it needs a profile
+#: of expert frequencies (``needs_profile``: the simulator's profiling prompts, the engine's ``moe_profile``),
+#: ``about`` (what it does) and ``source`` (the system or document whose behaviour it reproduces).
 SYSTEM_PRESETS = {
     "hybrimoe": dict(scheduler="hybrimoe", cache="mrs", prefetch="impact", fill=True, oracle=False,
-                     clairvoyant=False, admission="tinylfu",
-                     about="HybriMoE split + MRS cache (TinyLFU admission) + impact-driven prefetch"),
+                     clairvoyant=False, needs_profile=False, admission="tinylfu",
+                     about="HybriMoE split + MRS cache (TinyLFU admission) + impact-driven prefetch",
+                     source="Zhong et al., HybriMoE, arXiv:2504.05897, §IV.B-D (docs/design.md §2-§4)"),
     "hybrimoe-lru": dict(scheduler="hybrimoe", cache="lru", prefetch="impact", fill=True, oracle=False,
-                         clairvoyant=False, admission="tinylfu",
-                         about="HybriMoE split + LRU cache (TinyLFU admission) + impact-driven prefetch"),
-    "ktransformers": dict(scheduler="ktransformers", cache="static-frequency", prefetch="none", fill=False,
-                          oracle=False, clairvoyant=False,
-                          about="hot set resident (profiled; online LFU without a profile), all else on CPU, "
-                                "nothing loaded for a layer that needs it"),
+                         clairvoyant=False, needs_profile=False, admission="tinylfu",
+                         about="HybriMoE split + LRU cache (TinyLFU admission) + impact-driven prefetch",
+                         source="HybriMoE §IV.D's LRU comparison (MRS replaced by LRU)"),
+    "ktransformers": dict(scheduler="ktransformers", cache="static-leading-layers", prefetch="none", fill=False,
+                          oracle=False, clairvoyant=False, needs_profile=False,
+                          about="the experts of the leading MoE layers resident (as many whole layers as fit), "
+                                "every other expert on the CPU, nothing loaded at run time",
+                          source="the HybriMoE authors' kTransformers optimize rules (Qwen2-25%.yaml and siblings "
+                                 "in their repository) keep whole leading layers' experts on the GPU; the rule "
+                                 "files are not in this repository: the layer choice follows issue 13's "
+                                 "description of them"),
+    "hot-set": dict(scheduler="ktransformers", cache="static-frequency", prefetch="none", fill=False,
+                    oracle=False, clairvoyant=False, needs_profile=True,
+                    about="a static set of the most frequently routed experts of a profile resident, every other "
+                          "expert on the CPU, nothing loaded at run time",
+                    source="HYBRIMOE.md and docs/design.md §5: the 'kTransformers-style' baseline, a static hot "
+                           "set chosen by profiled frequency"),
     "upstream-ncmoe": dict(scheduler="upstream-ncmoe", cache="static-layers", prefetch="none", fill=False,
-                           oracle=False, clairvoyant=False,
-                           about="llama.cpp --n-cpu-moe: whole layers resident, the rest on CPU"),
+                           oracle=False, clairvoyant=False, needs_profile=False,
+                           about="llama.cpp --n-cpu-moe: the last MoE layers' experts resident (as many whole "
+                                 "layers as fit), the rest on the CPU",
+                           source="upstream llama.cpp --n-cpu-moe N (common/arg.cpp of the pinned tree: the "
+                                  "experts of the first N layers stay on the CPU)"),
     "gpu-on-demand": dict(scheduler="gpu-on-demand", cache="lru", prefetch="none", fill=False, oracle=False,
-                          clairvoyant=False, about="every expert on GPU, LRU cache, load on demand"),
+                          clairvoyant=False, needs_profile=False,
+                          about="every expert on GPU, LRU cache, load on demand",
+                          source="AdapMoE / MoE-Infinity style GPU-only on-demand loading (HYBRIMOE.md baselines)"),
     "belady": dict(scheduler="hybrimoe", cache="belady", prefetch="impact", fill=True, oracle=False,
-                   clairvoyant=True, about="bound: hybrimoe with a clairvoyant (Belady, bypass) cache"),
+                   clairvoyant=True, needs_profile=False,
+                   about="bound: hybrimoe with a clairvoyant (Belady, bypass) cache",
+                   source="Belady's MIN with bypass (docs/design.md §5 bounds)"),
     "oracle": dict(scheduler="exhaustive", cache="belady", prefetch="impact", fill=True, oracle=True,
-                   clairvoyant=True, about="bound: clairvoyant cache + exhaustive split + oracle prefetch"),
+                   clairvoyant=True, needs_profile=False,
+                   about="bound: clairvoyant cache + exhaustive split + oracle prefetch",
+                   source="docs/design.md §5 bounds"),
 }
 #: the presets the engine runs: those that need no knowledge of the future routing
 ENGINE_PRESETS = tuple(n for n, s in SYSTEM_PRESETS.items() if not s["clairvoyant"])
+#: the presets that need a profile of expert frequencies (the engine's ``moe_profile``)
+PROFILE_PRESETS = tuple(n for n, s in SYSTEM_PRESETS.items() if s["needs_profile"])
 DEFAULT_PRESET = "hybrimoe"
 
 
@@ -441,25 +468,55 @@ class PolicySet:
     oracle: bool = False
 
 
+def leading_layers_that_fit(expert_bytes: Sequence[float], n_experts: int, budget_bytes: float) -> int:
+    """How many whole leading MoE layers (0, 1, ...) fit in ``budget_bytes``: layer l takes ``n_experts *
+    expert_bytes[l]`` bytes (``expert_bytes``: bytes of one expert per MoE layer), counted from layer 0 until the
+    next layer no longer fits. The ``ktransformers`` preset keeps these layers' experts resident."""
+    n, used = 0, 0.0
+    for b in expert_bytes:
+        need = float(b) * int(n_experts)
+        if n_experts <= 0 or used + need > budget_bytes * (1 + 1e-12):
+            break
+        used += need
+        n += 1
+    return n
+
+
+def hot_keys_from_counts(counts) -> list[int]:
+    """Keys ``layer * n_experts + expert``, hottest first, of a profile: ``counts`` ``[moe_layers, experts]`` (or
+    flat), activations per (MoE layer, expert). Ties (equal counts, zeros included) go to the lower key. This is
+    the order both the simulator (its profiling prompts) and the engine (``moe_profile``) fill caches in."""
+    import numpy as np
+
+    c = np.asarray(counts, dtype=np.float64).ravel()
+    return [int(k) for k in np.lexsort((np.arange(c.size), -c))]
+
+
 def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_experts: int, budget_bytes: float, *,
                  prefetch: bool = True, hot_keys: Optional[Sequence[int]] = None,
                  profile: Optional[Sequence[float]] = None, name: Optional[str] = None) -> PolicySet:
-    """Builds the policies of a system preset (:data:`SYSTEM_PRESETS`) or of a dict of components.
+    """Builds the policies of a system preset (:data:`SYSTEM_PRESETS`) or of a dict of components: the one place
+    that gives a preset its meaning, for the engine (:func:`hybrimoe.engine.build_policies`) and the simulator
+    (:class:`hybrimoe.simulate.Setup`) alike.
 
     ``spec``: a preset name or a dict with keys ``scheduler``, ``cache``, ``prefetch`` (names as in
     ``hybrimoe._core.make_*``, or policy objects), ``fill`` (bool) and ``admission`` (``"none"``, the default for
     dicts, or ``"tinylfu"``: :meth:`hybrimoe._core.ExpertCache.set_frequency_admission`, which the ``hybrimoe``
     presets use). ``expert_bytes``: bytes of one expert per
-    MoE layer (the engine passes its slot size for every layer); ``budget_bytes``: the GPU cache budget.
-    ``prefetch=False`` replaces the prefetcher with none (prefetch depth 0). ``hot_keys``: keys ``layer * n_experts
-    + expert`` hottest first, from a profile of earlier prompts (the simulator's): the adaptive caches start filled
-    with them and the ``static-frequency`` cache holds the hottest that fit (``profile``: their counts, the
-    priorities). Without a profile (the engine) the adaptive caches start empty and ``static-frequency`` becomes
-    an online LFU cache filled with CPU-computed misses. ``static-layers`` keeps the last MoE layers whole (as many
-    as fit), like upstream's ``--n-cpu-moe``.
+    MoE layer (the engine passes its slot size for every layer); ``budget_bytes``: the GPU cache budget, bytes.
+    ``prefetch=False`` replaces the prefetcher with none (prefetch depth 0). ``hot_keys``: keys ``layer *
+    n_experts + expert`` hottest first (:func:`hot_keys_from_counts`), from a profile (the simulator's profiling
+    prompts, the engine's ``moe_profile``); ``profile``: the counts per key (flat ``[moe_layers * experts]``), the
+    static hot set's priorities.
+
+    Caches: ``static-leading-layers`` (``ktransformers``) holds the experts of the leading MoE layers, as many
+    whole layers as fit (:func:`leading_layers_that_fit`); ``static-layers`` (``upstream-ncmoe``) the last ones,
+    like upstream's ``--n-cpu-moe``; ``static-frequency`` (``hot-set``) the hottest ``hot_keys`` that fit and
+    needs them. These three start filled and never change (the profile is not used by the layer caches).
+    Adaptive caches (MRS, LRU, LFU, ...) start filled with ``hot_keys`` when given, else empty.
 
     Raises:
-        ValueError: unknown preset, component or dict key.
+        ValueError: unknown preset, component or dict key; a ``static-frequency`` cache without ``hot_keys``.
     """
     if isinstance(spec, str):
         comp = system_preset(spec)
@@ -490,15 +547,20 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
         keys = [l * E + e for l in range(n_cpu_layers, L) for e in range(E)]
         cache = _core.ExpertCache(eb, E, budget_bytes, _core.StaticPolicy(keys, []))
         cache.fill(keys)
-    elif c == "static-frequency" and hot_keys is not None:
-        n_fit = int(budget_bytes // eb[0]) if budget_bytes > 0 else 0
+    elif c == "static-leading-layers":
+        n_gpu_layers = leading_layers_that_fit(eb, E, budget_bytes) if budget_bytes > 0 else 0
+        keys = [l * E + e for l in range(n_gpu_layers) for e in range(E)]
+        cache = _core.ExpertCache(eb, E, budget_bytes, _core.StaticPolicy(keys, []))
+        cache.fill(keys)
+    elif c == "static-frequency":
+        if hot_keys is None:
+            raise ValueError(f"'{name}': the static-frequency cache (a profiled hot set) needs a profile of expert "
+                             "frequencies (hot_keys), and none was given")
+        n_fit = int(budget_bytes // eb[0]) if budget_bytes > 0 and eb else 0
         keys = [int(k) for k in hot_keys[:n_fit]]
         prio = [float(profile[k]) for k in keys] if profile is not None else []
         cache = _core.ExpertCache(eb, E, budget_bytes, _core.StaticPolicy(keys, prio))
         cache.fill(keys)
-    elif c == "static-frequency":
-        cache = _core.ExpertCache(eb, E, budget_bytes, _core.make_cache_policy("lfu"))
-        fill = True
     else:
         cache = _core.ExpertCache(eb, E, budget_bytes, _core.make_cache_policy(str(c)))
         if hot_keys is not None and budget_bytes > 0:

@@ -1,8 +1,9 @@
 """``hybrimoe simulate``: trace-driven comparison of whole policy presets.
 
 Flow: load a routing trace and a hardware preset; derive the planner's CostModel from the preset and the model's
-facts; profile expert frequencies on the first ``--profile-fraction`` (default 20%) of the prompts (static hot sets
-and every cache's initial fill come from it); simulate the remaining prompts with each system preset
+facts; profile expert frequencies on the first ``--profile-fraction`` (default 20%) of the prompts (the ``hot-set``
+preset's static hot set and the adaptive caches' initial fill come from it; ``ktransformers`` and ``upstream-ncmoe``
+keep whole leading / last layers and ignore it); simulate the remaining prompts with each system preset
 (:data:`hybrimoe.policy.SYSTEM_PRESETS`); print a table and optionally write JSON records and plots.
 
 Assumptions that every report must state (they are also written into each JSON record under ``assumptions``):
@@ -51,8 +52,13 @@ from hybrimoe.trace import PHASE_DECODE, PHASE_PREFILL, RoutingTrace, default_tr
 
 #: cache sizes (fractions of all routed-expert bytes) of the hit-rate plot
 PLOT_CACHE_FRACTIONS = (0.1, 0.25, 0.5, 0.75)
-DEFAULT_POLICIES = ("hybrimoe", "hybrimoe-lru", "ktransformers", "upstream-ncmoe", "gpu-on-demand", "belady",
-                    "oracle")
+DEFAULT_POLICIES = ("hybrimoe", "hybrimoe-lru", "ktransformers", "hot-set", "upstream-ncmoe", "gpu-on-demand",
+                    "belady", "oracle")
+
+
+def presets_help() -> str:
+    """One line per system preset (name: what it does; source), for ``--policies``' help."""
+    return "; ".join(f"{n}: {s['about']}" for n, s in pol.SYSTEM_PRESETS.items())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                            "bytes, bytes, or e.g. '3GiB'")
     parser.add_argument("--stage", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                        help=f"comma-separated system presets ({', '.join(pol.SYSTEM_PRESETS)})")
+                        help="comma-separated system presets (default: %(default)s). " +
+                             presets_help().replace("%", "%%") +
+                             ". Presets and sources: hybrimoe.policy.SYSTEM_PRESETS")
     parser.add_argument("--json", default=None, help="write the records to this JSON file")
     parser.add_argument("--plot", default=None, help="write PNG plots to this directory")
     parser.add_argument("--max-tokens", type=int, default=20000,
@@ -192,8 +200,7 @@ class Setup:
         L, E = trace.n_layers, trace.num_experts
         flat = (ids + (np.arange(L) * E)[None, :, None]).ravel()
         self.profile = np.bincount(flat, minlength=L * E).astype(np.float64).reshape(L, E)
-        order = np.lexsort((np.arange(L * E), -self.profile.ravel()))
-        self.hot_keys = [int(k) for k in order]
+        self.hot_keys = pol.hot_keys_from_counts(self.profile)
 
     def build(self, name: str):
         """(cache, scheduler, prefetcher, config) of a system preset (:func:`hybrimoe.policy.build_preset`, with
@@ -302,9 +309,9 @@ def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
     ``llm``: the :class:`hybrimoe.Llama` whose engine logged ``log`` (``llm.moe_log()`` before its first decode,
     then ``llm.moe_take_log()``). ``policies``: fresh policy objects built as the engine's were
     (:func:`hybrimoe.engine.build_policies`); by default they are rebuilt from the Llama's ``moe_policy``,
-    ``moe_cache`` and ``moe_prefetch_layers``, which needs a preset name or a dict of names (policy *objects* keep
-    state: pass fresh ones). The cost model is the engine's. Returns the simulator's records (the keys of
-    ``moe_take_log()``); :func:`hybrimoe._core.first_difference` compares them with ``log``.
+    ``moe_cache``, ``moe_prefetch_layers`` and ``moe_profile``, which needs a preset name or a dict of names
+    (policy *objects* keep state: pass fresh ones). The cost model is the engine's. Returns the simulator's records
+    (the keys of ``moe_take_log()``); :func:`hybrimoe._core.first_difference` compares them with ``log``.
 
     Raises:
         ValueError: the Llama has no MoE engine, the log does not start at the engine's first ubatch (the replay
@@ -327,7 +334,7 @@ def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
                                           all(isinstance(v, (str, bool)) for v in spec.values()))):
             raise ValueError("moe_policy was given as policy objects, which keep state: pass fresh ones as "
                              "policies=hybrimoe.engine.build_policies(...)")
-        policies = eng.build_policies(spec, setup.facts, setup.n_slots, setup.prefetch_layers)
+        policies = eng.build_policies(spec, setup.facts, setup.n_slots, setup.prefetch_layers, setup.profile)
     return _core.replay_decisions(log, policies.cache, policies.scheduler, policies.prefetcher, setup.cost,
                                   has_slots=setup.n_slots > 0, prefetch_layers=int(setup.prefetch_layers),
                                   fill_on_miss=policies.fill_on_miss)

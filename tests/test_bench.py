@@ -58,6 +58,8 @@ def test_bench_with_replay(tiny_model, rpc_server, tmp_path):
                                           (["--csv", "/tmp"], "is a directory"),
                                           (["--plot", "x.txt"], ".png, .pdf or .svg"),
                                           (["--policies", "hybrimo"], "unknown policy 'hybrimo'"),
+                                          (["--policies", "hot-set"], "'hot-set' needs --moe-profile"),
+                                          (["--moe-profile", "/nonexistent/p.npz"], "trace file not found"),
                                           (["--upstream", "exps,foo"], "unknown mode(s) foo"),
                                           (["--policies", "", "--upstream", ""], "nothing to run"),
                                           (["--moe-cost-model", "nope"], "nope"),
@@ -68,6 +70,29 @@ def test_bench_bad_input(extra, match, tiny_model, rpc_server, capsys):
     rc = _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--rpc", rpc_server.endpoint, *extra])
     assert rc == 1
     assert match in capsys.readouterr().err
+
+
+def test_bench_hot_set_with_a_profile(tiny_model, rpc_server, tmp_path, capsys):
+    """--moe-profile (a version-1 trace file of the model's shape): hot-set runs, and the simulator's replay of its
+    decisions (and of ktransformers') agrees exactly."""
+    import numpy as np
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    rng = np.random.default_rng(3)
+    ids = np.array([[rng.choice(8, 2, replace=False, p=[.4, .2, .1, .1, .05, .05, .05, .05]) for _ in range(2)]
+                    for _ in range(40)], dtype=np.int16)
+    prof = tmp_path / "p.npz"
+    np.savez(prof, expert_ids=ids, prompt_offsets=np.array([0, 40]), num_experts=8, top_k=2,
+             expert_bytes=np.full(2, 1e6), format_version=1)
+    out = tmp_path / "b.json"
+    assert _bench(["-m", path, "--rpc", rpc_server.endpoint, "-p", 8, "-n", 2, "-r", 1, "--upstream", "exps",
+                   "--policies", "hot-set,ktransformers", "--moe-profile", prof, "--moe-cache", "50%",
+                   "--json", out]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["moe_profile"] == str(prof)
+    rows = {r["mode"]: r for r in doc["rows"]}
+    assert rows["hybrimoe hot-set"]["decisions_agree"] and rows["hybrimoe ktransformers"]["decisions_agree"]
+    assert "2/2 policies agree exactly" in capsys.readouterr().out
 
 
 def test_bench_trace_of_another_model(tiny_model, rpc_server, tmp_path, capsys):

@@ -13,7 +13,33 @@ import pytest
 from hybrimoe import _core
 from hybrimoe.simulate import replay_engine_log
 
-PRESETS = ["hybrimoe", "hybrimoe-lru", "ktransformers", "upstream-ncmoe", "gpu-on-demand"]
+from hybrimoe.policy import ENGINE_PRESETS, PROFILE_PRESETS
+
+PRESETS = ["hybrimoe", "hybrimoe-lru", "ktransformers", "hot-set", "upstream-ncmoe", "gpu-on-demand"]
+#: presets whose cache never changes after its initial fill: nothing is evicted
+STATIC = ("ktransformers", "hot-set", "upstream-ncmoe")
+
+
+def test_every_engine_preset_is_replayed():
+    assert sorted(PRESETS) == sorted(ENGINE_PRESETS)
+
+
+def _profile_trace(path, out):
+    """A routing trace for the GGUF at ``path`` (random routing, a few experts favoured per layer), saved to
+    ``out``: the profile of the presets that need one (moe_profile)."""
+    from hybrimoe.info import describe
+    from hybrimoe.trace import RoutingTrace
+
+    d = describe(path)
+    L, E, k = len(d["moe_layers"]), d["n_expert"], d["n_expert_used"]
+    rng = np.random.default_rng(11)
+    p = (np.arange(E, 0, -1) ** 2).astype(float)
+    p /= p.sum()
+    ids = np.array([[rng.choice(E, k, replace=False, p=np.roll(p, 3 * l)) for l in range(L)] for _ in range(60)],
+                   dtype=np.int16)
+    RoutingTrace(expert_ids=ids, prompt_offsets=np.array([0, 30, 60]), num_experts=E, top_k=k,
+                 expert_bytes=np.ones(L), model="").save(out)
+    return str(out)
 
 
 def _common(rpc_server, **kw):
@@ -55,18 +81,22 @@ def _slots(path, n):
 
 
 @pytest.mark.parametrize("policy", PRESETS)
-def test_replay_reproduces_engine_decisions(policy, tiny_model, rpc_server, fast_link_cost, engine_tools):
-    """Every preset, prefill (3 ubatches) and decode, a cache of 20 slots for 3 MoE layers x 16 experts (top-4, a
-    shared expert): the replay agrees with the engine on every record, and the records hold real decisions (GPU
-    work, copies, evictions)."""
+def test_replay_reproduces_engine_decisions(policy, tiny_model, rpc_server, fast_link_cost, engine_tools,
+                                            tmp_path):
+    """Every engine preset, prefill (3 ubatches) and decode, a cache of 20 slots for 3 MoE layers x 16 experts
+    (top-4, a shared expert; hot-set with a profile trace): the replay agrees with the engine on every record, and
+    the records hold real decisions (GPU work, copies, evictions where the cache changes)."""
     path = tiny_model("deepseek2", "Q8_0", n_layer=4, n_expert=16, n_expert_used=4)
+    extra = {"moe_profile": _profile_trace(path, tmp_path / "profile.npz")} if policy in PROFILE_PRESETS else {}
     llm, log = _logged_run(path, rpc_server, engine_tools, moe_cache=_slots(path, 20), moe_policy=policy,
-                           moe_cost_model=fast_link_cost)
+                           moe_cost_model=fast_link_cost, **extra)
     try:
         from hybrimoe import engine as eng
 
         setup = llm.moe_setup
-        fresh = eng.build_policies(policy, setup.facts, setup.n_slots, setup.prefetch_layers)
+        fresh = eng.build_policies(policy, setup.facts, setup.n_slots, setup.prefetch_layers, setup.profile)
+        # replay_engine_log rebuilds the same policies (the profile included) by itself too
+        assert _core.first_difference(log, replay_engine_log(llm, log)) == ""
         sim = replay_engine_log(llm, log, policies=fresh)
         st = llm.moe_stats()["engine"]
         ran = setup.policies.cache
@@ -86,7 +116,9 @@ def test_replay_reproduces_engine_decisions(policy, tiny_model, rpc_server, fast
     assert sum(sum(r["on_gpu"]) for r in log) == st["gpu_experts"] > 0
     copies = sum(len(r["loaded"]) + len(r["filled"]) + len(r["prefetched"]) + len(r["first_use"]) for r in log)
     assert copies > 0
-    if policy != "upstream-ncmoe":  # static layers: nothing is ever evicted
+    if policy in STATIC:  # static residents: nothing is ever evicted, loaded, prefetched or filled
+        assert sum(len(r["evicted"]) + len(r["loaded"]) + len(r["prefetched"]) + len(r["filled"]) for r in log) == 0
+    else:
         assert sum(len(r["evicted"]) for r in log) > 0
     if policy in ("hybrimoe", "hybrimoe-lru"):
         assert any(r["predictions"] for r in log)

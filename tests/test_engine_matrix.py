@@ -7,12 +7,13 @@ the same placement (RPC device, ``-ot exps=CPU --no-repack``): same 32 greedy to
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 ARCHS = ["qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2"]
 QUANTS = ["Q8_0", "Q4_K_M", "mix"]
 CACHES = ["0", "1", "k-1", "k", "all"]
-POLICIES = ["hybrimoe", "hybrimoe-lru", "ktransformers", "upstream-ncmoe", "gpu-on-demand"]
+POLICIES = ["hybrimoe", "hybrimoe-lru", "ktransformers", "hot-set", "upstream-ncmoe", "gpu-on-demand"]
 UBATCHES = [1, 2, 31, 32, 33, 512]
 LENGTHS = ["1", "ub-1", "ub", "ub+1", "3ub+7"]
 
@@ -67,7 +68,12 @@ def test_engine_matrix(arch, quant, cache, policy, ub, length, tiny_model, rpc_s
         ref_out, ref_lg = engine_tools.run_greedy(ref, tokens, 32)
     finally:
         ref.close()
-    llm = Llama(str(path), moe_cache=n_slots * facts.slot_bytes, moe_policy=policy,
+    from hybrimoe.policy import PROFILE_PRESETS
+
+    # hot-set's profile: seeded random counts per (MoE layer, expert)
+    profile = (np.random.default_rng(0).integers(0, 50, (len(facts.moe_layers), facts.n_expert))
+               if policy in PROFILE_PRESETS else None)
+    llm = Llama(str(path), moe_cache=n_slots * facts.slot_bytes, moe_policy=policy, moe_profile=profile,
                 moe_cost_model=split_cost_model, **common)
     try:
         out, lg = engine_tools.run_greedy(llm, tokens, 32)

@@ -167,6 +167,7 @@ def test_every_system_preset_runs_on_a_synthetic_trace(tmp_path):
         assert 0.0 <= r["hit_rate"] <= 1.0 and r["tokens_per_s"] > 0 and r["tpot_s"] > 0
     by = {r["policy"]: r for r in recs}
     assert by["ktransformers"]["bytes_h2d"] == 0 and by["upstream-ncmoe"]["bytes_h2d"] == 0
+    assert by["hot-set"]["bytes_h2d"] == 0
     assert by["gpu-on-demand"]["cpu_busy_frac"] == 0
 
 
