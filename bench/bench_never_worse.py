@@ -1,0 +1,92 @@
+"""The never-worse table (simulation): hybrimoe against the best static placement and the oracle bound.
+
+For each trace (the shared DeepSeek-V2-Lite routing, and synthetic traces of the shapes of Mixtral-8x7B,
+Qwen3-30B-A3B, DeepSeek-V3 and gpt-oss-120b at low and high temporal locality: hybrimoe.synth), hardware preset,
+cache size, stage and seed, on the first 2,000 tokens: tokens/s of hybrimoe, of each static placement
+(ktransformers, hot-set, upstream-ncmoe) and of the oracle, hybrimoe / best static, and flags where hybrimoe is more
+than 1% slower than the best static placement or the oracle is not the fastest. Prints a markdown table; --json
+writes the rows. The synthetic traces' router scores are an assumption (hybrimoe.synth).
+
+    python3 bench/bench_never_worse.py --seeds 0 --json never_worse.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from hybrimoe import policy as pol
+from hybrimoe.simulate import Setup
+
+SHAPES = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b")
+
+
+def traces(args):
+    """(name, seed -> RoutingTrace) for the real trace (when present) and every synthetic shape x locality."""
+    from hybrimoe.synth import synthetic_trace
+    from hybrimoe.trace import load_trace
+
+    real = Path(args.trace)
+    if real.exists():
+        tr = load_trace(real)
+        yield "dsv2lite-real", lambda seed: tr
+    else:
+        print(f"note: {real} not found: the real trace is left out", file=sys.stderr)
+    for shape in args.shapes.split(","):
+        for loc in ("low", "high"):
+            yield f"{shape}-{loc}", (lambda seed, shape=shape, loc=loc:
+                                     synthetic_trace(shape, args.tokens * 5 // 4 + 200, locality=loc, seed=seed))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=os.environ.get("HYBRIMOE_TRACE", "../shared/traces/dsv2lite_dev.npz"))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--hardware", default="paper-a6000,rtx4090-desktop,h200")
+    ap.add_argument("--caches", default="10%,25%,50%,75%")
+    ap.add_argument("--stages", default="decode,prefill")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    static = [n for n, s in pol.SYSTEM_PRESETS.items()
+              if isinstance(s["cache"], str) and s["cache"].startswith("static") and not s["clairvoyant"]]
+    names = ["hybrimoe"] + static + ["oracle"]
+    rows = []
+    print("| trace | seed | stage | hardware | cache | " + " | ".join(names) + " | hybrimoe / best static | flags |")
+    print("|" + "---|" * (len(names) + 7))
+    for label, make in traces(args):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            tr = make(seed)
+            for stage in args.stages.split(","):
+                for hw_name in args.hardware.split(","):
+                    hw = pol.load_hardware(hw_name)
+                    for cache in args.caches.split(","):
+                        t0 = time.perf_counter()
+                        s = Setup(tr, hw, cache, stage, max_tokens=args.tokens, seed=seed + 1)
+                        tps = {n: s.run(n)["tokens_per_s"] for n in names}
+                        best = max(tps[n] for n in static)
+                        flags = []
+                        if tps["hybrimoe"] * 1.01 < best:
+                            flags.append("slower than static")
+                        if tps["oracle"] < max(tps[n] for n in names[:-1]):
+                            flags.append("oracle not a bound")
+                        row = dict(trace=label, seed=seed, stage=stage, hardware=hw_name, cache=cache, tokens_per_s=tps,
+                                   ratio=tps["hybrimoe"] / best, flags=flags, seconds=time.perf_counter() - t0)
+                        rows.append(row)
+                        print(f"| {label} | {seed} | {stage} | {hw_name} | {cache} | " +
+                              " | ".join(f"{tps[n]:.1f}" for n in names) + f" | {row['ratio']:.3f} | "
+                              f"{', '.join(flags)} |", flush=True)
+    bad = [r for r in rows if r["flags"]]
+    print(f"\n{len(rows)} runs, {len(bad)} flagged; hybrimoe / best static: min "
+          f"{min(r['ratio'] for r in rows):.3f}, median {sorted(r['ratio'] for r in rows)[len(rows) // 2]:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
