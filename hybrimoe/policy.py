@@ -414,8 +414,8 @@ SYSTEM_PRESETS = {
                                 "every other expert on the CPU, nothing loaded at run time",
                           source="the HybriMoE authors' kTransformers optimize rules (Qwen2-25%.yaml and siblings "
                                  "in their repository) keep whole leading layers' experts on the GPU; the rule "
-                                 "files are not in this repository: the layer choice follows issue 13's "
-                                 "description of them"),
+                                 "files are not in this repository: the layer choice follows a description of "
+                                 "them, not the files"),
     "hot-set": dict(scheduler="ktransformers", cache="static-frequency", prefetch="none", fill=False,
                     oracle=False, clairvoyant=False, needs_profile=True,
                     about="a static set of the most frequently routed experts of a profile resident, every other "

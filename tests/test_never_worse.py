@@ -69,3 +69,27 @@ def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(shape, locality
         "; ".join(worse[:10])
     assert not unbounded, f"{shape} {locality}: the oracle is not a bound in {len(unbounded)} runs: " + \
         "; ".join(unbounded[:10])
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.5])
+@pytest.mark.parametrize("shape,locality", [("dsv2lite", None), ("mixtral-8x7b", "low"), ("mixtral-8x7b", "high")],
+                         ids=["dsv2lite-real", "mixtral-8x7b-low", "mixtral-8x7b-high"])
+def test_never_slower_when_the_truth_contention_differs_from_the_planners(shape, locality, scale):
+    """The planner charges a fixed share of each copy to the CPU share (cost_model_from_hardware's
+    cpu_copy_overlap); the truth charges contention per overlapped second. With the truth's contention at 0.5x and
+    1.5x the preset's value hybrimoe still stays within 1.01 x the best static placement (seed 0)."""
+    tr = _trace(shape, locality, 0)
+    worse = []
+    for hw_name in HARDWARE:
+        hw = pol.load_hardware(hw_name)
+        for cache in CACHES:
+            for stage in ("decode", "prefill"):
+                s = Setup(tr, hw, cache, stage, max_tokens=TOKENS, seed=1)
+                base = s.truth.contention
+                assert base > 0
+                s.truth.contention = scale * base
+                t = {p: s.run(p)["total_s"] for p in ("hybrimoe",) + STATIC}
+                best_static = min(t[p] for p in STATIC)
+                if t["hybrimoe"] > 1.01 * best_static:
+                    worse.append(f"{hw_name} {cache} {stage}: {t['hybrimoe']:.4g} s vs {best_static:.4g} s")
+    assert not worse, f"contention x{scale}: " + "; ".join(worse)
