@@ -420,8 +420,8 @@ SYSTEM_PRESETS = {
                     oracle=False, clairvoyant=False, needs_profile=True,
                     about="a static set of the most frequently routed experts of a profile resident, every other "
                           "expert on the CPU, nothing loaded at run time",
-                    source="HYBRIMOE.md and docs/design.md §5: the 'kTransformers-style' baseline, a static hot "
-                           "set chosen by profiled frequency"),
+                    source="docs/design.md §5: the 'kTransformers-style' baseline, a static hot set chosen by "
+                           "profiled frequency (the comparison point of HybriMoE, arXiv:2504.05897, §V)"),
     "upstream-ncmoe": dict(scheduler="upstream-ncmoe", cache="static-layers", prefetch="none", fill=False,
                            oracle=False, clairvoyant=False, needs_profile=False,
                            about="llama.cpp --n-cpu-moe: the last MoE layers' experts resident (as many whole "
@@ -431,7 +431,8 @@ SYSTEM_PRESETS = {
     "gpu-on-demand": dict(scheduler="gpu-on-demand", cache="lru", prefetch="none", fill=False, oracle=False,
                           clairvoyant=False, needs_profile=False,
                           about="every expert on GPU, LRU cache, load on demand",
-                          source="AdapMoE / MoE-Infinity style GPU-only on-demand loading (HYBRIMOE.md baselines)"),
+                          source="GPU-only on-demand loading as in AdapMoE and MoE-Infinity (arXiv:2401.14361); "
+                                 "docs/design.md §5"),
     "belady": dict(scheduler="hybrimoe", cache="belady", prefetch="impact", fill=True, oracle=False,
                    clairvoyant=True, needs_profile=False,
                    about="bound: hybrimoe with a clairvoyant (Belady, bypass) cache",

@@ -162,14 +162,27 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
     return on_gpu_;
 }
 
+namespace {
+
+// The copies queued after a plan (extra_s: first use, prefetch, fill) delay its CPU share on a host that pays for
+// copies; those queued after its GPU launch (post_s) delay the launch's outputs on a device that cannot compute
+// while it copies. cpu_end_s / gpu_end_s: the plan's ends before them. Sets plan's ends and makespan.
+void charge_late_copies(SchedulePlan & plan, const CostModel & cost, double cpu_end_s, double gpu_end_s,
+                        double extra_s, double post_s) {
+    if (!plan.cpu_experts.empty()) plan.cpu_end_s = cpu_end_s + cost.cpu_copy_blocking(extra_s);
+    if (!plan.gpu_experts.empty()) plan.gpu_end_s = gpu_end_s + cost.copy_blocking(post_s);
+    plan.makespan_s = std::max(plan.cpu_end_s, plan.gpu_end_s);
+}
+
+// Seconds of n copies of `bytes` bytes in all.
+double copies_s(const CostModel & cost, double bytes, int n) {
+    return n > 0 ? bytes / cost.h2d_bandwidth_Bps + n * cost.h2d_latency_s : 0.0;
+}
+
+}  // namespace
+
 void LayerDecider::charge_extra_copies(DecisionRecord * rec) {
-    if (!run_plan_.cpu_experts.empty()) {
-        run_plan_.cpu_end_s = plan_cpu_end_s_ + cost_.cpu_copy_blocking(extra_copy_s_);
-    }
-    if (!run_plan_.gpu_experts.empty()) {
-        run_plan_.gpu_end_s = plan_gpu_end_s_ + cost_.copy_blocking(post_launch_copy_s_);
-    }
-    run_plan_.makespan_s = std::max(run_plan_.cpu_end_s, run_plan_.gpu_end_s);
+    charge_late_copies(run_plan_, cost_, plan_cpu_end_s_, plan_gpu_end_s_, extra_copy_s_, post_launch_copy_s_);
     if (rec) {
         rec->makespan_s = run_plan_.makespan_s;
         rec->extra_copy_bytes = extra_copy_bytes_;
@@ -197,16 +210,10 @@ double record_makespan(const DecisionRecord & rec, const CostModel & cost) {
     in.ready_s = rec.ready_s;
     SchedulePlan plan;
     evaluate_plan(in, cost, rec.on_gpu, plan);
-    if (!plan.cpu_experts.empty() && rec.extra_copies > 0) {
-        const double extra_s = rec.extra_copy_bytes / cost.h2d_bandwidth_Bps + rec.extra_copies * cost.h2d_latency_s;
-        plan.cpu_end_s += cost.cpu_copy_blocking(extra_s);
-    }
-    if (!plan.gpu_experts.empty() && rec.post_launch_copies > 0) {
-        const double post_s =
-            rec.post_launch_copy_bytes / cost.h2d_bandwidth_Bps + rec.post_launch_copies * cost.h2d_latency_s;
-        plan.gpu_end_s += cost.copy_blocking(post_s);
-    }
-    return std::max(plan.cpu_end_s, plan.gpu_end_s);
+    charge_late_copies(plan, cost, plan.cpu_end_s, plan.gpu_end_s,
+                       copies_s(cost, rec.extra_copy_bytes, rec.extra_copies),
+                       copies_s(cost, rec.post_launch_copy_bytes, rec.post_launch_copies));
+    return plan.makespan_s;
 }
 
 bool LayerDecider::wants_prefetch(int n_moe_layers) const {
