@@ -201,11 +201,40 @@ class Setup:
         flat = (ids + (np.arange(L) * E)[None, :, None]).ravel()
         self.profile = np.bincount(flat, minlength=L * E).astype(np.float64).reshape(L, E)
         self.hot_keys = pol.hot_keys_from_counts(self.profile)
+        self._first_use: Optional[list] = None
+
+    def first_use_keys(self) -> list[int]:
+        """Keys (``layer * n_experts + expert``) in the order the evaluated tokens first use them, then the
+        profile's hot keys not used: the initial fill a clairvoyant cache chooses (Belady's rule applied to the
+        empty cache: the experts needed soonest)."""
+        if self._first_use is None:
+            L, E = self.trace.n_layers, self.trace.num_experts
+            steps = _core.make_steps(self.core_trace, self.first, self.end, self.cfg)
+            b, e = (int(steps[0][0]), int(steps[-1][1])) if steps else (0, 0)
+            ids = self.trace.expert_ids[b:e].astype(np.int64) + (np.arange(L) * E)[None, :, None]
+            flat = ids.reshape(ids.shape[0], -1).ravel()   # token-major, layer order within a token
+            _, at = np.unique(flat, return_index=True)
+            used = flat[np.sort(at)].tolist()
+            seen = set(used)
+            self._first_use = used + [k for k in self.hot_keys if k not in seen]
+        return self._first_use
+
+    def clairvoyant_planner(self) -> "_core.CostModel":
+        """The cost model a clairvoyant preset plans with: the truth's own costs, with its host-memory contention
+        as the planner's copy term (``cpu_copy_overlap = 1 - contention``): a bound knows what time is charged."""
+        cm = _core.CostModel()
+        for f in pol.COST_FIELDS:
+            setattr(cm, f, getattr(self.truth_cost, f))
+        cm.cpu_copy_overlap = max(0.0, 1.0 - float(self.truth.contention))
+        return cm
 
     def build(self, name: str):
         """(cache, scheduler, prefetcher, config) of a system preset (:func:`hybrimoe.policy.build_preset`, with
-        the profile's hot set); ValueError on an unknown name."""
-        ps = pol.build_preset(name, self.expert_bytes, self.trace.num_experts, self.budget, hot_keys=self.hot_keys,
+        the profile's hot set; a clairvoyant preset's cache starts with :meth:`first_use_keys`); ValueError on an
+        unknown name."""
+        clairvoyant = name in pol.SYSTEM_PRESETS and pol.system_preset(name)["clairvoyant"]
+        ps = pol.build_preset(name, self.expert_bytes, self.trace.num_experts, self.budget,
+                              hot_keys=self.first_use_keys() if clairvoyant else self.hot_keys,
                               profile=self.profile.ravel())
         cfg = _core.SimConfig()
         for f in ("stage", "ubatch", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
@@ -243,7 +272,10 @@ class Setup:
         """Simulates one system preset (or the given components) and returns its JSON record."""
         if cache is None:
             cache, sched, pre, cfg = self.build(name)
-        res = _core.simulate(self.core_trace, cache, sched, pre, self.planner, self.truth_cost, self.truth, cfg,
+        planner = self.planner
+        if name in pol.SYSTEM_PRESETS and pol.system_preset(name)["clairvoyant"]:
+            planner = self.clairvoyant_planner()
+        res = _core.simulate(self.core_trace, cache, sched, pre, planner, self.truth_cost, self.truth, cfg,
                              self.first, self.end)
         return record(name, res, self)
 
