@@ -254,7 +254,9 @@ class RoutingTrace:
             raise ValueError(f"{self._where()}: expert ids beyond the int16 range")
         return _core.Trace(ids.astype(np.int16, copy=False), self.prompt_offsets.astype(np.int64),
                            [float(b) for b in self.expert_bytes], int(self.num_experts), int(self.n_dense_layers),
-                           None if self.router_scores is None else self.router_scores.astype(np.float32))
+                           # float32 scores go through as they are (_core.Trace copies them once; astype would
+                           # copy them first)
+                           None if self.router_scores is None else np.asarray(self.router_scores, np.float32))
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes format version 2 (module docstring) to ``path`` exactly as named, atomically: into a temporary

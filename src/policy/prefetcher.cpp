@@ -41,12 +41,14 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
                                                         const CostModel & cost) {
     struct Candidate {
         double gain;
-        int pred;   // index into ctx.predictions / inputs_
-        int index;  // index into the layer input
+        int pred;     // index into ctx.predictions / inputs_
+        int index;    // index into the layer input
+        size_t round; // copies issued when `gain` was computed
     };
     std::vector<std::pair<int, int>> out;
     const size_t n_pred = ctx.predictions.size();
     inputs_.resize(n_pred);
+    orders_.resize(n_pred);
     std::vector<double> base(n_pred, 0.0);
     std::vector<Candidate> heap;
     double pcie_free_at = ctx.pcie_free_at_s;
@@ -60,12 +62,12 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
         in.ready_s[i] = std::max(0.0, copy_end - p.start_s);
         const double saved_free = in.pcie_free_s;
         in.pcie_free_s = std::max(0.0, copy_end - p.start_s);
-        sched_.plan(in, cost, plan_);
+        const double makespan = sched_.makespan(in, cost, orders_[pi]);
         ++evaluations_;
         in.pcie_free_s = saved_free;
         in.cached[i] = 0;
         in.ready_s[i] = 0.0;
-        const double g = base[pi] - plan_.makespan_s;
+        const double g = base[pi] - makespan;
         const double waste = waste_weight_ * (1.0 - p.confidence) * cost.h2d(p.expert_bytes);
         return (use_confidence_ ? g * p.confidence : g) - waste;
     };
@@ -91,9 +93,10 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
             }
         }
         if (in.experts.empty()) continue;
-        sched_.plan(in, cost, plan_);
+        // the loads stay as predicted below (only cache states change): one order serves every evaluation
+        load_descending_order(in, orders_[pi]);
+        base[pi] = sched_.makespan(in, cost, orders_[pi]);
         ++evaluations_;
-        base[pi] = plan_.makespan_s;
         // Bounded candidate list: the highest predicted loads among the uncached.
         std::vector<int32_t> idx;
         for (size_t i = 0; i < in.size(); ++i) {
@@ -102,7 +105,7 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
         std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return in.loads[a] > in.loads[b]; });
         if (static_cast<int>(idx.size()) > max_candidates_) idx.resize(max_candidates_);
         for (int32_t i : idx) {
-            heap.push_back({gain_of(static_cast<int>(pi), i), static_cast<int>(pi), i});
+            heap.push_back({gain_of(static_cast<int>(pi), i), static_cast<int>(pi), i, 0});
         }
     }
     auto less = [](const Candidate & a, const Candidate & b) { return a.gain < b.gain; };
@@ -112,7 +115,12 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
         std::pop_heap(heap.begin(), heap.end(), less);
         Candidate c = heap.back();
         heap.pop_back();
-        c.gain = gain_of(c.pred, c.index);  // lazy re-evaluation under the current link and cache state
+        // lazy re-evaluation under the current link and cache state; both change only when a copy is issued, so a
+        // gain computed since the last issue is current already (gain_of would return the same value)
+        if (c.round != out.size()) {
+            c.gain = gain_of(c.pred, c.index);
+            c.round = out.size();
+        }
         if (c.gain <= 0.0) continue;
         if (!heap.empty() && c.gain < heap.front().gain) {
             heap.push_back(c);
@@ -125,9 +133,8 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
         in.cached[c.index] = 1;
         in.ready_s[c.index] = std::max(0.0, pcie_free_at - p.start_s);
         in.pcie_free_s = std::max(0.0, pcie_free_at - p.start_s);
-        sched_.plan(in, cost, plan_);
+        base[c.pred] = sched_.makespan(in, cost, orders_[c.pred]);
         ++evaluations_;
-        base[c.pred] = plan_.makespan_s;
         out.emplace_back(p.layer, p.experts[c.index]);
     }
     return out;

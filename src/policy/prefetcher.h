@@ -98,8 +98,8 @@ private:
     bool use_confidence_;
     double waste_weight_;
     HybriMoEScheduler sched_;
-    SchedulePlan plan_;
     std::vector<LayerInput> inputs_;
+    std::vector<std::vector<int32_t>> orders_;  // load_descending_order of each prediction's input
     int64_t evaluations_ = 0;
 };
 

@@ -99,6 +99,12 @@ void order_by_load_desc(const LayerInput & in, std::vector<int32_t> & idx) {
     for (size_t r = 0; r < k; ++r) idx[r] = keyed[r].second;
 }
 
+}  // namespace
+
+void load_descending_order(const LayerInput & in, std::vector<int32_t> & idx) { order_by_load_desc(in, idx); }
+
+namespace {
+
 // evaluate_plan on a precomputed order `idx` (order_by_load_desc of `in`): plan() sorts once for its three
 // evaluations and the greedy split.
 double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
@@ -201,6 +207,117 @@ double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std
 
 }  // namespace
 
+void MakespanEvaluator::prepare(const LayerInput & in, const CostModel & cost, const std::vector<int32_t> & desc) {
+    const size_t k = in.size();
+    index_.assign(desc.begin(), desc.begin() + static_cast<std::ptrdiff_t>(k));
+    cpu_s_.resize(k);
+    gpu_s_.resize(k);
+    uncached_.clear();
+    cached_desc_.clear();
+    cached_order_.clear();
+    for (size_t r = 0; r < k; ++r) {
+        const int32_t i = desc[r];
+        cpu_s_[r] = cost.cpu(in.loads[i]);
+        gpu_s_[r] = cost.gpu(in.loads[i]);
+        if (in.cached[i]) {
+            cached_order_.push_back(static_cast<int32_t>(r));
+        } else {
+            uncached_.push_back(static_cast<int32_t>(r));
+        }
+    }
+    cached_desc_.assign(cached_order_.rbegin(), cached_order_.rend());
+    // evaluate_ordered runs the cached GPU tasks by (ready, rank): pushed in rank order, a stable sort by ready
+    // gives that order (usually there already: all ready at 0), and any split's cached GPU tasks keep it
+    auto by_ready = [&](int32_t a, int32_t b) { return in.ready_s[desc[a]] < in.ready_s[desc[b]]; };
+    if (!std::is_sorted(cached_order_.begin(), cached_order_.end(), by_ready)) {
+        std::stable_sort(cached_order_.begin(), cached_order_.end(), by_ready);
+    }
+    cached_ready_.resize(cached_order_.size());
+    for (size_t j = 0; j < cached_order_.size(); ++j) cached_ready_[j] = in.ready_s[desc[cached_order_[j]]];
+    on_rank_.resize(k);
+    copy_end_.resize(k);
+    copy_rank_.resize(k);
+    pcie_free_s_ = in.pcie_free_s;
+    h2d_s_ = cost.h2d(in.expert_bytes);
+    act_s_ = cost.act(in.n_tokens);
+    cpu_startup_s_ = cost.cpu_startup_s;
+    copy_overlap_ = cost.copy_overlap;
+    cpu_copy_overlap_ = cost.cpu_copy_overlap;
+}
+
+double MakespanEvaluator::makespan(const uint8_t * on_gpu) {
+    const size_t k = index_.size();
+    for (size_t r = 0; r < k; ++r) on_rank_[r] = on_gpu[index_[r]] != 0;
+    return makespan_ranked();
+}
+
+double MakespanEvaluator::makespan_mask(uint32_t mask) {
+    const size_t k = index_.size();
+    for (size_t r = 0; r < k; ++r) on_rank_[r] = static_cast<uint8_t>((mask >> index_[r]) & 1u);
+    return makespan_ranked();
+}
+
+double MakespanEvaluator::makespan_ranked() {
+    // evaluate_ordered's arithmetic, operation for operation (see there for what each step models)
+    const uint8_t * on = on_rank_.data();
+    // CPU queue: uncached lowest load first (ranks descending), then cached lowest load first
+    double t_cpu = 0.0;
+    bool any_cpu = false;
+    for (size_t j = uncached_.size(); j-- > 0;) {
+        const int32_t r = uncached_[j];
+        if (!on[r]) {
+            t_cpu += cpu_s_[r];
+            any_cpu = true;
+        }
+    }
+    for (int32_t r : cached_desc_) {
+        if (!on[r]) {
+            t_cpu += cpu_s_[r];
+            any_cpu = true;
+        }
+    }
+    if (any_cpu) t_cpu += cpu_startup_s_;
+    // copies back to back, highest load first
+    double t_link = pcie_free_s_;
+    int n_copied = 0;
+    for (int32_t r : uncached_) {
+        if (on[r]) {
+            t_link += h2d_s_;
+            copy_end_[n_copied] = t_link;
+            copy_rank_[n_copied] = r;
+            ++n_copied;
+        }
+    }
+    bool any_gpu = n_copied > 0;
+    for (size_t j = 0; j < cached_order_.size() && !any_gpu; ++j) any_gpu = on[cached_order_[j]] != 0;
+    double t_gpu = 0.0;
+    if (any_gpu) {
+        t_gpu = (1.0 - copy_overlap_) * t_link + act_s_;
+        // std::merge of the cached tasks (the first range) with the copied ones on (ready, rank): a copied task
+        // goes first only when strictly earlier
+        const size_t n_cached = cached_order_.size();
+        size_t a = 0;
+        int b = 0;
+        for (;;) {
+            while (a < n_cached && !on[cached_order_[a]]) ++a;
+            if (a == n_cached) {
+                for (; b < n_copied; ++b) t_gpu = std::max(t_gpu, copy_end_[b]) + gpu_s_[copy_rank_[b]];
+                break;
+            }
+            if (b < n_copied && (copy_end_[b] < cached_ready_[a] ||
+                                 (copy_end_[b] == cached_ready_[a] && copy_rank_[b] < cached_order_[a]))) {
+                t_gpu = std::max(t_gpu, copy_end_[b]) + gpu_s_[copy_rank_[b]];
+                ++b;
+            } else {
+                t_gpu = std::max(t_gpu, cached_ready_[a]) + gpu_s_[cached_order_[a]];
+                ++a;
+            }
+        }
+    }
+    if (any_cpu) t_cpu += (1.0 - cpu_copy_overlap_) * (t_link - pcie_free_s_);
+    return std::max(t_cpu, t_gpu);
+}
+
 std::vector<uint8_t> assign_pairs(const LayerInput & in, const SchedulePlan & plan, const int32_t * ids,
                                   int n_tokens, int top_k) {
     if (plan.on_gpu.size() != in.size()) {
@@ -242,9 +359,22 @@ void HybriMoEScheduler::greedy_ordered(const LayerInput & in, const CostModel & 
                                        const std::vector<int32_t> & desc, std::vector<uint8_t> & on_gpu) {
     const int k = static_cast<int>(in.size());
     on_gpu.assign(k, 0);
-    done_.assign(k, 0);
+    // Per position j of the load-ascending order: LayerInput index, cached flag, done flag and the two compute
+    // costs, read by position so that the scans below touch one array each (the costs are the same calls,
+    // made once).
     by_load_asc_.assign(desc.rbegin(), desc.rend());
-    const std::vector<int32_t> & asc = by_load_asc_;
+    const int32_t * asc = by_load_asc_.data();
+    done_.assign(k, 0);
+    cached_asc_.resize(k);
+    cpu_asc_.resize(k);
+    gpu_asc_.resize(k);
+    for (int j = 0; j < k; ++j) {
+        cached_asc_[j] = in.cached[asc[j]] != 0;
+        cpu_asc_[j] = cost.cpu(in.loads[asc[j]]);
+        gpu_asc_[j] = cost.gpu(in.loads[asc[j]]);
+    }
+    uint8_t * done = done_.data();
+    const uint8_t * cached = cached_asc_.data();
 
     const double inf = std::numeric_limits<double>::infinity();
     const double h2d = cost.h2d(in.expert_bytes);
@@ -255,24 +385,25 @@ void HybriMoEScheduler::greedy_ordered(const LayerInput & in, const CostModel & 
     bool cpu_started = false, gpu_started = false;
 
     for (int remaining = k; remaining > 0; --remaining) {
-        while (p_cpu_unc < k && (done_[asc[p_cpu_unc]] || in.cached[asc[p_cpu_unc]])) ++p_cpu_unc;
-        while (p_cpu_cached < k && (done_[asc[p_cpu_cached]] || !in.cached[asc[p_cpu_cached]])) ++p_cpu_cached;
-        while (p_gpu >= 0 && (done_[asc[p_gpu]] || !in.cached[asc[p_gpu]])) --p_gpu;
-        while (p_pcie >= 0 && (done_[asc[p_pcie]] || in.cached[asc[p_pcie]])) --p_pcie;
+        while (p_cpu_unc < k && (done[p_cpu_unc] || cached[p_cpu_unc])) ++p_cpu_unc;
+        while (p_cpu_cached < k && (done[p_cpu_cached] || !cached[p_cpu_cached])) ++p_cpu_cached;
+        while (p_gpu >= 0 && (done[p_gpu] || !cached[p_gpu])) --p_gpu;
+        while (p_pcie >= 0 && (done[p_pcie] || cached[p_pcie])) --p_pcie;
 
-        const int c = p_cpu_unc < k ? asc[p_cpu_unc] : (p_cpu_cached < k ? asc[p_cpu_cached] : -1);
-        const int g = p_gpu >= 0 ? asc[p_gpu] : -1;
-        const int p = p_pcie >= 0 ? asc[p_pcie] : -1;
+        // positions in the ascending order (-1: none left)
+        const int c = p_cpu_unc < k ? p_cpu_unc : (p_cpu_cached < k ? p_cpu_cached : -1);
+        const int g = p_gpu;
+        const int p = p_pcie;
         // the copy queue (so far) delays the GPU on a device that cannot compute while it copies
         const double gpu_base = std::max(gpu_started ? t_gpu : gpu_start, cost.copy_blocking(t_link) + gpu_start);
 
         // the CPU's work so far plus what this layer's copies so far cost it (cpu_copy_overlap < 1)
         const double cpu_block = cost.cpu_copy_blocking(t_link - in.pcie_free_s);
-        const double f_gpu = g >= 0 ? std::max(gpu_base, in.ready_s[g]) + cost.gpu(in.loads[g]) : inf;
+        const double f_gpu = g >= 0 ? std::max(gpu_base, in.ready_s[asc[g]]) + gpu_asc_[g] : inf;
         const double f_cpu =
-            c >= 0 ? t_cpu + cpu_block + (cpu_started ? 0.0 : cost.cpu_startup_s) + cost.cpu(in.loads[c]) : inf;
+            c >= 0 ? t_cpu + cpu_block + (cpu_started ? 0.0 : cost.cpu_startup_s) + cpu_asc_[c] : inf;
         const double copy_end = t_link + h2d;
-        double f_pcie = p >= 0 ? std::max(gpu_base, copy_end) + cost.gpu(in.loads[p]) : inf;
+        double f_pcie = p >= 0 ? std::max(gpu_base, copy_end) + gpu_asc_[p] : inf;
         // a copy that costs the CPU time is judged by the later of the two ends it makes
         if (p >= 0 && cpu_started && cost.cpu_copy_overlap < 1.0) {
             f_pcie = std::max(f_pcie, t_cpu + cpu_block + cost.cpu_copy_blocking(h2d));
@@ -282,18 +413,18 @@ void HybriMoEScheduler::greedy_ordered(const LayerInput & in, const CostModel & 
         if (f_gpu <= f_cpu && f_gpu <= f_pcie) {
             t_gpu = f_gpu;
             gpu_started = true;
-            on_gpu[g] = 1;
-            done_[g] = 1;
+            on_gpu[asc[g]] = 1;
+            done[g] = 1;
         } else if (f_cpu <= f_pcie) {
             t_cpu = f_cpu - cpu_block;
             cpu_started = true;
-            done_[c] = 1;
+            done[c] = 1;
         } else {
             t_link = copy_end;
             t_gpu = f_pcie;
             gpu_started = true;
-            on_gpu[p] = 1;
-            done_[p] = 1;
+            on_gpu[asc[p]] = 1;
+            done[p] = 1;
         }
     }
 }
@@ -309,14 +440,34 @@ void HybriMoEScheduler::plan(const LayerInput & in, const CostModel & cost, Sche
     greedy_ordered(in, cost, by_load_desc_, trial_);
     evaluate_ordered(in, cost, trial_, by_load_desc_, out);
     out.method = "greedy";
-    // Documented improvement over the paper: never worse than either trivial plan.
+    // Documented improvement over the paper: never worse than either trivial plan. The trivial plans' makespans
+    // come from the evaluator; the plan is built only for one that wins (strictly shorter, as before).
+    eval_.prepare(in, cost, by_load_desc_);
     for (int trivial = 0; trivial < 2; ++trivial) {
         trial_.assign(in.size(), static_cast<uint8_t>(trivial));
-        if (evaluate_ordered(in, cost, trial_, by_load_desc_, scratch_) < out.makespan_s) {
-            std::swap(out, scratch_);
+        if (eval_.makespan(trial_.data()) < out.makespan_s) {
+            evaluate_ordered(in, cost, trial_, by_load_desc_, out);
             out.method = trivial ? "all_gpu" : "all_cpu";
         }
     }
+}
+
+double HybriMoEScheduler::makespan(const LayerInput & in, const CostModel & cost) {
+    order_by_load_desc(in, by_load_desc_);
+    return makespan(in, cost, by_load_desc_);
+}
+
+double HybriMoEScheduler::makespan(const LayerInput & in, const CostModel & cost, const std::vector<int32_t> & desc) {
+    // plan()'s three candidates, makespans only: the same first minimum (strictly shorter replaces)
+    greedy_ordered(in, cost, desc, trial_);
+    eval_.prepare(in, cost, desc);
+    double best = eval_.makespan(trial_.data());
+    for (int trivial = 0; trivial < 2; ++trivial) {
+        trial_.assign(in.size(), static_cast<uint8_t>(trivial));
+        const double m = eval_.makespan(trial_.data());
+        if (m < best) best = m;
+    }
+    return best;
 }
 
 void CpuUncachedScheduler::split(const LayerInput & in, const CostModel &, std::vector<uint8_t> & on_gpu) {
@@ -357,11 +508,9 @@ void ExhaustiveScheduler::plan(const LayerInput & in, const CostModel & cost, Sc
         uint32_t best_mask = 0;
         double best = std::numeric_limits<double>::infinity();
         trial_.assign(k, 0);
+        eval_.prepare(in, cost, order_);
         for (uint32_t mask = 0; mask < (1u << k); ++mask) {
-            for (size_t i = 0; i < k; ++i) {
-                trial_[i] = static_cast<uint8_t>((mask >> i) & 1u);
-            }
-            const double m = evaluate_ordered(in, cost, trial_, order_, scratch_);
+            const double m = eval_.makespan_mask(mask);
             if (m < best) {
                 best = m;
                 best_mask = mask;
@@ -378,11 +527,12 @@ void ExhaustiveScheduler::plan(const LayerInput & in, const CostModel & cost, Sc
     start_.plan(in, cost, out);
     trial_ = out.on_gpu;
     double best = out.makespan_s;
+    eval_.prepare(in, cost, order_);
     for (int pass = 0; pass < 32; ++pass) {
         bool improved = false;
         for (size_t i = 0; i < k; ++i) {
             trial_[i] ^= 1u;
-            const double m = evaluate_ordered(in, cost, trial_, order_, scratch_);
+            const double m = eval_.makespan(trial_.data());
             if (m < best * (1.0 - 1e-12)) {
                 best = m;
                 improved = true;

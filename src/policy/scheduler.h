@@ -45,6 +45,10 @@ struct SchedulePlan {
     std::string method;                  ///< which plan won: "greedy", "all_cpu", "all_gpu", "exhaustive", ...
 };
 
+/// Indices 0..k-1 of `in`'s experts by load descending, ties by expert id ascending: the order every evaluation
+/// and the greedy split work in.
+void load_descending_order(const LayerInput & in, std::vector<int32_t> & idx);
+
 /// Predicted timeline of a given split `on_gpu` (size k), filling `out` (method untouched).
 /// CPU experts run back to back (start-up paid once); uncached GPU experts are copied highest load first from
 /// `pcie_free_s` (Johnson's rule with equal copy times, so that order is optimal); the GPU pays one activation
@@ -61,6 +65,37 @@ double evaluate_plan(const LayerInput & in, const CostModel & cost, const std::v
 /// Throws std::invalid_argument on an id not among in.experts.
 std::vector<uint8_t> assign_pairs(const LayerInput & in, const SchedulePlan & plan, const int32_t * ids,
                                   int n_tokens, int top_k);
+
+/// The makespan evaluate_plan would give, without building the plan: for searches that try many splits of one
+/// layer input (ExhaustiveScheduler, HybriMoEScheduler's best-of, ImpactPrefetcher's gains). prepare() fixes the
+/// input, the cost model and the load-descending order; makespan() then takes a split and does the same floating-
+/// point operations in the same order as evaluate_plan (so the value is bit-identical), from per-rank costs
+/// computed once and without allocating. The input must not change between prepare() and makespan().
+class MakespanEvaluator {
+public:
+    /// `desc`: the input's indices by load descending, ties by expert id ascending (evaluate_plan's order).
+    void prepare(const LayerInput & in, const CostModel & cost, const std::vector<int32_t> & desc);
+    /// evaluate_plan(in, cost, on_gpu, plan).makespan_s for on_gpu[i] (per LayerInput index, 1 = GPU).
+    double makespan(const uint8_t * on_gpu);
+    /// The same for the split whose bit i (of LayerInput index i) is 1 for the GPU (k <= 32).
+    double makespan_mask(uint32_t mask);
+
+private:
+    // the split by rank (position in desc): on_rank_[r] = 1 for the GPU
+    double makespan_ranked();
+
+    std::vector<int32_t> index_;          // LayerInput index of each rank
+    std::vector<double> cpu_s_, gpu_s_;   // cost.cpu(load), cost.gpu(load) per rank
+    std::vector<int32_t> uncached_;       // ranks of the uncached experts, ascending
+    std::vector<int32_t> cached_desc_;    // ranks of the cached experts, descending
+    std::vector<int32_t> cached_order_;   // ranks of the cached experts by (ready_s, rank) ascending
+    std::vector<double> cached_ready_;    // their ready times, in that order
+    std::vector<uint8_t> on_rank_;        // scratch: the split by rank
+    std::vector<double> copy_end_;        // scratch: copy ends of the split's copied experts, in rank order
+    std::vector<int32_t> copy_rank_;      // scratch: their ranks
+    double pcie_free_s_ = 0.0, h2d_s_ = 0.0, act_s_ = 0.0, cpu_startup_s_ = 0.0;
+    double copy_overlap_ = 1.0, cpu_copy_overlap_ = 1.0;
+};
 
 /// A scheduling policy: decides the CPU/GPU split of one layer. Subclass and override `split`
 /// (also from Python via hybrimoe.SchedulePolicy); `plan` evaluates the split with `evaluate_plan`.
@@ -85,6 +120,11 @@ public:
     std::string name() const override { return "hybrimoe"; }
     void split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu) override;
     void plan(const LayerInput & in, const CostModel & cost, SchedulePlan & out) override;
+    /// plan(in, cost, p).makespan_s without building the plan (bit-identical; ImpactPrefetcher's gains).
+    double makespan(const LayerInput & in, const CostModel & cost);
+    /// The same with `desc`, the input's load_descending_order (for a caller that evaluates one set of loads
+    /// under several cache states).
+    double makespan(const LayerInput & in, const CostModel & cost, const std::vector<int32_t> & desc);
     /// The greedy split alone (no best-of), for ablations and tests.
     void greedy_split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu);
 
@@ -95,9 +135,12 @@ private:
 
     std::vector<int32_t> by_load_desc_;
     std::vector<int32_t> by_load_asc_;
-    std::vector<uint8_t> done_;
+    std::vector<uint8_t> done_;         // greedy_ordered: per load-ascending position
+    std::vector<uint8_t> cached_asc_;   // greedy_ordered: cached flag per load-ascending position
+    std::vector<double> cpu_asc_, gpu_asc_;  // greedy_ordered: cost.cpu / cost.gpu per load-ascending position
     std::vector<uint8_t> trial_;
     SchedulePlan scratch_;
+    MakespanEvaluator eval_;
 };
 
 /// kTransformers-style: cached experts on the GPU, every uncached expert on the CPU, nothing copied.
@@ -144,6 +187,7 @@ private:
     HybriMoEScheduler start_;
     SchedulePlan scratch_;
     std::vector<uint8_t> trial_;
+    MakespanEvaluator eval_;
 };
 
 /// Builds a scheduler by name: "hybrimoe", "ktransformers", "gpu-on-demand", "upstream-ncmoe"
