@@ -5,8 +5,8 @@ a CPU-type device that ggml skips by default, visible as ``Vulkan0``) once, when
 process itself must keep the devices it started with. Each cold process compiles Vulkan pipelines (about 18 s
 on lavapipe, a few with a warm ``MESA_SHADER_CACHE_DIR``), so one process serves all cases of one model.
 
-Usage: ``python _vulkan_cases.py SPEC.json OUT.json``. SPEC: ``{"arch", "quant", "work" (a folder), "cost"
-(a cost model file), "cases": [{"id", "kind" ("case", "control" or "repeat"), "cache", "policy", "ubatch",
+Usage: ``python _vulkan_cases.py SPEC.json OUT.json``. SPEC: ``{"arch", "quant", "seed" (of the fixture), "work"
+(a folder), "cost" (a cost model file), "cases": [{"id", "kind" ("case", "control" or "repeat"), "cache", "policy", "ubatch",
 "n_prompt", "max_buffer_bytes" (0: the device's cap)}], "n_gen"}``. OUT: ``{"devices": [...], "accelerator",
 "cases": [{"id", "same_tokens", "nmse", "gpu_experts", "cpu_experts", "slot_buffers", "failed", "error",
 "tokens", "seconds"}], "error"}``. The oracle of a case is upstream llama.cpp with the same placement on the
@@ -51,7 +51,8 @@ def main(spec_path: str, out_path: str) -> int:
             save()
             return 1
         arch, quant, work = spec["arch"], spec["quant"], Path(spec["work"])
-        path = make_tiny_model(work / f"vk-{arch}-{quant}.gguf", **fixture_set()[(arch, quant)])
+        path = make_tiny_model(work / f"vk-{arch}-{quant}.gguf",
+                               **dict(fixture_set()[(arch, quant)], seed=int(spec.get("seed", 0))))
         facts = engine_facts(path)
         n_gen = int(spec.get("n_gen", 32))
         refs: dict = {}
@@ -85,6 +86,7 @@ def main(spec_path: str, out_path: str) -> int:
                         llm.moe_engine.set_drop_gpu_share(True)
                     res["slot_buffers"] = llm.moe_engine.slot_buffers
                     res["n_slots"] = llm.moe_engine.n_slots
+                    res["n_expert"] = facts.n_expert
                     res["host_buffer_type"] = llm.moe_setup.host_buffer_type
                     res["device"] = llm.moe_setup.device_label
                     out_t, lg = greedy_with_logits(llm, tokens, n_gen)

@@ -28,6 +28,23 @@ POLICIES = ["hybrimoe", "hybrimoe-lru", "ktransformers", "hot-set", "upstream-nc
 UBATCHES = [1, 48]
 N_GEN = 32
 TOL_NMSE = 1e-3
+# Fixture seeds (hybrimoe.tiny.make_tiny_model): deepseek2 Q4_K_M's default seed 0 is numerically fragile on
+# Vulkan, so that upstream alone is no oracle there: its own runs of one 9-token prompt in ubatches of 1 and of 9
+# differ by a logit NMSE of 1.1 (and both from the CPU's by 1.6 or more), while on the CPU they agree to 7e-5; with
+# seed 1 upstream's ubatch 1 and 9 runs agree to 2e-5 and the CPU's to 7e-5 (measured on lavapipe). On the RPC
+# stand-in the engine matches upstream bit for bit with seed 0 too.
+SEEDS = {("deepseek2", "Q4_K_M"): 1}
+# Planner costs with the CPU's and the GPU's per-expert costs alike (seconds, bytes/s; schema hybrimoe.cost_model/1),
+# so that HybriMoE's split (§IV.B) uses both sides in decode too: under tests/conftest.py's SPLIT_COST the tiny
+# experts all go to the GPU in single-token ubatches on Vulkan.
+VULKAN_COST = {"schema": "hybrimoe.cost_model/1", "cpu_a_s": 1e-4, "cpu_b_s": 1e-5, "cpu_startup_s": 1e-5,
+               "gpu_a_s": 1e-4, "gpu_b_s": 1e-6, "h2d_bandwidth_Bps": 2e8, "h2d_latency_s": 2e-5,
+               "act_a_s": 5e-5, "act_b_s": 1e-7, "layer_a_s": 1e-4, "layer_b_s": 1e-6, "dense_a_s": 1e-4,
+               "dense_b_s": 1e-6}
+# presets that never run a resident expert on the CPU: with every expert cached (100%) their CPU share is empty
+STATIC = {"ktransformers", "hot-set", "upstream-ncmoe"}
+# presets that cache whole MoE layers (leading or last ones)
+WHOLE_LAYERS = {"ktransformers", "upstream-ncmoe"}
 WORKER = Path(__file__).with_name("_vulkan_cases.py")
 
 
@@ -84,17 +101,20 @@ def _case_ids(kind: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def vulkan_results(tmp_path_factory, split_cost_model) -> dict:
+def vulkan_results(tmp_path_factory) -> dict:
     """Runs every model's cases (one worker process per model, one after another) and returns {case id: result}."""
     from hybrimoe.engine import engine_facts
     from hybrimoe.tiny import fixture_set, make_tiny_model
 
     work = tmp_path_factory.mktemp("vulkan")
+    cost = work / "vulkan-cost.json"
+    cost.write_text(json.dumps(VULKAN_COST))
     env = dict(os.environ, GGML_VK_VISIBLE_DEVICES="0", HYBRIMOE_AUTO_CALIBRATE="0",
                MESA_SHADER_CACHE_DIR=os.environ.get("MESA_SHADER_CACHE_DIR") or str(work / "mesa-shader-cache"))
     results: dict = {"_workers": {}}
     for (arch, quant), cases in _cases().items():
-        path = make_tiny_model(work / f"vk-{arch}-{quant}.gguf", **fixture_set()[(arch, quant)])
+        seed = SEEDS.get((arch, quant), 0)
+        path = make_tiny_model(work / f"vk-{arch}-{quant}.gguf", **dict(fixture_set()[(arch, quant)], seed=seed))
         sb = engine_facts(path).slot_bytes
         for c in cases:
             if c.get("split"):
@@ -102,8 +122,8 @@ def vulkan_results(tmp_path_factory, split_cost_model) -> dict:
                 c["max_buffer_bytes"] = (c["split"] + 1) * sb + 3 * 256
         spec = work / f"{arch}-{quant}.spec.json"
         out = work / f"{arch}-{quant}.out.json"
-        spec.write_text(json.dumps(dict(arch=arch, quant=quant, work=str(work), cost=split_cost_model, n_gen=N_GEN,
-                                        cases=cases)))
+        spec.write_text(json.dumps(dict(arch=arch, quant=quant, seed=seed, work=str(work), cost=str(cost),
+                                        n_gen=N_GEN, cases=cases)))
         r = subprocess.run([sys.executable, str(WORKER), str(spec), str(out)], env=env, capture_output=True,
                            text=True, timeout=900)
         doc = json.loads(out.read_text()) if out.exists() else {"cases": [], "error": "no output"}
@@ -139,10 +159,12 @@ def test_vulkan_matches_upstream(vulkan_results, case_id):
     assert res["finite"] and not res["failed"], res
     assert res["same_tokens"] and res["n_tokens"] == N_GEN, res
     assert res["nmse"] <= TOL_NMSE, res
-    assert res["gpu_experts"] > 0, res
-    if "gpu-on-demand" in case_id:
-        assert res["cpu_experts"] == 0, res  # that policy computes nothing on the CPU
-    else:
+    case = next(c for cs in _cases().values() for c in cs if c["id"] == case_id)
+    # the whole-layer presets keep nothing on the GPU when the cache holds less than one layer's experts
+    if not (case["policy"] in WHOLE_LAYERS and res["n_slots"] < res["n_expert"]):
+        assert res["gpu_experts"] > 0, res
+    # every policy that may run experts on the CPU here does (gpu-on-demand runs on the CPU only what finds no slot)
+    if case["policy"] != "gpu-on-demand" and not (case["policy"] in STATIC and case["cache"] == "100%"):
         assert res["cpu_experts"] > 0, res
 
 
@@ -174,7 +196,7 @@ def test_vulkan_pool_split_over_buffers(vulkan_results, case_id):
     assert res["gpu_experts"] > 0, res
 
 
-def test_vulkan_bench(tmp_path, vulkan_results):
+def test_vulkan_bench(tmp_path):
     """``hybrimoe bench`` on the Vulkan device (no speed claim on lavapipe): a row per mode, the same tokens in
     each, the device named in its JSON."""
     from hybrimoe.tiny import fixture_set, make_tiny_model
@@ -185,7 +207,8 @@ def test_vulkan_bench(tmp_path, vulkan_results):
     env.setdefault("MESA_SHADER_CACHE_DIR", str(tmp_path / "mesa-shader-cache"))
     r = subprocess.run([sys.executable, "-m", "hybrimoe", "bench", "-m", str(path), "--moe-cache", "50%", "-p", "16",
                         "-n", "4", "-r", "1", "--upstream", "exps", "--policies", "hybrimoe,gpu-on-demand",
-                        "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                        "--json", str(out)], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path)  # not the checkout: `-m` would import its uninstalled hybrimoe
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert "llvmpipe" in doc["device"] or "Vulkan" in doc["device"], doc["device"]
