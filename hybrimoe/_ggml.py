@@ -237,8 +237,10 @@ def device_label(ptr: int | None) -> str:
 
 
 def buffer_type(name: str) -> int:
-    """The default buffer type of a device, by its name as upstream's ``-ot`` accepts it (``CPU``, ``CUDA0``,
-    ``RPC0[host:port]``...), case-sensitive.
+    """A buffer type by its name: a device's default one as upstream's ``-ot`` accepts it (``CPU``, ``CUDA0``,
+    ``RPC0[host:port]``...: common/arg.cpp ``parse_tensor_buffer_overrides``), else a device's pinned host buffer
+    type (``CUDA_Host``, ``Vulkan_Host``: ``ggml_backend_dev_host_buffer_type``), where hybrimoe's engine keeps the
+    routed experts. Case-sensitive.
 
     Raises:
         ValueError: no device has a buffer type of that name (the message lists the known names).
@@ -247,5 +249,16 @@ def buffer_type(name: str) -> int:
     for d in devs:
         if d["buft_name"] == name:
             return d["buft"]
-    known = ", ".join(sorted({d["buft_name"] for d in devs}))
+    g = libggml()
+    fn = g.ggml_backend_dev_host_buffer_type
+    fn.argtypes = [_p]
+    fn.restype = _p
+    hosts = {}
+    for d in devs:
+        hb = fn(d["ptr"])
+        if hb:
+            hosts[g.ggml_backend_buft_name(hb).decode()] = hb
+    if name in hosts:
+        return hosts[name]
+    known = ", ".join(sorted({d["buft_name"] for d in devs} | set(hosts)))
     raise ValueError(f"unknown buffer type {name!r} in a tensor override; known: {known}")

@@ -379,10 +379,13 @@ def run(args) -> int:
         server = RPCServer(threads=args.threads or 1).start()
         endpoint = server.endpoint
         print(f"hybrimoe bench: RPC stand-in at {endpoint} (the same CPU: no speed claim)", file=sys.stderr)
+    device = endpoint
     if not endpoint:
         from . import _ggml
 
-        if not any(d["type"] in (_ggml.DEV_GPU, _ggml.DEV_IGPU) for d in _ggml.devices(memory=False)):
+        gpu = _ggml.accelerator([])
+        device = _ggml.device_label(gpu) if gpu else None
+        if not device:
             print("hybrimoe bench: error: no GPU found: give --rpc HOST:PORT (a ggml-rpc-server) or --stand-in",
                   file=sys.stderr)
             return 1
@@ -451,7 +454,7 @@ def run(args) -> int:
         print(f"simulator replay of the engine's decisions: {len(checked) - len(bad)}/{len(checked)} policies agree "
               "exactly" + (f"; differ: {', '.join(bad)}" if bad else ""))
     doc = dict(model=os.fspath(args.model), moe_cache=str(args.moe_cache), budget_bytes=budget,
-               slot_bytes=facts.slot_bytes, n_slots=n_slots, device=endpoint or "first GPU",
+               slot_bytes=facts.slot_bytes, n_slots=n_slots, device=device,
                stand_in=bool(server), replay_trace=args.replay_trace, moe_profile=args.moe_profile, rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2))

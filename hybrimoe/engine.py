@@ -327,7 +327,9 @@ def device_memory(device_ptr: int) -> tuple[int, int]:
 
 def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], policies: pol.PolicySet,
                 cost: "_core.CostModel", prefetch_layers: int):
-    """Builds the ``hybrimoe._engine.Engine``.
+    """Builds the ``hybrimoe._engine.Engine``. The slot pool is split over as many device buffers as the device's
+    max buffer size needs (``Engine.slot_buffers``); ``$HYBRIMOE_MAX_BUFFER_BYTES`` (bytes, > 0) caps one buffer
+    lower still, to exercise the split on a device without a cap (the RPC stand-in, CUDA).
 
     Raises:
         ValueError: the slot pool does not fit in the device's free memory, or no device for a non-empty cache.
@@ -350,7 +352,25 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         device=int(device_ptr or 0), cost_model=cost,
         prefetch_layers=int(prefetch_layers), fill_on_miss=policies.fill_on_miss, routers=facts.routers,
         router_bias=facts.router_bias, sigmoid_gating=facts.sigmoid_gating, cache=policies.cache,
-        scheduler=policies.scheduler, prefetcher=policies.prefetcher)
+        scheduler=policies.scheduler, prefetcher=policies.prefetcher, max_buffer_bytes=max_buffer_bytes())
+
+
+def max_buffer_bytes() -> int:
+    """``$HYBRIMOE_MAX_BUFFER_BYTES`` as bytes (0 when unset: the device's own cap only).
+
+    Raises:
+        ValueError: set to something other than a positive integer.
+    """
+    raw = os.environ.get("HYBRIMOE_MAX_BUFFER_BYTES", "").strip()
+    if not raw:
+        return 0
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"HYBRIMOE_MAX_BUFFER_BYTES must be a positive number of bytes, got {raw!r}")
+    return n
 
 
 def gpu_work_bytes(facts: EngineFacts, n_ubatch: int) -> int:

@@ -491,6 +491,7 @@ class Llama(llama_cpp.Llama):
                 "profile": st.profile_source,
                 "n_slots": self._moe.engine.n_slots,
                 "slot_bytes": self._moe.engine.slot_bytes,
+                "slot_buffers": self._moe.engine.slot_buffers,
                 "hit_rate": cs.hit_rate,
                 "cache": {"accesses": cs.accesses, "hits": cs.demand_hits + cs.prefetch_hits,
                           "prefetch_hits": cs.prefetch_hits, "misses": cs.misses, "admissions": cs.admissions,

@@ -116,6 +116,8 @@ Args:
     expert_types: per MoE layer, ggml type ids of the (gate, up, down) matrices.
     n_slots: GPU expert slots (0: everything on the CPU).
     device: ggml_backend_dev_t as an int (0 when n_slots is 0).
+    max_buffer_bytes: bytes one slot buffer may hold at most (0: the device's max buffer size,
+        ggml_backend_buft_get_max_size); a larger pool is split over several device buffers.
     cost_model: hybrimoe._core.CostModel, the planner's costs (seconds, bytes/s), copied.
     prefetch_layers: MoE layers predicted ahead (0: none); a prediction at distance d is taken to be right with
         probability hybrimoe._core.DEFAULT_PREDICTION_CONFIDENCE[d - 1] (the last value beyond).
@@ -137,7 +139,7 @@ Raises:
                          std::vector<py::array_t<float, py::array::c_style | py::array::forcecast>> router_bias,
                          bool sigmoid_gating, std::shared_ptr<hybrimoe::ExpertCache> cache,
                          std::shared_ptr<hybrimoe::SchedulePolicy> scheduler,
-                         std::shared_ptr<hybrimoe::PrefetchPolicy> prefetcher) {
+                         std::shared_ptr<hybrimoe::PrefetchPolicy> prefetcher, int64_t max_buffer_bytes) {
                  EngineConfig c;
                  c.n_layer = n_layer;
                  c.n_expert = n_expert;
@@ -148,6 +150,7 @@ Raises:
                  c.expert_types = std::move(expert_types);
                  c.n_slots = n_slots;
                  c.device = reinterpret_cast<ggml_backend_dev_t>(device);
+                 c.max_buffer_bytes = max_buffer_bytes;
                  c.cost = cost_model;  // a copy: later changes to the Python object do not reach the engine
                  c.prefetch_layers = prefetch_layers;
                  c.fill_on_miss = fill_on_miss;
@@ -163,7 +166,8 @@ Raises:
              py::arg("n_layer"), py::arg("n_expert"), py::arg("top_k"), py::arg("n_embd"), py::arg("moe_layers"),
              py::arg("expert_bytes"), py::arg("expert_types"), py::arg("n_slots"), py::arg("device"), py::arg("cost_model"),
              py::arg("prefetch_layers"), py::arg("fill_on_miss"), py::arg("routers"), py::arg("router_bias"),
-             py::arg("sigmoid_gating"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"))
+             py::arg("sigmoid_gating"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"),
+             py::arg("max_buffer_bytes") = 0)
         .def_static("slot_bytes_for", &Engine::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
                     "Bytes of one GPU slot for these per-layer (gate, up, down) expert sizes and ggml types: per "
                     "kind the largest matrix, rounded up to a multiple of 16 and of the kind's block sizes.")
@@ -190,6 +194,10 @@ Raises:
              "Negative control for tests: replace the GPU share's outputs by zeros.")
         .def("pinned_count", &Engine::pinned_count, "(layer, expert) keys pinned now.")
         .def("slots_in_use", &Engine::slots_in_use, "GPU slots holding an expert.")
+        .def_property_readonly("slot_buffers", &Engine::slot_buffers,
+                               "Device buffers the slot pool is split over (the device caps one buffer; 0: no slots).")
+        .def_property_readonly("slots_per_buffer", &Engine::slots_per_buffer,
+                               "Slots per slot buffer (the last may hold fewer; 0: no slots).")
         .def("layer_stats", [](const Engine & e) {
                 py::list out;
                 for (const auto & s : e.layer_stats()) {

@@ -171,7 +171,7 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
 
     if (cfg_.n_slots == 0) return;
     if (!cfg_.device) throw std::invalid_argument("engine: a device is required for a non-empty expert cache");
-    pool_.open(cfg_.device, cfg_.n_slots);
+    pool_.open(cfg_.device, cfg_.n_slots, cfg_.max_buffer_bytes);
     gpu_.reset(new GpuShare(pool_, cfg_.n_embd));
     // experts already resident in the cache (an initial fill) get slots now and are copied at first use
     for (int64_t key : cache_->resident_keys()) {
@@ -324,45 +324,55 @@ void Engine::launch_gpu_share(ggml_tensor * dst, LayerRun & run, const std::vect
     const int ml = run.ml;
     const int E = cfg_.n_expert;
     // part per activated expert: 1 = resident and copied before this layer (launch 0), 2 = loaded now or still
-    // in flight by the estimate (launch 1, which waits only for its own copies)
+    // in flight by the estimate (launch 1, which waits only for its own copies); each part makes one launch per slot
+    // buffer its experts lie in
+    const int n_bufs = pool_.n_buffers();
     std::vector<uint8_t> part(in.size(), 0);
     uint64_t seq[2] = {0, 0};
-    int64_t n_pairs[2] = {0, 0};
+    std::vector<int64_t> n_pairs((size_t) (2 * n_bufs), 0);  // [part][slot buffer]
     for (size_t i = 0; i < in.size(); ++i) {
         if (!on_gpu[i]) continue;
         part[i] = in.cached[i] && in.ready_s[i] <= 0.0 ? 1 : 2;
         seq[part[i] - 1] = std::max(seq[part[i] - 1], pool_.copy_seq((int64_t) ml * E + in.experts[i]));
-        n_pairs[part[i] - 1] += in.loads[i];
+        const int b = pool_.buffer_of(pool_.slot_of(ml, in.experts[i]));
+        n_pairs[(size_t) ((part[i] - 1) * n_bufs + b)] += in.loads[i];
     }
     const ExpertMatrices & lt = tensors_[(size_t) ml];
     token_row_.resize((size_t) T);
-    int32_t out_row = 0;  // row of the wait op's output: launch 0's pairs, then launch 1's
+    int32_t out_row = 0;  // row of the wait op's output: the launches' pairs in launch order
     for (int li = 0; li < 2; ++li) {
-        if (n_pairs[li] == 0) continue;
-        GpuShare::Launch & l = gpu_->prepare(lt.gate, lt.up, lt.down, n_pairs[li], li);
-        std::fill(token_row_.begin(), token_row_.end(), -1);
-        // pairs in (token, rank) order: every GPU expert gets its rows in upstream's order
-        for (int64_t t = 0; t < T; ++t) {
-            int32_t * cpu = plane(dst, 0, t);
-            int32_t * gpu = plane(dst, 1, t);
-            for (int64_t j = 0; j < k; ++j) {
-                const int32_t e = ids_[(size_t) (t * k + j)];
-                if (part[(size_t) expert_pos_[(size_t) e]] != li + 1) continue;
-                if (token_row_[(size_t) t] < 0) {
-                    token_row_[(size_t) t] =
-                        gpu_->add_row(l, (const float *) ((const char *) x->data + t * x->nb[2]));
+        bool waited = false;
+        for (int b = 0; b < n_bufs; ++b) {
+            const int64_t np = n_pairs[(size_t) (li * n_bufs + b)];
+            if (np == 0) continue;
+            GpuShare::Launch & l = gpu_->prepare(lt.gate, lt.up, lt.down, np, li, b);
+            std::fill(token_row_.begin(), token_row_.end(), -1);
+            // pairs in (token, rank) order: every GPU expert gets its rows in upstream's order
+            for (int64_t t = 0; t < T; ++t) {
+                int32_t * cpu = plane(dst, 0, t);
+                int32_t * gpu = plane(dst, 1, t);
+                for (int64_t j = 0; j < k; ++j) {
+                    const int32_t e = ids_[(size_t) (t * k + j)];
+                    if (part[(size_t) expert_pos_[(size_t) e]] != li + 1) continue;
+                    const int32_t slot = pool_.slot_of(ml, e);
+                    if (pool_.buffer_of(slot) != b) continue;
+                    if (token_row_[(size_t) t] < 0) {
+                        token_row_[(size_t) t] =
+                            gpu_->add_row(l, (const float *) ((const char *) x->data + t * x->nb[2]));
+                    }
+                    gpu_->add_pair(l, token_row_[(size_t) t], pool_.local_slot(slot), weights_[(size_t) (t * k + j)]);
+                    cpu[j] = -1;  // not computed by the CPU share (hybrimoe's ggml-cpu skips it)
+                    gpu[j] = out_row++;
                 }
-                gpu_->add_pair(l, token_row_[(size_t) t], pool_.slot_of(ml, e), weights_[(size_t) (t * k + j)]);
-                cpu[j] = -1;  // not computed by the CPU share (hybrimoe's ggml-cpu skips it)
-                gpu[j] = out_row++;
             }
+            if (!waited) pool_.wait_for_copy(seq[li]);  // a part waits only for the copies of its own experts
+            waited = true;
+            const size_t up = gpu_->run(l);
+            run.launches.push_back(&l);
+            ++launches;
+            std::lock_guard<std::mutex> lock(stats_mu_);
+            stats_[(size_t) ml].bytes_act_h2d += (double) up;
         }
-        pool_.wait_for_copy(seq[li]);  // a launch waits only for the copies of its own experts
-        const size_t up = gpu_->run(l);
-        run.launch[li] = &l;
-        ++launches;
-        std::lock_guard<std::mutex> lock(stats_mu_);
-        stats_[(size_t) ml].bytes_act_h2d += (double) up;
     }
 }
 
@@ -371,7 +381,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
     run.t_start = t_start;
     run.plan_s = 0.0;
     run.log_pos = -1;
-    run.launch[0] = run.launch[1] = nullptr;
+    run.launches.clear();
     const RoutingView routing{dst->src[0], dst->ne[0]};
     const ggml_tensor * x = dst->src[1];
     const int64_t k = dst->ne[0];
@@ -489,12 +499,11 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
 void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
     const double t0 = now();
     const double cpu0 = process_cpu_s();
-    if (run.launch[0] || run.launch[1]) {
-        // dst [n_embd, k * T]: launch 0's rows, then launch 1's, as the plan numbered them
+    if (!run.launches.empty()) {
+        // dst [n_embd, k * T]: the launches' rows in launch order, as the plan numbered them
         size_t down = 0;
         float * rows = (float *) dst->data;
-        for (GpuShare::Launch * l : run.launch) {
-            if (!l) continue;
+        for (GpuShare::Launch * l : run.launches) {
             down += gpu_->read(*l, rows);
             rows += gpu_->pairs(*l) * dst->ne[0];
         }
@@ -506,7 +515,7 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
         std::lock_guard<std::mutex> lock(stats_mu_);
         stats_[(size_t) run.ml].bytes_act_d2h += (double) down;
     }
-    run.launch[0] = run.launch[1] = nullptr;
+    run.launches.clear();
     try {
         decider_->release(run.ml);
     } catch (const std::exception & e) {

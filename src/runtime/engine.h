@@ -70,6 +70,8 @@ struct EngineConfig {
     std::vector<std::array<int32_t, 3>> expert_types;
     int64_t n_slots = 0;                   ///< GPU expert slots (0: nothing cached, everything on the CPU)
     ggml_backend_dev_t device = nullptr;   ///< accelerator holding the slot pool (needed when n_slots > 0)
+    /// bytes one slot buffer may hold at most, below the device's own cap (0: the device's max buffer size only)
+    int64_t max_buffer_bytes = 0;
     CostModel cost;                        ///< planner cost model (seconds, bytes/s)
     int prefetch_layers = 3;               ///< predicted MoE layers ahead (0: no prefetch)
     bool fill_on_miss = true;              ///< offer CPU-computed misses to the cache while the copy queue idles
@@ -89,7 +91,8 @@ struct EngineLayerStats {
     uint64_t cpu_pairs = 0, gpu_pairs = 0;           ///< (token, rank) pairs computed on each side, summed
     uint64_t demand_copies = 0, prefetch_copies = 0, fill_copies = 0;
     uint64_t declined_loads = 0;                     ///< planned loads the cache refused (ran on the CPU)
-    uint64_t gpu_runs = 0, gpu_launches = 0;         ///< runs with a GPU share; GPU graph launches (1 or 2 per run)
+    uint64_t gpu_runs = 0, gpu_launches = 0;         ///< runs with a GPU share; GPU graph launches (per run 1 or 2
+                                                     ///< per slot buffer used)
     double bytes_demand = 0, bytes_prefetch = 0, bytes_fill = 0;
     double bytes_act_h2d = 0, bytes_act_d2h = 0;     ///< GPU share inputs up, weighted outputs back (bytes)
     double plan_s = 0, wait_s = 0, layer_s = 0;      ///< seconds in plan, waiting for the GPU, plan start to wait end
@@ -155,6 +158,9 @@ public:
     int pinned_count() const;
     /// Slots holding an expert; equals the cache's resident count when the bookkeeping agrees.
     int slots_in_use() const { return pool_.slots_in_use(); }
+    /// Device buffers the slot pool is split over (0 without slots) and slots per buffer.
+    int slot_buffers() const { return pool_.n_buffers(); }
+    int64_t slots_per_buffer() const { return pool_.is_open() ? pool_.slots_per_buffer() : 0; }
 
     // ---- custom-op bodies (public for the C trampolines) ----
     struct LayerRun;
@@ -224,9 +230,10 @@ struct Engine::LayerRun {
     int il = -1;                 ///< model layer index
     int64_t k_sum = 0;           ///< ranks summed into the output (the layer's top-k, also in warm-up graphs)
     void * counters = nullptr;   ///< hook counters (LayerCounters)
-    /// launch 0: experts resident and (by the estimate) copied before this layer; launch 1: this layer's demand
-    /// loads and experts whose copy is still in flight, which waits only for their copies
-    GpuShare::Launch * launch[2] = {nullptr, nullptr};
+    /// the launches of this run, in the order of their output rows: part 0 (experts resident and, by the
+    /// estimate, copied before this layer), then part 1 (this layer's demand loads and experts whose copy is still
+    /// in flight, which waits only for their copies); within a part one launch per slot buffer used
+    std::vector<GpuShare::Launch *> launches;
     double t_start = 0.0;
     double plan_s = 0.0;
     double cpu_at_plan_end = 0.0;  ///< process CPU clock when the plan op ended (seconds)

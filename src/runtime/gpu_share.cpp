@@ -48,9 +48,9 @@ int64_t GpuShare::bucket(int64_t n) {
 int64_t GpuShare::pairs(const Launch & l) const { return l.n_pairs; }
 
 GpuShare::Launch & GpuShare::prepare(const ggml_tensor * gate, const ggml_tensor * up, const ggml_tensor * down,
-                                     int64_t max_pairs, int index) {
+                                     int64_t max_pairs, int index, int buffer) {
     const int64_t cap = bucket(max_pairs);
-    const auto key = std::make_tuple((int) gate->type, (int) up->type, (int) down->type, cap, index);
+    const auto key = std::make_tuple((int) gate->type, (int) up->type, (int) down->type, cap, index, buffer);
     auto it = graphs_.find(key);
     if (it != graphs_.end()) {
         it->second->n_pairs = it->second->n_rows = 0;
@@ -58,6 +58,7 @@ GpuShare::Launch & GpuShare::prepare(const ggml_tensor * gate, const ggml_tensor
     }
     std::unique_ptr<Launch> l(new Launch());
     l->cap = cap;
+    l->buffer = buffer;
     const int64_t D = n_embd_;
     // packed inputs: slot ids I32 [cap] | row of each pair I32 [cap] | weights F32 [cap] | hidden rows F32 [D, cap]
     l->off_rows = align_up(sizeof(int32_t) * (size_t) cap);
@@ -92,7 +93,8 @@ GpuShare::Launch & GpuShare::prepare(const ggml_tensor * gate, const ggml_tensor
     ggml_tensor * x = input_at(ctx, l->packed, GGML_TYPE_F32, D, cap, 1, l->off_x);
     ggml_tensor * xp = ggml_get_rows(ctx, x, rows);  // [D, cap]: each pair's hidden-state row
     ggml_tensor * xr = ggml_reshape_3d(ctx, xp, D, 1, cap);
-    ExpertMatrices m{pool_.region_view(ctx, gate, 0), pool_.region_view(ctx, up, 1), pool_.region_view(ctx, down, 2)};
+    ExpertMatrices m{pool_.region_view(ctx, gate, 0, buffer), pool_.region_view(ctx, up, 1, buffer),
+                     pool_.region_view(ctx, down, 2, buffer)};
     l->out = build_expert_ffn(ctx, m, xr, ids, w, "hybrimoe_gpu", (int) cap);  // [D, 1, cap]
     ggml_set_output(l->out);
     l->gf = ggml_new_graph(ctx);
@@ -122,7 +124,7 @@ void GpuShare::add_pair(Launch & l, int32_t row, int32_t slot, float weight) {
 
 size_t GpuShare::run(Launch & l) {
     // padded pairs: row 0 through the null slot, weight 0 (finite: the null slot's zeros give zeros)
-    const int32_t null_slot = pool_.null_slot(), zero_row = 0;
+    const int32_t null_slot = pool_.null_slot(l.buffer), zero_row = 0;
     const float zero = 0.0f;
     for (int64_t i = l.n_pairs; i < l.cap; ++i) {
         std::memcpy(l.stage + sizeof(int32_t) * (size_t) i, &null_slot, sizeof(null_slot));

@@ -4,7 +4,9 @@
 // fixed-shape ggml graph on the pool's compute queue: get_rows of the staged rows, then build_expert_ffn over the
 // slot pool with slot ids, weighted. Shapes are bucketed by pair count (powers of two: at most 2x padding; padded
 // pairs read row 0 through the all-zero null slot with weight 0), so graphs are reused. All of a launch's inputs
-// travel in one host-to-device transfer (one packed buffer) and its outputs in one device-to-host transfer.
+// travel in one host-to-device transfer (one packed buffer) and its outputs in one device-to-host transfer. A launch
+// reads the slots of one slot buffer (SlotPool: a pool larger than the device's max buffer size has several), so a
+// layer's GPU pairs make one launch per slot buffer they use.
 #pragma once
 
 #include "ggml-alloc.h"
@@ -34,14 +36,15 @@ public:
     /// One launch being filled, then run.
     struct Launch;
     /// A launch of at most `max_pairs` pairs over at most as many staged rows, for experts whose matrices look like
-    /// `gate`, `up`, `down` (types and shapes; the weights themselves come from the pool). Launch index 0 or 1
-    /// (a layer's two launches must not share buffers). Throws std::runtime_error when the device cannot allocate
-    /// the graph's buffers.
+    /// `gate`, `up`, `down` (types and shapes; the weights themselves come from slot buffer `buffer` of the pool).
+    /// Launch index 0 or 1 (a layer's launches must not share buffers: each (index, buffer) has its own). Throws
+    /// std::runtime_error when the device cannot allocate the graph's buffers.
     Launch & prepare(const ggml_tensor * gate, const ggml_tensor * up, const ggml_tensor * down, int64_t max_pairs,
-                     int index);
+                     int index, int buffer);
     /// Stages one hidden-state row (n_embd floats) and returns its row number in the launch.
     int32_t add_row(Launch & l, const float * x);
-    /// Stages one pair: hidden-state row `row` (from add_row) through `slot`, weighted by `weight`.
+    /// Stages one pair: hidden-state row `row` (from add_row) through `slot` (local to the launch's slot buffer:
+    /// SlotPool::local_slot), weighted by `weight`.
     void add_pair(Launch & l, int32_t row, int32_t slot, float weight);
     /// Uploads the launch's inputs (one transfer) and queues its graph; returns the bytes uploaded. Throws
     /// std::runtime_error when the device refuses the graph.
@@ -57,11 +60,12 @@ public:
 private:
     SlotPool & pool_;
     int n_embd_;
-    std::map<std::tuple<int, int, int, int64_t, int>, std::unique_ptr<Launch>> graphs_;
+    std::map<std::tuple<int, int, int, int64_t, int, int>, std::unique_ptr<Launch>> graphs_;
 };
 
 struct GpuShare::Launch {
     int64_t cap = 0;                // pair bucket
+    int buffer = 0;                 // the slot buffer it reads
     ggml_context * ctx = nullptr;   // graph and input headers (no_alloc)
     ggml_context * in_ctx = nullptr;
     ggml_backend_buffer_t in_buf = nullptr;  // the packed inputs: ids | rows | weights | hidden rows

@@ -53,9 +53,30 @@ SlotPool::SlotPool(int n_layers, int n_expert, const std::vector<std::array<int6
 
 SlotPool::~SlotPool() { release(); }
 
-void SlotPool::open(ggml_backend_dev_t device, int64_t n_slots) {
+int64_t SlotPool::region_base(int which, int64_t n) const {
+    int64_t off = 0;
+    for (int i = 0; i < which; ++i) off += pad((n + 1) * strides_[(size_t) i]);
+    return off;
+}
+
+int64_t SlotPool::slots_per_buffer_for(int64_t n_slots, int64_t max_buffer_bytes) const {
+    if (n_slots < 1) return 1;
+    if (max_buffer_bytes <= 0 || buffer_bytes_for(n_slots) <= max_buffer_bytes) return n_slots;
+    // padding adds at most 3 * kAlign bytes: start from the bound without it and step down to what fits
+    int64_t n = std::min(n_slots, max_buffer_bytes / std::max<int64_t>(slot_bytes_, 1) - 1);
+    while (n >= 1 && buffer_bytes_for(n) > max_buffer_bytes) --n;
+    if (n < 1) {
+        throw std::runtime_error("engine: one expert slot and its null slot need " +
+                                 std::to_string(buffer_bytes_for(1)) + " bytes, more than the " +
+                                 std::to_string(max_buffer_bytes) + " bytes one device buffer may hold");
+    }
+    return n;
+}
+
+void SlotPool::open(ggml_backend_dev_t device, int64_t n_slots, int64_t max_buffer_bytes) {
     if (!device) throw std::invalid_argument("engine: a device is required for a non-empty expert cache");
     if (n_slots < 1) throw std::invalid_argument("engine: a slot pool needs at least one slot");
+    if (max_buffer_bytes < 0) throw std::invalid_argument("engine: negative max_buffer_bytes");
     release();
     device_ = device;
     device_name_ = ggml_backend_dev_name(device);
@@ -79,25 +100,46 @@ void SlotPool::open(ggml_backend_dev_t device, int64_t n_slots) {
     }
     host_buft_ = props.caps.host_buffer ? ggml_backend_dev_host_buffer_type(device) : nullptr;
 
+    // a device caps one buffer (ggml_backend_buft_get_max_size; SIZE_MAX where it has no cap, e.g. CUDA): split
+    // the slots over as few buffers as that allows
+    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(compute_);
+    const size_t dev_max = ggml_backend_buft_get_max_size(buft);
+    int64_t cap = dev_max >= (size_t) INT64_MAX ? INT64_MAX : (int64_t) dev_max;
+    if (max_buffer_bytes > 0) cap = std::min(cap, max_buffer_bytes);
+    try {
+        per_buf_ = slots_per_buffer_for(n_slots, cap);
+    } catch (const std::runtime_error & e) {
+        release();
+        throw std::runtime_error(std::string(e.what()) + " (" + device_name_ + ")");
+    }
     n_slots_ = n_slots;
-    const int64_t S = n_slots_ + 1;
-    bases_ = {0, pad(S * strides_[0]), pad(S * strides_[0]) + pad(S * strides_[1])};
-    const int64_t total = bases_[2] + pad(S * strides_[2]);
-    ggml_init_params ip = {ggml_tensor_overhead() * 2, nullptr, true};
+    const int64_t n_bufs = (n_slots_ + per_buf_ - 1) / per_buf_;
+    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (n_bufs + 1), nullptr, true};
     ctx_ = ggml_init(ip);
-    pool_ = ggml_new_tensor_1d(ctx_, GGML_TYPE_I8, total);
-    ggml_set_name(pool_, "hybrimoe_slots");
-    buf_ = ggml_backend_alloc_ctx_tensors(ctx_, compute_);
+    int64_t total = 0;
+    for (int64_t b = 0; b < n_bufs; ++b) {
+        const int64_t bytes = buffer_bytes_for(std::min(per_buf_, n_slots_ - b * per_buf_));
+        ggml_tensor * t = ggml_new_tensor_1d(ctx_, GGML_TYPE_I8, bytes);
+        ggml_format_name(t, "hybrimoe_slots_%d", (int) b);
+        bufs_.push_back(t);
+        total += bytes;
+    }
+    // one call: ggml-alloc packs the tensors into as many device buffers as the buffer type's max size needs
+    buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
     if (!buf_) {
         const std::string name = device_name_;
         release();
-        throw std::runtime_error("engine: cannot allocate " + std::to_string(total) + " bytes of expert slots on " +
-                                 name);
+        throw std::runtime_error("engine: cannot allocate " + std::to_string(total) + " bytes of expert slots (" +
+                                 std::to_string(n_bufs) + " buffers) on " + name);
     }
-    // the null slot must hold zeros: padded pairs point there
-    for (size_t i = 0; i < 3; ++i) {
-        std::vector<uint8_t> zeros((size_t) strides_[i], 0);
-        ggml_backend_tensor_set(pool_, zeros.data(), (size_t) (bases_[i] + n_slots_ * strides_[i]), zeros.size());
+    // each buffer's null slot must hold zeros: padded pairs point there
+    for (int b = 0; b < (int) bufs_.size(); ++b) {
+        const int64_t n = buffer_slots(b);
+        for (int i = 0; i < 3; ++i) {
+            std::vector<uint8_t> zeros((size_t) strides_[(size_t) i], 0);
+            ggml_backend_tensor_set(bufs_[(size_t) b], zeros.data(),
+                                    (size_t) (region_base(i, n) + n * strides_[(size_t) i]), zeros.size());
+        }
     }
     slot_key_.assign((size_t) n_slots_, -1);
     free_slots_.clear();
@@ -115,7 +157,8 @@ void SlotPool::release() {
     if (compute_) ggml_backend_free(compute_);
     buf_ = nullptr;
     ctx_ = nullptr;
-    pool_ = nullptr;
+    bufs_.clear();
+    per_buf_ = 1;
     copy_ = nullptr;
     compute_ = nullptr;
     host_buft_ = nullptr;
@@ -162,17 +205,20 @@ double SlotPool::copy(int layer, int expert, const ggml_tensor * gate, const ggm
                       const ggml_tensor * down) {
     const size_t key = (size_t) layer * n_expert_ + expert;
     const int32_t s = key_slot_[key];
-    if (s < 0 || key_loaded_[key] || !pool_) return 0.0;
+    if (s < 0 || key_loaded_[key] || bufs_.empty()) return 0.0;
     const ggml_tensor * parts[3] = {gate, up, down};
+    const int b = buffer_of(s);
+    ggml_tensor * dst = bufs_[(size_t) b];
+    const int64_t n_b = buffer_slots(b), ls = local_slot(s);
     double bytes = 0;
-    for (size_t i = 0; i < 3; ++i) {
+    for (int i = 0; i < 3; ++i) {
         const size_t n = parts[i]->nb[2];
         const char * src = (const char *) parts[i]->data + (size_t) expert * n;
-        const size_t off = (size_t) (bases_[i] + (int64_t) s * strides_[i]);
+        const size_t off = (size_t) (region_base(i, n_b) + ls * strides_[(size_t) i]);
         if (!events_.empty()) {
-            ggml_backend_tensor_set_async(copy_, pool_, src, off, n);
+            ggml_backend_tensor_set_async(copy_, dst, src, off, n);
         } else {
-            ggml_backend_tensor_set(pool_, src, off, n);
+            ggml_backend_tensor_set(dst, src, off, n);
         }
         bytes += (double) n;
     }
@@ -194,13 +240,14 @@ void SlotPool::wait_for_copy(uint64_t seq) {
     ggml_backend_event_wait(compute_, events_[(size_t) (std::max(seq, oldest) % kEvents)]);
 }
 
-ggml_tensor * SlotPool::region_view(ggml_context * ctx, const ggml_tensor * like, int which) const {
-    const int64_t S = n_slots_ + 1;
+ggml_tensor * SlotPool::region_view(ggml_context * ctx, const ggml_tensor * like, int which, int b) const {
+    const int64_t n = buffer_slots(b), S = n + 1;
+    const ggml_tensor * t = bufs_[(size_t) b];
     ggml_tensor * v = ggml_new_tensor_3d(ctx, like->type, like->ne[0], like->ne[1], S);
     v->nb[2] = (size_t) strides_[(size_t) which];
     v->nb[3] = v->nb[2] * (size_t) S;
-    v->data = (char *) pool_->data + bases_[(size_t) which];
-    v->buffer = buf_;
+    v->data = (char *) t->data + region_base(which, n);
+    v->buffer = t->buffer;  // the device buffer this slot buffer was packed into
     return v;
 }
 

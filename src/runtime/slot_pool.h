@@ -1,8 +1,11 @@
 // The GPU expert slot pool and its copy queue (HybriMoE §IV.D's expert cache, on the device).
 //
-// One device buffer holds n_slots + 1 expert-sized slots in three regions (all gate matrices, then all up, then all
-// down), so that a GPU graph can view each region as a 3-D [.., .., slots] tensor and index slots with
-// mul_mat_id. The last slot is the "null" slot: all zeros, the target of padded pairs. Which (MoE layer, expert)
+// The slots live in one or more device buffers ("slot buffers"): a device caps the bytes of one buffer
+// (ggml_backend_buft_get_max_size: Vulkan's suballocation block, at most maxMemoryAllocationSize), so a pool larger
+// than that is split. Each slot buffer holds its share of the slots plus one in three regions (all gate matrices,
+// then all up, then all down), so that a GPU graph can view each region as a 3-D [.., .., slots] tensor and index
+// slots with mul_mat_id; a launch reads one slot buffer. Each buffer's last slot is its "null" slot: all zeros, the
+// target of padded pairs. Slot numbers are global: slot s lies in buffer s / slots_per_buffer(). Which (MoE layer, expert)
 // a slot holds is decided by the policy core's ExpertCache; the pool only maps keys (layer * n_expert + expert)
 // to slots, queues host-to-device copies of expert weights on a copy queue of its own (a second backend instance:
 // a second stream on CUDA) and lets the compute queue wait for the copies a launch reads (one event per copy).
@@ -11,6 +14,7 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -37,17 +41,33 @@ public:
     SlotPool(const SlotPool &) = delete;
     SlotPool & operator=(const SlotPool &) = delete;
 
-    /// Allocates n_slots + 1 slots on `device` (the null slot zeroed), two backend instances (compute, copy) and,
+    /// Slots per slot buffer for a pool of n_slots when one buffer may hold at most `max_buffer_bytes` (<= 0: no
+    /// cap); each buffer adds a null slot and pads its three regions to 256 bytes. At most n_slots. Throws
+    /// std::runtime_error when not even one slot and its null slot fit.
+    int64_t slots_per_buffer_for(int64_t n_slots, int64_t max_buffer_bytes) const;
+    /// Bytes of a slot buffer of n slots (plus its null slot).
+    int64_t buffer_bytes_for(int64_t n) const { return region_base(3, n); }
+
+    /// Allocates n_slots slots on `device` in as few slot buffers as its buffer type's max size allows (and at most
+    /// `max_buffer_bytes` each when > 0), each buffer's null slot zeroed, two backend instances (compute, copy) and,
     /// when the device has events (ggml_backend_dev_get_props caps), one event per in-flight copy. Throws
     /// std::runtime_error naming the device (and the bytes, for the pool) when one cannot be had.
-    void open(ggml_backend_dev_t device, int64_t n_slots);
+    void open(ggml_backend_dev_t device, int64_t n_slots, int64_t max_buffer_bytes = 0);
     /// Waits for queued device work and frees everything on the device; afterwards n_slots() is 0.
     void release();
     bool is_open() const { return compute_ != nullptr; }
 
     int64_t n_slots() const { return n_slots_; }
     int64_t slot_bytes() const { return slot_bytes_; }
-    int32_t null_slot() const { return (int32_t) n_slots_; }
+    /// Number of slot buffers (0 when closed) and slots per buffer (the last may hold fewer).
+    int n_buffers() const { return (int) bufs_.size(); }
+    int64_t slots_per_buffer() const { return per_buf_; }
+    /// Slot buffer of global slot s, and s's index within it.
+    int buffer_of(int32_t s) const { return (int) (s / per_buf_); }
+    int32_t local_slot(int32_t s) const { return (int32_t) (s % per_buf_); }
+    /// Slots of buffer b; its null slot's local index is the same number.
+    int64_t buffer_slots(int b) const { return std::min(per_buf_, n_slots_ - (int64_t) b * per_buf_); }
+    int32_t null_slot(int b) const { return (int32_t) buffer_slots(b); }
     ggml_backend_dev_t device() const { return device_; }
     const std::string & device_name() const { return device_name_; }
     ggml_backend_t compute() const { return compute_; }
@@ -79,14 +99,17 @@ public:
     /// once the compute queue is synchronised, the copy queue is then empty.
     bool all_copies_waited() const { return events_.empty() || waited_seq_ >= copy_seq_; }
 
-    /// A view of region `which` (0 gate, 1 up, 2 down) as a [like->ne[0], like->ne[1], n_slots + 1] tensor of
-    /// like's type, in `ctx` (no_alloc), pointing into the pool.
-    ggml_tensor * region_view(ggml_context * ctx, const ggml_tensor * like, int which) const;
+    /// A view of region `which` (0 gate, 1 up, 2 down) of slot buffer `b` as a [like->ne[0], like->ne[1],
+    /// buffer_slots(b) + 1] tensor of like's type, in `ctx` (no_alloc), pointing into the pool: mul_mat_id indexes
+    /// it with local slot numbers.
+    ggml_tensor * region_view(ggml_context * ctx, const ggml_tensor * like, int which, int b) const;
 
 private:
+    /// Offset of region `which` (0 gate, 1 up, 2 down; 3: the end) in a slot buffer of n slots (plus its null slot).
+    int64_t region_base(int which, int64_t n) const;
+
     int n_layers_, n_expert_;
     std::array<int64_t, 3> strides_{};   // gate, up, down: bytes per slot in that region
-    std::array<int64_t, 3> bases_{};     // gate, up, down: offset of the region in the pool
     int64_t slot_bytes_ = 0;
     int64_t n_slots_ = 0;
     ggml_backend_dev_t device_ = nullptr;
@@ -100,9 +123,10 @@ private:
     std::vector<ggml_backend_event_t> events_;
     uint64_t copy_seq_ = 0;
     uint64_t waited_seq_ = 0;  // the latest copy the compute queue was made to wait for
+    int64_t per_buf_ = 1;                // slots per slot buffer
     ggml_context * ctx_ = nullptr;
-    ggml_backend_buffer_t buf_ = nullptr;
-    ggml_tensor * pool_ = nullptr;
+    ggml_backend_buffer_t buf_ = nullptr; // every slot buffer (one ggml allocation, split by the device's max size)
+    std::vector<ggml_tensor *> bufs_;    // one tensor per slot buffer
     std::vector<int32_t> slot_key_;      // slot -> key or -1
     std::vector<int32_t> key_slot_;      // key -> slot or -1
     std::vector<uint8_t> key_loaded_;    // key's slot holds its weights (copy queued)
