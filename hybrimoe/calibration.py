@@ -313,11 +313,12 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
 
 def save(cm: "_core.CostModel", sources: dict, out: Path) -> Path:
     """Writes a calibration atomically (a reader never sees half a file; an existing one is replaced whole)."""
+    from .outputs import atomic_path
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    pol.save_cost_model(cm, tmp, sources)
-    os.replace(tmp, out)
+    with atomic_path(out) as tmp:
+        pol.save_cost_model(cm, tmp, sources)
     return out
 
 
