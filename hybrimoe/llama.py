@@ -327,7 +327,8 @@ class Llama(llama_cpp.Llama):
                 setup = setup.with_auto_slots(self.context_params.n_ubatch)
                 setup = calibration.with_first_use_cost(self, setup, kwargs.get("n_threads"))
                 self._moe.hook.reset_counters()  # the user's statistics start with the user's first eval
-                self._moe_warned = False
+                # (_moe_warned is kept: a first-use calibration that already warned about layers left to upstream's
+                # path warned about the same layers the user's evals will see, and once is enough)
                 self._moe_setup = setup
                 self._moe.engine = setup.make_engine()
                 self._moe.hook.set_engine(self._moe.engine)

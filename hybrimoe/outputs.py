@@ -47,7 +47,7 @@ def check_output(path, flag: str, *, force: bool = False, inputs: Iterable[tuple
         raise ValueError(f"{flag} {p}: exists (give --force to replace it)")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
-        raise ValueError(f"{flag} {p}: the folder {parent} does not exist")
+        raise ValueError(f"{flag} {p}: cannot write there: the folder {parent} does not exist")
     try:
         fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=parent)
         os.close(fd)
