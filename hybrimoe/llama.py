@@ -371,15 +371,12 @@ class Llama(llama_cpp.Llama):
     def _attach_replay(self, ids: np.ndarray, n_layer: int) -> None:
         from . import _engine
 
-        n_expert = int(_lc.llama_model_n_expert(self.model)) if hasattr(_lc, "llama_model_n_expert") \
-            else _gguf_n_expert(self.model_path)
-        if ids.ndim != 3:
-            raise ValueError(f"moe_replay must have shape [n_rows, n_layer, k], got {ids.shape}")
-        if ids.shape[1] != n_layer:
-            raise ValueError(f"moe_replay has {ids.shape[1]} layers, the model has {n_layer}")
-        if n_expert and (ids.min() < 0 or ids.max() >= n_expert):
-            raise ValueError(f"moe_replay holds expert ids outside [0, {n_expert})")
-        self._moe.replay = _engine.RoutingReplay(ids.astype(np.int32), n_expert)
+        from .engine import engine_facts
+        from .replay import check_replay_table
+
+        facts = engine_facts(self.model_path)  # the same checks as --replay-trace's (hybrimoe.replay)
+        ids = check_replay_table(ids, n_layer, facts.n_expert, facts.top_k, facts.moe_layers)
+        self._moe.replay = _engine.RoutingReplay(ids, facts.n_expert)
         self._moe.replay.attach(self._ctx_ptr())
 
     def eval(self, tokens, *, logits_all: bool = False):
@@ -518,12 +515,3 @@ class Llama(llama_cpp.Llama):
         elif getattr(self, "_moe", None) is not None:
             self._moe.close()
 
-
-def _gguf_n_expert(path: str) -> int:
-    import gguf
-
-    r = gguf.GGUFReader(path)
-    for k, f in r.fields.items():
-        if k.endswith(".expert_count"):
-            return int(f.parts[f.data[0]][0])
-    return 0
