@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
 import re
 import threading
@@ -42,10 +43,15 @@ def parse_tensor_overrides(spec: str | Sequence[str] | None) -> list[tuple[str, 
     Returns:
         ``[(pattern, buffer_type_name), ...]`` in order (the first matching pattern wins in llama.cpp).
     Raises:
-        ValueError: an item lacks ``=``, or its pattern is empty or not a valid regular expression.
+        ValueError: not a string or a list of strings; an item lacks ``=``, or its pattern is empty or not a valid
+            regular expression.
     """
     if spec is None:
         return []
+    if not isinstance(spec, str) and not (isinstance(spec, (list, tuple))
+                                          and all(isinstance(p, str) for p in spec)):
+        raise ValueError(f"tensor_buft_overrides must be a string \"<regex>=<buffer type>,...\" or a list of such "
+                         f"strings, got {spec!r}")
     items: list[str] = []
     for part in ([spec] if isinstance(spec, str) else list(spec)):
         items.extend(p for p in part.split(",") if p.strip())
@@ -66,8 +72,10 @@ def moe_overrides(cpu_moe: bool = False, n_cpu_moe: int | None = None) -> list[t
     """Upstream's ``--cpu-moe`` / ``--n-cpu-moe N`` as tensor overrides (common ``llm_ffn_exps_cpu_override``).
 
     Raises:
-        ValueError: ``n_cpu_moe`` is negative.
+        ValueError: ``n_cpu_moe`` is not an integer or is negative.
     """
+    if n_cpu_moe is not None and (isinstance(n_cpu_moe, bool) or not isinstance(n_cpu_moe, (int, np.integer))):
+        raise ValueError(f"n_cpu_moe must be an integer number of layers, got {n_cpu_moe!r}")
     if cpu_moe:
         return [(EXPS_REGEX, "CPU")]
     if n_cpu_moe is None or n_cpu_moe == 0:
@@ -509,9 +517,34 @@ class Llama(llama_cpp.Llama):
 
     def close(self) -> None:
         """Frees the context and the model (llama-cpp-python's ``close``): hybrimoe's engine, hook and replay go
-        first (they are on its exit stack, after the context)."""
+        first (they are on its exit stack, after the context). Afterwards the generation, eval and tokenizer
+        methods raise RuntimeError (llama-cpp-python would use the freed context and crash)."""
+        self._closed = True
         if hasattr(self, "_stack"):  # llama-cpp-python's __init__ may not have run (bad input)
             super().close()
         elif getattr(self, "_moe", None) is not None:
             self._moe.close()
 
+
+#: the public methods that use the model or the context: after ``close()`` they raise instead of touching freed
+#: memory
+_NEEDS_OPEN = ("__call__", "create_completion", "create_chat_completion", "generate", "eval", "sample", "tokenize",
+               "detokenize", "embed", "create_embedding", "reset", "save_state", "load_state", "n_ctx", "n_vocab",
+               "n_embd", "token_bos", "token_eos", "token_nl")
+
+
+def _open_only(name: str, method):
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        if getattr(self, "_closed", False):
+            raise RuntimeError(f"Llama.{name}: this Llama is closed (close() freed its model and context); "
+                               "load the model again")
+        return method(self, *args, **kwargs)
+
+    return checked
+
+
+for _name in _NEEDS_OPEN:
+    if hasattr(Llama, _name):
+        setattr(Llama, _name, _open_only(_name, getattr(Llama, _name)))
+del _name
