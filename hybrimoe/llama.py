@@ -421,8 +421,9 @@ class Llama(llama_cpp.Llama):
             for key, where in (("unsupported", "upstream's path"), ("engine_skipped", "the CPU only")):
                 if st.get(key):
                     reasons = sorted({u["reason"] for u in st[key]})
+                    # stacklevel 3: the caller of eval, past the closed-check wrapper (_open_only)
                     warnings.warn(f"{len(st[key])} MoE layer(s) ran on {where} ({'; '.join(reasons)})",
-                                  RuntimeWarning, stacklevel=2)
+                                  RuntimeWarning, stacklevel=3)
         err = self._moe.engine.take_error() if self._moe.engine is not None else ""
         if err:  # (no engine reference left in this frame: a kept traceback must not keep the engine alive)
             raise RuntimeError(f"hybrimoe engine failed: {err}")
