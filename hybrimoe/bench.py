@@ -184,8 +184,11 @@ class Config:
             out["measured_moe_ms_per_prompt"] = 1e3 * statistics.median(pp_meas)
             out["predicted_moe_ms_per_token"] = 1e3 * statistics.median(tg_pred)
             out["measured_moe_ms_per_token"] = 1e3 * statistics.median(tg_meas)
-            out["prediction_ratio_pp"] = statistics.median(a / b for a, b in zip(pp_pred, pp_meas) if b > 0)
-            out["prediction_ratio_tg"] = statistics.median(a / b for a, b in zip(tg_pred, tg_meas) if b > 0)
+            # ratios only where something was measured (no MoE layer through the engine, e.g. gpt-oss: none)
+            for key, pred, meas in (("prediction_ratio_pp", pp_pred, pp_meas), ("prediction_ratio_tg", tg_pred, tg_meas)):
+                ratios = [a / b for a, b in zip(pred, meas) if b > 0]
+                if ratios:
+                    out[key] = statistics.median(ratios)
         return out
 
     def close(self) -> None:

@@ -259,3 +259,7 @@ def test_gpt_oss_without_engine_layers_calibrates_to_a_clear_message(tmp_path, r
                        text=True, timeout=300, env=env)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.count("warning") == 1 and "upstream's path" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "bench", "-m", str(path), "--rpc", rpc_server.endpoint,
+                        "-p", "16", "-n", "4", "-r", "1", "--policies", "hybrimoe", "--upstream", "exps"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "| hybrimoe hybrimoe |" in r.stdout, r.stderr
