@@ -184,8 +184,11 @@ class Config:
             out["measured_moe_ms_per_prompt"] = 1e3 * statistics.median(pp_meas)
             out["predicted_moe_ms_per_token"] = 1e3 * statistics.median(tg_pred)
             out["measured_moe_ms_per_token"] = 1e3 * statistics.median(tg_meas)
-            out["prediction_ratio_pp"] = statistics.median(a / b for a, b in zip(pp_pred, pp_meas) if b > 0)
-            out["prediction_ratio_tg"] = statistics.median(a / b for a, b in zip(tg_pred, tg_meas) if b > 0)
+            # ratios only where something was measured (no MoE layer through the engine, e.g. gpt-oss: none)
+            for key, pred, meas in (("prediction_ratio_pp", pp_pred, pp_meas), ("prediction_ratio_tg", tg_pred, tg_meas)):
+                ratios = [a / b for a, b in zip(pred, meas) if b > 0]
+                if ratios:
+                    out[key] = statistics.median(ratios)
         return out
 
     def close(self) -> None:
@@ -291,6 +294,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     p.add_argument("--csv", default=None, metavar="FILE", help="write the table as CSV")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of pp and tg tokens/s")
+    p.add_argument("--force", action="store_true", help="replace existing --json, --csv and --plot files")
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -298,16 +302,20 @@ def _mean_sd(xs: list[float]) -> tuple[float, float]:
 
 
 def _check_outputs(args) -> None:
-    """Every output path is checked before a long run: a writable directory, not a directory itself, a plot format
-    matplotlib writes."""
-    for f in (args.json, args.csv, args.plot):
-        if f:
-            p = Path(f)
-            d = p.resolve().parent
-            if p.is_dir():
-                raise ValueError(f"cannot write {f}: it is a directory")
-            if not d.is_dir() or not os.access(d, os.W_OK):
-                raise ValueError(f"cannot write {f}: {d} is not a writable directory")
+    """Every output path is checked before a long run (:func:`hybrimoe.outputs.check_output`: not an input, not an
+    existing file without ``--force``, a writable folder), and the plot's format is one matplotlib writes.
+
+    Raises:
+        ValueError: naming the option and the problem.
+    """
+    from .outputs import check_output
+
+    inputs = [("-m", args.model), ("--replay-trace", args.replay_trace),
+              ("--moe-profile", getattr(args, "moe_profile", None)),
+              ("--moe-cost-model", getattr(args, "moe_cost_model", None))]
+    outs = [(flag, f) for flag, f in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)) if f]
+    for i, (flag, f) in enumerate(outs):
+        check_output(f, flag, force=getattr(args, "force", False), inputs=inputs + outs[:i])
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
         raise ValueError(f"--plot {args.plot}: use a .png, .pdf or .svg file name")
 
@@ -456,11 +464,13 @@ def run(args) -> int:
     doc = dict(model=os.fspath(args.model), moe_cache=str(args.moe_cache), budget_bytes=budget,
                slot_bytes=facts.slot_bytes, n_slots=n_slots, device=device,
                stand_in=bool(server), replay_trace=args.replay_trace, moe_profile=args.moe_profile, rows=rows)
+    from .outputs import atomic_open, write_text
+
     if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=2))
+        write_text(args.json, json.dumps(doc, indent=2))
     if args.csv:
         keys = sorted({k for r in rows for k in r}, key=lambda k: (k != "mode", k))
-        with open(args.csv, "w", newline="") as f:
+        with atomic_open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             w.writerows(rows)
@@ -504,7 +514,10 @@ def _plot(rows: Sequence[dict], args) -> None:
         ax.set_title(title)
         ax.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(args.plot, dpi=120)
+    from .outputs import savefig
+
+    savefig(fig, args.plot, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -61,14 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default=None,
                    help="write here instead of the calibration store (calibration/ in hybrimoe's cache directory: "
                         "$HYBRIMOE_CACHE_DIR, else $XDG_CACHE_HOME/hybrimoe, else ~/.cache/hybrimoe)")
+    p.add_argument("--force", action="store_true", help="replace an existing -o file")
 
 
 def run(args) -> int:
     try:
         if args.output:
-            d = Path(args.output).resolve().parent
-            if not d.is_dir() or not os.access(d, os.W_OK):
-                raise ValueError(f"cannot write {args.output}: {d} is not a writable directory")
+            from .outputs import check_output
+
+            check_output(args.output, "-o", force=getattr(args, "force", False), inputs=[("-m", args.model)])
         cm, sources, device = calibrate(args.model, rpc_servers=args.rpc, n_gpu_layers=args.n_gpu_layers,
                                         threads=args.threads, quick=args.quick, reps=args.reps)
         out = save(cm, sources, Path(args.output) if args.output else calibration_path(args.model, device))

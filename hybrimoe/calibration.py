@@ -73,10 +73,25 @@ def stored(model_path, device: str) -> Optional[Path]:
     return p if p.is_file() else None
 
 
+NOTHING_MEASURED = ("no MoE layer of this model went through hybrimoe's engine (its expert variant runs on upstream's "
+                    "path, e.g. gpt-oss's), so there is nothing to calibrate")
+
+
+class NothingMeasured(ValueError):
+    """No MoE layer of the model went through the engine (every one runs on upstream's path, e.g. gpt-oss's
+    experts), so a calibration has no sample to fit."""
+
+
 def _fit(rows: list[tuple[float, ...]], y: list[float], relative: bool = False) -> np.ndarray:
     """Least squares with non-negative coefficients (a coefficient that comes out negative is fixed at 0).
     ``relative``: minimise the relative error (each sample divided by its value), so that a one-token decode layer
-    weighs as much as a 512-token prefill layer."""
+    weighs as much as a 512-token prefill layer.
+
+    Raises:
+        NothingMeasured: no samples (no MoE layer went through the engine).
+    """
+    if len(rows) == 0 or len(y) == 0:
+        raise NothingMeasured(NOTHING_MEASURED)
     X = np.asarray(rows, dtype=np.float64)
     Y = np.asarray(y, dtype=np.float64)
     if relative:
@@ -233,6 +248,8 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
             hook.set_engine(before)
             eng.release()
         rows_used = [row[:len(fields)] for row in feats]
+        if not rows_used:
+            raise NothingMeasured(NOTHING_MEASURED)
         rank = int(np.linalg.matrix_rank(np.asarray(rows_used, dtype=np.float64))) if rows_used else 0
         if rank < len(fields) and fields[-1] == "cpu_c_s":
             # the small-row and per-pair terms move together at these sizes (few experts reach 8 rows): c is left
@@ -313,11 +330,12 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
 
 def save(cm: "_core.CostModel", sources: dict, out: Path) -> Path:
     """Writes a calibration atomically (a reader never sees half a file; an existing one is replaced whole)."""
+    from .outputs import atomic_path
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    pol.save_cost_model(cm, tmp, sources)
-    os.replace(tmp, out)
+    with atomic_path(out) as tmp:
+        pol.save_cost_model(cm, tmp, sources)
     return out
 
 
@@ -406,6 +424,10 @@ def with_first_use_cost(llm, setup, threads: Optional[int] = None):
     if setup.n_slots > 0 and auto_enabled():
         try:
             found = on_first_use(llm, device=setup.device, n_slots=setup.n_slots, threads=threads)
+        except NothingMeasured as e:
+            # no warning here: the layers' fallback to upstream's path is what the user is told about, once
+            return dataclasses.replace(setup, cost=resolve_cost_model(None, setup.facts),
+                                       cost_source=f"preset {COST_PRESET} ({e})")
         except (OSError, ValueError, RuntimeError) as e:
             failed = str(e)
             warnings.warn(f"the first-use calibration failed ({e}); using the {COST_PRESET} preset (hybrimoe "

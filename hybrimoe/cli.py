@@ -1,5 +1,4 @@
-"""The ``hybrimoe`` command line: ``run``, ``info``, ``make-tiny-model``, ``trace``, ``simulate``, ``synth``,
-``calibrate``, ``bench``.
+"""The hybrimoe command line: run, info, make-tiny-model, trace, simulate, synth, calibrate, bench.
 
 Flags follow llama.cpp's tools (``-m -p -n -t -c -ngl -ub --seed --temp -ot --n-cpu-moe --rpc``); hybrimoe's
 own flags start with ``--moe-``.
@@ -162,6 +161,9 @@ def _run(args: argparse.Namespace) -> int:
         print("hybrimoe run: error: the prompt is empty (-p TEXT)", file=sys.stderr)
         return 2
     bad = check_llama_arguments(args, "hybrimoe run")
+    if not bad and args.moe_stats and args.moe_cache is None:
+        # the statistics are the engine's: without it there are none to print
+        bad = "hybrimoe run: error: --moe-stats prints the engine's statistics and needs --moe-cache (the engine)"
     if bad:
         print(bad, file=sys.stderr)
         return 2

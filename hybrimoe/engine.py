@@ -137,7 +137,14 @@ def cache_slots(spec, facts: EngineFacts) -> int:
     """
     sb = facts.slot_bytes
     n_all = len(facts.moe_layers) * facts.n_expert
-    b = pol.parse_budget(spec, float(n_all * sb), sb)
+    try:
+        b = pol.parse_budget(spec, float(n_all * sb), sb)
+    except ValueError as e:
+        if isinstance(spec, (int, float)) and not isinstance(spec, bool) and 0 < spec < 1:
+            # 0.25 meant as a share reads as a quarter of a byte
+            raise ValueError(f"{e} (a number is a byte count; for a share of the experts give a percentage, "
+                             f"e.g. \"{100 * spec:g}%\")") from None
+        raise
     return min(n_all, int(b // sb + 1e-9))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
 import re
 import threading
@@ -42,10 +43,15 @@ def parse_tensor_overrides(spec: str | Sequence[str] | None) -> list[tuple[str, 
     Returns:
         ``[(pattern, buffer_type_name), ...]`` in order (the first matching pattern wins in llama.cpp).
     Raises:
-        ValueError: an item lacks ``=``, or its pattern is empty or not a valid regular expression.
+        ValueError: not a string or a list of strings; an item lacks ``=``, or its pattern is empty or not a valid
+            regular expression.
     """
     if spec is None:
         return []
+    if not isinstance(spec, str) and not (isinstance(spec, (list, tuple))
+                                          and all(isinstance(p, str) for p in spec)):
+        raise ValueError(f"tensor_buft_overrides must be a string \"<regex>=<buffer type>,...\" or a list of such "
+                         f"strings, got {spec!r}")
     items: list[str] = []
     for part in ([spec] if isinstance(spec, str) else list(spec)):
         items.extend(p for p in part.split(",") if p.strip())
@@ -66,8 +72,10 @@ def moe_overrides(cpu_moe: bool = False, n_cpu_moe: int | None = None) -> list[t
     """Upstream's ``--cpu-moe`` / ``--n-cpu-moe N`` as tensor overrides (common ``llm_ffn_exps_cpu_override``).
 
     Raises:
-        ValueError: ``n_cpu_moe`` is negative.
+        ValueError: ``n_cpu_moe`` is not an integer or is negative.
     """
+    if n_cpu_moe is not None and (isinstance(n_cpu_moe, bool) or not isinstance(n_cpu_moe, (int, np.integer))):
+        raise ValueError(f"n_cpu_moe must be an integer number of layers, got {n_cpu_moe!r}")
     if cpu_moe:
         return [(EXPS_REGEX, "CPU")]
     if n_cpu_moe is None or n_cpu_moe == 0:
@@ -327,7 +335,8 @@ class Llama(llama_cpp.Llama):
                 setup = setup.with_auto_slots(self.context_params.n_ubatch)
                 setup = calibration.with_first_use_cost(self, setup, kwargs.get("n_threads"))
                 self._moe.hook.reset_counters()  # the user's statistics start with the user's first eval
-                self._moe_warned = False
+                # (_moe_warned is kept: a first-use calibration that already warned about layers left to upstream's
+                # path warned about the same layers the user's evals will see, and once is enough)
                 self._moe_setup = setup
                 self._moe.engine = setup.make_engine()
                 self._moe.hook.set_engine(self._moe.engine)
@@ -370,15 +379,12 @@ class Llama(llama_cpp.Llama):
     def _attach_replay(self, ids: np.ndarray, n_layer: int) -> None:
         from . import _engine
 
-        n_expert = int(_lc.llama_model_n_expert(self.model)) if hasattr(_lc, "llama_model_n_expert") \
-            else _gguf_n_expert(self.model_path)
-        if ids.ndim != 3:
-            raise ValueError(f"moe_replay must have shape [n_rows, n_layer, k], got {ids.shape}")
-        if ids.shape[1] != n_layer:
-            raise ValueError(f"moe_replay has {ids.shape[1]} layers, the model has {n_layer}")
-        if n_expert and (ids.min() < 0 or ids.max() >= n_expert):
-            raise ValueError(f"moe_replay holds expert ids outside [0, {n_expert})")
-        self._moe.replay = _engine.RoutingReplay(ids.astype(np.int32), n_expert)
+        from .engine import engine_facts
+        from .replay import check_replay_table
+
+        facts = engine_facts(self.model_path)  # the same checks as --replay-trace's (hybrimoe.replay)
+        ids = check_replay_table(ids, n_layer, facts.n_expert, facts.top_k, facts.moe_layers)
+        self._moe.replay = _engine.RoutingReplay(ids, facts.n_expert)
         self._moe.replay.attach(self._ctx_ptr())
 
     def eval(self, tokens, *, logits_all: bool = False):
@@ -415,8 +421,9 @@ class Llama(llama_cpp.Llama):
             for key, where in (("unsupported", "upstream's path"), ("engine_skipped", "the CPU only")):
                 if st.get(key):
                     reasons = sorted({u["reason"] for u in st[key]})
+                    # stacklevel 3: the caller of eval, past the closed-check wrapper (_open_only)
                     warnings.warn(f"{len(st[key])} MoE layer(s) ran on {where} ({'; '.join(reasons)})",
-                                  RuntimeWarning, stacklevel=2)
+                                  RuntimeWarning, stacklevel=3)
         err = self._moe.engine.take_error() if self._moe.engine is not None else ""
         if err:  # (no engine reference left in this frame: a kept traceback must not keep the engine alive)
             raise RuntimeError(f"hybrimoe engine failed: {err}")
@@ -512,18 +519,34 @@ class Llama(llama_cpp.Llama):
 
     def close(self) -> None:
         """Frees the context and the model (llama-cpp-python's ``close``): hybrimoe's engine, hook and replay go
-        first (they are on its exit stack, after the context)."""
+        first (they are on its exit stack, after the context). Afterwards the generation, eval and tokenizer
+        methods raise RuntimeError (llama-cpp-python would use the freed context and crash)."""
+        self._closed = True
         if hasattr(self, "_stack"):  # llama-cpp-python's __init__ may not have run (bad input)
             super().close()
         elif getattr(self, "_moe", None) is not None:
             self._moe.close()
 
 
-def _gguf_n_expert(path: str) -> int:
-    import gguf
+#: the public methods that use the model or the context: after ``close()`` they raise instead of touching freed
+#: memory
+_NEEDS_OPEN = ("__call__", "create_completion", "create_chat_completion", "generate", "eval", "sample", "tokenize",
+               "detokenize", "embed", "create_embedding", "reset", "save_state", "load_state", "n_ctx", "n_vocab",
+               "n_embd", "token_bos", "token_eos", "token_nl")
 
-    r = gguf.GGUFReader(path)
-    for k, f in r.fields.items():
-        if k.endswith(".expert_count"):
-            return int(f.parts[f.data[0]][0])
-    return 0
+
+def _open_only(name: str, method):
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        if getattr(self, "_closed", False):
+            raise RuntimeError(f"Llama.{name}: this Llama is closed (close() freed its model and context); "
+                               "load the model again")
+        return method(self, *args, **kwargs)
+
+    return checked
+
+
+for _name in _NEEDS_OPEN:
+    if hasattr(Llama, _name):
+        setattr(Llama, _name, _open_only(_name, getattr(Llama, _name)))
+del _name

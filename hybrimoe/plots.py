@@ -7,6 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from .outputs import savefig
+
+#: the files ``write_plots`` writes into its folder
+PLOT_FILES = ("tokens_per_s_vs_cache.png", "hit_rate_vs_cache.png", "timeline.png")
+
 
 def _against_cache(plt, path: Path, values: dict, ylabel: str, title: str) -> Path:
     """One line per name of ``values`` ({cache fraction: {name: y}}) against the cache size in percent; writes
@@ -21,7 +26,7 @@ def _against_cache(plt, path: Path, values: dict, ylabel: str, title: str) -> Pa
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    savefig(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -71,7 +76,7 @@ def write_plots(setup, records: Sequence[dict], out_dir: Path, hit_rates: dict,
     ax.legend(fontsize=7, ncol=3)
     p = out_dir / "timeline.png"
     fig.tight_layout()
-    fig.savefig(p, dpi=120)
+    savefig(fig, p, dpi=120)
     plt.close(fig)
     paths.append(p)
     return paths

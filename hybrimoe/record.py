@@ -284,23 +284,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(temp=0.0)
 
 
-def _check_output(path: Path, force: bool) -> str:
-    if path.exists() and path.is_dir():
-        return f"-o {path}: is a directory"
-    if path.exists() and not force:
-        return f"-o {path}: exists (give --force to replace it)"
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        return f"-o {path}: the folder {parent} does not exist"
-    # a real probe, as the save will do it (a temporary file beside the output): permissions alone can mislead
-    import tempfile
+def _check_output(path: Path, args) -> str:
+    """The problem with the output file (:func:`hybrimoe.outputs.check_output`), or ""."""
+    from .outputs import check_output
 
+    inputs = [("-m", getattr(args, "model", None)), ("--replay-trace", getattr(args, "replay_trace", None)),
+              ("--moe-profile", getattr(args, "moe_profile", None)),
+              ("--moe-cost-model", getattr(args, "moe_cost_model", None))]
+    inputs += [("-f", f) for f in getattr(args, "file", None) or []]
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        return f"-o {path}: cannot write in {parent} ({e.strerror})"
+        check_output(path, "-o", force=args.force, inputs=inputs)
+    except ValueError as e:
+        return str(e)
     return ""
 
 
@@ -314,7 +309,7 @@ def run(args) -> int:
     prog = "hybrimoe trace"
     bad = check_llama_arguments(args, prog)
     out = Path(args.output)
-    bad = bad or _check_output(out, args.force)
+    bad = bad or _check_output(out, args)
     if bad:
         print(bad if bad.startswith(prog) else f"{prog}: error: {bad}", file=sys.stderr)
         return 2

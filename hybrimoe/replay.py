@@ -14,6 +14,47 @@ import numpy as np
 from .trace import RoutingTrace, load_trace
 
 
+def check_replay_table(ids, n_layer: int, n_expert: int, top_k: int, moe_layers=None,
+                       name: str = "moe_replay") -> np.ndarray:
+    """Checks a routing-replay table against the model it will route and returns it as int32.
+
+    Args:
+        ids: ``[n_rows, n_layer, k]`` expert ids (any integer dtype).
+        n_layer, n_expert, top_k: the model's layers, routed experts per MoE layer and experts per token
+            (``expert_used_count``).
+        moe_layers: the model layers that are MoE layers (None: every layer); only their rows are checked for ids
+            (the rows of dense layers are unused).
+        name: what the table is called in the messages (``moe_replay``, a trace's path).
+
+    Raises:
+        ValueError: naming ``name``: a non-integer dtype; a shape other than ``[n_rows >= 1, n_layer, top_k]`` (both
+            shapes given); an id outside ``[0, n_expert)``; an id repeated within a row.
+    """
+    ids = np.asarray(ids)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{name} must hold integer expert ids, got dtype {ids.dtype}")
+    want = f"[n_rows, {n_layer}, {top_k}] (the model's layers and top-k, expert_used_count)"
+    if ids.ndim != 3 or ids.shape[0] < 1:
+        raise ValueError(f"{name} must have shape {want}, got {ids.shape}")
+    if ids.shape[1] != n_layer:
+        raise ValueError(f"{name} has shape {ids.shape}: {ids.shape[1]} layers, the model has {n_layer}; it needs "
+                         f"{want}")
+    if ids.shape[2] != top_k:
+        raise ValueError(f"{name} has shape {ids.shape}: {ids.shape[2]} experts per token, the model routes "
+                         f"top-{top_k}; it needs {want}")
+    moe = ids if moe_layers is None else ids[:, list(moe_layers), :]
+    if moe.size and n_expert and (moe.min() < 0 or moe.max() >= n_expert):
+        raise ValueError(f"{name} holds expert ids outside [0, {n_expert})")
+    s = np.sort(moe, axis=2)
+    dup = np.argwhere((s[:, :, 1:] == s[:, :, :-1]).any(axis=2))
+    if len(dup):
+        row, layer = (int(v) for v in dup[0])
+        il = layer if moe_layers is None else int(list(moe_layers)[layer])
+        raise ValueError(f"{name} repeats an expert id within a row (row {row}, layer {il}: "
+                         f"{moe[row, layer].tolist()}); each token routes to {top_k} different experts")
+    return ids.astype(np.int32)
+
+
 def replay_table(trace: Union[RoutingTrace, str, os.PathLike], model_path: Union[str, os.PathLike], *,
                  prompt: Optional[int] = None, layout: Optional[tuple] = None) -> np.ndarray:
     """The ``moe_replay`` table of a trace for a model: int32 ``[n_rows, n_layer, k]`` (model layers; rows of
@@ -66,4 +107,4 @@ def replay_table(trace: Union[RoutingTrace, str, os.PathLike], model_path: Union
         raise ValueError(f"{where}: no rows to replay")
     table = np.zeros((len(rows), facts.n_layer, tr.top_k), dtype=np.int32)
     table[:, facts.moe_layers, :] = tr.expert_ids[rows].astype(np.int32)
-    return table
+    return check_replay_table(table, facts.n_layer, facts.n_expert, facts.top_k, facts.moe_layers, where)

@@ -87,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              ". Presets and sources: hybrimoe.policy.SYSTEM_PRESETS")
     parser.add_argument("--json", default=None, help="write the records to this JSON file")
     parser.add_argument("--plot", default=None, help="write PNG plots to this directory")
+    parser.add_argument("--force", action="store_true", help="replace an existing --json file and existing plots")
     parser.add_argument("--max-tokens", type=int, default=20000,
                         help="stop each run after about this many tokens (0 = all; prefill stops at a prompt end)")
     parser.add_argument("--max-prompts", type=int, default=0, help="use at most this many evaluation prompts")
@@ -386,23 +387,25 @@ def format_table(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def _check_outputs(json_path, plot_dir) -> None:
+def _check_outputs(json_path, plot_dir, force: bool = False, inputs=()) -> None:
     """Fail before a long run, not after it, when an output cannot be written.
 
+    Args:
+        json_path, plot_dir: the ``--json`` file and the ``--plot`` directory (None: not asked for).
+        force: replace existing outputs. inputs: ``(option, path)`` pairs of the command's input files.
+
     Raises:
-        ValueError: the JSON path is a directory or its folder is missing or not writable; the plot path is
-            an existing file or cannot be created.
+        ValueError: the JSON file or a plot file is an input, exists without ``force`` or cannot be written
+            (:func:`hybrimoe.outputs.check_output`); the plot path is an existing file or cannot be created.
     """
     import os
     from pathlib import Path
 
+    from hybrimoe import plots
+    from hybrimoe.outputs import check_output
+
     if json_path:
-        p = Path(json_path)
-        if p.is_dir():
-            raise ValueError(f"--json {p}: is a directory")
-        parent = p.parent if str(p.parent) else Path(".")
-        if not parent.is_dir() or not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-            raise ValueError(f"--json {p}: cannot write there")
+        check_output(json_path, "--json", force=force, inputs=inputs)
     if plot_dir:
         d = Path(plot_dir)
         if d.exists() and not d.is_dir():
@@ -413,6 +416,8 @@ def _check_outputs(json_path, plot_dir) -> None:
             raise ValueError(f"--plot {d}: cannot create the directory: {e.strerror}") from None
         if not os.access(d, os.W_OK):
             raise ValueError(f"--plot {d}: cannot write there")
+        for name in plots.PLOT_FILES:
+            check_output(d / name, "--plot", force=force, inputs=list(inputs) + [("--json", json_path)])
 
 
 def load_inputs(args) -> tuple[RoutingTrace, Optional[ModelFacts], str, int, list]:
@@ -471,7 +476,10 @@ def run(args) -> int:
         for n in names:
             pol.system_preset(n)
         recall = _positive_recall(args.recall, args.prefetch_depth)
-        _check_outputs(args.json, args.plot)
+        trace_in = args.trace or default_trace_path()
+        _check_outputs(args.json, args.plot, getattr(args, "force", False),
+                       [("--trace", trace_in), ("-m", args.model), ("--cost-model", args.cost_model),
+                        ("--hardware", args.hardware if args.hardware and Path(args.hardware).is_file() else None)])
         hw = pol.load_hardware(args.hardware)
         trace, facts, source, n_dropped, notes = load_inputs(args)
         cm = pol.load_cost_model(args.cost_model) if args.cost_model else None
@@ -518,7 +526,9 @@ def run(args) -> int:
         for r in records:
             r["cache_replay_hit_rates"] = hr
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        from hybrimoe.outputs import write_text
+
+        write_text(args.json, json.dumps(records, indent=1) + "\n")
     if args.plot:
         from hybrimoe import plots
 

@@ -564,11 +564,9 @@ def run(args) -> int:
 
     prog = "hybrimoe synth"
     try:
-        if os.path.exists(args.output) and not args.force:
-            raise ValueError(f"{args.output} exists (--force overwrites it)")
-        folder = os.path.dirname(args.output) or "."
-        if not os.path.isdir(folder):
-            raise ValueError(f"cannot write {args.output}: the folder {folder} does not exist")
+        from .outputs import check_output
+
+        check_output(args.output, "-o", force=args.force)
         n_prompts = args.prompts
         if n_prompts is None:
             n_prompts = default_prompts(args.n_tokens) if _is_int(args.n_tokens) and args.n_tokens >= 2 else 1

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -302,25 +301,10 @@ class RoutingTrace:
 def _write_atomically(path: Path, arrays: dict) -> None:
     """``np.savez_compressed(path, **arrays)`` through a temporary file beside ``path`` and os.replace; the file
     gets the mode a new file would get (or the replaced file's)."""
-    folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez_compressed(fh, **arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if path.exists():
-            mode = path.stat().st_mode & 0o777
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            mode = 0o666 & ~umask
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from .outputs import atomic_open
+
+    with atomic_open(path, "wb") as fh:
+        np.savez_compressed(fh, **arrays)
 
 
 def default_trace_path() -> Path:

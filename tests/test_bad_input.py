@@ -128,3 +128,15 @@ def test_make_tiny_model_failure_keeps_existing_file(tmp_path):
         make_tiny_model(target, "qwen3moe", router_margin=float("nan"))
     assert target.read_bytes() == b"precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.gguf"]  # no temporary file left
+
+
+def test_moe_stats_without_engine_says_so(tmp_path):
+    r = run_cli(["run", "-p", "hi", "-n", "2", "--moe-stats", "--moe-hook"], tmp_path)
+    assert r.returncode == 2 and "--moe-stats" in r.stderr and "needs --moe-cache" in r.stderr, r.stderr
+
+
+def test_top_level_help_is_a_whole_sentence(tmp_path):
+    r = run_cli(["--help"], tmp_path)
+    assert r.returncode == 0
+    desc = r.stdout.split("\n\n")[1].strip()
+    assert desc.endswith("bench.") and "``" not in desc, desc

@@ -4,6 +4,7 @@ loaded. (Figures on the stand-in mean nothing.)"""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -223,3 +224,42 @@ def test_a_damaged_stored_calibration_is_set_aside_and_measured_again(tiny_model
         assert json.loads(target.read_text())["schema"] == "hybrimoe.cost_model/3"
     finally:
         llm.close()
+
+
+def test_gpt_oss_without_engine_layers_calibrates_to_a_clear_message(tmp_path, rpc_server, monkeypatch, recwarn):
+    """gpt-oss's experts run on upstream's path: the first-use calibration has no MoE layer to measure; the engine
+    falls back to the preset (no traceback) and generates; ``hybrimoe calibrate`` and ``run`` say so in one line."""
+    import subprocess
+    import sys
+
+    from hybrimoe import Llama, calibration
+    from hybrimoe.tiny import make_tiny_model
+
+    monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HYBRIMOE_AUTO_CALIBRATE", "1")
+    path = make_tiny_model(tmp_path / "g.gguf", "gpt-oss")
+    llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=99, moe_cache="25%", n_ctx=128,
+                verbose=False)
+    try:
+        src = llm.moe_stats()["engine"]["cost_model"]
+        assert "nothing to calibrate" in src, src
+        assert calibration.stored(path, rpc_server.endpoint) is None
+        assert not [w for w in recwarn if "first-use calibration failed" in str(w.message)]
+        llm("Hi", max_tokens=2, temperature=0)
+    finally:
+        llm.close()
+    env = dict(os.environ, HYBRIMOE_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "calibrate", "-m", str(path), "--rpc", rpc_server.endpoint,
+                        "--quick", "-o", str(tmp_path / "g.json")], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode != 0 and "nothing to calibrate" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "g.json").exists()
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "run", "-m", str(path), "--rpc", rpc_server.endpoint,
+                        "-ngl", "99", "--moe-cache", "25%", "-n", "4", "--temp", "0", "-p", "Hi"], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("warning") == 1 and "upstream's path" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "bench", "-m", str(path), "--rpc", rpc_server.endpoint,
+                        "-p", "16", "-n", "4", "-r", "1", "--policies", "hybrimoe", "--upstream", "exps"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "| hybrimoe hybrimoe |" in r.stdout, r.stderr

@@ -177,3 +177,27 @@ def test_a_prompt_between_the_asked_and_the_padded_context_fits(tiny_model):
         assert out["usage"]["prompt_tokens"] == len(toks)
     finally:
         llm.close()
+
+
+def test_closed_llama_raises_instead_of_crashing(tiny_model):
+    """After close() the public methods raise RuntimeError (the freed context would crash the process)."""
+    from hybrimoe import Llama
+
+    llm = Llama(str(tiny_model("qwen3moe", "Q8_0")), n_ctx=64, verbose=False)
+    llm.close()
+    for call in (lambda: llm("Hi", max_tokens=2), lambda: llm.tokenize(b"Hi"), lambda: llm.eval([1, 2]),
+                 lambda: llm.create_completion("Hi", max_tokens=2), lambda: llm.detokenize([1]),
+                 lambda: list(llm.generate([1], temp=0))):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    llm.close()  # closing twice is harmless
+
+
+@pytest.mark.parametrize("kw, match", [(dict(n_cpu_moe="3"), "n_cpu_moe must be an integer"),
+                                       (dict(tensor_buft_overrides=5), "tensor_buft_overrides must be a string"),
+                                       (dict(moe_cache=0.25), r'byte count.*"25%"')])
+def test_wrong_option_types_are_named(tiny_model, kw, match):
+    from hybrimoe import Llama
+
+    with pytest.raises(ValueError, match=match):
+        Llama(str(tiny_model("qwen3moe", "Q8_0")), n_ctx=64, verbose=False, **kw)

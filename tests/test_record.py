@@ -339,7 +339,7 @@ def test_simulate_runs_on_a_recorded_trace_with_facts_from_the_gguf_alone(tiny_m
         plots = tmp_path / f"plots{len(extra)}"
         r = subprocess.run([sys.executable, "-m", "hybrimoe", "simulate", "--trace", str(out), *extra,
                             "--policies", "hybrimoe,upstream-ncmoe", "--stage", "decode", "--moe-cache", "50%",
-                            "--no-progress", "--plot", str(plots), "--json", str(tmp_path / "r.json")],
+                            "--no-progress", "--plot", str(plots), "--json", str(tmp_path / "r.json"), "--force"],
                            capture_output=True, text=True, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         recs = json.loads((tmp_path / "r.json").read_text())

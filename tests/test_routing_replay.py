@@ -97,3 +97,28 @@ def test_replay_rejects_bad_tables(tiny_model):
         Llama(path, n_ctx=64, verbose=False, moe_replay=np.full((4, 2, 2), 10_000, dtype=np.int32))
     with pytest.raises(ValueError, match="shape"):
         Llama(path, n_ctx=64, verbose=False, moe_replay=np.zeros((4, 2), dtype=np.int32))
+
+
+def test_replay_rejects_wrong_k_duplicates_and_floats(tiny_model):
+    """The Python API checks a table as --replay-trace does: k must be the model's top-k (no column dropped or
+    filled in), no id twice in a row, integer ids; each error names moe_replay and both shapes."""
+    from hybrimoe import Llama
+    from hybrimoe.engine import engine_facts
+
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    f = engine_facts(path)
+    good = np.tile(np.arange(f.top_k, dtype=np.int32), (4, f.n_layer, 1))
+    wider = np.tile(np.arange(f.top_k + 1, dtype=np.int32), (4, f.n_layer, 1))
+    narrower = good[:, :, :1]
+    for bad in (wider, narrower):
+        with pytest.raises(ValueError, match=r"moe_replay has shape") as e:
+            Llama(path, n_ctx=64, verbose=False, moe_replay=bad)
+        assert str(bad.shape) in str(e.value) and f"[n_rows, {f.n_layer}, {f.top_k}]" in str(e.value)
+    dup = good.copy()
+    dup[2, 1, :] = 0
+    with pytest.raises(ValueError, match=r"moe_replay repeats an expert id.*row 2, layer 1"):
+        Llama(path, n_ctx=64, verbose=False, moe_replay=dup)
+    with pytest.raises(ValueError, match=r"moe_replay must hold integer.*float"):
+        Llama(path, n_ctx=64, verbose=False, moe_replay=good.astype(np.float64))
+    llm = Llama(path, n_ctx=64, verbose=False, moe_replay=good.astype(np.int64))  # any integer dtype is fine
+    llm.close()

@@ -247,6 +247,7 @@ def for_model(path, n_prompts=10, prefill=12, decode=8, seed=3, **kw):
 
 def _run(capsys, **kw):
     capsys.readouterr()
+    kw.setdefault("force", True)  # these tests write one --json file again and again
     rc = simulate.run(_args(no_progress=True, policies="hybrimoe,ktransformers", **kw))
     cap = capsys.readouterr()
     return rc, cap.out, cap.err

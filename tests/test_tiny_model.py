@@ -458,7 +458,7 @@ def test_cli_replaces_no_file_and_creates_no_folder_unasked(tmp_path, capsys):
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
     assert tiny.run(ap.parse_args([str(notes)])) == 2
-    assert "exists (--force replaces it)" in capsys.readouterr().err and notes.read_text() == "mine"
+    assert "exists (give --force to replace it)" in capsys.readouterr().err and notes.read_text() == "mine"
     missing = tmp_path / "no" / "such" / "x.gguf"
     assert tiny.run(ap.parse_args([str(missing)])) == 2
     assert "does not exist" in capsys.readouterr().err and not (tmp_path / "no").exists()

@@ -39,14 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     """Run ``make-tiny-model``; returns 0, or 2 with a one-line error on stderr for bad input (an existing OUT
     without ``--force``, a missing output folder: the command creates neither folders nor replaces files unasked)."""
-    out = Path(args.out)
+    from ..outputs import check_output
+
     problem = None
-    if out.is_dir():
-        problem = f"{out} is a directory"
-    elif out.exists() and not args.force:
-        problem = f"{out} exists (--force replaces it)"
-    elif not out.absolute().parent.is_dir():
-        problem = f"folder {out.absolute().parent} does not exist"
+    try:
+        check_output(args.out, "OUT", force=args.force)
+    except ValueError as e:
+        problem = str(e)
     if problem:
         print(f"hybrimoe make-tiny-model: error: {problem}", file=sys.stderr)
         return 2

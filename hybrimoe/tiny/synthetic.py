@@ -184,6 +184,9 @@ def make_synthetic_model(path, *, quant: str = "Q4_K_M", seed: int = 0, n_layer:
             if progress and name.endswith("ffn_down_shexp.weight"):
                 print(f"make_synthetic_model: wrote {name.split('.')[0]}.{name.split('.')[1]}", file=sys.stderr)
         w.close()
+        from ..outputs import new_file_mode
+
+        os.chmod(tmp, new_file_mode(path))  # mkstemp makes 0600 files; the umask decides, as elsewhere
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

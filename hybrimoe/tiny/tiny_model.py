@@ -194,6 +194,9 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
                 quantize_gguf(tmp, out_tmp, qspec.base, qspec.overrides)
             finally:
                 os.unlink(tmp)
+        from ..outputs import new_file_mode
+
+        os.chmod(out_tmp, new_file_mode(path))  # mkstemp makes 0600 files; the umask decides, as elsewhere
         os.replace(out_tmp, path)
     finally:
         if os.path.exists(out_tmp):
