@@ -143,8 +143,10 @@ def optimal_time(trace: "_core.Trace", expert_ids, cost: "_core.CostModel", n_sl
     fixed = [False]
     stopped = [False]
 
+    last_use = {k: u[-1] for k, u in uses.items()}
+
     def live(k: int, p: int) -> bool:
-        return any(u >= p for u in uses.get(k, ()))
+        return last_use.get(k, -1) >= p
 
     def visit(p: int, t: float, link: float, slots: tuple) -> None:
         # slots: tuple of (key or -1, ready_s, free_s), len n_slots

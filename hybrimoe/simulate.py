@@ -233,9 +233,8 @@ class Setup:
         """(cache, scheduler, prefetcher, config) of a system preset (:func:`hybrimoe.policy.build_preset`, with
         the profile's hot set; a clairvoyant preset's cache starts with :meth:`first_use_keys`); ValueError on an
         unknown name."""
-        clairvoyant = name in pol.SYSTEM_PRESETS and pol.system_preset(name)["clairvoyant"]
         ps = pol.build_preset(name, self.expert_bytes, self.trace.num_experts, self.budget,
-                              hot_keys=self.first_use_keys() if clairvoyant else self.hot_keys,
+                              hot_keys=self.first_use_keys() if _clairvoyant(name) else self.hot_keys,
                               profile=self.profile.ravel())
         cfg = _core.SimConfig()
         for f in ("stage", "ubatch", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
@@ -273,12 +272,15 @@ class Setup:
         """Simulates one system preset (or the given components) and returns its JSON record."""
         if cache is None:
             cache, sched, pre, cfg = self.build(name)
-        planner = self.planner
-        if name in pol.SYSTEM_PRESETS and pol.system_preset(name)["clairvoyant"]:
-            planner = self.clairvoyant_planner()
+        planner = self.clairvoyant_planner() if _clairvoyant(name) else self.planner
         res = _core.simulate(self.core_trace, cache, sched, pre, planner, self.truth_cost, self.truth, cfg,
                              self.first, self.end)
         return record(name, res, self)
+
+
+def _clairvoyant(name: str) -> bool:
+    """Whether ``name`` is a system preset whose cache knows the future (``belady``, ``oracle``)."""
+    return name in pol.SYSTEM_PRESETS and bool(pol.system_preset(name)["clairvoyant"])
 
 
 def record(name: str, res, setup: Setup) -> dict:
