@@ -16,6 +16,19 @@ ARCHS = ["qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2"]
 QUANTS = ["Q8_0", "Q4_K_M"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cwd_outside_checkout(tmp_path_factory):
+    """Every test runs with its working directory outside the checkout, so that a ``python -m hybrimoe`` subprocess
+    imports the installed package (with its compiled ``_core``), not the source tree that the cwd would put first on
+    ``sys.path``."""
+    old = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

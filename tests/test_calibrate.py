@@ -251,15 +251,15 @@ def test_gpt_oss_without_engine_layers_calibrates_to_a_clear_message(tmp_path, r
     env = dict(os.environ, HYBRIMOE_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-m", "hybrimoe", "calibrate", "-m", str(path), "--rpc", rpc_server.endpoint,
                         "--quick", "-o", str(tmp_path / "g.json")], capture_output=True, text=True, timeout=300,
-                       env=env)
+                       env=env, cwd=tmp_path)
     assert r.returncode != 0 and "nothing to calibrate" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "g.json").exists()
     r = subprocess.run([sys.executable, "-m", "hybrimoe", "run", "-m", str(path), "--rpc", rpc_server.endpoint,
                         "-ngl", "99", "--moe-cache", "25%", "-n", "4", "--temp", "0", "-p", "Hi"], capture_output=True,
-                       text=True, timeout=300, env=env)
+                       text=True, timeout=300, env=env, cwd=tmp_path)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.count("warning") == 1 and "upstream's path" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-m", "hybrimoe", "bench", "-m", str(path), "--rpc", rpc_server.endpoint,
                         "-p", "16", "-n", "4", "-r", "1", "--policies", "hybrimoe", "--upstream", "exps"],
-                       capture_output=True, text=True, timeout=300, env=env)
+                       capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert r.returncode == 0 and "Traceback" not in r.stderr and "| hybrimoe hybrimoe |" in r.stdout, r.stderr
