@@ -398,7 +398,9 @@ def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert
 #: Each preset: its components (``scheduler``, ``cache``, ``prefetch``, ``fill``), whether its prefetcher sees the
 #: true routing (``oracle``) or its cache the future (``clairvoyant``: simulator only), whether it needs a profile
 #: of expert frequencies (``needs_profile``: the simulator's profiling prompts, the engine's ``moe_profile``),
-#: ``about`` (what it does) and ``source`` (the system or document whose behaviour it reproduces).
+#: ``about`` (what it does) and ``source`` (the system or document whose behaviour it reproduces). A clairvoyant
+#: preset may name other clairvoyant presets in ``also``: the simulator runs each and reports the fastest plan
+#: (hybrimoe.simulate.Setup.run), since a planner that knows the routing can time every plan before choosing.
 SYSTEM_PRESETS = {
     "hybrimoe": dict(scheduler="hybrimoe", cache="mrs", prefetch="impact", fill=True, oracle=False,
                      clairvoyant=False, needs_profile=False, admission="tinylfu",
@@ -438,8 +440,9 @@ SYSTEM_PRESETS = {
                    about="bound: hybrimoe with a clairvoyant (Belady, bypass) cache",
                    source="Belady's MIN with bypass (docs/design.md §5 bounds)"),
     "oracle": dict(scheduler="exhaustive", cache="belady", prefetch="impact", fill=True, oracle=True,
-                   clairvoyant=True, needs_profile=False,
-                   about="bound: clairvoyant cache + exhaustive split + oracle prefetch",
+                   clairvoyant=True, needs_profile=False, also=("belady",),
+                   about="bound: clairvoyant cache + exhaustive split + oracle prefetch, or belady's plan where "
+                         "that is faster (a planner that knows the routing can simulate both and keep the better)",
                    source="docs/design.md §5 bounds"),
 }
 #: the presets the engine runs: those that need no knowledge of the future routing

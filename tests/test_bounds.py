@@ -3,7 +3,8 @@
 The exhaustive search's optimum is a lower bound on every policy's simulated time under the noise-free truth (its
 model is a relaxation of the simulator's rules): no preset may beat it, on any random small trace. The clairvoyant
 ``oracle`` preset is checked against it: within 10% of the optimum from the same initial fill, and never slower
-than a non-clairvoyant preset. Instances where it is not are listed with their measured ratio, so that the gap
+than a non-clairvoyant preset. On a wider set of random small traces ``oracle`` and ``belady`` are checked against
+every preset (no exhaustive search there). Instances where it is not are listed with their measured ratio, so that the gap
 stays visible and an entry that stops failing fails the test.
 """
 from __future__ import annotations
@@ -128,3 +129,35 @@ def test_the_oracle_is_within_ten_percent_of_the_optimum():
     assert loose.keys() == KNOWN_LOOSE.keys(), f"loose instances {loose} (listed: {KNOWN_LOOSE})"
     for i, r in loose.items():
         assert r == pytest.approx(KNOWN_LOOSE[i], abs=0.01), (i, r)
+
+
+#: random small instances (index into bound_cases()) where an engine preset beats belady (and maybe the oracle), with
+#: the ratios (oracle, belady) / fastest engine preset measured when listed; none so far (a prefill instance of 3 or 4 layers where hybrimoe's MRS cache beats Belady's
+#: hit-count optimum by ~2% exists outside this seeded set: probed on 250 instances, 2 such, both prefill)
+KNOWN_UNBOUNDED: dict = {}
+
+
+def bound_cases(n: int = 100):
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(n):
+        layers, experts, top_k = int(rng.integers(2, 5)), int(rng.integers(3, 8)), int(rng.integers(1, 3))
+        tokens, slots = int(rng.integers(3, 9)), int(rng.integers(1, 5))
+        out.append((random_ids(rng, 2 * tokens, layers, experts, top_k), experts, HARDWARE[i % 3], slots,
+                    ("decode", "prefill")[i % 2]))
+    return out
+
+
+def test_the_oracle_is_at_least_as_fast_as_every_policy_on_random_small_traces():
+    """On seeded random small traces (up to 4 layers, 7 experts, 8 tokens per prompt, 4 slots, both stages) the
+    ``oracle`` preset is at least as fast as every other preset, ``belady`` included (its plan is one the oracle
+    times: simulate.Setup.run), and ``belady`` at least as fast as every engine preset."""
+    unbounded = {}
+    for i, (ids, experts, hw, slots, stage) in enumerate(bound_cases()):
+        s = small_setup(ids, experts, hw, slots, stage)
+        t = {p: s.run(p)["total_s"] for p in pol.SYSTEM_PRESETS}
+        online = min(v for p, v in t.items() if p in pol.ENGINE_PRESETS)
+        assert t["oracle"] <= t["belady"] * (1 + 1e-12), (i, t)
+        if t["belady"] > online * (1 + 1e-9):  # the oracle is then bounded or not: both ratios are kept
+            unbounded[i] = (round(t["oracle"] / online, 3), round(t["belady"] / online, 3))
+    assert unbounded == KNOWN_UNBOUNDED, f"instances where an engine preset beats a bound: {unbounded}"
