@@ -21,7 +21,12 @@ def _cwd_outside_checkout(tmp_path_factory):
     """Every test runs with its working directory outside the checkout, so that a ``python -m hybrimoe`` subprocess
     imports the installed package (with its compiled ``_core``), not the source tree that the cwd would put first on
     ``sys.path``."""
+    from hybrimoe.trace import default_trace_path
+
     old = os.getcwd()
+    trace = default_trace_path()  # found from the directory pytest started in (its parents hold shared/)
+    if "HYBRIMOE_TRACE" not in os.environ and trace.is_file():
+        os.environ["HYBRIMOE_TRACE"] = str(trace.resolve())
     os.chdir(tmp_path_factory.mktemp("cwd"))
     try:
         yield
