@@ -39,7 +39,6 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
 from .llama import Llama  # first: hybrimoe's libllama under llama_cpp (see the module docstring)
 
@@ -57,7 +56,8 @@ from starlette.responses import Response  # noqa: E402
 
 PROG = "hybrimoe serve"
 #: seconds that SIGTERM/SIGINT leave running requests to finish before they are cancelled (uvicorn's
-#: ``timeout_graceful_shutdown``), and that closing the model then waits for a decode still running
+#: ``timeout_graceful_shutdown``; streams end at once: sse-starlette ends them when uvicorn starts to shut down), and
+#: that closing the model then waits for a decode still running
 GRACE_S = 10.0
 
 # llama-cpp-python's message for a prompt that does not fit (llama_cpp.Llama._create_completion)
