@@ -1,4 +1,4 @@
-"""The hybrimoe command line: run, info, make-tiny-model, trace, simulate, synth, calibrate, bench.
+"""The hybrimoe command line: run, serve, info, make-tiny-model, trace, simulate, synth, calibrate, bench.
 
 Flags follow llama.cpp's tools (``-m -p -n -t -c -ngl -ub --seed --temp -ot --n-cpu-moe --rpc``); hybrimoe's
 own flags start with ``--moe-``.
@@ -47,8 +47,10 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="text: stream the generated text; json: print {prompt_tokens, tokens, text, n_ctx} at the end")
 
 
-def add_llama_arguments(p: argparse.ArgumentParser) -> None:
-    """The model, placement, sampling and engine flags that ``run`` and ``trace`` share (llama.cpp's names)."""
+def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> None:
+    """The model, placement, sampling and engine flags that ``run``, ``trace`` and ``serve`` share (llama.cpp's
+    names). ``sampling=False`` leaves out ``--temp``, ``--top-k`` and ``--top-p`` (``serve``: each request brings
+    its own)."""
     p.add_argument("-m", "--model", help="GGUF model (default: a tiny qwen3moe model, created on first use)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama-cpp-python's)")
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="context size in tokens")
@@ -57,9 +59,10 @@ def add_llama_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
                    help="layers to offload to the devices (-1: all)")
     p.add_argument("--seed", type=int, default=-1, help="sampling seed (-1: random)")
-    p.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
+    if sampling:
+        p.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
+        p.add_argument("--top-k", type=int, default=40)
+        p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("-ot", "--override-tensor", action="append", default=[], metavar="REGEX=BUFT,...",
                    help="keep tensors matching REGEX in buffer type BUFT, e.g. exps=CPU (repeatable)")
     p.add_argument("-cmoe", "--cpu-moe", action="store_true", help="keep all routed experts in host memory")
@@ -107,15 +110,16 @@ def check_llama_arguments(args: argparse.Namespace, prog: str) -> str:
             return f"{prog}: error: {name} must be >= {low}, got {value}"
     if args.moe_prefetch_layers is not None and args.moe_prefetch_layers < 0:
         return f"{prog}: error: --moe-prefetch-layers must be >= 0"
-    if not 0.0 < args.top_p <= 1.0:
+    if getattr(args, "top_p", None) is not None and not 0.0 < args.top_p <= 1.0:
         return f"{prog}: error: --top-p must be in (0, 1], got {args.top_p}"
     return ""
 
 
-def load_llama(args: argparse.Namespace, model: Path, prog: str, **extra):
-    """A :class:`hybrimoe.Llama` from :func:`add_llama_arguments`'s flags (``extra``: more keyword arguments), with
-    a load progress bar on a terminal; library warnings print as one ``hybrimoe: warning:`` line each. Returns None
-    after printing ``prog: error: ...`` when the model cannot be loaded."""
+def load_llama(args: argparse.Namespace, model: Path, prog: str, *, llama_class=None, **extra):
+    """A :class:`hybrimoe.Llama` (or ``llama_class``, a subclass) from :func:`add_llama_arguments`'s flags
+    (``extra``: more keyword arguments), with a load progress bar on a terminal; library warnings print as one
+    ``hybrimoe: warning:`` line each. Returns None after printing ``prog: error: ...`` when the model cannot be
+    loaded."""
     import warnings
 
     from tqdm import tqdm
@@ -132,7 +136,7 @@ def load_llama(args: argparse.Namespace, model: Path, prog: str, **extra):
         bar.refresh()
 
     try:
-        return Llama(
+        return (llama_class or Llama)(
             str(model), n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
             n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
             seed=args.seed if args.seed >= 0 else 0xFFFFFFFF, verbose=args.verbose,
@@ -251,6 +255,46 @@ def generate_tokens(llm, prompt_tokens: list[int], n_predict: int, *, temp: floa
     return out
 
 
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    add_llama_arguments(p, sampling=False)
+    # a server's prompts are chats, longer than run's one-line prompts: llama-cpp-python's server default
+    p.set_defaults(ctx_size=2048)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s, this machine only; 0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port (default: %(default)s; 0: a free one, printed)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: none)")
+    p.add_argument("-a", "--alias", default=None, metavar="NAME",
+                   help="the model's name in the API (/v1/models, the requests' \"model\"; default: the file's "
+                        "name without .gguf); requests naming another model get 404")
+    p.add_argument("--interrupt-requests", action="store_true",
+                   help="cut a running stream short when another request waits (llama-cpp-python's "
+                        "interrupt_requests; default: off, every request runs to its end, one at a time)")
+    p.add_argument("--chat-format", default=None, metavar="NAME",
+                   help="llama-cpp-python chat format (chatml, llama-2, ...; default: the model's own chat "
+                        "template, else llama-cpp-python's guess)")
+    p.add_argument("--embedding", action="store_true",
+                   help="load the model for /v1/embeddings (llama-cpp-python's embedding=True)")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    bad = check_llama_arguments(args, "hybrimoe serve")
+    if not bad and not 0 <= args.port <= 65535:
+        bad = f"hybrimoe serve: error: --port must be in 0..65535, got {args.port}"
+    if not bad and args.api_key is not None and not args.api_key.strip():
+        bad = "hybrimoe serve: error: --api-key is empty"
+    if bad:
+        print(bad, file=sys.stderr)
+        return 2
+    try:
+        from . import serve
+    except ImportError as e:  # the server extra is not installed (FastAPI, uvicorn, sse-starlette, ...)
+        print(f"hybrimoe serve: error: the server needs llama-cpp-python's server packages ({e}): "
+              "pip install 'hybrimoe[server]'", file=sys.stderr)
+        return 1
+    return serve.main(args)
+
+
 def _register_optional(sub, name: str, module: str, help_text: str) -> None:
     import importlib
 
@@ -271,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="generate text (llama.cpp flags)", description="generate text")
     _add_run_arguments(p)
     p.set_defaults(func=_run)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (llama-cpp-python's) on the hybrid engine",
+                       description="OpenAI-compatible HTTP server (llama-cpp-python's routes: /v1/completions, "
+                                   "/v1/chat/completions, /v1/embeddings, /v1/models) on hybrimoe.Llama, with the "
+                                   "engine's figures at /moe/stats (JSON) and /metrics (Prometheus). One request "
+                                   "runs at a time; the others wait.")
+    _add_serve_arguments(p)
+    p.set_defaults(func=_serve)
     _register_optional(sub, "info", "info", "MoE structure and expert bytes of a GGUF file")
     _register_optional(sub, "make-tiny-model", "tiny", "write a tiny synthetic MoE GGUF (tests, demos)")
     _register_optional(sub, "trace", "record", "record a model's routing (expert ids and router scores per token "

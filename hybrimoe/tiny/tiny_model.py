@@ -89,7 +89,7 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
                     n_expert: int | None = None, n_expert_used: int | None = None, n_ff_exp: int | None = None,
                     n_shared: int | None = None, n_head: int = 4, n_dense_lead: int = 1, n_ff_dense: int | None = None,
                     quant=None, tokenizer: str = "spm", router_margin: float = 4.0,
-                    residual_scale: float = 0.15, n_ctx_train: int = 512) -> Path:
+                    residual_scale: float = 0.15, n_ctx_train: int = 512, chat_template: str | None = None) -> Path:
     """Write a tiny MoE GGUF model to ``path`` and return it as a ``Path``.
 
     Args:
@@ -117,6 +117,8 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
         residual_scale: RMS (relative to the embedding's) that each attention / FFN block adds to the residual
             stream; smaller keeps routing closer to the design.
         n_ctx_train: ``context_length`` written to the file.
+        chat_template: a Jinja chat template written as ``tokenizer.chat_template`` (llama-cpp-python formats chat
+            requests with it); None writes none (the file is then byte-identical to one made before this option).
 
     deepseek2 MLA sizes (fixed): q_lora_rank 32 (none with 26 or 27 blocks: llama.cpp reads those as
     DeepSeek-V2-Lite, whose queries have no low-rank projection), kv_lora_rank 32, qk_rope 16, qk_nope 16, v_head 16,
@@ -135,6 +137,8 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"unknown tokenizer {tokenizer!r}; valid: {', '.join(TOKENIZERS)}")
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+        raise ValueError(f"chat_template must be a non-empty string (a Jinja template), got {chat_template!r}")
     d_e, d_k, d_s = _DEFAULTS[arch]
     E = d_e if n_expert is None else int(n_expert)
     k = d_k if n_expert_used is None else int(n_expert_used)
@@ -184,13 +188,13 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
     try:
         if qspec is None:
             _write(Path(out_tmp), gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d,
-                   tokenizer, router_margin, s, n_ctx_train)
+                   tokenizer, router_margin, s, n_ctx_train, chat_template)
         else:
             fd, tmp = tempfile.mkstemp(suffix=".f32.gguf", dir=str(path.parent))
             os.close(fd)
             try:
                 _write(Path(tmp), gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d,
-                       tokenizer, router_margin, s, n_ctx_train)
+                       tokenizer, router_margin, s, n_ctx_train, chat_template)
                 quantize_gguf(tmp, out_tmp, qspec.base, qspec.overrides)
             finally:
                 os.unlink(tmp)
@@ -205,13 +209,15 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
 
 
 def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d, tokenizer,
-           router_margin, s, n_ctx_train):
+           router_margin, s, n_ctx_train, chat_template=None):
     """Write the F32 model of :func:`make_tiny_model` to ``path`` with the checked sizes (``D`` n_embd, ``F``
     n_ff_exp, ``E`` experts, ``k`` top-k, ``ns`` shared experts, ``L`` blocks, ``hd`` head dim, ``n_ff_d`` dense
     FFN width, ``s`` residual scale), drawing every weight from ``rng`` in a fixed order."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"hybrimoe-tiny-{arch}")
     normal = _write_tokenizer(w, tokenizer)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     n_vocab = len(normal)
     w.add_context_length(n_ctx_train)
     w.add_embedding_length(D)
