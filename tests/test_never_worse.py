@@ -15,13 +15,15 @@ policy.truth_model_for), so the planner is not judged by its own formula.
 """
 from __future__ import annotations
 
+import functools
+import multiprocessing as mp
 import os
-from pathlib import Path
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
 from hybrimoe import policy as pol
-from hybrimoe.simulate import Setup
+from hybrimoe.simulate import total_times
 
 HARDWARE = ("paper-a6000", "rtx4090-desktop", "h200")
 CACHES = ("10%", "25%", "50%", "75%")
@@ -45,9 +47,9 @@ TRACES = [("dsv2lite", None)] + [(shape, loc) for shape in ("mixtral-8x7b", "qwe
 
 def _trace(shape, locality, seed):
     if locality is None:
-        from hybrimoe.trace import load_trace
+        from hybrimoe.trace import default_trace_path, load_trace
 
-        path = Path(os.environ.get("HYBRIMOE_TRACE", "../shared/traces/dsv2lite_dev.npz"))
+        path = default_trace_path()
         if not path.exists():
             pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
         return load_trace(path)
@@ -57,26 +59,39 @@ def _trace(shape, locality, seed):
     return synthetic_trace(shape, TOKENS * 5 // 4 + 200, locality=locality, seed=seed)
 
 
+def _workers() -> int:
+    """Processes for a table: the machine's cores (``HYBRIMOE_TEST_WORKERS`` overrides; 1 runs in this process)."""
+    return max(1, int(os.environ.get("HYBRIMOE_TEST_WORKERS", os.cpu_count() or 1)))
+
+
+def _table(trace, configs, names, **kw):
+    """``simulate.total_times(trace, hw, cache, stage, names, **kw)`` for each ``(hw, cache, stage)`` of
+    ``configs``, in order, on ``_workers()`` spawned processes (not forked: this process may hold ggml threads)."""
+    run = functools.partial(total_times, trace, names=names, max_tokens=TOKENS, **kw)
+    n = min(_workers(), len(configs))
+    if n <= 1:
+        return [run(*c) for c in configs]
+    with ProcessPoolExecutor(n, mp_context=mp.get_context("spawn")) as ex:
+        return list(ex.map(run, *zip(*configs), chunksize=max(1, len(configs) // (4 * n))))
+
+
 @pytest.mark.parametrize("shape,locality", TRACES, ids=[f"{s}-{loc or 'real'}" for s, loc in TRACES])
 def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(shape, locality):
     assert len(STATIC) >= 2, STATIC
+    configs = [(hw, cache, stage) for hw in HARDWARE for cache in CACHES for stage in ("decode", "prefill")]
     worse, unbounded = [], []
     for seed in SEEDS:
         tr = _trace(shape, locality, seed)
-        for hw_name in HARDWARE:
-            hw = pol.load_hardware(hw_name)
-            for cache in CACHES:
-                for stage in ("decode", "prefill"):
-                    s = Setup(tr, hw, cache, stage, max_tokens=TOKENS, seed=seed + 1)
-                    t = {p: s.run(p)["total_s"] for p in ("hybrimoe", "oracle") + STATIC}
-                    best_static = min(t[p] for p in STATIC)
-                    where = f"seed {seed} {hw_name} {cache} {stage}"
-                    known = (shape, locality, seed, hw_name, cache, stage) in KNOWN_SHORTFALLS
-                    if (t["hybrimoe"] > 1.01 * best_static) != known:
-                        worse.append(f"{where}: hybrimoe {t['hybrimoe']:.4g} s vs best static {best_static:.4g} s"
-                                     + (" (a known shortfall that no longer fails: remove it)" if known else ""))
-                    if t["oracle"] > min(t["hybrimoe"], best_static) * (1 + 1e-9):
-                        unbounded.append(f"{where}: oracle {t['oracle']:.4g} s vs {min(t['hybrimoe'], best_static):.4g} s")
+        for (hw_name, cache, stage), t in zip(configs, _table(tr, configs, ("hybrimoe", "oracle") + STATIC,
+                                                               seed=seed + 1)):
+            best_static = min(t[p] for p in STATIC)
+            where = f"seed {seed} {hw_name} {cache} {stage}"
+            known = (shape, locality, seed, hw_name, cache, stage) in KNOWN_SHORTFALLS
+            if (t["hybrimoe"] > 1.01 * best_static) != known:
+                worse.append(f"{where}: hybrimoe {t['hybrimoe']:.4g} s vs best static {best_static:.4g} s"
+                             + (" (a known shortfall that no longer fails: remove it)" if known else ""))
+            if t["oracle"] > min(t["hybrimoe"], best_static) * (1 + 1e-9):
+                unbounded.append(f"{where}: oracle {t['oracle']:.4g} s vs {min(t['hybrimoe'], best_static):.4g} s")
     assert not worse, f"{shape} {locality}: hybrimoe slower than static placement in {len(worse)} runs: " + \
         "; ".join(worse[:10])
     assert not unbounded, f"{shape} {locality}: the oracle is not a bound in {len(unbounded)} runs: " + \
@@ -91,17 +106,12 @@ def test_never_slower_when_the_truth_contention_differs_from_the_planners(shape,
     cpu_copy_overlap); the truth charges contention per overlapped second. With the truth's contention at 0.5x and
     1.5x the preset's value hybrimoe still stays within 1.01 x the best static placement (seed 0)."""
     tr = _trace(shape, locality, 0)
+    assert all(pol.truth_model_for(pol.load_hardware(hw), 1).contention > 0 for hw in HARDWARE)
+    configs = [(hw, cache, stage) for hw in HARDWARE for cache in CACHES for stage in ("decode", "prefill")]
     worse = []
-    for hw_name in HARDWARE:
-        hw = pol.load_hardware(hw_name)
-        for cache in CACHES:
-            for stage in ("decode", "prefill"):
-                s = Setup(tr, hw, cache, stage, max_tokens=TOKENS, seed=1)
-                base = s.truth.contention
-                assert base > 0
-                s.truth.contention = scale * base
-                t = {p: s.run(p)["total_s"] for p in ("hybrimoe",) + STATIC}
-                best_static = min(t[p] for p in STATIC)
-                if t["hybrimoe"] > 1.01 * best_static:
-                    worse.append(f"{hw_name} {cache} {stage}: {t['hybrimoe']:.4g} s vs {best_static:.4g} s")
+    for (hw_name, cache, stage), t in zip(configs, _table(tr, configs, ("hybrimoe",) + STATIC, seed=1,
+                                                           contention_scale=scale)):
+        best_static = min(t[p] for p in STATIC)
+        if t["hybrimoe"] > 1.01 * best_static:
+            worse.append(f"{hw_name} {cache} {stage}: {t['hybrimoe']:.4g} s vs {best_static:.4g} s")
     assert not worse, f"contention x{scale}: " + "; ".join(worse)
