@@ -97,15 +97,22 @@ KNOWN_LOOSE: dict = {12: 1.119}
 MAX_NODES = 10_000
 
 
-def tightness_cases():
-    rng = np.random.default_rng(2026)
+def seeded_cases(seed: int, n: int, layers: int, experts: int, tokens: int, slots: int) -> list:
+    """``n`` random small instances ``(ids, experts, hardware, slots, stage)`` from ``seed``: up to ``layers``
+    layers, ``experts`` experts (top-1 or top-2), ``tokens`` tokens per prompt and ``slots`` slots; the hardware
+    presets and the stages take turns."""
+    rng = np.random.default_rng(seed)
     out = []
-    for i in range(16):
-        layers, experts, top_k = int(rng.integers(2, 4)), int(rng.integers(3, 6)), int(rng.integers(1, 3))
-        tokens, slots = int(rng.integers(3, 5)), int(rng.integers(1, 4))
-        out.append((random_ids(rng, 2 * tokens, layers, experts, top_k), experts, HARDWARE[i % 3], slots,
+    for i in range(n):
+        n_l, n_e, top_k = int(rng.integers(2, layers + 1)), int(rng.integers(3, experts + 1)), int(rng.integers(1, 3))
+        n_t, n_s = int(rng.integers(3, tokens + 1)), int(rng.integers(1, slots + 1))
+        out.append((random_ids(rng, 2 * n_t, n_l, n_e, top_k), n_e, HARDWARE[i % 3], n_s,
                     ("decode", "prefill")[i % 2]))
     return out
+
+
+def tightness_cases():
+    return seeded_cases(2026, 16, layers=3, experts=5, tokens=4, slots=3)
 
 
 def test_the_oracle_is_within_ten_percent_of_the_optimum():
@@ -137,15 +144,8 @@ def test_the_oracle_is_within_ten_percent_of_the_optimum():
 KNOWN_UNBOUNDED: dict = {}
 
 
-def bound_cases(n: int = 100):
-    rng = np.random.default_rng(7)
-    out = []
-    for i in range(n):
-        layers, experts, top_k = int(rng.integers(2, 5)), int(rng.integers(3, 8)), int(rng.integers(1, 3))
-        tokens, slots = int(rng.integers(3, 9)), int(rng.integers(1, 5))
-        out.append((random_ids(rng, 2 * tokens, layers, experts, top_k), experts, HARDWARE[i % 3], slots,
-                    ("decode", "prefill")[i % 2]))
-    return out
+def bound_cases():
+    return seeded_cases(7, 100, layers=4, experts=7, tokens=8, slots=4)
 
 
 def test_the_oracle_is_at_least_as_fast_as_every_policy_on_random_small_traces():
