@@ -27,6 +27,16 @@ def _model(tiny_model):
     return tiny_model("gpt-oss", "Q8_0")
 
 
+@pytest.fixture(scope="module")
+def mxfp4_model(tmp_path_factory):
+    """The fixture's gpt-oss with MXFP4 expert matrices (as gpt-oss files ship them; 32-element blocks of 17
+    bytes, so a slot region's stride is a multiple of lcm(16, 17) = 272 bytes), Q8_0 elsewhere, F32 biases."""
+    from hybrimoe.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("mxfp4") / "gpt-oss-mxfp4.gguf", "gpt-oss",
+                           quant={"base": "Q8_0", r"ffn_(gate|up|down)_exps": "MXFP4"})
+
+
 def _reference(path, rpc_server, tokens, engine_tools, **kw):
     from hybrimoe import Llama
 
@@ -64,15 +74,29 @@ def test_facts_and_slot_bytes_carry_the_biases(tiny_model):
                          len(f.moe_layers))
 
 
-@pytest.mark.parametrize("cache, ub", [("25%", 1), ("50%", 7), ("100%", 32)])
-def test_gpt_oss_matches_upstream_same_placement(cache, ub, tiny_model, rpc_server, split_cost_model,
-                                                   engine_tools):
+# (ubatch 1: under the split cost model the hybrimoe planner loads every single-token miss to the GPU, so that
+# case runs the hot-set preset over a seeded profile, whose misses stay on the CPU: both shares in the run)
+@pytest.mark.parametrize("quant, cache, ub, policy", [("Q8_0", "25%", 1, "hot-set"),
+                                                      ("Q8_0", "50%", 7, "hybrimoe"),
+                                                      ("Q8_0", "100%", 32, "hybrimoe"),
+                                                      ("MXFP4", "50%", 4, "hybrimoe")])
+def test_gpt_oss_matches_upstream_same_placement(quant, cache, ub, policy, tiny_model, mxfp4_model, rpc_server,
+                                                   split_cost_model, engine_tools):
     """The hybrid engine on gpt-oss: upstream's greedy tokens and the last logits bit for bit, with experts
     computed on both sides (biases by expert id on the CPU, by slot on the GPU)."""
-    from hybrimoe import Llama
+    import gguf
 
-    path = _model(tiny_model)
-    llm = Llama(str(path), moe_cache=cache, moe_cost_model=split_cost_model, **_common(rpc_server, n_ubatch=ub))
+    from hybrimoe import Llama
+    from hybrimoe.engine import engine_facts
+
+    path = _model(tiny_model) if quant == "Q8_0" else mxfp4_model
+    want = int(gguf.GGMLQuantizationType[quant])
+    assert all(t == [want] * 3 for t in map(list, engine_facts(path).expert_types))  # MXFP4 really written
+    f = engine_facts(path)
+    profile = (np.random.default_rng(0).integers(0, 50, (len(f.moe_layers), f.n_expert))
+               if policy == "hot-set" else None)
+    llm = Llama(str(path), moe_cache=cache, moe_policy=policy, moe_profile=profile, moe_cost_model=split_cost_model,
+                **_common(rpc_server, n_ubatch=ub))
     try:
         tokens = engine_tools.prompt_of(llm, 20)
         out, lg = engine_tools.run_greedy(llm, tokens, N_GEN)
