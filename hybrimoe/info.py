@@ -291,6 +291,17 @@ def format_info(d: dict) -> str:
             groups.setdefault((v["type"], v["bytes_per_expert"]), []).append(il)
         for (tname, bpe), ils in groups.items():
             lines.append(f"  {'ffn_' + kind + '_exps.b':<18}{tname:<10}{bpe:>14}  {shape:<14}{_ranges(ils)}")
+    per_layer = {}
+    for group in ("expert_tensors", "expert_biases"):
+        for k in d.get(group, {}).values():
+            for il, v in k["layers"].items():
+                m, bias = per_layer.get(il, (0, 0))
+                per_layer[il] = (m + v["bytes_per_expert"], bias) if group == "expert_tensors" else \
+                    (m, bias + v["bytes_per_expert"])
+    if per_layer:
+        # what one expert moves to a GPU slot: its matrices and (gpt-oss) its bias rows
+        m, bias = max(per_layer.values(), key=lambda mb: mb[0] + mb[1])
+        lines.append(f"bytes per expert:    {m + bias} (matrices {m} + biases {bias}; the largest MoE layer's)")
     tot = d["tensor_bytes"] or 1
     lines.append(f"routed-expert bytes: {d['routed_expert_bytes']} ({_mib(d['routed_expert_bytes'])}, "
                  f"{100.0 * d['routed_expert_bytes'] / tot:.1f}% of tensor bytes)")

@@ -68,7 +68,10 @@ def test_facts_and_slot_bytes_carry_the_biases(tiny_model):
         [(b + 15) // 16 * 16 for b in want]
     d = describe(path)
     assert d["expert_biases"]["down"]["bytes_per_expert"] == want[2]
-    assert "ffn_down_exps.b" in format_info(d)
+    text = format_info(d)
+    assert "ffn_down_exps.b" in text
+    mats = sum(f.expert_bytes[0])
+    assert f"bytes per expert:    {mats + sum(want)} (matrices {mats} + biases {sum(want)};" in text
     with pytest.raises(ValueError, match="bias"):
         E.slot_bytes_for([tuple(b) for b in f.expert_bytes], [tuple(t) for t in f.expert_types], [(6, 4, 4)] *
                          len(f.moe_layers))
