@@ -136,3 +136,38 @@ def test_wrong_bias_rows_on_the_gpu_change_the_logits(tiny_model, rpc_server, sp
         ref.close()
     assert gpu_experts > 0
     assert engine_tools.nmse(lg, ref_lg) > 1e-6
+
+
+def test_swiglu_oai_clamp_is_upstreams(tiny_model, rpc_server, split_cost_model, engine_tools, tmp_path):
+    """Gate and up biases of magnitude 12 put every pre-activation beyond SwiGLU-OAI's limit (7: ggml_swiglu_oai
+    clamps the gate from above and the up projection to [-7, 7]; the matrices' part is far smaller), so the clamp is
+    active in every expert the tokens reach; the engine still gives upstream's tokens and logits bit for bit."""
+    import shutil
+
+    import gguf
+
+    from hybrimoe import Llama
+
+    path = tmp_path / "gpt-oss-clamped.gguf"
+    shutil.copy(tiny_model("gpt-oss", None), path)
+    r = gguf.GGUFReader(str(path), "r+")
+    rng = np.random.default_rng(7)
+    n_edited = 0
+    for t in r.tensors:
+        if t.name.endswith(("ffn_gate_exps.bias", "ffn_up_exps.bias")):
+            t.data[...] = (12.0 * rng.choice([-1.0, 1.0], size=t.data.shape)).astype(np.float32)
+            n_edited += 1
+    r.data.flush()
+    del r
+    assert n_edited >= 2
+    llm = Llama(str(path), moe_cache="50%", moe_cost_model=split_cost_model, **_common(rpc_server, n_ubatch=8))
+    try:
+        tokens = engine_tools.prompt_of(llm, 20)
+        out, lg = engine_tools.run_greedy(llm, tokens, N_GEN)
+        e = llm.moe_stats()["engine"]
+    finally:
+        llm.close()
+    assert e["gpu_experts"] > 0 and e["cpu_experts"] > 0, e
+    ref_out, ref_lg = _reference(path, rpc_server, tokens, engine_tools, n_ubatch=8)
+    assert out == ref_out
+    assert np.array_equal(lg, ref_lg), engine_tools.nmse(lg, ref_lg)
