@@ -184,7 +184,7 @@ class Config:
             out["measured_moe_ms_per_prompt"] = 1e3 * statistics.median(pp_meas)
             out["predicted_moe_ms_per_token"] = 1e3 * statistics.median(tg_pred)
             out["measured_moe_ms_per_token"] = 1e3 * statistics.median(tg_meas)
-            # ratios only where something was measured (no MoE layer through the engine, e.g. gpt-oss: none)
+            # ratios only where something was measured (none when no MoE layer ran through the engine)
             for key, pred, meas in (("prediction_ratio_pp", pp_pred, pp_meas), ("prediction_ratio_tg", tg_pred, tg_meas)):
                 ratios = [a / b for a, b in zip(pred, meas) if b > 0]
                 if ratios:

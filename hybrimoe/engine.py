@@ -44,6 +44,8 @@ class EngineFacts:
 
     ``expert_bytes``: per MoE layer, bytes of one expert's (gate, up, down) matrices as stored (ggml ``nb[2]``);
     ``expert_types``: per MoE layer, their ggml type ids;
+    ``bias_bytes``: per MoE layer, bytes of one expert's (gate, up, down) F32 bias rows (``ffn_*_exps.bias``,
+    gpt-oss), 0 where the layer has none; empty when no layer has biases (the slot pool carries them per slot);
     ``routers``: per MoE layer, F32 ``[n_expert, n_embd]`` router weights (empty array when the file's router is
     not F32); ``router_bias``: per MoE layer, F32 ``[n_expert]`` selection bias (DeepSeek-V3 ``exp_probs_b``) or empty.
     """
@@ -57,6 +59,7 @@ class EngineFacts:
     moe_layers: list
     expert_bytes: list
     expert_types: list = field(default_factory=list)
+    bias_bytes: list = field(default_factory=list)
     routers: list = field(default_factory=list)
     router_bias: list = field(default_factory=list)
     sigmoid_gating: bool = False
@@ -64,14 +67,16 @@ class EngineFacts:
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of one GPU expert slot (the largest gate, up and down over the layers, each padded to 256)."""
+        """Bytes of one GPU expert slot: the largest gate, up and down matrix over the layers (each rounded up to
+        its types' block sizes) plus the largest gate, up and down bias rows (each rounded up to 16 bytes)."""
         return int(_engine_module().Engine.slot_bytes_for([tuple(b) for b in self.expert_bytes],
-                                                 [tuple(t) for t in self.expert_types]))
+                                                          [tuple(t) for t in self.expert_types],
+                                                          [tuple(b) for b in self.bias_bytes]))
 
     @property
     def total_expert_bytes(self) -> int:
-        """Bytes of all routed experts of all MoE layers, as stored."""
-        return int(sum(sum(b) for b in self.expert_bytes) * self.n_expert)
+        """Bytes of all routed experts of all MoE layers, as stored (matrices and expert biases)."""
+        return int((sum(sum(b) for b in self.expert_bytes) + sum(sum(b) for b in self.bias_bytes)) * self.n_expert)
 
 
 def engine_facts(path: Union[str, os.PathLike]) -> EngineFacts:
@@ -100,6 +105,17 @@ def engine_facts(path: Union[str, os.PathLike]) -> EngineFacts:
     et = [[int(gguf.GGMLQuantizationType[kinds[k]["layers"][il]["type"]]) for k in ("gate", "up", "down")]
           for il in moe_layers]
     tensors = {t.name: t for t in r.tensors}
+    bb = []
+    for il in moe_layers:
+        row = []
+        for k in ("gate", "up", "down"):
+            t = tensors.get(f"blk.{il}.ffn_{k}_exps.bias")
+            # one expert's bias row as the engine copies it (ggml_add_id reads F32 rows; another type keeps the
+            # layer on upstream's path, and its size here only makes the slot larger)
+            row.append(0 if t is None else int(t.n_bytes) // int(d["n_expert"]))
+        bb.append(row)
+    if not any(any(r_) for r_ in bb):
+        bb = []
     routers, biases = [], []
     for il in moe_layers:
         t = tensors.get(f"blk.{il}.ffn_gate_inp.weight")
@@ -115,7 +131,7 @@ def engine_facts(path: Union[str, os.PathLike]) -> EngineFacts:
     model = facts_from_description(d)  # for the hardware presets' cost model (policy.cost_model_from_hardware)
     return EngineFacts(path=os.fspath(path), arch=arch, n_layer=int(d["n_layer"]), n_expert=int(d["n_expert"]),
                        top_k=int(d["n_expert_used"]), n_embd=int(d["n_embd"]), moe_layers=moe_layers,
-                       expert_bytes=eb, expert_types=et, routers=routers, router_bias=biases, sigmoid_gating=sigmoid, model=model)
+                       expert_bytes=eb, expert_types=et, bias_bytes=bb, routers=routers, router_bias=biases, sigmoid_gating=sigmoid, model=model)
 
 
 def slot_bytes(model_path: Union[str, os.PathLike]) -> int:
@@ -359,7 +375,8 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         device=int(device_ptr or 0), cost_model=cost,
         prefetch_layers=int(prefetch_layers), fill_on_miss=policies.fill_on_miss, routers=facts.routers,
         router_bias=facts.router_bias, sigmoid_gating=facts.sigmoid_gating, cache=policies.cache,
-        scheduler=policies.scheduler, prefetcher=policies.prefetcher, max_buffer_bytes=max_buffer_bytes())
+        scheduler=policies.scheduler, prefetcher=policies.prefetcher, max_buffer_bytes=max_buffer_bytes(),
+        bias_bytes=[tuple(b) for b in facts.bias_bytes])
 
 
 def max_buffer_bytes() -> int:
@@ -385,11 +402,13 @@ def gpu_work_bytes(facts: EngineFacts, n_ubatch: int) -> int:
     ubatches of up to ``n_ubatch`` tokens: per launch graph (pair counts bucketed to powers of two up to
     ``n_ubatch * top_k``, two launches per layer) its packed inputs (slot id, row, weight and hidden row per pair)
     and its work tensors (each pair's hidden row, gate, up and activation rows of the expert FFN width, down and
-    weighted output rows), all F32; summed over the buckets (each graph has its own allocation) and over the
+    weighted output rows; with expert biases also the biased up, gate and down rows), all F32; summed over the buckets (each graph has its own allocation) and over the
     layers' distinct expert type triples."""
     D = int(facts.n_embd)
     F = int(facts.model.n_ff_exp) if facts.model is not None else D
     per_pair = 4 * (3 + D) + 4 * D + 4 * 3 * F + 4 * 2 * D
+    if facts.bias_bytes:
+        per_pair += 4 * (2 * F + D)  # ggml_add_id's outputs (build_moe_ffn's "ffn_moe_*_biased")
     top = 1
     while top < max(1, int(n_ubatch) * int(facts.top_k)):
         top *= 2

@@ -132,6 +132,9 @@ def describe(path) -> dict:
             between layers, "shape": [ne0, ne1] of one expert (the first layer's), "layers": {block id: {"type",
             "bytes", "bytes_per_expert", "n_expert", "shape"}}}} for kind in gate/up/down/gate_up present
             (weights only),
+        expert_biases: {kind: {"types", "bytes_per_expert", "shape": [ne0] of one expert's row, "layers": {block
+            id: {"type", "bytes", "bytes_per_expert", "n_expert", "shape"}}}} for the ``ffn_*_exps.bias`` tensors
+            (gpt-oss; empty when the file has none): the engine's slot pool carries one row of each per slot,
         routed_expert_bytes (all ``ffn_*_exps`` tensors, biases included), other_bytes (every other tensor),
         tensor_bytes (sum of both), tensor_types ({ggml type name: tensor count}),
         n_head / n_head_kv (``attention.head_count`` / ``_kv``; the largest when stored per layer; None when
@@ -165,6 +168,7 @@ def describe(path) -> dict:
 
     routed = other = 0
     kinds: dict = {}
+    bias_kinds: dict = {}
     moe_layers: set = set()
     all_layers: set = set()
     types: dict = {}
@@ -182,6 +186,15 @@ def describe(path) -> dict:
             routed += nb
             il, kind, what = int(m.group(1)), m.group(2), m.group(3)
             moe_layers.add(il)
+            if what == "bias":
+                shape = [int(x) for x in t.shape]
+                ne = shape[1] if len(shape) >= 2 else 1
+                k = bias_kinds.setdefault(kind, {"types": [], "bytes_per_expert": None, "shape": shape[:1],
+                                                 "layers": {}})
+                if tname not in k["types"]:
+                    k["types"].append(tname)
+                k["layers"][il] = {"type": tname, "bytes": nb, "bytes_per_expert": nb // ne if ne else nb,
+                                   "n_expert": ne, "shape": shape[:1]}
             if what == "weight":
                 shape = [int(x) for x in t.shape]
                 ne = shape[2] if len(shape) >= 3 else 1
@@ -204,7 +217,7 @@ def describe(path) -> dict:
                 sh["ff"] = int(t.shape[1])
         if ".ffn_gate_inp_shexp." in t.name:
             sh["gated"] = True
-    for k in kinds.values():
+    for k in list(kinds.values()) + list(bias_kinds.values()):
         per = {v["bytes_per_expert"] for v in k["layers"].values()}
         k["bytes_per_expert"] = per.pop() if len(per) == 1 else None
     shared = None
@@ -226,7 +239,7 @@ def describe(path) -> dict:
         "moe_layers": sorted(moe_layers), "dense_layers": [i for i in range(int(n_layer)) if i not in moe_layers],
         "n_expert": int(n_expert) if (n_expert and has_experts) else 0,
         "n_expert_used": int(n_used) if (n_used and has_experts) else 0,
-        "shared": shared, "expert_tensors": kinds, "routed_expert_bytes": routed, "other_bytes": other,
+        "shared": shared, "expert_tensors": kinds, "expert_biases": bias_kinds, "routed_expert_bytes": routed, "other_bytes": other,
         "tensor_bytes": routed + other, "tensor_types": types,
         "n_head": _count(_field(r, f"{arch}.attention.head_count")),
         "n_head_kv": _count(_field(r, f"{arch}.attention.head_count_kv")), "n_layer_nextn": nextn,
@@ -267,6 +280,28 @@ def format_info(d: dict) -> str:
             groups.setdefault((v["type"], v["bytes_per_expert"]), []).append(il)
         for (tname, bpe), ils in groups.items():
             lines.append(f"  {'ffn_' + kind + '_exps':<18}{tname:<10}{bpe:>14}  {shape:<14}{_ranges(ils)}")
+    for kind in EXPERT_KINDS:
+        # expert biases: one row per expert, carried per GPU slot with the matrices
+        k = d.get("expert_biases", {}).get(kind)
+        if k is None:
+            continue
+        shape = "x".join(str(x) for x in k["shape"])
+        groups = {}
+        for il, v in sorted(k["layers"].items()):
+            groups.setdefault((v["type"], v["bytes_per_expert"]), []).append(il)
+        for (tname, bpe), ils in groups.items():
+            lines.append(f"  {'ffn_' + kind + '_exps.b':<18}{tname:<10}{bpe:>14}  {shape:<14}{_ranges(ils)}")
+    per_layer = {}
+    for group in ("expert_tensors", "expert_biases"):
+        for k in d.get(group, {}).values():
+            for il, v in k["layers"].items():
+                m, bias = per_layer.get(il, (0, 0))
+                per_layer[il] = (m + v["bytes_per_expert"], bias) if group == "expert_tensors" else \
+                    (m, bias + v["bytes_per_expert"])
+    if per_layer:
+        # what one expert moves to a GPU slot: its matrices and (gpt-oss) its bias rows
+        m, bias = max(per_layer.values(), key=lambda mb: mb[0] + mb[1])
+        lines.append(f"bytes per expert:    {m + bias} (matrices {m} + biases {bias}; the largest MoE layer's)")
     tot = d["tensor_bytes"] or 1
     lines.append(f"routed-expert bytes: {d['routed_expert_bytes']} ({_mib(d['routed_expert_bytes'])}, "
                  f"{100.0 * d['routed_expert_bytes'] / tot:.1f}% of tensor bytes)")

@@ -291,22 +291,24 @@ def test_two_turn_chat_reusing_the_kv_cache(tiny_model, rpc_server, split_cost_m
     assert fresh_out == out2
 
 
-def test_unsupported_experts_stay_on_upstreams_path(tiny_model, rpc_server, engine_tools):
-    """gpt-oss experts (biases, clamped SwiGLU): upstream's path, upstream's tokens, the reason reported."""
+def test_gpt_oss_experts_run_on_the_engine(tiny_model, rpc_server, split_cost_model, engine_tools):
+    """gpt-oss experts (F32 matrices, biases, SwiGLU-OAI): the engine runs them (no layer left to upstream's
+    path), with upstream's tokens (tests/test_gpt_oss_engine.py has the quantized cases and the logits)."""
     from hybrimoe import Llama
 
     path = tiny_model("gpt-oss", None)
-    llm = Llama(str(path), moe_cache=_slots(path, 2), **_common(rpc_server))
+    llm = Llama(str(path), moe_cache=_slots(path, 2), moe_cost_model=split_cost_model, **_common(rpc_server))
     try:
         tokens = engine_tools.prompt_of(llm, 12)
-        with pytest.warns(RuntimeWarning, match="ran on upstream's path"):
-            out, _ = engine_tools.run_greedy(llm, tokens, 8)
+        out, lg = engine_tools.run_greedy(llm, tokens, 8)
         st = llm.moe_stats()
     finally:
         llm.close()
-    assert st["unsupported"] and sum(st["runs"]) == 0
-    ref_out, _ = _reference(path, rpc_server, tokens, engine_tools, 8)
+    assert not st["unsupported"] and sum(st["runs"]) > 0
+    assert st["engine"]["gpu_experts"] > 0 and st["engine"]["cpu_experts"] > 0, st["engine"]
+    ref_out, ref_lg = _reference(path, rpc_server, tokens, engine_tools, 8)
     assert out == ref_out
+    assert np.array_equal(lg, ref_lg)
 
 
 def test_cli_run_with_the_engine(tiny_model, rpc_server, split_cost_model, tmp_path):

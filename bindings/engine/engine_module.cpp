@@ -114,6 +114,8 @@ Args:
     moe_layers: model layer index of each MoE layer (the cache's layer index is the position in this list).
     expert_bytes: per MoE layer, bytes of one expert's (gate, up, down) matrices as stored in the GGUF.
     expert_types: per MoE layer, ggml type ids of the (gate, up, down) matrices.
+    bias_bytes: per MoE layer, bytes of one expert's (gate, up, down) F32 bias rows, 0 where the layer has none
+        (gpt-oss); empty: no biases. The slot pool carries them per slot.
     n_slots: GPU expert slots (0: everything on the CPU).
     device: ggml_backend_dev_t as an int (0 when n_slots is 0).
     max_buffer_bytes: bytes one slot buffer may hold at most (0: the device's max buffer size,
@@ -139,7 +141,8 @@ Raises:
                          std::vector<py::array_t<float, py::array::c_style | py::array::forcecast>> router_bias,
                          bool sigmoid_gating, std::shared_ptr<hybrimoe::ExpertCache> cache,
                          std::shared_ptr<hybrimoe::SchedulePolicy> scheduler,
-                         std::shared_ptr<hybrimoe::PrefetchPolicy> prefetcher, int64_t max_buffer_bytes) {
+                         std::shared_ptr<hybrimoe::PrefetchPolicy> prefetcher, int64_t max_buffer_bytes,
+                         std::vector<std::array<int64_t, 3>> bias_bytes) {
                  EngineConfig c;
                  c.n_layer = n_layer;
                  c.n_expert = n_expert;
@@ -148,6 +151,7 @@ Raises:
                  c.moe_layers = std::move(moe_layers);
                  c.expert_bytes = std::move(expert_bytes);
                  c.expert_types = std::move(expert_types);
+                 c.bias_bytes = std::move(bias_bytes);
                  c.n_slots = n_slots;
                  c.device = reinterpret_cast<ggml_backend_dev_t>(device);
                  c.max_buffer_bytes = max_buffer_bytes;
@@ -167,10 +171,14 @@ Raises:
              py::arg("expert_bytes"), py::arg("expert_types"), py::arg("n_slots"), py::arg("device"), py::arg("cost_model"),
              py::arg("prefetch_layers"), py::arg("fill_on_miss"), py::arg("routers"), py::arg("router_bias"),
              py::arg("sigmoid_gating"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"),
-             py::arg("max_buffer_bytes") = 0)
+             py::arg("max_buffer_bytes") = 0, py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{})
         .def_static("slot_bytes_for", &Engine::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
-                    "Bytes of one GPU slot for these per-layer (gate, up, down) expert sizes and ggml types: per "
-                    "kind the largest matrix, rounded up to a multiple of 16 and of the kind's block sizes.")
+                    py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
+                    "Bytes of one GPU slot for these per-layer (gate, up, down) expert sizes and ggml types and "
+                    "(optional) F32 bias row sizes: per kind the largest matrix, rounded up to a multiple of 16 and "
+                    "of the kind's block sizes, plus per kind the largest bias row rounded up to 16.")
+        .def_static("bias_strides", &Engine::bias_strides, py::arg("bias_bytes"), py::arg("expert_layers"),
+                    "Per-slot bytes of the gate, up and down bias regions of the slot pool (0: no such bias).")
         .def_static("region_strides", &Engine::region_strides, py::arg("expert_bytes"), py::arg("expert_types"),
                     "Per-slot bytes of the gate, up and down regions of the slot pool (see slot_bytes_for).")
         .def_property_readonly("slot_bytes", &Engine::slot_bytes)
@@ -192,6 +200,9 @@ Raises:
              "run split, demand loads admitted / declined, fills, prefetches with the predictions shown, evictions.")
         .def("set_drop_gpu_share", &Engine::set_drop_gpu_share, py::arg("on"),
              "Negative control for tests: replace the GPU share's outputs by zeros.")
+        .def("set_wrong_bias_rows", &Engine::set_wrong_bias_rows, py::arg("on"),
+             "Negative control for tests: later copies into the slot pool take each expert's bias rows from "
+             "the next expert ((e + 1) mod n_expert).")
         .def("pinned_count", &Engine::pinned_count, "(layer, expert) keys pinned now.")
         .def("slots_in_use", &Engine::slots_in_use, "GPU slots holding an expert.")
         .def_property_readonly("slot_buffers", &Engine::slot_buffers,

@@ -119,7 +119,7 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
                std::shared_ptr<PrefetchPolicy> prefetcher)
     : cfg_(std::move(cfg)), cache_(std::move(cache)), scheduler_(std::move(scheduler)),
       prefetcher_(std::move(prefetcher)),
-      pool_((int) cfg_.moe_layers.size(), cfg_.n_expert, cfg_.expert_bytes, cfg_.expert_types) {
+      pool_((int) cfg_.moe_layers.size(), cfg_.n_expert, cfg_.expert_bytes, cfg_.expert_types, cfg_.bias_bytes) {
     const int L = (int) cfg_.moe_layers.size();
     if (cfg_.n_layer < 1 || cfg_.n_expert < 1 || cfg_.top_k < 1 || cfg_.n_embd < 1 || L < 1) {
         throw std::invalid_argument("engine: model facts must be positive (layers, experts, top-k, n_embd, MoE layers)");
@@ -252,11 +252,19 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
         (int32_t) a.up_exps->type != want_t[1] || (int32_t) a.down_exps->type != want_t[2]) {
         return nullptr;  // the engine was told other facts than this layer has: stay on upstream's path
     }
-    for (ggml_tensor * t : {a.gate_exps, a.up_exps, a.down_exps}) {
+    // biases (F32 [n_out, n_expert], ggml_add_id's rows): the pool carries a row of each kind the engine was told of
+    const ggml_tensor * biases[3] = {a.gate_exps_b, a.up_exps_b, a.down_exps_b};
+    for (size_t i = 0; i < 3; ++i) {
+        const int64_t told = cfg_.bias_bytes.empty() ? 0 : cfg_.bias_bytes[(size_t) ml][i];
+        const int64_t has = biases[i] ? biases[i]->ne[0] * (int64_t) sizeof(float) : 0;
+        if (told != has || (biases[i] && biases[i]->type != GGML_TYPE_F32)) return nullptr;
+    }
+    for (ggml_tensor * t : {a.gate_exps, a.up_exps, a.down_exps, a.gate_exps_b, a.up_exps_b, a.down_exps_b}) {
         // the engine copies experts from host memory in the file's layout: no device or repacked buffers
+        if (!t) continue;
         if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || t->extra != nullptr) return nullptr;
     }
-    tensors_[(size_t) ml] = {a.gate_exps, a.up_exps, a.down_exps};
+    tensors_[(size_t) ml] = expert_matrices(a);
     LayerRun & run = *runs_[(size_t) ml];
     run.counters = counters;
     run.k_sum = a.n_expert_used_sum;
@@ -308,7 +316,9 @@ double Engine::Placement::load(int layer, int expert, Kind kind) {
                                  std::to_string(expert) + " although the cache admitted it (slot bookkeeping)");
     }
     const ExpertMatrices & lt = en.tensors_[(size_t) layer];
-    const double bytes = en.pool_.copy(layer, expert, lt.gate, lt.up, lt.down);
+    const int bias_expert = en.wrong_bias_ ? (expert + 1) % en.cfg_.n_expert : -1;
+    const double bytes = en.pool_.copy(layer, expert, lt.gate, lt.up, lt.down, lt.gate_b, lt.up_b, lt.down_b,
+                                       bias_expert);
     if (bytes <= 0.0) return 0.0;
     en.copies_[(size_t) kind] += 1;
     en.copy_bytes_[(size_t) kind] += bytes;
@@ -345,7 +355,7 @@ void Engine::launch_gpu_share(ggml_tensor * dst, LayerRun & run, const std::vect
         for (int b = 0; b < n_bufs; ++b) {
             const int64_t np = n_pairs[(size_t) (li * n_bufs + b)];
             if (np == 0) continue;
-            GpuShare::Launch & l = gpu_->prepare(lt.gate, lt.up, lt.down, np, li, b);
+            GpuShare::Launch & l = gpu_->prepare(lt, np, li, b);
             std::fill(token_row_.begin(), token_row_.end(), -1);
             // pairs in (token, rank) order: every GPU expert gets its rows in upstream's order
             for (int64_t t = 0; t < T; ++t) {

@@ -68,6 +68,9 @@ struct EngineConfig {
     std::vector<std::array<int64_t, 3>> expert_bytes;
     /// per MoE layer: ggml types of the gate, up and down matrices
     std::vector<std::array<int32_t, 3>> expert_types;
+    /// per MoE layer: bytes of one expert's gate, up and down bias rows (F32, ggml_add_id's [n_out] row), 0 where
+    /// the layer has no such bias; empty: no layer has biases. The slot pool carries them per slot.
+    std::vector<std::array<int64_t, 3>> bias_bytes;
     int64_t n_slots = 0;                   ///< GPU expert slots (0: nothing cached, everything on the CPU)
     ggml_backend_dev_t device = nullptr;   ///< accelerator holding the slot pool (needed when n_slots > 0)
     /// bytes one slot buffer may hold at most, below the device's own cap (0: the device's max buffer size only)
@@ -119,14 +122,20 @@ public:
     Engine(const Engine &) = delete;
     Engine & operator=(const Engine &) = delete;
 
-    /// SlotPool::region_strides / slot_bytes_for (bytes per slot of the gate, up and down regions; their sum).
+    /// SlotPool::region_strides / bias_strides / slot_bytes_for (bytes per slot of the gate, up and down matrix
+    /// regions; of their bias regions; the sum of all six).
     static std::array<int64_t, 3> region_strides(const std::vector<std::array<int64_t, 3>> & expert_bytes,
                                                  const std::vector<std::array<int32_t, 3>> & expert_types) {
         return SlotPool::region_strides(expert_bytes, expert_types);
     }
+    static std::array<int64_t, 3> bias_strides(const std::vector<std::array<int64_t, 3>> & bias_bytes,
+                                               size_t expert_layers) {
+        return SlotPool::bias_strides(bias_bytes, expert_layers);
+    }
     static int64_t slot_bytes_for(const std::vector<std::array<int64_t, 3>> & expert_bytes,
-                                  const std::vector<std::array<int32_t, 3>> & expert_types) {
-        return SlotPool::slot_bytes_for(expert_bytes, expert_types);
+                                  const std::vector<std::array<int32_t, 3>> & expert_types,
+                                  const std::vector<std::array<int64_t, 3>> & bias_bytes = {}) {
+        return SlotPool::slot_bytes_for(expert_bytes, expert_types, bias_bytes);
     }
     int64_t slot_bytes() const { return pool_.slot_bytes(); }
     int64_t n_slots() const { return cfg_.n_slots; }
@@ -154,6 +163,10 @@ public:
     std::vector<DecisionRecord> take_log();
     /// Negative control for tests: the GPU share's outputs are replaced by zeros (results must then differ).
     void set_drop_gpu_share(bool on) { drop_gpu_ = on; }
+    /// Negative control for tests: copies into the slot pool take each bias row from the next expert
+    /// ((expert + 1) mod n_expert) instead of the expert's own (results must then differ when the GPU share
+    /// computes a biased expert). Takes effect for copies made after the call.
+    void set_wrong_bias_rows(bool on) { wrong_bias_ = on; }
     /// (layer, expert) keys pinned now; 0 between decodes unless prefetched experts wait for their layer.
     int pinned_count() const;
     /// Slots holding an expert; equals the cache's resident count when the bookkeeping agrees.
@@ -217,6 +230,7 @@ private:
     std::string error_;
     bool failed_ = false;
     bool drop_gpu_ = false;
+    bool wrong_bias_ = false;
     bool logging_ = false;
     int64_t ubatch_ = -1;
     int last_ml_ = 1 << 30;                  // MoE layer of the previous plan (a lower or equal one: new ubatch)

@@ -47,10 +47,11 @@ int64_t GpuShare::bucket(int64_t n) {
 
 int64_t GpuShare::pairs(const Launch & l) const { return l.n_pairs; }
 
-GpuShare::Launch & GpuShare::prepare(const ggml_tensor * gate, const ggml_tensor * up, const ggml_tensor * down,
-                                     int64_t max_pairs, int index, int buffer) {
+GpuShare::Launch & GpuShare::prepare(const ExpertMatrices & like, int64_t max_pairs, int index, int buffer) {
     const int64_t cap = bucket(max_pairs);
-    const auto key = std::make_tuple((int) gate->type, (int) up->type, (int) down->type, cap, index, buffer);
+    const int variant = (like.gate_b ? 1 : 0) | (like.up_b ? 2 : 0) | (like.down_b ? 4 : 0) | ((int) like.act << 3);
+    const auto key = std::make_tuple((int) like.gate->type, (int) like.up->type, (int) like.down->type, variant, cap,
+                                     index, buffer);
     auto it = graphs_.find(key);
     if (it != graphs_.end()) {
         it->second->n_pairs = it->second->n_rows = 0;
@@ -93,8 +94,16 @@ GpuShare::Launch & GpuShare::prepare(const ggml_tensor * gate, const ggml_tensor
     ggml_tensor * x = input_at(ctx, l->packed, GGML_TYPE_F32, D, cap, 1, l->off_x);
     ggml_tensor * xp = ggml_get_rows(ctx, x, rows);  // [D, cap]: each pair's hidden-state row
     ggml_tensor * xr = ggml_reshape_3d(ctx, xp, D, 1, cap);
-    ExpertMatrices m{pool_.region_view(ctx, gate, 0, buffer), pool_.region_view(ctx, up, 1, buffer),
-                     pool_.region_view(ctx, down, 2, buffer)};
+    // the slot pool's views: mul_mat_id and ggml_add_id index them with local slot numbers, as build_moe_ffn
+    // indexes the file's tensors with expert ids
+    ExpertMatrices m;
+    m.gate = pool_.region_view(ctx, like.gate, 0, buffer);
+    m.up = pool_.region_view(ctx, like.up, 1, buffer);
+    m.down = pool_.region_view(ctx, like.down, 2, buffer);
+    if (like.gate_b) m.gate_b = pool_.bias_view(ctx, like.gate_b, 0, buffer);
+    if (like.up_b) m.up_b = pool_.bias_view(ctx, like.up_b, 1, buffer);
+    if (like.down_b) m.down_b = pool_.bias_view(ctx, like.down_b, 2, buffer);
+    m.act = like.act;
     l->out = build_expert_ffn(ctx, m, xr, ids, w, "hybrimoe_gpu", (int) cap);  // [D, 1, cap]
     ggml_set_output(l->out);
     l->gf = ggml_new_graph(ctx);

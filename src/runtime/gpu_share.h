@@ -2,7 +2,7 @@
 //
 // A launch gets a compacted pair list (each pair: a staged hidden-state row, a slot, a routing weight) and runs a
 // fixed-shape ggml graph on the pool's compute queue: get_rows of the staged rows, then build_expert_ffn over the
-// slot pool with slot ids, weighted. Shapes are bucketed by pair count (powers of two: at most 2x padding; padded
+// slot pool with slot ids (matrices and, for models with expert biases, the pool's per-slot bias rows), weighted. Shapes are bucketed by pair count (powers of two: at most 2x padding; padded
 // pairs read row 0 through the all-zero null slot with weight 0), so graphs are reused. All of a launch's inputs
 // travel in one host-to-device transfer (one packed buffer) and its outputs in one device-to-host transfer. A launch
 // reads the slots of one slot buffer (SlotPool: a pool larger than the device's max buffer size has several), so a
@@ -12,6 +12,7 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml.h"
+#include "runtime/expert_ffn.h"
 #include "runtime/slot_pool.h"
 
 #include <cstdint>
@@ -35,12 +36,12 @@ public:
 
     /// One launch being filled, then run.
     struct Launch;
-    /// A launch of at most `max_pairs` pairs over at most as many staged rows, for experts whose matrices look like
-    /// `gate`, `up`, `down` (types and shapes; the weights themselves come from slot buffer `buffer` of the pool).
-    /// Launch index 0 or 1 (a layer's launches must not share buffers: each (index, buffer) has its own). Throws
-    /// std::runtime_error when the device cannot allocate the graph's buffers.
-    Launch & prepare(const ggml_tensor * gate, const ggml_tensor * up, const ggml_tensor * down, int64_t max_pairs,
-                     int index, int buffer);
+    /// A launch of at most `max_pairs` pairs over at most as many staged rows, for experts that look like `like`
+    /// (the matrices' types and shapes, which biases exist and their lengths, the activation; the weights
+    /// themselves come from slot buffer `buffer` of the pool). Launch index 0 or 1 (a layer's launches must not
+    /// share buffers: each (index, buffer) has its own). Throws std::runtime_error when the device cannot allocate
+    /// the graph's buffers, std::logic_error when `like` has a bias the pool has no region for.
+    Launch & prepare(const ExpertMatrices & like, int64_t max_pairs, int index, int buffer);
     /// Stages one hidden-state row (n_embd floats) and returns its row number in the launch.
     int32_t add_row(Launch & l, const float * x);
     /// Stages one pair: hidden-state row `row` (from add_row) through `slot` (local to the launch's slot buffer:
@@ -60,7 +61,8 @@ public:
 private:
     SlotPool & pool_;
     int n_embd_;
-    std::map<std::tuple<int, int, int, int64_t, int, int>, std::unique_ptr<Launch>> graphs_;
+    // (gate, up, down types, bias mask | activation << 3, pair bucket, launch index, slot buffer)
+    std::map<std::tuple<int, int, int, int, int64_t, int, int>, std::unique_ptr<Launch>> graphs_;
 };
 
 struct GpuShare::Launch {

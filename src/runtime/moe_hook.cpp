@@ -35,12 +35,22 @@ void moe_plan_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 }
 
 const char * unsupported_reason(const llama_moe_hook_args & a) {
-    if (a.act != LLAMA_MOE_ACT_SILU) return "activation is not SiLU-GLU";
+    if (a.act != LLAMA_MOE_ACT_SILU && a.act != LLAMA_MOE_ACT_SWIGLU_OAI) {
+        return "activation is neither SiLU-GLU nor SwiGLU-OAI";
+    }
     if (!a.gate_exps || !a.up_exps || !a.down_exps) return "no separate gate/up/down expert tensors";
     if (a.gate_up_exps) return "fused gate_up experts";
-    if (a.up_exps_b || a.gate_exps_b || a.down_exps_b || a.gate_up_exps_b) return "expert biases";
+    if (a.gate_up_exps_b) return "fused gate_up expert biases";
+    for (const ggml_tensor * b : {a.up_exps_b, a.gate_exps_b, a.down_exps_b}) {
+        // ggml_add_id reads one F32 row per expert id; anything else stays on upstream's path
+        if (b && (b->type != GGML_TYPE_F32 || ggml_n_dims(b) > 2 || b->ne[1] != a.n_expert)) {
+            return "expert biases that are not F32 [n_out, n_expert]";
+        }
+    }
     if (a.up_exps_s || a.gate_exps_s || a.down_exps_s) return "per-expert scales";
-    if (a.swiglu_limit > 1e-6f) return "clamped SwiGLU";
+    // build_moe_ffn clamps SiLU-GLU by swiglu_clamp_exp in one of two ways chosen by the architecture, which the
+    // hook is not told; SwiGLU-OAI ignores swiglu_clamp_exp (its limit is a constant of ggml_swiglu_oai's call)
+    if (a.act == LLAMA_MOE_ACT_SILU && a.swiglu_limit > 1e-6f) return "clamped SwiGLU";
     if (a.weight_before_ffn) return "routing weights applied before the experts";
     if (a.has_lora) return "LoRA adapters";
     if (a.n_expert_used_sum < 1 || a.n_expert_used_sum > a.n_expert_used) return "unexpected top-k";
@@ -48,6 +58,18 @@ const char * unsupported_reason(const llama_moe_hook_args & a) {
 }
 
 } // namespace
+
+ExpertMatrices expert_matrices(const llama_moe_hook_args & a) {
+    ExpertMatrices m;
+    m.gate = a.gate_exps;
+    m.up = a.up_exps;
+    m.down = a.down_exps;
+    m.gate_b = a.gate_exps_b;
+    m.up_b = a.up_exps_b;
+    m.down_b = a.down_exps_b;
+    m.act = a.act == LLAMA_MOE_ACT_SWIGLU_OAI ? ExpertAct::kSwiGluOai : ExpertAct::kSwiGlu;
+    return m;
+}
 
 void note_plan_run(LayerCounters & c, const int32_t * ids, int64_t k, int64_t n_tokens) {
     if (c.record) {
@@ -161,8 +183,8 @@ ggml_tensor * MoeHook::build(const llama_moe_hook_args & a) {
 
     // the routed experts, op for op as build_moe_ffn computes them (so ggml picks the same kernels)
     ggml_tensor * x = ggml_reshape_3d(ctx, a.cur, n_embd, 1, n_tokens);
-    ggml_tensor * experts = build_expert_ffn(ctx, {a.gate_exps, a.up_exps, a.down_exps}, x, ids, a.weights,
-                                             "hybrimoe_seed", a.il);  // [n_embd, k, T]
+    ggml_tensor * experts = build_expert_ffn(ctx, expert_matrices(a), x, ids, a.weights, "hybrimoe_seed",
+                                             a.il);  // [n_embd, k, T]
 
     // sum the ranks in upstream's order (rank 0 + rank 1 + ...): floating-point addition is not associative
     ggml_tensor * out = ggml_view_2d(ctx, experts, n_embd, n_tokens, experts->nb[2], 0);

@@ -34,17 +34,45 @@ std::array<int64_t, 3> SlotPool::region_strides(const std::vector<std::array<int
     return st;
 }
 
+std::array<int64_t, 3> SlotPool::bias_strides(const std::vector<std::array<int64_t, 3>> & bb, size_t expert_layers) {
+    std::array<int64_t, 3> st{0, 0, 0};
+    if (bb.empty()) return st;
+    if (bb.size() != expert_layers) {
+        throw std::invalid_argument("engine: one (gate, up, down) bias size triple per MoE layer (" +
+                                    std::to_string(bb.size()) + " for " + std::to_string(expert_layers) + " layers)");
+    }
+    for (const auto & l : bb) {
+        for (size_t i = 0; i < 3; ++i) {
+            if (l[i] < 0 || l[i] % (int64_t) sizeof(float) != 0) {
+                throw std::invalid_argument("engine: an expert bias row of " + std::to_string(l[i]) +
+                                            " bytes is not a whole number of F32 values");
+            }
+            st[i] = std::max(st[i], (l[i] + 15) / 16 * 16);
+        }
+    }
+    return st;
+}
+
 int64_t SlotPool::slot_bytes_for(const std::vector<std::array<int64_t, 3>> & eb,
-                                 const std::vector<std::array<int32_t, 3>> & et) {
+                                 const std::vector<std::array<int32_t, 3>> & et,
+                                 const std::vector<std::array<int64_t, 3>> & bb) {
     const auto st = region_strides(eb, et);
-    return st[0] + st[1] + st[2];
+    const auto bs = bias_strides(bb, eb.size());
+    return st[0] + st[1] + st[2] + bs[0] + bs[1] + bs[2];
 }
 
 SlotPool::SlotPool(int n_layers, int n_expert, const std::vector<std::array<int64_t, 3>> & expert_bytes,
-                   const std::vector<std::array<int32_t, 3>> & expert_types)
+                   const std::vector<std::array<int32_t, 3>> & expert_types,
+                   const std::vector<std::array<int64_t, 3>> & bias_bytes)
     : n_layers_(n_layers), n_expert_(n_expert) {
-    strides_ = region_strides(expert_bytes, expert_types);
-    slot_bytes_ = strides_[0] + strides_[1] + strides_[2];
+    const auto st = region_strides(expert_bytes, expert_types);
+    const auto bs = bias_strides(bias_bytes, expert_bytes.size());
+    for (size_t i = 0; i < 3; ++i) {
+        strides_[i] = st[i];
+        strides_[3 + i] = bs[i];
+    }
+    slot_bytes_ = 0;
+    for (int64_t v : strides_) slot_bytes_ += v;
     const size_t keys = (size_t) n_layers_ * (size_t) n_expert_;
     key_slot_.assign(keys, -1);
     key_loaded_.assign(keys, 0);
@@ -62,7 +90,7 @@ int64_t SlotPool::region_base(int which, int64_t n) const {
 int64_t SlotPool::slots_per_buffer_for(int64_t n_slots, int64_t max_buffer_bytes) const {
     if (n_slots < 1) return 1;
     if (max_buffer_bytes <= 0 || buffer_bytes_for(n_slots) <= max_buffer_bytes) return n_slots;
-    // padding adds at most 3 * kAlign bytes: start from the bound without it and step down to what fits
+    // padding adds at most 6 * kAlign bytes: start from the bound without it and step down to what fits
     int64_t n = std::min(n_slots, max_buffer_bytes / std::max<int64_t>(slot_bytes_, 1) - 1);
     while (n >= 1 && buffer_bytes_for(n) > max_buffer_bytes) --n;
     if (n < 1) {
@@ -135,7 +163,8 @@ void SlotPool::open(ggml_backend_dev_t device, int64_t n_slots, int64_t max_buff
     // each buffer's null slot must hold zeros: padded pairs point there
     for (int b = 0; b < (int) bufs_.size(); ++b) {
         const int64_t n = buffer_slots(b);
-        for (int i = 0; i < 3; ++i) {
+        for (int i = 0; i < 6; ++i) {
+            if (strides_[(size_t) i] == 0) continue;
             std::vector<uint8_t> zeros((size_t) strides_[(size_t) i], 0);
             ggml_backend_tensor_set(bufs_[(size_t) b], zeros.data(),
                                     (size_t) (region_base(i, n) + n * strides_[(size_t) i]), zeros.size());
@@ -202,18 +231,32 @@ int SlotPool::slots_in_use() const {
 }
 
 double SlotPool::copy(int layer, int expert, const ggml_tensor * gate, const ggml_tensor * up,
-                      const ggml_tensor * down) {
+                      const ggml_tensor * down, const ggml_tensor * gate_b, const ggml_tensor * up_b,
+                      const ggml_tensor * down_b, int bias_expert) {
     const size_t key = (size_t) layer * n_expert_ + expert;
     const int32_t s = key_slot_[key];
     if (s < 0 || key_loaded_[key] || bufs_.empty()) return 0.0;
-    const ggml_tensor * parts[3] = {gate, up, down};
+    const ggml_tensor * parts[6] = {gate, up, down, gate_b, up_b, down_b};
+    for (int i = 3; i < 6; ++i) {
+        // a bias row is one expert's F32 [n_out] (nb[1] apart); its region was sized for the largest of its kind
+        if (parts[i] && (int64_t) (parts[i]->ne[0] * sizeof(float)) > strides_[(size_t) i]) {
+            throw std::invalid_argument("engine: an expert bias row of " +
+                                        std::to_string(parts[i]->ne[0] * sizeof(float)) +
+                                        " bytes does not fit the slot pool's " +
+                                        std::to_string(strides_[(size_t) i]) + "-byte bias region");
+        }
+    }
     const int b = buffer_of(s);
     ggml_tensor * dst = bufs_[(size_t) b];
     const int64_t n_b = buffer_slots(b), ls = local_slot(s);
     double bytes = 0;
-    for (int i = 0; i < 3; ++i) {
-        const size_t n = parts[i]->nb[2];
-        const char * src = (const char *) parts[i]->data + (size_t) expert * n;
+    for (int i = 0; i < 6; ++i) {
+        if (!parts[i]) continue;
+        // matrices: one expert is nb[2] bytes; biases (2-D): one expert's row is ne[0] floats, nb[1] apart
+        const size_t n = i < 3 ? parts[i]->nb[2] : (size_t) parts[i]->ne[0] * sizeof(float);
+        const size_t step = i < 3 ? parts[i]->nb[2] : parts[i]->nb[1];
+        const int row = i >= 3 && bias_expert >= 0 ? bias_expert : expert;
+        const char * src = (const char *) parts[i]->data + (size_t) row * step;
         const size_t off = (size_t) (region_base(i, n_b) + ls * strides_[(size_t) i]);
         if (!events_.empty()) {
             ggml_backend_tensor_set_async(copy_, dst, src, off, n);
@@ -248,6 +291,24 @@ ggml_tensor * SlotPool::region_view(ggml_context * ctx, const ggml_tensor * like
     v->nb[3] = v->nb[2] * (size_t) S;
     v->data = (char *) t->data + region_base(which, n);
     v->buffer = t->buffer;  // the device buffer this slot buffer was packed into
+    return v;
+}
+
+ggml_tensor * SlotPool::bias_view(ggml_context * ctx, const ggml_tensor * like, int which, int b) const {
+    const int r = 3 + which;
+    if (which < 0 || which > 2 || strides_[(size_t) r] == 0 ||
+        (int64_t) (like->ne[0] * sizeof(float)) > strides_[(size_t) r]) {
+        throw std::logic_error("engine: the slot pool has no bias region " + std::to_string(which) +
+                               " that holds " + std::to_string(like->ne[0]) + " floats");
+    }
+    const int64_t n = buffer_slots(b), S = n + 1;
+    const ggml_tensor * t = bufs_[(size_t) b];
+    ggml_tensor * v = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, like->ne[0], S);
+    v->nb[1] = (size_t) strides_[(size_t) r];
+    v->nb[2] = v->nb[1] * (size_t) S;
+    v->nb[3] = v->nb[2];
+    v->data = (char *) t->data + region_base(r, n);
+    v->buffer = t->buffer;
     return v;
 }
 

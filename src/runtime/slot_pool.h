@@ -2,9 +2,11 @@
 //
 // The slots live in one or more device buffers ("slot buffers"): a device caps the bytes of one buffer
 // (ggml_backend_buft_get_max_size: Vulkan's suballocation block, at most maxMemoryAllocationSize), so a pool larger
-// than that is split. Each slot buffer holds its share of the slots plus one in three regions (all gate matrices,
-// then all up, then all down), so that a GPU graph can view each region as a 3-D [.., .., slots] tensor and index
-// slots with mul_mat_id; a launch reads one slot buffer. Each buffer's last slot is its "null" slot: all zeros, the
+// than that is split. Each slot buffer holds its share of the slots plus one in six regions (all gate matrices,
+// then all up, then all down, then the gate, up and down biases of models that have them: empty regions
+// otherwise), so that a GPU graph can view each matrix region as a 3-D [.., .., slots] tensor and index slots with
+// mul_mat_id, and each bias region as a 2-D [n_out, slots] tensor indexed with ggml_add_id (biases are indexed by
+// expert id upstream, by slot here); a launch reads one slot buffer. Each buffer's last slot is its "null" slot: all zeros, the
 // target of padded pairs. Slot numbers are global: slot s lies in buffer s / slots_per_buffer(). Which (MoE layer, expert)
 // a slot holds is decided by the policy core's ExpertCache; the pool only maps keys (layer * n_expert + expert)
 // to slots, queues host-to-device copies of expert weights on a copy queue of its own (a second backend instance:
@@ -31,22 +33,33 @@ public:
     static std::array<int64_t, 3> region_strides(const std::vector<std::array<int64_t, 3>> & expert_bytes,
                                                  const std::vector<std::array<int32_t, 3>> & expert_types);
     /// Bytes of one slot: the sum of the region strides.
+    /// Per-slot stride of the gate, up and down bias regions (bytes): the largest F32 bias row of that kind over
+    /// the MoE layers (bias_bytes: per MoE layer, bytes of one expert's gate, up and down bias rows, 0 where the
+    /// layer has none; empty: no layer has biases), rounded up to a multiple of 16; 0 for a kind no layer has.
+    /// Throws std::invalid_argument on a negative size, one not a whole number of floats, or (when not empty) a
+    /// length other than expert_layers.
+    static std::array<int64_t, 3> bias_strides(const std::vector<std::array<int64_t, 3>> & bias_bytes,
+                                               size_t expert_layers);
+    /// Bytes of one slot: the sum of the matrix and bias region strides.
     static int64_t slot_bytes_for(const std::vector<std::array<int64_t, 3>> & expert_bytes,
-                                  const std::vector<std::array<int32_t, 3>> & expert_types);
+                                  const std::vector<std::array<int32_t, 3>> & expert_types,
+                                  const std::vector<std::array<int64_t, 3>> & bias_bytes = {});
 
-    /// Geometry only (no device): n_slots may be 0. Throws std::invalid_argument as region_strides does.
+    /// Geometry only (no device): n_slots may be 0. Throws std::invalid_argument as region_strides and
+    /// bias_strides do.
     SlotPool(int n_layers, int n_expert, const std::vector<std::array<int64_t, 3>> & expert_bytes,
-             const std::vector<std::array<int32_t, 3>> & expert_types);
+             const std::vector<std::array<int32_t, 3>> & expert_types,
+             const std::vector<std::array<int64_t, 3>> & bias_bytes = {});
     ~SlotPool();
     SlotPool(const SlotPool &) = delete;
     SlotPool & operator=(const SlotPool &) = delete;
 
     /// Slots per slot buffer for a pool of n_slots when one buffer may hold at most `max_buffer_bytes` (<= 0: no
-    /// cap); each buffer adds a null slot and pads its three regions to 256 bytes. At most n_slots. Throws
+    /// cap); each buffer adds a null slot and pads each of its regions to 256 bytes. At most n_slots. Throws
     /// std::runtime_error when not even one slot and its null slot fit.
     int64_t slots_per_buffer_for(int64_t n_slots, int64_t max_buffer_bytes) const;
     /// Bytes of a slot buffer of n slots (plus its null slot).
-    int64_t buffer_bytes_for(int64_t n) const { return region_base(3, n); }
+    int64_t buffer_bytes_for(int64_t n) const { return region_base(6, n); }
 
     /// Allocates n_slots slots on `device` in as few slot buffers as its buffer type's max size allows (and at most
     /// `max_buffer_bytes` each when > 0), each buffer's null slot zeroed, two backend instances (compute, copy) and,
@@ -86,9 +99,14 @@ public:
     int slots_in_use() const;
 
     /// Queues the copy of expert `expert`'s gate, up and down matrices (host tensors [.., .., n_expert] in the
-    /// file's layout) into the slot of (layer, expert) on the copy queue. Returns the bytes queued (0: no slot, or
-    /// already loaded). Without events the copy is synchronous.
-    double copy(int layer, int expert, const ggml_tensor * gate, const ggml_tensor * up, const ggml_tensor * down);
+    /// file's layout) and, when given, its gate, up and down bias rows (host F32 tensors [n_out, n_expert]; nullptr
+    /// for none) into the slot of (layer, expert) on the copy queue. Returns the bytes queued (0: no slot, or
+    /// already loaded). Without events the copy is synchronous. Throws std::invalid_argument when a bias row is
+    /// larger than its region's stride (the pool was sized without it). `bias_expert` >= 0 takes the bias rows
+    /// of that expert instead (a negative control for tests: wrong numbers on purpose).
+    double copy(int layer, int expert, const ggml_tensor * gate, const ggml_tensor * up, const ggml_tensor * down,
+                const ggml_tensor * gate_b = nullptr, const ggml_tensor * up_b = nullptr,
+                const ggml_tensor * down_b = nullptr, int bias_expert = -1);
     /// Whether copies are queued (the device has events) rather than blocking until they end.
     bool async_copies() const { return !events_.empty(); }
     /// Sequence number of the last copy of `key` (0: none).
@@ -103,13 +121,20 @@ public:
     /// buffer_slots(b) + 1] tensor of like's type, in `ctx` (no_alloc), pointing into the pool: mul_mat_id indexes
     /// it with local slot numbers.
     ggml_tensor * region_view(ggml_context * ctx, const ggml_tensor * like, int which, int b) const;
+    /// A view of bias region `which` (0 gate, 1 up, 2 down biases) of slot buffer `b` as an F32 [like->ne[0],
+    /// buffer_slots(b) + 1] tensor in `ctx` (no_alloc): ggml_add_id indexes it with local slot numbers (the null
+    /// slot's row is zeros). Throws std::logic_error when the pool has no such region or `like` does not fit it.
+    ggml_tensor * bias_view(ggml_context * ctx, const ggml_tensor * like, int which, int b) const;
+    /// Per-slot bytes of each region: gate, up, down matrices, then gate, up, down biases (0: no such region).
+    const std::array<int64_t, 6> & strides() const { return strides_; }
 
 private:
-    /// Offset of region `which` (0 gate, 1 up, 2 down; 3: the end) in a slot buffer of n slots (plus its null slot).
+    /// Offset of region `which` (0 gate, 1 up, 2 down, 3..5 their biases; 6: the end) in a slot buffer of n slots
+    /// (plus its null slot).
     int64_t region_base(int which, int64_t n) const;
 
     int n_layers_, n_expert_;
-    std::array<int64_t, 3> strides_{};   // gate, up, down: bytes per slot in that region
+    std::array<int64_t, 6> strides_{};   // gate, up, down, gate_b, up_b, down_b: bytes per slot in that region
     int64_t slot_bytes_ = 0;
     int64_t n_slots_ = 0;
     ggml_backend_dev_t device_ = nullptr;
