@@ -212,6 +212,7 @@ void MakespanEvaluator::prepare(const LayerInput & in, const CostModel & cost, c
     index_.assign(desc.begin(), desc.begin() + static_cast<std::ptrdiff_t>(k));
     cpu_s_.resize(k);
     gpu_s_.resize(k);
+    ready_rank_.resize(k);
     uncached_.clear();
     cached_desc_.clear();
     cached_order_.clear();
@@ -219,6 +220,7 @@ void MakespanEvaluator::prepare(const LayerInput & in, const CostModel & cost, c
         const int32_t i = desc[r];
         cpu_s_[r] = cost.cpu(in.loads[i]);
         gpu_s_[r] = cost.gpu(in.loads[i]);
+        ready_rank_[r] = in.ready_s[i];
         if (in.cached[i]) {
             cached_order_.push_back(static_cast<int32_t>(r));
         } else {
@@ -357,76 +359,90 @@ void HybriMoEScheduler::greedy_split(const LayerInput & in, const CostModel & co
 
 void HybriMoEScheduler::greedy_ordered(const LayerInput & in, const CostModel & cost,
                                        const std::vector<int32_t> & desc, std::vector<uint8_t> & on_gpu) {
-    const int k = static_cast<int>(in.size());
+    eval_.prepare(in, cost, desc);
+    eval_.greedy();
+    eval_.split_by_input(on_gpu);
+}
+
+void MakespanEvaluator::split_by_input(std::vector<uint8_t> & on_gpu) const {
+    const size_t k = index_.size();
     on_gpu.assign(k, 0);
-    // Per position j of the load-ascending order: LayerInput index, cached flag, done flag and the two compute
-    // costs, read by position so that the scans below touch one array each (the costs are the same calls,
-    // made once).
-    by_load_asc_.assign(desc.rbegin(), desc.rend());
-    const int32_t * asc = by_load_asc_.data();
-    done_.assign(k, 0);
-    cached_asc_.resize(k);
-    cpu_asc_.resize(k);
-    gpu_asc_.resize(k);
-    for (int j = 0; j < k; ++j) {
-        cached_asc_[j] = in.cached[asc[j]] != 0;
-        cpu_asc_[j] = cost.cpu(in.loads[asc[j]]);
-        gpu_asc_[j] = cost.gpu(in.loads[asc[j]]);
-    }
-    uint8_t * done = done_.data();
-    const uint8_t * cached = cached_asc_.data();
+    for (size_t r = 0; r < k; ++r) on_gpu[index_[r]] = on_rank_[r];
+}
+
+void MakespanEvaluator::greedy() {
+    // HybriMoE §IV.B's greedy over the prepared ranks: at each step the queue (CPU, a cached GPU task, a copy and
+    // its GPU task) that would finish its next expert earliest takes it. The CPU takes the lowest load of the
+    // uncached experts (then of the cached ones), the GPU the highest cached load, the link the highest uncached
+    // load, so what is left of each kind is a contiguous range of its list: uncached_ (highest load first) and
+    // cached_desc_ (lowest load first), each consumed from both ends. The costs are prepare()'s.
+    uint8_t * on = on_rank_.data();
+    std::fill(on_rank_.begin(), on_rank_.end(), 0);
+    const int32_t * unc = uncached_.data();
+    const int32_t * cac = cached_desc_.data();
+    int u_begin = 0, u_end = static_cast<int>(uncached_.size());     // uncached left: [u_begin, u_end)
+    int c_begin = 0, c_end = static_cast<int>(cached_desc_.size());  // cached left: [c_begin, c_end)
 
     const double inf = std::numeric_limits<double>::infinity();
-    const double h2d = cost.h2d(in.expert_bytes);
-    const double gpu_start = cost.act(in.n_tokens);
-    int p_cpu_unc = 0, p_cpu_cached = 0;    // ascending scans
-    int p_gpu = k - 1, p_pcie = k - 1;      // descending scans
-    double t_cpu = 0.0, t_gpu = 0.0, t_link = in.pcie_free_s;
+    const double h2d = h2d_s_;
+    const double gpu_start = act_s_;
+    double t_cpu = 0.0, t_gpu = 0.0, t_link = pcie_free_s_;
     bool cpu_started = false, gpu_started = false;
 
-    for (int remaining = k; remaining > 0; --remaining) {
-        while (p_cpu_unc < k && (done[p_cpu_unc] || cached[p_cpu_unc])) ++p_cpu_unc;
-        while (p_cpu_cached < k && (done[p_cpu_cached] || !cached[p_cpu_cached])) ++p_cpu_cached;
-        while (p_gpu >= 0 && (done[p_gpu] || !cached[p_gpu])) --p_gpu;
-        while (p_pcie >= 0 && (done[p_pcie] || cached[p_pcie])) --p_pcie;
-
-        // positions in the ascending order (-1: none left)
-        const int c = p_cpu_unc < k ? p_cpu_unc : (p_cpu_cached < k ? p_cpu_cached : -1);
-        const int g = p_gpu;
-        const int p = p_pcie;
+    while (u_begin < u_end || c_begin < c_end) {
+        const bool any_unc = u_begin < u_end, any_cac = c_begin < c_end;
+        // ranks (-1: none left): the CPU's next, a cached GPU task, a copy
+        const int c = any_unc ? unc[u_end - 1] : cac[c_begin];
+        const int g = any_cac ? cac[c_end - 1] : -1;
+        const int p = any_unc ? unc[u_begin] : -1;
         // the copy queue (so far) delays the GPU on a device that cannot compute while it copies
-        const double gpu_base = std::max(gpu_started ? t_gpu : gpu_start, cost.copy_blocking(t_link) + gpu_start);
+        const double gpu_base = std::max(gpu_started ? t_gpu : gpu_start, (1.0 - copy_overlap_) * t_link + gpu_start);
 
         // the CPU's work so far plus what this layer's copies so far cost it (cpu_copy_overlap < 1)
-        const double cpu_block = cost.cpu_copy_blocking(t_link - in.pcie_free_s);
-        const double f_gpu = g >= 0 ? std::max(gpu_base, in.ready_s[asc[g]]) + gpu_asc_[g] : inf;
-        const double f_cpu =
-            c >= 0 ? t_cpu + cpu_block + (cpu_started ? 0.0 : cost.cpu_startup_s) + cpu_asc_[c] : inf;
+        const double cpu_block = (1.0 - cpu_copy_overlap_) * (t_link - pcie_free_s_);
+        const double f_gpu = g >= 0 ? std::max(gpu_base, ready_rank_[g]) + gpu_s_[g] : inf;
+        const double f_cpu = t_cpu + cpu_block + (cpu_started ? 0.0 : cpu_startup_s_) + cpu_s_[c];
         const double copy_end = t_link + h2d;
-        double f_pcie = p >= 0 ? std::max(gpu_base, copy_end) + gpu_asc_[p] : inf;
+        double f_pcie = p >= 0 ? std::max(gpu_base, copy_end) + gpu_s_[p] : inf;
         // a copy that costs the CPU time is judged by the later of the two ends it makes
-        if (p >= 0 && cpu_started && cost.cpu_copy_overlap < 1.0) {
-            f_pcie = std::max(f_pcie, t_cpu + cpu_block + cost.cpu_copy_blocking(h2d));
+        if (p >= 0 && cpu_started && cpu_copy_overlap_ < 1.0) {
+            f_pcie = std::max(f_pcie, t_cpu + cpu_block + (1.0 - cpu_copy_overlap_) * h2d);
         }
 
         // Ties: a cached GPU task first (no copy), then the CPU, then a copy.
         if (f_gpu <= f_cpu && f_gpu <= f_pcie) {
             t_gpu = f_gpu;
             gpu_started = true;
-            on_gpu[asc[g]] = 1;
-            done[g] = 1;
+            on[g] = 1;
+            --c_end;
         } else if (f_cpu <= f_pcie) {
             t_cpu = f_cpu - cpu_block;
             cpu_started = true;
-            done[c] = 1;
+            if (any_unc) {
+                --u_end;
+            } else {
+                ++c_begin;
+            }
         } else {
             t_link = copy_end;
             t_gpu = f_pcie;
             gpu_started = true;
-            on_gpu[asc[p]] = 1;
-            done[p] = 1;
+            on[p] = 1;
+            ++u_begin;
         }
     }
+}
+
+double MakespanEvaluator::best_of_greedy_and_trivial() {
+    // plan()'s three candidates, makespans only: the same first minimum (strictly shorter replaces)
+    greedy();
+    double best = makespan_ranked();
+    for (int trivial = 0; trivial < 2; ++trivial) {
+        std::fill(on_rank_.begin(), on_rank_.end(), static_cast<uint8_t>(trivial));
+        const double m = makespan_ranked();
+        if (m < best) best = m;
+    }
+    return best;
 }
 
 void HybriMoEScheduler::split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu) {
@@ -435,14 +451,15 @@ void HybriMoEScheduler::split(const LayerInput & in, const CostModel & cost, std
 }
 
 void HybriMoEScheduler::plan(const LayerInput & in, const CostModel & cost, SchedulePlan & out) {
-    // One sort serves the greedy split and all three evaluations.
+    // One sort and one preparation serve the greedy split and all three evaluations.
     order_by_load_desc(in, by_load_desc_);
-    greedy_ordered(in, cost, by_load_desc_, trial_);
+    eval_.prepare(in, cost, by_load_desc_);
+    eval_.greedy();
+    eval_.split_by_input(trial_);
     evaluate_ordered(in, cost, trial_, by_load_desc_, out);
     out.method = "greedy";
     // Documented improvement over the paper: never worse than either trivial plan. The trivial plans' makespans
     // come from the evaluator; the plan is built only for one that wins (strictly shorter, as before).
-    eval_.prepare(in, cost, by_load_desc_);
     for (int trivial = 0; trivial < 2; ++trivial) {
         trial_.assign(in.size(), static_cast<uint8_t>(trivial));
         if (eval_.makespan(trial_.data()) < out.makespan_s) {
@@ -458,16 +475,8 @@ double HybriMoEScheduler::makespan(const LayerInput & in, const CostModel & cost
 }
 
 double HybriMoEScheduler::makespan(const LayerInput & in, const CostModel & cost, const std::vector<int32_t> & desc) {
-    // plan()'s three candidates, makespans only: the same first minimum (strictly shorter replaces)
-    greedy_ordered(in, cost, desc, trial_);
     eval_.prepare(in, cost, desc);
-    double best = eval_.makespan(trial_.data());
-    for (int trivial = 0; trivial < 2; ++trivial) {
-        trial_.assign(in.size(), static_cast<uint8_t>(trivial));
-        const double m = eval_.makespan(trial_.data());
-        if (m < best) best = m;
-    }
-    return best;
+    return eval_.best_of_greedy_and_trivial();
 }
 
 void CpuUncachedScheduler::split(const LayerInput & in, const CostModel &, std::vector<uint8_t> & on_gpu) {

@@ -79,6 +79,12 @@ public:
     double makespan(const uint8_t * on_gpu);
     /// The same for the split whose bit i (of LayerInput index i) is 1 for the GPU (k <= 32).
     double makespan_mask(uint32_t mask);
+    /// HybriMoE's greedy split of the prepared input (HybriMoE §IV.B), kept as the current split.
+    void greedy();
+    /// min(greedy, all-CPU, all-GPU) makespan of the prepared input, seconds (HybriMoEScheduler::plan's choice).
+    double best_of_greedy_and_trivial();
+    /// The current split per LayerInput index (1 = GPU), as a k-vector.
+    void split_by_input(std::vector<uint8_t> & on_gpu) const;
 
 private:
     // the split by rank (position in desc): on_rank_[r] = 1 for the GPU
@@ -86,6 +92,7 @@ private:
 
     std::vector<int32_t> index_;          // LayerInput index of each rank
     std::vector<double> cpu_s_, gpu_s_;   // cost.cpu(load), cost.gpu(load) per rank
+    std::vector<double> ready_rank_;      // ready_s per rank
     std::vector<int32_t> uncached_;       // ranks of the uncached experts, ascending
     std::vector<int32_t> cached_desc_;    // ranks of the cached experts, descending
     std::vector<int32_t> cached_order_;   // ranks of the cached experts by (ready_s, rank) ascending
@@ -134,10 +141,6 @@ private:
                         std::vector<uint8_t> & on_gpu);
 
     std::vector<int32_t> by_load_desc_;
-    std::vector<int32_t> by_load_asc_;
-    std::vector<uint8_t> done_;         // greedy_ordered: per load-ascending position
-    std::vector<uint8_t> cached_asc_;   // greedy_ordered: cached flag per load-ascending position
-    std::vector<double> cpu_asc_, gpu_asc_;  // greedy_ordered: cost.cpu / cost.gpu per load-ascending position
     std::vector<uint8_t> trial_;
     SchedulePlan scratch_;
     MakespanEvaluator eval_;
