@@ -71,17 +71,23 @@ def parse_tensor_overrides(spec: str | Sequence[str] | None) -> list[tuple[str, 
 def moe_overrides(cpu_moe: bool = False, n_cpu_moe: int | None = None) -> list[tuple[str, str]]:
     """Upstream's ``--cpu-moe`` / ``--n-cpu-moe N`` as tensor overrides (common ``llm_ffn_exps_cpu_override``).
 
+    Both given: ``cpu_moe`` already covers every layer, so ``n_cpu_moe`` adds nothing (as upstream, where both
+    overrides apply); a UserWarning says so.
+
     Raises:
         ValueError: ``n_cpu_moe`` is not an integer or is negative.
     """
     if n_cpu_moe is not None and (isinstance(n_cpu_moe, bool) or not isinstance(n_cpu_moe, (int, np.integer))):
         raise ValueError(f"n_cpu_moe must be an integer number of layers, got {n_cpu_moe!r}")
+    if n_cpu_moe is not None and n_cpu_moe < 0:
+        raise ValueError(f"n_cpu_moe must be >= 0, got {n_cpu_moe}")
     if cpu_moe:
+        if n_cpu_moe:
+            warnings.warn(f"cpu_moe (--cpu-moe) keeps the routed experts of every layer in host memory; "
+                          f"n_cpu_moe={n_cpu_moe} (--n-cpu-moe) adds nothing", UserWarning, stacklevel=3)
         return [(EXPS_REGEX, "CPU")]
     if n_cpu_moe is None or n_cpu_moe == 0:
         return []
-    if n_cpu_moe < 0:
-        raise ValueError(f"n_cpu_moe must be >= 0, got {n_cpu_moe}")
     return [(rf"blk\.{i}{EXPS_REGEX}", "CPU") for i in range(n_cpu_moe)]
 
 

@@ -62,6 +62,24 @@ def test_bad_offload_options(tiny_model):
         Llama(path, verbose=False, rpc_servers="localhost")
     with pytest.raises(ValueError, match="n_cpu_moe"):
         Llama(path, verbose=False, n_cpu_moe=-1)
+    with pytest.raises(ValueError, match="n_cpu_moe"):
+        Llama(path, verbose=False, cpu_moe=True, n_cpu_moe=-1)
+
+
+def test_cpu_moe_with_n_cpu_moe_says_the_second_adds_nothing(tiny_model):
+    """--cpu-moe already keeps every layer's experts in host memory: with --n-cpu-moe too, the placement is
+    --cpu-moe's (as upstream, where both overrides apply) and a warning names the option that adds nothing."""
+    from hybrimoe import Llama
+    from hybrimoe.llama import moe_overrides
+
+    assert moe_overrides(cpu_moe=True) == moe_overrides(cpu_moe=True, n_cpu_moe=0)
+    with pytest.warns(UserWarning, match="n_cpu_moe=1 .* adds nothing"):
+        both = moe_overrides(cpu_moe=True, n_cpu_moe=1)
+    assert both == moe_overrides(cpu_moe=True) != moe_overrides(n_cpu_moe=1)
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    with pytest.warns(UserWarning, match="adds nothing"):
+        llm = Llama(path, verbose=False, cpu_moe=True, n_cpu_moe=2)
+    llm.close()
 
 
 def test_rpc_server_not_there(tiny_model, tmp_path):
