@@ -37,8 +37,9 @@ void note_plan_run(LayerCounters & c, const int32_t * ids, int64_t k, int64_t n_
 
 class Engine;
 
-/// The expert tensors and activation of a supported layer's hook arguments (the file's tensors, indexed by
-/// expert id): gate/up/down matrices, their biases when present (F32 [n_out, n_expert]), SwiGLU or SwiGLU-OAI.
+/// The expert tensors and op details of a supported layer's hook arguments (the file's tensors, indexed by
+/// expert id): matrices (separate or fused gate_up), biases and scales when present, the activation, its clamp,
+/// src1 precisions, whether the routing weights go in before the FFN.
 ExpertMatrices expert_matrices(const llama_moe_hook_args & a);
 
 /// State shared by every graph of one llama_context. Must outlive the context's graphs (llama.h contract of
