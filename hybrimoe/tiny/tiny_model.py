@@ -97,7 +97,8 @@ def _normal(rng, shape, std):
     return (rng.standard_normal(shape) * std).astype(np.float32)
 
 
-def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int = 2, n_embd: int | None = None,
+def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int | None = None,
+                    n_embd: int | None = None,
                     n_expert: int | None = None, n_expert_used: int | None = None, n_ff_exp: int | None = None,
                     n_shared: int | None = None, n_head: int = 4, n_dense_lead: int = 1, n_ff_dense: int | None = None,
                     quant=None, tokenizer: str = "spm", router_margin: float = 4.0,
@@ -109,7 +110,8 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
         path: output file (parent directories are created; an existing file is replaced).
         arch: one of ``ARCHS`` (``qwen3moe``, ``qwen2moe``, ``olmoe``, ``llama``, ``deepseek2``, ``gpt-oss``).
         seed: RNG seed; the same arguments and seed give a byte-identical file.
-        n_layer: transformer blocks (for deepseek2, including the ``n_dense_lead`` leading dense ones).
+        n_layer: transformer blocks (for deepseek2, including the ``n_dense_lead`` leading dense ones); default
+            2, and 4 for llama4 (whose every 4th block has no rope: upstream needs one).
         n_embd: hidden size D (elements); must be a multiple of ``n_head`` and of the quant's block width
             (32 for Q8_0/Q4_0, 256 for K-quants). Default: 64, or the block width when wider
             (:func:`default_widths`).
@@ -164,7 +166,7 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
     d_embd, d_ff = _default_widths(qspec)
     D = d_embd if n_embd is None else int(n_embd)
     F = d_ff if n_ff_exp is None else int(n_ff_exp)
-    L = int(n_layer)
+    L = int(n_layer) if n_layer is not None else (4 if arch == "llama4" else 2)
     if L < 1 or D < 1 or F < 1:
         raise ValueError("n_layer, n_embd and n_ff_exp must be >= 1")
     if not 1 <= E <= 256:
