@@ -1,7 +1,7 @@
 """The expert variants of upstream's build_moe_ffn on the engine (build_expert_ffn, CPU share and GPU share):
 routing weights applied before the experts (Llama 4, with its shared expert), fused gate_up experts (deepseek2's
 ffn_gate_up_exps), GELU experts gated and ungated (grok), per-expert scales (ffn_*_exps.scale, which the slot pool
-carries per slot) and files mixing IQ and K quant types across gate, up and down (pairwise over the types).
+carries per slot), SiLU-GLU clamped by swiglu_clamp_exp (step35's clamp, silu, clamp, mul form) and files mixing IQ and K quant types across gate, up and down (pairwise over the types).
 
 The oracle is upstream llama.cpp with the same placement on the RPC stand-in (``-ot exps=CPU --no-repack``): same
 greedy tokens and bit-identical last logits (both sides run ggml-cpu's kernels on the same rows in upstream's order,
@@ -28,6 +28,8 @@ VARIANTS = {
                           "activation"),
     "qwen3moe-scales": (dict(arch="qwen3moe", quant="Q8_0", n_expert=8, n_expert_used=2, expert_scales=True),
                         "scales"),
+    "step35-clamped": (dict(arch="step35", quant="Q8_0", n_expert=8, n_expert_used=2, n_shared=1,
+                            swiglu_clamp=0.5), "clamp"),
 }
 
 #: (gate, up, down) ggml types of the quant-mix files: every type of the slot pool's list appears, and the
@@ -117,6 +119,8 @@ def test_fixtures_have_their_variant(variant_model):
             assert first["activation"] == "gelu" and first["gated"] == (name == "grok-geglu")
         if name == "qwen3moe-scales":
             assert first["scales"] == ["down", "gate", "up"]
+        if name == "step35-clamped":
+            assert first["clamp"] == 0.5 and first["clamp_form"] == "clamp_silu_mul"
         assert f"expert variant:      {first['name']}" in format_info(d)
 
 
@@ -163,11 +167,11 @@ def test_variant_matches_upstream_same_placement(name, variant_model, rpc_server
 
 
 @pytest.mark.parametrize("name", ["llama4-top2", "deepseek2-fused", "grok-geglu", "grok-gelu-ungated",
-                                  "qwen3moe-scales"])
+                                  "qwen3moe-scales", "step35-clamped"])
 def test_variant_op_left_out_on_the_gpu_changes_the_logits(name, variant_model, rpc_server, split_cost_model,
                                                            engine_tools):
     """Negative control: the GPU share without the variant's op (weights after the FFN instead of before; the
-    fused product's halves swapped; SiLU in place of GELU; no scales) no longer matches upstream, so the op
+    fused product's halves swapped; SiLU in place of GELU; no scales; no clamp) no longer matches upstream, so the op
     is really built where the GPU computes."""
     path = variant_model(name)
     tokens, _, lg, st = _engine_run(path, rpc_server, split_cost_model, engine_tools, cache="100%",

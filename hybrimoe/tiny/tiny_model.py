@@ -25,6 +25,10 @@ Architectures (GGUF ``general.architecture``):
 ``grok``      Grok-1: GELU experts (gated GEGLU; ``gated_experts=False`` writes no ``ffn_gate_exps``: GELU of
               the up product), attention-output and FFN-output RMS norms (weights ``residual_scale``), no
               embedding or logit scale
+``step35``    Step 3.5: routed experts + one shared expert of width ``n_ff_exp``, sigmoid routing, even blocks
+              sliding-window (64 tokens) and odd ones full attention (upstream ropes half the head there);
+              ``swiglu_clamp`` > 0 writes ``swiglu_clamp_exp`` for every layer (build_moe_ffn's clamp(up),
+              clamp(silu(gate)), mul form)
 ============  ============================================================================================
 
 Expert variants on top (each changes only the files that ask for it): ``fused_gate_up=True`` (deepseek2: one
@@ -60,12 +64,12 @@ from .quantize import check_rows, parse_quant, quantize_gguf
 from .router import router_design
 from .tokenizers import TOKENIZERS, _write_tokenizer
 
-ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2", "gpt-oss", "llama4", "grok")
+ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2", "gpt-oss", "llama4", "grok", "step35")
 
 _DEFAULTS = {
     # arch: (n_expert, n_expert_used, n_shared)
     "qwen3moe": (8, 2, 0), "qwen2moe": (8, 2, 1), "olmoe": (8, 2, 0), "llama": (8, 2, 0),
-    "deepseek2": (8, 2, 1), "gpt-oss": (8, 2, 0), "llama4": (8, 1, 1), "grok": (8, 2, 0),
+    "deepseek2": (8, 2, 1), "gpt-oss": (8, 2, 0), "llama4": (8, 1, 1), "grok": (8, 2, 0), "step35": (8, 2, 1),
 }
 # widths (elements) of an unquantized or 32-block model when none are given; a quant with wider blocks raises
 # them to its block width (default_widths)
@@ -103,7 +107,8 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
                     n_shared: int | None = None, n_head: int = 4, n_dense_lead: int = 1, n_ff_dense: int | None = None,
                     quant=None, tokenizer: str = "spm", router_margin: float = 4.0,
                     residual_scale: float = 0.15, n_ctx_train: int = 512, chat_template: str | None = None,
-                    fused_gate_up: bool = False, expert_scales: bool = False, gated_experts: bool = True) -> Path:
+                    fused_gate_up: bool = False, expert_scales: bool = False, gated_experts: bool = True,
+                    swiglu_clamp: float = 0.0) -> Path:
     """Write a tiny MoE GGUF model to ``path`` and return it as a ``Path``.
 
     Args:
@@ -138,6 +143,7 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
             same weights, drawn as for the separate ones).
         expert_scales: qwen3moe and llama only: F32 per-expert scales ``ffn_{gate,up,down}_exps.scale``.
         gated_experts: grok only: False writes no ``ffn_gate_exps`` (ungated GELU experts).
+        swiglu_clamp: step35 only: the routed experts' ``swiglu_clamp_exp`` limit (> 0; 0 writes none).
 
     deepseek2 MLA sizes (fixed): q_lora_rank 32 (none with 26 or 27 blocks: llama.cpp reads those as
     DeepSeek-V2-Lite, whose queries have no low-rank projection), kv_lora_rank 32, qk_rope 16, qk_nope 16, v_head 16,
@@ -188,16 +194,18 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
                          "llama do")
     if not gated_experts and arch != "grok":
         raise ValueError(f"gated_experts=False: {arch} requires ffn_gate_exps; grok does not")
+    if swiglu_clamp and (arch != "step35" or not np.isfinite(swiglu_clamp) or swiglu_clamp < 0):
+        raise ValueError(f"swiglu_clamp must be a finite limit >= 0 on step35 (got {swiglu_clamp!r} on {arch})")
     variant = dict(fused_gate_up=bool(fused_gate_up), expert_scales=bool(expert_scales),
-                   gated_experts=bool(gated_experts))
-    if arch in ("qwen2moe", "deepseek2", "llama4"):
+                   gated_experts=bool(gated_experts), swiglu_clamp=float(swiglu_clamp))
+    if arch in ("qwen2moe", "deepseek2", "llama4", "step35"):
         if ns < 1:
             raise ValueError(f"{arch} needs n_shared >= 1")
     elif ns:
         raise ValueError(f"{arch} has no shared experts (n_shared must be 0); qwen2moe, deepseek2 and llama4 have "
                          "them")
-    if arch == "llama4" and ns != 1:
-        raise ValueError("llama4 has exactly one shared expert (n_shared=1)")
+    if arch in ("llama4", "step35") and ns != 1:
+        raise ValueError(f"{arch} has exactly one shared expert (n_shared=1)")
     if arch == "llama4" and L < 4:
         # upstream's graph always has the attention-temperature input, which only the no-rope layers (every 4th)
         # read; with fewer blocks it is never allocated and upstream aborts setting it
@@ -270,8 +278,13 @@ def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_de
     else:
         w.add_feed_forward_length(n_ff_d if arch == "deepseek2" else F)
         w.add_expert_feed_forward_length(F)
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "step35"):
         w.add_expert_shared_feed_forward_length(ns * F)
+    if arch == "step35":
+        w.add_sliding_window(64)
+        w.add_sliding_window_pattern([il % 2 == 0 for il in range(L)])  # upstream needs one SWA layer
+        if variant.get("swiglu_clamp"):
+            w.add_swiglu_clamp_exp([float(variant["swiglu_clamp"])] * L)
     mla = dict(q_lora=32, kv_lora=32, rope=16, nope=16, v=16)
     # llama.cpp takes a deepseek2 model with 26 or 27 blocks for DeepSeek-V2-Lite, whose queries have no
     # low-rank projection (src/models/deepseek2.cpp, is_lite): write attn_q then, like that model
@@ -378,7 +391,7 @@ def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_de
             t[p + "ffn_gate_exps.bias"] = _normal(rng, (E, F), 0.05)
             t[p + "ffn_up_exps.bias"] = _normal(rng, (E, F), 0.05)
             t[p + "ffn_down_exps.bias"] = _normal(rng, (E, D), 0.05 * s)
-        if arch in ("qwen2moe", "deepseek2", "llama4"):
+        if arch in ("qwen2moe", "deepseek2", "llama4", "step35"):
             fs = ns * F
             if arch == "qwen2moe":
                 t[p + "ffn_gate_inp_shexp.weight"] = _normal(rng, (D,), 1 / np.sqrt(D))
