@@ -93,7 +93,7 @@ def engine_facts(path: Union[str, os.PathLike]) -> EngineFacts:
     """Reads the facts the engine needs from a GGUF file (gguf library).
 
     Raises:
-        ValueError: not a MoE model, or its experts are not separate gate/up/down matrices.
+        ValueError: not a MoE model, or its experts have no up (or fused gate_up) and down matrices.
     """
     import gguf
 

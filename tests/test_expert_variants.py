@@ -129,8 +129,15 @@ def test_scales_in_the_slot(variant_model):
     budget's slot size grows by exactly that; the facts name them per layer; a bad scale size is refused."""
     from hybrimoe.engine import _engine_module, engine_facts
 
-    f = engine_facts(variant_model("qwen3moe-scales"))
+    from hybrimoe.info import describe, format_info
+
+    path = variant_model("qwen3moe-scales")
+    f = engine_facts(path)
     assert [list(b) for b in f.scale_bytes] == [[4, 4, 4]] * len(f.moe_layers)
+    mats = sum(f.expert_bytes[0])
+    text = format_info(describe(path))
+    assert "ffn_down_exps.s" in text
+    assert f"bytes per expert:    {mats + 12} (matrices {mats} + biases and scales 12;" in text
     E = _engine_module().Engine
     plain = E.slot_bytes_for([tuple(b) for b in f.expert_bytes], [tuple(t) for t in f.expert_types])
     assert f.slot_bytes == plain + 12
@@ -162,6 +169,31 @@ def test_variant_matches_upstream_same_placement(name, variant_model, rpc_server
     e = st["engine"]
     assert e["gpu_experts"] > 0 and e["cpu_experts"] > 0, e
     ref_out, ref_lg = _reference(path, rpc_server, tokens, engine_tools)
+    assert out == ref_out
+    assert np.array_equal(lg, ref_lg), engine_tools.nmse(lg, ref_lg)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_on_the_cpu_only_hook_is_upstreams(name, variant_model, engine_tools):
+    """The hook without the engine (the CPU-only path: build_expert_ffn over the file's tensors by expert id) on each
+    variant gives upstream's CPU run bit for bit, every MoE layer hooked."""
+    from hybrimoe import Llama
+
+    path = variant_model(name)
+    common = dict(n_ctx=256, n_batch=64, n_ubatch=8, n_threads=2, seed=0, verbose=False)
+    llm = Llama(str(path), moe_hook=True, **common)
+    try:
+        tokens = engine_tools.prompt_of(llm, 20)
+        out, lg = engine_tools.run_greedy(llm, tokens, N_GEN)
+        st = llm.moe_stats()
+    finally:
+        llm.close()
+    assert st["unsupported"] == [] and sum(st["runs"]) > 0, st
+    ref = Llama(str(path), **common)
+    try:
+        ref_out, ref_lg = engine_tools.run_greedy(ref, tokens, N_GEN)
+    finally:
+        ref.close()
     assert out == ref_out
     assert np.array_equal(lg, ref_lg), engine_tools.nmse(lg, ref_lg)
 

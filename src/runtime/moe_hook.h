@@ -1,9 +1,9 @@
 // The MoE hook that hybrimoe installs through llama_set_moe_hook (vendor/llama.cpp/patches/0001-moe-hook.patch).
 //
-// For each MoE layer whose experts are SiLU-GLU or SwiGLU-OAI, with or without expert biases (no scales, fused
-// gate_up or LoRA), the hook replaces upstream's routed-expert subgraph with its own. With an Engine (engine.h)
-// that is the hybrid CPU+GPU path; without
-// one (the CPU-only path, `moe_hook`), a custom op ("hybrimoe_plan") runs on the CPU once per layer and ubatch,
+// For each MoE layer whose routed experts build_expert_ffn builds as build_moe_ffn does (every activation, separate
+// or fused gate_up matrices, F32 biases and per-expert scales, the SwiGLU clamp, routing weights before the FFN; not
+// LoRA adapters on the context), the hook replaces upstream's routed-expert subgraph with its own. With an Engine
+// (engine.h) that is the hybrid CPU+GPU path; without one (the CPU-only path, `moe_hook`), a custom op ("hybrimoe_plan") runs on the CPU once per layer and ubatch,
 // bringing the routing ids, routing weights and router probabilities to the host together and counting its runs,
 // then build_expert_ffn computes the experts with ggml's own kernels and the ranks are summed in upstream's order,
 // so the result is upstream's bit for bit.
