@@ -1,6 +1,6 @@
 """The expert variants of upstream's build_moe_ffn on the engine (build_expert_ffn, CPU share and GPU share):
 routing weights applied before the experts (Llama 4, with its shared expert), fused gate_up experts (deepseek2's
-ffn_gate_up_exps), GELU experts gated and ungated (grok), per-expert scales (ffn_*_exps.scale, which the slot pool
+ffn_gate_up_exps), GELU experts gated and ungated (grok), gated ReLU experts (smallthinker), per-expert scales (ffn_*_exps.scale, which the slot pool
 carries per slot), SiLU-GLU clamped by swiglu_clamp_exp (step35's clamp, silu, clamp, mul form) and files mixing IQ and K quant types across gate, up and down (pairwise over the types).
 
 The oracle is upstream llama.cpp with the same placement on the RPC stand-in (``-ot exps=CPU --no-repack``): same
@@ -28,6 +28,7 @@ VARIANTS = {
                           "activation"),
     "qwen3moe-scales": (dict(arch="qwen3moe", quant="Q8_0", n_expert=8, n_expert_used=2, expert_scales=True),
                         "scales"),
+    "smallthinker-reglu": (dict(arch="smallthinker", quant="Q8_0", n_expert=8, n_expert_used=2), "activation"),
     "step35-clamped": (dict(arch="step35", quant="Q8_0", n_expert=8, n_expert_used=2, n_shared=1,
                             swiglu_clamp=0.5), "clamp"),
 }
@@ -115,6 +116,8 @@ def test_fixtures_have_their_variant(variant_model):
             il = d["moe_layers"][0]
             F = d["expert_tensors"]["down"]["layers"][il]["shape"][0]
             assert d["expert_tensors"]["gate_up"]["layers"][il]["shape"][1] == 2 * F
+        if name == "smallthinker-reglu":
+            assert first["activation"] == "relu" and first["gated"]
         if name.startswith("grok"):
             assert first["activation"] == "gelu" and first["gated"] == (name == "grok-geglu")
         if name == "qwen3moe-scales":
@@ -199,11 +202,11 @@ def test_variant_on_the_cpu_only_hook_is_upstreams(name, variant_model, engine_t
 
 
 @pytest.mark.parametrize("name", ["llama4-top2", "deepseek2-fused", "grok-geglu", "grok-gelu-ungated",
-                                  "qwen3moe-scales", "step35-clamped"])
+                                  "qwen3moe-scales", "step35-clamped", "smallthinker-reglu"])
 def test_variant_op_left_out_on_the_gpu_changes_the_logits(name, variant_model, rpc_server, split_cost_model,
                                                            engine_tools):
     """Negative control: the GPU share without the variant's op (weights after the FFN instead of before; the
-    fused product's halves swapped; SiLU in place of GELU; no scales; no clamp) no longer matches upstream, so the op
+    fused product's halves swapped; SiLU in place of GELU or ReLU; no scales; no clamp) no longer matches upstream, so the op
     is really built where the GPU computes."""
     path = variant_model(name)
     tokens, _, lg, st = _engine_run(path, rpc_server, split_cost_model, engine_tools, cache="100%",

@@ -25,6 +25,8 @@ Architectures (GGUF ``general.architecture``):
 ``grok``      Grok-1: GELU experts (gated GEGLU; ``gated_experts=False`` writes no ``ffn_gate_exps``: GELU of
               the up product), attention-output and FFN-output RMS norms (weights ``residual_scale``), no
               embedding or logit scale
+``smallthinker`` SmallThinker: gated ReLU experts (ggml_reglu_split), the router reading the block's input before
+              attention (build_moe_ffn's probs_in), softmax routing, no sliding window
 ``step35``    Step 3.5: routed experts + one shared expert of width ``n_ff_exp``, sigmoid routing, even blocks
               sliding-window (64 tokens) and odd ones full attention (upstream ropes half the head there);
               ``swiglu_clamp`` > 0 writes ``swiglu_clamp_exp`` for every layer (build_moe_ffn's clamp(up),
@@ -64,12 +66,13 @@ from .quantize import check_rows, parse_quant, quantize_gguf
 from .router import router_design
 from .tokenizers import TOKENIZERS, _write_tokenizer
 
-ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2", "gpt-oss", "llama4", "grok", "step35")
+ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2", "gpt-oss", "llama4", "grok", "step35",
+         "smallthinker")
 
 _DEFAULTS = {
     # arch: (n_expert, n_expert_used, n_shared)
     "qwen3moe": (8, 2, 0), "qwen2moe": (8, 2, 1), "olmoe": (8, 2, 0), "llama": (8, 2, 0),
-    "deepseek2": (8, 2, 1), "gpt-oss": (8, 2, 0), "llama4": (8, 1, 1), "grok": (8, 2, 0), "step35": (8, 2, 1),
+    "deepseek2": (8, 2, 1), "gpt-oss": (8, 2, 0), "llama4": (8, 1, 1), "grok": (8, 2, 0), "step35": (8, 2, 1), "smallthinker": (8, 2, 0),
 }
 # widths (elements) of an unquantized or 32-block model when none are given; a quant with wider blocks raises
 # them to its block width (default_widths)
@@ -315,6 +318,8 @@ def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_de
         # chunked layers to 1 full, no rope in every 4th), the chunks longer than any context the tests use
         # (sliding_window 0 would select plain attention, whose graph upstream cannot set inputs for)
         w.add_interleave_moe_layer_step(1)
+    if arch == "smallthinker":
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
     if arch == "grok":
         w.add_embedding_scale(1.0)
         w.add_logit_scale(1.0)
