@@ -42,10 +42,13 @@ def _engine_module():
 class EngineFacts:
     """What the engine needs to know about a GGUF MoE model.
 
-    ``expert_bytes``: per MoE layer, bytes of one expert's (gate, up, down) matrices as stored (ggml ``nb[2]``);
-    ``expert_types``: per MoE layer, their ggml type ids;
-    ``bias_bytes``: per MoE layer, bytes of one expert's (gate, up, down) F32 bias rows (``ffn_*_exps.bias``,
-    gpt-oss), 0 where the layer has none; empty when no layer has biases (the slot pool carries them per slot);
+    ``expert_bytes``: per MoE layer, bytes of one expert's (gate or fused gate_up, up, down) matrices as stored
+    (ggml ``nb[2]``), 0 for one the layer lacks (up beside a fused gate_up, gate in an ungated FFN);
+    ``expert_types``: per MoE layer, their ggml type ids (down's for an absent one);
+    ``bias_bytes``: per MoE layer, bytes of one expert's (gate or gate_up, up, down) F32 bias rows
+    (``ffn_*_exps.bias``, gpt-oss), 0 where the layer has none; empty when no layer has biases (the slot pool
+    carries them per slot); ``scale_bytes``: the same for the per-expert scales (``ffn_{gate,up,down}_exps.scale``,
+    4 bytes each); ``variants``: per MoE layer, the expert variant's name (:func:`hybrimoe.info.expert_variant`);
     ``routers``: per MoE layer, F32 ``[n_expert, n_embd]`` router weights (empty array when the file's router is
     not F32); ``router_bias``: per MoE layer, F32 ``[n_expert]`` selection bias (DeepSeek-V3 ``exp_probs_b``) or empty.
     """
@@ -60,6 +63,10 @@ class EngineFacts:
     expert_bytes: list
     expert_types: list = field(default_factory=list)
     bias_bytes: list = field(default_factory=list)
+    scale_bytes: list = field(default_factory=list)
+    variants: dict = field(default_factory=dict)
+    weight_before_ffn: bool = False
+    clamped: bool = False
     routers: list = field(default_factory=list)
     router_bias: list = field(default_factory=list)
     sigmoid_gating: bool = False
@@ -68,22 +75,25 @@ class EngineFacts:
     @property
     def slot_bytes(self) -> int:
         """Bytes of one GPU expert slot: the largest gate, up and down matrix over the layers (each rounded up to
-        its types' block sizes) plus the largest gate, up and down bias rows (each rounded up to 16 bytes)."""
+        its types' block sizes) plus the largest gate, up and down bias rows (each rounded up to 16 bytes) plus 4
+        bytes per kind of per-expert scale."""
         return int(_engine_module().Engine.slot_bytes_for([tuple(b) for b in self.expert_bytes],
                                                           [tuple(t) for t in self.expert_types],
-                                                          [tuple(b) for b in self.bias_bytes]))
+                                                          [tuple(b) for b in self.bias_bytes],
+                                                          [tuple(b) for b in self.scale_bytes]))
 
     @property
     def total_expert_bytes(self) -> int:
-        """Bytes of all routed experts of all MoE layers, as stored (matrices and expert biases)."""
-        return int((sum(sum(b) for b in self.expert_bytes) + sum(sum(b) for b in self.bias_bytes)) * self.n_expert)
+        """Bytes of all routed experts of all MoE layers, as stored (matrices, expert biases and scales)."""
+        return int((sum(sum(b) for b in self.expert_bytes) + sum(sum(b) for b in self.bias_bytes)
+                    + sum(sum(b) for b in self.scale_bytes)) * self.n_expert)
 
 
 def engine_facts(path: Union[str, os.PathLike]) -> EngineFacts:
     """Reads the facts the engine needs from a GGUF file (gguf library).
 
     Raises:
-        ValueError: not a MoE model, or its experts are not separate gate/up/down matrices.
+        ValueError: not a MoE model, or its experts have no up (or fused gate_up) and down matrices.
     """
     import gguf
 
@@ -95,27 +105,46 @@ def engine_facts(path: Union[str, os.PathLike]) -> EngineFacts:
         raise ValueError(f"{path}: not a Mixture-of-Experts model (no ffn_*_exps tensors): the MoE engine has "
                          "nothing to do")
     kinds = d["expert_tensors"]
-    if not all(k in kinds for k in ("gate", "up", "down")):
-        raise ValueError(f"{path}: experts are not separate gate/up/down matrices ({', '.join(kinds)}): not "
-                         "supported by the MoE engine")
+    if "down" not in kinds or not ("up" in kinds or "gate_up" in kinds):
+        raise ValueError(f"{path}: no up and down expert matrices ({', '.join(kinds)}): not supported by the MoE "
+                         "engine")
     r = gguf.GGUFReader(os.fspath(path))
     arch = d["architecture"]
     moe_layers = list(d["moe_layers"])
-    eb = [[int(kinds[k]["layers"][il]["bytes_per_expert"]) for k in ("gate", "up", "down")] for il in moe_layers]
-    et = [[int(gguf.GGMLQuantizationType[kinds[k]["layers"][il]["type"]]) for k in ("gate", "up", "down")]
-          for il in moe_layers]
     tensors = {t.name: t for t in r.tensors}
-    bb = []
+    E = int(d["n_expert"])
+    eb, et, bb, sb = [], [], [], []
     for il in moe_layers:
+        # the slot pool's three matrix regions: gate or fused gate_up, up (none with gate_up), down; gate is absent
+        # in an ungated FFN. An absent matrix has 0 bytes and down's type (any valid type does).
+        fused = il in kinds.get("gate_up", {}).get("layers", {})
+        names = ("gate_up" if fused else "gate", None if fused else "up", "down")
+        down_t = int(gguf.GGMLQuantizationType[kinds["down"]["layers"][il]["type"]]) if il in \
+            kinds["down"]["layers"] else 0
+        row_b, row_t = [], []
+        for k in names:
+            v = kinds.get(k, {}).get("layers", {}).get(il) if k else None
+            row_b.append(0 if v is None else int(v["bytes_per_expert"]))
+            row_t.append(down_t if v is None else int(gguf.GGMLQuantizationType[v["type"]]))
+        eb.append(row_b)
+        et.append(row_t)
+        # one expert's bias row as the engine copies it (ggml_add_id reads F32 rows; another type keeps the layer on
+        # upstream's path, and its size here only makes the slot larger)
+        row = []
+        for k in names:
+            t = tensors.get(f"blk.{il}.ffn_{k}_exps.bias") if k else None
+            row.append(0 if t is None else int(t.n_bytes) // E)
+        bb.append(row)
+        # per-expert scales (build_lora_mm_id's w_s, one value per expert) of the gate, up and down products
         row = []
         for k in ("gate", "up", "down"):
-            t = tensors.get(f"blk.{il}.ffn_{k}_exps.bias")
-            # one expert's bias row as the engine copies it (ggml_add_id reads F32 rows; another type keeps the
-            # layer on upstream's path, and its size here only makes the slot larger)
-            row.append(0 if t is None else int(t.n_bytes) // int(d["n_expert"]))
-        bb.append(row)
+            t = tensors.get(f"blk.{il}.ffn_{k}_exps.scale")
+            row.append(0 if t is None else int(t.n_bytes) // E)
+        sb.append(row)
     if not any(any(r_) for r_ in bb):
         bb = []
+    if not any(any(r_) for r_ in sb):
+        sb = []
     routers, biases = [], []
     for il in moe_layers:
         t = tensors.get(f"blk.{il}.ffn_gate_inp.weight")
@@ -131,7 +160,11 @@ def engine_facts(path: Union[str, os.PathLike]) -> EngineFacts:
     model = facts_from_description(d)  # for the hardware presets' cost model (policy.cost_model_from_hardware)
     return EngineFacts(path=os.fspath(path), arch=arch, n_layer=int(d["n_layer"]), n_expert=int(d["n_expert"]),
                        top_k=int(d["n_expert_used"]), n_embd=int(d["n_embd"]), moe_layers=moe_layers,
-                       expert_bytes=eb, expert_types=et, bias_bytes=bb, routers=routers, router_bias=biases, sigmoid_gating=sigmoid, model=model)
+                       expert_bytes=eb, expert_types=et, bias_bytes=bb, scale_bytes=sb, routers=routers,
+                       router_bias=biases, sigmoid_gating=sigmoid, model=model,
+                       variants={il: v["name"] for il, v in d["expert_variants"].items()},
+                       weight_before_ffn=any(v["weight_before_ffn"] for v in d["expert_variants"].values()),
+                       clamped=any(v["clamp_form"] for v in d["expert_variants"].values()))
 
 
 def slot_bytes(model_path: Union[str, os.PathLike]) -> int:
@@ -376,7 +409,7 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         prefetch_layers=int(prefetch_layers), fill_on_miss=policies.fill_on_miss, routers=facts.routers,
         router_bias=facts.router_bias, sigmoid_gating=facts.sigmoid_gating, cache=policies.cache,
         scheduler=policies.scheduler, prefetcher=policies.prefetcher, max_buffer_bytes=max_buffer_bytes(),
-        bias_bytes=[tuple(b) for b in facts.bias_bytes])
+        bias_bytes=[tuple(b) for b in facts.bias_bytes], scale_bytes=[tuple(b) for b in facts.scale_bytes])
 
 
 def max_buffer_bytes() -> int:
@@ -409,6 +442,12 @@ def gpu_work_bytes(facts: EngineFacts, n_ubatch: int) -> int:
     per_pair = 4 * (3 + D) + 4 * D + 4 * 3 * F + 4 * 2 * D
     if facts.bias_bytes:
         per_pair += 4 * (2 * F + D)  # ggml_add_id's outputs (build_moe_ffn's "ffn_moe_*_biased")
+    if facts.scale_bytes:
+        per_pair += 4 * (2 * F + D + 3 * 2)  # the scaled products and each pair's gathered scales
+    if facts.clamped:
+        per_pair += 4 * 3 * F  # clamp(up), silu(gate), its clamp
+    if facts.weight_before_ffn:
+        per_pair += 4 * 2 * D  # the input repeated per pair and weighted
     top = 1
     while top < max(1, int(n_ubatch) * int(facts.top_k)):
         top *= 2

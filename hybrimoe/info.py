@@ -13,7 +13,7 @@ from pathlib import Path
 
 # routed-expert weight tensors, by kind
 EXPERT_KINDS = ("gate", "up", "down", "gate_up")
-_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias)$")
+_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias|scale)$")
 _BLK_RE = re.compile(r"^blk\.(\d+)\.")
 #: the parts of a block's other (non-routed-expert) tensors, as :func:`describe` sorts them (``layer_parts``)
 LAYER_PARTS = ("attention", "shared_experts", "router", "norms", "dense_ffn", "other")
@@ -22,6 +22,15 @@ GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softpl
 #: architectures whose graph gates with another function than softmax when the key is absent (upstream's
 #: models/openai-moe.cpp and models/llama4.cpp pass it to llm_graph_context::build_moe_ffn)
 _ARCH_GATING = {"gpt-oss": "softmax_weight", "llama4": "sigmoid"}
+#: the expert activation (build_moe_ffn's type_op) each architecture's graph passes, where it is not SiLU
+#: (upstream's src/models/*.cpp)
+ARCH_ACTIVATION = {"gpt-oss": "swiglu_oai", "minimax-m3": "swiglu_oai", "grok": "gelu", "gemma4": "gelu",
+                   "nomic-bert-moe": "gelu", "nemotron_h": "relu_sqr", "nemotron_h_moe": "relu_sqr",
+                   "smallthinker": "relu", "kimi-k3": "situ"}
+#: architectures that read ``<arch>.swiglu_clamp_exp``, and of those the ones build_moe_ffn clamps with
+#: ggml_swiglu_clamp (the others: clamp, silu, clamp, mul)
+_CLAMP_ARCHS = ("bailingmoe3", "deepseek4", "dflash", "glm5-next", "hy_v4", "maple", "step35")
+_CLAMP_FUSED = ("deepseek4", "glm5-next", "hy_v4", "maple", "dflash")
 
 
 def _field(reader, key, default=None):
@@ -109,6 +118,61 @@ def expert_gating(arch: str, raw, n_layer: int, n_vocab) -> tuple[str, str]:
     return name, f"{key} absent: {name}, the gating upstream's {arch} graph uses"
 
 
+def expert_variant(arch: str, il: int, kinds: dict, biases: dict, scales: dict, clamp=None) -> dict:
+    """What upstream's build_moe_ffn builds for MoE layer ``il`` (from the file's tensors and the architecture) and
+    whether hybrimoe's engine runs it (its build_expert_ffn mirrors every variant below; a layer it does not run stays
+    on upstream's path, as the MoE hook's unsupported reason says at run time).
+
+    Returns ``{"activation", "gated", "fused_gate_up", "biases" (kinds), "scales" (kinds), "clamp" (the layer's
+    swiglu_clamp_exp or 0), "clamp_form" ("swiglu_clamp", "clamp_silu_mul" or ""), "weight_before_ffn",
+    "name" (one line), "engine" (bool), "why" ("" when the engine runs it)}``. LoRA adapters, which also keep a
+    layer on upstream's path, are a property of the context, not of the file.
+    """
+    have = {k for k, v in kinds.items() if il in v["layers"]}
+    b = sorted(k for k, v in biases.items() if il in v["layers"])
+    sc = sorted(k for k, v in scales.items() if il in v["layers"])
+    act = ARCH_ACTIVATION.get(arch, "silu")
+    fused = "gate_up" in have
+    gated = fused or "gate" in have
+    lim = 0.0
+    if clamp is not None and act == "silu" and "gate" in have:
+        try:
+            lim = float(clamp[il] if isinstance(clamp, (list, tuple)) else clamp)
+        except (TypeError, ValueError, IndexError):
+            lim = 0.0
+    form = ("swiglu_clamp" if arch in _CLAMP_FUSED else "clamp_silu_mul") if lim > 1e-6 else ""
+    before = arch == "llama4"
+    why = ""
+    if "down" not in have or not ("up" in have or fused):
+        why = "no up and down expert matrices"
+    elif fused and ("gate" in have or "up" in have):
+        why = "both fused gate_up and separate gate/up matrices"
+    elif act == "relu_sqr" and gated:
+        why = "gated squared ReLU (upstream aborts on it)"
+    elif act in ("swiglu_oai", "situ") and not gated:
+        why = f"{act} without a gate"
+    elif any(biases[k]["layers"][il]["type"] != "F32" for k in b):
+        why = "expert biases that are not F32"
+    elif any(scales[k]["layers"][il]["type"] != "F32" for k in sc):
+        why = "per-expert scales that are not F32"
+    names = {"silu": "SiLU", "swiglu_oai": "SwiGLU-OAI", "gelu": "GELU", "relu": "ReLU", "relu_sqr": "squared ReLU",
+             "situ": "SITU"}
+    parts = [names[act] + ("-GLU" if gated and act not in ("swiglu_oai", "situ") else "")]
+    if fused:
+        parts.append("fused gate_up")
+    if b:
+        parts.append("biases " + "/".join(b))
+    if sc:
+        parts.append("scales " + "/".join(sc))
+    if form:
+        parts.append(f"clamp {lim:g} ({form})")
+    if before:
+        parts.append("weights before the FFN")
+    return {"activation": act, "gated": gated, "fused_gate_up": fused, "biases": b, "scales": sc, "clamp": lim,
+            "clamp_form": form, "weight_before_ffn": before, "name": ", ".join(parts), "engine": not why,
+            "why": why}
+
+
 def _ranges(ids):
     ids = sorted(ids)
     out, i = [], 0
@@ -135,6 +199,10 @@ def describe(path) -> dict:
         expert_biases: {kind: {"types", "bytes_per_expert", "shape": [ne0] of one expert's row, "layers": {block
             id: {"type", "bytes", "bytes_per_expert", "n_expert", "shape"}}}} for the ``ffn_*_exps.bias`` tensors
             (gpt-oss; empty when the file has none): the engine's slot pool carries one row of each per slot,
+        expert_scales: {kind: {"types", "layers": {block id: {"type", "bytes", "n_expert"}}}} for the
+            ``ffn_*_exps.scale`` tensors (one F32 per expert; the slot pool carries it per slot),
+        expert_variants: {block id: :func:`expert_variant`} per MoE layer: what build_moe_ffn builds and whether the
+            engine runs it,
         routed_expert_bytes (all ``ffn_*_exps`` tensors, biases included), other_bytes (every other tensor),
         tensor_bytes (sum of both), tensor_types ({ggml type name: tensor count}),
         n_head / n_head_kv (``attention.head_count`` / ``_kv``; the largest when stored per layer; None when
@@ -169,6 +237,7 @@ def describe(path) -> dict:
     routed = other = 0
     kinds: dict = {}
     bias_kinds: dict = {}
+    scale_kinds: dict = {}
     moe_layers: set = set()
     all_layers: set = set()
     types: dict = {}
@@ -186,6 +255,12 @@ def describe(path) -> dict:
             routed += nb
             il, kind, what = int(m.group(1)), m.group(2), m.group(3)
             moe_layers.add(il)
+            if what == "scale":
+                shape = [int(x) for x in t.shape]
+                k = scale_kinds.setdefault(kind, {"types": [], "layers": {}})
+                if tname not in k["types"]:
+                    k["types"].append(tname)
+                k["layers"][il] = {"type": tname, "bytes": nb, "n_expert": shape[0] if shape else 1}
             if what == "bias":
                 shape = [int(x) for x in t.shape]
                 ne = shape[1] if len(shape) >= 2 else 1
@@ -232,6 +307,8 @@ def describe(path) -> dict:
     nextn = int(nextn) if isinstance(nextn, int) else 0
     gating, gating_source = expert_gating(arch, _field(r, f"{arch}.expert_gating_func"), int(n_layer) - nextn,
                                           n_vocab)
+    clamp = _field(r, f"{arch}.swiglu_clamp_exp") if arch in _CLAMP_ARCHS else None
+    variants = {il: expert_variant(arch, il, kinds, bias_kinds, scale_kinds, clamp) for il in sorted(moe_layers)}
     return {
         "path": str(p), "file_size": size, "architecture": arch, "name": _field(r, "general.name"),
         "file_type": ft_name, "n_layer": int(n_layer), "n_embd": None if n_embd is None else int(n_embd),
@@ -239,12 +316,21 @@ def describe(path) -> dict:
         "moe_layers": sorted(moe_layers), "dense_layers": [i for i in range(int(n_layer)) if i not in moe_layers],
         "n_expert": int(n_expert) if (n_expert and has_experts) else 0,
         "n_expert_used": int(n_used) if (n_used and has_experts) else 0,
-        "shared": shared, "expert_tensors": kinds, "expert_biases": bias_kinds, "routed_expert_bytes": routed, "other_bytes": other,
+        "shared": shared, "expert_tensors": kinds, "expert_biases": bias_kinds, "expert_scales": scale_kinds,
+        "expert_variants": variants, "routed_expert_bytes": routed, "other_bytes": other,
         "tensor_bytes": routed + other, "tensor_types": types,
         "n_head": _count(_field(r, f"{arch}.attention.head_count")),
         "n_head_kv": _count(_field(r, f"{arch}.attention.head_count_kv")), "n_layer_nextn": nextn,
         "gating": gating, "gating_source": gating_source, "layer_parts": parts,
     }
+
+
+def gguf_type_bytes(tname: str) -> int:
+    """Bytes of one element of an unquantized ggml type by name (F32 4, F16/BF16 2; a scale is one element)."""
+    import gguf
+
+    bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[tname]]
+    return ts // bs
 
 
 def _mib(n):
@@ -291,6 +377,22 @@ def format_info(d: dict) -> str:
             groups.setdefault((v["type"], v["bytes_per_expert"]), []).append(il)
         for (tname, bpe), ils in groups.items():
             lines.append(f"  {'ffn_' + kind + '_exps.b':<18}{tname:<10}{bpe:>14}  {shape:<14}{_ranges(ils)}")
+    for kind in EXPERT_KINDS:
+        k = d.get("expert_scales", {}).get(kind)
+        if k is None:
+            continue
+        groups = {}
+        for il, v in sorted(k["layers"].items()):
+            groups.setdefault(v["type"], []).append(il)
+        for tname, ils in groups.items():
+            bpe = gguf_type_bytes(tname)
+            lines.append(f"  {'ffn_' + kind + '_exps.s':<18}{tname:<10}{bpe:>14}  {'1':<14}{_ranges(ils)}")
+    variants: dict = {}
+    for il, v in sorted(d.get("expert_variants", {}).items()):
+        variants.setdefault((v["name"], v["engine"], v["why"]), []).append(il)
+    for (name, ok, why), ils in variants.items():
+        lines.append(f"expert variant:      {name} (layers {_ranges(ils)}): "
+                     + ("the engine runs it" if ok else f"upstream's path ({why})"))
     per_layer = {}
     for group in ("expert_tensors", "expert_biases"):
         for k in d.get(group, {}).values():
@@ -298,10 +400,15 @@ def format_info(d: dict) -> str:
                 m, bias = per_layer.get(il, (0, 0))
                 per_layer[il] = (m + v["bytes_per_expert"], bias) if group == "expert_tensors" else \
                     (m, bias + v["bytes_per_expert"])
+    for k in d.get("expert_scales", {}).values():
+        for il, v in k["layers"].items():
+            m, bias = per_layer.get(il, (0, 0))
+            per_layer[il] = (m, bias + gguf_type_bytes(v["type"]))
     if per_layer:
-        # what one expert moves to a GPU slot: its matrices and (gpt-oss) its bias rows
+        # what one expert moves to a GPU slot: its matrices, (gpt-oss) its bias rows and its scales
         m, bias = max(per_layer.values(), key=lambda mb: mb[0] + mb[1])
-        lines.append(f"bytes per expert:    {m + bias} (matrices {m} + biases {bias}; the largest MoE layer's)")
+        extra = "biases and scales" if d.get("expert_scales") else "biases"
+        lines.append(f"bytes per expert:    {m + bias} (matrices {m} + {extra} {bias}; the largest MoE layer's)")
     tot = d["tensor_bytes"] or 1
     lines.append(f"routed-expert bytes: {d['routed_expert_bytes']} ({_mib(d['routed_expert_bytes'])}, "
                  f"{100.0 * d['routed_expert_bytes'] / tot:.1f}% of tensor bytes)")

@@ -17,7 +17,8 @@
 #   build        llama-cpp-python with CUDA for sm_90 only (-DGGML_CUDA_FA=OFF and fewer variants, see
 #                cuda_cmake_args) and hybrimoe (HYBRIMOE_LLAMA_SRC = the trimmed tree), both wheels built at once,
 #                offline, installed into $GPUCHECK_WORK/site; each part timed
-#   correctness  tiny models (hybrimoe.tiny.fixture_set), hybrimoe (moe_cache 25/50/100%, policy hybrimoe)
+#   correctness  tiny models (hybrimoe.tiny.fixture_set; gpt-oss with MXFP4 experts and biases), hybrimoe
+#                (moe_cache 25/50/100%, policy hybrimoe)
 #                against upstream with the same placement: same greedy tokens, logits NMSE <= 1e-3
 #   model        the DeepSeek-V2-Lite-shaped synthetic Q4_K_M model (hybrimoe.tiny.make_synthetic_model: 8
 #                blocks, 64 experts, top-6, 2 shared, n_embd 2048, expert width 1408) and the trace cut to it
@@ -339,7 +340,7 @@ run_all() {
     if (( built )); then
         want correctness && step correctness "${GPUCHECK_BUDGET_CORRECTNESS:-$([ "$mode" = cuda ] && echo 90 || echo 900)}" \
             "$PY" "$helper" correctness --mode "$mode" --out "$out/correctness.json" --work "$work/tiny" \
-            --models "${GPUCHECK_CORRECTNESS_MODELS:-qwen3moe:Q8_0,deepseek2:Q4_K_M}" || true
+            --models "${GPUCHECK_CORRECTNESS_MODELS:-qwen3moe:Q8_0,deepseek2:Q4_K_M,gpt-oss:MXFP4}" || true
         local have_model=0
         if want model || want bench || want calibrate; then
             step model "${GPUCHECK_BUDGET_MODEL:-$([ "$mode" = cuda ] && echo 90 || echo 600)}" \

@@ -225,8 +225,24 @@ def cmd_bench_model(args) -> int:
 
 # ---- correctness ---------------------------------------------------------------------------------------------
 
+#: tiny models of the correctness step besides hybrimoe.tiny.fixture_set(): gpt-oss with MXFP4 expert matrices (as
+#: gpt-oss files ship them; 17-byte blocks, so CUDA's MXFP4 mul_mat_id reads slots 272-byte aligned), F32 expert
+#: biases (ggml_add_id by slot) and SwiGLU-OAI experts, Q8_0 elsewhere
+EXTRA_RECIPES = {
+    ("gpt-oss", "MXFP4"): dict(arch="gpt-oss", n_embd=64, n_ff_exp=32, n_expert=8, n_expert_used=2,
+                               quant={"base": "Q8_0", r"ffn_(gate|up|down)_exps": "MXFP4"}),
+}
+
+
+def correctness_recipes() -> dict:
+    """``{(arch, quant): make_tiny_model keywords}`` the correctness step knows: fixture_set() and EXTRA_RECIPES."""
+    from hybrimoe.tiny import fixture_set
+
+    return {**fixture_set(), **EXTRA_RECIPES}
+
+
 def cmd_correctness(args) -> int:
-    """Per tiny model (``--models arch:quant,...`` from ``hybrimoe.tiny.fixture_set``): upstream with the same
+    """Per tiny model (``--models arch:quant,...`` from ``correctness_recipes``): upstream with the same
     placement (``n_gpu_layers=-1, tensor_buft_overrides="exps=CPU", no_repack=True``) is the oracle; hybrimoe
     (``moe_cache`` each of ``--caches``, ``moe_policy`` ``--policy``) must give the same greedy tokens and a
     logits NMSE <= ``--tol``. A negative control (the engine drops its GPU share's outputs) must be detected.
@@ -235,7 +251,7 @@ def cmd_correctness(args) -> int:
     from hybrimoe import Llama, _ggml
     from hybrimoe.oracle import greedy_with_logits, prompt_tokens
     from hybrimoe.oracle import nmse as oracle_nmse
-    from hybrimoe.tiny import fixture_set, make_tiny_model
+    from hybrimoe.tiny import make_tiny_model
 
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -264,11 +280,11 @@ def cmd_correctness(args) -> int:
                                f"driver): {[d.get('name') for d in devs]}")
         common = dict(n_gpu_layers=-1, n_ctx=256, n_batch=256, n_ubatch=args.n_ubatch, seed=0, verbose=False,
                       rpc_servers=endpoint)
-        recipes = fixture_set()
+        recipes = correctness_recipes()
         for spec in [s.strip() for s in args.models.split(",") if s.strip()]:
             arch, _, quant = spec.partition(":")
             if (arch, quant) not in recipes:
-                doc["errors"].append(f"{spec}: not in hybrimoe.tiny.fixture_set(); known: "
+                doc["errors"].append(f"{spec}: not a correctness recipe; known: "
                                      + ", ".join(f"{a}:{q}" for a, q in recipes))
                 continue
             path = make_tiny_model(work / f"tiny-{arch}-{quant}.gguf", **recipes[(arch, quant)])
@@ -502,7 +518,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=("cuda", "cpu"), required=True)
     p.add_argument("--out", required=True, help="JSON file (rewritten after every case)")
     p.add_argument("--work", required=True, help="folder for the tiny models")
-    p.add_argument("--models", default="qwen3moe:Q8_0,deepseek2:Q4_K_M")
+    p.add_argument("--models", default="qwen3moe:Q8_0,deepseek2:Q4_K_M,gpt-oss:MXFP4")
     p.add_argument("--caches", default="25%,50%,100%")
     p.add_argument("--policy", default="hybrimoe")
     p.add_argument("--n-prompt", type=int, default=40)

@@ -706,8 +706,8 @@ def test_hook_nodes_stay_where_patch_0001_pins_them_with_op_offload_on(tiny_mode
     import ast
 
     where = ast.literal_eval(r.stdout.split("WHERE ", 1)[1].strip())
-    # per MoE layer: plan, the CPU share's up/gate/GLU/down, wait, and the combine (named ffn_moe_out by llama)
-    cpu_side = [n for n in where if re.match(r"(hybrimoe_(plan|wait|cpu_(up|gate|glu|down))|ffn_moe_out)-\d+$", n)]
+    # per MoE layer: plan, the CPU share's up/gate/activation/down, wait, and the combine (named ffn_moe_out by llama)
+    cpu_side = [n for n in where if re.match(r"(hybrimoe_(plan|wait|cpu_(up|gate|act|down))|ffn_moe_out)-\d+$", n)]
     assert len(cpu_side) == 7 * 2, where  # 2 MoE layers
     for n in cpu_side:
         assert where[n] == ["CPU"], (n, where[n])

@@ -252,3 +252,25 @@ def test_gpu_check_script_usage_errors(tmp_path):
     assert r.returncode == 2 and "no output folder" in r.stderr
     r = subprocess.run([str(sh), "frobnicate"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown verb" in r.stderr
+
+
+def test_correctness_step_has_a_gpt_oss_mxfp4_case(tmp_path):
+    """The CUDA correctness step's gpt-oss case (tiny, MXFP4 experts with biases, SwiGLU-OAI) is in its default
+    model list and passes on the RPC stand-in (--mode cpu: the same code path, another device), with its negative
+    control (the GPU share's outputs dropped) detected."""
+    h = _helper()
+    assert ("gpt-oss", "MXFP4") in h.correctness_recipes()
+    assert "gpt-oss:MXFP4" in (ROOT / "scripts" / "gpu-check.sh").read_text()
+    out = tmp_path / "correctness.json"
+    rc = h.main(["correctness", "--mode", "cpu", "--out", str(out), "--work", str(tmp_path / "tiny"),
+                 "--models", "gpt-oss:MXFP4", "--caches", "50%", "--n-prompt", "20", "--n-gen", "8",
+                 "--n-ubatch", "8"])
+    doc = json.loads(out.read_text())
+    assert rc == 0 and doc["passed"], doc
+    kinds = {c["kind"]: c for c in doc["cases"]}
+    assert kinds["case"]["mixed_split"] and kinds["case"]["same_tokens"]
+    assert kinds["control"]["passed"]
+    import gguf
+
+    types = _types(tmp_path / "tiny" / "tiny-gpt-oss-MXFP4.gguf")
+    assert types["blk.0.ffn_down_exps.weight"][0] == gguf.GGMLQuantizationType.MXFP4.name

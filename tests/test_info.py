@@ -157,3 +157,28 @@ def test_describe_every_arch_matches_independent_sums(tmp_path, arch):
     assert (d["shared"] is not None) == (arch in ("qwen2moe", "deepseek2"))
     for (il, kind), (tname, bpe) in per.items():
         assert d["expert_tensors"][kind]["layers"][il]["bytes_per_expert"] == bpe == 64 * 32 * 4
+
+
+def test_expert_variant_names_the_variant_and_whether_the_engine_runs_it(tmp_path, capsys):
+    """Each MoE layer's variant, from the file's tensors and the architecture (upstream's type_op per arch): a
+    plain SiLU-GLU file, and variants upstream's build_moe_ffn builds but the engine leaves to upstream (biases
+    stored as F16, a gated squared ReLU), which the report says with the reason."""
+    p = make_tiny_model(tmp_path / "q3.gguf", "qwen3moe")
+    d = info.describe(p)
+    assert set(d["expert_variants"]) == set(d["moe_layers"])
+    v = d["expert_variants"][0]
+    assert v["name"] == "SiLU-GLU" and v["engine"] and not v["fused_gate_up"] and v["scales"] == []
+    rc, out, _ = _run([str(p)], capsys)
+    assert rc == 0 and "expert variant:      SiLU-GLU (layers 0-1): the engine runs it" in out
+    w = {"down": {"layers": {0: {}}}, "gate": {"layers": {0: {}}}, "up": {"layers": {0: {}}}}
+    f16 = {"up": {"layers": {0: {"type": "F16"}}}}
+    v = info.expert_variant("gpt-oss", 0, w, f16, {})
+    assert v["activation"] == "swiglu_oai" and not v["engine"] and "F32" in v["why"]
+    v = info.expert_variant("nemotron_h_moe", 0, w, {}, {})
+    assert v["activation"] == "relu_sqr" and not v["engine"] and "squared ReLU" in v["why"]
+    ungated = {"down": {"layers": {0: {}}}, "up": {"layers": {0: {}}}}
+    assert info.expert_variant("nemotron_h_moe", 0, ungated, {}, {})["engine"]
+    v = info.expert_variant("step35", 0, w, {}, {}, clamp=[7.0])
+    assert v["clamp"] == 7.0 and v["clamp_form"] == "clamp_silu_mul" and v["engine"]
+    assert info.expert_variant("deepseek4", 0, w, {}, {}, clamp=7.0)["clamp_form"] == "swiglu_clamp"
+    assert info.expert_variant("llama4", 0, w, {}, {})["weight_before_ffn"]

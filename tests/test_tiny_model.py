@@ -96,6 +96,34 @@ def test_qwen2moe_shared_expert_gate(models):
     assert names["blk.0.ffn_down_shexp.weight"] == [32, 64]
 
 
+def test_variant_archs_and_options(models, tmp_path):
+    """llama4: every block MoE with a shared expert of the expert width; grok: GELU experts with output norms;
+    the variant options write their tensors (fused gate_up: gate rows then up rows of the same draws; scales;
+    no gate) and are refused where upstream's graph of that arch would not read them."""
+    names = {t.name: [int(x) for x in t.shape] for t in gguf.GGUFReader(str(models["llama4"])).tensors}
+    assert names["blk.3.ffn_gate_exps.weight"] == [64, 32, 8] and names["blk.3.ffn_up_shexp.weight"] == [64, 32]
+    names = {t.name: [int(x) for x in t.shape] for t in gguf.GGUFReader(str(models["grok"])).tensors}
+    assert "blk.0.attn_output_norm.weight" in names and "blk.0.layer_output_norm.weight" in names
+    sep = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(make_tiny_model(tmp_path / "s.gguf", "deepseek2",
+                                                                                  n_layer=3))).tensors}
+    fu = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(make_tiny_model(tmp_path / "f.gguf", "deepseek2",
+                                                                                 n_layer=3, fused_gate_up=True))).tensors}
+    gu = fu["blk.1.ffn_gate_up_exps.weight"]  # numpy [E, 2F, D]
+    assert np.array_equal(gu[:, :32], sep["blk.1.ffn_gate_exps.weight"])
+    assert np.array_equal(gu[:, 32:], sep["blk.1.ffn_up_exps.weight"])
+    assert "blk.1.ffn_up_exps.weight" not in fu
+    sc = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(make_tiny_model(tmp_path / "q.gguf",
+                                                                                expert_scales=True))).tensors}
+    assert sc["blk.0.ffn_down_exps.scale"].shape == (8,) and (sc["blk.0.ffn_down_exps.scale"] > 0).all()
+    ng = {t.name for t in gguf.GGUFReader(str(make_tiny_model(tmp_path / "g.gguf", "grok",
+                                                              gated_experts=False))).tensors}
+    assert "blk.0.ffn_gate_exps.weight" not in ng and "blk.0.ffn_up_exps.weight" in ng
+    for arch, kw in (("qwen3moe", dict(fused_gate_up=True)), ("deepseek2", dict(expert_scales=True)),
+                     ("qwen3moe", dict(gated_experts=False)), ("llama4", dict(n_layer=2))):
+        with pytest.raises(ValueError):
+            make_tiny_model(tmp_path / "x.gguf", arch, **kw)
+
+
 def test_gpt_oss_expert_biases(models):
     names = {t.name: [int(x) for x in t.shape] for t in gguf.GGUFReader(str(models["gpt-oss"])).tensors}
     assert names["blk.0.ffn_gate_exps.bias"] == [32, 8]

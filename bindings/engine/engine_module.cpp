@@ -112,10 +112,13 @@ the given cache, schedule and prefetch policies (hybrimoe._core objects, C++ or 
 Args:
     n_layer, n_expert, top_k, n_embd: model facts.
     moe_layers: model layer index of each MoE layer (the cache's layer index is the position in this list).
-    expert_bytes: per MoE layer, bytes of one expert's (gate, up, down) matrices as stored in the GGUF.
-    expert_types: per MoE layer, ggml type ids of the (gate, up, down) matrices.
-    bias_bytes: per MoE layer, bytes of one expert's (gate, up, down) F32 bias rows, 0 where the layer has none
-        (gpt-oss); empty: no biases. The slot pool carries them per slot.
+    expert_bytes: per MoE layer, bytes of one expert's (gate or fused gate_up, up, down) matrices as stored in
+        the GGUF, 0 for a matrix the layer lacks (up with a fused gate_up; gate in an ungated FFN).
+    expert_types: per MoE layer, ggml type ids of the (gate or gate_up, up, down) matrices.
+    bias_bytes: per MoE layer, bytes of one expert's (gate or gate_up, up, down) F32 bias rows, 0 where the layer
+        has none (gpt-oss); empty: no biases. The slot pool carries them per slot.
+    scale_bytes: per MoE layer, bytes of one expert's (gate, up, down) F32 scales (``ffn_*_exps.scale``: 4, else
+        0); empty: no scales. The slot pool carries them per slot.
     n_slots: GPU expert slots (0: everything on the CPU).
     device: ggml_backend_dev_t as an int (0 when n_slots is 0).
     max_buffer_bytes: bytes one slot buffer may hold at most (0: the device's max buffer size,
@@ -142,7 +145,8 @@ Raises:
                          bool sigmoid_gating, std::shared_ptr<hybrimoe::ExpertCache> cache,
                          std::shared_ptr<hybrimoe::SchedulePolicy> scheduler,
                          std::shared_ptr<hybrimoe::PrefetchPolicy> prefetcher, int64_t max_buffer_bytes,
-                         std::vector<std::array<int64_t, 3>> bias_bytes) {
+                         std::vector<std::array<int64_t, 3>> bias_bytes,
+                         std::vector<std::array<int64_t, 3>> scale_bytes) {
                  EngineConfig c;
                  c.n_layer = n_layer;
                  c.n_expert = n_expert;
@@ -152,6 +156,7 @@ Raises:
                  c.expert_bytes = std::move(expert_bytes);
                  c.expert_types = std::move(expert_types);
                  c.bias_bytes = std::move(bias_bytes);
+                 c.scale_bytes = std::move(scale_bytes);
                  c.n_slots = n_slots;
                  c.device = reinterpret_cast<ggml_backend_dev_t>(device);
                  c.max_buffer_bytes = max_buffer_bytes;
@@ -171,16 +176,24 @@ Raises:
              py::arg("expert_bytes"), py::arg("expert_types"), py::arg("n_slots"), py::arg("device"), py::arg("cost_model"),
              py::arg("prefetch_layers"), py::arg("fill_on_miss"), py::arg("routers"), py::arg("router_bias"),
              py::arg("sigmoid_gating"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"),
-             py::arg("max_buffer_bytes") = 0, py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{})
+             py::arg("max_buffer_bytes") = 0, py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
+             py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{})
         .def_static("slot_bytes_for", &Engine::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
                     py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
+                    py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{},
                     "Bytes of one GPU slot for these per-layer (gate, up, down) expert sizes and ggml types and "
-                    "(optional) F32 bias row sizes: per kind the largest matrix, rounded up to a multiple of 16 and "
-                    "of the kind's block sizes, plus per kind the largest bias row rounded up to 16.")
+                    "(optional) F32 bias row and scale sizes: per kind the largest matrix, rounded up to a multiple "
+                    "of 16 and of the kind's block sizes, plus per kind the largest bias row rounded up to 16, plus "
+                    "4 bytes per kind some layer scales.")
+        .def_static("scale_strides", &Engine::scale_strides, py::arg("scale_bytes"), py::arg("expert_layers"),
+                    "Per-slot bytes of the gate, up and down scale regions of the slot pool (4, or 0: no such scale).")
         .def_static("bias_strides", &Engine::bias_strides, py::arg("bias_bytes"), py::arg("expert_layers"),
                     "Per-slot bytes of the gate, up and down bias regions of the slot pool (0: no such bias).")
         .def_static("region_strides", &Engine::region_strides, py::arg("expert_bytes"), py::arg("expert_types"),
                     "Per-slot bytes of the gate, up and down regions of the slot pool (see slot_bytes_for).")
+        .def("set_negative_control", &Engine::set_negative_control, py::arg("what"),
+             "Negative control for tests: the GPU share leaves one variant's op out ('weight_before', 'gate_up', "
+             "'activation', 'scales', 'clamp'; '' for none). ValueError for another name.")
         .def_property_readonly("slot_bytes", &Engine::slot_bytes)
         .def_property_readonly("n_slots", &Engine::n_slots)
         .def("slot_of", &Engine::slot_of, py::arg("layer"), py::arg("expert"),

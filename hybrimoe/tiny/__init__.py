@@ -2,7 +2,7 @@
 
 Two model makers:
 
-- :func:`make_tiny_model`: a small model of one of six MoE architectures (``ARCHS``) that llama.cpp loads and
+- :func:`make_tiny_model`: a small model of one of ten MoE architectures (``ARCHS``) that llama.cpp loads and
   generates from, with seeded random weights, a real tokenizer, a router designed for wide top-k margins and,
   optionally, quantized through llama.cpp's own quantizer; :func:`fixture_set` lists the recipes the test suite
   uses. ``hybrimoe make-tiny-model`` is its command line.

@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", metavar="OUT.gguf", help="output GGUF file")
     parser.add_argument("--arch", default="qwen3moe", help=f"architecture: {', '.join(ARCHS)}")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--layers", type=int, default=None, help="transformer blocks (default 2; llama4 4)")
     # widths left out (None) are chosen by make_tiny_model to fit the quant's blocks (default_widths)
     parser.add_argument("--n-embd", type=int, default=None,
                         help=f"hidden size (default {DEFAULT_N_EMBD}; 256 with K-quants and mix, whose blocks "
@@ -26,13 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-expert-used", type=int, default=None, help="experts per token (top-k)")
     parser.add_argument("--n-ff-exp", type=int, default=None,
                         help=f"expert FFN width (default {DEFAULT_N_FF_EXP}; 256 with K-quants and mix)")
-    parser.add_argument("--n-shared", type=int, default=None, help="shared experts (qwen2moe, deepseek2)")
+    parser.add_argument("--n-shared", type=int, default=None,
+                        help="shared experts (qwen2moe, deepseek2; llama4 and step35 have one)")
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-dense-lead", type=int, default=1, help="deepseek2: leading dense layers")
     parser.add_argument("--quant", default=None,
                         help="F32 (default), F16, Q8_0, Q4_K_M, ... or mix (gate Q4_K, up Q8_0, down Q6_K)")
     parser.add_argument("--tokenizer", default="spm", choices=TOKENIZERS)
     parser.add_argument("--router-margin", type=float, default=4.0, help="designed top-k router logit gap")
+    parser.add_argument("--fused-gate-up", action="store_true", help="deepseek2: fused ffn_gate_up_exps experts")
+    parser.add_argument("--expert-scales", action="store_true",
+                        help="qwen3moe, llama: per-expert scales ffn_*_exps.scale")
+    parser.add_argument("--no-gate", dest="gated_experts", action="store_false",
+                        help="grok: ungated GELU experts (no ffn_gate_exps)")
+    parser.add_argument("--swiglu-clamp", type=float, default=0.0, help="step35: swiglu_clamp_exp of the experts")
     parser.add_argument("-f", "--force", action="store_true", help="replace OUT.gguf if it exists")
 
 
@@ -53,7 +60,9 @@ def run(args) -> int:
         p = make_tiny_model(args.out, args.arch, seed=args.seed, n_layer=args.layers, n_embd=args.n_embd,
                             n_expert=args.n_expert, n_expert_used=args.n_expert_used, n_ff_exp=args.n_ff_exp,
                             n_shared=args.n_shared, n_head=args.n_head, n_dense_lead=args.n_dense_lead,
-                            quant=args.quant, tokenizer=args.tokenizer, router_margin=args.router_margin)
+                            quant=args.quant, tokenizer=args.tokenizer, router_margin=args.router_margin,
+                            fused_gate_up=args.fused_gate_up, expert_scales=args.expert_scales,
+                            gated_experts=args.gated_experts, swiglu_clamp=args.swiglu_clamp)
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         print(f"hybrimoe make-tiny-model: error: {e}", file=sys.stderr)
         return 2

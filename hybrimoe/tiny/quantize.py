@@ -130,8 +130,33 @@ def check_rows(quant, spec: QuantSpec | None, rows) -> None:
                              f"{blk}; llama.cpp would silently write another type. Use multiples of {blk}.")
 
 
+#: ggml types llama.cpp's quantizer refuses to write without an importance matrix (tensor_requires_imatrix in
+#: llama-quant.cpp; Q2_K only inside a Q2_K_S file, which FTYPES does not offer)
+IMATRIX_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS")
+
+
+def synthetic_imatrix(src, seed: int = 0) -> dict:
+    """A synthetic importance matrix for the weights of GGUF ``src``: ``{tensor name: float32 [ne0 * ne2]}`` (per
+    expert one weight per input column, as llama.cpp's quantizer reads it: ``ne[0] * ne[2]`` values), positive
+    (uniform in [0.5, 1.5), seeded by ``seed`` and the tensor's position), for every tensor of 2 or more
+    dimensions. The tiny models have no calibration data; the types that need one (``IMATRIX_TYPES``) only need
+    some positive weighting of the columns."""
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(str(src))
+    out = {}
+    for i, t in enumerate(r.tensors):
+        shape = [int(x) for x in t.shape]  # ggml order: ne0 first
+        if len(shape) < 2:
+            continue
+        n = shape[0] * (shape[2] if len(shape) >= 3 else 1)
+        out[t.name] = np.random.default_rng([seed, i]).uniform(0.5, 1.5, n).astype(np.float32)
+    return out
+
+
 def quantize_gguf(src, dst, base: str = "Q8_0", overrides: dict | None = None, nthread: int = 2,
-                  verbose: bool = False) -> Path:
+                  verbose: bool = False, imatrix: dict | None = None) -> Path:
     """Quantize GGUF ``src`` into ``dst`` with llama.cpp's ``llama_model_quantize``; returns ``Path(dst)``.
 
     Args:
@@ -140,6 +165,8 @@ def quantize_gguf(src, dst, base: str = "Q8_0", overrides: dict | None = None, n
         nthread: quantizer threads (the output does not depend on it).
         verbose: also print llama.cpp's quantizer log (per-tensor types, fallbacks) to stderr; it is
             captured otherwise and its last lines go into the error message on failure.
+        imatrix: {tensor name: float32 [ne0 * ne2]} importance matrix (llama's ``imatrix`` parameter); None: a
+            :func:`synthetic_imatrix` when an override asks for one of ``IMATRIX_TYPES``, else none.
 
     Raises:
         ValueError: unknown type names. RuntimeError: the quantizer returned non-zero.
@@ -167,6 +194,22 @@ def quantize_gguf(src, dst, base: str = "Q8_0", overrides: dict | None = None, n
         arr[len(overrides)].pattern = None  # the list ends with a null pattern
         keep.append(arr)
         params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+    if imatrix is None and any(str(t).upper() in IMATRIX_TYPES for t in (overrides or {}).values()):
+        imatrix = synthetic_imatrix(src)
+    if imatrix:
+        import numpy as np
+
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for i, (name, vals) in enumerate(imatrix.items()):
+            a = np.ascontiguousarray(vals, dtype=np.float32)
+            b = name.encode()
+            keep.extend([a, b])
+            entries[i].name = b
+            entries[i].data = a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = a.size
+        entries[len(imatrix)].name = None  # the list ends with a null name
+        keep.append(entries)
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     with _captured_output() as log:
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if verbose:

@@ -18,7 +18,25 @@ Architectures (GGUF ``general.architecture``):
               ``expert_weights_norm`` and ``expert_gating_func`` (sigmoid by default, as DeepSeek-V3)
 ``gpt-oss``   OpenAI-MoE: attention sinks, sliding-window layers, router bias and per-expert biases
               (``ffn_{gate,up,down}_exps.bias``), SwiGLU-OAI activation
+``llama4``    Llama 4: every layer MoE (``interleave_moe_layer_step`` 1), one shared expert of width
+              ``n_ff_exp``, sigmoid routing weights applied to the experts' input (build_moe_ffn's
+              weight_before_ffn), upstream's default 8192-token attention chunks, top-1 by default;
+              ``n_layer`` >= 4 (every 4th block has no rope, the one that reads upstream's attention temperature)
+``grok``      Grok-1: GELU experts (gated GEGLU; ``gated_experts=False`` writes no ``ffn_gate_exps``: GELU of
+              the up product), attention-output and FFN-output RMS norms (weights ``residual_scale``), no
+              embedding or logit scale
+``smallthinker`` SmallThinker: gated ReLU experts (ggml_reglu_split), the router reading the block's input before
+              attention (build_moe_ffn's probs_in), softmax routing, no sliding window
+``step35``    Step 3.5: routed experts + one shared expert of width ``n_ff_exp``, sigmoid routing, even blocks
+              sliding-window (64 tokens) and odd ones full attention (upstream ropes half the head there);
+              ``swiglu_clamp`` > 0 writes ``swiglu_clamp_exp`` for every layer (build_moe_ffn's clamp(up),
+              clamp(silu(gate)), mul form)
 ============  ============================================================================================
+
+Expert variants on top (each changes only the files that ask for it): ``fused_gate_up=True`` (deepseek2: one
+``ffn_gate_up_exps`` ``{D, 2F, E}``, gate rows first, as ``create_tensor_gate_up_exps`` loads it) and
+``expert_scales=True`` (qwen3moe, llama: F32 per-expert scales ``ffn_{gate,up,down}_exps.scale`` ``{E}``, uniform in
+[0.5, 1.5), which build_moe_ffn multiplies into each expert's products).
 
 Tensor shapes below use ggml order ``{ne0, ne1, ne2}`` (ne0 = contiguous row length); the numpy arrays
 handed to the gguf writer have the reversed shape. ``D = n_embd``, ``F = n_ff_exp``, ``E = n_expert``,
@@ -48,12 +66,13 @@ from .quantize import check_rows, parse_quant, quantize_gguf
 from .router import router_design
 from .tokenizers import TOKENIZERS, _write_tokenizer
 
-ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2", "gpt-oss")
+ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2", "gpt-oss", "llama4", "grok", "step35",
+         "smallthinker")
 
 _DEFAULTS = {
     # arch: (n_expert, n_expert_used, n_shared)
     "qwen3moe": (8, 2, 0), "qwen2moe": (8, 2, 1), "olmoe": (8, 2, 0), "llama": (8, 2, 0),
-    "deepseek2": (8, 2, 1), "gpt-oss": (8, 2, 0),
+    "deepseek2": (8, 2, 1), "gpt-oss": (8, 2, 0), "llama4": (8, 1, 1), "grok": (8, 2, 0), "step35": (8, 2, 1), "smallthinker": (8, 2, 0),
 }
 # widths (elements) of an unquantized or 32-block model when none are given; a quant with wider blocks raises
 # them to its block width (default_widths)
@@ -85,18 +104,22 @@ def _normal(rng, shape, std):
     return (rng.standard_normal(shape) * std).astype(np.float32)
 
 
-def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int = 2, n_embd: int | None = None,
+def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int | None = None,
+                    n_embd: int | None = None,
                     n_expert: int | None = None, n_expert_used: int | None = None, n_ff_exp: int | None = None,
                     n_shared: int | None = None, n_head: int = 4, n_dense_lead: int = 1, n_ff_dense: int | None = None,
                     quant=None, tokenizer: str = "spm", router_margin: float = 4.0,
-                    residual_scale: float = 0.15, n_ctx_train: int = 512, chat_template: str | None = None) -> Path:
+                    residual_scale: float = 0.15, n_ctx_train: int = 512, chat_template: str | None = None,
+                    fused_gate_up: bool = False, expert_scales: bool = False, gated_experts: bool = True,
+                    swiglu_clamp: float = 0.0) -> Path:
     """Write a tiny MoE GGUF model to ``path`` and return it as a ``Path``.
 
     Args:
         path: output file (parent directories are created; an existing file is replaced).
         arch: one of ``ARCHS`` (``qwen3moe``, ``qwen2moe``, ``olmoe``, ``llama``, ``deepseek2``, ``gpt-oss``).
         seed: RNG seed; the same arguments and seed give a byte-identical file.
-        n_layer: transformer blocks (for deepseek2, including the ``n_dense_lead`` leading dense ones).
+        n_layer: transformer blocks (for deepseek2, including the ``n_dense_lead`` leading dense ones); default
+            2, and 4 for llama4 (whose every 4th block has no rope: upstream needs one).
         n_embd: hidden size D (elements); must be a multiple of ``n_head`` and of the quant's block width
             (32 for Q8_0/Q4_0, 256 for K-quants). Default: 64, or the block width when wider
             (:func:`default_widths`).
@@ -119,6 +142,11 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
         n_ctx_train: ``context_length`` written to the file.
         chat_template: a Jinja chat template written as ``tokenizer.chat_template`` (llama-cpp-python formats chat
             requests with it); None writes none (the file is then byte-identical to one made before this option).
+        fused_gate_up: deepseek2 only: fused ``ffn_gate_up_exps`` instead of separate gate and up experts (the
+            same weights, drawn as for the separate ones).
+        expert_scales: qwen3moe and llama only: F32 per-expert scales ``ffn_{gate,up,down}_exps.scale``.
+        gated_experts: grok only: False writes no ``ffn_gate_exps`` (ungated GELU experts).
+        swiglu_clamp: step35 only: the routed experts' ``swiglu_clamp_exp`` limit (> 0; 0 writes none).
 
     deepseek2 MLA sizes (fixed): q_lora_rank 32 (none with 26 or 27 blocks: llama.cpp reads those as
     DeepSeek-V2-Lite, whose queries have no low-rank projection), kv_lora_rank 32, qk_rope 16, qk_nope 16, v_head 16,
@@ -147,7 +175,7 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
     d_embd, d_ff = _default_widths(qspec)
     D = d_embd if n_embd is None else int(n_embd)
     F = d_ff if n_ff_exp is None else int(n_ff_exp)
-    L = int(n_layer)
+    L = int(n_layer) if n_layer is not None else (4 if arch == "llama4" else 2)
     if L < 1 or D < 1 or F < 1:
         raise ValueError("n_layer, n_embd and n_ff_exp must be >= 1")
     if not 1 <= E <= 256:
@@ -162,11 +190,29 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
         raise ValueError(f"router_margin must be a finite number > 0, got {router_margin}")
     if not np.isfinite(residual_scale) or residual_scale < 0:
         raise ValueError(f"residual_scale must be a finite number >= 0, got {residual_scale}")
-    if arch in ("qwen2moe", "deepseek2"):
+    if fused_gate_up and arch != "deepseek2":
+        raise ValueError(f"fused_gate_up: {arch} does not load ffn_gate_up_exps here; deepseek2 does")
+    if expert_scales and arch not in ("qwen3moe", "llama"):
+        raise ValueError(f"expert_scales: {arch}'s graph does not pass them to build_moe_ffn here; qwen3moe and "
+                         "llama do")
+    if not gated_experts and arch != "grok":
+        raise ValueError(f"gated_experts=False: {arch} requires ffn_gate_exps; grok does not")
+    if swiglu_clamp and (arch != "step35" or not np.isfinite(swiglu_clamp) or swiglu_clamp < 0):
+        raise ValueError(f"swiglu_clamp must be a finite limit >= 0 on step35 (got {swiglu_clamp!r} on {arch})")
+    variant = dict(fused_gate_up=bool(fused_gate_up), expert_scales=bool(expert_scales),
+                   gated_experts=bool(gated_experts), swiglu_clamp=float(swiglu_clamp))
+    if arch in ("qwen2moe", "deepseek2", "llama4", "step35"):
         if ns < 1:
             raise ValueError(f"{arch} needs n_shared >= 1")
     elif ns:
-        raise ValueError(f"{arch} has no shared experts (n_shared must be 0); qwen2moe and deepseek2 have them")
+        raise ValueError(f"{arch} has no shared experts (n_shared must be 0); qwen2moe, deepseek2 and llama4 have "
+                         "them")
+    if arch in ("llama4", "step35") and ns != 1:
+        raise ValueError(f"{arch} has exactly one shared expert (n_shared=1)")
+    if arch == "llama4" and L < 4:
+        # upstream's graph always has the attention-temperature input, which only the no-rope layers (every 4th)
+        # read; with fewer blocks it is never allocated and upstream aborts setting it
+        raise ValueError(f"llama4 needs n_layer >= 4 (its every 4th block has no rope), got {L}")
     n_dense = 0
     if arch == "deepseek2":
         n_dense = int(n_dense_lead)
@@ -188,13 +234,13 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
     try:
         if qspec is None:
             _write(Path(out_tmp), gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d,
-                   tokenizer, router_margin, s, n_ctx_train, chat_template)
+                   tokenizer, router_margin, s, n_ctx_train, chat_template, variant)
         else:
             fd, tmp = tempfile.mkstemp(suffix=".f32.gguf", dir=str(path.parent))
             os.close(fd)
             try:
                 _write(Path(tmp), gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d,
-                       tokenizer, router_margin, s, n_ctx_train, chat_template)
+                       tokenizer, router_margin, s, n_ctx_train, chat_template, variant)
                 quantize_gguf(tmp, out_tmp, qspec.base, qspec.overrides)
             finally:
                 os.unlink(tmp)
@@ -209,10 +255,12 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
 
 
 def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d, tokenizer,
-           router_margin, s, n_ctx_train, chat_template=None):
+           router_margin, s, n_ctx_train, chat_template=None, variant=None):
     """Write the F32 model of :func:`make_tiny_model` to ``path`` with the checked sizes (``D`` n_embd, ``F``
     n_ff_exp, ``E`` experts, ``k`` top-k, ``ns`` shared experts, ``L`` blocks, ``hd`` head dim, ``n_ff_d`` dense
-    FFN width, ``s`` residual scale), drawing every weight from ``rng`` in a fixed order."""
+    FFN width, ``s`` residual scale, ``variant`` the expert-variant options), drawing every weight from ``rng`` in
+    a fixed order."""
+    variant = variant or {}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"hybrimoe-tiny-{arch}")
     normal = _write_tokenizer(w, tokenizer)
@@ -233,8 +281,13 @@ def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_de
     else:
         w.add_feed_forward_length(n_ff_d if arch == "deepseek2" else F)
         w.add_expert_feed_forward_length(F)
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "step35"):
         w.add_expert_shared_feed_forward_length(ns * F)
+    if arch == "step35":
+        w.add_sliding_window(64)
+        w.add_sliding_window_pattern([il % 2 == 0 for il in range(L)])  # upstream needs one SWA layer
+        if variant.get("swiglu_clamp"):
+            w.add_swiglu_clamp_exp([float(variant["swiglu_clamp"])] * L)
     mla = dict(q_lora=32, kv_lora=32, rope=16, nope=16, v=16)
     # llama.cpp takes a deepseek2 model with 26 or 27 blocks for DeepSeek-V2-Lite, whose queries have no
     # low-rank projection (src/models/deepseek2.cpp, is_lite): write attn_q then, like that model
@@ -260,6 +313,17 @@ def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_de
     if arch == "gpt-oss":
         w.add_sliding_window(64)
         w.add_expert_weights_scale(1.0)
+    if arch == "llama4":
+        # no sliding_window key: upstream's Llama 4 defaults (8192-token attention chunks, temperature tuning, 3
+        # chunked layers to 1 full, no rope in every 4th), the chunks longer than any context the tests use
+        # (sliding_window 0 would select plain attention, whose graph upstream cannot set inputs for)
+        w.add_interleave_moe_layer_step(1)
+    if arch == "smallthinker":
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    if arch == "grok":
+        w.add_embedding_scale(1.0)
+        w.add_logit_scale(1.0)
+        w.add_attn_output_scale(1.0)
 
     n_moe = L - n_dense
     emb, routers, _ = router_design(rng, n_vocab, D, E, k, n_moe, router_margin)
@@ -302,6 +366,11 @@ def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_de
                 t[p + "attn_sinks.weight"] = _normal(rng, (n_head,), 0.5)
         if arch == "gpt-oss":
             t[p + "post_attention_norm.weight"] = np.ones(D, np.float32)
+        elif arch == "grok":
+            # grok RMS-normalises the attention and FFN outputs: their weights set what each adds to the residual
+            t[p + "attn_output_norm.weight"] = np.full(D, s, np.float32)
+            t[p + "ffn_norm.weight"] = np.ones(D, np.float32)
+            t[p + "layer_output_norm.weight"] = np.full(D, s, np.float32)
         else:
             t[p + "ffn_norm.weight"] = np.ones(D, np.float32)
         if il < n_dense:
@@ -310,15 +379,24 @@ def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_de
             t[p + "ffn_down.weight"] = _normal(rng, (D, n_ff_d), 2 * s / np.sqrt(n_ff_d))
             continue
         t[p + "ffn_gate_inp.weight"] = routers[il - n_dense]
-        t[p + "ffn_gate_exps.weight"] = _normal(rng, (E, F, D), 1 / np.sqrt(D))
-        t[p + "ffn_up_exps.weight"] = _normal(rng, (E, F, D), 1 / np.sqrt(D))
+        gate = _normal(rng, (E, F, D), 1 / np.sqrt(D))
+        up = _normal(rng, (E, F, D), 1 / np.sqrt(D))
+        if variant.get("fused_gate_up"):
+            t[p + "ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)  # {D, 2F, E}: gate rows first
+        else:
+            if variant.get("gated_experts", True):
+                t[p + "ffn_gate_exps.weight"] = gate
+            t[p + "ffn_up_exps.weight"] = up
         t[p + "ffn_down_exps.weight"] = _normal(rng, (E, D, F), 2 * s / np.sqrt(F))
+        if variant.get("expert_scales"):
+            for kind in ("gate", "up", "down"):
+                t[p + f"ffn_{kind}_exps.scale"] = rng.uniform(0.5, 1.5, E).astype(np.float32)
         if arch == "gpt-oss":
             t[p + "ffn_gate_inp.bias"] = np.zeros(E, np.float32)
             t[p + "ffn_gate_exps.bias"] = _normal(rng, (E, F), 0.05)
             t[p + "ffn_up_exps.bias"] = _normal(rng, (E, F), 0.05)
             t[p + "ffn_down_exps.bias"] = _normal(rng, (E, D), 0.05 * s)
-        if arch in ("qwen2moe", "deepseek2"):
+        if arch in ("qwen2moe", "deepseek2", "llama4", "step35"):
             fs = ns * F
             if arch == "qwen2moe":
                 t[p + "ffn_gate_inp_shexp.weight"] = _normal(rng, (D,), 1 / np.sqrt(D))

@@ -83,6 +83,14 @@ void combine_op(ggml_tensor * dst, int ith, int nth, void * ud) {
                 } else {
                     for (int64_t i = 0; i < n_embd; ++i) out[i] = out[i] + v[i];
                 }
+            } else if (run_of(ud)->weight_before) {
+                // weighted before the FFN (Llama 4): upstream sums the down projections as they are
+                const float * v = (const float *) ((const char *) cpu->data + j * cpu->nb[1] + t * cpu->nb[2]);
+                if (j == 0) {
+                    std::memcpy(out, v, (size_t) n_embd * sizeof(float));
+                } else {
+                    for (int64_t i = 0; i < n_embd; ++i) out[i] = out[i] + v[i];
+                }
             } else {
                 const float w = routing.weight(j, t);
                 const float * v = (const float *) ((const char *) cpu->data + j * cpu->nb[1] + t * cpu->nb[2]);
@@ -119,7 +127,8 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
                std::shared_ptr<PrefetchPolicy> prefetcher)
     : cfg_(std::move(cfg)), cache_(std::move(cache)), scheduler_(std::move(scheduler)),
       prefetcher_(std::move(prefetcher)),
-      pool_((int) cfg_.moe_layers.size(), cfg_.n_expert, cfg_.expert_bytes, cfg_.expert_types, cfg_.bias_bytes) {
+      pool_((int) cfg_.moe_layers.size(), cfg_.n_expert, cfg_.expert_bytes, cfg_.expert_types, cfg_.bias_bytes,
+            cfg_.scale_bytes) {
     const int L = (int) cfg_.moe_layers.size();
     if (cfg_.n_layer < 1 || cfg_.n_expert < 1 || cfg_.top_k < 1 || cfg_.n_embd < 1 || L < 1) {
         throw std::invalid_argument("engine: model facts must be positive (layers, experts, top-k, n_embd, MoE layers)");
@@ -243,31 +252,35 @@ std::vector<DecisionRecord> Engine::take_log() {
 ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     const int ml = moe_index(a.il);
     if (ml < 0) return nullptr;
-    const int64_t per_expert[3] = {(int64_t) a.gate_exps->nb[2], (int64_t) a.up_exps->nb[2],
-                                   (int64_t) a.down_exps->nb[2]};
+    const ExpertMatrices m = expert_matrices(a);
+    if (a.n_expert != cfg_.n_expert || a.cur->ne[0] != cfg_.n_embd) return nullptr;
+    // the slot pool's regions were sized from the facts the engine was given: each of the layer's matrices (by
+    // nb[2] and type), bias rows (F32 [n_out]) and scales (F32) must be what they say, else upstream's path
+    const auto mats = m.slot_matrices(), biases = m.slot_biases(), scales = m.slot_scales();
     const auto & want = cfg_.expert_bytes[(size_t) ml];
     const auto & want_t = cfg_.expert_types[(size_t) ml];
-    if (a.n_expert != cfg_.n_expert || a.cur->ne[0] != cfg_.n_embd || per_expert[0] != want[0] ||
-        per_expert[1] != want[1] || per_expert[2] != want[2] || (int32_t) a.gate_exps->type != want_t[0] ||
-        (int32_t) a.up_exps->type != want_t[1] || (int32_t) a.down_exps->type != want_t[2]) {
-        return nullptr;  // the engine was told other facts than this layer has: stay on upstream's path
-    }
-    // biases (F32 [n_out, n_expert], ggml_add_id's rows): the pool carries a row of each kind the engine was told of
-    const ggml_tensor * biases[3] = {a.gate_exps_b, a.up_exps_b, a.down_exps_b};
     for (size_t i = 0; i < 3; ++i) {
-        const int64_t told = cfg_.bias_bytes.empty() ? 0 : cfg_.bias_bytes[(size_t) ml][i];
-        const int64_t has = biases[i] ? biases[i]->ne[0] * (int64_t) sizeof(float) : 0;
-        if (told != has || (biases[i] && biases[i]->type != GGML_TYPE_F32)) return nullptr;
+        const int64_t has = mats[i] ? (int64_t) mats[i]->nb[2] : 0;
+        if (has != want[i] || (mats[i] && (int32_t) mats[i]->type != want_t[i])) return nullptr;
+        const int64_t told_b = cfg_.bias_bytes.empty() ? 0 : cfg_.bias_bytes[(size_t) ml][i];
+        const int64_t has_b = biases[i] ? biases[i]->ne[0] * (int64_t) sizeof(float) : 0;
+        if (told_b != has_b || (biases[i] && biases[i]->type != GGML_TYPE_F32)) return nullptr;
+        const int64_t told_s = cfg_.scale_bytes.empty() ? 0 : cfg_.scale_bytes[(size_t) ml][i];
+        const int64_t has_s = scales[i] ? (int64_t) sizeof(float) : 0;
+        if (told_s != has_s || (scales[i] && scales[i]->type != GGML_TYPE_F32)) return nullptr;
     }
-    for (ggml_tensor * t : {a.gate_exps, a.up_exps, a.down_exps, a.gate_exps_b, a.up_exps_b, a.down_exps_b}) {
-        // the engine copies experts from host memory in the file's layout: no device or repacked buffers
-        if (!t) continue;
-        if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || t->extra != nullptr) return nullptr;
+    for (const auto & part : {mats, biases, scales}) {
+        for (ggml_tensor * t : part) {
+            // the engine copies experts from host memory in the file's layout: no device or repacked buffers
+            if (!t) continue;
+            if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || t->extra != nullptr) return nullptr;
+        }
     }
-    tensors_[(size_t) ml] = expert_matrices(a);
+    tensors_[(size_t) ml] = m;
     LayerRun & run = *runs_[(size_t) ml];
     run.counters = counters;
     run.k_sum = a.n_expert_used_sum;
+    run.weight_before = m.weight_before;
 
     ggml_context * ctx = a.ctx;
     const int64_t n_embd = a.cur->ne[0];
@@ -286,8 +299,10 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     ggml_format_name(plan, "hybrimoe_plan-%d", a.il);
     ggml_tensor * cpu_ids = ggml_view_2d(ctx, plan, k, T, plan->nb[1], 0);
 
-    // the CPU share, unweighted: the combine weights each CPU pair
-    ggml_tensor * experts = build_expert_ffn(ctx, tensors_[(size_t) ml], x, cpu_ids, nullptr, "hybrimoe_cpu", a.il);
+    // the CPU share, unweighted (the combine weights each CPU pair) unless weighted before the FFN (Llama 4); scales
+    // are gathered by the routing's own ids (ggml_get_rows has no "skip" for the GPU pairs' -1: it would abort)
+    ggml_tensor * experts = build_expert_ffn(ctx, m, x, cpu_ids, m.weight_before ? a.weights : nullptr,
+                                             "hybrimoe_cpu", a.il, a.selected_experts);
 
     ggml_tensor * wsrc[2] = {plan, experts};  // experts: only to run after the CPU share
     ggml_tensor * gpu = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, k * T, 1, 1, wsrc, 2, wait_trampoline, 1, &run);
@@ -300,12 +315,24 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     return out;
 }
 
+void Engine::set_negative_control(const std::string & what) {
+    static const char * known[] = {"", "weight_before", "gate_up", "activation", "scales", "clamp"};
+    for (const char * k : known) {
+        if (what == k) {
+            control_ = what;
+            return;
+        }
+    }
+    throw std::invalid_argument("engine: unknown negative control '" + what +
+                                "' (weight_before, gate_up, activation, scales, clamp or '')");
+}
+
 void Engine::Placement::evicted(const std::vector<int64_t> & keys) {
     for (int64_t key : keys) engine->pool_.evict(key);
 }
 
 bool Engine::Placement::holds(int layer) const {
-    return layer >= 0 && layer < (int) engine->tensors_.size() && engine->tensors_[(size_t) layer].gate != nullptr;
+    return layer >= 0 && layer < (int) engine->tensors_.size() && engine->tensors_[(size_t) layer].down != nullptr;
 }
 
 double Engine::Placement::load(int layer, int expert, Kind kind) {
@@ -317,8 +344,7 @@ double Engine::Placement::load(int layer, int expert, Kind kind) {
     }
     const ExpertMatrices & lt = en.tensors_[(size_t) layer];
     const int bias_expert = en.wrong_bias_ ? (expert + 1) % en.cfg_.n_expert : -1;
-    const double bytes = en.pool_.copy(layer, expert, lt.gate, lt.up, lt.down, lt.gate_b, lt.up_b, lt.down_b,
-                                       bias_expert);
+    const double bytes = en.pool_.copy(layer, expert, lt, bias_expert);
     if (bytes <= 0.0) return 0.0;
     en.copies_[(size_t) kind] += 1;
     en.copy_bytes_[(size_t) kind] += bytes;
@@ -347,7 +373,15 @@ void Engine::launch_gpu_share(ggml_tensor * dst, LayerRun & run, const std::vect
         const int b = pool_.buffer_of(pool_.slot_of(ml, in.experts[i]));
         n_pairs[(size_t) ((part[i] - 1) * n_bufs + b)] += in.loads[i];
     }
-    const ExpertMatrices & lt = tensors_[(size_t) ml];
+    ExpertMatrices lt = tensors_[(size_t) ml];
+    if (!control_.empty()) {
+        // a test's negative control: the GPU share without one variant's op
+        if (control_ == "weight_before") lt.weight_before = false;
+        if (control_ == "gate_up") lt.swap_gate_up = true;
+        if (control_ == "activation") lt.act = lt.act == ExpertAct::kSilu ? ExpertAct::kGelu : ExpertAct::kSilu;
+        if (control_ == "scales") lt.gate_s = lt.up_s = lt.down_s = nullptr;
+        if (control_ == "clamp") lt.clamp = 0.0f;
+    }
     token_row_.resize((size_t) T);
     int32_t out_row = 0;  // row of the wait op's output: the launches' pairs in launch order
     for (int li = 0; li < 2; ++li) {

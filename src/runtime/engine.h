@@ -14,11 +14,12 @@
 //                     -1, which hybrimoe's ggml-cpu skips: no row of it is computed), plane 1 each GPU pair's row
 //                     in the wait op's output (-1 for a CPU pair).
 //   CPU share         build_expert_ffn over the host expert tensors with plane 0: upstream's ops and kernels, and
-//                     every CPU expert gets upstream's rows, so its results are upstream's bit for bit.
+//                     every CPU expert gets upstream's rows, so its results are upstream's bit for bit (routing
+//                     weights go in before the FFN where upstream puts them there: Llama 4).
 //   wait  (1 task)    waits for the GPU share and reads its weighted rows back (one transfer per launch); unpins
 //                     the layer's experts.
-//   combine           per token, sums the ranks in upstream's order: a CPU pair's row times its routing weight, a
-//                     GPU pair's row as the GPU weighted it.
+//   combine           per token, sums the ranks in upstream's order: a CPU pair's row times its routing weight (as
+//                     it is, when weighted before the FFN), a GPU pair's row as the GPU weighted it.
 //
 // Expert weights stay in host memory (llama tensor overrides; Python sets them up), in the file's quant types.
 // The GPU keeps a SlotPool of expert-sized slots (one global byte budget); which (layer, expert) a slot holds is
@@ -64,13 +65,17 @@ struct EngineConfig {
     int top_k = 0;                         ///< experts used per token
     int n_embd = 0;
     std::vector<int> moe_layers;           ///< model layer index of each MoE layer (cache layer index = position)
-    /// per MoE layer: bytes of one expert's gate, up and down matrices as stored (ggml nb[2])
+    /// per MoE layer: bytes of one expert's gate (or fused gate_up), up and down matrices as stored (ggml nb[2]);
+    /// 0 for a matrix the layer does not have (up with a fused gate_up, gate in an ungated FFN)
     std::vector<std::array<int64_t, 3>> expert_bytes;
-    /// per MoE layer: ggml types of the gate, up and down matrices
+    /// per MoE layer: ggml types of the gate (gate_up), up and down matrices (an absent one: any valid type)
     std::vector<std::array<int32_t, 3>> expert_types;
-    /// per MoE layer: bytes of one expert's gate, up and down bias rows (F32, ggml_add_id's [n_out] row), 0 where
-    /// the layer has no such bias; empty: no layer has biases. The slot pool carries them per slot.
+    /// per MoE layer: bytes of one expert's gate (gate_up), up and down bias rows (F32, ggml_add_id's [n_out]
+    /// row), 0 where the layer has no such bias; empty: no layer has biases. The slot pool carries them per slot.
     std::vector<std::array<int64_t, 3>> bias_bytes;
+    /// per MoE layer: bytes of one expert's gate, up and down scales (F32 ffn_*_exps.scale: 4, else 0); empty: no
+    /// layer has scales. The slot pool carries them per slot.
+    std::vector<std::array<int64_t, 3>> scale_bytes;
     int64_t n_slots = 0;                   ///< GPU expert slots (0: nothing cached, everything on the CPU)
     ggml_backend_dev_t device = nullptr;   ///< accelerator holding the slot pool (needed when n_slots > 0)
     /// bytes one slot buffer may hold at most, below the device's own cap (0: the device's max buffer size only)
@@ -122,8 +127,8 @@ public:
     Engine(const Engine &) = delete;
     Engine & operator=(const Engine &) = delete;
 
-    /// SlotPool::region_strides / bias_strides / slot_bytes_for (bytes per slot of the gate, up and down matrix
-    /// regions; of their bias regions; the sum of all six).
+    /// SlotPool::region_strides / bias_strides / scale_strides / slot_bytes_for (bytes per slot of the gate, up
+    /// and down matrix regions; of their bias regions; of their scale regions; the sum of all nine).
     static std::array<int64_t, 3> region_strides(const std::vector<std::array<int64_t, 3>> & expert_bytes,
                                                  const std::vector<std::array<int32_t, 3>> & expert_types) {
         return SlotPool::region_strides(expert_bytes, expert_types);
@@ -132,10 +137,15 @@ public:
                                                size_t expert_layers) {
         return SlotPool::bias_strides(bias_bytes, expert_layers);
     }
+    static std::array<int64_t, 3> scale_strides(const std::vector<std::array<int64_t, 3>> & scale_bytes,
+                                                size_t expert_layers) {
+        return SlotPool::scale_strides(scale_bytes, expert_layers);
+    }
     static int64_t slot_bytes_for(const std::vector<std::array<int64_t, 3>> & expert_bytes,
                                   const std::vector<std::array<int32_t, 3>> & expert_types,
-                                  const std::vector<std::array<int64_t, 3>> & bias_bytes = {}) {
-        return SlotPool::slot_bytes_for(expert_bytes, expert_types, bias_bytes);
+                                  const std::vector<std::array<int64_t, 3>> & bias_bytes = {},
+                                  const std::vector<std::array<int64_t, 3>> & scale_bytes = {}) {
+        return SlotPool::slot_bytes_for(expert_bytes, expert_types, bias_bytes, scale_bytes);
     }
     int64_t slot_bytes() const { return pool_.slot_bytes(); }
     int64_t n_slots() const { return cfg_.n_slots; }
@@ -163,10 +173,16 @@ public:
     std::vector<DecisionRecord> take_log();
     /// Negative control for tests: the GPU share's outputs are replaced by zeros (results must then differ).
     void set_drop_gpu_share(bool on) { drop_gpu_ = on; }
-    /// Negative control for tests: copies into the slot pool take each bias row from the next expert
+    /// Negative control for tests: copies into the slot pool take each bias row and scale from the next expert
     /// ((expert + 1) mod n_expert) instead of the expert's own (results must then differ when the GPU share
-    /// computes a biased expert). Takes effect for copies made after the call.
+    /// computes a biased or scaled expert). Takes effect for copies made after the call.
     void set_wrong_bias_rows(bool on) { wrong_bias_ = on; }
+    /// Negative control for tests: the GPU share leaves one variant's op out, so results must then differ where
+    /// the GPU computes that variant: "weight_before" (routing weights after the FFN instead of before it),
+    /// "gate_up" (the fused gate_up product's halves swapped), "activation" (SiLU in place of GELU, ReLU, SITU or
+    /// SwiGLU-OAI; GELU in place of SiLU), "scales" (no per-expert scales), "clamp" (no SwiGLU clamp); "" turns it
+    /// off. Throws std::invalid_argument for another name.
+    void set_negative_control(const std::string & what);
     /// (layer, expert) keys pinned now; 0 between decodes unless prefetched experts wait for their layer.
     int pinned_count() const;
     /// Slots holding an expert; equals the cache's resident count when the bookkeeping agrees.
@@ -231,6 +247,7 @@ private:
     bool failed_ = false;
     bool drop_gpu_ = false;
     bool wrong_bias_ = false;
+    std::string control_;                    // set_negative_control
     bool logging_ = false;
     int64_t ubatch_ = -1;
     int last_ml_ = 1 << 30;                  // MoE layer of the previous plan (a lower or equal one: new ubatch)
@@ -243,6 +260,7 @@ struct Engine::LayerRun {
     int ml = -1;                 ///< MoE layer index
     int il = -1;                 ///< model layer index
     int64_t k_sum = 0;           ///< ranks summed into the output (the layer's top-k, also in warm-up graphs)
+    bool weight_before = false;  ///< the CPU share's rows are weighted already (Llama 4: weights before the FFN)
     void * counters = nullptr;   ///< hook counters (LayerCounters)
     /// the launches of this run, in the order of their output rows: part 0 (experts resident and, by the
     /// estimate, copied before this layer), then part 1 (this layer's demand loads and experts whose copy is still

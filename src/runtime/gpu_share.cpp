@@ -47,11 +47,33 @@ int64_t GpuShare::bucket(int64_t n) {
 
 int64_t GpuShare::pairs(const Launch & l) const { return l.n_pairs; }
 
+std::string GpuShare::signature(const ExpertMatrices & m) {
+    // every fact of `m` the graph's nodes depend on: types and shapes of the matrices, bias lengths, which scales
+    // exist, the activation and its constants, src1 precisions, where the weights go in
+    std::string sig;
+    auto put = [&sig](double v) { sig += std::to_string(v) + ","; };
+    for (const ggml_tensor * t : m.slot_matrices()) {
+        if (t) { put(t->type); put((double) t->ne[0]); put((double) t->ne[1]); } else { put(-1); }
+    }
+    for (const ggml_tensor * t : m.slot_biases()) put(t ? (double) t->ne[0] : -1);
+    for (const ggml_tensor * t : m.slot_scales()) put(t ? 1 : 0);
+    put(m.gate_up ? 1 : 0);
+    put((double) m.act);
+    put(m.clamp);
+    put(m.clamp_fused ? 1 : 0);
+    put(m.situ_beta);
+    put(m.situ_linear_beta);
+    put(m.prec_up);
+    put(m.prec_gate);
+    put(m.prec_down);
+    put(m.weight_before ? 1 : 0);
+    put(m.swap_gate_up ? 1 : 0);
+    return sig;
+}
+
 GpuShare::Launch & GpuShare::prepare(const ExpertMatrices & like, int64_t max_pairs, int index, int buffer) {
     const int64_t cap = bucket(max_pairs);
-    const int variant = (like.gate_b ? 1 : 0) | (like.up_b ? 2 : 0) | (like.down_b ? 4 : 0) | ((int) like.act << 3);
-    const auto key = std::make_tuple((int) like.gate->type, (int) like.up->type, (int) like.down->type, variant, cap,
-                                     index, buffer);
+    const auto key = std::make_tuple(signature(like), cap, index, buffer);
     auto it = graphs_.find(key);
     if (it != graphs_.end()) {
         it->second->n_pairs = it->second->n_rows = 0;
@@ -85,7 +107,7 @@ GpuShare::Launch & GpuShare::prepare(const ExpertMatrices & like, int64_t max_pa
     }
     std::memset(l->stage, 0, total);
 
-    ggml_init_params ip = {ggml_tensor_overhead() * 32 + ggml_graph_overhead(), nullptr, true};
+    ggml_init_params ip = {ggml_tensor_overhead() * 64 + ggml_graph_overhead(), nullptr, true};
     l->ctx = ggml_init(ip);
     ggml_context * ctx = l->ctx;
     ggml_tensor * ids = input_at(ctx, l->packed, GGML_TYPE_I32, 1, cap, 1, 0);
@@ -96,18 +118,39 @@ GpuShare::Launch & GpuShare::prepare(const ExpertMatrices & like, int64_t max_pa
     ggml_tensor * xr = ggml_reshape_3d(ctx, xp, D, 1, cap);
     // the slot pool's views: mul_mat_id and ggml_add_id index them with local slot numbers, as build_moe_ffn
     // indexes the file's tensors with expert ids
-    ExpertMatrices m;
-    m.gate = pool_.region_view(ctx, like.gate, 0, buffer);
-    m.up = pool_.region_view(ctx, like.up, 1, buffer);
-    m.down = pool_.region_view(ctx, like.down, 2, buffer);
-    if (like.gate_b) m.gate_b = pool_.bias_view(ctx, like.gate_b, 0, buffer);
-    if (like.up_b) m.up_b = pool_.bias_view(ctx, like.up_b, 1, buffer);
-    if (like.down_b) m.down_b = pool_.bias_view(ctx, like.down_b, 2, buffer);
-    m.act = like.act;
+    // (regions 0..2: gate or fused gate_up, up, down; the same for biases; scales of gate, up, down)
+    ExpertMatrices m = like;  // the op details; every tensor is replaced by a view of the pool below
+    const auto mats = like.slot_matrices(), biases = like.slot_biases(), scales = like.slot_scales();
+    ggml_tensor * mv[3] = {nullptr, nullptr, nullptr}, * bv[3] = {nullptr, nullptr, nullptr};
+    ggml_tensor * sv[3] = {nullptr, nullptr, nullptr};
+    for (int i = 0; i < 3; ++i) {
+        if (mats[(size_t) i]) mv[i] = pool_.region_view(ctx, mats[(size_t) i], i, buffer);
+        if (biases[(size_t) i]) bv[i] = pool_.bias_view(ctx, biases[(size_t) i], i, buffer);
+        if (scales[(size_t) i]) sv[i] = pool_.scale_view(ctx, i, buffer);
+    }
+    (like.gate_up ? m.gate_up : m.gate) = mv[0];
+    (like.gate_up ? m.gate_up_b : m.gate_b) = bv[0];
+    m.up = mv[1];
+    m.up_b = bv[1];
+    m.down = mv[2];
+    m.down_b = bv[2];
+    m.gate_s = sv[0];
+    m.up_s = sv[1];
+    m.down_s = sv[2];
     l->out = build_expert_ffn(ctx, m, xr, ids, w, "hybrimoe_gpu", (int) cap);  // [D, 1, cap]
     ggml_set_output(l->out);
     l->gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(l->gf, l->out);
+    for (int i = 0; i < ggml_graph_n_nodes(l->gf); ++i) {
+        // a type or op the device cannot compute is a clear error (the engine then runs the layer on the CPU)
+        ggml_tensor * node = ggml_graph_node(l->gf, i);
+        if (!ggml_backend_supports_op(pool_.compute(), node)) {
+            throw std::runtime_error(std::string("engine: ") + pool_.device_name() + " cannot compute " +
+                                     ggml_op_desc(node) + " on " + ggml_type_name(node->src[0] ? node->src[0]->type
+                                                                                               : node->type) +
+                                     " for the GPU share");
+        }
+    }
     l->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(pool_.compute()));
     if (!ggml_gallocr_alloc_graph(l->galloc, l->gf)) {
         throw std::runtime_error("engine: cannot allocate the GPU share's work buffers on " + pool_.device_name());

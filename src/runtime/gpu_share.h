@@ -2,7 +2,8 @@
 //
 // A launch gets a compacted pair list (each pair: a staged hidden-state row, a slot, a routing weight) and runs a
 // fixed-shape ggml graph on the pool's compute queue: get_rows of the staged rows, then build_expert_ffn over the
-// slot pool with slot ids (matrices and, for models with expert biases, the pool's per-slot bias rows), weighted. Shapes are bucketed by pair count (powers of two: at most 2x padding; padded
+// slot pool with slot ids (matrices and, for models with expert biases or scales, the pool's per-slot bias rows and
+// scales), weighted (before the FFN for Llama 4, as upstream). Shapes are bucketed by pair count (powers of two: at most 2x padding; padded
 // pairs read row 0 through the all-zero null slot with weight 0), so graphs are reused. All of a launch's inputs
 // travel in one host-to-device transfer (one packed buffer) and its outputs in one device-to-host transfer. A launch
 // reads the slots of one slot buffer (SlotPool: a pool larger than the device's max buffer size has several), so a
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -61,8 +63,10 @@ public:
 private:
     SlotPool & pool_;
     int n_embd_;
-    // (gate, up, down types, bias mask | activation << 3, pair bucket, launch index, slot buffer)
-    std::map<std::tuple<int, int, int, int, int64_t, int, int>, std::unique_ptr<Launch>> graphs_;
+    /// A key of everything in `m` that shapes the graph (types, shapes, biases, scales, activation, ...).
+    static std::string signature(const ExpertMatrices & m);
+    // (signature, pair bucket, launch index, slot buffer)
+    std::map<std::tuple<std::string, int64_t, int, int>, std::unique_ptr<Launch>> graphs_;
 };
 
 struct GpuShare::Launch {

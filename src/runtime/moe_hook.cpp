@@ -34,27 +34,49 @@ void moe_plan_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     note_plan_run(*static_cast<LayerCounters *>(userdata), (const int32_t *) dst->data, k, n_tokens);
 }
 
+bool f32_rows(const ggml_tensor * t, int64_t n_expert) {  // ggml_add_id's bias: F32 [n_out, n_expert]
+    return t->type == GGML_TYPE_F32 && ggml_n_dims(t) <= 2 && t->ne[1] == n_expert && ggml_is_contiguous(t);
+}
+
+bool f32_scales(const ggml_tensor * t, int64_t n_expert) {  // build_lora_mm_id's w_s: F32 [n_expert]
+    return t->type == GGML_TYPE_F32 && ggml_n_dims(t) == 1 && t->ne[0] == n_expert && ggml_is_contiguous(t);
+}
+
+// Why build_expert_ffn cannot mirror this layer's build_moe_ffn (nullptr: it can).
 const char * unsupported_reason(const llama_moe_hook_args & a) {
-    if (a.act != LLAMA_MOE_ACT_SILU && a.act != LLAMA_MOE_ACT_SWIGLU_OAI) {
-        return "activation is neither SiLU-GLU nor SwiGLU-OAI";
+    if (a.act == LLAMA_MOE_ACT_OTHER) return "an expert activation the hook is not told of";
+    if (!a.down_exps || (!a.up_exps && !a.gate_up_exps)) return "no up and down expert tensors";
+    if (a.gate_up_exps && (a.gate_exps || a.up_exps)) return "both fused gate_up and separate gate/up experts";
+    if (a.gate_up_exps_b && !a.gate_up_exps) return "a fused gate_up bias without fused gate_up experts";
+    const bool gated = a.gate_exps || a.gate_up_exps;
+    if (a.act == LLAMA_MOE_ACT_RELU_SQR && gated) return "gated squared ReLU (upstream aborts on it)";
+    if ((a.act == LLAMA_MOE_ACT_SWIGLU_OAI || a.act == LLAMA_MOE_ACT_SITU) && !gated) {
+        return "SwiGLU-OAI or SITU without a gate";
     }
-    if (!a.gate_exps || !a.up_exps || !a.down_exps) return "no separate gate/up/down expert tensors";
-    if (a.gate_up_exps) return "fused gate_up experts";
-    if (a.gate_up_exps_b) return "fused gate_up expert biases";
-    for (const ggml_tensor * b : {a.up_exps_b, a.gate_exps_b, a.down_exps_b}) {
+    if (a.act == LLAMA_MOE_ACT_SITU && !(a.situ_beta != 0.0f)) return "SITU with beta 0";
+    for (const ggml_tensor * b : {a.up_exps_b, a.gate_exps_b, a.down_exps_b, a.gate_up_exps_b}) {
         // ggml_add_id reads one F32 row per expert id; anything else stays on upstream's path
-        if (b && (b->type != GGML_TYPE_F32 || ggml_n_dims(b) > 2 || b->ne[1] != a.n_expert)) {
-            return "expert biases that are not F32 [n_out, n_expert]";
-        }
+        if (b && !f32_rows(b, a.n_expert)) return "expert biases that are not F32 [n_out, n_expert]";
     }
-    if (a.up_exps_s || a.gate_exps_s || a.down_exps_s) return "per-expert scales";
-    // build_moe_ffn clamps SiLU-GLU by swiglu_clamp_exp in one of two ways chosen by the architecture, which the
-    // hook is not told; SwiGLU-OAI ignores swiglu_clamp_exp (its limit is a constant of ggml_swiglu_oai's call)
-    if (a.act == LLAMA_MOE_ACT_SILU && a.swiglu_limit > 1e-6f) return "clamped SwiGLU";
-    if (a.weight_before_ffn) return "routing weights applied before the experts";
+    for (const ggml_tensor * sc : {a.up_exps_s, a.gate_exps_s, a.down_exps_s}) {
+        if (sc && !f32_scales(sc, a.n_expert)) return "per-expert scales that are not F32 [n_expert]";
+    }
+    if (a.gate_exps_s && !a.gate_exps) return "a gate scale without gate experts";
     if (a.has_lora) return "LoRA adapters";
     if (a.n_expert_used_sum < 1 || a.n_expert_used_sum > a.n_expert_used) return "unexpected top-k";
     return nullptr;
+}
+
+ExpertAct act_of(llama_moe_act act) {
+    switch (act) {
+        case LLAMA_MOE_ACT_SWIGLU_OAI: return ExpertAct::kSwiGluOai;
+        case LLAMA_MOE_ACT_GELU: return ExpertAct::kGelu;
+        case LLAMA_MOE_ACT_RELU: return ExpertAct::kRelu;
+        case LLAMA_MOE_ACT_RELU_SQR: return ExpertAct::kReluSqr;
+        case LLAMA_MOE_ACT_SITU: return ExpertAct::kSitu;
+        case LLAMA_MOE_ACT_SILU:
+        default: return ExpertAct::kSilu;
+    }
 }
 
 } // namespace
@@ -63,11 +85,25 @@ ExpertMatrices expert_matrices(const llama_moe_hook_args & a) {
     ExpertMatrices m;
     m.gate = a.gate_exps;
     m.up = a.up_exps;
+    m.gate_up = a.gate_up_exps;
     m.down = a.down_exps;
     m.gate_b = a.gate_exps_b;
     m.up_b = a.up_exps_b;
+    m.gate_up_b = a.gate_up_exps_b;
     m.down_b = a.down_exps_b;
-    m.act = a.act == LLAMA_MOE_ACT_SWIGLU_OAI ? ExpertAct::kSwiGluOai : ExpertAct::kSwiGlu;
+    m.gate_s = a.gate_exps_s;
+    m.up_s = a.up_exps_s;
+    m.down_s = a.down_exps_s;
+    m.act = act_of(a.act);
+    // build_moe_ffn reads swiglu_clamp_exp for SiLU only (SwiGLU-OAI's limit is a constant of its call)
+    m.clamp = a.act == LLAMA_MOE_ACT_SILU ? a.swiglu_limit : 0.0f;
+    m.clamp_fused = a.swiglu_clamp_fused;
+    m.situ_beta = a.situ_beta;
+    m.situ_linear_beta = a.situ_linear_beta;
+    m.prec_up = a.prec_up;
+    m.prec_gate = a.prec_gate;
+    m.prec_down = a.prec_down;
+    m.weight_before = a.weight_before_ffn;
     return m;
 }
 

@@ -1,9 +1,9 @@
 // The MoE hook that hybrimoe installs through llama_set_moe_hook (vendor/llama.cpp/patches/0001-moe-hook.patch).
 //
-// For each MoE layer whose experts are SiLU-GLU or SwiGLU-OAI, with or without expert biases (no scales, fused
-// gate_up or LoRA), the hook replaces upstream's routed-expert subgraph with its own. With an Engine (engine.h)
-// that is the hybrid CPU+GPU path; without
-// one (the CPU-only path, `moe_hook`), a custom op ("hybrimoe_plan") runs on the CPU once per layer and ubatch,
+// For each MoE layer whose routed experts build_expert_ffn builds as build_moe_ffn does (every activation, separate
+// or fused gate_up matrices, F32 biases and per-expert scales, the SwiGLU clamp, routing weights before the FFN; not
+// LoRA adapters on the context), the hook replaces upstream's routed-expert subgraph with its own. With an Engine
+// (engine.h) that is the hybrid CPU+GPU path; without one (the CPU-only path, `moe_hook`), a custom op ("hybrimoe_plan") runs on the CPU once per layer and ubatch,
 // bringing the routing ids, routing weights and router probabilities to the host together and counting its runs,
 // then build_expert_ffn computes the experts with ggml's own kernels and the ranks are summed in upstream's order,
 // so the result is upstream's bit for bit.
@@ -37,8 +37,9 @@ void note_plan_run(LayerCounters & c, const int32_t * ids, int64_t k, int64_t n_
 
 class Engine;
 
-/// The expert tensors and activation of a supported layer's hook arguments (the file's tensors, indexed by
-/// expert id): gate/up/down matrices, their biases when present (F32 [n_out, n_expert]), SwiGLU or SwiGLU-OAI.
+/// The expert tensors and op details of a supported layer's hook arguments (the file's tensors, indexed by
+/// expert id): matrices (separate or fused gate_up), biases and scales when present, the activation, its clamp,
+/// src1 precisions, whether the routing weights go in before the FFN.
 ExpertMatrices expert_matrices(const llama_moe_hook_args & a);
 
 /// State shared by every graph of one llama_context. Must outlive the context's graphs (llama.h contract of

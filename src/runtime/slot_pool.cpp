@@ -25,6 +25,11 @@ std::array<int64_t, 3> SlotPool::region_strides(const std::vector<std::array<int
             if (et[l][i] < 0 || et[l][i] >= GGML_TYPE_COUNT) {
                 throw std::invalid_argument("engine: unknown ggml type " + std::to_string(et[l][i]));
             }
+            if (ggml_type_size((ggml_type) et[l][i]) == 0 || ggml_blck_size((ggml_type) et[l][i]) == 0) {
+                // a type number upstream removed (e.g. Q4_0_4_4): no block layout to place in a slot
+                throw std::invalid_argument("engine: ggml type " + std::to_string(et[l][i]) + " (" +
+                                            ggml_type_name((ggml_type) et[l][i]) + ") has no block layout");
+            }
             mx[i] = std::max(mx[i], eb[l][i]);
             unit[i] = std::lcm(unit[i], (int64_t) ggml_type_size((ggml_type) et[l][i]));
         }
@@ -53,23 +58,50 @@ std::array<int64_t, 3> SlotPool::bias_strides(const std::vector<std::array<int64
     return st;
 }
 
+std::array<int64_t, 3> SlotPool::scale_strides(const std::vector<std::array<int64_t, 3>> & sb,
+                                               size_t expert_layers) {
+    std::array<int64_t, 3> st{0, 0, 0};
+    if (sb.empty()) return st;
+    if (sb.size() != expert_layers) {
+        throw std::invalid_argument("engine: one (gate, up, down) scale size triple per MoE layer (" +
+                                    std::to_string(sb.size()) + " for " + std::to_string(expert_layers) + " layers)");
+    }
+    for (const auto & l : sb) {
+        for (size_t i = 0; i < 3; ++i) {
+            if (l[i] != 0 && l[i] != (int64_t) sizeof(float)) {
+                throw std::invalid_argument("engine: a per-expert scale of " + std::to_string(l[i]) +
+                                            " bytes (one F32 per expert, or 0 for none)");
+            }
+            st[i] = std::max(st[i], l[i]);
+        }
+    }
+    return st;
+}
+
 int64_t SlotPool::slot_bytes_for(const std::vector<std::array<int64_t, 3>> & eb,
                                  const std::vector<std::array<int32_t, 3>> & et,
-                                 const std::vector<std::array<int64_t, 3>> & bb) {
+                                 const std::vector<std::array<int64_t, 3>> & bb,
+                                 const std::vector<std::array<int64_t, 3>> & sb) {
     const auto st = region_strides(eb, et);
     const auto bs = bias_strides(bb, eb.size());
-    return st[0] + st[1] + st[2] + bs[0] + bs[1] + bs[2];
+    const auto ss = scale_strides(sb, eb.size());
+    int64_t n = 0;
+    for (size_t i = 0; i < 3; ++i) n += st[i] + bs[i] + ss[i];
+    return n;
 }
 
 SlotPool::SlotPool(int n_layers, int n_expert, const std::vector<std::array<int64_t, 3>> & expert_bytes,
                    const std::vector<std::array<int32_t, 3>> & expert_types,
-                   const std::vector<std::array<int64_t, 3>> & bias_bytes)
+                   const std::vector<std::array<int64_t, 3>> & bias_bytes,
+                   const std::vector<std::array<int64_t, 3>> & scale_bytes)
     : n_layers_(n_layers), n_expert_(n_expert) {
     const auto st = region_strides(expert_bytes, expert_types);
     const auto bs = bias_strides(bias_bytes, expert_bytes.size());
+    const auto ss = scale_strides(scale_bytes, expert_bytes.size());
     for (size_t i = 0; i < 3; ++i) {
         strides_[i] = st[i];
         strides_[3 + i] = bs[i];
+        strides_[6 + i] = ss[i];
     }
     slot_bytes_ = 0;
     for (int64_t v : strides_) slot_bytes_ += v;
@@ -90,7 +122,7 @@ int64_t SlotPool::region_base(int which, int64_t n) const {
 int64_t SlotPool::slots_per_buffer_for(int64_t n_slots, int64_t max_buffer_bytes) const {
     if (n_slots < 1) return 1;
     if (max_buffer_bytes <= 0 || buffer_bytes_for(n_slots) <= max_buffer_bytes) return n_slots;
-    // padding adds at most 6 * kAlign bytes: start from the bound without it and step down to what fits
+    // padding adds at most kRegions * kAlign bytes: start from the bound without it and step down to what fits
     int64_t n = std::min(n_slots, max_buffer_bytes / std::max<int64_t>(slot_bytes_, 1) - 1);
     while (n >= 1 && buffer_bytes_for(n) > max_buffer_bytes) --n;
     if (n < 1) {
@@ -163,7 +195,7 @@ void SlotPool::open(ggml_backend_dev_t device, int64_t n_slots, int64_t max_buff
     // each buffer's null slot must hold zeros: padded pairs point there
     for (int b = 0; b < (int) bufs_.size(); ++b) {
         const int64_t n = buffer_slots(b);
-        for (int i = 0; i < 6; ++i) {
+        for (int i = 0; i < kRegions; ++i) {
             if (strides_[(size_t) i] == 0) continue;
             std::vector<uint8_t> zeros((size_t) strides_[(size_t) i], 0);
             ggml_backend_tensor_set(bufs_[(size_t) b], zeros.data(),
@@ -230,40 +262,42 @@ int SlotPool::slots_in_use() const {
     return n;
 }
 
-double SlotPool::copy(int layer, int expert, const ggml_tensor * gate, const ggml_tensor * up,
-                      const ggml_tensor * down, const ggml_tensor * gate_b, const ggml_tensor * up_b,
-                      const ggml_tensor * down_b, int bias_expert) {
+double SlotPool::copy(int layer, int expert, const ExpertMatrices & m, int bias_expert) {
     const size_t key = (size_t) layer * n_expert_ + expert;
     const int32_t s = key_slot_[key];
     if (s < 0 || key_loaded_[key] || bufs_.empty()) return 0.0;
-    const ggml_tensor * parts[6] = {gate, up, down, gate_b, up_b, down_b};
-    for (int i = 3; i < 6; ++i) {
-        // a bias row is one expert's F32 [n_out] (nb[1] apart); its region was sized for the largest of its kind
-        if (parts[i] && (int64_t) (parts[i]->ne[0] * sizeof(float)) > strides_[(size_t) i]) {
-            throw std::invalid_argument("engine: an expert bias row of " +
-                                        std::to_string(parts[i]->ne[0] * sizeof(float)) +
-                                        " bytes does not fit the slot pool's " +
-                                        std::to_string(strides_[(size_t) i]) + "-byte bias region");
+    const auto mats = m.slot_matrices(), biases = m.slot_biases(), scales = m.slot_scales();
+    const ggml_tensor * parts[kRegions] = {mats[0],   mats[1],   mats[2],   biases[0], biases[1],
+                                           biases[2], scales[0], scales[1], scales[2]};
+    // bytes of one expert's part: a matrix is nb[2] bytes (experts nb[2] apart), a bias row ne[0] floats (nb[1]
+    // apart), a scale one float (nb[0] apart)
+    size_t n[kRegions], step[kRegions];
+    for (int i = 0; i < kRegions; ++i) {
+        if (!parts[i]) continue;
+        const int dim = i < 3 ? 2 : i < 6 ? 1 : 0;
+        n[i] = i < 3 ? parts[i]->nb[2] : i < 6 ? (size_t) parts[i]->ne[0] * sizeof(float) : sizeof(float);
+        step[i] = parts[i]->nb[dim];
+        if ((int64_t) n[i] > strides_[(size_t) i]) {
+            throw std::invalid_argument("engine: an expert's part " + std::to_string(i) + " of " +
+                                        std::to_string(n[i]) + " bytes does not fit the slot pool's " +
+                                        std::to_string(strides_[(size_t) i]) + "-byte region");
         }
     }
     const int b = buffer_of(s);
     ggml_tensor * dst = bufs_[(size_t) b];
     const int64_t n_b = buffer_slots(b), ls = local_slot(s);
     double bytes = 0;
-    for (int i = 0; i < 6; ++i) {
+    for (int i = 0; i < kRegions; ++i) {
         if (!parts[i]) continue;
-        // matrices: one expert is nb[2] bytes; biases (2-D): one expert's row is ne[0] floats, nb[1] apart
-        const size_t n = i < 3 ? parts[i]->nb[2] : (size_t) parts[i]->ne[0] * sizeof(float);
-        const size_t step = i < 3 ? parts[i]->nb[2] : parts[i]->nb[1];
         const int row = i >= 3 && bias_expert >= 0 ? bias_expert : expert;
-        const char * src = (const char *) parts[i]->data + (size_t) row * step;
+        const char * src = (const char *) parts[i]->data + (size_t) row * step[i];
         const size_t off = (size_t) (region_base(i, n_b) + ls * strides_[(size_t) i]);
         if (!events_.empty()) {
-            ggml_backend_tensor_set_async(copy_, dst, src, off, n);
+            ggml_backend_tensor_set_async(copy_, dst, src, off, n[i]);
         } else {
-            ggml_backend_tensor_set(dst, src, off, n);
+            ggml_backend_tensor_set(dst, src, off, n[i]);
         }
-        bytes += (double) n;
+        bytes += (double) n[i];
     }
     key_loaded_[key] = 1;
     if (!events_.empty()) {
@@ -284,6 +318,10 @@ void SlotPool::wait_for_copy(uint64_t seq) {
 }
 
 ggml_tensor * SlotPool::region_view(ggml_context * ctx, const ggml_tensor * like, int which, int b) const {
+    if (which < 0 || which > 2 || (int64_t) like->nb[2] > strides_[(size_t) which]) {
+        throw std::logic_error("engine: the slot pool's matrix region " + std::to_string(which) + " cannot hold " +
+                               std::to_string(like->nb[2]) + "-byte experts");
+    }
     const int64_t n = buffer_slots(b), S = n + 1;
     const ggml_tensor * t = bufs_[(size_t) b];
     ggml_tensor * v = ggml_new_tensor_3d(ctx, like->type, like->ne[0], like->ne[1], S);
@@ -307,6 +345,19 @@ ggml_tensor * SlotPool::bias_view(ggml_context * ctx, const ggml_tensor * like, 
     v->nb[1] = (size_t) strides_[(size_t) r];
     v->nb[2] = v->nb[1] * (size_t) S;
     v->nb[3] = v->nb[2];
+    v->data = (char *) t->data + region_base(r, n);
+    v->buffer = t->buffer;
+    return v;
+}
+
+ggml_tensor * SlotPool::scale_view(ggml_context * ctx, int which, int b) const {
+    const int r = 6 + which;
+    if (which < 0 || which > 2 || strides_[(size_t) r] != (int64_t) sizeof(float)) {
+        throw std::logic_error("engine: the slot pool has no scale region " + std::to_string(which));
+    }
+    const int64_t n = buffer_slots(b);
+    const ggml_tensor * t = bufs_[(size_t) b];
+    ggml_tensor * v = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n + 1);
     v->data = (char *) t->data + region_base(r, n);
     v->buffer = t->buffer;
     return v;

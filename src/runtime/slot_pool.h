@@ -2,11 +2,13 @@
 //
 // The slots live in one or more device buffers ("slot buffers"): a device caps the bytes of one buffer
 // (ggml_backend_buft_get_max_size: Vulkan's suballocation block, at most maxMemoryAllocationSize), so a pool larger
-// than that is split. Each slot buffer holds its share of the slots plus one in six regions (all gate matrices,
-// then all up, then all down, then the gate, up and down biases of models that have them: empty regions
-// otherwise), so that a GPU graph can view each matrix region as a 3-D [.., .., slots] tensor and index slots with
-// mul_mat_id, and each bias region as a 2-D [n_out, slots] tensor indexed with ggml_add_id (biases are indexed by
-// expert id upstream, by slot here); a launch reads one slot buffer. Each buffer's last slot is its "null" slot: all zeros, the
+// than that is split. Each slot buffer holds its share of the slots plus one in nine regions (all gate matrices
+// (or fused gate_up ones), then all up, then all down, then the gate (gate_up), up and down biases, then the gate,
+// up and down per-expert scales of models that have them: empty regions otherwise), so that a GPU graph can view
+// each matrix region as a 3-D [.., .., slots] tensor and index slots with mul_mat_id, each bias region as a 2-D
+// [n_out, slots] tensor indexed with ggml_add_id and each scale region as a contiguous F32 [slots] tensor gathered
+// with ggml_get_rows (biases and scales are indexed by expert id upstream, by slot here); a launch reads one slot
+// buffer. Each buffer's last slot is its "null" slot: all zeros, the
 // target of padded pairs. Slot numbers are global: slot s lies in buffer s / slots_per_buffer(). Which (MoE layer, expert)
 // a slot holds is decided by the policy core's ExpertCache; the pool only maps keys (layer * n_expert + expert)
 // to slots, queues host-to-device copies of expert weights on a copy queue of its own (a second backend instance:
@@ -15,6 +17,7 @@
 
 #include "ggml-backend.h"
 #include "ggml.h"
+#include "runtime/expert_ffn.h"
 
 #include <algorithm>
 #include <array>
@@ -40,26 +43,34 @@ public:
     /// length other than expert_layers.
     static std::array<int64_t, 3> bias_strides(const std::vector<std::array<int64_t, 3>> & bias_bytes,
                                                size_t expert_layers);
-    /// Bytes of one slot: the sum of the matrix and bias region strides.
+    /// Per-slot stride of the gate, up and down scale regions (bytes): 4 (one F32) for a kind some MoE layer
+    /// scales (scale_bytes: per MoE layer, 4 or 0 per kind; empty: no layer has scales), else 0; a scale region is
+    /// one contiguous F32 array over the slots. Throws std::invalid_argument on a size other than 0 or 4, or (when
+    /// not empty) a length other than expert_layers.
+    static std::array<int64_t, 3> scale_strides(const std::vector<std::array<int64_t, 3>> & scale_bytes,
+                                                size_t expert_layers);
+    /// Bytes of one slot: the sum of the matrix, bias and scale region strides.
     static int64_t slot_bytes_for(const std::vector<std::array<int64_t, 3>> & expert_bytes,
                                   const std::vector<std::array<int32_t, 3>> & expert_types,
-                                  const std::vector<std::array<int64_t, 3>> & bias_bytes = {});
+                                  const std::vector<std::array<int64_t, 3>> & bias_bytes = {},
+                                  const std::vector<std::array<int64_t, 3>> & scale_bytes = {});
 
-    /// Geometry only (no device): n_slots may be 0. Throws std::invalid_argument as region_strides and
-    /// bias_strides do.
+    /// Geometry only (no device): n_slots may be 0. Throws std::invalid_argument as region_strides,
+    /// bias_strides and scale_strides do.
     SlotPool(int n_layers, int n_expert, const std::vector<std::array<int64_t, 3>> & expert_bytes,
              const std::vector<std::array<int32_t, 3>> & expert_types,
-             const std::vector<std::array<int64_t, 3>> & bias_bytes = {});
+             const std::vector<std::array<int64_t, 3>> & bias_bytes = {},
+             const std::vector<std::array<int64_t, 3>> & scale_bytes = {});
     ~SlotPool();
     SlotPool(const SlotPool &) = delete;
     SlotPool & operator=(const SlotPool &) = delete;
 
     /// Slots per slot buffer for a pool of n_slots when one buffer may hold at most `max_buffer_bytes` (<= 0: no
-    /// cap); each buffer adds a null slot and pads each of its regions to 256 bytes. At most n_slots. Throws
+    /// cap); each buffer adds a null slot and pads each of its nine regions to 256 bytes. At most n_slots. Throws
     /// std::runtime_error when not even one slot and its null slot fit.
     int64_t slots_per_buffer_for(int64_t n_slots, int64_t max_buffer_bytes) const;
     /// Bytes of a slot buffer of n slots (plus its null slot).
-    int64_t buffer_bytes_for(int64_t n) const { return region_base(6, n); }
+    int64_t buffer_bytes_for(int64_t n) const { return region_base(kRegions, n); }
 
     /// Allocates n_slots slots on `device` in as few slot buffers as its buffer type's max size allows (and at most
     /// `max_buffer_bytes` each when > 0), each buffer's null slot zeroed, two backend instances (compute, copy) and,
@@ -98,15 +109,13 @@ public:
     bool loaded(int64_t key) const { return key_loaded_[(size_t) key] != 0; }
     int slots_in_use() const;
 
-    /// Queues the copy of expert `expert`'s gate, up and down matrices (host tensors [.., .., n_expert] in the
-    /// file's layout) and, when given, its gate, up and down bias rows (host F32 tensors [n_out, n_expert]; nullptr
-    /// for none) into the slot of (layer, expert) on the copy queue. Returns the bytes queued (0: no slot, or
-    /// already loaded). Without events the copy is synchronous. Throws std::invalid_argument when a bias row is
-    /// larger than its region's stride (the pool was sized without it). `bias_expert` >= 0 takes the bias rows
-    /// of that expert instead (a negative control for tests: wrong numbers on purpose).
-    double copy(int layer, int expert, const ggml_tensor * gate, const ggml_tensor * up, const ggml_tensor * down,
-                const ggml_tensor * gate_b = nullptr, const ggml_tensor * up_b = nullptr,
-                const ggml_tensor * down_b = nullptr, int bias_expert = -1);
+    /// Queues the copy of expert `expert`'s matrices (m.slot_matrices(): host tensors [.., .., n_expert] in the
+    /// file's layout), bias rows (m.slot_biases(): host F32 [n_out, n_expert]) and scales (m.slot_scales(): host F32
+    /// [n_expert]), those that exist, into the slot of (layer, expert) on the copy queue. Returns the bytes queued
+    /// (0: no slot, or already loaded). Without events the copy is synchronous. Throws std::invalid_argument when a
+    /// part is larger than its region's stride (the pool was sized without it). `bias_expert` >= 0 takes the bias
+    /// rows and scales of that expert instead (a negative control for tests: wrong numbers on purpose).
+    double copy(int layer, int expert, const ExpertMatrices & m, int bias_expert = -1);
     /// Whether copies are queued (the device has events) rather than blocking until they end.
     bool async_copies() const { return !events_.empty(); }
     /// Sequence number of the last copy of `key` (0: none).
@@ -125,16 +134,24 @@ public:
     /// buffer_slots(b) + 1] tensor in `ctx` (no_alloc): ggml_add_id indexes it with local slot numbers (the null
     /// slot's row is zeros). Throws std::logic_error when the pool has no such region or `like` does not fit it.
     ggml_tensor * bias_view(ggml_context * ctx, const ggml_tensor * like, int which, int b) const;
-    /// Per-slot bytes of each region: gate, up, down matrices, then gate, up, down biases (0: no such region).
-    const std::array<int64_t, 6> & strides() const { return strides_; }
+    /// A view of scale region `which` (0 gate, 1 up, 2 down scales) of slot buffer `b` as a contiguous F32
+    /// [buffer_slots(b) + 1] tensor in `ctx` (no_alloc): one scale per local slot (the null slot's is 0). Throws
+    /// std::logic_error when the pool has no such region.
+    ggml_tensor * scale_view(ggml_context * ctx, int which, int b) const;
+    /// Regions of a slot buffer: gate, up, down matrices; their biases; their scales.
+    static constexpr int kRegions = 9;
+    /// Per-slot bytes of each region: gate, up, down matrices, then gate, up, down biases, then gate, up, down
+    /// scales (0: no such region).
+    const std::array<int64_t, kRegions> & strides() const { return strides_; }
 
 private:
-    /// Offset of region `which` (0 gate, 1 up, 2 down, 3..5 their biases; 6: the end) in a slot buffer of n slots
+    /// Offset of region `which` (0 gate, 1 up, 2 down, 3..5 their biases, 6..8 their scales; 9: the end) in a
+    /// slot buffer of n slots
     /// (plus its null slot).
     int64_t region_base(int which, int64_t n) const;
 
     int n_layers_, n_expert_;
-    std::array<int64_t, 6> strides_{};   // gate, up, down, gate_b, up_b, down_b: bytes per slot in that region
+    std::array<int64_t, kRegions> strides_{};  // gate, up, down, their biases, their scales: bytes per slot
     int64_t slot_bytes_ = 0;
     int64_t n_slots_ = 0;
     ggml_backend_dev_t device_ = nullptr;
