@@ -146,6 +146,22 @@ def run_greedy(llm, tokens: list[int], n: int = 32) -> tuple[list[int], np.ndarr
     return out, last_logits(llm)
 
 
+def run_engine_and_close(llm, n_prompt: int, n_gen: int, control: str = ""):
+    """``(prompt tokens, greedy tokens, last logits, moe_stats())`` of one engine run of ``n_prompt`` prompt tokens
+    and ``n_gen`` generated ones, optionally with a negative control (``Engine.set_negative_control``); asserts
+    that no expert stays pinned afterwards, and closes ``llm`` in every case."""
+    try:
+        if control:
+            llm.moe_engine.set_negative_control(control)
+        tokens = prompt_of(llm, n_prompt)
+        out, lg = run_greedy(llm, tokens, n_gen)
+        st = llm.moe_stats()
+        assert llm.moe_engine.pinned_count() == 0
+    finally:
+        llm.close()
+    return tokens, out, lg, st
+
+
 def nmse(a: np.ndarray, ref: np.ndarray) -> float:
     """Normalised mean squared error sum((a-ref)^2) / sum(ref^2)."""
     from hybrimoe import oracle
@@ -172,6 +188,7 @@ def split_cost_model(tmp_path_factory) -> str:
 
 @pytest.fixture
 def engine_tools():
-    """Helper functions for engine tests: prompt_of, run_greedy, nmse."""
+    """Helper functions for engine tests: prompt_of, run_greedy, run_engine_and_close, nmse."""
     return type("EngineTools", (), {"prompt_of": staticmethod(prompt_of), "run_greedy": staticmethod(run_greedy),
+                                    "run_engine_and_close": staticmethod(run_engine_and_close),
                                     "nmse": staticmethod(nmse)})

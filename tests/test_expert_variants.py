@@ -77,16 +77,7 @@ def _engine_run(path, rpc_server, split_cost_model, engine_tools, cache="50%", u
     from hybrimoe import Llama
 
     llm = Llama(str(path), moe_cache=cache, moe_cost_model=split_cost_model, **_common(rpc_server, n_ubatch=ub))
-    try:
-        if control:
-            llm.moe_engine.set_negative_control(control)
-        tokens = engine_tools.prompt_of(llm, 20)
-        out, lg = engine_tools.run_greedy(llm, tokens, N_GEN)
-        st = llm.moe_stats()
-        assert llm.moe_engine.pinned_count() == 0
-    finally:
-        llm.close()
-    return tokens, out, lg, st
+    return engine_tools.run_engine_and_close(llm, 20, N_GEN, control)
 
 
 def _reference(path, rpc_server, tokens, engine_tools, ub=8):

@@ -100,13 +100,7 @@ def test_gpt_oss_matches_upstream_same_placement(quant, cache, ub, policy, tiny_
                if policy == "hot-set" else None)
     llm = Llama(str(path), moe_cache=cache, moe_policy=policy, moe_profile=profile, moe_cost_model=split_cost_model,
                 **_common(rpc_server, n_ubatch=ub))
-    try:
-        tokens = engine_tools.prompt_of(llm, 20)
-        out, lg = engine_tools.run_greedy(llm, tokens, N_GEN)
-        st = llm.moe_stats()
-        assert llm.moe_engine.pinned_count() == 0
-    finally:
-        llm.close()
+    tokens, out, lg, st = engine_tools.run_engine_and_close(llm, 20, N_GEN)
     assert not st["unsupported"] and not st["engine_skipped"], (st["unsupported"], st["engine_skipped"])
     e = st["engine"]
     assert e["gpu_experts"] > 0 and e["cpu_experts"] > 0, e
