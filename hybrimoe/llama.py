@@ -228,6 +228,12 @@ class Llama(llama_cpp.Llama):
         # RPC servers first (the engine's device is the first of them), then the engine's options, all checked
         # before the model loads (EngineSetup.create)
         rpc_devs: list[int] = []
+        if endpoints:
+            # ggml logs the RPC module's load and device registration through llama-cpp-python's log callback,
+            # which shows them unless told the caller's verbosity first (its Llama.__init__ does so only later)
+            from llama_cpp._logger import set_verbose
+
+            set_verbose(bool(kwargs.get("verbose", True)))
         for ep in endpoints:
             rpc_devs.extend(_ggml.add_rpc_server(ep))
         setup = EngineSetup.create(model_path, moe_cache=moe_cache, moe_policy=moe_policy,

@@ -201,3 +201,16 @@ def test_wrong_option_types_are_named(tiny_model, kw, match):
 
     with pytest.raises(ValueError, match=match):
         Llama(str(tiny_model("qwen3moe", "Q8_0")), n_ctx=64, verbose=False, **kw)
+
+
+def test_cli_with_rpc_prints_nothing_of_llama_cpp_without_verbose(tiny_model, rpc_server, tmp_path):
+    """Without --verbose, a run on an RPC device prints the text and nothing of ggml's own logging (the RPC module's
+    load, its device registration); with --verbose those lines are there."""
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    args = ["run", "-m", path, "-p", "hi", "-n", "4", "--temp", "0", "--rpc", rpc_server.endpoint, "-ngl", "99"]
+    quiet = run_cli(args, tmp_path)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout.strip() and "load_backend" not in quiet.stderr, quiet.stderr
+    loud = run_cli(args + ["--verbose"], tmp_path)
+    assert loud.returncode == 0 and quiet.stdout == loud.stdout
+    assert "load_backend" in loud.stderr
