@@ -456,6 +456,8 @@ def run(args) -> int:
         if server is not None:
             server.stop()
     print(format_table(rows, args))
+    for line in noise_warnings(rows):
+        print(line)
     checked = [r for r in rows if "decisions_agree" in r]
     if checked:
         bad = [r["mode"] for r in checked if not r["decisions_agree"]]
@@ -498,6 +500,34 @@ def format_table(rows: Sequence[dict], args) -> str:
                    f"{r['tg_tps']:.2f} ± {r['tg_tps_sd']:.2f} | {hr} | {h2d} | "
                    f"{r['same_tokens_as_first']}/{r['repetitions']} | {sp} | {sm} |")
     return "\n".join(out)
+
+
+#: the coefficient of variation (standard deviation / mean over the repetitions) above which a figure is flagged
+NOISY_CV = 0.10
+
+
+def noise_warnings(rows: Sequence[dict], limit: float = NOISY_CV) -> list[str]:
+    """Lines naming every mode whose pp or tg tokens/s vary by more than ``limit`` (standard deviation over mean,
+    across the repetitions), and marks those rows ``noisy: True`` (their JSON and CSV say so too); modes whose
+    figures are all within ``limit`` are marked ``noisy: False``. Rows with an error are left alone.
+
+    A speed-up read from noisy rows is not a measurement: other processes' load or frequency scaling moved the
+    figures between repetitions (rerun on an idle machine, or with more ``-r``)."""
+    out = []
+    for r in rows:
+        if "error" in r:
+            continue
+        bad = []
+        for key, what in (("pp_tps", f"pp{r.get('n_prompt', '')}"), ("tg_tps", f"tg{r.get('n_gen', '')}")):
+            mean, sd = r.get(key, math.nan), r.get(key + "_sd", math.nan)
+            if mean > 0 and sd / mean > limit:
+                bad.append(f"{what} {100 * sd / mean:.0f}%")
+        r["noisy"] = bool(bad)
+        if bad:
+            out.append(f"noisy: {r['mode']}: {', '.join(bad)} spread (standard deviation over mean, > "
+                       f"{100 * limit:.0f}%) across {r.get('repetitions', '?')} repetitions: rerun on an idle "
+                       "machine or with more -r before reading speed-ups from it")
+    return out
 
 
 def _plot(rows: Sequence[dict], args) -> None:

@@ -113,3 +113,19 @@ def test_bench_without_a_gpu(tiny_model, capsys, monkeypatch):
     monkeypatch.setattr(_ggml, "devices", lambda memory=True: cpu_only)  # as on a machine without a GPU
     assert _bench(["-m", tiny_model("qwen3moe", "Q8_0")]) == 1
     assert "no GPU found" in capsys.readouterr().err
+
+
+def test_noisy_figures_are_flagged():
+    """A mode whose tokens/s vary across repetitions by more than 10% of their mean (pp or tg) is named in a
+    warning line and marked noisy in its row; steady modes and rows with an error are not flagged."""
+    from hybrimoe.bench import NOISY_CV, noise_warnings
+
+    steady = dict(mode="steady", n_prompt=64, n_gen=16, repetitions=3, pp_tps=100.0, pp_tps_sd=5.0,
+                  tg_tps=10.0, tg_tps_sd=0.5)
+    shaky = dict(steady, mode="shaky", tg_tps_sd=2.5)
+    edge = dict(steady, mode="edge", pp_tps_sd=100.0 * NOISY_CV)   # exactly at the limit: not flagged
+    failed = dict(mode="failed", error="out of memory")
+    rows = [steady, shaky, edge, failed]
+    lines = noise_warnings(rows)
+    assert len(lines) == 1 and lines[0].startswith("noisy: shaky: tg16 25%"), lines
+    assert [r.get("noisy") for r in rows] == [False, True, False, None]
