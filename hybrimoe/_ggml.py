@@ -227,13 +227,25 @@ def accelerator(rpc_devs: list[int]) -> int | None:
     return gpus[0] if gpus else None
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
 def device_label(ptr: int | None) -> str:
     """A device's description (e.g. "NVIDIA H200", or HOST:PORT for an RPC server), else its name; "cpu" for
-    None. Calibrations are stored under it."""
+    None. Calibrations are stored under it.
+
+    An RPC server on this machine (a loopback HOST) is labelled by its host and the device memory it reports,
+    ``127.0.0.1-rpc-2048MiB``, not by its port: a stand-in started again on another port (``--stand-in``, the
+    tests' servers) is the same device, and its calibration is found again."""
     if not ptr:
         return "cpu"
     d = next(x for x in devices(memory=False) if x["ptr"] == ptr)
-    return d["description"] or d["name"]
+    label = d["description"] or d["name"]
+    host, sep, port = label.rpartition(":")
+    if sep and port.isdigit() and host in LOOPBACK_HOSTS and ptr in rpc_device_ptrs():
+        total = next(x for x in devices(memory=True) if x["ptr"] == ptr)["total"]
+        return f"{host}-rpc-{total // 2**20}MiB"
+    return label
 
 
 def buffer_type(name: str) -> int:

@@ -9,6 +9,13 @@ import os
 import pytest
 
 
+def _label(server) -> str:
+    """The calibration store's device label of an RPC server (hybrimoe._ggml.device_label)."""
+    from hybrimoe import _ggml
+
+    return _ggml.device_label(_ggml.add_rpc_server(server.endpoint)[0])
+
+
 def test_calibrate_writes_a_cost_model_the_engine_uses(tiny_model, rpc_server, tmp_path, monkeypatch):
     from hybrimoe import Llama, calibrate, calibration, policy
     from hybrimoe.engine import slot_bytes
@@ -16,7 +23,7 @@ def test_calibrate_writes_a_cost_model_the_engine_uses(tiny_model, rpc_server, t
     monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
     path = tiny_model("qwen3moe", "Q8_0")
     assert calibrate.main(["-m", str(path), "--rpc", rpc_server.endpoint, "--quick"]) == 0
-    stored = calibration.stored(path, rpc_server.endpoint)
+    stored = calibration.stored(path, _label(rpc_server))
     assert stored is not None and stored.parent == tmp_path / "cache" / "calibration"
     cm = policy.load_cost_model(stored)  # schema-checked by hybrimoe.policy's reader
     doc = json.loads(stored.read_text())
@@ -46,12 +53,12 @@ def test_first_use_runs_a_short_calibration_once(tiny_model, rpc_server, tmp_pat
     kw = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=128, verbose=False)
     llm = Llama(str(path), moe_cache=0, **kw)
     llm.close()
-    assert calibration.stored(path, rpc_server.endpoint) is None
+    assert calibration.stored(path, _label(rpc_server)) is None
     capfd.readouterr()
     llm = Llama(str(path), moe_cache=4 * slot_bytes(path), **kw)
     try:
         err = capfd.readouterr().err
-        stored = calibration.stored(path, rpc_server.endpoint)
+        stored = calibration.stored(path, _label(rpc_server))
         assert stored is not None and llm.moe_stats()["engine"]["cost_model"] == str(stored)
         assert "measuring a short one" in err and "calibrating (first use)" in err and "100%" in err, err
         doc = json.loads(stored.read_text())
@@ -141,7 +148,7 @@ def test_a_failed_first_use_calibration_falls_back_to_the_preset(tiny_model, rpc
     try:
         assert "preset rtx4090-desktop (first-use calibration failed: measurement failed" in \
             llm.moe_stats()["engine"]["cost_model"]
-        assert calibration.stored(path, rpc_server.endpoint) is None
+        assert calibration.stored(path, _label(rpc_server)) is None
     finally:
         llm.close()
 
@@ -165,7 +172,7 @@ def test_first_use_measures_on_the_loaded_model_within_its_context(tiny_model, r
     llm = Llama(str(path), moe_cache="100%", **kw)
     try:
         assert len(loads) == 1
-        stored = calibration.stored(path, rpc_server.endpoint)
+        stored = calibration.stored(path, _label(rpc_server))
         assert llm.moe_stats()["engine"]["cost_model"] == str(stored)
         src = json.loads(stored.read_text())["sources"]
         assert "ubatches [1, 4, 16]" in src["cpu_a_s"] and "ubatches [1, 4, 16]" in src["gpu_a_s"], src
@@ -191,7 +198,7 @@ def test_first_use_with_too_few_slots_keeps_the_presets_gpu_costs(tiny_model, rp
     llm = Llama(str(path), rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, moe_cache=slot_bytes(path), n_ctx=128,
                 verbose=False)
     try:
-        stored = calibration.stored(path, rpc_server.endpoint)
+        stored = calibration.stored(path, _label(rpc_server))
         doc = json.loads(stored.read_text())
         preset = resolve_cost_model(None, engine_facts(path))
         for f in ("gpu_a_s", "gpu_b_s", "act_a_s"):
@@ -212,7 +219,7 @@ def test_a_damaged_stored_calibration_is_set_aside_and_measured_again(tiny_model
     monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("HYBRIMOE_AUTO_CALIBRATE", "1")
     path = tiny_model("qwen3moe", "Q8_0")
-    target = calibration.calibration_path(path, rpc_server.endpoint)
+    target = calibration.calibration_path(path, _label(rpc_server))
     target.parent.mkdir(parents=True)
     target.write_text('{"schema": "hybrimoe.cost_model/3", "cpu_a_s": ')
     with pytest.warns(RuntimeWarning, match="cannot be used .*moved to .*json.bad, a new one is measured"):
@@ -244,7 +251,7 @@ def test_gpt_oss_engine_layers_calibrate(tmp_path, rpc_server, monkeypatch, recw
     try:
         src = llm.moe_stats()["engine"]["cost_model"]
         assert "nothing to calibrate" not in src, src
-        assert calibration.stored(path, rpc_server.endpoint) is not None
+        assert calibration.stored(path, _label(rpc_server)) is not None
         assert not [w for w in recwarn if "calibration failed" in str(w.message)]
         llm("Hi", max_tokens=2, temperature=0)
         assert not llm.moe_stats()["unsupported"]
@@ -265,3 +272,32 @@ def test_gpt_oss_engine_layers_calibrate(tmp_path, rpc_server, monkeypatch, recw
                         "-p", "16", "-n", "4", "-r", "1", "--policies", "hybrimoe", "--upstream", "exps"],
                        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert r.returncode == 0 and "Traceback" not in r.stderr and "| hybrimoe hybrimoe |" in r.stdout, r.stderr
+
+
+def test_a_stand_in_on_a_new_port_finds_its_calibration(tiny_model, tmp_path):
+    """An RPC server on this machine is the same device on any port: a calibration made on one stand-in is found
+    by a run on another one reporting the same memory (no first-use measurement), and not by one reporting other
+    memory. CLI runs in processes of their own (their RPC devices stay out of this process's ggml registry)."""
+    import subprocess
+    import sys
+
+    from hybrimoe.rpc import RPCServer
+
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    env = dict(os.environ, HYBRIMOE_CACHE_DIR=str(tmp_path / "cache"), HYBRIMOE_AUTO_CALIBRATE="1")
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "hybrimoe", *args], capture_output=True, text=True, env=env,
+                           cwd=tmp_path, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r
+
+    run = ["run", "-m", path, "-p", "hi", "-n", "2", "--temp", "0", "-ngl", "99", "--moe-cache", "50%"]
+    with RPCServer(memory_bytes=2**30) as a:
+        cli("calibrate", "-m", path, "--rpc", a.endpoint, "--quick")
+    stored = list((tmp_path / "cache" / "calibration").glob("*.json"))
+    assert len(stored) == 1 and "127.0.0.1-rpc-1024MiB" in stored[0].name, stored
+    with RPCServer(memory_bytes=2**30) as b:
+        assert "no calibration" not in cli(*run, "--rpc", b.endpoint).stderr
+    with RPCServer(memory_bytes=2**31) as c:
+        assert "no calibration" in cli(*run, "--rpc", c.endpoint).stderr
