@@ -316,6 +316,25 @@ def test_cli_q6_k_at_default_width_is_written_and_loads(tmp_path):
     assert _generate(out, n=4)[1] >= 1
 
 
+@pytest.mark.parametrize("arch,etype", [("gpt-oss", "MXFP4"), ("qwen3moe", "IQ2_XXS")])
+def test_cli_expert_quant_writes_that_type_in_the_expert_matrices_only(tmp_path, capsys, arch, etype):
+    """--expert-quant TYPE: the routed-expert matrices in TYPE (an IQ type that needs an importance matrix gets the
+    synthetic one), everything else --quant's base (Q8_0 by default); the file loads and generates. An unknown
+    type is a one-line error and writes nothing."""
+    ap = argparse.ArgumentParser()
+    tiny.add_arguments(ap)
+    out = tmp_path / f"{arch}-{etype}.gguf"
+    assert tiny.run(ap.parse_args([str(out), "--arch", arch, "--layers", "1", "--expert-quant", etype])) == 0
+    assert _exps_types(out) == {k: {etype} for k in EXPS}
+    others = {t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors
+              if "_exps" not in t.name and len(t.shape) == 2 and t.shape[0] % 32 == 0 and "norm" not in t.name}
+    assert "Q8_0" in others and etype not in others
+    assert _generate(out, n=4)[1] >= 1
+    bad = tmp_path / "bad.gguf"
+    assert tiny.run(ap.parse_args([str(bad), "--expert-quant", "NOPE"])) == 2
+    assert "unknown ggml type 'NOPE'" in capsys.readouterr().err and not bad.exists()
+
+
 @pytest.mark.parametrize("flags,name", [(["--n-embd", "64"], "n_embd=64"), (["--n-ff-exp", "128"], "n_ff_exp=128")])
 def test_cli_explicit_width_that_misfits_the_blocks_is_refused(tmp_path, capsys, flags, name):
     ap = argparse.ArgumentParser()

@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-dense-lead", type=int, default=1, help="deepseek2: leading dense layers")
     parser.add_argument("--quant", default=None,
                         help="F32 (default), F16, Q8_0, Q4_K_M, ... or mix (gate Q4_K, up Q8_0, down Q6_K)")
+    parser.add_argument("--expert-quant", default=None, metavar="TYPE",
+                        help="ggml type of the routed-expert matrices (e.g. MXFP4, IQ2_XXS, Q3_K), the rest --quant "
+                             "(default Q8_0); IQ types that need an importance matrix get a synthetic one")
     parser.add_argument("--tokenizer", default="spm", choices=TOKENIZERS)
     parser.add_argument("--router-margin", type=float, default=4.0, help="designed top-k router logit gap")
     parser.add_argument("--fused-gate-up", action="store_true", help="deepseek2: fused ffn_gate_up_exps experts")
@@ -56,11 +59,15 @@ def run(args) -> int:
     if problem:
         print(f"hybrimoe make-tiny-model: error: {problem}", file=sys.stderr)
         return 2
+    quant = args.quant
+    if args.expert_quant:
+        # the Python API's dict form: {tensor pattern: ggml type}, the rest the base file type
+        quant = {"base": args.quant or "Q8_0", r"ffn_(gate|up|down|gate_up)_exps": args.expert_quant}
     try:
         p = make_tiny_model(args.out, args.arch, seed=args.seed, n_layer=args.layers, n_embd=args.n_embd,
                             n_expert=args.n_expert, n_expert_used=args.n_expert_used, n_ff_exp=args.n_ff_exp,
                             n_shared=args.n_shared, n_head=args.n_head, n_dense_lead=args.n_dense_lead,
-                            quant=args.quant, tokenizer=args.tokenizer, router_margin=args.router_margin,
+                            quant=quant, tokenizer=args.tokenizer, router_margin=args.router_margin,
                             fused_gate_up=args.fused_gate_up, expert_scales=args.expert_scales,
                             gated_experts=args.gated_experts, swiglu_clamp=args.swiglu_clamp)
     except (ValueError, RuntimeError, OSError, ImportError) as e:
