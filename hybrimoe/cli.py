@@ -127,7 +127,7 @@ def load_llama(args: argparse.Namespace, model: Path, prog: str, *, llama_class=
     from .llama import Llama
 
     # the library's warnings (e.g. MoE layers left to upstream's path), one line each in the CLI's style
-    warnings.formatwarning = lambda message, *args, **kwargs: f"hybrimoe: warning: {message}\n"
+    warnings.formatwarning = one_line_warning
     bar = tqdm(total=100, desc="loading", unit="%", file=sys.stderr, leave=False,
                disable=not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS"))
 
@@ -336,8 +336,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line_warning(message, *args, **kwargs) -> str:
+    """``warnings.formatwarning`` of the CLI: ``hybrimoe: warning: MESSAGE``, one line, no source location."""
+    return f"hybrimoe: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
     args = build_parser().parse_args(argv)
+    # every command prints the library's warnings as one line each in the CLI's style (not Python's file:line form)
+    warnings.formatwarning = one_line_warning
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -129,3 +129,23 @@ def test_noisy_figures_are_flagged():
     lines = noise_warnings(rows)
     assert len(lines) == 1 and lines[0].startswith("noisy: shaky: tg16 25%"), lines
     assert [r.get("noisy") for r in rows] == [False, True, False, None]
+
+
+def test_cli_warnings_are_one_line_each(tmp_path):
+    """Every command prints the library's warnings in the CLI's style, ``hybrimoe: warning: ...`` on one line,
+    never Python's ``file.py:LINE: RuntimeWarning`` form with the source line after it (here: bench's first-use
+    calibration on a stand-in, which warns that tiny experts give an underdetermined fit)."""
+    import os
+    import subprocess
+    import sys
+
+    from hybrimoe.tiny import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path / "d.gguf", "deepseek2"))   # F32: its quick calibration is underdetermined
+    env = dict(os.environ, HYBRIMOE_CACHE_DIR=str(tmp_path / "cache"), HYBRIMOE_AUTO_CALIBRATE="1")
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "bench", "-m", path, "--stand-in", "--moe-cache", "25%",
+                        "-p", "16", "-n", "4", "-r", "1", "--policies", "hybrimoe", "--upstream", "exps"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "hybrimoe: warning: calibration:" in r.stderr
+    assert "Warning:" not in r.stderr and ".py:" not in r.stderr, r.stderr
