@@ -394,8 +394,9 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
     _engine = _engine_module()
     if n_slots > 0:
         if not device_ptr:
-            raise ValueError("moe_cache needs an accelerator (a CUDA device or an RPC server via rpc_servers); none "
-                             "was found. Use moe_cache=0 to run every expert on the CPU")
+            raise ValueError("moe_cache (--moe-cache) needs an accelerator (a CUDA device or an RPC server via "
+                             "rpc_servers, --rpc); none was found. Use moe_cache=0 (--moe-cache 0) to run every expert "
+                             "on the CPU")
         free, total = device_memory(device_ptr)
         need = (n_slots + 1) * facts.slot_bytes
         if need > free:
@@ -568,8 +569,9 @@ class EngineSetup:
             policies = None
         device = _ggml.accelerator(list(rpc_devices))
         if (auto or n_slots > 0) and not device:
-            raise ValueError(f"moe_cache={moe_cache!r} needs an accelerator (a CUDA device, or an RPC server via "
-                             "rpc_servers); none was found. Use moe_cache=0 to run every expert on the CPU")
+            raise ValueError(f"moe_cache={moe_cache!r} (--moe-cache) needs an accelerator (a CUDA device, or an RPC "
+                             "server via rpc_servers, --rpc); none was found. Use moe_cache=0 (--moe-cache 0) to run "
+                             "every expert on the CPU")
         host = host_buffer_type_name(device) if device else None
         for pattern, buft_name in tensor_overrides:
             if buft_name not in ("CPU", host) and re.search(pattern, "blk.0.ffn_up_exps.weight"):

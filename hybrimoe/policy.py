@@ -559,7 +559,7 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
     elif c == "static-frequency":
         if hot_keys is None:
             raise ValueError(f"'{name}': the static-frequency cache (a profiled hot set) needs a profile of expert "
-                             "frequencies (hot_keys), and none was given")
+                             "frequencies (hot_keys: the engine's moe_profile, --moe-profile TRACE.npz), and none was given")
         n_fit = int(budget_bytes // eb[0]) if budget_bytes > 0 and eb else 0
         keys = [int(k) for k in hot_keys[:n_fit]]
         prio = [float(profile[k]) for k in keys] if profile is not None else []

@@ -81,5 +81,5 @@ def test_auto_without_room_or_device_is_a_clear_error(tiny_model, rpc_server_fac
         return  # this machine has a GPU: "no accelerator" cannot be shown here
     kw = _kw(None)
     kw.pop("rpc_servers")
-    with pytest.raises(ValueError, match="moe_cache='auto' needs an accelerator"):
+    with pytest.raises(ValueError, match=r"moe_cache='auto' \(--moe-cache\) needs an accelerator"):
         Llama(str(path), moe_cache="auto", **kw)
