@@ -271,7 +271,8 @@ def load_hardware(name_or_path: str) -> Hardware:
     if not p.suffix == ".json":
         p = PRESET_DIR / f"{name_or_path}.json"
         if not p.is_file():
-            raise ValueError(f"unknown hardware preset '{name_or_path}' (known: {', '.join(preset_names())})")
+            raise ValueError(f"unknown hardware preset '{name_or_path}' (known: {', '.join(preset_names())}), and "
+                             "no such file either (a preset or cost-model file is a .json path)")
     try:
         d = json.loads(p.read_text())
     except OSError as e:
