@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .defaults import progress_on
 from .policy import ENGINE_PRESETS, PROFILE_PRESETS
 
 def prompts(llm, n: int, n_tokens: int) -> list[list[int]]:
@@ -411,7 +412,7 @@ def run(args) -> int:
                       budget))
     rows = []
     bar = tqdm(total=len(modes) * (args.repetitions + 1), desc="bench", unit="run", file=sys.stderr,
-               disable=not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS"))
+               disable=not progress_on())
     ref_tokens = None
     try:
         for label, kw, gpu_bytes in modes:

@@ -44,7 +44,7 @@ import numpy as np
 
 from . import _core
 from . import policy as pol
-from .defaults import AUTO_CALIBRATE_ENV, COST_PRESET, cache_dir
+from .defaults import AUTO_CALIBRATE_ENV, COST_PRESET, cache_dir, progress_on
 
 
 def _store_dir() -> Path:
@@ -228,7 +228,7 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
     sources = {f: f"{COST_PRESET} preset (not measured)" for f in pol.COST_FIELDS}
     steps = len(sizes) * (reps + 1) * (2 if device and n_slots > 0 else 1) + 2
     bar = tqdm(total=steps, desc=desc, unit="step", file=sys.stderr,
-               disable=not progress or (not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS")))
+               disable=not progress or not progress_on())
     hook = llm.moe_hook
     before = llm.moe_engine  # the Llama's own engine (None during its first-use calibration)
     prompt = _varied_prompt(llm, max(sizes) * (reps + 1))

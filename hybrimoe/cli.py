@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from .defaults import progress_on
+
 DEFAULT_PROMPT = "Once upon a time"
 
 
@@ -129,7 +131,7 @@ def load_llama(args: argparse.Namespace, model: Path, prog: str, *, llama_class=
     # the library's warnings (e.g. MoE layers left to upstream's path), one line each in the CLI's style
     warnings.formatwarning = one_line_warning
     bar = tqdm(total=100, desc="loading", unit="%", file=sys.stderr, leave=False,
-               disable=not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS"))
+               disable=not progress_on())
 
     def progress(fraction: float) -> None:
         bar.n = int(round(100 * fraction))

@@ -46,3 +46,15 @@ def predictor_recall() -> tuple:
     from . import _core
 
     return tuple(_core.DEFAULT_PREDICTOR_RECALL)
+
+
+#: set to show progress bars when stderr is not a terminal
+PROGRESS_ENV = "HYBRIMOE_PROGRESS"
+
+
+def progress_on() -> bool:
+    """Whether commands draw tqdm progress bars: on a terminal (stderr), or anywhere with ``HYBRIMOE_PROGRESS`` set;
+    never into a redirected file or pipe otherwise."""
+    import sys
+
+    return sys.stderr.isatty() or bool(os.environ.get(PROGRESS_ENV))

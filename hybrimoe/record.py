@@ -32,6 +32,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from .defaults import progress_on
+
 #: a prompt: text, or a chat (a list of {"role", "content"} messages)
 Prompt = Union[str, list]
 
@@ -325,7 +327,7 @@ def run(args) -> int:
     if llm is None:
         return 1
     bar = tqdm(total=len(prompts), desc="trace", unit="prompt", file=sys.stderr,
-               disable=not sys.stderr.isatty() and not os.environ.get("HYBRIMOE_PROGRESS"))
+               disable=not progress_on())
     tokens = [0]
 
     def on_token(n: int) -> None:

@@ -46,7 +46,7 @@ import numpy as np
 
 from hybrimoe import _core
 from hybrimoe import policy as pol
-from hybrimoe.defaults import PREFETCH_LAYERS
+from hybrimoe.defaults import PREFETCH_LAYERS, progress_on
 from hybrimoe.facts import MODEL_FACTS, ModelFacts, facts_from_gguf
 from hybrimoe.trace import PHASE_DECODE, PHASE_PREFILL, RoutingTrace, default_trace_path, load_trace
 
@@ -543,7 +543,8 @@ def run(args) -> int:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(names, desc=f"simulate {args.stage}", unit="policy", file=sys.stderr)
+            bar = tqdm(names, desc=f"simulate {args.stage}", unit="policy", file=sys.stderr,
+                       disable=not progress_on())
             iterator = bar
         except ImportError:
             pass

@@ -207,6 +207,21 @@ def test_command_on_the_dsv2lite_trace(tmp_path, capsys):
     assert "| hybrimoe |" in capsys.readouterr().out
 
 
+def test_progress_bar_only_on_a_terminal_or_when_asked(tmp_path, capsys, monkeypatch):
+    """Without --no-progress, simulate draws its bar on a terminal only: into a redirected stderr (pytest's capture
+    here) nothing but its lines, with HYBRIMOE_PROGRESS=1 the bar too (hybrimoe.defaults.progress_on)."""
+    path = default_trace_path()
+    if not path.is_file():
+        pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
+    monkeypatch.delenv("HYBRIMOE_PROGRESS", raising=False)
+    kw = dict(trace=path, stage="prefill", policies="ktransformers", max_tokens=500)
+    assert simulate.run(_args(**kw)) == 0
+    assert "simulate prefill" not in capsys.readouterr().err
+    monkeypatch.setenv("HYBRIMOE_PROGRESS", "1")
+    assert simulate.run(_args(**kw)) == 0
+    assert "simulate prefill" in capsys.readouterr().err
+
+
 def test_simulate_checks_outputs_before_running(tmp_path, capsys):
     """Unwritable outputs are reported before the (long) simulation, as bad input (exit 2)."""
     import argparse
