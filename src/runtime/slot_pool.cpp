@@ -39,43 +39,55 @@ std::array<int64_t, 3> SlotPool::region_strides(const std::vector<std::array<int
     return st;
 }
 
-std::array<int64_t, 3> SlotPool::bias_strides(const std::vector<std::array<int64_t, 3>> & bb, size_t expert_layers) {
+namespace {
+
+// Per-slot stride of each of the (gate, up, down) F32 regions: the largest per-layer size of that kind, after `check`
+// (which throws on a size the region cannot hold) and `round` (the region's alignment). `what` names the triples.
+template <typename Check, typename Round>
+std::array<int64_t, 3> f32_region_strides(const std::vector<std::array<int64_t, 3>> & sizes, size_t expert_layers,
+                                          const char * what, Check check, Round round) {
     std::array<int64_t, 3> st{0, 0, 0};
-    if (bb.empty()) return st;
-    if (bb.size() != expert_layers) {
-        throw std::invalid_argument("engine: one (gate, up, down) bias size triple per MoE layer (" +
-                                    std::to_string(bb.size()) + " for " + std::to_string(expert_layers) + " layers)");
+    if (sizes.empty()) return st;
+    if (sizes.size() != expert_layers) {
+        throw std::invalid_argument(std::string("engine: one (gate, up, down) ") + what + " size triple per MoE layer (" +
+                                    std::to_string(sizes.size()) + " for " + std::to_string(expert_layers) + " layers)");
     }
-    for (const auto & l : bb) {
+    for (const auto & l : sizes) {
         for (size_t i = 0; i < 3; ++i) {
-            if (l[i] < 0 || l[i] % (int64_t) sizeof(float) != 0) {
-                throw std::invalid_argument("engine: an expert bias row of " + std::to_string(l[i]) +
-                                            " bytes is not a whole number of F32 values");
-            }
-            st[i] = std::max(st[i], (l[i] + 15) / 16 * 16);
+            check(l[i]);
+            st[i] = std::max(st[i], round(l[i]));
         }
     }
     return st;
 }
 
+}  // namespace
+
+std::array<int64_t, 3> SlotPool::bias_strides(const std::vector<std::array<int64_t, 3>> & bb, size_t expert_layers) {
+    // one F32 row per slot (ggml_add_id), each region 16-byte aligned
+    return f32_region_strides(
+        bb, expert_layers, "bias",
+        [](int64_t n) {
+            if (n < 0 || n % (int64_t) sizeof(float) != 0) {
+                throw std::invalid_argument("engine: an expert bias row of " + std::to_string(n) +
+                                            " bytes is not a whole number of F32 values");
+            }
+        },
+        [](int64_t n) { return (n + 15) / 16 * 16; });
+}
+
 std::array<int64_t, 3> SlotPool::scale_strides(const std::vector<std::array<int64_t, 3>> & sb,
                                                size_t expert_layers) {
-    std::array<int64_t, 3> st{0, 0, 0};
-    if (sb.empty()) return st;
-    if (sb.size() != expert_layers) {
-        throw std::invalid_argument("engine: one (gate, up, down) scale size triple per MoE layer (" +
-                                    std::to_string(sb.size()) + " for " + std::to_string(expert_layers) + " layers)");
-    }
-    for (const auto & l : sb) {
-        for (size_t i = 0; i < 3; ++i) {
-            if (l[i] != 0 && l[i] != (int64_t) sizeof(float)) {
-                throw std::invalid_argument("engine: a per-expert scale of " + std::to_string(l[i]) +
+    // one F32 per slot (build_lora_mm_id's per-expert scale), or none
+    return f32_region_strides(
+        sb, expert_layers, "scale",
+        [](int64_t n) {
+            if (n != 0 && n != (int64_t) sizeof(float)) {
+                throw std::invalid_argument("engine: a per-expert scale of " + std::to_string(n) +
                                             " bytes (one F32 per expert, or 0 for none)");
             }
-            st[i] = std::max(st[i], l[i]);
-        }
-    }
-    return st;
+        },
+        [](int64_t n) { return n; });
 }
 
 int64_t SlotPool::slot_bytes_for(const std::vector<std::array<int64_t, 3>> & eb,
