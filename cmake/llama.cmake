@@ -69,8 +69,8 @@ install(TARGETS _engine LIBRARY DESTINATION "${HYBRIMOE_PKG_DIR}")
 
 # ---- hybrimoe's ggml-cpu (patch 0005: mul_mat_id skips negative expert ids) ---------------------------------------
 # Built from the same patched tree as llama-cpp-python builds its ggml (a top-level llama.cpp configure with
-# llama-cpp-python's defaults plus the user's CMAKE_ARGS, GPU backends off), so kernels and numbers are the same;
-# installed as hybrimoe/lib/libggml-cpu.so.0 (llama-cpp-python's soname). hybrimoe loads it before llama_cpp
+# llama-cpp-python's defaults plus the user's CMAKE_ARGS, GPU backends off), so kernels and numbers are the same
+# (without the AMX kernels, which only repacked CPU weights use: cmake/ggml-no-amx.cmake says why); installed as hybrimoe/lib/libggml-cpu.so.0 (llama-cpp-python's soname). hybrimoe loads it before llama_cpp
 # (hybrimoe/_lib.py), so llama-cpp-python's libggml.so takes it for its libggml-cpu.so.0 dependency, and the engine
 # checks that it did (proc address ggml_backend_cpu_skips_negative_expert_ids).
 include(ExternalProject)
@@ -94,6 +94,7 @@ set(HYBRIMOE_CPU_ARGS
     -DGGML_OPENCL=OFF -DGGML_CANN=OFF -DGGML_WEBGPU=OFF -DGGML_RPC=OFF -DGGML_HEXAGON=OFF -DGGML_OPENVINO=OFF
     -DGGML_VIRTGPU=OFF -DGGML_ZDNN=OFF
     -DCMAKE_SKIP_BUILD_RPATH=OFF -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON
+    "-DCMAKE_PROJECT_ggml_INCLUDE=${CMAKE_CURRENT_LIST_DIR}/ggml-no-amx.cmake"
     "-DCMAKE_INSTALL_RPATH=\$ORIGIN/../../llama_cpp/lib")
 if(CMAKE_GENERATOR MATCHES "Ninja")
     set(HYBRIMOE_CPU_GENERATOR "${CMAKE_GENERATOR}")
