@@ -402,14 +402,22 @@ def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert
 #: ``about`` (what it does) and ``source`` (the system or document whose behaviour it reproduces). A clairvoyant
 #: preset may name other clairvoyant presets in ``also``: the simulator runs each and reports the fastest plan
 #: (hybrimoe.simulate.Setup.run), since a planner that knows the routing can time every plan before choosing.
+#: ``streaming``: demand loads of a (layer, ubatch) whose router activated at least this fraction of the layer's
+#: experts enter the cache on probation (:meth:`hybrimoe._core.ExpertCache.set_streaming_demand`; LIP insertion,
+#: Qureshi et al., ISCA 2007): in a large prefill ubatch every resident is needed again at its layer's next visit,
+#: so a demand load should reuse the slot of the previous one instead of evicting a resident. A decode token
+#: activates top_k of the experts (at most a quarter in the shapes of hybrimoe.facts), so it never streams.
+STREAMING_FRACTION = 0.5
 SYSTEM_PRESETS = {
     "hybrimoe": dict(scheduler="hybrimoe", cache="mrs", prefetch="impact", fill=True, oracle=False,
-                     clairvoyant=False, needs_profile=False, admission="tinylfu",
-                     about="HybriMoE split + MRS cache (TinyLFU admission) + impact-driven prefetch",
+                     clairvoyant=False, needs_profile=False, admission="tinylfu", streaming=STREAMING_FRACTION,
+                     about="HybriMoE split + MRS cache (TinyLFU admission, streamed demand loads in large "
+                           "ubatches) + impact-driven prefetch",
                      source="Zhong et al., HybriMoE, arXiv:2504.05897, §IV.B-D (docs/design.md §2-§4)"),
     "hybrimoe-lru": dict(scheduler="hybrimoe", cache="lru", prefetch="impact", fill=True, oracle=False,
-                         clairvoyant=False, needs_profile=False, admission="tinylfu",
-                         about="HybriMoE split + LRU cache (TinyLFU admission) + impact-driven prefetch",
+                         clairvoyant=False, needs_profile=False, admission="tinylfu", streaming=STREAMING_FRACTION,
+                         about="HybriMoE split + LRU cache (TinyLFU admission, streamed demand loads in large "
+                               "ubatches) + impact-driven prefetch",
                          source="HybriMoE §IV.D's LRU comparison (MRS replaced by LRU)"),
     "ktransformers": dict(scheduler="ktransformers", cache="static-leading-layers", prefetch="none", fill=False,
                           oracle=False, clairvoyant=False, needs_profile=False,
@@ -505,9 +513,10 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
     (:class:`hybrimoe.simulate.Setup`) alike.
 
     ``spec``: a preset name or a dict with keys ``scheduler``, ``cache``, ``prefetch`` (names as in
-    ``hybrimoe._core.make_*``, or policy objects), ``fill`` (bool) and ``admission`` (``"none"``, the default for
+    ``hybrimoe._core.make_*``, or policy objects), ``fill`` (bool), ``admission`` (``"none"``, the default for
     dicts, or ``"tinylfu"``: :meth:`hybrimoe._core.ExpertCache.set_frequency_admission`, which the ``hybrimoe``
-    presets use). ``expert_bytes``: bytes of one expert per
+    presets use) and ``streaming`` (0, the default for dicts, or a fraction of a layer's experts:
+    :data:`STREAMING_FRACTION`, :meth:`hybrimoe._core.ExpertCache.set_streaming_demand`). ``expert_bytes``: bytes of one expert per
     MoE layer (the engine passes its slot size for every layer); ``budget_bytes``: the GPU cache budget, bytes.
     ``prefetch=False`` replaces the prefetcher with none (prefetch depth 0). ``hot_keys``: keys ``layer *
     n_experts + expert`` hottest first (:func:`hot_keys_from_counts`), from a profile (the simulator's profiling
@@ -527,15 +536,20 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
         comp = system_preset(spec)
         name = name or spec
     elif isinstance(spec, dict):
-        unknown = set(spec) - {"scheduler", "cache", "prefetch", "fill", "admission"}
+        unknown = set(spec) - {"scheduler", "cache", "prefetch", "fill", "admission", "streaming"}
         if unknown:
             raise ValueError(f"policy dict has unknown keys {sorted(unknown)} (scheduler, cache, prefetch, fill, "
-                             "admission)")
+                             "admission, streaming)")
         if spec.get("admission", "none") not in ("none", "tinylfu"):
             raise ValueError(f"policy dict: unknown admission {spec['admission']!r} (none, tinylfu)")
+        st = spec.get("streaming", 0.0)
+        if isinstance(st, bool) or not isinstance(st, (int, float)) or not 0.0 <= st <= 1.0:
+            raise ValueError(f"policy dict: streaming must be a fraction of the experts within 0..1, got {st!r}")
         comp = dict(SYSTEM_PRESETS[DEFAULT_PRESET])
         comp.update(spec)
-        comp["admission"] = spec.get("admission", "none")  # not inherited: it belongs to the preset's cache
+        # not inherited: they belong to the preset's cache
+        comp["admission"] = spec.get("admission", "none")
+        comp["streaming"] = float(st)
         name = name or "custom"
     else:
         raise ValueError(f"a policy preset must be a name or a dict, not {type(spec).__name__}")
@@ -572,6 +586,8 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
             cache.fill([int(k) for k in hot_keys])
     if comp.get("admission", "none") == "tinylfu":
         cache.set_frequency_admission(True)
+    if comp.get("streaming", 0.0):
+        cache.set_streaming_demand(float(comp["streaming"]))
     sched = comp["scheduler"]
     if not isinstance(sched, _core.SchedulePolicy):
         sched = _core.make_scheduler(str(sched), n_cpu_layers)

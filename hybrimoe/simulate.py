@@ -275,7 +275,9 @@ class Setup:
         each listed preset's components, and the fastest run is its record (``plan`` names the one kept): with
         perfect routing knowledge the impact prefetcher copies for every true activation it gains on, without
         weighing what the copy evicts or delays on the link, and on some small traces that plan is slower than
-        belady's (its predictor's misses copy less), so the bound keeps the better plan."""
+        belady's (its predictor's misses copy less), so the bound keeps the better plan. Where a step can activate
+        :data:`hybrimoe.policy.STREAMING_FRACTION` of a layer's experts (prefill), its own plan is also run with
+        streamed demand loads (``plan`` is then ``oracle+streaming``)."""
         if cache is None:
             cache, sched, pre, cfg = self.build(name)
             alternatives = pol.system_preset(name).get("also", ()) if name in pol.SYSTEM_PRESETS else ()
@@ -288,10 +290,16 @@ class Setup:
         for alt in alternatives:
             if not _clairvoyant(alt):
                 raise ValueError(f"preset {name!r}: 'also' names {alt!r}, which is not clairvoyant")
-            other = self.run(alt)
-            if other["total_s"] < rec["total_s"]:
-                rec, plan = dict(other, policy=name), alt
         if alternatives:
+            # its own plan also with streamed demand loads (ExpertCache.set_streaming_demand), where a step can
+            # activate enough experts to stream: Belady's order is usually the better one, but not always
+            streams = self.stage == "prefill" or self.trace.top_k >= pol.STREAMING_FRACTION * self.trace.num_experts
+            for alt, streaming in [(a, 0.0) for a in alternatives] + ([(name, pol.STREAMING_FRACTION)] if streams else []):
+                parts = self.build(alt)
+                parts[0].set_streaming_demand(streaming)
+                other = self.run(alt, *parts)
+                if other["total_s"] < rec["total_s"]:
+                    rec, plan = dict(other, policy=name), alt + ("+streaming" if streaming else "")
             rec["plan"] = plan
         return rec
 

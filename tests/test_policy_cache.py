@@ -267,3 +267,55 @@ def test_incremental_eviction_order_matches_full_rescan(seed, make):
         assert caches[0].take_evicted() == caches[1].take_evicted(), step
         assert sorted(caches[0].resident_keys()) == sorted(caches[1].resident_keys())
         assert caches[0].used_bytes <= 7.0 and caches[0].used_bytes == caches[1].used_bytes
+
+
+def _layer_visit(cache, layer, experts, step, load=(), n_experts=4):
+    """One MoE layer of one ubatch as the decision rules run it: observe, look up and pin every activated expert,
+    demand-load ``load``, then unpin."""
+    cache.observe(obs(layer, experts, n_tokens=8, n_experts=n_experts, step=step))
+    for e in experts:
+        cache.access(layer, e)
+        cache.pin(layer, e)
+    for e in load:
+        assert cache.admit(layer, e, demand=True)
+    for e in experts:
+        cache.unpin(layer, e)
+
+
+@pytest.mark.parametrize("streaming", [0.0, 0.5])
+def test_streamed_demand_load_is_the_next_victim(streaming):
+    """Layer 0 of a large ubatch activates 3 of its 4 experts and demand-loads expert 2, evicting layer 1's only
+    resident. Layer 1 then demand-loads expert 0. LRU alone evicts layer 0's least recently used expert 0; with
+    streaming (LIP insertion) the just-loaded expert 2 goes instead, and layer 0's resident set is kept."""
+    cache = _core.ExpertCache([1 * MB, 1 * MB], 4, 3 * MB, _core.LRUPolicy())
+    cache.set_streaming_demand(streaming)
+    assert cache.streaming_demand == streaming
+    cache.fill([0, 1, 4])  # (0, 0), (0, 1), (1, 0)
+    cache.set_record_evicted(True)
+    _layer_visit(cache, 0, [0, 1, 2], step=0, load=[2])
+    assert cache.take_evicted() == [4]
+    assert cache.on_probation(0, 2) == (streaming > 0)
+    _layer_visit(cache, 1, [0, 1, 2, 3], step=0, load=[0])
+    assert cache.take_evicted() == ([2] if streaming else [0])
+    assert not cache.on_probation(1, 0) or streaming
+
+
+def test_a_streamed_expert_hit_again_leaves_probation_and_decode_never_streams():
+    cache = _core.ExpertCache([1 * MB, 1 * MB], 4, 3 * MB, _core.LRUPolicy())
+    cache.set_streaming_demand(0.5)
+    cache.fill([0, 1, 4])
+    _layer_visit(cache, 0, [0, 1, 2], step=0, load=[2])
+    assert cache.on_probation(0, 2)
+    _layer_visit(cache, 0, [2], step=1)          # a later lookup finds it resident: ranked by LRU from now on
+    assert not cache.on_probation(0, 2)
+    cache.set_record_evicted(True)
+    _layer_visit(cache, 1, [3], step=1, load=[3])  # 1 of 4 experts activated: below 0.5, an ordinary load
+    assert not cache.on_probation(1, 3)
+    assert cache.take_evicted() == [0]           # the least recently used, not the once-streamed expert 2
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
+def test_streaming_fraction_outside_0_1_is_refused(bad):
+    cache = _core.ExpertCache([1 * MB], 4, 2 * MB, _core.LRUPolicy())
+    with pytest.raises(ValueError, match="within 0..1"):
+        cache.set_streaming_demand(bad)

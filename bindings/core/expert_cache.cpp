@@ -162,6 +162,12 @@ void bind_expert_cache(py::module_ & m) {
              "counts halve every window accesses (0: 10 x the capacity in experts). ValueError on window < 0.")
         .def_property_readonly("frequency_admission", &ExpertCache::frequency_admission)
         .def("frequency", &ExpertCache::frequency, py::arg("layer"), py::arg("expert"))
+        .def("set_streaming_demand", &ExpertCache::set_streaming_demand, py::arg("min_active_fraction"),
+             "Streaming demand loads (LIP insertion, Qureshi et al., ISCA 2007): in a (layer, ubatch) that activates "
+             "at least this fraction of the layer's experts, a demand load is ranked below every other resident "
+             "until a later lookup hits it. 0 turns it off. ValueError unless 0 <= fraction <= 1.")
+        .def_property_readonly("streaming_demand", &ExpertCache::streaming_demand)
+        .def("on_probation", &ExpertCache::on_probation, py::arg("layer"), py::arg("expert"))
         .def("set_record_evicted", &ExpertCache::set_record_evicted, py::arg("on"))
         .def("take_evicted", &ExpertCache::take_evicted);
 }

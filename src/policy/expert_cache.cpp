@@ -263,7 +263,20 @@ ExpertCache::Entry & ExpertCache::entry(int layer, int expert) {
     return const_cast<Entry &>(static_cast<const ExpertCache *>(this)->entry(layer, expert));
 }
 
-void ExpertCache::observe(const LayerObservation & obs) { policy_->observe(obs); }
+void ExpertCache::observe(const LayerObservation & obs) {
+    stream_now_ = stream_min_active_ > 0.0 && obs.n_experts > 0 &&
+                  static_cast<double>(obs.experts.size()) >= stream_min_active_ * static_cast<double>(obs.n_experts);
+    policy_->observe(obs);
+}
+
+void ExpertCache::set_streaming_demand(double min_active_fraction) {
+    if (!(min_active_fraction >= 0.0 && min_active_fraction <= 1.0)) {
+        throw std::invalid_argument("ExpertCache.set_streaming_demand: the fraction of activated experts must be "
+                                    "within 0..1");
+    }
+    stream_min_active_ = min_active_fraction;
+    if (min_active_fraction == 0.0) stream_now_ = false;
+}
 
 void ExpertCache::set_frequency_admission(bool on, int64_t window) {
     if (window < 0) throw std::invalid_argument("ExpertCache.set_frequency_admission: window must be >= 0");
@@ -294,6 +307,7 @@ int ExpertCache::access(int layer, int expert, double now_s) {
         return 0;
     }
     stale_[layer] = 1;  // its last_use moved
+    en.probation = false;  // used again after its demand load: ranked by its policy from now on
     if (en.ready_s > now_s) {
         en.prefetched_unused = false;
         ++stats_.misses;
@@ -330,7 +344,7 @@ void ExpertCache::refresh(int layer) {
     ord.resize(rank_keys_.size());
     for (size_t i = 0; i < ord.size(); ++i) {
         const Entry & en = entries_[rank_keys_[i]];
-        ord[i] = Rank{order_priority(rank_p_[i]), en.last_use, en.slot, rank_keys_[i]};
+        ord[i] = Rank{order_priority(rank_keys_[i], rank_p_[i]), en.last_use, en.slot, rank_keys_[i]};
     }
     std::sort(ord.begin(), ord.end(), rank_less);
     stale_[layer] = 0;
@@ -344,7 +358,7 @@ void ExpertCache::order_add(int64_t key, bool keep_order, double p) {
         return;
     }
     const Entry & en = entries_[key];
-    const Rank r{order_priority(p), en.last_use, en.slot, key};
+    const Rank r{order_priority(key, p), en.last_use, en.slot, key};
     std::vector<Rank> & ord = order_[layer];
     ord.insert(std::upper_bound(ord.begin(), ord.end(), r, rank_less), r);
     head_changed(layer);
@@ -456,6 +470,7 @@ void ExpertCache::remove(int64_t key) {
     }
     en.resident = false;
     en.prefetched_unused = false;
+    en.probation = false;
     en.slot = -1;
     used_ -= bytes_[layer];
     if (used_ < 0.0) used_ = 0.0;
@@ -490,7 +505,10 @@ bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch,
     if (ok && freq_admission_ && !demand) {
         for (int64_t v : victims_) ok = ok && freq_[(size_t) key] > freq_[(size_t) v];
     }
-    if (ok) admit_key(key, p, ready_s, by_prefetch);
+    if (ok) {
+        en.probation = demand && stream_now_;
+        admit_key(key, p, ready_s, by_prefetch);
+    }
     tree_valid_ = false;
     if (!ok) ++stats_.declined;
     return ok;

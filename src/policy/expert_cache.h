@@ -279,6 +279,19 @@ public:
     bool frequency_admission() const { return freq_admission_; }
     /// The access frequency admission compares (0 for keys never accessed).
     double frequency(int layer, int expert) const { return freq_.empty() ? 0.0 : freq_[(size_t) layer * n_experts_ + expert]; }
+    /// Streaming demand loads: in a (layer, ubatch) whose router activated at least `min_active_fraction` of the
+    /// layer's experts, a demand load enters the cache on probation: it ranks below every other unpinned resident
+    /// (evicted first, whatever its policy priority) until a later lookup finds it resident. In a large prefill
+    /// ubatch nearly every expert of every layer is activated, so every resident is needed at its layer's next visit
+    /// and a demand load that evicts one only moves a miss to that visit: the cyclic access pattern on which
+    /// recency-ordered insertion thrashes and insertion at the lowest position does not (LIP, Qureshi et al.,
+    /// "Adaptive insertion policies for high performance caching", ISCA 2007). The expert still runs on the GPU
+    /// for this ubatch; the next demand loads reuse its slot. 0 (the default) turns it off. Throws
+    /// std::invalid_argument unless 0 <= min_active_fraction <= 1.
+    void set_streaming_demand(double min_active_fraction);
+    double streaming_demand() const { return stream_min_active_; }
+    /// True while (layer, expert) is resident on probation (set_streaming_demand).
+    bool on_probation(int layer, int expert) const { return entry(layer, expert).probation; }
     /// Evicted keys, in order, since the last call; recorded only after set_record_evicted(true).
     std::vector<int64_t> take_evicted();
     void set_record_evicted(bool on) { record_evicted_ = on; }
@@ -287,6 +300,7 @@ private:
     struct Entry {
         bool resident = false;
         bool prefetched_unused = false;
+        bool probation = false;  // set_streaming_demand: ranked below every other resident until its next hit
         int32_t pins = 0;
         int32_t slot = -1;       // index into resident_
         int32_t member = -1;     // index into members_[layer]
@@ -324,8 +338,12 @@ private:
         if (a.last_use != b.last_use) return a.last_use < b.last_use;
         return a.slot < b.slot;
     }
-    /// Priority as ordered: NaN counts as -infinity (evicted first) so the order stays a strict weak order.
-    static double order_priority(double p) { return p == p ? p : -std::numeric_limits<double>::infinity(); }
+    /// Priority as ordered: NaN counts as -infinity (evicted first) so the order stays a strict weak order; an
+    /// entry on probation ranks below every finite priority (-max), above NaN.
+    double order_priority(int64_t key, double p) const {
+        if (entries_[key].probation) return -std::numeric_limits<double>::max();
+        return p == p ? p : -std::numeric_limits<double>::infinity();
+    }
     bool fresh(int layer) const { return tracks_ && !stale_[layer] && seen_rev_[layer] == policy_->revision(layer); }
     void refresh(int layer);
     /// Puts an unpinned resident into its layer's order (sorted when fresh, else marks the layer stale).
@@ -356,6 +374,8 @@ private:
     bool tree_valid_ = false;
     std::vector<int32_t> touched_;
     std::vector<int64_t> victims_;
+    double stream_min_active_ = 0.0;
+    bool stream_now_ = false;  // the observed (layer, ubatch) activates enough experts for streaming demand loads
     bool freq_admission_ = false;
     int64_t freq_window_ = 0, freq_count_ = 0;
     std::vector<double> freq_;
