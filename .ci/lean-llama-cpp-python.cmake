@@ -4,3 +4,6 @@
 # library (a normal variable shadows the cache entry that llama-cpp-python sets with FORCE, and llama.cpp's
 # option() keeps it) and, with -DLLAVA_BUILD=OFF beside this file, mtmd. That is 104 of its 178 compile jobs.
 set(LLAMA_BUILD_COMMON OFF)
+# ggml-cpu without the AMX kernels, as hybrimoe builds its own (cmake/ggml-no-amx.cmake): the tests run plain
+# llama-cpp-python as their oracle, which on some AMX machines crashes in upstream's AMX kernels
+set(CMAKE_PROJECT_ggml_INCLUDE "${CMAKE_CURRENT_LIST_DIR}/../cmake/ggml-no-amx.cmake")
