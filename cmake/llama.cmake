@@ -70,7 +70,8 @@ install(TARGETS _engine LIBRARY DESTINATION "${HYBRIMOE_PKG_DIR}")
 # ---- hybrimoe's ggml-cpu (patch 0005: mul_mat_id skips negative expert ids) ---------------------------------------
 # Built from the same patched tree as llama-cpp-python builds its ggml (a top-level llama.cpp configure with
 # llama-cpp-python's defaults plus the user's CMAKE_ARGS, GPU backends off), so kernels and numbers are the same
-# (without the AMX kernels, which only repacked CPU weights use: cmake/ggml-no-amx.cmake says why); installed as hybrimoe/lib/libggml-cpu.so.0 (llama-cpp-python's soname). hybrimoe loads it before llama_cpp
+# (without the AMX kernels, which only repacked CPU weights use: cmake/ggml-no-amx.cmake says why); installed as
+# hybrimoe/lib/libggml-cpu.so.0 (llama-cpp-python's soname). hybrimoe loads it before llama_cpp
 # (hybrimoe/_lib.py), so llama-cpp-python's libggml.so takes it for its libggml-cpu.so.0 dependency, and the engine
 # checks that it did (proc address ggml_backend_cpu_skips_negative_expert_ids).
 include(ExternalProject)

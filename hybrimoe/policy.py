@@ -516,8 +516,9 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
     ``hybrimoe._core.make_*``, or policy objects), ``fill`` (bool), ``admission`` (``"none"``, the default for
     dicts, or ``"tinylfu"``: :meth:`hybrimoe._core.ExpertCache.set_frequency_admission`, which the ``hybrimoe``
     presets use) and ``streaming`` (0, the default for dicts, or a fraction of a layer's experts:
-    :data:`STREAMING_FRACTION`, :meth:`hybrimoe._core.ExpertCache.set_streaming_demand`). ``expert_bytes``: bytes of one expert per
-    MoE layer (the engine passes its slot size for every layer); ``budget_bytes``: the GPU cache budget, bytes.
+    :data:`STREAMING_FRACTION`, :meth:`hybrimoe._core.ExpertCache.set_streaming_demand`). ``expert_bytes``: bytes
+    of one expert per MoE layer (the engine passes its slot size for every layer); ``budget_bytes``: the GPU cache
+    budget, bytes.
     ``prefetch=False`` replaces the prefetcher with none (prefetch depth 0). ``hot_keys``: keys ``layer *
     n_experts + expert`` hottest first (:func:`hot_keys_from_counts`), from a profile (the simulator's profiling
     prompts, the engine's ``moe_profile``); ``profile``: the counts per key (flat ``[moe_layers * experts]``), the

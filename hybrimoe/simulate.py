@@ -294,7 +294,8 @@ class Setup:
             # its own plan also with streamed demand loads (ExpertCache.set_streaming_demand), where a step can
             # activate enough experts to stream: Belady's order is usually the better one, but not always
             streams = self.stage == "prefill" or self.trace.top_k >= pol.STREAMING_FRACTION * self.trace.num_experts
-            for alt, streaming in [(a, 0.0) for a in alternatives] + ([(name, pol.STREAMING_FRACTION)] if streams else []):
+            plans = [(a, 0.0) for a in alternatives] + ([(name, pol.STREAMING_FRACTION)] if streams else [])
+            for alt, streaming in plans:
                 parts = self.build(alt)
                 parts[0].set_streaming_demand(streaming)
                 other = self.run(alt, *parts)

@@ -344,7 +344,7 @@ void ExpertCache::refresh(int layer) {
     ord.resize(rank_keys_.size());
     for (size_t i = 0; i < ord.size(); ++i) {
         const Entry & en = entries_[rank_keys_[i]];
-        ord[i] = Rank{order_priority(rank_keys_[i], rank_p_[i]), en.last_use, en.slot, rank_keys_[i]};
+        ord[i] = Rank{order_priority(en, rank_p_[i]), en.last_use, en.slot, rank_keys_[i]};
     }
     std::sort(ord.begin(), ord.end(), rank_less);
     stale_[layer] = 0;
@@ -358,7 +358,7 @@ void ExpertCache::order_add(int64_t key, bool keep_order, double p) {
         return;
     }
     const Entry & en = entries_[key];
-    const Rank r{order_priority(key, p), en.last_use, en.slot, key};
+    const Rank r{order_priority(en, p), en.last_use, en.slot, key};
     std::vector<Rank> & ord = order_[layer];
     ord.insert(std::upper_bound(ord.begin(), ord.end(), r, rank_less), r);
     head_changed(layer);

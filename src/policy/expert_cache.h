@@ -340,8 +340,8 @@ private:
     }
     /// Priority as ordered: NaN counts as -infinity (evicted first) so the order stays a strict weak order; an
     /// entry on probation ranks below every finite priority (-max), above NaN.
-    double order_priority(int64_t key, double p) const {
-        if (entries_[key].probation) return -std::numeric_limits<double>::max();
+    static double order_priority(const Entry & en, double p) {
+        if (en.probation) return -std::numeric_limits<double>::max();
         return p == p ? p : -std::numeric_limits<double>::infinity();
     }
     bool fresh(int layer) const { return tracks_ && !stale_[layer] && seen_rev_[layer] == policy_->revision(layer); }
