@@ -411,13 +411,15 @@ STREAMING_FRACTION = 0.5
 SYSTEM_PRESETS = {
     "hybrimoe": dict(scheduler="hybrimoe", cache="mrs", prefetch="impact", fill=True, oracle=False,
                      clairvoyant=False, needs_profile=False, admission="tinylfu", streaming=STREAMING_FRACTION,
-                     about="HybriMoE split + MRS cache (TinyLFU admission, streamed demand loads in large "
-                           "ubatches) + impact-driven prefetch",
+                     about="HybriMoE split + MRS cache (TinyLFU admission; demand loads of a ubatch that "
+                           "activates half a layer's experts or more enter at the lowest eviction rank, LIP) + "
+                           "impact-driven prefetch",
                      source="Zhong et al., HybriMoE, arXiv:2504.05897, §IV.B-D (docs/design.md §2-§4)"),
     "hybrimoe-lru": dict(scheduler="hybrimoe", cache="lru", prefetch="impact", fill=True, oracle=False,
                          clairvoyant=False, needs_profile=False, admission="tinylfu", streaming=STREAMING_FRACTION,
-                         about="HybriMoE split + LRU cache (TinyLFU admission, streamed demand loads in large "
-                               "ubatches) + impact-driven prefetch",
+                         about="HybriMoE split + LRU cache (TinyLFU admission; demand loads of a ubatch that "
+                               "activates half a layer's experts or more enter at the lowest eviction rank, LIP) + "
+                               "impact-driven prefetch",
                          source="HybriMoE §IV.D's LRU comparison (MRS replaced by LRU)"),
     "ktransformers": dict(scheduler="ktransformers", cache="static-leading-layers", prefetch="none", fill=False,
                           oracle=False, clairvoyant=False, needs_profile=False,

@@ -305,6 +305,20 @@ class Setup:
         return rec
 
 
+def _trace_arg(args):
+    """The command's trace: ``--trace``, else :func:`hybrimoe.trace.default_trace_path`. FileNotFoundError naming
+    ``--trace`` and ``$HYBRIMOE_TRACE`` when no trace was given and the default is not there (it is looked up from
+    the current directory, so an installed package run elsewhere does not find the checkout's)."""
+    if args.trace:
+        return args.trace
+    path = default_trace_path()
+    if not path.exists():
+        raise FileNotFoundError(f"no routing trace given, and the default {path} is not there: pass --trace "
+                                "FILE.npz or set HYBRIMOE_TRACE (the default is shared/traces/dsv2lite_dev.npz "
+                                "looked up from the current directory and its parents)")
+    return path
+
+
 def total_times(trace: RoutingTrace, hw_name: str, budget_spec, stage: str, names: Sequence[str], *,
                 max_tokens: int = 20000, seed: int = 1, contention_scale: float = 1.0) -> dict:
     """Simulated total time of each preset in ``names`` on one configuration: ``{name: seconds}`` (TPOT x tokens in
@@ -493,7 +507,7 @@ def load_inputs(args) -> tuple[RoutingTrace, Optional[ModelFacts], str, int, lis
         facts, source = facts_from_gguf(gguf_path), f"read from {gguf_path} (-m)"
     elif name:
         facts, source = MODEL_FACTS[name], f"built-in model facts '{name}' (--model-facts)"
-    trace = load_trace(args.trace or default_trace_path(), model=name, facts=facts if gguf_path else None,
+    trace = load_trace(_trace_arg(args), model=name, facts=facts if gguf_path else None,
                        check_tokens=not args.drop_incomplete)
     notes = []
     if name:
@@ -524,7 +538,7 @@ def run(args) -> int:
         for n in names:
             pol.system_preset(n)
         recall = _positive_recall(args.recall, args.prefetch_depth)
-        trace_in = args.trace or default_trace_path()
+        trace_in = _trace_arg(args)
         _check_outputs(args.json, args.plot, getattr(args, "force", False),
                        [("--trace", trace_in), ("-m", args.model), ("--cost-model", args.cost_model),
                         ("--hardware", args.hardware if args.hardware and Path(args.hardware).is_file() else None)])

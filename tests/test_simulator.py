@@ -191,6 +191,14 @@ def test_command_rejects_bad_names(capsys):
         assert "within 0..100" in capsys.readouterr().err
 
 
+def test_a_missing_default_trace_names_the_flag_and_the_variable(tmp_path, monkeypatch, capsys):
+    missing = tmp_path / "shared" / "traces" / "dsv2lite_dev.npz"
+    monkeypatch.setattr(simulate, "default_trace_path", lambda: missing)
+    assert simulate.run(_args(no_progress=True)) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "--trace" in err and "HYBRIMOE_TRACE" in err, err
+
+
 def test_command_on_the_dsv2lite_trace(tmp_path, capsys):
     path = default_trace_path()
     if not path.is_file():
