@@ -91,9 +91,9 @@ def forced_share_policy(share: float):
 
 def model_and_table(args):
     """The synthetic model (written once to the cache) and its replay table from the trace."""
-    from hybrimoe.replay import replay_table
+    from hybrimoe.traces.routing_replay import routing_replay_table
     from hybrimoe.tiny import make_synthetic_model
-    from hybrimoe.trace import RoutingTrace, load_trace
+    from hybrimoe.traces.format import RoutingTrace, load_trace
 
     cache = Path(os.environ.get("HYBRIMOE_CACHE_DIR") or Path.home() / ".cache" / "hybrimoe") / "models"
     path = cache / f"synthetic-dsv2lite-q4km-{args.layers}.gguf"
@@ -110,7 +110,7 @@ def model_and_table(args):
     long = int(np.argmax(lengths >= args.n_prompt + args.n_gen)) if (lengths >= args.n_prompt + args.n_gen).any() \
         else int(np.argmax(lengths))
     start = int(tr.prompt_offsets[long])
-    table = replay_table(cut, path)[start:start + args.n_prompt + args.n_gen]
+    table = routing_replay_table(cut, path)[start:start + args.n_prompt + args.n_gen]
     return path, table
 
 
@@ -174,7 +174,7 @@ def run_configs(args) -> list:
     (``moe_cache="100%"``, no prefetch, no fills) and one :func:`forced_share_policy` whose share is set before each
     measurement. Repetition 0 (paging in, graph allocation, the first copies of the GPU experts) is not kept."""
     from hybrimoe import Llama
-    from hybrimoe.rpc import RPCServer
+    from hybrimoe.runtime.rpc import RPCServer
 
     path, table = model_and_table(args)
     n_moe = args.layers - 1

@@ -61,7 +61,7 @@ from pathlib import Path
 import numpy as np
 
 import hybrimoe  # noqa: E402  (the installed package, before llama_cpp: one libllama per process)
-from hybrimoe.bench import Config, interleave, med_spread, prompts  # noqa: E402,F401  (shared with hybrimoe bench)
+from hybrimoe.runtime.benchmark import Config, interleave, med_spread, prompts  # noqa: E402,F401  (shared with hybrimoe bench)
 
 MODEL = dict(arch="qwen3moe", n_layer=6, n_embd=512, n_ff_exp=512, n_expert=32, n_expert_used=4, n_head=8)
 QUANTS = ("Q8_0", "Q4_K_M")
@@ -79,13 +79,13 @@ ENGINE_CONFIGS = (  # part 2: (label, Llama kwargs on top of rpc_servers / n_gpu
 
 def model_path(quant: str) -> Path:
     """The benchmark model for ``quant``, written on first use into the hybrimoe cache directory."""
-    from hybrimoe.cli import _cache_dir
+    from hybrimoe.envs import cache_dir
     from hybrimoe.tiny import make_tiny_model
 
     m = MODEL
     name = (f"bench-engine-{m['arch']}-L{m['n_layer']}-D{m['n_embd']}-F{m['n_ff_exp']}-E{m['n_expert']}"
             f"-k{m['n_expert_used']}-{quant.lower()}.gguf")
-    path = _cache_dir() / "models" / name
+    path = cache_dir() / "models" / name
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}.gguf")
@@ -166,8 +166,8 @@ def part1(args) -> dict:
 
 
 def part2(args) -> dict:
-    from hybrimoe.engine import engine_facts
-    from hybrimoe.rpc import RPCServer
+    from hybrimoe.runtime.engine_facts import engine_facts
+    from hybrimoe.runtime.rpc import RPCServer
 
     # connect + handshake deadline of the RPC client (patch 0003, default 5 s): generous on a loaded 2-core machine
     os.environ.setdefault("HYBRIMOE_RPC_TIMEOUT_S", "30")

@@ -19,15 +19,15 @@ import time
 from pathlib import Path
 
 from hybrimoe import policy as pol
-from hybrimoe.simulate import Setup
+from hybrimoe.sim.simulator import Setup
 
 SHAPES = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b")
 
 
 def traces(args):
     """(name, seed -> RoutingTrace) for the real trace (when present) and every synthetic shape x locality."""
-    from hybrimoe.synth import synthetic_trace
-    from hybrimoe.trace import load_trace
+    from hybrimoe.traces.synthetic import synthetic_trace
+    from hybrimoe.traces.format import load_trace
 
     real = Path(args.trace)
     if real.exists():
@@ -52,8 +52,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    static = [n for n, s in pol.SYSTEM_PRESETS.items()
-              if isinstance(s["cache"], str) and s["cache"].startswith("static") and not s["clairvoyant"]]
+    static = list(pol.STATIC_PRESETS)
     names = ["hybrimoe"] + static + ["oracle"]
     rows = []
     print("| trace | seed | stage | hardware | cache | " + " | ".join(names) + " | hybrimoe / best static | flags |")

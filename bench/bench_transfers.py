@@ -44,7 +44,7 @@ _CHILD = textwrap.dedent("""
     spec = importlib.util.spec_from_file_location("bench_cpu_share", sys.argv[1])
     b = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(b)
-    from hybrimoe.rpc import free_port
+    from hybrimoe.runtime.rpc import free_port
 
     cfg = json.loads(sys.argv[2])
     server, stats = cfg["server"], cfg["stats"]
@@ -105,7 +105,7 @@ def _tally(rec: dict) -> dict:
 
 def run_config(args, mode: str, share: float = 0.0, python: str | None = None) -> dict:
     """Per-run tallies of one configuration: {run: {key: value}} plus the engine's expert-copy bytes."""
-    from hybrimoe.rpc import SERVER_BIN, read_stats
+    from hybrimoe.runtime.rpc import SERVER_BIN, read_stats
 
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stats.jsonl"

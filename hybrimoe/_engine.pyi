@@ -1,5 +1,6 @@
 """Type stubs for hybrimoe._engine (bindings/engine/engine_module.cpp)."""
 from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 

@@ -1,15 +1,20 @@
-"""The few ggml-backend registry functions hybrimoe needs from Python (ctypes over llama-cpp-python's libggml).
+"""The few ggml-backend registry functions hybrimoe needs from Python (ctypes over llama-cpp-python's libggml), with
+one table of their C signatures (:func:`libggml`).
 
 Used to register the RPC backend (our ``lib/libggml-rpc.so``, a loadable ggml backend module), add RPC
-servers, and find buffer types by name for tensor overrides (as upstream's ``--rpc`` and ``-ot`` do:
-common/arg.cpp ``add_rpc_devices`` and ``parse_tensor_buffer_overrides``).
+servers, find buffer types by name for tensor overrides (as upstream's ``--rpc`` and ``-ot`` do:
+common/arg.cpp ``add_rpc_devices`` and ``parse_tensor_buffer_overrides``), and ask a device its memory and its
+pinned host buffer type.
 """
 from __future__ import annotations
 
 import ctypes
+import socket
+import struct
 from functools import lru_cache
 
-from ._lib import LIB_DIR, _llama_cpp_lib_dir
+from hybrimoe._lib import LIB_DIR, llama_cpp_lib_dir
+from hybrimoe.envs import RPC_TIMEOUT_ENV, rpc_timeout_s
 
 _p = ctypes.c_void_p
 
@@ -17,7 +22,7 @@ _p = ctypes.c_void_p
 @lru_cache(maxsize=1)
 def libggml() -> ctypes.CDLL:
     """libggml of llama-cpp-python, with argument types declared. Raises OSError when it cannot be loaded."""
-    lib_dir = _llama_cpp_lib_dir()
+    lib_dir = llama_cpp_lib_dir()
     cands = sorted(lib_dir.glob("libggml.so*"))
     if not cands:
         raise OSError(f"libggml.so not found in {lib_dir}")
@@ -36,6 +41,7 @@ def libggml() -> ctypes.CDLL:
         "ggml_backend_dev_backend_reg": ([_p], _p),
         "ggml_backend_dev_buffer_type": ([_p], _p),
         "ggml_backend_dev_memory": ([_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)], None),
+        "ggml_backend_dev_host_buffer_type": ([_p], _p),
         "ggml_backend_buft_name": ([_p], ctypes.c_char_p),
     }
     for name, (args, res) in sig.items():
@@ -101,13 +107,14 @@ def add_rpc_server(endpoint: str) -> list[int]:
     """Register the devices of an RPC server ``HOST:PORT`` (upstream ``--rpc``); returns their device pointers.
 
     Idempotent per endpoint. Checks first, with a HELLO handshake of its own bounded by
-    ``$HYBRIMOE_RPC_TIMEOUT_S`` (default 5 s), that a ggml RPC server of our protocol answers there: ggml's
+    :func:`hybrimoe.envs.rpc_timeout_s` (``$HYBRIMOE_RPC_TIMEOUT_S``, default 5 s), that a ggml RPC server of our
+    protocol answers there: ggml's
     RPC client, before hybrimoe patch 0003, aborts the process on an endpoint that is not a server and waits
     forever on one that never answers; with the patch it fails with a log line, and this gives the reason.
 
     Raises:
-        ValueError: the endpoint is not ``HOST:PORT``, or what listens there is not a ggml RPC server of our
-            protocol (no valid HELLO reply within the timeout).
+        ValueError: the endpoint is not ``HOST:PORT``; what listens there is not a ggml RPC server of our
+            protocol, or one busy with another client (no valid HELLO reply within the timeout).
         RuntimeError: nothing listens there, or the RPC backend could not add the server.
     """
     host, sep, port = endpoint.rpartition(":")
@@ -115,7 +122,7 @@ def add_rpc_server(endpoint: str) -> list[int]:
         raise ValueError(f"RPC endpoint must be HOST:PORT, got {endpoint!r}")
     g = libggml()
     if endpoint not in _registered_endpoints:
-        _check_rpc_server(endpoint, host.strip("[]"), int(port))
+        check_rpc_server(endpoint, host.strip("[]"), int(port))
         reg = rpc_reg()
         fn_addr = g.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server")
         if not fn_addr:
@@ -161,23 +168,9 @@ RPC_PROTO_MAJOR_VERSION, RPC_PROTO_MINOR_VERSION = 7, 0
 _RPC_CONN_CAPS_SIZE = 24
 
 
-def rpc_timeout_s() -> float:
-    """Seconds allowed to connect to an RPC server and get its HELLO reply (``$HYBRIMOE_RPC_TIMEOUT_S``, 5)."""
-    import os
-
-    try:
-        t = float(os.environ.get("HYBRIMOE_RPC_TIMEOUT_S") or 5.0)
-    except ValueError:
-        t = 5.0
-    return t if t > 0 else 5.0
-
-
-def _check_rpc_server(endpoint: str, host: str, port: int, timeout: float | None = None) -> None:
+def check_rpc_server(endpoint: str, host: str, port: int, timeout: float | None = None) -> None:
     """HELLO handshake with ``endpoint`` (then disconnect: the server serves one client at a time), within
     ``timeout`` seconds (default :func:`rpc_timeout_s`)."""
-    import socket
-    import struct
-
     timeout = rpc_timeout_s() if timeout is None else timeout
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
@@ -193,8 +186,11 @@ def _check_rpc_server(endpoint: str, host: str, port: int, timeout: float | None
                     break
                 reply += chunk
     except socket.timeout:
-        raise ValueError(f"{endpoint} is not a ggml RPC server: no reply to the RPC handshake within "
-                         f"{timeout:g} s (HYBRIMOE_RPC_TIMEOUT_S sets the timeout)") from None
+        # ggml-rpc-server serves one client at a time: while it serves another, a second client's connection is
+        # accepted (the listen backlog) and its handshake waits, exactly like a listener that is no RPC server
+        raise ValueError(f"the RPC server at {endpoint} is busy with another client (it serves one at a time), or "
+                         f"{endpoint} is not a ggml RPC server: no reply to the RPC handshake within {timeout:g} s "
+                         f"({RPC_TIMEOUT_ENV} sets the timeout)") from None
     except OSError as e:
         raise ValueError(f"{endpoint} is not a ggml RPC server: the RPC handshake failed: {e}") from None
     if len(reply) < want or struct.unpack_from("<Q", reply)[0] != 4 + _RPC_CONN_CAPS_SIZE:
@@ -262,15 +258,29 @@ def buffer_type(name: str) -> int:
         if d["buft_name"] == name:
             return d["buft"]
     g = libggml()
-    fn = g.ggml_backend_dev_host_buffer_type
-    fn.argtypes = [_p]
-    fn.restype = _p
     hosts = {}
     for d in devs:
-        hb = fn(d["ptr"])
+        hb = g.ggml_backend_dev_host_buffer_type(d["ptr"])
         if hb:
             hosts[g.ggml_backend_buft_name(hb).decode()] = hb
     if name in hosts:
         return hosts[name]
     known = ", ".join(sorted({d["buft_name"] for d in devs} | set(hosts)))
     raise ValueError(f"unknown buffer type {name!r} in a tensor override; known: {known}")
+
+
+def host_buffer_type_name(device_ptr: int) -> str | None:
+    """Name of the device's pinned host buffer type (e.g. ``CUDA_Host``), or None when it has none (RPC)."""
+    g = libggml()
+    buft = g.ggml_backend_dev_host_buffer_type(device_ptr)
+    if not buft:
+        return None
+    return g.ggml_backend_buft_name(buft).decode()
+
+
+def device_memory(device_ptr: int) -> tuple[int, int]:
+    """(free, total) bytes of a ggml device (asks that device only: ``ggml_backend_dev_memory``)."""
+    g = libggml()
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    g.ggml_backend_dev_memory(ctypes.c_void_p(device_ptr), ctypes.byref(free), ctypes.byref(total))
+    return int(free.value), int(total.value)

@@ -20,7 +20,12 @@ class HybrimoeImportError(ImportError):
     """Raised when llama_cpp was imported before hybrimoe, or our native files are missing."""
 
 
-def _llama_cpp_lib_dir() -> Path:
+def llama_cpp_lib_dir() -> Path:
+    """The folder of llama-cpp-python's native libraries (its ggml), wherever it is installed.
+
+    Raises:
+        HybrimoeImportError: llama-cpp-python is not installed.
+    """
     import importlib.util
 
     spec = importlib.util.find_spec("llama_cpp")
@@ -34,7 +39,7 @@ def server_env(env: dict) -> dict:
     search path starts with hybrimoe's lib folder (our ggml-cpu) and then llama-cpp-python's (the ggml it
     installed), wherever each is installed (the programs' RUNPATH finds llama-cpp-python only beside hybrimoe)."""
     out = dict(env)
-    dirs = [str(LIB_DIR), str(_llama_cpp_lib_dir())]
+    dirs = [str(LIB_DIR), str(llama_cpp_lib_dir())]
     if out.get("LD_LIBRARY_PATH"):
         dirs.append(out["LD_LIBRARY_PATH"])
     out["LD_LIBRARY_PATH"] = os.pathsep.join(dirs)
@@ -71,7 +76,7 @@ def preload_ggml() -> None:
     global _preloaded
     if _preloaded:
         return
-    ggml_dir = _llama_cpp_lib_dir()
+    ggml_dir = llama_cpp_lib_dir()
     ours_cpu = LIB_DIR / "libggml-cpu.so.0"
     if not ours_cpu.exists():
         raise HybrimoeImportError(f"{ours_cpu} is missing: hybrimoe's native part was not built (pip install .)")
@@ -103,7 +108,20 @@ def llama_cpp_module():
         raise HybrimoeImportError(f"{ours} is missing: hybrimoe's native part was not built (pip install .)")
     preload_ggml()
     os.environ["LLAMA_CPP_LIB_PATH"] = str(LIB_DIR)
-    import llama_cpp  # noqa: E402  (must come after LLAMA_CPP_LIB_PATH)
+    import llama_cpp  # (must come after LLAMA_CPP_LIB_PATH)
 
+    _fix_log_levels()
     _loaded = llama_cpp
     return llama_cpp
+
+
+def _fix_log_levels() -> None:
+    """llama-cpp-python 0.3.36's log callback maps ggml's levels by an older enum (INFO 1, WARN 2, ERROR 3): with the
+    pinned ggml's (ggml.h: DEBUG 1, INFO 2, WARN 3, ERROR 4) it printed llama.cpp's warnings with ``verbose=False``
+    and hid its errors. The table it reads at every call is set to the pinned enum."""
+    import logging
+
+    from llama_cpp import _logger
+
+    _logger.GGML_LOG_LEVEL_TO_LOGGING_LEVEL.update({0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO,
+                                                   3: logging.WARNING, 4: logging.ERROR, 5: logging.DEBUG})

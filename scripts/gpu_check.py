@@ -174,7 +174,7 @@ def cmd_bench_model(args) -> int:
     import gguf
 
     from hybrimoe.tiny import DSV2_LITE_SHAPE, make_synthetic_model
-    from hybrimoe.trace import RoutingTrace, load_trace
+    from hybrimoe.traces.format import RoutingTrace, load_trace
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -249,8 +249,8 @@ def cmd_correctness(args) -> int:
     The device is the first CUDA GPU (``--mode cuda``) or an RPC stand-in server (``--mode cpu``)."""
     import hybrimoe  # noqa: F401  (before llama_cpp: hybrimoe's libllama)
     from hybrimoe import Llama, _ggml
-    from hybrimoe.oracle import greedy_with_logits, prompt_tokens
-    from hybrimoe.oracle import nmse as oracle_nmse
+    from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
+    from hybrimoe.testing.upstream import nmse as logits_nmse
     from hybrimoe.tiny import make_tiny_model
 
     work, out = Path(args.work), Path(args.out)
@@ -268,7 +268,7 @@ def cmd_correctness(args) -> int:
     server = None
     endpoint = None
     if args.mode == "cpu":
-        from hybrimoe.rpc import RPCServer
+        from hybrimoe.runtime.rpc import RPCServer
 
         server = RPCServer(threads=args.threads).start()
         endpoint = server.endpoint
@@ -309,7 +309,7 @@ def cmd_correctness(args) -> int:
                         st = llm.moe_stats().get("engine", {})
                     finally:
                         llm.close()
-                    nmse = oracle_nmse(lg, ref_lg)
+                    nmse = logits_nmse(lg, ref_lg)
                     same = out_t == ref_out
                     case.update(same_tokens=same, n_tokens=len(out_t), nmse=nmse, finite=bool(np.isfinite(lg).all()),
                                 bit_exact=bool(np.array_equal(lg, ref_lg)),

@@ -94,7 +94,7 @@ def test_bench_refuses_inputs_and_existing_outputs(tmp_path, tiny_model):
 
 
 def test_simulate_refuses_its_trace_and_existing_outputs(tmp_path):
-    from hybrimoe.synth import synthetic_trace
+    from hybrimoe.traces.synthetic import synthetic_trace
 
     tr = tmp_path / "partial.npz"
     synthetic_trace("mixtral-8x7b", 64, seed=0).save(tr)

@@ -20,30 +20,22 @@ Modules, one concept each:
 ``rows``             :func:`random_quant_rows`: random valid Q4_K/Q5_0/Q6_K/Q8_0 blocks
 ``synthetic``        :func:`make_synthetic_model`, :func:`synthetic_tensor_plan`, ``DSV2_LITE_SHAPE``
 ``fixtures``         :func:`fixture_set`
-``cli``              ``add_arguments`` / ``run`` of ``hybrimoe make-tiny-model``
 ===================  ===========================================================================================
 
-Every name below is importable from ``hybrimoe.tiny`` itself.
+``hybrimoe make-tiny-model`` (:mod:`hybrimoe.commands.make_tiny_model`) is the command line of
+:func:`make_tiny_model`. Every name below is importable from ``hybrimoe.tiny`` itself.
 """
 from __future__ import annotations
 
-from .cli import add_arguments, run
-from .fixtures import fixture_set
-from .quantize import FTYPES, MIX_PRESETS, QuantSpec, parse_quant, q4_k_m_type, quantize_gguf
-from .rows import random_quant_rows
-from .synthetic import DSV2_LITE_SHAPE, make_synthetic_model, synthetic_tensor_plan
-from .tiny_model import ARCHS, DEFAULT_N_EMBD, DEFAULT_N_FF_EXP, default_widths, make_tiny_model
-from .tokenizers import N_VOCAB, TOKENIZERS
-
-# private names that other modules and tests read from here (hybrimoe.bench builds prompts from _WORDS; the
-# tests load models through _llama_cpp and check the per-arch defaults of _DEFAULTS)
-from .quantize import _llama_cpp  # noqa: E402,F401
-from .tiny_model import _DEFAULTS  # noqa: E402,F401
-from .tokenizers import _WORDS  # noqa: E402,F401
+from hybrimoe.tiny.fixtures import fixture_set
+from hybrimoe.tiny.quantize import FTYPES, MIX_PRESETS, QuantSpec, parse_quant, q4_k_m_type, quantize_gguf
+from hybrimoe.tiny.rows import random_quant_rows
+from hybrimoe.tiny.synthetic import DSV2_LITE_SHAPE, make_synthetic_model, synthetic_tensor_plan
+from hybrimoe.tiny.tiny_model import ARCHS, DEFAULT_N_EMBD, DEFAULT_N_FF_EXP, default_widths, make_tiny_model
+from hybrimoe.tiny.tokenizers import N_VOCAB, TOKENIZERS, WORDS
 
 __all__ = [
     "ARCHS", "DEFAULT_N_EMBD", "DEFAULT_N_FF_EXP", "DSV2_LITE_SHAPE", "FTYPES", "MIX_PRESETS", "N_VOCAB",
-    "QuantSpec", "TOKENIZERS", "add_arguments", "default_widths", "fixture_set", "make_synthetic_model",
-    "make_tiny_model", "parse_quant", "q4_k_m_type", "quantize_gguf", "random_quant_rows", "run",
-    "synthetic_tensor_plan",
+    "QuantSpec", "TOKENIZERS", "WORDS", "default_widths", "fixture_set", "make_synthetic_model", "make_tiny_model",
+    "parse_quant", "q4_k_m_type", "quantize_gguf", "random_quant_rows", "synthetic_tensor_plan",
 ]

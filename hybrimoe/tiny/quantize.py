@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+import gguf
+
 # llama.cpp file types reachable by name (value: suffix of llama_cpp.LLAMA_FTYPE_*).
 FTYPES = {
     "F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16",
@@ -75,8 +77,6 @@ def parse_quant(quant) -> QuantSpec | None:
         ValueError: unknown file type or ggml type name, a tensor pattern that is not a regular expression, or a
             ``quant`` that is neither None, a name nor a dict.
     """
-    import gguf
-
     if quant is None:
         return None
     if isinstance(quant, str):
@@ -141,7 +141,6 @@ def synthetic_imatrix(src, seed: int = 0) -> dict:
     (uniform in [0.5, 1.5), seeded by ``seed`` and the tensor's position), for every tensor of 2 or more
     dimensions. The tiny models have no calibration data; the types that need one (``IMATRIX_TYPES``) only need
     some positive weighting of the columns."""
-    import gguf
     import numpy as np
 
     r = gguf.GGUFReader(str(src))
@@ -171,8 +170,6 @@ def quantize_gguf(src, dst, base: str = "Q8_0", overrides: dict | None = None, n
     Raises:
         ValueError: unknown type names. RuntimeError: the quantizer returned non-zero.
     """
-    import gguf
-
     llama_cpp = _llama_cpp()
     if base not in FTYPES:
         raise ValueError(f"unknown file type {base!r}; valid: {', '.join(FTYPES)}")

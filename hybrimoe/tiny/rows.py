@@ -8,6 +8,7 @@ sizes come from ``gguf.GGML_QUANT_SIZES``.
 """
 from __future__ import annotations
 
+import gguf
 import numpy as np
 
 
@@ -35,8 +36,6 @@ def random_quant_rows(rng: np.random.Generator, type_name: str, n_rows: int, row
     Raises:
         ValueError: a type this writer does not make, or ``row_len`` not a multiple of its block size.
     """
-    import gguf
-
     if type_name in ("F32", "F16"):
         a = rng.standard_normal((n_rows, row_len), dtype=np.float32) * np.float32(std)
         return a if type_name == "F32" else a.astype(np.float16)

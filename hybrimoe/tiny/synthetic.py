@@ -12,11 +12,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import gguf
 import numpy as np
 
-from .quantize import q4_k_m_type
-from .rows import random_quant_rows
-from .tokenizers import N_VOCAB, _write_tokenizer
+from hybrimoe.outputs import new_file_mode
+from hybrimoe.tiny.quantize import q4_k_m_type
+from hybrimoe.tiny.rows import random_quant_rows
+from hybrimoe.tiny.tokenizers import N_VOCAB, _write_tokenizer
 
 # DeepSeek-V2-Lite's shape (config.json of deepseek-ai/DeepSeek-V2-Lite): the defaults of make_synthetic_model,
 # except n_layer (27 there; fewer here, so a benchmark model fits a short GPU session)
@@ -71,6 +73,50 @@ def synthetic_tensor_plan(*, n_layer: int, n_embd: int, n_ff_exp: int, n_ff_dens
     return plan
 
 
+def _write_header(w, plan: list, *, quant: str, n_layer: int, n_embd: int, n_ff_exp: int, n_ff_dense: int,
+                  n_expert: int, n_expert_used: int, n_shared: int, n_head: int, kv_lora_rank: int, qk_rope: int,
+                  qk_nope: int, v_head: int, n_dense_lead: int, n_ctx_train: int) -> None:
+    """The metadata of :func:`make_synthetic_model`'s file and the info of every tensor of ``plan`` (the data
+    follows, tensor by tensor)."""
+    w.add_name("hybrimoe-synthetic-deepseek2")
+    _write_tokenizer(w, "spm")
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff_dense)
+    w.add_expert_feed_forward_length(n_ff_exp)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(qk_rope)
+    w.add_leading_dense_block_count(n_dense_lead)
+    w.add_q_lora_rank(0)
+    w.add_kv_lora_rank(kv_lora_rank)
+    w.add_key_length(kv_lora_rank + qk_rope)
+    w.add_value_length(kv_lora_rank)
+    w.add_key_length_mla(qk_nope + qk_rope)
+    w.add_value_length_mla(v_head)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(n_expert_used)
+    w.add_expert_shared_count(n_shared)
+    w.add_expert_weights_scale(1.0)
+    w.add_expert_weights_norm(False)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if quant == "Q4_K_M" else gguf.LlamaFileType.ALL_F32)
+    for name, shape, t, _ in plan:  # tensor infos first; the data follows tensor by tensor (streamed)
+        qt = gguf.GGMLQuantizationType[t]
+        blk, size = gguf.GGML_QUANT_SIZES[qt]
+        rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+        nbytes = rows * shape[0] // blk * size
+        np_shape = tuple(reversed(shape))
+        if t in ("F32", "F16"):
+            w.add_tensor_info(name, np_shape, np.dtype(np.float32 if t == "F32" else np.float16), nbytes)
+        else:
+            w.add_tensor_info(name, np_shape[:-1] + (shape[0] // blk * size,), np.dtype(np.uint8), nbytes,
+                              raw_dtype=qt)
+
+
 def make_synthetic_model(path, *, quant: str = "Q4_K_M", seed: int = 0, n_layer: int = 8,
                          n_embd: int = 2048, n_ff_exp: int = 1408, n_ff_dense: int = 10944, n_expert: int = 64,
                          n_expert_used: int = 6, n_shared: int = 2, n_head: int = 16, kv_lora_rank: int = 512,
@@ -104,8 +150,6 @@ def make_synthetic_model(path, *, quant: str = "Q4_K_M", seed: int = 0, n_layer:
         ValueError: unknown ``quant``, inconsistent sizes (k > E, n_dense_lead >= n_layer, rows that fit no
             block size), or a shape whose type this writer cannot make.
     """
-    import gguf
-
     if quant not in ("Q4_K_M", "F32"):
         raise ValueError(f"make_synthetic_model: quant must be 'Q4_K_M' or 'F32', got {quant!r}")
     if not 1 <= n_expert_used <= n_expert:
@@ -133,43 +177,10 @@ def make_synthetic_model(path, *, quant: str = "Q4_K_M", seed: int = 0, n_layer:
     os.close(fd)
     try:
         w = gguf.GGUFWriter(tmp, "deepseek2")
-        w.add_name("hybrimoe-synthetic-deepseek2")
-        _write_tokenizer(w, "spm")
-        w.add_context_length(n_ctx_train)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(n_ff_dense)
-        w.add_expert_feed_forward_length(n_ff_exp)
-        w.add_head_count(n_head)
-        w.add_head_count_kv(1)
-        w.add_layer_norm_rms_eps(1e-6)
-        w.add_rope_freq_base(10000.0)
-        w.add_rope_dimension_count(qk_rope)
-        w.add_leading_dense_block_count(n_dense_lead)
-        w.add_q_lora_rank(0)
-        w.add_kv_lora_rank(kv_lora_rank)
-        w.add_key_length(kv_lora_rank + qk_rope)
-        w.add_value_length(kv_lora_rank)
-        w.add_key_length_mla(qk_nope + qk_rope)
-        w.add_value_length_mla(v_head)
-        w.add_expert_count(n_expert)
-        w.add_expert_used_count(n_expert_used)
-        w.add_expert_shared_count(n_shared)
-        w.add_expert_weights_scale(1.0)
-        w.add_expert_weights_norm(False)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
-        w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if quant == "Q4_K_M" else gguf.LlamaFileType.ALL_F32)
-        for name, shape, t, _ in plan:  # tensor infos first; the data follows tensor by tensor (streamed)
-            qt = gguf.GGMLQuantizationType[t]
-            blk, size = gguf.GGML_QUANT_SIZES[qt]
-            rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-            nbytes = rows * shape[0] // blk * size
-            np_shape = tuple(reversed(shape))
-            if t in ("F32", "F16"):
-                w.add_tensor_info(name, np_shape, np.dtype(np.float32 if t == "F32" else np.float16), nbytes)
-            else:
-                w.add_tensor_info(name, np_shape[:-1] + (shape[0] // blk * size,), np.dtype(np.uint8), nbytes,
-                                  raw_dtype=qt)
+        _write_header(w, plan, quant=quant, n_layer=n_layer, n_embd=n_embd, n_ff_exp=n_ff_exp,
+                      n_ff_dense=n_ff_dense, n_expert=n_expert, n_expert_used=n_expert_used, n_shared=n_shared,
+                      n_head=n_head, kv_lora_rank=kv_lora_rank, qk_rope=qk_rope, qk_nope=qk_nope, v_head=v_head,
+                      n_dense_lead=n_dense_lead, n_ctx_train=n_ctx_train)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -184,8 +195,6 @@ def make_synthetic_model(path, *, quant: str = "Q4_K_M", seed: int = 0, n_layer:
             if progress and name.endswith("ffn_down_shexp.weight"):
                 print(f"make_synthetic_model: wrote {name.split('.')[0]}.{name.split('.')[1]}", file=sys.stderr)
         w.close()
-        from ..outputs import new_file_mode
-
         os.chmod(tmp, new_file_mode(path))  # mkstemp makes 0600 files; the umask decides, as elsewhere
         os.replace(tmp, path)
     finally:

@@ -58,13 +58,16 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 
-from .quantize import check_rows, parse_quant, quantize_gguf
-from .router import router_design
-from .tokenizers import TOKENIZERS, _write_tokenizer
+from hybrimoe.outputs import new_file_mode
+from hybrimoe.tiny.quantize import check_rows, parse_quant, quantize_gguf
+from hybrimoe.tiny.router import router_design
+from hybrimoe.tiny.tokenizers import TOKENIZERS, _write_tokenizer
 
 ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2", "gpt-oss", "llama4", "grok", "step35",
          "smallthinker")
@@ -72,7 +75,8 @@ ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2", "gpt-oss", "llam
 _DEFAULTS = {
     # arch: (n_expert, n_expert_used, n_shared)
     "qwen3moe": (8, 2, 0), "qwen2moe": (8, 2, 1), "olmoe": (8, 2, 0), "llama": (8, 2, 0),
-    "deepseek2": (8, 2, 1), "gpt-oss": (8, 2, 0), "llama4": (8, 1, 1), "grok": (8, 2, 0), "step35": (8, 2, 1), "smallthinker": (8, 2, 0),
+    "deepseek2": (8, 2, 1), "gpt-oss": (8, 2, 0), "llama4": (8, 1, 1), "grok": (8, 2, 0), "step35": (8, 2, 1),
+    "smallthinker": (8, 2, 0),
 }
 # widths (elements) of an unquantized or 32-block model when none are given; a quant with wider blocks raises
 # them to its block width (default_widths)
@@ -159,8 +163,66 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
             multiple of the quant block, shared experts on an arch without them, ...).
         RuntimeError: llama.cpp's quantizer failed.
     """
-    import gguf
+    shape = _shape(arch, n_layer, n_embd, n_expert, n_expert_used, n_ff_exp, n_shared, n_head, n_dense_lead,
+                   n_ff_dense, quant, tokenizer, router_margin, residual_scale, n_ctx_train, chat_template,
+                   dict(fused_gate_up=bool(fused_gate_up), expert_scales=bool(expert_scales),
+                        gated_experts=bool(gated_experts), swiglu_clamp=float(swiglu_clamp)))
+    qspec = parse_quant(quant)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    # write next to the target and rename at the end: a failure never leaves a damaged file at `path`
+    fd, out_tmp = tempfile.mkstemp(suffix=".tmp.gguf", dir=str(path.parent))
+    os.close(fd)
+    try:
+        if qspec is None:
+            _write(Path(out_tmp), shape, rng)
+        else:
+            fd, tmp = tempfile.mkstemp(suffix=".f32.gguf", dir=str(path.parent))
+            os.close(fd)
+            try:
+                _write(Path(tmp), shape, rng)
+                quantize_gguf(tmp, out_tmp, qspec.base, qspec.overrides)
+            finally:
+                os.unlink(tmp)
+        os.chmod(out_tmp, new_file_mode(path))  # mkstemp makes 0600 files; the umask decides, as elsewhere
+        os.replace(out_tmp, path)
+    finally:
+        if os.path.exists(out_tmp):
+            os.unlink(out_tmp)
+    return path
 
+
+@dataclass(frozen=True)
+class _Shape:
+    """The checked sizes of a tiny model (``D`` n_embd, ``F`` n_ff_exp, ``E`` experts, ``k`` top-k, ``ns`` shared
+    experts, ``L`` blocks, ``hd`` head dim, ``n_ff_d`` dense FFN width, ``s`` residual scale, ``variant`` the
+    expert-variant options) and the file's other settings."""
+
+    arch: str
+    D: int
+    F: int
+    E: int
+    k: int
+    ns: int
+    L: int
+    n_head: int
+    n_head_kv: int
+    hd: int
+    n_dense: int
+    n_ff_d: int
+    tokenizer: str
+    router_margin: float
+    s: float
+    n_ctx_train: int
+    chat_template: str | None
+    variant: dict
+
+
+def _shape(arch, n_layer, n_embd, n_expert, n_expert_used, n_ff_exp, n_shared, n_head, n_dense_lead, n_ff_dense,
+           quant, tokenizer, router_margin, residual_scale, n_ctx_train, chat_template, variant) -> _Shape:
+    """:func:`make_tiny_model`'s arguments checked and completed with the architecture's defaults; ValueError as
+    documented there."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     if tokenizer not in TOKENIZERS:
@@ -190,17 +252,16 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
         raise ValueError(f"router_margin must be a finite number > 0, got {router_margin}")
     if not np.isfinite(residual_scale) or residual_scale < 0:
         raise ValueError(f"residual_scale must be a finite number >= 0, got {residual_scale}")
-    if fused_gate_up and arch != "deepseek2":
+    if variant["fused_gate_up"] and arch != "deepseek2":
         raise ValueError(f"fused_gate_up: {arch} does not load ffn_gate_up_exps here; deepseek2 does")
-    if expert_scales and arch not in ("qwen3moe", "llama"):
+    if variant["expert_scales"] and arch not in ("qwen3moe", "llama"):
         raise ValueError(f"expert_scales: {arch}'s graph does not pass them to build_moe_ffn here; qwen3moe and "
                          "llama do")
-    if not gated_experts and arch != "grok":
+    if not variant["gated_experts"] and arch != "grok":
         raise ValueError(f"gated_experts=False: {arch} requires ffn_gate_exps; grok does not")
-    if swiglu_clamp and (arch != "step35" or not np.isfinite(swiglu_clamp) or swiglu_clamp < 0):
-        raise ValueError(f"swiglu_clamp must be a finite limit >= 0 on step35 (got {swiglu_clamp!r} on {arch})")
-    variant = dict(fused_gate_up=bool(fused_gate_up), expert_scales=bool(expert_scales),
-                   gated_experts=bool(gated_experts), swiglu_clamp=float(swiglu_clamp))
+    clamp = variant["swiglu_clamp"]
+    if clamp and (arch != "step35" or not np.isfinite(clamp) or clamp < 0):
+        raise ValueError(f"swiglu_clamp must be a finite limit >= 0 on step35 (got {clamp!r} on {arch})")
     if arch in ("qwen2moe", "deepseek2", "llama4", "step35"):
         if ns < 1:
             raise ValueError(f"{arch} needs n_shared >= 1")
@@ -221,95 +282,66 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
     n_ff_d = int(n_ff_dense) if n_ff_dense is not None else 2 * F
     check_rows(quant, qspec, (("n_embd", D), ("n_ff_exp", F)))
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    hd = D // n_head
-    n_head_kv = n_head if arch == "olmoe" else max(1, n_head // 2)
-    s = float(residual_scale)
-
-    # write next to the target and rename at the end: a failure never leaves a damaged file at `path`
-    fd, out_tmp = tempfile.mkstemp(suffix=".tmp.gguf", dir=str(path.parent))
-    os.close(fd)
-    try:
-        if qspec is None:
-            _write(Path(out_tmp), gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d,
-                   tokenizer, router_margin, s, n_ctx_train, chat_template, variant)
-        else:
-            fd, tmp = tempfile.mkstemp(suffix=".f32.gguf", dir=str(path.parent))
-            os.close(fd)
-            try:
-                _write(Path(tmp), gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d,
-                       tokenizer, router_margin, s, n_ctx_train, chat_template, variant)
-                quantize_gguf(tmp, out_tmp, qspec.base, qspec.overrides)
-            finally:
-                os.unlink(tmp)
-        from ..outputs import new_file_mode
-
-        os.chmod(out_tmp, new_file_mode(path))  # mkstemp makes 0600 files; the umask decides, as elsewhere
-        os.replace(out_tmp, path)
-    finally:
-        if os.path.exists(out_tmp):
-            os.unlink(out_tmp)
-    return path
+    return _Shape(arch=arch, D=D, F=F, E=E, k=k, ns=ns, L=L, n_head=n_head,
+                  n_head_kv=n_head if arch == "olmoe" else max(1, n_head // 2), hd=D // n_head, n_dense=n_dense,
+                  n_ff_d=n_ff_d, tokenizer=tokenizer, router_margin=router_margin, s=float(residual_scale),
+                  n_ctx_train=n_ctx_train, chat_template=chat_template, variant=variant)
 
 
-def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_dense, n_ff_d, tokenizer,
-           router_margin, s, n_ctx_train, chat_template=None, variant=None):
-    """Write the F32 model of :func:`make_tiny_model` to ``path`` with the checked sizes (``D`` n_embd, ``F``
-    n_ff_exp, ``E`` experts, ``k`` top-k, ``ns`` shared experts, ``L`` blocks, ``hd`` head dim, ``n_ff_d`` dense
-    FFN width, ``s`` residual scale, ``variant`` the expert-variant options), drawing every weight from ``rng`` in
-    a fixed order."""
-    variant = variant or {}
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"hybrimoe-tiny-{arch}")
-    normal = _write_tokenizer(w, tokenizer)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
-    n_vocab = len(normal)
-    w.add_context_length(n_ctx_train)
-    w.add_embedding_length(D)
-    w.add_block_count(L)
-    w.add_head_count(n_head)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    w.add_expert_count(E)
-    w.add_expert_used_count(k)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    if arch in ("llama", "olmoe"):
-        w.add_feed_forward_length(F)
-    else:
-        w.add_feed_forward_length(n_ff_d if arch == "deepseek2" else F)
-        w.add_expert_feed_forward_length(F)
-    if arch in ("qwen2moe", "step35"):
-        w.add_expert_shared_feed_forward_length(ns * F)
-    if arch == "step35":
-        w.add_sliding_window(64)
-        w.add_sliding_window_pattern([il % 2 == 0 for il in range(L)])  # upstream needs one SWA layer
-        if variant.get("swiglu_clamp"):
-            w.add_swiglu_clamp_exp([float(variant["swiglu_clamp"])] * L)
-    mla = dict(q_lora=32, kv_lora=32, rope=16, nope=16, v=16)
+#: deepseek2's multi-head latent attention sizes (fixed): q and kv LoRA ranks, rope and no-rope head dims, v head dim
+_MLA = dict(q_lora=32, kv_lora=32, rope=16, nope=16, v=16)
+
+
+def _is_lite(sh: _Shape) -> bool:
     # llama.cpp takes a deepseek2 model with 26 or 27 blocks for DeepSeek-V2-Lite, whose queries have no
     # low-rank projection (src/models/deepseek2.cpp, is_lite): write attn_q then, like that model
-    lite = arch == "deepseek2" and L in (26, 27)
+    return sh.arch == "deepseek2" and sh.L in (26, 27)
+
+
+def _write_metadata(w, sh: _Shape) -> None:
+    """The architecture's metadata keys (the tokenizer's are written before)."""
+    arch, variant = sh.arch, sh.variant
+    if sh.chat_template is not None:
+        w.add_chat_template(sh.chat_template)
+    w.add_context_length(sh.n_ctx_train)
+    w.add_embedding_length(sh.D)
+    w.add_block_count(sh.L)
+    w.add_head_count(sh.n_head)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_expert_count(sh.E)
+    w.add_expert_used_count(sh.k)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch in ("llama", "olmoe"):
+        w.add_feed_forward_length(sh.F)
+    else:
+        w.add_feed_forward_length(sh.n_ff_d if arch == "deepseek2" else sh.F)
+        w.add_expert_feed_forward_length(sh.F)
+    if arch in ("qwen2moe", "step35"):
+        w.add_expert_shared_feed_forward_length(sh.ns * sh.F)
+    if arch == "step35":
+        w.add_sliding_window(64)
+        w.add_sliding_window_pattern([il % 2 == 0 for il in range(sh.L)])  # upstream needs one SWA layer
+        if variant.get("swiglu_clamp"):
+            w.add_swiglu_clamp_exp([float(variant["swiglu_clamp"])] * sh.L)
     if arch == "deepseek2":
         w.add_head_count_kv(1)
-        w.add_leading_dense_block_count(n_dense)
-        if not lite:
-            w.add_q_lora_rank(mla["q_lora"])
-        w.add_kv_lora_rank(mla["kv_lora"])
-        w.add_key_length(mla["kv_lora"] + mla["rope"])
-        w.add_value_length(mla["kv_lora"])
-        w.add_key_length_mla(mla["nope"] + mla["rope"])
-        w.add_value_length_mla(mla["v"])
-        w.add_rope_dimension_count(mla["rope"])
-        w.add_expert_shared_count(ns)
+        w.add_leading_dense_block_count(sh.n_dense)
+        if not _is_lite(sh):
+            w.add_q_lora_rank(_MLA["q_lora"])
+        w.add_kv_lora_rank(_MLA["kv_lora"])
+        w.add_key_length(_MLA["kv_lora"] + _MLA["rope"])
+        w.add_value_length(_MLA["kv_lora"])
+        w.add_key_length_mla(_MLA["nope"] + _MLA["rope"])
+        w.add_value_length_mla(_MLA["v"])
+        w.add_rope_dimension_count(_MLA["rope"])
+        w.add_expert_shared_count(sh.ns)
         w.add_expert_weights_scale(2.5)
         w.add_expert_weights_norm(True)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     else:
-        w.add_head_count_kv(n_head_kv)
-        w.add_rope_dimension_count(hd)
+        w.add_head_count_kv(sh.n_head_kv)
+        w.add_rope_dimension_count(sh.hd)
     if arch == "gpt-oss":
         w.add_sliding_window(64)
         w.add_expert_weights_scale(1.0)
@@ -325,88 +357,108 @@ def _write(path, gguf, arch, rng, D, F, E, k, ns, L, n_head, n_head_kv, hd, n_de
         w.add_logit_scale(1.0)
         w.add_attn_output_scale(1.0)
 
-    n_moe = L - n_dense
-    emb, routers, _ = router_design(rng, n_vocab, D, E, k, n_moe, router_margin)
+
+def _attention(t: dict, p: str, sh: _Shape, rng) -> None:
+    """Block ``p``'s attention tensors and the norms around it (weights drawn from ``rng`` in a fixed order)."""
+    D, n_head, hd, s = sh.D, sh.n_head, sh.hd, sh.s
+    t[p + "attn_norm.weight"] = np.ones(D, np.float32)
+    if sh.arch == "deepseek2":
+        m = _MLA
+        qk = m["nope"] + m["rope"]
+        t[p + "attn_kv_a_norm.weight"] = np.ones(m["kv_lora"], np.float32)
+        if _is_lite(sh):
+            t[p + "attn_q.weight"] = _normal(rng, (n_head * qk, D), 1 / np.sqrt(D))
+        else:
+            t[p + "attn_q_a_norm.weight"] = np.ones(m["q_lora"], np.float32)
+            t[p + "attn_q_a.weight"] = _normal(rng, (m["q_lora"], D), 1 / np.sqrt(D))
+            t[p + "attn_q_b.weight"] = _normal(rng, (n_head * qk, m["q_lora"]), 1 / np.sqrt(m["q_lora"]))
+        t[p + "attn_kv_a_mqa.weight"] = _normal(rng, (m["kv_lora"] + m["rope"], D), 1 / np.sqrt(D))
+        t[p + "attn_k_b.weight"] = _normal(rng, (n_head, m["kv_lora"], m["nope"]), 1 / np.sqrt(m["nope"]))
+        t[p + "attn_v_b.weight"] = _normal(rng, (n_head, m["v"], m["kv_lora"]), 1 / np.sqrt(m["kv_lora"]))
+        t[p + "attn_output.weight"] = _normal(rng, (D, n_head * m["v"]), s / np.sqrt(n_head * m["v"]))
+    else:
+        t[p + "attn_q.weight"] = _normal(rng, (n_head * hd, D), 1 / np.sqrt(D))
+        t[p + "attn_k.weight"] = _normal(rng, (sh.n_head_kv * hd, D), 1 / np.sqrt(D))
+        t[p + "attn_v.weight"] = _normal(rng, (sh.n_head_kv * hd, D), 1 / np.sqrt(D))
+        t[p + "attn_output.weight"] = _normal(rng, (D, n_head * hd), s / np.sqrt(n_head * hd))
+        if sh.arch == "qwen3moe":
+            t[p + "attn_q_norm.weight"] = np.ones(hd, np.float32)
+            t[p + "attn_k_norm.weight"] = np.ones(hd, np.float32)
+        elif sh.arch == "olmoe":
+            t[p + "attn_q_norm.weight"] = np.ones(D, np.float32)
+            t[p + "attn_k_norm.weight"] = np.ones(D, np.float32)
+        elif sh.arch == "gpt-oss":
+            t[p + "attn_output.bias"] = np.zeros(D, np.float32)
+            t[p + "attn_sinks.weight"] = _normal(rng, (n_head,), 0.5)
+    if sh.arch == "gpt-oss":
+        t[p + "post_attention_norm.weight"] = np.ones(D, np.float32)
+    elif sh.arch == "grok":
+        # grok RMS-normalises the attention and FFN outputs: their weights set what each adds to the residual
+        t[p + "attn_output_norm.weight"] = np.full(D, s, np.float32)
+        t[p + "ffn_norm.weight"] = np.ones(D, np.float32)
+        t[p + "layer_output_norm.weight"] = np.full(D, s, np.float32)
+    else:
+        t[p + "ffn_norm.weight"] = np.ones(D, np.float32)
+
+
+def _moe_ffn(t: dict, p: str, sh: _Shape, rng, router) -> None:
+    """Block ``p``'s router, routed experts (and their variant's tensors) and shared experts."""
+    D, F, E, s, variant = sh.D, sh.F, sh.E, sh.s, sh.variant
+    t[p + "ffn_gate_inp.weight"] = router
+    gate = _normal(rng, (E, F, D), 1 / np.sqrt(D))
+    up = _normal(rng, (E, F, D), 1 / np.sqrt(D))
+    if variant.get("fused_gate_up"):
+        t[p + "ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)  # {D, 2F, E}: gate rows first
+    else:
+        if variant.get("gated_experts", True):
+            t[p + "ffn_gate_exps.weight"] = gate
+        t[p + "ffn_up_exps.weight"] = up
+    t[p + "ffn_down_exps.weight"] = _normal(rng, (E, D, F), 2 * s / np.sqrt(F))
+    if variant.get("expert_scales"):
+        for kind in ("gate", "up", "down"):
+            t[p + f"ffn_{kind}_exps.scale"] = rng.uniform(0.5, 1.5, E).astype(np.float32)
+    if sh.arch == "gpt-oss":
+        t[p + "ffn_gate_inp.bias"] = np.zeros(E, np.float32)
+        t[p + "ffn_gate_exps.bias"] = _normal(rng, (E, F), 0.05)
+        t[p + "ffn_up_exps.bias"] = _normal(rng, (E, F), 0.05)
+        t[p + "ffn_down_exps.bias"] = _normal(rng, (E, D), 0.05 * s)
+    if sh.arch in ("qwen2moe", "deepseek2", "llama4", "step35"):
+        fs = sh.ns * F
+        if sh.arch == "qwen2moe":
+            t[p + "ffn_gate_inp_shexp.weight"] = _normal(rng, (D,), 1 / np.sqrt(D))
+        t[p + "ffn_gate_shexp.weight"] = _normal(rng, (fs, D), 1 / np.sqrt(D))
+        t[p + "ffn_up_shexp.weight"] = _normal(rng, (fs, D), 1 / np.sqrt(D))
+        t[p + "ffn_down_shexp.weight"] = _normal(rng, (D, fs), 2 * s / np.sqrt(fs))
+
+
+def _write(path: Path, sh: _Shape, rng) -> None:
+    """Write the F32 model of :func:`make_tiny_model` to ``path`` with the checked sizes ``sh``, drawing every weight
+    from ``rng`` in a fixed order (the same arguments and seed: the same file)."""
+    w = gguf.GGUFWriter(str(path), sh.arch)
+    w.add_name(f"hybrimoe-tiny-{sh.arch}")
+    normal = _write_tokenizer(w, sh.tokenizer)
+    n_vocab = len(normal)
+    _write_metadata(w, sh)
+    D = sh.D
+    emb, routers, _ = router_design(rng, n_vocab, D, sh.E, sh.k, sh.L - sh.n_dense, sh.router_margin)
     t = {}
     t["token_embd.weight"] = emb
     t["output_norm.weight"] = np.ones(D, np.float32)
     # output head: rows of byte, control and unused tokens are zero (logit 0), so greedy decoding emits
     # text pieces (a lone byte token is invalid UTF-8 and llama-cpp-python then never stops generating)
     t["output.weight"] = _normal(rng, (n_vocab, D), 1.0 / np.sqrt(D)) * normal[:, None].astype(np.float32)
-    for il in range(L):
+    for il in range(sh.L):
         p = f"blk.{il}."
-        t[p + "attn_norm.weight"] = np.ones(D, np.float32)
-        if arch == "deepseek2":
-            qk = mla["nope"] + mla["rope"]
-            t[p + "attn_kv_a_norm.weight"] = np.ones(mla["kv_lora"], np.float32)
-            if lite:
-                t[p + "attn_q.weight"] = _normal(rng, (n_head * qk, D), 1 / np.sqrt(D))
-            else:
-                t[p + "attn_q_a_norm.weight"] = np.ones(mla["q_lora"], np.float32)
-                t[p + "attn_q_a.weight"] = _normal(rng, (mla["q_lora"], D), 1 / np.sqrt(D))
-                t[p + "attn_q_b.weight"] = _normal(rng, (n_head * qk, mla["q_lora"]),
-                                                   1 / np.sqrt(mla["q_lora"]))
-            t[p + "attn_kv_a_mqa.weight"] = _normal(rng, (mla["kv_lora"] + mla["rope"], D), 1 / np.sqrt(D))
-            t[p + "attn_k_b.weight"] = _normal(rng, (n_head, mla["kv_lora"], mla["nope"]), 1 / np.sqrt(mla["nope"]))
-            t[p + "attn_v_b.weight"] = _normal(rng, (n_head, mla["v"], mla["kv_lora"]), 1 / np.sqrt(mla["kv_lora"]))
-            t[p + "attn_output.weight"] = _normal(rng, (D, n_head * mla["v"]), s / np.sqrt(n_head * mla["v"]))
+        _attention(t, p, sh, rng)
+        if il < sh.n_dense:
+            t[p + "ffn_gate.weight"] = _normal(rng, (sh.n_ff_d, D), 1 / np.sqrt(D))
+            t[p + "ffn_up.weight"] = _normal(rng, (sh.n_ff_d, D), 1 / np.sqrt(D))
+            t[p + "ffn_down.weight"] = _normal(rng, (D, sh.n_ff_d), 2 * sh.s / np.sqrt(sh.n_ff_d))
         else:
-            t[p + "attn_q.weight"] = _normal(rng, (n_head * hd, D), 1 / np.sqrt(D))
-            t[p + "attn_k.weight"] = _normal(rng, (n_head_kv * hd, D), 1 / np.sqrt(D))
-            t[p + "attn_v.weight"] = _normal(rng, (n_head_kv * hd, D), 1 / np.sqrt(D))
-            t[p + "attn_output.weight"] = _normal(rng, (D, n_head * hd), s / np.sqrt(n_head * hd))
-            if arch == "qwen3moe":
-                t[p + "attn_q_norm.weight"] = np.ones(hd, np.float32)
-                t[p + "attn_k_norm.weight"] = np.ones(hd, np.float32)
-            elif arch == "olmoe":
-                t[p + "attn_q_norm.weight"] = np.ones(D, np.float32)
-                t[p + "attn_k_norm.weight"] = np.ones(D, np.float32)
-            elif arch == "gpt-oss":
-                t[p + "attn_output.bias"] = np.zeros(D, np.float32)
-                t[p + "attn_sinks.weight"] = _normal(rng, (n_head,), 0.5)
-        if arch == "gpt-oss":
-            t[p + "post_attention_norm.weight"] = np.ones(D, np.float32)
-        elif arch == "grok":
-            # grok RMS-normalises the attention and FFN outputs: their weights set what each adds to the residual
-            t[p + "attn_output_norm.weight"] = np.full(D, s, np.float32)
-            t[p + "ffn_norm.weight"] = np.ones(D, np.float32)
-            t[p + "layer_output_norm.weight"] = np.full(D, s, np.float32)
-        else:
-            t[p + "ffn_norm.weight"] = np.ones(D, np.float32)
-        if il < n_dense:
-            t[p + "ffn_gate.weight"] = _normal(rng, (n_ff_d, D), 1 / np.sqrt(D))
-            t[p + "ffn_up.weight"] = _normal(rng, (n_ff_d, D), 1 / np.sqrt(D))
-            t[p + "ffn_down.weight"] = _normal(rng, (D, n_ff_d), 2 * s / np.sqrt(n_ff_d))
-            continue
-        t[p + "ffn_gate_inp.weight"] = routers[il - n_dense]
-        gate = _normal(rng, (E, F, D), 1 / np.sqrt(D))
-        up = _normal(rng, (E, F, D), 1 / np.sqrt(D))
-        if variant.get("fused_gate_up"):
-            t[p + "ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)  # {D, 2F, E}: gate rows first
-        else:
-            if variant.get("gated_experts", True):
-                t[p + "ffn_gate_exps.weight"] = gate
-            t[p + "ffn_up_exps.weight"] = up
-        t[p + "ffn_down_exps.weight"] = _normal(rng, (E, D, F), 2 * s / np.sqrt(F))
-        if variant.get("expert_scales"):
-            for kind in ("gate", "up", "down"):
-                t[p + f"ffn_{kind}_exps.scale"] = rng.uniform(0.5, 1.5, E).astype(np.float32)
-        if arch == "gpt-oss":
-            t[p + "ffn_gate_inp.bias"] = np.zeros(E, np.float32)
-            t[p + "ffn_gate_exps.bias"] = _normal(rng, (E, F), 0.05)
-            t[p + "ffn_up_exps.bias"] = _normal(rng, (E, F), 0.05)
-            t[p + "ffn_down_exps.bias"] = _normal(rng, (E, D), 0.05 * s)
-        if arch in ("qwen2moe", "deepseek2", "llama4", "step35"):
-            fs = ns * F
-            if arch == "qwen2moe":
-                t[p + "ffn_gate_inp_shexp.weight"] = _normal(rng, (D,), 1 / np.sqrt(D))
-            t[p + "ffn_gate_shexp.weight"] = _normal(rng, (fs, D), 1 / np.sqrt(D))
-            t[p + "ffn_up_shexp.weight"] = _normal(rng, (fs, D), 1 / np.sqrt(D))
-            t[p + "ffn_down_shexp.weight"] = _normal(rng, (D, fs), 2 * s / np.sqrt(fs))
+            _moe_ffn(t, p, sh, rng, routers[il - sh.n_dense])
     for name, arr in t.items():
         w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-

@@ -1,19 +1,20 @@
 """The two tiny tokenizers of the tiny models: a SentencePiece-style ``llama`` vocab with byte fallback and a
 GPT-2 byte-level BPE ``gpt2`` vocab with merges, both padded to ``N_VOCAB`` tokens.
 
-Both hold the same word pieces (``_WORDS`` and all their prefixes), so prompts made of those words tokenize into
+Both hold the same word pieces (``WORDS`` and all their prefixes), so prompts made of those words tokenize into
 whole words rather than bytes; the rest of the vocabulary is single characters (SPM) or byte symbols (BPE),
 and unused padding tokens. Token types are gguf's ``TokenType`` values (llama.cpp's ``llama_token_type``).
 """
 from __future__ import annotations
 
+import gguf
 import numpy as np
 
 TOKENIZERS = ("spm", "bpe")
 N_VOCAB = 512  # vocabulary size of both tokenizers (padded with unused tokens)
 
 # the words whose pieces both vocabularies hold (hybrimoe.bench builds its prompts from them)
-_WORDS = ("the", "and", "is", "of", "to", "in", "a", "it", "was", "hello", "world", "once", "upon", "time",
+WORDS = ("the", "and", "is", "of", "to", "in", "a", "it", "was", "hello", "world", "once", "upon", "time",
           "there", "little", "model", "expert", "mixture", "cat", "dog", "run", "fast", "slow", "one", "two")
 
 
@@ -25,15 +26,13 @@ def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
     through pieces already in the vocab), then ``<unusedN>`` padding. Scores are 0 for the special and byte
     tokens and grow with the piece length otherwise (longer pieces win), with a tiny id-ordered tie-break.
     """
-    import gguf
-
     tt = gguf.TokenType
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [tt.UNKNOWN, tt.CONTROL, tt.CONTROL] + [tt.BYTE] * 256
     pieces: list[str] = ["▁"]
     chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'-:;()"
     pieces += list(chars)
-    for w in _WORDS:
+    for w in WORDS:
         for i in range(1, len(w) + 1):
             pieces.append("▁" + w[:i])
         for i in range(2, len(w) + 1):
@@ -58,7 +57,6 @@ def _bpe_vocab() -> tuple[list[str], list[int], list[str]]:
     reached by merging left to right (``Ġ`` marks a leading space; one merge ``"a b"`` per new piece), then
     ``<|endoftext|>`` (bos and eos), then ``<|unusedN|>`` padding.
     """
-    import gguf
     from gguf.vocab import bytes_to_unicode
 
     tt = gguf.TokenType
@@ -66,7 +64,7 @@ def _bpe_vocab() -> tuple[list[str], list[int], list[str]]:
     tokens = [b2u[b] for b in range(256)]
     merges: list[str] = []
     seen = set(tokens)
-    for w in _WORDS:
+    for w in WORDS:
         for word in ("Ġ" + w, w):
             cur = word[0]
             for ch in word[1:]:
@@ -94,8 +92,6 @@ def _write_tokenizer(w, tokenizer: str) -> np.ndarray:
     Raises:
         ValueError: unknown ``tokenizer``.
     """
-    import gguf
-
     if tokenizer == "spm":
         tokens, scores, types = _spm_vocab()
         w.add_tokenizer_model("llama")

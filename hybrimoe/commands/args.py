@@ -1,0 +1,89 @@
+"""Checked argument types for every command's flags, so that a flag shared by several commands validates the same way
+in each, and the help formatter that shows the defaults.
+
+Every numeric flag of every command takes one of these types (a test walks the parsers): argparse then refuses a
+value out of range, NaN or infinity with one line naming the flag (``hybrimoe run: error: argument -t/--threads: must
+be >= 1, got 0``) and exit status 2, before anything is loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable, Optional
+
+#: the largest seed llama.cpp's samplers take (uint32_t)
+SEED_MAX = 2 ** 32 - 1
+
+
+def int_in(lo: Optional[int] = None, hi: Optional[int] = None, *, also: tuple = ()) -> Callable[[str], int]:
+    """An argparse type: an integer within ``lo..hi`` (either end None: open), or one of ``also`` (e.g. -1 meaning
+    "random" or "all")."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if v in also:
+            return v
+        if lo is not None and v < lo or hi is not None and v > hi:
+            rng = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in {lo}..{hi}"
+            extra = f" (or {', '.join(map(str, also))})" if also else ""
+            raise argparse.ArgumentTypeError(f"must be {rng}{extra}, got {v}")
+        return v
+
+    parse.__name__ = "integer"  # argparse names the type in its own messages
+    parse.checked_range = (lo, hi, also)
+    return parse
+
+
+def float_in(lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: bool = False,
+             hi_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number within ``lo..hi`` (``lo_open`` / ``hi_open``: that end excluded; None: no
+    bound). NaN and infinity are refused."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        low_bad = lo is not None and (v <= lo if lo_open else v < lo)
+        high_bad = hi is not None and (v >= hi if hi_open else v > hi)
+        if low_bad or high_bad:
+            left = "" if lo is None else ("(" if lo_open else "[") + f"{lo:g}"
+            right = "" if hi is None else f"{hi:g}" + (")" if hi_open else "]")
+            rng = (f"in {left}, {right}" if lo is not None and hi is not None else
+                   f"{'>' if lo_open else '>='} {lo:g}" if lo is not None else f"{'<' if hi_open else '<='} {hi:g}")
+            raise argparse.ArgumentTypeError(f"must be {rng}, got {text}")
+        return v
+
+    parse.__name__ = "number"
+    parse.checked_range = (lo, hi, ())
+    return parse
+
+
+#: the types of the flags several commands share
+POSITIVE = int_in(1)
+COUNT = int_in(0)
+THREADS = int_in(1)
+SEED = int_in(0, SEED_MAX)
+SAMPLING_SEED = int_in(0, SEED_MAX, also=(-1,))
+PORT = int_in(0, 65535)
+TEMPERATURE = float_in(0.0)
+TOP_P = float_in(0.0, 1.0, lo_open=True)
+FRACTION = float_in(0.0, 1.0, hi_open=True)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter that appends ``(default: X)`` to a flag's help when it has a default worth showing and
+    its help does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        if action.option_strings:
+            text += " (default: %(default)s)"
+        return text

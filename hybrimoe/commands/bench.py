@@ -1,0 +1,292 @@
+"""``hybrimoe bench``: hybrimoe against upstream llama.cpp offloading at the same GPU memory (llama-bench style;
+the measuring machinery is :mod:`hybrimoe.runtime.benchmark`).
+
+On one model and the same prompts, each mode is loaded, warmed up, measured over ``-r`` repetitions and closed:
+
+- ``upstream -ot exps=CPU``: non-expert weights on the GPU, every routed expert in host memory (upstream's
+  default CPU buffers, repacking included);
+- ``upstream --n-cpu-moe N``: the routed experts of the last MoE layers on the GPU, as many whole layers as the
+  cache budget holds (the smallest N that fits);
+- ``upstream -ngl K``: whole layers on the GPU, as many of the last ones as fit in the GPU memory the other modes
+  use (their non-expert weights plus the budget);
+- ``hybrimoe <policy>`` for each engine policy, with ``moe_cache`` = the budget (by default every engine preset;
+  ``hot-set`` only with ``--moe-profile``, which every hybrimoe mode is then given: see ``hybrimoe.Llama``'s
+  ``moe_profile``).
+
+Figures per mode: prompt processing (pp, ``-p`` tokens in one batch) and text generation (tg, ``-n`` greedy
+tokens after it) in tokens/s, mean and standard deviation over the repetitions; for hybrimoe the cache hit rate
+and the bytes copied to the GPU per generated token (decode only). Timings come from llama.cpp's own context timer
+(``llama_perf_context``, with ``llama_synchronize`` after every ``eval``): graph compute, no Python. With
+``--replay-trace`` every mode routes the trace's expert ids (the text is then meaningless). Without a GPU, use the
+RPC stand-in (``--rpc``, or ``--stand-in`` to start one): it is the same CPU, so no speed claim can be made there.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from tqdm import tqdm
+
+from hybrimoe import _ggml
+from hybrimoe.commands.args import POSITIVE, THREADS, int_in
+from hybrimoe.envs import progress_on
+from hybrimoe.outputs import atomic_open, check_output, savefig, write_text
+from hybrimoe.policy.hardware import resolve_cost_model
+from hybrimoe.policy.presets import ENGINE_PRESETS, PROFILE_PRESETS
+from hybrimoe.runtime.benchmark import Config, mean_sd, noise_warnings, prompts, upstream_modes
+from hybrimoe.runtime.engine_facts import engine_facts
+from hybrimoe.runtime.rpc import RPCServer
+from hybrimoe.runtime.setup import cache_slots, load_profile
+from hybrimoe.traces.routing_replay import routing_replay_table
+
+HELP = "hybrimoe against upstream offloading at the same GPU memory (pp/tg tokens/s, hit rate, bytes copied)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``bench`` flags."""
+    p.add_argument("-m", "--model", required=True, help="GGUF model")
+    p.add_argument("--moe-cache", default="25%", help="GPU memory for routed experts, every mode (default 25%%)")
+    p.add_argument("-p", "--n-prompt", type=POSITIVE, default=512, help="prompt tokens (pp; default %(default)s)")
+    p.add_argument("-n", "--n-gen", type=POSITIVE, default=128, help="generated tokens (tg; default %(default)s)")
+    p.add_argument("-r", "--repetitions", type=POSITIVE, default=3, help="repetitions per mode (default %(default)s)")
+    p.add_argument("-t", "--threads", type=THREADS, default=None, help="CPU threads (default: llama-cpp-python's)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int_in(0, also=(-1,)), default=99,
+                   help="layers on the GPU for the non-partial "
+                   "modes (default %(default)s)")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT", help="ggml RPC server as the GPU")
+    p.add_argument("--stand-in", action="store_true",
+                   help="start a ggml-rpc-server on 127.0.0.1 as the GPU (machines without one; no speed claim)")
+    p.add_argument("--policies", default=None,
+                   help=f"engine policies to run, comma-separated (default: {','.join(ENGINE_PRESETS)}; "
+                        f"{', '.join(PROFILE_PRESETS)} only with --moe-profile)")
+    p.add_argument("--moe-profile", default=None, metavar="TRACE.npz",
+                   help="profile of expert frequencies for every hybrimoe mode: a routing trace (hybrimoe trace) of "
+                        "this model; hot-set needs it")
+    p.add_argument("--upstream", default="exps,ncmoe,ngl", help="upstream modes to run: exps, ncmoe, ngl")
+    p.add_argument("--moe-cost-model", default=None, help="planner cost model for hybrimoe (preset or JSON)")
+    p.add_argument("--replay-trace", default=None, metavar="TRACE.npz", help="route every mode by a trace")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument("--csv", default=None, metavar="FILE", help="write the table as CSV")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of pp and tg tokens/s")
+    p.add_argument("--force", action="store_true", help="replace existing --json, --csv and --plot files")
+
+
+def _check_outputs(args) -> None:
+    """Every output path is checked before a long run (:func:`hybrimoe.outputs.check_output`: not an input, not an
+    existing file without ``--force``, a writable folder), and the plot's format is one matplotlib writes.
+
+    Raises:
+        ValueError: naming the option and the problem.
+    """
+    inputs = [("-m", args.model), ("--replay-trace", args.replay_trace),
+              ("--moe-profile", getattr(args, "moe_profile", None)),
+              ("--moe-cost-model", getattr(args, "moe_cost_model", None))]
+    outs = [(flag, f) for flag, f in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)) if f]
+    for i, (flag, f) in enumerate(outs):
+        check_output(f, flag, force=getattr(args, "force", False), inputs=inputs + outs[:i])
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise ValueError(f"--plot {args.plot}: use a .png, .pdf or .svg file name")
+
+
+UPSTREAM_MODES = ("exps", "ncmoe", "ngl")
+
+
+def _check_modes(args, facts) -> tuple[list[str], set]:
+    """The policies and upstream modes asked for, checked before anything runs."""
+    profile = getattr(args, "moe_profile", None)
+    if args.policies is None:
+        pols = [p for p in ENGINE_PRESETS if profile is not None or p not in PROFILE_PRESETS]
+    else:
+        pols = [x.strip() for x in args.policies.split(",") if x.strip()]
+    for p in pols:
+        if p not in ENGINE_PRESETS:
+            raise ValueError(f"--policies: unknown policy '{p}' (known: {', '.join(ENGINE_PRESETS)})")
+        if p in PROFILE_PRESETS and profile is None:
+            raise ValueError(f"--policies: '{p}' needs --moe-profile (a routing trace of this model, hybrimoe trace)")
+    load_profile(profile, facts)  # a bad profile fails before anything runs
+    up = {m.strip() for m in args.upstream.split(",") if m.strip()}
+    bad = up - set(UPSTREAM_MODES)
+    if bad:
+        raise ValueError(f"--upstream: unknown mode(s) {', '.join(sorted(bad))} (known: {', '.join(UPSTREAM_MODES)})")
+    if not pols and not up:
+        raise ValueError("nothing to run: --policies and --upstream are both empty")
+    if args.rpc and args.stand_in:
+        raise ValueError("give either --rpc or --stand-in, not both")
+    if args.moe_cost_model is not None:
+        resolve_cost_model(args.moe_cost_model, facts.model)
+    return pols, up
+
+
+def _inputs(args) -> tuple:
+    """Everything checked before a mode runs: ``(facts, policies, upstream modes, slots, budget bytes, replay table
+    or None)``. Raises ValueError or OSError naming the flag."""
+    _check_outputs(args)
+    facts = engine_facts(args.model)
+    pols, up = _check_modes(args, facts)
+    n_slots = cache_slots(args.moe_cache, facts)
+    replay = None
+    if args.replay_trace:
+        # a recorded trace (with phases): prefill routing for the prompt, decode routing for the generated tokens
+        replay = routing_replay_table(args.replay_trace, args.model, layout=(args.n_prompt, args.n_gen))
+    return facts, pols, up, n_slots, n_slots * facts.slot_bytes, replay
+
+
+def _modes(args, facts, pols: list, up: set, budget: int) -> list[tuple[str, dict, int]]:
+    """(label, Llama keywords, GPU expert bytes) of every mode to run: the upstream ones asked for, then hybrimoe's."""
+    modes = []
+    for label, kw, gpu_bytes in upstream_modes(args.model, budget, facts.n_layer):
+        key = "exps" if "exps" in label else "ncmoe" if "n-cpu-moe" in label else "ngl"
+        if key in up:
+            kw = dict(kw)
+            kw.setdefault("n_gpu_layers", args.n_gpu_layers)
+            modes.append((label, kw, gpu_bytes))
+    for pol in pols:
+        modes.append((f"hybrimoe {pol}", dict(n_gpu_layers=args.n_gpu_layers, moe_cache=budget, moe_policy=pol,
+                                              moe_cost_model=args.moe_cost_model, moe_profile=args.moe_profile),
+                      budget))
+    return modes
+
+
+def _measure_mode(args, label: str, kw: dict, gpu_bytes: int, common: dict, bar, ref: list) -> dict:
+    """One mode loaded, warmed up, measured over ``-r`` repetitions and closed: its table row. ``ref``: the first
+    mode's tokens per repetition (filled by the first mode that runs)."""
+    try:
+        cfg = Config(label, Path(args.model), n_ctx=args.n_prompt + args.n_gen + 8, **common, **kw)
+    except (ValueError, RuntimeError) as e:
+        print(f"hybrimoe bench: {label}: cannot load: {e}", file=sys.stderr)
+        bar.update(args.repetitions + 1)
+        return dict(mode=label, error=str(e))
+    try:
+        ps = prompts(cfg.llm, args.repetitions + 1, args.n_prompt)
+        for i in range(-1, args.repetitions):
+            cfg.start(ps[i])
+            for _ in range(args.n_gen if i >= 0 else min(8, args.n_gen)):
+                cfg.step()
+            cfg.finish(keep=i >= 0)
+            bar.update(1)
+        checked = cfg.replay() if cfg.llm.moe_engine is not None else {}
+    finally:
+        cfg.close()
+    pp = [r["n_prompt"] / r["prompt_perf_s"] for r in cfg.reps if r["prompt_perf_s"] > 0]
+    tg = [r["n_decode"] / r["decode_perf_s"] for r in cfg.reps if r["decode_perf_s"] > 0]
+    row = dict(mode=label, gpu_expert_bytes=gpu_bytes, n_prompt=args.n_prompt, n_gen=args.n_gen,
+               repetitions=args.repetitions)
+    row["pp_tps"], row["pp_tps_sd"] = mean_sd(pp)
+    row["tg_tps"], row["tg_tps_sd"] = mean_sd(tg)
+    e = cfg.engine_acc
+    if e:
+        row["hit_rate"] = e["hits"] / e["accesses"] if e["accesses"] else 0.0
+        n_tok = sum(r["n_decode"] for r in cfg.reps)
+        row["h2d_bytes_per_token"] = e["bytes"] / n_tok if n_tok else 0.0
+        row["gpu_expert_share"] = e["gpu_experts"] / max(1, e["gpu_experts"] + e["cpu_experts"])
+    toks = [r["tokens"] for r in cfg.reps]
+    if not ref:
+        ref.extend(toks)
+    row["same_tokens_as_first"] = sum(a == b for a, b in zip(toks, ref))
+    row.update(checked)
+    return row
+
+
+def _write_outputs(args, doc: dict, rows: list) -> None:
+    if args.json:
+        write_text(args.json, json.dumps(doc, indent=2))
+    if args.csv:
+        keys = sorted({k for r in rows for k in r}, key=lambda k: (k != "mode", k))
+        with atomic_open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+    if args.plot:
+        _plot(rows, args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``hybrimoe bench``: 0 when every mode ran, 1 otherwise (or on bad input)."""
+    try:
+        facts, pols, up, n_slots, budget, replay = _inputs(args)
+    except (OSError, ValueError) as e:
+        print(f"hybrimoe bench: error: {e}", file=sys.stderr)
+        return 1
+    if replay is not None:
+        print(f"hybrimoe bench: routing replayed from {args.replay_trace}: the generated text is meaningless",
+              file=sys.stderr)
+    server, endpoint = None, args.rpc
+    if args.stand_in and not endpoint:
+        server = RPCServer(threads=args.threads or 1).start()
+        endpoint = server.endpoint
+        print(f"hybrimoe bench: RPC stand-in at {endpoint} (the same CPU: no speed claim)", file=sys.stderr)
+    device = endpoint
+    if not endpoint:
+        gpu = _ggml.accelerator([])
+        device = _ggml.device_label(gpu) if gpu else None
+        if not device:
+            print("hybrimoe bench: error: no GPU found: give --rpc HOST:PORT (a ggml-rpc-server) or --stand-in",
+                  file=sys.stderr)
+            return 1
+    common = dict(rpc_servers=endpoint, moe_replay=replay, threads=args.threads or os.cpu_count() or 1)
+    modes = _modes(args, facts, pols, up, budget)
+    bar = tqdm(total=len(modes) * (args.repetitions + 1), desc="bench", unit="run", file=sys.stderr,
+               disable=not progress_on())
+    ref: list = []
+    try:
+        rows = [_measure_mode(args, label, kw, gpu_bytes, common, bar, ref) for label, kw, gpu_bytes in modes]
+    finally:
+        bar.close()
+        if server is not None:
+            server.stop()
+    print(format_table(rows, args))
+    for line in noise_warnings(rows):
+        print(line)
+    checked = [r for r in rows if "decisions_agree" in r]
+    if checked:
+        bad = [r["mode"] for r in checked if not r["decisions_agree"]]
+        print(f"simulator replay of the engine's decisions: {len(checked) - len(bad)}/{len(checked)} policies agree "
+              "exactly" + (f"; differ: {', '.join(bad)}" if bad else ""))
+    _write_outputs(args, dict(model=os.fspath(args.model), moe_cache=str(args.moe_cache), budget_bytes=budget,
+                              slot_bytes=facts.slot_bytes, n_slots=n_slots, device=device, stand_in=bool(server),
+                              replay_trace=args.replay_trace, moe_profile=args.moe_profile, rows=rows), rows)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def format_table(rows: Sequence[dict], args) -> str:
+    """llama-bench-style Markdown table."""
+    head = (f"| mode | GPU experts MiB | pp{args.n_prompt} t/s | tg{args.n_gen} t/s | hit rate | "
+            "H2D MiB/token | same tokens | MoE ms/prompt predicted / measured | MoE ms/token predicted / measured |")
+    out = [head, "|" + "---|" * 9]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['mode']} | error: {r['error']} | | | | | | | |")
+            continue
+        hr = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
+        h2d = f"{r['h2d_bytes_per_token'] / 2**20:.2f}" if "h2d_bytes_per_token" in r else "-"
+        sp = (f"{r['predicted_moe_ms_per_prompt']:.1f} / {r['measured_moe_ms_per_prompt']:.1f}"
+              if "predicted_moe_ms_per_prompt" in r else "-")
+        sm = (f"{r['predicted_moe_ms_per_token']:.2f} / {r['measured_moe_ms_per_token']:.2f}"
+              if "predicted_moe_ms_per_token" in r else "-")
+        out.append(f"| {r['mode']} | {r['gpu_expert_bytes'] / 2**20:.1f} | {r['pp_tps']:.1f} ± {r['pp_tps_sd']:.1f} | "
+                   f"{r['tg_tps']:.2f} ± {r['tg_tps_sd']:.2f} | {hr} | {h2d} | "
+                   f"{r['same_tokens_as_first']}/{r['repetitions']} | {sp} | {sm} |")
+    return "\n".join(out)
+
+
+def _plot(rows: Sequence[dict], args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * len(ok) + 2))
+    for ax, key, title in ((axes[0], "pp_tps", f"pp{args.n_prompt}"), (axes[1], "tg_tps", f"tg{args.n_gen}")):
+        ax.barh([r["mode"] for r in ok], [r[key] for r in ok], xerr=[r[key + "_sd"] for r in ok])
+        ax.set_xlabel("tokens/s")
+        ax.set_title(title)
+        ax.invert_yaxis()
+    fig.tight_layout()
+    savefig(fig, args.plot, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,51 @@
+"""``hybrimoe calibrate``: measures the engine's cost model for one model on this machine's devices and stores it
+where the engine finds it (:mod:`hybrimoe.runtime.calibration` says what is measured and how)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hybrimoe.commands.args import POSITIVE, THREADS, int_in
+from hybrimoe.outputs import check_output
+from hybrimoe.policy.cost_model import COST_FIELDS
+
+HELP = "measure the engine's cost model for a model on this machine (stored for later runs)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``calibrate`` flags."""
+    p.add_argument("-m", "--model", required=True, help="GGUF model")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT", help="ggml RPC server to calibrate as the GPU")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int_in(0, also=(-1,)), default=99,
+                   help="layers on the GPU (default %(default)s)")
+    p.add_argument("-t", "--threads", type=THREADS, default=None, help="CPU threads")
+    p.add_argument("--quick", action="store_true", help="fewer ubatch sizes and repetitions")
+    p.add_argument("-r", "--reps", type=POSITIVE, default=None,
+                   help="measured runs per ubatch size (default 2, 1 with --quick); more: steadier figures")
+    p.add_argument("-o", "--output", default=None,
+                   help="write here instead of the calibration store (calibration/ in hybrimoe's cache directory: "
+                        "$HYBRIMOE_CACHE_DIR, else $XDG_CACHE_HOME/hybrimoe, else ~/.cache/hybrimoe)")
+    p.add_argument("--force", action="store_true", help="replace an existing -o file")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``hybrimoe calibrate``: 0 ok (the figures and the file written are printed), 1 on any failure."""
+    from hybrimoe.runtime.calibrate_model import calibrate_model
+    from hybrimoe.runtime.calibration import calibration_path, save
+
+    try:
+        if args.output:
+            check_output(args.output, "-o", force=args.force, inputs=[("-m", args.model)])
+        cm, sources, device = calibrate_model(args.model, rpc_servers=args.rpc, n_gpu_layers=args.n_gpu_layers,
+                                              threads=args.threads, quick=args.quick, reps=args.reps)
+        out = save(cm, sources, Path(args.output) if args.output else calibration_path(args.model, device))
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"hybrimoe calibrate: error: {e}", file=sys.stderr)
+        return 1
+    doc = json.loads(out.read_text())
+    for f in COST_FIELDS:
+        print(f"{f:18s} {doc[f]:.6g}   ({sources.get(f, '')})")
+    print(f"hybrimoe calibrate: wrote {out}")
+    return 0

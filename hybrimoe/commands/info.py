@@ -1,0 +1,117 @@
+"""``hybrimoe info MODEL.gguf``: the MoE structure and expert bytes of a GGUF file
+(:func:`hybrimoe.model.reader.describe`
+prints as text, or as JSON with ``--json``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hybrimoe.model.reader import describe, gguf_type_bytes
+from hybrimoe.model.tables import EXPERT_KINDS
+
+HELP = "MoE structure and expert bytes of a GGUF file"
+
+
+def _ranges(ids) -> str:
+    """Sorted ids as ranges: ``1-3, 5``; "none" for none."""
+    ids = sorted(ids)
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(out) if out else "none"
+
+
+def _mib(n):
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def _expert_tensor_lines(d: dict) -> list[str]:
+    """One line per (tensor kind, type, bytes per expert) of the routed experts' matrices (``ffn_*_exps``), bias rows
+    (``.b``, carried per GPU slot with the matrices) and per-expert scales (``.s``), with the layers that have it."""
+    lines = []
+    for group, suffix in (("expert_tensors", ""), ("expert_biases", ".b"), ("expert_scales", ".s")):
+        for kind in EXPERT_KINDS:
+            k = d.get(group, {}).get(kind)
+            if k is None:
+                continue
+            shape = "x".join(str(x) for x in k["shape"]) if "shape" in k else "1"
+            groups: dict = {}
+            for il, v in sorted(k["layers"].items()):
+                bpe = v["bytes_per_expert"] if "bytes_per_expert" in v else gguf_type_bytes(v["type"])
+                groups.setdefault((v["type"], bpe), []).append(il)
+            for (tname, bpe), ils in groups.items():
+                lines.append(f"  {'ffn_' + kind + '_exps' + suffix:<18}{tname:<10}{bpe:>14}  {shape:<14}{_ranges(ils)}")
+    return lines
+
+
+def format_info(d: dict) -> str:
+    """Human-readable text for a ``describe`` dict."""
+    lines = [
+        f"file:          {d['path']} ({d['file_size']} bytes, {_mib(d['file_size'])})",
+        f"architecture:  {d['architecture']}" + (f" (name: {d['name']})" if d.get("name") else ""),
+        f"file type:     {d['file_type'] or 'unknown'}",
+        f"layers:        {d['n_layer']}  (MoE: {_ranges(d['moe_layers'])}; dense: {_ranges(d['dense_layers'])})",
+        f"n_embd:        {d['n_embd']}   n_vocab: {d['n_vocab']}",
+    ]
+    if not d["has_experts"]:
+        lines.append("experts:       none (dense model, no routed-expert tensors)")
+        lines.append(f"tensor bytes:  {d['tensor_bytes']} ({_mib(d['tensor_bytes'])}); types: "
+                     + ", ".join(f"{k} x{v}" for k, v in sorted(d["tensor_types"].items())))
+        return "\n".join(lines)
+    sh = d["shared"]
+    shs = "none" if sh is None else (f"{sh['count']} (width {sh['ff']}" + (", sigmoid-gated)" if sh["gated"] else ")"))
+    lines.append(f"experts:       {d['n_expert']} routed per MoE layer, top-{d['n_expert_used']}, shared: {shs}")
+    lines.append("expert tensors (bytes per expert, per layer):")
+    lines.append(f"  {'tensor':<18}{'type':<10}{'bytes/expert':>14}  {'expert shape':<14}layers")
+    lines += _expert_tensor_lines(d)
+    variants: dict = {}
+    for il, v in sorted(d.get("expert_variants", {}).items()):
+        variants.setdefault((v["name"], v["engine"], v["why"]), []).append(il)
+    for (name, ok, why), ils in variants.items():
+        lines.append(f"expert variant:      {name} (layers {_ranges(ils)}): "
+                     + ("the engine runs it" if ok else f"upstream's path ({why})"))
+    per_layer = {}
+    for group in ("expert_tensors", "expert_biases"):
+        for k in d.get(group, {}).values():
+            for il, v in k["layers"].items():
+                m, bias = per_layer.get(il, (0, 0))
+                per_layer[il] = (m + v["bytes_per_expert"], bias) if group == "expert_tensors" else \
+                    (m, bias + v["bytes_per_expert"])
+    for k in d.get("expert_scales", {}).values():
+        for il, v in k["layers"].items():
+            m, bias = per_layer.get(il, (0, 0))
+            per_layer[il] = (m, bias + gguf_type_bytes(v["type"]))
+    if per_layer:
+        # what one expert moves to a GPU slot: its matrices, (gpt-oss) its bias rows and its scales
+        m, bias = max(per_layer.values(), key=lambda mb: mb[0] + mb[1])
+        extra = "biases and scales" if d.get("expert_scales") else "biases"
+        lines.append(f"bytes per expert:    {m + bias} (matrices {m} + {extra} {bias}; the largest MoE layer's)")
+    tot = d["tensor_bytes"] or 1
+    lines.append(f"routed-expert bytes: {d['routed_expert_bytes']} ({_mib(d['routed_expert_bytes'])}, "
+                 f"{100.0 * d['routed_expert_bytes'] / tot:.1f}% of tensor bytes)")
+    lines.append(f"other bytes:         {d['other_bytes']} ({_mib(d['other_bytes'])}, "
+                 f"{100.0 * d['other_bytes'] / tot:.1f}%)")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``info`` arguments."""
+    parser.add_argument("model", metavar="MODEL.gguf", help="GGUF model file")
+    parser.add_argument("--json", action="store_true", help="print the describe() dict as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints the model's MoE facts; 0 on success, 1 with a one-line error on stderr for a bad file."""
+    try:
+        d = describe(args.model)
+    except (OSError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"hybrimoe info: error: {msg}", file=sys.stderr)
+        return 1
+    print(json.dumps(d, indent=1, default=str) if args.json else format_info(d))
+    return 0

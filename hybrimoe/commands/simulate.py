@@ -1,0 +1,265 @@
+"""``hybrimoe simulate``: trace-driven comparison of whole policy presets (:mod:`hybrimoe.sim.simulator` says how a
+run is modelled and which assumptions every report states)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from tqdm import tqdm
+
+from hybrimoe import _core
+from hybrimoe.commands.args import COUNT, FRACTION, POSITIVE, SEED
+from hybrimoe.envs import PREFETCH_LAYERS, progress_on
+from hybrimoe.model.facts import MODEL_FACTS, ModelFacts, facts_from_gguf
+from hybrimoe.outputs import check_output, write_text
+from hybrimoe.policy.budget import parse_budget
+from hybrimoe.policy.cost_model import load_cost_model
+from hybrimoe.policy.hardware import hardware_names, load_hardware
+from hybrimoe.policy.presets import SYSTEM_PRESETS, system_preset
+from hybrimoe.sim.plots import PLOT_FILES, write_plots
+from hybrimoe.sim.simulator import Setup, cache_hit_rates, format_table
+from hybrimoe.traces.format import RoutingTrace, default_trace_path, load_trace
+
+HELP = "trace-driven comparison of expert placement policies"
+#: cache sizes (fractions of all routed-expert bytes) of the hit-rate plot
+PLOT_CACHE_FRACTIONS = (0.1, 0.25, 0.5, 0.75)
+DEFAULT_POLICIES = ("hybrimoe", "hybrimoe-lru", "ktransformers", "hot-set", "upstream-ncmoe", "gpu-on-demand",
+                    "belady", "oracle")
+
+
+def presets_help() -> str:
+    """One line per system preset (name: what it does; source), for ``--policies``' help."""
+    return "; ".join(f"{n}: {s['about']}" for n, s in SYSTEM_PRESETS.items())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the ``simulate`` options to ``parser``."""
+    parser.add_argument("--trace", default=None, help="routing trace .npz (default: $HYBRIMOE_TRACE or "
+                                                      "../shared/traces/dsv2lite_dev.npz)")
+    parser.add_argument("-m", "--model", default=None, metavar="MODEL.gguf",
+                        help="the traced model's GGUF file: model facts (expert bytes per layer, non-expert sizes) "
+                             "from its tensors; its MoE layers, experts and top-k must match the trace's")
+    parser.add_argument("--model-facts", default=None, metavar="NAME",
+                        help=f"built-in model facts ({', '.join(sorted(MODEL_FACTS))}) instead of a GGUF or the "
+                             "facts a trace carries")
+    parser.add_argument("--drop-incomplete", action="store_true",
+                        help="leave out tokens with an id outside 0..E-1 (e.g. -1: a layer the recorder did not "
+                             "reach), a repeated id or a score that is not finite, and print how many")
+    parser.add_argument("--hardware", default="paper-a6000",
+                        help=f"hardware preset name ({', '.join(hardware_names())}) or a preset .json path")
+    parser.add_argument("--cost-model", default=None, help="a calibrated cost-model JSON (overrides the preset's "
+                                                           "derived planner costs)")
+    parser.add_argument("--moe-cache", default="25%", help="GPU expert-cache budget: '25%%' of all routed-expert "
+                                                           "bytes, bytes, or e.g. '3GiB'")
+    parser.add_argument("--stage", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help="comma-separated system presets (default: %(default)s). " +
+                             presets_help().replace("%", "%%") +
+                             ". Presets and sources: hybrimoe.policy.presets.SYSTEM_PRESETS")
+    parser.add_argument("--json", default=None, help="write the records to this JSON file")
+    parser.add_argument("--plot", default=None, help="write PNG plots to this directory")
+    parser.add_argument("--force", action="store_true", help="replace an existing --json file and existing plots")
+    parser.add_argument("--max-tokens", type=COUNT, default=20000,
+                        help="stop each run after about this many tokens (0 = all; prefill stops at a prompt end)")
+    parser.add_argument("--max-prompts", type=COUNT, default=0, help="use at most this many evaluation prompts")
+    parser.add_argument("--ubatch", type=POSITIVE, default=512, help="prefill ubatch size, tokens")
+    parser.add_argument("--prefetch-depth", type=COUNT, default=PREFETCH_LAYERS,
+                        help="D, MoE layers predicted ahead (default %(default)s)")
+    parser.add_argument("--recall", default=",".join(map(str, _core.DEFAULT_PREDICTOR_RECALL)),
+                        help="predictor recall per distance 1..D")
+    parser.add_argument("--profile-fraction", type=FRACTION, default=0.2,
+                        help="leading fraction of prompts used only to profile expert frequencies")
+    parser.add_argument("--seed", type=SEED, default=1, help="seed of the truth model and the predictor")
+    parser.add_argument("--hit-rates", action="store_true",
+                        help="also replay the cache policies alone (mrs, lru, lfu, belady) and print hit rates")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _positive_recall(text: str, depth: int) -> list[float]:
+    try:
+        vals = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise ValueError(f"--recall must be comma-separated numbers, got {text!r}") from e
+    if any(not (0.0 <= v <= 1.0) for v in vals):
+        raise ValueError(f"--recall values must be within 0..1, got {text!r}")
+    if len(vals) < depth:
+        raise ValueError(f"--recall needs {depth} values (one per distance up to --prefetch-depth), got {len(vals)}")
+    return vals
+
+
+def _trace_arg(args):
+    """The command's trace: ``--trace``, else :func:`hybrimoe.traces.format.default_trace_path`. FileNotFoundError
+    naming
+    ``--trace`` and ``$HYBRIMOE_TRACE`` when no trace was given and the default is not there (it is looked up from
+    the current directory, so an installed package run elsewhere does not find the checkout's)."""
+    if args.trace:
+        return args.trace
+    path = default_trace_path()
+    if not path.exists():
+        raise FileNotFoundError(f"no routing trace given, and the default {path} is not there: pass --trace "
+                                "FILE.npz or set HYBRIMOE_TRACE (the default is shared/traces/dsv2lite_dev.npz "
+                                "looked up from the current directory and its parents)")
+    return path
+
+
+def _check_outputs(json_path, plot_dir, force: bool = False, inputs=()) -> None:
+    """Fail before a long run, not after it, when an output cannot be written.
+
+    Args:
+        json_path, plot_dir: the ``--json`` file and the ``--plot`` directory (None: not asked for).
+        force: replace existing outputs. inputs: ``(option, path)`` pairs of the command's input files.
+
+    Raises:
+        ValueError: the JSON file or a plot file is an input, exists without ``force`` or cannot be written
+            (:func:`hybrimoe.outputs.check_output`); the plot path is an existing file or cannot be created.
+    """
+    if json_path:
+        check_output(json_path, "--json", force=force, inputs=inputs)
+    if plot_dir:
+        d = Path(plot_dir)
+        if d.exists() and not d.is_dir():
+            raise ValueError(f"--plot {d}: exists and is not a directory")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--plot {d}: cannot create the directory: {e.strerror}") from None
+        if not os.access(d, os.W_OK):
+            raise ValueError(f"--plot {d}: cannot write there")
+        for name in PLOT_FILES:
+            check_output(d / name, "--plot", force=force, inputs=list(inputs) + [("--json", json_path)])
+
+
+def load_inputs(args) -> tuple[RoutingTrace, Optional[ModelFacts], str, int, list]:
+    """(trace, model facts or None for the trace's own, where the facts came from, incomplete tokens dropped,
+    notes to print) from the command's ``--trace``, ``-m``, ``--model-facts`` and ``--drop-incomplete``.
+
+    With ``-m`` the GGUF's (MoE layers, experts, top-k) must be the trace's, and its expert bytes per layer replace
+    the trace's (the model named is the one simulated; a note says when they differ).
+
+    Raises:
+        FileNotFoundError: a missing trace or GGUF.
+        ValueError: both ``-m`` and ``--model-facts``; an unknown facts name; a bad GGUF or trace; a GGUF of another
+            shape (both shapes given); an incomplete token without ``--drop-incomplete``; no token left with it.
+    """
+    gguf_path, name = args.model, args.model_facts
+    if gguf_path and name:
+        raise ValueError("give -m MODEL.gguf or --model-facts NAME, not both")
+    if name is not None and name not in MODEL_FACTS:
+        raise ValueError(f"unknown model facts '{name}' (known: {', '.join(sorted(MODEL_FACTS))})")
+    facts, source = None, ""
+    if gguf_path:
+        if gguf_path in MODEL_FACTS and not Path(gguf_path).exists():
+            raise ValueError(f"-m/--model takes the model's GGUF file; for built-in facts give --model-facts "
+                             f"{gguf_path}")
+        facts, source = facts_from_gguf(gguf_path), f"read from {gguf_path} (-m)"
+    elif name:
+        facts, source = MODEL_FACTS[name], f"built-in model facts '{name}' (--model-facts)"
+    trace = load_trace(_trace_arg(args), model=name, facts=facts if gguf_path else None,
+                       check_tokens=not args.drop_incomplete)
+    notes = []
+    if name:
+        trace.check_shape(MODEL_FACTS[name], f"the built-in model facts '{name}'")
+    if gguf_path:
+        trace.check_shape(facts, f"the model {gguf_path}")
+        own = facts.per_layer_expert_bytes()
+        if not np.allclose(trace.expert_bytes, own, rtol=1e-9, atol=0.0):
+            notes.append(f"expert bytes per layer from {gguf_path}, mean {own.mean():.0f}; the trace's differ (mean "
+                         f"{np.mean(trace.expert_bytes):.0f}: recorded with another quant?)")
+        trace = dataclasses.replace(trace, expert_bytes=own)
+    n_dropped = 0
+    if args.drop_incomplete:
+        trace, n_dropped = trace.drop_incomplete()
+        notes.append(f"dropped {n_dropped} incomplete token(s) (ids outside 0..{trace.num_experts - 1}, repeated "
+                     f"ids or scores not finite); {trace.n_tokens} left")
+        if trace.n_tokens == 0:
+            raise ValueError(f"--drop-incomplete left no tokens of the {n_dropped} in {trace.path or 'the trace'}")
+    return trace, facts, source, n_dropped, notes
+
+
+def _setup_maker(args, names: list):
+    """Checks the flags, then the inputs (the flags first: a typo in ``--hardware`` is named even where the trace is
+    missing), and returns ``(make_setup(budget) -> Setup, the first Setup, notes to print)``.
+
+    Raises:
+        ValueError, FileNotFoundError: naming the flag or input at fault.
+    """
+    if not names:
+        raise ValueError("--policies is empty")
+    for n in names:
+        system_preset(n)
+    recall = _positive_recall(args.recall, args.prefetch_depth)
+    hw = load_hardware(args.hardware)
+    cm = load_cost_model(args.cost_model) if args.cost_model else None
+    parse_budget(args.moe_cache, 1.0, 0.0)  # its syntax and range, before the trace gives the totals
+    _check_outputs(args.json, args.plot, args.force,
+                   [("--trace", args.trace or default_trace_path()), ("-m", args.model),
+                    ("--cost-model", args.cost_model),
+                    ("--hardware", args.hardware if args.hardware and Path(args.hardware).is_file() else None)])
+    trace, facts, source, n_dropped, notes = load_inputs(args)
+
+    def make_setup(budget_spec) -> Setup:
+        return Setup(trace, hw, budget_spec, args.stage, cost_model=cm, max_tokens=args.max_tokens,
+                     max_prompts=args.max_prompts, ubatch=args.ubatch, prefetch_depth=args.prefetch_depth,
+                     recall=recall, profile_fraction=args.profile_fraction, seed=args.seed, facts=facts,
+                     facts_source=source, n_dropped=n_dropped)
+
+    return make_setup, make_setup(args.moe_cache), notes
+
+
+def _report(args, setup: Setup, records: list) -> None:
+    """Prints the table, the assumptions and (``--hit-rates``) the cache-only hit rates."""
+    print(f"hybrimoe simulate: {setup.trace.path or 'trace'} | {setup.hw.name} | cache {args.moe_cache} "
+          f"({setup.budget / 1e9:.2f} GB) | {args.stage} | prompts {setup.first}..{setup.end} | "
+          f"{records[0]['tokens'] if records else 0} tokens")
+    print(format_table(records))
+    a = setup.assumptions(records[0]["policy"])
+    print(f"assumptions: predictor recall {setup.recall} (oracle: 1.0); router scores: {a['router_scores']}; "
+          f"truth: {a['truth_model']}; {a['stage_model']}; model facts {a['model_facts']}"
+          + (f"; partial trace: {a['partial_trace']}" if setup.trace.partial else ""))
+    if args.hit_rates:
+        hr = cache_hit_rates(setup)
+        print("cache-only replay hit rates: " + ", ".join(f"{k} {v['hit_rate']:.3f}" for k, v in hr.items()))
+        for r in records:
+            r["cache_replay_hit_rates"] = hr
+
+
+def _plots(args, make_setup, setup: Setup, records: list, names: list) -> None:
+    """``--plot``: hit rates and whole simulations of every policy asked for at each plotted cache size."""
+    rates = {f: cache_hit_rates(setup, budget=f * setup.total_bytes) for f in PLOT_CACHE_FRACTIONS}
+    speeds = {}
+    for f in PLOT_CACHE_FRACTIONS:
+        at = make_setup(f"{100 * f:g}%")
+        speeds[f] = {n: at.run(n)["tokens_per_s"] for n in names}
+    out = write_plots(setup, records, Path(args.plot), rates, speeds)
+    print("plots: " + ", ".join(str(p) for p in out))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``hybrimoe simulate``; returns the exit status (0 ok, 2 bad input)."""
+    names = [p.strip() for p in str(args.policies).split(",") if p.strip()]
+    try:
+        make_setup, setup, notes = _setup_maker(args, names)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hybrimoe simulate: error: {e}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"hybrimoe simulate: {note}")
+    bar = tqdm(names, desc=f"simulate {args.stage}", unit="policy", file=sys.stderr,
+               disable=args.no_progress or not progress_on())
+    records = []
+    for n in bar:
+        bar.set_postfix_str(n)
+        records.append(setup.run(n))
+    bar.close()
+    _report(args, setup, records)
+    if args.json:
+        write_text(args.json, json.dumps(records, indent=1) + "\n")
+    if args.plot:
+        _plots(args, make_setup, setup, records, names)
+    return 0

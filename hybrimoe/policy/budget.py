@@ -1,0 +1,38 @@
+"""Cache budgets: ``moe_cache`` / ``--moe-cache`` values as bytes (HybriMoE's "25% cache" is 25% of all routed-expert
+bytes, §V)."""
+from __future__ import annotations
+
+import math
+import re
+from typing import Union
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "kib": 1024.0,
+          "mib": 1024.0 ** 2, "gib": 1024.0 ** 3}
+
+
+def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert_bytes: float) -> float:
+    """Budget in bytes from ``"25%"`` (of all routed-expert bytes), ``"3GiB"``, ``"512MB"`` or a number of bytes.
+
+    0 is valid (nothing cached). Raises ValueError on an unparsable spec, a negative budget, a percentage above
+    100, or a positive budget smaller than one expert (``expert_bytes``).
+    """
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        b = float(spec)
+    else:
+        s = str(spec).strip().lower()
+        m = re.fullmatch(r"([-+]?[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*(%|[a-z]*)", s)
+        if not m or (m.group(2) not in _UNITS and m.group(2) != "%"):
+            raise ValueError(f"cannot parse cache budget {spec!r}: use e.g. '25%', '3GiB', '512MB' or bytes")
+        v = float(m.group(1))
+        if m.group(2) == "%":
+            if v < 0 or v > 100:
+                raise ValueError(f"cache budget {spec!r}: a percentage must be within 0..100")
+            b = v / 100.0 * total_expert_bytes
+        else:
+            b = v * _UNITS[m.group(2)]
+    if not math.isfinite(b) or b < 0:
+        raise ValueError(f"cache budget {spec!r} is negative or not finite")
+    if 0 < b < expert_bytes:
+        raise ValueError(f"cache budget {spec!r} = {b:.0f} bytes is smaller than one expert ({expert_bytes:.0f} "
+                         "bytes); use 0 for no cache")
+    return b

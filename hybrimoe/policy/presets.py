@@ -1,0 +1,210 @@
+"""Policy presets: which scheduler, cache and prefetcher a named policy is made of (:data:`SYSTEM_PRESETS`), and
+:func:`build_preset`, the one place that turns a preset into policy objects, for the engine and the simulator alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from hybrimoe import _core
+
+#: Each preset: its components (``scheduler``, ``cache``, ``prefetch``, ``fill``), whether its cache is ``static``
+#: (filled once, nothing loaded at run time: the placements users run today), whether its prefetcher sees the
+#: true routing (``true_routing``) or its cache the future (``clairvoyant``: simulator only), whether it needs a profile
+#: of expert frequencies (``needs_profile``: the simulator's profiling prompts, the engine's ``moe_profile``),
+#: ``about`` (what it does) and ``source`` (the system or document whose behaviour it reproduces). A clairvoyant
+#: preset may name other clairvoyant presets in ``also``: the simulator runs each and reports the fastest plan
+#: (hybrimoe.sim.simulator.Setup.run), since a planner that knows the routing can time every plan before choosing.
+#: ``streaming``: demand loads of a (layer, ubatch) whose router activated at least this fraction of the layer's
+#: experts enter the cache on probation (:meth:`hybrimoe._core.ExpertCache.set_streaming_demand`; LIP insertion,
+#: Qureshi et al., ISCA 2007): in a large prefill ubatch every resident is needed again at its layer's next visit,
+#: so a demand load should reuse the slot of the previous one instead of evicting a resident. A decode token
+#: activates top_k of the experts (at most a quarter in the shapes of hybrimoe.facts), so it never streams.
+STREAMING_FRACTION = 0.5
+SYSTEM_PRESETS = {
+    "hybrimoe": dict(scheduler="hybrimoe", cache="mrs", prefetch="impact", fill=True, true_routing=False,
+                     static=False, clairvoyant=False, needs_profile=False, admission="tinylfu",
+                     streaming=STREAMING_FRACTION,
+                     about="HybriMoE split + MRS cache (TinyLFU admission; demand loads of a ubatch that "
+                           "activates half a layer's experts or more enter at the lowest eviction rank, LIP) + "
+                           "impact-driven prefetch",
+                     source="Zhong et al., HybriMoE, arXiv:2504.05897, §IV.B-D (docs/design.md §2-§4)"),
+    "hybrimoe-lru": dict(scheduler="hybrimoe", cache="lru", prefetch="impact", fill=True, true_routing=False,
+                         static=False, clairvoyant=False, needs_profile=False, admission="tinylfu",
+                     streaming=STREAMING_FRACTION,
+                         about="HybriMoE split + LRU cache (TinyLFU admission; demand loads of a ubatch that "
+                               "activates half a layer's experts or more enter at the lowest eviction rank, LIP) + "
+                               "impact-driven prefetch",
+                         source="HybriMoE §IV.D's LRU comparison (MRS replaced by LRU)"),
+    "ktransformers": dict(scheduler="ktransformers", cache="static-leading-layers", prefetch="none", fill=False,
+                          true_routing=False, static=True, clairvoyant=False, needs_profile=False,
+                          about="the experts of the leading MoE layers resident (as many whole layers as fit), "
+                                "every other expert on the CPU, nothing loaded at run time",
+                          source="the HybriMoE authors' kTransformers optimize rules (Qwen2-25%.yaml and siblings "
+                                 "in their repository) keep whole leading layers' experts on the GPU; the rule "
+                                 "files are not in this repository: the layer choice follows a description of "
+                                 "them, not the files"),
+    "hot-set": dict(scheduler="ktransformers", cache="static-frequency", prefetch="none", fill=False,
+                    true_routing=False, static=True, clairvoyant=False, needs_profile=True,
+                    about="a static set of the most frequently routed experts of a profile resident, every other "
+                          "expert on the CPU, nothing loaded at run time",
+                    source="docs/design.md §5: the 'kTransformers-style' baseline, a static hot set chosen by "
+                           "profiled frequency (the comparison point of HybriMoE, arXiv:2504.05897, §V)"),
+    "upstream-ncmoe": dict(scheduler="upstream-ncmoe", cache="static-layers", prefetch="none", fill=False,
+                           true_routing=False, static=True, clairvoyant=False, needs_profile=False,
+                           about="llama.cpp --n-cpu-moe: the last MoE layers' experts resident (as many whole "
+                                 "layers as fit), the rest on the CPU",
+                           source="upstream llama.cpp --n-cpu-moe N (common/arg.cpp of the pinned tree: the "
+                                  "experts of the first N layers stay on the CPU)"),
+    "gpu-on-demand": dict(scheduler="gpu-on-demand", cache="lru", prefetch="none", fill=False, true_routing=False,
+                          static=False, clairvoyant=False, needs_profile=False,
+                          about="every expert on GPU, LRU cache, load on demand",
+                          source="GPU-only on-demand loading as in AdapMoE and MoE-Infinity (arXiv:2401.14361); "
+                                 "docs/design.md §5"),
+    "belady": dict(scheduler="hybrimoe", cache="belady", prefetch="impact", fill=True, true_routing=False,
+                   static=False, clairvoyant=True, needs_profile=False,
+                   about="bound: hybrimoe with a clairvoyant (Belady, bypass) cache",
+                   source="Belady's MIN with bypass (docs/design.md §5 bounds)"),
+    "oracle": dict(scheduler="exhaustive", cache="belady", prefetch="impact", fill=True, true_routing=True,
+                   static=False, clairvoyant=True, needs_profile=False, also=("belady",),
+                   about="bound: clairvoyant cache + exhaustive split + oracle prefetch, or belady's plan where "
+                         "that is faster (a planner that knows the routing can simulate both and keep the better)",
+                   source="docs/design.md §5 bounds"),
+}
+#: the presets the engine runs: those that need no knowledge of the future routing
+ENGINE_PRESETS = tuple(n for n, s in SYSTEM_PRESETS.items() if not s["clairvoyant"])
+#: the presets that need a profile of expert frequencies (the engine's ``moe_profile``)
+PROFILE_PRESETS = tuple(n for n, s in SYSTEM_PRESETS.items() if s["needs_profile"])
+#: the static placements (``static``): what hybrimoe must never be slower than (the never-worse table)
+STATIC_PRESETS = tuple(n for n, s in SYSTEM_PRESETS.items() if s["static"])
+DEFAULT_PRESET = "hybrimoe"
+
+
+def system_preset(name: str) -> dict:
+    """The component names of a system preset; ValueError naming an unknown preset."""
+    if name not in SYSTEM_PRESETS:
+        raise ValueError(f"unknown policy preset '{name}' (known: {', '.join(SYSTEM_PRESETS)})")
+    return dict(SYSTEM_PRESETS[name])
+
+
+@dataclass
+class PolicySet:
+    """The policy objects of one run (hybrimoe._core): cache, scheduler and prefetcher, whether CPU-computed misses
+    are offered to the cache as fills, whether the prefetcher is shown the true routing (``true_routing``), and a
+    name."""
+
+    cache: object
+    scheduler: object
+    prefetcher: object
+    fill_on_miss: bool
+    name: str
+    true_routing: bool = False
+
+
+def leading_layers_that_fit(expert_bytes: Sequence[float], n_experts: int, budget_bytes: float) -> int:
+    """How many whole leading MoE layers (0, 1, ...) fit in ``budget_bytes``: layer l takes ``n_experts *
+    expert_bytes[l]`` bytes (``expert_bytes``: bytes of one expert per MoE layer), counted from layer 0 until the
+    next layer no longer fits. The ``ktransformers`` preset keeps these layers' experts resident."""
+    n, used = 0, 0.0
+    for b in expert_bytes:
+        need = float(b) * int(n_experts)
+        if n_experts <= 0 or used + need > budget_bytes * (1 + 1e-12):
+            break
+        used += need
+        n += 1
+    return n
+
+
+def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_experts: int, budget_bytes: float, *,
+                 prefetch: bool = True, hot_keys: Optional[Sequence[int]] = None,
+                 profile: Optional[Sequence[float]] = None, name: Optional[str] = None) -> PolicySet:
+    """Builds the policies of a system preset (:data:`SYSTEM_PRESETS`) or of a dict of components: the one place
+    that gives a preset its meaning, for the engine (:func:`hybrimoe.runtime.setup.build_policies`) and the simulator
+    (:class:`hybrimoe.sim.simulator.Setup`) alike.
+
+    ``spec``: a preset name or a dict with keys ``scheduler``, ``cache``, ``prefetch`` (names as in
+    ``hybrimoe._core.make_*``, or policy objects), ``fill`` (bool), ``admission`` (``"none"``, the default for
+    dicts, or ``"tinylfu"``: :meth:`hybrimoe._core.ExpertCache.set_frequency_admission`, which the ``hybrimoe``
+    presets use) and ``streaming`` (0, the default for dicts, or a fraction of a layer's experts:
+    :data:`STREAMING_FRACTION`, :meth:`hybrimoe._core.ExpertCache.set_streaming_demand`). ``expert_bytes``: bytes
+    of one expert per MoE layer (the engine passes its slot size for every layer); ``budget_bytes``: the GPU cache
+    budget, bytes.
+    ``prefetch=False`` replaces the prefetcher with none (prefetch depth 0). ``hot_keys``: keys ``layer *
+    n_experts + expert`` hottest first (:func:`hot_keys_from_counts`), from a profile (the simulator's profiling
+    prompts, the engine's ``moe_profile``); ``profile``: the counts per key (flat ``[moe_layers * experts]``), the
+    static hot set's priorities.
+
+    Caches: ``static-leading-layers`` (``ktransformers``) holds the experts of the leading MoE layers, as many
+    whole layers as fit (:func:`leading_layers_that_fit`); ``static-layers`` (``upstream-ncmoe``) the last ones,
+    like upstream's ``--n-cpu-moe``; ``static-frequency`` (``hot-set``) the hottest ``hot_keys`` that fit and
+    needs them. These three start filled and never change (the profile is not used by the layer caches).
+    Adaptive caches (MRS, LRU, LFU, ...) start filled with ``hot_keys`` when given, else empty.
+
+    Raises:
+        ValueError: unknown preset, component or dict key; a ``static-frequency`` cache without ``hot_keys``.
+    """
+    if isinstance(spec, str):
+        comp = system_preset(spec)
+        name = name or spec
+    elif isinstance(spec, dict):
+        unknown = set(spec) - {"scheduler", "cache", "prefetch", "fill", "admission", "streaming"}
+        if unknown:
+            raise ValueError(f"policy dict has unknown keys {sorted(unknown)} (scheduler, cache, prefetch, fill, "
+                             "admission, streaming)")
+        if spec.get("admission", "none") not in ("none", "tinylfu"):
+            raise ValueError(f"policy dict: unknown admission {spec['admission']!r} (none, tinylfu)")
+        st = spec.get("streaming", 0.0)
+        if isinstance(st, bool) or not isinstance(st, (int, float)) or not 0.0 <= st <= 1.0:
+            raise ValueError(f"policy dict: streaming must be a fraction of the experts within 0..1, got {st!r}")
+        comp = dict(SYSTEM_PRESETS[DEFAULT_PRESET])
+        comp.update(spec)
+        # not inherited: they belong to the preset's cache
+        comp["admission"] = spec.get("admission", "none")
+        comp["streaming"] = float(st)
+        name = name or "custom"
+    else:
+        raise ValueError(f"a policy preset must be a name or a dict, not {type(spec).__name__}")
+    L, E = len(expert_bytes), int(n_experts)
+    eb = [float(b) for b in expert_bytes]
+    fill = bool(comp.get("fill", True))
+    n_cpu_layers = 0
+    c = comp["cache"]
+    if isinstance(c, _core.CachePolicy):
+        cache = _core.ExpertCache(eb, E, budget_bytes, c)
+    elif c == "static-layers":
+        n_gpu_layers = min(L, int(budget_bytes // (eb[0] * E))) if E and budget_bytes > 0 else 0
+        n_cpu_layers = L - n_gpu_layers
+        keys = [layer * E + e for layer in range(n_cpu_layers, L) for e in range(E)]
+        cache = _core.ExpertCache(eb, E, budget_bytes, _core.StaticPolicy(keys, []))
+        cache.fill(keys)
+    elif c == "static-leading-layers":
+        n_gpu_layers = leading_layers_that_fit(eb, E, budget_bytes) if budget_bytes > 0 else 0
+        keys = [layer * E + e for layer in range(n_gpu_layers) for e in range(E)]
+        cache = _core.ExpertCache(eb, E, budget_bytes, _core.StaticPolicy(keys, []))
+        cache.fill(keys)
+    elif c == "static-frequency":
+        if hot_keys is None:
+            raise ValueError(f"'{name}': the static-frequency cache (a profiled hot set) needs a profile of expert "
+                             "frequencies (hot_keys: the engine's moe_profile, --moe-profile TRACE.npz), and none was "
+                             "given")
+        n_fit = int(budget_bytes // eb[0]) if budget_bytes > 0 and eb else 0
+        keys = [int(k) for k in hot_keys[:n_fit]]
+        prio = [float(profile[k]) for k in keys] if profile is not None else []
+        cache = _core.ExpertCache(eb, E, budget_bytes, _core.StaticPolicy(keys, prio))
+        cache.fill(keys)
+    else:
+        cache = _core.ExpertCache(eb, E, budget_bytes, _core.make_cache_policy(str(c)))
+        if hot_keys is not None and budget_bytes > 0:
+            cache.fill([int(k) for k in hot_keys])
+    if comp.get("admission", "none") == "tinylfu":
+        cache.set_frequency_admission(True)
+    if comp.get("streaming", 0.0):
+        cache.set_streaming_demand(float(comp["streaming"]))
+    sched = comp["scheduler"]
+    if not isinstance(sched, _core.SchedulePolicy):
+        sched = _core.make_scheduler(str(sched), n_cpu_layers)
+    pre = comp["prefetch"]
+    if not isinstance(pre, _core.PrefetchPolicy):
+        pre = _core.make_prefetcher(str(pre) if prefetch else "none")
+    return PolicySet(cache=cache, scheduler=sched, prefetcher=pre, fill_on_miss=fill, name=name,
+                     true_routing=bool(comp.get("true_routing", False)))

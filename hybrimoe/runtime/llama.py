@@ -1,0 +1,399 @@
+"""``hybrimoe.Llama``: llama-cpp-python's ``Llama`` running on hybrimoe's patched libllama.
+
+Same constructor and methods as ``llama_cpp.Llama`` (llama-cpp-python 0.3.36), plus upstream llama.cpp options
+that llama-cpp-python lacks, under upstream's names (common/arg.cpp): ``rpc_servers`` (``--rpc``),
+``tensor_buft_overrides`` (``-ot/--override-tensor``), ``cpu_moe`` (``--cpu-moe``) and ``n_cpu_moe``
+(``--n-cpu-moe``), and hybrimoe's own ``moe_*`` options. The class only constructs and exposes: the parameters are
+:mod:`hybrimoe.runtime.params`'s, the engine's set-up :mod:`hybrimoe.runtime.setup`'s, its statistics
+:mod:`hybrimoe.runtime.stats`'.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Sequence
+
+import numpy as np
+
+from hybrimoe import _ggml
+from hybrimoe._lib import llama_cpp_module
+from hybrimoe.envs import AUTO_CALIBRATE_ENV, DEFAULT_COST_HARDWARE, PREFETCH_LAYERS
+from hybrimoe.model.reader import check_gguf
+from hybrimoe.policy.presets import DEFAULT_PRESET, ENGINE_PRESETS
+from hybrimoe.runtime import calibration
+from hybrimoe.runtime.engine_facts import engine_module
+from hybrimoe.runtime.errors import DeviceLostError
+from hybrimoe.runtime.params import (
+    NativeParams,
+    check_keywords,
+    moe_overrides,
+    parse_tensor_overrides,
+    register_rpc_servers,
+    rpc_endpoints,
+    speculative_keywords,
+)
+from hybrimoe.runtime.setup import EngineSetup
+from hybrimoe.runtime.stats import engine_stats, hook_stats
+from hybrimoe.traces.routing_replay import check_routing_replay_table, model_routing_shape
+
+llama_cpp = llama_cpp_module()
+_lc = llama_cpp.llama_cpp  # the ctypes layer
+
+
+class _MoeParts:
+    """hybrimoe's objects on one llama context: the MoE hook, the routing replay and the engine. Llama puts its
+    ``close`` on llama-cpp-python's exit stack after the context, so they go first; it holds the context's wrapper,
+    not the Llama (no reference cycle: a dropped Llama frees its model at once)."""
+
+    def __init__(self):
+        self.ctx = None  # llama-cpp-python's LlamaContext, once created
+        self.hook = None
+        self.routing_replay = None
+        self.engine = None
+
+    def close(self) -> None:
+        """Releases the engine (device memory and backends go now, while the device is surely there), then detaches
+        the hook (which holds the engine: dropping it frees the slot pool) and the replay from the context."""
+        engine, self.engine = self.engine, None
+        try:
+            if engine is not None:
+                engine.release()
+        finally:
+            for attr in ("hook", "routing_replay"):
+                obj = getattr(self, attr)
+                setattr(self, attr, None)
+                if obj is not None and self.ctx is not None and self.ctx.ctx is not None:
+                    obj.detach()
+
+
+class Llama(llama_cpp.Llama):
+    __doc__ = """llama-cpp-python's ``Llama`` on hybrimoe's patched libllama, with upstream's offload options.
+
+    Args (besides llama-cpp-python's, which keep their meaning):
+        rpc_servers: ``"HOST:PORT[,HOST:PORT...]"`` or a list: ggml RPC servers whose devices join the
+            model's devices (upstream ``--rpc``). Their memory is separate, like a GPU's.
+        tensor_buft_overrides: upstream ``-ot`` syntax, ``"<regex>=<buffer type>,..."`` or a list; buffer types
+            by device name (``CPU``, ``CUDA0``, ``RPC0[127.0.0.1:50052]``, as ``llama_cpp`` logs them).
+        cpu_moe: keep every routed-expert tensor in host memory (upstream ``--cpu-moe``).
+        n_cpu_moe: keep the routed experts of the first N layers in host memory (upstream ``--n-cpu-moe``).
+        n_seq_max: sequences the context can hold at once (upstream ``-np/--parallel``; llama-cpp-python: 1).
+        no_repack: do not put CPU weights into repacked (interleaved) buffers (upstream ``--no-repack``); implied
+            for the routed experts by ``moe_cache``.
+        moe_hook: install hybrimoe's MoE hook (``hybrimoe._engine.MoeHook``); its statistics are in
+            ``moe_stats()``.
+        moe_replay: int array ``[n_rows, n_layer, k]``: force every MoE layer's routed expert ids; the token at
+            position p gets row ``p % n_rows`` (benchmarks replay real routing; outputs become meaningless).
+        record_routing: record every MoE layer's routed ids and router scores as llama.cpp computes them, with
+            any placement (llama.cpp's eval callback, ``hybrimoe._engine.RoutingRecorder``; ``moe_recorder``;
+            ``hybrimoe trace`` writes traces with it). Off by default; costs a little per graph when on.
+        moe_cache: turns on the hybrid CPU+GPU engine (HybriMoE) with a GPU expert cache of this size: ``"25%"``
+            (of all routed-expert bytes), ``"3GiB"``, ``"512MB"`` or bytes; rounded down to whole expert slots
+            (``hybrimoe.runtime.engine_facts.slot_bytes(model_path)``); 0 runs every expert on the CPU through the
+            engine; ``"auto"``: as many slots as fit the device's memory left once the model is loaded
+            (``hybrimoe.runtime.setup.auto_slots``; ``moe_stats()["engine"]["moe_cache"]`` says what it chose and why).
+            Routed experts then stay in host memory (pinned when the device offers it), unrepacked. The GPU is the first
+            RPC server of ``rpc_servers``, else the first GPU device. The set-up is ``moe_setup``.
+        moe_policy: {presets} (default ``"{default_preset}"``), a ``hybrimoe.SchedulePolicy`` / ``CachePolicy`` /
+            ``PrefetchPolicy`` object (replaces that part of ``"{default_preset}"``), or a dict (see
+            ``hybrimoe.policy.presets.build_preset``). Presets: ``hybrimoe.policy.presets.SYSTEM_PRESETS`` (what each
+            does and its source); ``"hot-set"`` needs ``moe_profile``.
+        moe_profile: a profile of expert frequencies: a routing trace file (``.npz``, as ``hybrimoe trace``
+            writes; its activation counts per (MoE layer, expert)) or an array of counts ``[MoE layers,
+            experts]`` (``hybrimoe.runtime.setup.load_profile``). ``"hot-set"`` keeps the hottest experts that fit
+            resident; the adaptive caches start filled with them (as the simulator's profile fills them). The
+            trace's MoE layers and experts must be the model's.
+        moe_prefetch_layers: MoE layers whose experts are predicted and prefetched ahead (0: none). Default
+            {prefetch}.
+        moe_cost_model: the planner's cost model: a hardware name (``hybrimoe/policy/hardware_files``), a
+            hardware or cost-model JSON file, or a ``CostModel``. Default: this model's stored calibration on this
+            device (``hybrimoe calibrate``); without one, a short calibration runs on the loaded model (seconds to a
+            minute; a progress bar on a terminal) and is stored (``hybrimoe.runtime.calibration.on_first_use``); with
+            ``{auto_env}=0`` the ``{cost_preset}`` hardware's instead. ``moe_stats()["engine"]["cost_model"]`` says
+            which.
+
+        draft_model: as llama-cpp-python's (speculative decoding); hybrimoe turns ``logits_all`` on for it (the
+            verification batches need every token's logits).
+
+    Raises:
+        TypeError: a keyword neither llama-cpp-python's ``Llama`` nor hybrimoe knows (the message names the closest
+            known one): a misspelt ``moe_*`` option would otherwise run without the engine.
+        FileNotFoundError: ``model_path`` (or a ``moe_profile`` trace file) does not exist.
+        ValueError: not a GGUF file, truncated, bad override, bad RPC endpoint, bad replay table, bad
+            ``moe_*`` option (budget, policy, cost model, profile; a cache larger than the device's free memory), or
+            llama.cpp could not load the model.
+        RuntimeError: ``moe_cache`` in a process whose CPU backend is not hybrimoe's ggml-cpu (llama_cpp was
+            loaded before hybrimoe). From ``eval`` and everything that decodes: the engine failed during a decode
+            (a Python policy raised, the device failed); the message names the layer and the cause; an RPC server
+            that disconnected is a ``hybrimoe.runtime.errors.DeviceLostError`` (a RuntimeError) naming it.
+    """.format(presets=", ".join(f'``"{n}"``' for n in ENGINE_PRESETS), default_preset=DEFAULT_PRESET,
+               prefetch=PREFETCH_LAYERS, auto_env=AUTO_CALIBRATE_ENV, cost_preset=DEFAULT_COST_HARDWARE)
+
+    def __init__(self, model_path: str, *, rpc_servers: str | Sequence[str] | None = None,
+                 tensor_buft_overrides: str | Sequence[str] | None = None, cpu_moe: bool = False,
+                 n_cpu_moe: int | None = None, no_repack: bool = False, n_seq_max: int | None = None,
+                 moe_hook: bool = False, moe_replay: np.ndarray | None = None,
+                 moe_cache=None, moe_policy=None, moe_prefetch_layers: int | None = None, moe_cost_model=None,
+                 moe_profile=None, load_progress=None, record_routing: bool = False, **kwargs):
+        self._moe = _MoeParts()
+        self._recorder = None
+        self._moe_setup = None
+        self._moe_warned = False
+        check_keywords(kwargs)
+        check_gguf(model_path)
+        if n_seq_max is not None and (isinstance(n_seq_max, bool) or not isinstance(n_seq_max, int) or n_seq_max < 1):
+            raise ValueError(f"n_seq_max must be an integer >= 1, got {n_seq_max!r}")
+        kwargs = speculative_keywords(kwargs)
+        self._rpc_endpoints = rpc_endpoints(rpc_servers)
+        overrides = parse_tensor_overrides(tensor_buft_overrides) + moe_overrides(cpu_moe, n_cpu_moe)
+        # RPC servers first (the engine's device is the first of them), then the engine's options, all checked
+        # before the model loads (EngineSetup.create)
+        rpc_devs = register_rpc_servers(self._rpc_endpoints, kwargs.get("verbose", True))
+        setup = EngineSetup.create(model_path, moe_cache=moe_cache, moe_policy=moe_policy,
+                                   moe_prefetch_layers=moe_prefetch_layers, moe_cost_model=moe_cost_model,
+                                   moe_profile=moe_profile, kv_overrides=kwargs.get("kv_overrides"),
+                                   rpc_devices=rpc_devs, tensor_overrides=overrides)
+        if setup is not None:
+            setup = calibration.with_stored_cost(setup, model_path)
+            overrides.append(setup.expert_override())
+        self._moe_setup = setup
+        if record_routing:
+            # kept on the Llama, which outlives its context (the context calls it on every graph)
+            self._recorder = engine_module().RoutingRecorder()
+        # devices: ours from rpc_servers, plus real accelerators; never another instance's RPC servers
+        devices = rpc_devs + _ggml.local_gpus() if _ggml.rpc_device_ptrs() else None
+        self._native = NativeParams(
+            overrides, devices=devices, load_progress=load_progress, no_repack=no_repack or setup is not None,
+            n_seq_max=n_seq_max, eval_callback=None if self._recorder is None else
+            (engine_module().RoutingRecorder.callback_address, self._recorder.address))
+        with self._native.patched():
+            super().__init__(model_path, **kwargs)
+        self._size_arrays_to_context()
+        # hybrimoe's objects live on llama-cpp-python's exit stack, after the context: close() (and the stack's
+        # own unwinding) releases the engine and detaches the hook and the replay before the context is freed
+        self._moe.ctx = self._ctx
+        self._stack.callback(self._moe.close)
+        try:
+            self._attach_moe(moe_replay, moe_hook, kwargs.get("n_threads"))
+        except BaseException:
+            self.close()
+            raise
+
+    def _size_arrays_to_context(self) -> None:
+        # llama.cpp pads the context (llama_n_ctx can exceed the n_ctx asked for: 256 for 64), and llama-cpp-python
+        # checks prompts against the padded size but sized its token array (and, with logits_all, its logits) by
+        # the request: a prompt between the two sizes overflowed them. They get the context's real size.
+        n_real = int(self.n_ctx())
+        if len(self.input_ids) < n_real:
+            ids = np.zeros(n_real, dtype=self.input_ids.dtype)
+            ids[:len(self.input_ids)] = self.input_ids
+            self.input_ids = ids
+            if getattr(self, "_logits_all", False) and self.scores.shape[0] < n_real:
+                self.scores = np.zeros((n_real, self.scores.shape[1]), dtype=self.scores.dtype)
+
+    def _attach_moe(self, moe_replay, moe_hook: bool, n_threads) -> None:
+        """Attaches the routing replay, the hook and the engine to the new context."""
+        if moe_replay is not None:
+            self._attach_routing_replay(np.asarray(moe_replay))
+        setup = self._moe_setup
+        if not moe_hook and setup is None:
+            return
+        self._moe.hook = engine_module().MoeHook(int(_lc.llama_model_n_layer(self.model)))
+        self._moe.hook.attach(self._ctx_ptr())
+        if setup is None:
+            return
+        # known only now: the device memory left ("auto") and the loaded model to calibrate on
+        setup = setup.with_auto_slots(self.context_params.n_ubatch)
+        setup = calibration.with_first_use_cost(self, setup, n_threads)
+        self._moe.hook.reset_counters()  # the user's statistics start with the user's first eval
+        # (_moe_warned is kept: a first-use calibration that already warned about layers left to upstream's
+        # path warned about the same layers the user's evals will see, and once is enough)
+        self._moe_setup = setup
+        self._moe.engine = setup.make_engine()
+        self._moe.hook.set_engine(self._moe.engine)
+
+    @property
+    def moe_setup(self) -> "EngineSetup | None":
+        """The engine's set-up (:class:`hybrimoe.runtime.setup.EngineSetup`: facts, slots, policies, cost model,
+        device),
+        read-only; None without ``moe_cache``."""
+        return self._moe_setup
+
+    @property
+    def moe_engine(self):
+        """The MoE engine (``hybrimoe._engine.Engine``: counters, decision log, slot pool), or None without
+        ``moe_cache`` (and after :meth:`close`)."""
+        return self._moe.engine
+
+    @property
+    def moe_hook(self):
+        """hybrimoe's MoE hook on this context (``hybrimoe._engine.MoeHook``: per-layer counters, routing
+        recording), or None without ``moe_hook`` / ``moe_cache`` (and after :meth:`close`)."""
+        return self._moe.hook
+
+    @property
+    def moe_recorder(self):
+        """The routing recorder (``hybrimoe._engine.RoutingRecorder``) of ``record_routing``, or None."""
+        return self._recorder
+
+    @property
+    def moe_replay(self):
+        """The routing replay (``hybrimoe._engine.RoutingReplay``) of ``moe_replay``, or None."""
+        return self._moe.routing_replay
+
+    def _ctx_ptr(self) -> int:
+        ctx = self._ctx.ctx
+        return int(ctx.value if hasattr(ctx, "value") else ctx)
+
+    def _attach_routing_replay(self, ids: np.ndarray) -> None:
+        # the same checks as --replay-trace's (hybrimoe.traces.routing_replay), against the loaded model's layers
+        _, n_expert, top_k, moe_layers = model_routing_shape(self.model_path)
+        n_layer = int(_lc.llama_model_n_layer(self.model))
+        ids = check_routing_replay_table(ids, n_layer, n_expert, top_k, moe_layers)
+        self._moe.routing_replay = engine_module().RoutingReplay(ids, n_expert)
+        self._moe.routing_replay.attach(self._ctx_ptr())
+
+    def eval(self, tokens, *, logits_all: bool = False):
+        """llama-cpp-python's ``eval``; raises RuntimeError when the MoE engine failed during it (the layers it
+        failed in were computed on the CPU; the next call tries the engine again). llama-cpp-python has then
+        already counted the tokens as evaluated (``n_tokens``). With ``moe_hook`` or ``moe_cache``, warns once
+        (RuntimeWarning) when MoE layers were left to upstream's path or to the CPU only.
+
+        ``logits_all``: compute the outputs of every token, not only the last of each batch, so that every layer
+        sees every token (llama.cpp's model builders drop the tokens without an output before the last layer's
+        FFN; the routing recorder needs them all). The extra logits are not kept (``scores`` is llama-cpp-python's
+        and sized for its own ``logits_all``)."""
+        if self._moe.engine is not None:
+            self._moe.engine.clear_failure()
+        try:
+            if logits_all:
+                self._eval_all_outputs(tokens)
+            else:
+                super().eval(tokens)
+        except RuntimeError as e:
+            raise self._decode_failure(e) from e
+        if self._moe.hook is not None and not self._moe_warned:
+            self._moe_warned = True  # the hook has seen every layer once the first graph ran
+            st = self.moe_stats()
+            for key, where in (("unsupported", "upstream's path"), ("engine_skipped", "the CPU only")):
+                if st.get(key):
+                    reasons = sorted({u["reason"] for u in st[key]})
+                    # stacklevel 3: the caller of eval, past the closed-check wrapper (_open_only)
+                    warnings.warn(f"{len(st[key])} MoE layer(s) ran on {where} ({'; '.join(reasons)})",
+                                  RuntimeWarning, stacklevel=3)
+        err = self._moe.engine.take_error() if self._moe.engine is not None else ""
+        if err:  # (no engine reference left in this frame: a kept traceback must not keep the engine alive)
+            raise RuntimeError(f"hybrimoe engine failed: {err}")
+
+    def _decode_failure(self, e: RuntimeError) -> RuntimeError:
+        """The error to raise for a failed decode: :class:`hybrimoe.runtime.errors.DeviceLostError` naming the lost
+        RPC servers when ggml's RPC client lost one, else ``e`` with the likely cause where RPC servers are in use."""
+        if not (self._rpc_endpoints and "llama_decode returned" in str(e)):
+            return e
+        lost = [(ep, m) for ep in self._rpc_endpoints for m in [_ggml.rpc_connection_error(ep)] if m]
+        if lost:
+            devices = [m for _, m in lost]
+            return DeviceLostError(f"{e}: {'; '.join(devices)}; this Llama cannot compute any more (close it)",
+                                   devices, [ep for ep, _ in lost])
+        return RuntimeError(f"{e} (the compute failed; with RPC servers ({', '.join(self._rpc_endpoints)}) a server "
+                            "that stopped answering is the usual cause: see the log)")
+
+    def embed(self, *args, **kwargs):
+        """llama-cpp-python's ``embed``; a lost device raises :class:`hybrimoe.runtime.errors.DeviceLostError`, as in
+        :meth:`eval`."""
+        try:
+            return super().embed(*args, **kwargs)
+        except RuntimeError as e:
+            raise self._decode_failure(e) from e
+
+    def _eval_all_outputs(self, tokens) -> None:
+        # llama-cpp-python's eval loop (Llama.eval) with every token's output flag set
+        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        for i in range(0, len(tokens), self.n_batch):
+            batch = tokens[i:min(len(tokens), i + self.n_batch)]
+            n_past = self.n_tokens
+            self._batch.set_batch(batch=batch, n_past=n_past, logits_all=True)
+            self._ctx.decode(self._batch)
+            self.input_ids[n_past:n_past + len(batch)] = batch
+            self.n_tokens += len(batch)
+            self._requires_eval = False
+
+    def moe_log(self, on: bool = True) -> None:
+        """Starts (or, ``on=False``, stops and drops) the engine's decision log: one record per MoE layer and
+        ubatch (routing ids ``[T, k]``, router scores ``[T, E]``, expert bytes, the engine's clock and copy-queue
+        estimate, predictions shown to the prefetcher, and every decision: cached, planned and run split, loads,
+        prefetches, fills, evictions, predicted makespan). Start it before the first decode to replay it with
+        :func:`hybrimoe.runtime.decision_replay.replay_engine_log`. The log grows with every record (the router scores
+        alone are ``T x E`` floats per MoE layer and ubatch: about 3.4 MB per 512-token prompt of a 26-layer, 64-expert
+        model): take it often or stop it on long runs. Raises ValueError without the engine (``moe_cache``)."""
+        if self._moe.engine is None:
+            raise ValueError("moe_log needs the MoE engine (moe_cache=...)")
+        self._moe.engine.set_logging(bool(on))
+
+    def moe_take_log(self) -> list:
+        """The decision records kept since the last call (see :meth:`moe_log`), as dicts. Raises ValueError
+        without the engine."""
+        if self._moe.engine is None:
+            raise ValueError("moe_take_log needs the MoE engine (moe_cache=...)")
+        return self._moe.engine.take_log()
+
+    def moe_stats(self) -> dict:
+        """Statistics of hybrimoe's MoE hook and engine.
+
+        Hook (``moe_hook`` or ``moe_cache``): per model layer, plan-node runs (one per ubatch), tokens, hook calls
+        (graph builds); layers left on upstream's path (``unsupported``) or on the CPU-only path
+        (``engine_skipped``) with the reason. Empty without either option.
+
+        Engine (``moe_cache``), under ``"engine"``: ``policy``, ``profile`` (where ``moe_profile`` came from, ''
+        without one), ``n_slots``, ``slot_bytes`` (bytes), ``hit_rate``
+        (activated experts resident when their layer ran / all activated experts), ``cache`` (accesses, hits,
+        misses, admissions, evictions), ``cpu_experts`` / ``gpu_experts`` (distinct experts per layer and ubatch,
+        summed), ``bytes_copied`` and its parts ``bytes_demand`` / ``bytes_prefetch`` / ``bytes_fill`` (H2D
+        bytes), ``layer_s`` (mean seconds per MoE layer run, plan start to GPU share done) and ``layers`` (per MoE
+        layer counters, see ``hybrimoe._engine.Engine.layer_stats``).
+        """
+        if self._moe.hook is None:
+            return {}
+        out = hook_stats(self._moe.hook)
+        if self._moe.engine is not None:
+            out["engine"] = engine_stats(self._moe.engine, self._moe_setup)
+        return out
+
+    def create_completion(self, prompt, *args, **kwargs):
+        if (isinstance(prompt, (str, bytes)) and len(prompt) == 0) or \
+                (isinstance(prompt, (list, tuple)) and len(prompt) == 0):
+            raise ValueError("prompt is empty: give at least one character or token")
+        return super().create_completion(prompt, *args, **kwargs)
+
+    def close(self) -> None:
+        """Frees the context and the model (llama-cpp-python's ``close``): hybrimoe's engine, hook and replay go
+        first (they are on its exit stack, after the context). Afterwards the generation, eval and tokenizer
+        methods raise RuntimeError (llama-cpp-python would use the freed context and crash)."""
+        self._closed = True
+        if hasattr(self, "_stack"):  # llama-cpp-python's __init__ may not have run (bad input)
+            super().close()
+        elif getattr(self, "_moe", None) is not None:
+            self._moe.close()
+
+
+#: the public methods that use the model or the context: after ``close()`` they raise instead of touching freed
+#: memory
+_NEEDS_OPEN = ("__call__", "create_completion", "create_chat_completion", "generate", "eval", "sample", "tokenize",
+               "detokenize", "embed", "create_embedding", "reset", "save_state", "load_state", "n_ctx", "n_vocab",
+               "n_embd", "token_bos", "token_eos", "token_nl")
+
+
+def _open_only(name: str, method):
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        if getattr(self, "_closed", False):
+            raise RuntimeError(f"Llama.{name}: this Llama is closed (close() freed its model and context); "
+                               "load the model again")
+        return method(self, *args, **kwargs)
+
+    return checked
+
+
+for _name in _NEEDS_OPEN:
+    if hasattr(Llama, _name):
+        setattr(Llama, _name, _open_only(_name, getattr(Llama, _name)))
+del _name

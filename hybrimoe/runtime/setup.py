@@ -1,0 +1,391 @@
+"""Set-up of the hybrid CPU+GPU MoE engine (``hybrimoe._engine.Engine``) for a model and the user's options.
+
+:class:`EngineSetup` is the one place where ``hybrimoe.Llama(..., moe_cache=..., moe_policy=...,
+moe_prefetch_layers=..., moe_cost_model=...)`` (and ``hybrimoe run --moe-cache ...``) become an engine: model facts
+from the GGUF (expert sizes per layer and matrix, routers for prefetch prediction), the slot count from the cache
+budget (or, for ``"auto"``, from the device memory left after the model loaded), the policies (presets built by
+:func:`hybrimoe.policy.presets.build_preset`, or Python objects), the device and the planner's cost model (a hardware
+file, a JSON file, a stored calibration, or one measured at first use on the loaded model).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from hybrimoe import _core, _ggml
+from hybrimoe.envs import AUTO_MARGIN_FRACTION, AUTO_MARGIN_MIN_BYTES, PREFETCH_LAYERS, max_buffer_bytes
+from hybrimoe.model.tables import EXPS_REGEX
+from hybrimoe.policy.budget import parse_budget
+from hybrimoe.policy.hardware import resolve_cost_model
+from hybrimoe.policy.presets import DEFAULT_PRESET, ENGINE_PRESETS, SYSTEM_PRESETS, PolicySet, build_preset
+from hybrimoe.policy.profile import expert_counts, hot_keys_from_counts
+from hybrimoe.runtime.engine_facts import EngineFacts, engine_facts, engine_module
+from hybrimoe.traces.format import load_trace
+
+#: what a cache with slots needs, said once for the set-up's early check and the engine's own
+_NO_ACCELERATOR = ("needs an accelerator (a CUDA device, or an RPC server via rpc_servers, --rpc); none was found. "
+                   "Use moe_cache=0 (--moe-cache 0) to run every expert on the CPU")
+
+
+def require_accelerator(device: Optional[int], n_slots: Optional[int], what: str = "moe_cache (--moe-cache)") -> None:
+    """The one accelerator rule: a cache with slots (``n_slots`` > 0, or None: ``"auto"``) needs a device.
+
+    Raises:
+        ValueError: no device for such a cache (``what`` names the option).
+    """
+    if (n_slots is None or n_slots > 0) and not device:
+        raise ValueError(f"{what} {_NO_ACCELERATOR}")
+
+
+def cache_slots(spec, facts: EngineFacts) -> int:
+    """Number of GPU expert slots for a ``moe_cache`` budget (``"auto"`` is sized once the model is loaded:
+    :meth:`EngineSetup.with_auto_slots`).
+
+    ``spec``: ``"25%"`` (of the model's routed experts: 100% = a slot for every expert), ``"3GiB"``, ``"512MB"``, or
+    bytes (int). 0 is valid (nothing cached). A byte budget is rounded down to whole slots of ``facts.slot_bytes``
+    (a slot fits the largest expert of the model, so mixed quant types need a little more than the file's expert
+    bytes) and capped at one slot per expert.
+
+    Raises:
+        ValueError: unparsable, negative, above 100%, or positive but smaller than one slot.
+    """
+    sb = facts.slot_bytes
+    n_all = len(facts.moe_layers) * facts.n_expert
+    try:
+        b = parse_budget(spec, float(n_all * sb), sb)
+    except ValueError as e:
+        if isinstance(spec, (int, float)) and not isinstance(spec, bool) and 0 < spec < 1:
+            # 0.25 meant as a share reads as a quarter of a byte
+            raise ValueError(f"{e} (a number is a byte count; for a share of the experts give a percentage, "
+                             f"e.g. \"{100 * spec:g}%\")") from None
+        raise
+    return min(n_all, int(b // sb + 1e-9))
+
+
+def resolve_engine_cost_model(spec, facts: EngineFacts) -> "_core.CostModel":
+    """The planner's cost model for an engine's model (:func:`hybrimoe.policy.hardware.resolve_cost_model` on
+    ``facts.model``); the same errors."""
+    return resolve_cost_model(spec, facts.model)
+
+
+def load_profile(spec, facts: EngineFacts) -> tuple[Optional[np.ndarray], str]:
+    """The engine's profile of expert frequencies (``moe_profile``) and a line saying where it came from.
+
+    ``spec``: None (no profile: ``(None, "")``); a routing trace file (``.npz``, as ``hybrimoe trace -o FILE``
+    writes, any format version :func:`hybrimoe.traces.format.load_trace` reads): the activations of each (MoE layer,
+    expert) over all its tokens, prefill and decode alike, incomplete tokens (ids -1, repeated ids, scores that are
+    not finite) left out and counted in the line; or an array-like of counts ``[moe_layers, experts]`` (finite,
+    >= 0). Returns float64 counts ``[len(facts.moe_layers), facts.n_expert]``.
+
+    Raises:
+        FileNotFoundError: a trace file that does not exist.
+        ValueError: an unreadable or invalid trace (named); a trace or array whose MoE layer count or expert count
+            is not the model's (both shapes named); no complete token in the trace; negative or non-finite
+            counts; an integer (profiling the first N routed tokens online is not implemented) or another type.
+    """
+    if spec is None:
+        return None, ""
+    L, E = len(facts.moe_layers), int(facts.n_expert)
+    model_shape = f"the model {facts.path} has {L} MoE layers x {E} experts"
+    if isinstance(spec, (bool, int, np.integer)):
+        raise ValueError(f"moe_profile={spec!r}: profiling the first N routed tokens online is not implemented; give "
+                         "a routing trace file (hybrimoe trace -o FILE.npz) or an array of counts [MoE layers, "
+                         "experts]")
+    if isinstance(spec, (str, os.PathLike)):
+        path = os.fspath(spec)
+        try:
+            tr = load_trace(path, facts=facts.model, check_tokens=False)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"moe_profile: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"moe_profile: {e}") from None
+        if (tr.n_layers, tr.num_experts) != (L, E):
+            raise ValueError(f"moe_profile {path}: the trace has {tr.n_layers} MoE layers x {tr.num_experts} "
+                             f"experts; {model_shape}")
+        tr, dropped = tr.drop_incomplete()
+        if tr.n_tokens == 0:
+            raise ValueError(f"moe_profile {path}: no complete token to count ({dropped} incomplete)")
+        counts = expert_counts(tr.expert_ids, E)
+        note = f"routing trace {path}: {tr.n_tokens} tokens" + (f" ({dropped} incomplete left out)" if dropped else "")
+        return counts, note
+    try:
+        counts = np.array(spec, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"moe_profile must be a routing trace file or an array of counts [MoE layers, experts], not "
+                         f"{type(spec).__name__}") from None
+    if counts.shape != (L, E):
+        raise ValueError(f"moe_profile: the counts have shape {counts.shape}, expected ({L}, {E}): {model_shape}")
+    if not np.isfinite(counts).all() or (counts < 0).any():
+        raise ValueError("moe_profile: the counts must be finite and >= 0")
+    return counts, f"counts [{L}, {E}] given"
+
+
+def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: int,
+                   profile: Optional[np.ndarray] = None) -> PolicySet:
+    """Policy objects for ``moe_policy``, built by :func:`hybrimoe.policy.presets.build_preset` (the presets' one
+    place, shared with the simulator).
+
+    ``policy``: a preset name (:data:`hybrimoe.policy.presets.ENGINE_PRESETS`); a ``SchedulePolicy``, ``CachePolicy`` or
+    ``PrefetchPolicy`` object (Python subclass or C++), which replaces that part of the ``hybrimoe`` preset; or a
+    dict with keys ``scheduler``, ``cache``, ``prefetch`` (names as in ``hybrimoe._core.make_*`` or objects) and
+    ``fill``. Every layer's experts take one GPU slot (``facts.slot_bytes``). ``profile``: counts ``[MoE layers,
+    experts]`` (:func:`load_profile`), as the simulator's profiling prompts give it: ``hot-set`` holds the hottest
+    experts that fit and needs it; the adaptive caches (``hybrimoe``, ``hybrimoe-lru``, ``gpu-on-demand``) start
+    filled with the hottest experts instead of empty; ``ktransformers`` and ``upstream-ncmoe`` (whole layers)
+    ignore it.
+
+    Raises:
+        ValueError: unknown preset or component name, a clairvoyant preset or cache (``belady``, ``oracle``:
+            simulator only), or ``hot-set`` (a ``static-frequency`` cache) without a profile (the message names
+            ``moe_profile``).
+    """
+    if isinstance(policy, str):
+        if policy in SYSTEM_PRESETS and SYSTEM_PRESETS[policy]["clairvoyant"]:
+            raise ValueError(f"moe_policy '{policy}' is clairvoyant (it needs the future routing): simulator only")
+        if policy not in ENGINE_PRESETS:
+            raise ValueError(f"unknown moe_policy '{policy}' (known: {', '.join(ENGINE_PRESETS)}, or a policy "
+                             "object)")
+        spec, name = policy, policy
+    elif isinstance(policy, dict):
+        spec, name = dict(policy), "custom"
+    elif isinstance(policy, (_core.SchedulePolicy, _core.CachePolicy, _core.PrefetchPolicy)):
+        key = ("scheduler" if isinstance(policy, _core.SchedulePolicy) else
+               "cache" if isinstance(policy, _core.CachePolicy) else "prefetch")
+        spec, name = {key: policy}, f"custom {key}"
+    else:
+        raise ValueError(f"moe_policy must be a preset name, a policy object or a dict, not {type(policy).__name__}")
+    if isinstance(spec, dict) and spec.get("cache") == "belady":
+        raise ValueError("the belady cache is clairvoyant: simulator only")
+    cache_name = SYSTEM_PRESETS[spec]["cache"] if isinstance(spec, str) else spec.get("cache")
+    if cache_name == "static-frequency" and profile is None:
+        what = f"moe_policy '{spec}'" if isinstance(spec, str) else "a static-frequency cache"
+        raise ValueError(f"{what} needs moe_profile (the CLI's --moe-profile): a routing trace file as hybrimoe "
+                         "trace writes (its expert counts per MoE layer and expert choose the hot set) or an array "
+                         "of counts [MoE layers, experts]")
+    hot = prio = None
+    if profile is not None:
+        counts = np.asarray(profile, dtype=np.float64)
+        if counts.shape != (len(facts.moe_layers), facts.n_expert):
+            raise ValueError(f"moe_profile: counts of shape {counts.shape}, expected "
+                             f"({len(facts.moe_layers)}, {facts.n_expert})")
+        hot, prio = hot_keys_from_counts(counts), counts.ravel()
+    sb = facts.slot_bytes
+    try:
+        return build_preset(spec, [float(sb)] * len(facts.moe_layers), facts.n_expert, float(n_slots * sb),
+                                prefetch=prefetch_layers > 0, hot_keys=hot, profile=prio, name=name)
+    except ValueError as e:
+        raise ValueError(f"moe_policy: {e}") from None
+
+
+def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], policies: PolicySet,
+                cost: "_core.CostModel", prefetch_layers: int):
+    """Builds the ``hybrimoe._engine.Engine``. The slot pool is split over as many device buffers as the device's
+    max buffer size needs (``Engine.slot_buffers``); ``$HYBRIMOE_MAX_BUFFER_BYTES`` (bytes, > 0) caps one buffer
+    lower still, to exercise the split on a device without a cap (the RPC stand-in, CUDA).
+
+    Raises:
+        ValueError: the slot pool does not fit in the device's free memory, or no device for a non-empty cache.
+        RuntimeError: the device cannot allocate the pool.
+    """
+    _engine = engine_module()
+    require_accelerator(device_ptr, n_slots)
+    if n_slots > 0:
+        free, total = _ggml.device_memory(device_ptr)
+        need = (n_slots + 1) * facts.slot_bytes
+        if need > free:
+            raise ValueError(f"moe_cache needs {need} bytes ({n_slots} expert slots + 1 of {facts.slot_bytes} bytes), "
+                             f"more than the {free} bytes free on the device (of {total})")
+    return _engine.Engine(
+        n_layer=facts.n_layer, n_expert=facts.n_expert, top_k=facts.top_k, n_embd=facts.n_embd,
+        moe_layers=list(facts.moe_layers), expert_bytes=[tuple(b) for b in facts.expert_bytes],
+        expert_types=[tuple(t) for t in facts.expert_types], n_slots=n_slots,
+        device=int(device_ptr or 0), cost_model=cost,
+        prefetch_layers=int(prefetch_layers), fill_on_miss=policies.fill_on_miss, routers=facts.routers,
+        router_bias=facts.router_bias, sigmoid_gating=facts.sigmoid_gating, cache=policies.cache,
+        scheduler=policies.scheduler, prefetcher=policies.prefetcher, max_buffer_bytes=max_buffer_bytes(),
+        bias_bytes=[tuple(b) for b in facts.bias_bytes], scale_bytes=[tuple(b) for b in facts.scale_bytes])
+
+
+def gpu_work_bytes(facts: EngineFacts, n_ubatch: int) -> int:
+    """Upper bound, in bytes, of the device memory the engine's GPU share allocates besides its slot pool for
+    ubatches of up to ``n_ubatch`` tokens: per launch graph (pair counts bucketed to powers of two up to
+    ``n_ubatch * top_k``, two launches per layer) its packed inputs (slot id, row, weight and hidden row per pair)
+    and its work tensors (each pair's hidden row, gate, up and activation rows of the expert FFN width, down and
+    weighted output rows; with expert biases also the biased up, gate and down rows), all F32; summed over the buckets
+    (each graph has its own allocation) and over the layers' distinct expert type triples."""
+    D = int(facts.n_embd)
+    F = int(facts.model.n_ff_exp) if facts.model is not None else D
+    per_pair = 4 * (3 + D) + 4 * D + 4 * 3 * F + 4 * 2 * D
+    if facts.bias_bytes:
+        per_pair += 4 * (2 * F + D)  # ggml_add_id's outputs (build_moe_ffn's "ffn_moe_*_biased")
+    if facts.scale_bytes:
+        per_pair += 4 * (2 * F + D + 3 * 2)  # the scaled products and each pair's gathered scales
+    if facts.clamped:
+        per_pair += 4 * 3 * F  # clamp(up), silu(gate), its clamp
+    if facts.weight_before_ffn:
+        per_pair += 4 * 2 * D  # the input repeated per pair and weighted
+    top = 1
+    while top < max(1, int(n_ubatch) * int(facts.top_k)):
+        top *= 2
+    pairs = 0
+    b = 1
+    while b <= top:
+        pairs += 2 * b
+        b *= 2
+    # graphs are kept per (gate, up, down) type triple too (a Q4_K_M file mixes Q4_K and Q6_K down matrices)
+    triples = max(1, len({tuple(t) for t in facts.expert_types}))
+    return int(pairs * per_pair * triples)
+
+
+def auto_slots(facts: EngineFacts, free_bytes: int, n_ubatch: int) -> tuple[int, str]:
+    """``moe_cache="auto"``: the most GPU expert slots that fit in ``free_bytes`` (the device's free memory after
+    the model's device weights, KV cache and compute buffers) less the engine's own GPU work buffers
+    (:func:`gpu_work_bytes`) and a margin (:data:`hybrimoe.envs.AUTO_MARGIN_FRACTION` of the free memory, at
+    least :data:`hybrimoe.envs.AUTO_MARGIN_MIN_BYTES`), at most one per expert (the pool adds a null slot).
+    Returns ``(slots, why)``, ``why`` a sentence with the figures."""
+    sb = facts.slot_bytes
+    work = gpu_work_bytes(facts, n_ubatch)
+    margin = max(AUTO_MARGIN_MIN_BYTES, int(free_bytes * AUTO_MARGIN_FRACTION))
+    n_all = len(facts.moe_layers) * facts.n_expert
+    room = int(free_bytes) - work - margin
+    n = max(0, min(n_all, room // sb - 1)) if room > 0 else 0
+    why = (f"auto: {free_bytes} bytes free on the device after the model, KV cache and compute buffers, less "
+           f"{work} for the engine's GPU work buffers (ubatches of {n_ubatch}) and a margin of {margin}: "
+           f"{n} of {n_all} experts in slots of {sb} bytes")
+    return int(n), why
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """How one :class:`hybrimoe.Llama` runs the MoE engine, decided once (read-only: ``Llama.moe_setup``).
+
+    :meth:`create` builds it from the user's options and the GGUF's facts before the model loads: every
+    validation, default and device check happens there. Two things are only known once the model is loaded: the
+    slot count of ``moe_cache="auto"`` (:meth:`with_auto_slots`: the device memory left) and, without a cost model
+    given or stored, one measured on the loaded model (:func:`hybrimoe.runtime.calibration.with_first_use_cost`); each
+    returns a new set-up. Units: bytes, seconds.
+
+    Fields: ``facts`` (:class:`EngineFacts`), ``cache_spec`` (the user's ``moe_cache``), ``n_slots`` (GPU expert
+    slots; ``None`` until completed for ``"auto"``), ``slots_note`` (how they were chosen), ``policy_spec`` (the
+    user's ``moe_policy``), ``policies`` (:class:`hybrimoe.policy.presets.PolicySet`; ``None`` until completed for
+    ``"auto"``), ``prefetch_layers``, ``cost`` (the planner's ``CostModel``; ``None`` until completed when it is
+    to be measured), ``cost_source`` (where it came from), ``device`` (ggml device pointer of the accelerator, or
+    ``None``), ``device_label``, ``host_buffer_type`` (the device's pinned host buffer type, where the routed
+    experts are kept; ``None``: plain host memory), ``profile`` (float64 counts ``[MoE layers, experts]`` from
+    ``moe_profile``, :func:`load_profile`; ``None``: none given) and ``profile_source`` (where they came from).
+    """
+
+    facts: EngineFacts
+    cache_spec: object
+    n_slots: Optional[int]
+    slots_note: str
+    policy_spec: object
+    policies: Optional[PolicySet]
+    prefetch_layers: int
+    cost: Optional["_core.CostModel"]
+    cost_source: str
+    device: Optional[int]
+    device_label: str
+    host_buffer_type: Optional[str]
+    profile: Optional[np.ndarray] = field(default=None, compare=False)
+    profile_source: str = ""
+
+    @classmethod
+    def create(cls, model_path, *, moe_cache, moe_policy=None, moe_prefetch_layers=None, moe_cost_model=None,
+               moe_profile=None, kv_overrides: Optional[dict] = None, rpc_devices: Sequence[int] = (),
+               tensor_overrides: Sequence[tuple] = ()) -> Optional["EngineSetup"]:
+        """The set-up for these options, or None when the engine is off (``moe_cache`` None).
+
+        ``moe_profile``: a routing trace file or counts ``[MoE layers, experts]`` (:func:`load_profile`): the
+        profile ``hot-set`` needs and the adaptive caches start filled from (:func:`build_policies`).
+        ``rpc_devices``: the device pointers of the Llama's RPC servers (the first is the accelerator, else this
+        machine's first GPU); ``tensor_overrides``: the user's ``(pattern, buffer type)`` overrides (none may put
+        routed experts on a device: the engine keeps them in host memory).
+
+        Raises:
+            ValueError: a ``moe_*`` option without ``moe_cache``; a bad budget, policy, prefetch depth, cost model,
+                profile (``hot-set`` without one, a trace of another shape) or ``expert_used_count`` override; not a
+                MoE model; a cache without an accelerator; an override that moves routed experts to a device.
+            RuntimeError: the process's CPU backend is not hybrimoe's ggml-cpu (llama_cpp loaded first).
+        """
+        if moe_cache is None:
+            given = [n for n, v in (("moe_policy", moe_policy), ("moe_prefetch_layers", moe_prefetch_layers),
+                                    ("moe_cost_model", moe_cost_model), ("moe_profile", moe_profile))
+                     if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} set without moe_cache: the MoE engine is off; give moe_cache "
+                                 "(e.g. '25%', 'auto', or 0 for no GPU cache) to turn it on")
+            return None
+        policy_spec = DEFAULT_PRESET if moe_policy is None else moe_policy
+        prefetch = PREFETCH_LAYERS if moe_prefetch_layers is None else moe_prefetch_layers
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"moe_prefetch_layers must be an integer >= 0, got {prefetch!r}")
+        why = engine_module().cpu_backend_problem()
+        if why:  # the engine's own check, made before the model is loaded (which can take minutes)
+            raise RuntimeError(f"moe_cache: {why}")
+        facts = engine_facts(model_path)
+        # llama.cpp applies kv_overrides of "<arch>.expert_used_count" to top-k: the engine must see the same k
+        k_over = (kv_overrides or {}).get(f"{facts.arch}.expert_used_count")
+        if k_over is not None:
+            if isinstance(k_over, bool) or not isinstance(k_over, int) or not 1 <= k_over <= facts.n_expert:
+                raise ValueError(f"kv_overrides {facts.arch}.expert_used_count must be an integer in "
+                                 f"1..{facts.n_expert}, got {k_over!r}")
+            facts = dataclasses.replace(facts, top_k=int(k_over))
+        auto = isinstance(moe_cache, str) and moe_cache.strip().lower() == "auto"
+        n_slots = None if auto else cache_slots(moe_cache, facts)
+        profile, profile_source = load_profile(moe_profile, facts)
+        # an unknown or clairvoyant policy, or hot-set without a profile, fails now, not after the model loaded
+        policies = build_policies(policy_spec, facts, 0 if auto else n_slots, prefetch, profile)
+        if auto:
+            policies = None
+        device = _ggml.accelerator(list(rpc_devices))
+        require_accelerator(device, None if auto else n_slots, f"moe_cache={moe_cache!r} (--moe-cache)")
+        host = _ggml.host_buffer_type_name(device) if device else None
+        for pattern, buft_name in tensor_overrides:
+            if buft_name not in ("CPU", host) and re.search(pattern, "blk.0.ffn_up_exps.weight"):
+                raise ValueError(f"tensor override {pattern}={buft_name} puts routed experts on a device; with "
+                                 "moe_cache the engine keeps them in host memory and caches them itself")
+        label = _ggml.device_label(device)
+        cost, source = None, "none yet (a stored calibration, else one measured at first use)"
+        if moe_cost_model is not None:
+            cost = resolve_cost_model(moe_cost_model, facts.model)
+            source = "CostModel object" if isinstance(moe_cost_model, _core.CostModel) else str(moe_cost_model)
+        note = "" if auto else f"moe_cache={moe_cache!r}: {n_slots} slots of {facts.slot_bytes} bytes"
+        return cls(facts=facts, cache_spec=moe_cache, n_slots=n_slots, slots_note=note, policy_spec=policy_spec,
+                   policies=policies, prefetch_layers=prefetch, cost=cost, cost_source=source, device=device,
+                   device_label=label, host_buffer_type=host, profile=profile, profile_source=profile_source)
+
+    def expert_override(self) -> tuple:
+        """The tensor override that keeps the routed experts in host memory, in the file's layout: the device's
+        pinned host buffer type when it has one (``(pattern, buffer type name)``)."""
+        return (EXPS_REGEX, self.host_buffer_type or "CPU")
+
+    def with_auto_slots(self, n_ubatch: int) -> "EngineSetup":
+        """For ``moe_cache="auto"``, once the model is loaded: the set-up with the slots that fit the device's free
+        memory now (:func:`auto_slots`) and the policies for them; other set-ups are returned unchanged.
+
+        Raises:
+            ValueError: no room for a single slot.
+        """
+        if self.n_slots is not None:
+            return self
+        free, _ = _ggml.device_memory(self.device)
+        n, why = auto_slots(self.facts, free, int(n_ubatch))
+        if n < 1:
+            raise ValueError(f"moe_cache='auto' found no room for an expert slot ({why}); give a smaller ubatch, "
+                             "or moe_cache=0")
+        return dataclasses.replace(self, n_slots=n, slots_note=why,
+                                   policies=build_policies(self.policy_spec, self.facts, n, self.prefetch_layers,
+                                                           self.profile))
+
+    def make_engine(self):
+        """The ``hybrimoe._engine.Engine`` of a completed set-up (:func:`make_engine`)."""
+        if self.n_slots is None or self.cost is None or self.policies is None:
+            raise ValueError("EngineSetup.make_engine: the set-up lacks its slots or cost model (with_auto_slots, "
+                             "hybrimoe.runtime.calibration.with_first_use_cost)")
+        return make_engine(self.facts, self.n_slots, self.device, self.policies, self.cost, self.prefetch_layers)

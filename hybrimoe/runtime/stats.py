@@ -1,0 +1,50 @@
+"""The statistics of hybrimoe's MoE hook and engine as :meth:`hybrimoe.Llama.moe_stats` returns them."""
+from __future__ import annotations
+
+
+def layer_totals(layers: list) -> dict:
+    """Sums of the engine's per-MoE-layer counters (``Engine.layer_stats()``) over the layers, plus
+    ``bytes_copied`` (demand + prefetch + fill H2D bytes)."""
+    tot = {k: sum(s[k] for s in layers) for k in (layers[0] if layers else {})}
+    tot["bytes_copied"] = sum(tot.get(k, 0.0) for k in ("bytes_demand", "bytes_prefetch", "bytes_fill"))
+    return tot
+
+
+def hook_stats(hook) -> dict:
+    """The hook's part of ``moe_stats()``: per model layer, plan-node runs, tokens and hook calls; the layers left on
+    upstream's path (``unsupported``) or on the CPU-only path (``engine_skipped``) with the reason."""
+    return {
+        "runs": list(hook.runs()),
+        "tokens": list(hook.tokens()),
+        "hook_calls": list(hook.hook_calls()),
+        "unsupported": [{"layer": il, "reason": why} for il, why in hook.unsupported()],
+        "engine_skipped": [{"layer": il, "reason": why} for il, why in hook.engine_skipped()],
+    }
+
+
+def engine_stats(engine, setup) -> dict:
+    """The engine's part of ``moe_stats()`` (``"engine"``): the set-up's choices (policy, cost model, cache size,
+    profile), the slot pool, the cache's counters and the per-MoE-layer counters summed (see
+    :meth:`hybrimoe.Llama.moe_stats`). ``engine``: ``hybrimoe._engine.Engine``; ``setup``:
+    :class:`hybrimoe.runtime.setup.EngineSetup`."""
+    layers = engine.layer_stats()
+    tot = layer_totals(layers)
+    cs = setup.policies.cache.stats
+    return {
+        "policy": setup.policies.name,
+        "cost_model": setup.cost_source,
+        "moe_cache": setup.slots_note,
+        "profile": setup.profile_source,
+        "n_slots": engine.n_slots,
+        "slot_bytes": engine.slot_bytes,
+        "slot_buffers": engine.slot_buffers,
+        "hit_rate": cs.hit_rate,
+        "cache": {"accesses": cs.accesses, "hits": cs.demand_hits + cs.prefetch_hits,
+                  "prefetch_hits": cs.prefetch_hits, "misses": cs.misses, "admissions": cs.admissions,
+                  "evictions": cs.evictions, "declined": cs.declined},
+        **{k: tot[k] for k in ("cpu_experts", "gpu_experts", "bytes_demand", "bytes_prefetch", "bytes_fill",
+                               "bytes_copied")},
+        "layer_s": tot["layer_s"] / tot["runs"] if tot["runs"] else 0.0,
+        "failed": engine.failed,
+        "layers": layers,
+    }

@@ -1,0 +1,75 @@
+"""The engine's figures over HTTP: ``GET /moe/stats`` (JSON) and ``GET /metrics`` (Prometheus text format 0.0.4), read
+from the served model's snapshot (:attr:`hybrimoe.server.model.ServedLlama.moe_snapshot`), never waiting for the model
+lock."""
+from __future__ import annotations
+
+import math
+
+import llama_cpp.server.app as lcp_app
+
+
+def stats_json(state) -> dict:
+    """``GET /moe/stats`` for ``state`` (:class:`hybrimoe.server.app.AppState`): ``model`` (its name), ``model_busy`` (a
+    request holds the model lock now: read without
+    taking it), then :attr:`ServedLlama.moe_snapshot` (the figures as of the last decode)."""
+    return {"object": "moe.stats", "model": state.proxy.alias, "model_busy": lcp_app.llama_inner_lock.locked(),
+            **state.proxy.llm.moe_snapshot}
+
+
+def _label(value: str) -> str:
+    # Prometheus text format: label values escape backslash, double quote and line feed
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def metrics_text(state) -> str:
+    """``GET /metrics``: the snapshot's figures in Prometheus' text format (0.0.4), labelled with the model.
+
+    Counters (``_total``, since the server started): decodes, tokens decoded, cache accesses / hits / misses /
+    evictions, experts run per side (``side="cpu"|"gpu"``, distinct experts per layer and ubatch), H2D bytes per
+    kind (``kind="demand"|"prefetch"|"fill"``). Gauges: the model lock held, the hit rate, the mean seconds per MoE
+    layer run, the GPU expert slots and their bytes. Engine figures only with ``--moe-cache``."""
+    snap = stats_json(state)
+    model = f'model="{_label(state.proxy.alias)}"'
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP hybrimoe_{name} {help_text}")
+        lines.append(f"# TYPE hybrimoe_{name} {kind}")
+        for labels, value in samples:
+            v = float(value)
+            text = "NaN" if math.isnan(v) else repr(v) if not v.is_integer() else str(int(v))
+            lines.append(f"hybrimoe_{name}{{{model}{labels}}} {text}")
+
+    metric("decodes_total", "counter", "Model decodes (one per generated token, per batch of a prompt).",
+           [("", snap["decodes"])])
+    metric("tokens_decoded_total", "counter", "Tokens decoded (prompt and generated).", [("", snap["tokens_decoded"])])
+    metric("model_busy", "gauge", "1 while a request holds the model.", [("", 1 if snap["model_busy"] else 0)])
+    e = snap.get("engine")
+    if e:
+        c = e["cache"]
+        metric("cache_accesses_total", "counter", "Activated experts looked up in the GPU expert cache.",
+               [("", c["accesses"])])
+        metric("cache_hits_total", "counter", "Activated experts resident on the GPU when their layer ran.",
+               [("", c["hits"])])
+        metric("cache_misses_total", "counter", "Activated experts not resident when their layer ran.",
+               [("", c["misses"])])
+        metric("cache_evictions_total", "counter", "Experts evicted from the GPU expert cache.", [("", c["evictions"])])
+        metric("cache_hit_rate", "gauge", "Hits / accesses since the server started.", [("", e["hit_rate"])])
+        metric("experts_total", "counter", "Experts run, distinct per MoE layer and ubatch, by side.",
+               [(',side="cpu"', e["cpu_experts"]), (',side="gpu"', e["gpu_experts"])])
+        metric("h2d_bytes_total", "counter", "Expert bytes copied host to device, by kind.",
+               [(',kind="demand"', e["bytes_demand"]), (',kind="prefetch"', e["bytes_prefetch"]),
+                (',kind="fill"', e["bytes_fill"])])
+        metric("moe_layer_seconds", "gauge", "Mean seconds per MoE layer run (plan to GPU share done).",
+               [("", e["layer_s"])])
+        metric("gpu_expert_slots", "gauge", "Expert slots of the GPU expert cache.", [("", e["n_slots"])])
+        metric("gpu_expert_slot_bytes", "gauge", "Bytes per expert slot.", [("", e["slot_bytes"])])
+    return "\n".join(lines) + "\n"
+
+
+def json_default(obj):
+    """``json.dumps``' fallback for the engine's per-layer counters: numpy scalars and arrays as lists, else text."""
+    # numpy scalars and arrays in the engine's per-layer counters
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)

@@ -1,0 +1,184 @@
+"""The served model: :class:`ServedLlama` (a :class:`hybrimoe.Llama` that publishes its statistics for readers that
+do not hold the model lock) and :class:`HybrimoeProxy` (llama-cpp-python's ``LlamaProxy`` over it)."""
+from __future__ import annotations
+
+import threading
+import time
+
+from llama_cpp.server.model import LlamaProxy
+from llama_cpp.server.settings import ModelSettings
+
+from hybrimoe.envs import SERVER_GRACE_S
+from hybrimoe.runtime.errors import DeviceLostError
+from hybrimoe.runtime.llama import Llama
+from hybrimoe.server.errors import APIError
+
+#: seconds a shutdown waits for running requests and decodes (:data:`hybrimoe.envs.SERVER_GRACE_S`)
+GRACE_S = SERVER_GRACE_S
+
+
+def _snapshot_of(llm: "ServedLlama", decodes: int, tokens: int) -> dict:
+    stats = llm.moe_stats()
+    return {"decodes": decodes, "tokens_decoded": tokens, "updated_unix_s": time.time(),
+            "engine": stats.get("engine"),
+            "hook": {k: v for k, v in stats.items() if k != "engine"} or None}
+
+
+class ServedLlama(Llama):
+    """A :class:`hybrimoe.Llama` that publishes its statistics for readers that do not hold the model lock.
+
+    Why a snapshot: ``moe_stats()`` reads the engine's and the hook's counters, which the decoding threads write
+    without a lock of their own (the model lock is the only guard, and ``/moe/stats`` must not wait for it: a
+    stream holds it to its end). So the thread that decodes, which holds the model, builds a new dict after every
+    :meth:`eval` (one per token in decode, per batch in prefill) and :meth:`embed`, and publishes it with one
+    attribute assignment (atomic under the GIL); readers take :attr:`moe_snapshot` and never touch the engine.
+    Cost: one ``moe_stats()`` per decode (a few microseconds per MoE layer).
+
+    Also: :meth:`close_when_idle` closes the model once no decode runs, and refuses later decodes (shutdown). A
+    decode that finds the model's device gone (:class:`hybrimoe.runtime.errors.DeviceLostError`) sets :attr:`lost`
+    and calls ``on_device_lost(error)`` once; every later decode raises the same error without touching the device.
+    Responses name the model ``api_name`` (the alias of ``/v1/models``) when a request names none.
+
+    Args: ``api_name``: the model's name in the API; the rest as :class:`hybrimoe.Llama`, with the same errors; after
+    :meth:`close_when_idle`, ``eval`` raises RuntimeError.
+    """
+
+    def __init__(self, *args, api_name: str | None = None, **kwargs):
+        self.api_name = api_name
+        #: why the model cannot compute any more ("" while it can): its device is gone
+        self.lost = ""
+        #: called once, with the :class:`DeviceLostError`, from the decoding thread when the device is found gone
+        self.on_device_lost = None
+        self._lost_error: DeviceLostError | None = None
+        self._serving = False  # no snapshot during the constructor (a first-use calibration decodes)
+        self._closing = False
+        self._decode_lock = threading.Lock()  # held by each decode: closing waits for the running one
+        self._decodes = 0
+        self._tokens = 0
+        self._snapshot: dict = {}
+        super().__init__(*args, **kwargs)
+        self._snapshot = _snapshot_of(self, 0, 0)
+        self._serving = True
+
+    @property
+    def moe_snapshot(self) -> dict:
+        """The statistics as of the last decode: ``decodes`` (evals since the server started), ``tokens_decoded``,
+        ``updated_unix_s`` (seconds since the epoch), ``engine`` (``moe_stats()["engine"]``, None without
+        ``--moe-cache``) and ``hook`` (the hook's per-layer counters, None without hook or engine). Never waits."""
+        return self._snapshot
+
+    def _publish(self) -> None:
+        if self._serving:
+            self._snapshot = _snapshot_of(self, self._decodes, self._tokens)
+
+    def _check_can_decode(self) -> None:
+        if self._closing:
+            raise RuntimeError("the server is shutting down")
+        e = self._lost_error
+        if e is not None:
+            raise DeviceLostError(str(e), e.devices, e.endpoints)
+
+    def _device_lost(self, e: DeviceLostError) -> None:
+        if self._lost_error is None:
+            self._lost_error = e
+            self.lost = "; ".join(e.devices)
+            if self.on_device_lost is not None:
+                self.on_device_lost(e)
+
+    def eval(self, tokens, **kwargs):
+        with self._decode_lock:
+            self._check_can_decode()
+            try:
+                super().eval(tokens, **kwargs)
+            except DeviceLostError as e:
+                self._device_lost(e)
+                raise
+            finally:
+                self._decodes += 1
+                self._tokens += len(tokens)
+                self._publish()
+
+    def embed(self, *args, **kwargs):
+        # llama-cpp-python's embed decodes on its own (llama_cpp.Llama.embed), not through eval
+        with self._decode_lock:
+            self._check_can_decode()
+            try:
+                return super().embed(*args, **kwargs)
+            except DeviceLostError as e:
+                self._device_lost(e)
+                raise
+            finally:
+                self._decodes += 1
+                self._publish()
+
+    def create_completion(self, prompt, *args, model: str | None = None, **kwargs):
+        # a request without "model": the response names the model as /v1/models does, not by its file
+        return super().create_completion(prompt, *args, model=model or self.api_name, **kwargs)
+
+    def create_embedding(self, input, model: str | None = None, **kwargs):
+        return super().create_embedding(input, model=model or self.api_name, **kwargs)
+
+    def close_when_idle(self, timeout_s: float = GRACE_S) -> bool:
+        """Refuses further decodes, waits up to ``timeout_s`` seconds for a running one, then closes the model.
+        Returns False (the model left open) when a decode still runs after the wait."""
+        self._closing = True
+        if not self._decode_lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            self.close()
+        finally:
+            self._decode_lock.release()
+        return True
+
+
+class LoadFailed(Exception):
+    """The model could not be loaded (the reason is printed already)."""
+
+
+class HybrimoeProxy(LlamaProxy):
+    """llama-cpp-python's ``LlamaProxy`` (the routes' handle on the model, ``llama_proxy(body.model)``) over one
+    :class:`ServedLlama`, loaded at construction by ``load(settings)``.
+
+    Differences: the model comes from ``load`` (``hybrimoe serve``'s flags; llama-cpp-python's loader would build
+    a ``llama_cpp.Llama`` from the settings); a model name that is not the alias raises :class:`APIError` 404
+    (``model_not_found``) instead of falling back to the default model. ``model=None`` (a request without
+    ``model``) is the one model.
+
+    Raises:
+        LoadFailed: ``load`` returned None.
+    """
+
+    def __init__(self, settings: ModelSettings, load):
+        self._load = load
+        super().__init__(models=[settings])
+
+    def load_llama_from_model_settings(self, settings: ModelSettings) -> ServedLlama:  # type: ignore[override]
+        llm = self._load(settings)
+        if llm is None:
+            raise LoadFailed(settings.model)
+        return llm
+
+    def check_model(self, model) -> None:
+        """Raises :class:`APIError` 404 unless ``model`` is None or this server's model name."""
+        if model is not None and model not in self._model_settings_dict:
+            names = ", ".join(repr(m) for m in self)
+            raise APIError(404, f"the model {model!r} does not exist: this server serves {names} (GET /v1/models)",
+                           code="model_not_found", param="model")
+
+    def __call__(self, model: str | None = None) -> ServedLlama:
+        self.check_model(model)
+        return super().__call__(model)
+
+    @property
+    def llm(self) -> ServedLlama:
+        """The model (the one loaded)."""
+        return self._current_model
+
+    def replace_model(self, llm: ServedLlama) -> None:
+        """Serves ``llm`` from now on (a model reloaded after its device came back); the caller closes the old one."""
+        self._current_model = llm
+
+    @property
+    def alias(self) -> str:
+        """The model's name in the API."""
+        return self._default_model_alias

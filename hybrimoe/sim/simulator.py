@@ -1,0 +1,338 @@
+"""The trace-driven simulator of whole policy presets (``hybrimoe simulate`` is its command): :class:`Setup` holds one
+configuration, :meth:`Setup.run` simulates a preset on it with the policy core's ``simulate`` (the same policy
+objects the engine runs).
+
+Flow: load a routing trace and a hardware file; derive the planner's CostModel from the preset and the model's
+facts; profile expert frequencies on the first ``--profile-fraction`` (default 20%) of the prompts (the ``hot-set``
+preset's static hot set and the adaptive caches' initial fill come from it; ``ktransformers`` and ``upstream-ncmoe``
+keep whole leading / last layers and ignore it); simulate the remaining prompts with each system preset
+(:data:`hybrimoe.policy.presets.SYSTEM_PRESETS`); the command prints a table and optionally writes JSON records
+and plots.
+
+Assumptions that every report must state (they are also written into each JSON record under ``assumptions``):
+
+- time is charged by a seeded "truth" model (noise, extra start-up, host-memory contention;
+  :func:`hybrimoe.policy.hardware.truth_model_for`), not by the planner's own predictions;
+- routing predictions for prefetching come from the trace through an imperfect predictor with recall per distance
+  ``--recall`` (default ``_core.DEFAULT_PREDICTOR_RECALL``, 1, 2, 3 layers ahead); ``oracle`` uses recall 1 (a bound);
+- a trace without router scores makes MRS score each activated expert 1/top_k per token;
+- tokens and stages: decode runs one token per step, prompt after prompt, prefill each prompt in ubatches of
+  ``--ubatch`` tokens. A trace with phases (a recorded one) gives each stage its own tokens: prefill the prefill-phase
+  tokens of each prompt, decode the decode-phase tokens (so a decode run leaves out the prompts' prefill, and the
+  cache enters a prompt's decode as the previous prompt's decode left it); a trace without phases gives both stages
+  every token of each prompt. The profile (below) and ``--max-tokens`` count the stage's tokens only;
+- a partial trace (an interrupted recording) is simulated as recorded: its last prompt is as long as it got;
+  incomplete tokens (an id outside 0..E-1, such as -1 for a layer the recorder did not reach, a repeated id, a score
+  that is not finite) are an error, or with ``--drop-incomplete`` left out (the count is printed and recorded);
+- model facts (non-expert costs, expert parameters; :func:`hybrimoe.policy.hardware.cost_model_from_hardware`) come from
+  ``-m MODEL.gguf``, else ``--model-facts NAME`` (:data:`hybrimoe.model.facts.MODEL_FACTS`), else the facts the trace
+  carries, else the built-in entry of its model name; expert bytes per layer are the GGUF's with ``-m`` (a note is
+  printed when the trace's differ), else the trace's;
+- decisions follow the engine's rules (src/policy/decision.h, shared code): a planned load the cache refuses runs
+  on the CPU, fills stop when the planner's copy-queue estimate reaches the predicted makespan, and the scheduler
+  sees the copy queue and in-flight copies as the planner estimates them, not as the truth model charges them;
+  the cache's initial fill is resident from the start.
+
+:func:`hybrimoe.runtime.decision_replay.replay_engine_log` replays a real engine's decision log instead of a trace and
+reproduces its decisions. This package never imports the runtime (llama.cpp).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from hybrimoe import _core
+from hybrimoe.envs import PREFETCH_LAYERS
+from hybrimoe.model.facts import MODEL_FACTS, ModelFacts
+from hybrimoe.policy.budget import parse_budget
+from hybrimoe.policy.cost_model import COST_FIELDS
+from hybrimoe.policy.hardware import Hardware, cost_model_from_hardware, load_hardware, truth_model_for
+from hybrimoe.policy.presets import STREAMING_FRACTION, SYSTEM_PRESETS, build_preset, system_preset
+from hybrimoe.policy.profile import expert_counts, hot_keys_from_counts
+from hybrimoe.traces.format import PHASE_DECODE, PHASE_PREFILL, RoutingTrace
+
+
+def stage_tokens(trace: RoutingTrace, stage: str) -> RoutingTrace:
+    """The tokens a stage simulates: with phases, the prefill- or decode-phase tokens (prompt offsets moved;
+    :meth:`RoutingTrace.select_tokens`), without, the trace itself.
+
+    Raises:
+        ValueError: the trace has phases but none of this stage (it names the other stage).
+    """
+    if trace.phases is None:
+        return trace
+    want = PHASE_PREFILL if stage == "prefill" else PHASE_DECODE
+    keep = np.asarray(trace.phases) == want
+    if not keep.any():
+        other = "decode" if stage == "prefill" else "prefill"
+        raise ValueError(f"{trace.path or 'the trace'} has no {stage}-phase tokens (all {trace.n_tokens} are "
+                         f"{other}): simulate --stage {other}")
+    return trace.select_tokens(keep)
+
+
+class Setup:
+    """Everything shared by the runs of one invocation (trace, costs, profile, prompt split).
+
+    ``facts``: the model facts to use (``facts_source`` says where they came from, for the records); None takes
+    the trace's (:meth:`RoutingTrace.resolve_facts`). ``n_dropped``: incomplete tokens dropped before (recorded).
+    The trace is cut to the stage's tokens (:func:`stage_tokens`).
+
+    Raises:
+        ValueError: a bad stage, fraction or limit; no model facts (the message names ``-m``, ``--model-facts`` and a
+            trace with facts); no tokens of the stage; no prompts left after profiling.
+    """
+
+    def __init__(self, trace: RoutingTrace, hw: Hardware, budget_spec, stage: str, *, cost_model=None,
+                 max_tokens: int = 20000, max_prompts: int = 0, ubatch: int = 512,
+                 prefetch_depth: int = PREFETCH_LAYERS,
+                 recall: Sequence[float] = _core.DEFAULT_PREDICTOR_RECALL, profile_fraction: float = 0.2, seed: int = 1,
+                 facts: Optional[ModelFacts] = None, facts_source: str = "", n_dropped: int = 0):
+        if stage not in ("decode", "prefill"):
+            raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
+        if not (0.0 <= profile_fraction < 1.0):
+            raise ValueError(f"profile fraction must be in [0, 1), got {profile_fraction}")
+        if max_tokens < 0 or max_prompts < 0:
+            raise ValueError("max_tokens and max_prompts must be >= 0")
+        if facts is None:
+            facts = trace.resolve_facts()
+            facts_source = ("carried by the trace" if trace.facts is not None else
+                            f"built-in model facts '{trace.model}'")
+        if facts is None:
+            raise ValueError(f"no model facts for {trace.path or 'the trace'} (model {trace.model!r}): give the "
+                             f"model's GGUF with -m MODEL.gguf, built-in facts with --model-facts NAME (known: "
+                             f"{', '.join(sorted(MODEL_FACTS))}), or a trace that carries its facts (hybrimoe "
+                             "trace records them)")
+        self.phased = trace.phases is not None
+        trace = stage_tokens(trace, stage)
+        self.facts_source = facts_source or "given"
+        self.n_dropped = int(n_dropped)
+        self.trace, self.hw, self.facts, self.stage = trace, hw, facts, stage
+        self.core_trace = trace.to_core()
+        self.planner = cost_model if cost_model is not None else cost_model_from_hardware(hw, facts)
+        self.truth_cost = cost_model_from_hardware(hw, facts)
+        # the truth charges host-memory contention per overlapped second (TruthModel.contention), not the planner's
+        # fixed share of each copy
+        self.truth_cost.cpu_copy_overlap = 1.0
+        self.truth = truth_model_for(hw, seed)
+        self.expert_bytes = [float(b) for b in trace.expert_bytes]
+        self.total_bytes = float(np.sum(trace.expert_bytes) * trace.num_experts)
+        self.budget_spec = budget_spec
+        self.budget = parse_budget(budget_spec, self.total_bytes, float(np.min(trace.expert_bytes)))
+        n = trace.n_prompts
+        self.first = int(math.floor(profile_fraction * n))
+        if self.first >= n:
+            raise ValueError("no prompts left after profiling")
+        self.end = n if max_prompts == 0 else min(n, self.first + max_prompts)
+        self.cfg = _core.SimConfig()
+        self.cfg.stage = stage
+        self.cfg.ubatch = ubatch
+        self.cfg.prefetch_depth = prefetch_depth
+        self.cfg.recall = list(recall)
+        self.cfg.predictor_seed = seed + 6
+        self.cfg.max_tokens = max_tokens
+        self.cfg.validate()
+        self.recall = list(recall)
+        # Profile: activations per (layer, expert) over the profiling prompts.
+        end_tok = int(trace.prompt_offsets[self.first])
+        self.profile = expert_counts(trace.expert_ids[:end_tok], trace.num_experts)
+        self.hot_keys = hot_keys_from_counts(self.profile)
+        self._first_use: Optional[list] = None
+
+    def first_use_keys(self) -> list[int]:
+        """Keys (``layer * n_experts + expert``) in the order the evaluated tokens first use them, then the
+        profile's hot keys not used: the initial fill a clairvoyant cache chooses (Belady's rule applied to the
+        empty cache: the experts needed soonest)."""
+        if self._first_use is None:
+            L, E = self.trace.n_layers, self.trace.num_experts
+            steps = _core.make_steps(self.core_trace, self.first, self.end, self.cfg)
+            b, e = (int(steps[0][0]), int(steps[-1][1])) if steps else (0, 0)
+            ids = self.trace.expert_ids[b:e].astype(np.int64) + (np.arange(L) * E)[None, :, None]
+            flat = ids.reshape(ids.shape[0], -1).ravel()   # token-major, layer order within a token
+            _, at = np.unique(flat, return_index=True)
+            used = flat[np.sort(at)].tolist()
+            seen = set(used)
+            self._first_use = used + [k for k in self.hot_keys if k not in seen]
+        return self._first_use
+
+    def clairvoyant_planner(self) -> "_core.CostModel":
+        """The cost model a clairvoyant preset plans with: the truth's own costs, with its host-memory contention
+        as the planner's copy term (``cpu_copy_overlap = 1 - contention``): a bound knows what time is charged."""
+        cm = _core.CostModel()
+        for f in COST_FIELDS:
+            setattr(cm, f, getattr(self.truth_cost, f))
+        cm.cpu_copy_overlap = max(0.0, 1.0 - float(self.truth.contention))
+        return cm
+
+    def build(self, name: str):
+        """(cache, scheduler, prefetcher, config) of a system preset (:func:`hybrimoe.policy.presets.build_preset`, with
+        the profile's hot set; a clairvoyant preset's cache starts with :meth:`first_use_keys`); ValueError on an
+        unknown name."""
+        ps = build_preset(name, self.expert_bytes, self.trace.num_experts, self.budget,
+                              hot_keys=self.first_use_keys() if _clairvoyant(name) else self.hot_keys,
+                              profile=self.profile.ravel())
+        cfg = _core.SimConfig()
+        for f in ("stage", "ubatch", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
+            setattr(cfg, f, getattr(self.cfg, f))
+        cfg.fill_on_miss = ps.fill_on_miss
+        if ps.true_routing:
+            cfg.recall = [1.0] * max(1, cfg.prefetch_depth)
+        return ps.cache, ps.scheduler, ps.prefetcher, cfg
+
+    def assumptions(self, name: str) -> dict:
+        spec = system_preset(name)
+        return {
+            "predictor_recall": [1.0] * len(self.recall) if spec["true_routing"] else self.recall,
+            "router_scores": "trace" if self.trace.has_scores else "none: MRS scores activated experts 1/top_k",
+            "truth_model": "seeded log-normal noise, extra CPU start-up, host-memory contention "
+                           "(policy.truth_model_for)",
+            "profile": f"first {self.first} of {self.trace.n_prompts} prompts; evaluated prompts "
+                       f"{self.first}..{self.end}",
+            "stage_model": self.stage_model(),
+            "partial_trace": "yes: the recording was interrupted; its last prompt is simulated as far as it got"
+            if self.trace.partial else "no",
+            "incomplete_tokens": f"{self.n_dropped} dropped (--drop-incomplete)" if self.n_dropped else "none",
+            "model_facts": f"{self.facts.name}: {self.facts_source}",
+        }
+
+    def stage_model(self) -> str:
+        """How this run's stage uses the trace's tokens (the records' ``assumptions.stage_model``)."""
+        if self.stage == "decode":
+            return ("decode: the decode-phase tokens, one per step, prompt after prompt (prefill-phase tokens left "
+                    "out)" if self.phased else "decode: every token of each prompt, one per step (the trace has "
+                    "no phases)")
+        return (f"prefill: the prefill-phase tokens of each prompt in ubatches of {self.cfg.ubatch} (decode-phase "
+                "tokens left out)" if self.phased else f"prefill: every token of each prompt in ubatches of "
+                f"{self.cfg.ubatch} (the trace has no phases)")
+
+    def run(self, name: str, cache=None, sched=None, pre=None, cfg=None) -> dict:
+        """Simulates one system preset (or the given components) and returns its JSON record.
+
+        A clairvoyant preset with ``also`` (:data:`hybrimoe.policy.presets.SYSTEM_PRESETS`: ``oracle``) is also run with
+        each listed preset's components, and the fastest run is its record (``plan`` names the one kept): with
+        perfect routing knowledge the impact prefetcher copies for every true activation it gains on, without
+        weighing what the copy evicts or delays on the link, and on some small traces that plan is slower than
+        belady's (its predictor's misses copy less), so the bound keeps the better plan. Where a step can activate
+        :data:`hybrimoe.policy.presets.STREAMING_FRACTION` of a layer's experts (prefill), its own plan is also run with
+        streamed demand loads (``plan`` is then ``oracle+streaming``)."""
+        if cache is None:
+            cache, sched, pre, cfg = self.build(name)
+            alternatives = system_preset(name).get("also", ()) if name in SYSTEM_PRESETS else ()
+        else:
+            alternatives = ()
+        planner = self.clairvoyant_planner() if _clairvoyant(name) else self.planner
+        res = _core.simulate(self.core_trace, cache, sched, pre, planner, self.truth_cost, self.truth, cfg,
+                             self.first, self.end)
+        rec, plan = record(name, res, self), name
+        for alt in alternatives:
+            if not _clairvoyant(alt):
+                raise ValueError(f"preset {name!r}: 'also' names {alt!r}, which is not clairvoyant")
+        if alternatives:
+            # its own plan also with streamed demand loads (ExpertCache.set_streaming_demand), where a step can
+            # activate enough experts to stream: Belady's order is usually the better one, but not always
+            streams = self.stage == "prefill" or self.trace.top_k >= STREAMING_FRACTION * self.trace.num_experts
+            plans = [(a, 0.0) for a in alternatives] + ([(name, STREAMING_FRACTION)] if streams else [])
+            for alt, streaming in plans:
+                parts = self.build(alt)
+                parts[0].set_streaming_demand(streaming)
+                other = self.run(alt, *parts)
+                if other["total_s"] < rec["total_s"]:
+                    rec, plan = dict(other, policy=name), alt + ("+streaming" if streaming else "")
+            rec["plan"] = plan
+        return rec
+
+
+def total_times(trace: RoutingTrace, hw_name: str, budget_spec, stage: str, names: Sequence[str], *,
+                max_tokens: int = 20000, seed: int = 1, contention_scale: float = 1.0) -> dict:
+    """Simulated total time of each preset in ``names`` on one configuration: ``{name: seconds}`` (TPOT x tokens in
+    decode, TTFT summed over prompts in prefill: :meth:`Setup.run`'s ``total_s``).
+
+    ``hw_name``: a hardware preset (:func:`hybrimoe.policy.hardware.load_hardware`); ``contention_scale`` multiplies the
+    truth model's host-memory contention (> 0), to judge the planner under a truth it does not know. A module-level
+    function of picklable arguments, so that a process pool can run a table of configurations.
+
+    Raises:
+        ValueError: as :class:`Setup`, or a contention scale <= 0.
+    """
+    if not contention_scale > 0:
+        raise ValueError(f"contention scale must be > 0, got {contention_scale}")
+    s = Setup(trace, load_hardware(hw_name), budget_spec, stage, max_tokens=max_tokens, seed=seed)
+    s.truth.contention = contention_scale * s.truth.contention
+    return {n: s.run(n)["total_s"] for n in names}
+
+
+def _clairvoyant(name: str) -> bool:
+    """Whether ``name`` is a system preset whose cache knows the future (``belady``, ``oracle``)."""
+    return name in SYSTEM_PRESETS and bool(system_preset(name)["clairvoyant"])
+
+
+def record(name: str, res, setup: Setup) -> dict:
+    """The JSON record of one run."""
+    st = res.cache
+    tot = max(res.total_s, 1e-30)
+    rec = {
+        "policy": name,
+        "stage": res.stage,
+        "hardware": setup.hw.name,
+        "moe_cache": str(setup.budget_spec),
+        "budget_bytes": setup.budget,
+        "hit_rate": st.hit_rate,
+        "demand_hit_rate": st.demand_hit_rate,
+        "prefetch_hit_rate": st.prefetch_hits / st.accesses if st.accesses else 0.0,
+        "late_rate": st.late / st.accesses if st.accesses else 0.0,
+        "tokens": res.tokens,
+        "prompts": res.prompts,
+        "tokens_per_s": res.tokens_per_s,
+        "total_s": res.total_s,
+        "bytes_h2d": res.bytes_h2d,
+        "bytes_demand": res.bytes_demand,
+        "bytes_prefetch": res.bytes_prefetch,
+        "bytes_fill": res.bytes_fill,
+        "prefetch_issued": res.prefetch_issued,
+        "prefetch_used": res.prefetch_used,
+        "cpu_busy_frac": res.cpu_busy_s / tot,
+        "gpu_busy_frac": res.gpu_busy_s / tot,
+        "link_busy_frac": res.link_busy_s / tot,
+        "predicted_moe_s": res.predicted_moe_s,
+        "charged_moe_s": res.charged_moe_s,
+        "decision_us_mean": res.decision_us_mean,
+        "prefetch_us_mean": res.prefetch_us_mean,
+        "layer_moe_s": list(res.layer_moe_s),
+        "assumptions": setup.assumptions(name) if name in SYSTEM_PRESETS else {},
+    }
+    if res.stage == "decode":
+        rec["tpot_s"] = res.tpot_s
+    else:
+        rec["ttft_s"] = res.ttft_s
+    return rec
+
+
+def cache_hit_rates(setup: Setup, names: Sequence[str] = ("mrs", "lru", "lfu", "belady"),
+                    budget: Optional[float] = None) -> dict:
+    """Cache-only replay hit rates (every miss offered for admission; same initial fill) per cache policy."""
+    out = {}
+    for n in names:
+        cache = _core.ExpertCache(setup.expert_bytes, setup.trace.num_experts,
+                                  setup.budget if budget is None else budget, _core.make_cache_policy(n))
+        if cache.budget_bytes > 0:
+            cache.fill(setup.hot_keys)
+        st = _core.replay_cache(setup.core_trace, cache, setup.first, setup.end, setup.cfg)
+        out[n] = {"hit_rate": st.hit_rate, "demand_hit_rate": st.demand_hit_rate, "accesses": st.accesses}
+    return out
+
+
+def format_table(records: Sequence[dict]) -> str:
+    """A markdown table of the records (llama-bench style)."""
+    stage = records[0]["stage"] if records else "decode"
+    tcol = "tpot_ms" if stage == "decode" else "ttft_ms"
+    head = f"| policy | hit rate | {tcol} | tokens/s | GB h2d | CPU busy | GPU busy | link busy | decide us |"
+    lines = [head, "|" + "---|" * 9]
+    for r in records:
+        t = (r.get("tpot_s") if stage == "decode" else r.get("ttft_s")) * 1e3
+        lines.append(f"| {r['policy']} | {r['hit_rate']:.3f} | {t:.3f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['bytes_h2d'] / 1e9:.2f} | {r['cpu_busy_frac']:.2f} | {r['gpu_busy_frac']:.2f} | "
+                     f"{r['link_busy_frac']:.2f} | {r['decision_us_mean']:.2f} |")
+    return "\n".join(lines)
+
+

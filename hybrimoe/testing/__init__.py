@@ -1,0 +1,6 @@
+"""Yardsticks for tests and scripts: the comparison with upstream llama.cpp at the same placement
+(:mod:`~hybrimoe.testing.upstream`) and the test suite's pytest fixtures (:mod:`~hybrimoe.testing.fixtures`, needs
+pytest)."""
+from hybrimoe._lazy import lazy_submodules
+
+__getattr__ = lazy_submodules(__name__, ("upstream", "fixtures"))

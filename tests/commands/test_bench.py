@@ -1,0 +1,158 @@
+"""``hybrimoe bench`` (hybrimoe against upstream's placements) end to end on the RPC stand-in: one row per mode in
+JSON and CSV, the same tokens in every mode, clear errors for bad input. No speed is asserted (the stand-in is the
+same CPU)."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+
+def _bench(args):
+    from hybrimoe.commands import main
+
+    return main(["bench"] + [str(a) for a in args])
+
+
+def test_bench_writes_one_row_per_mode(tiny_model, rpc_server, tmp_path, capsys):
+    path = tiny_model("qwen3moe", "Q8_0")
+    out_json, out_csv, out_png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
+    rc = _bench(["-m", path, "--rpc", rpc_server.endpoint, "--moe-cache", "50%", "-p", 16, "-n", 4, "-r", 2,
+                 "--json", out_json, "--csv", out_csv, "--plot", out_png])
+    assert rc == 0
+    doc = json.loads(out_json.read_text())
+    modes = [r["mode"] for r in doc["rows"]]
+    assert modes[0] == "upstream -ot exps=CPU" and modes[1].startswith("upstream --n-cpu-moe ")
+    assert modes[2].startswith("upstream -ngl ")
+    assert modes[3:] == [f"hybrimoe {p}" for p in
+                         ("hybrimoe", "hybrimoe-lru", "ktransformers", "upstream-ncmoe", "gpu-on-demand")]
+    for r in doc["rows"]:
+        assert r["pp_tps"] > 0 and r["tg_tps"] > 0 and r["same_tokens_as_first"] == 2, r
+        assert r["gpu_expert_bytes"] <= doc["budget_bytes"]
+        if r["mode"].startswith("hybrimoe"):
+            assert 0 <= r["hit_rate"] <= 1 and r["h2d_bytes_per_token"] >= 0
+    with open(out_csv) as f:
+        assert [row["mode"] for row in csv.DictReader(f)] == modes
+    assert out_png.stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "| mode |" in table and "pp16 t/s" in table and "tg4 t/s" in table
+
+
+def test_bench_with_replay(tiny_model, rpc_server, tmp_path):
+    import numpy as np
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    ids = np.stack([np.stack([np.array([i % 8, (i + 3) % 8]) for _ in range(2)]) for i in range(30)])
+    trace = tmp_path / "t.npz"
+    np.savez(trace, expert_ids=ids.astype(np.int16), prompt_offsets=np.array([0, 30]), num_experts=8, top_k=2,
+             expert_bytes=np.full(2, 1e6), format_version=1)
+    out = tmp_path / "b.json"
+    assert _bench(["-m", path, "--rpc", rpc_server.endpoint, "-p", 8, "-n", 2, "-r", 1, "--upstream", "exps",
+                   "--policies", "hybrimoe", "--replay-trace", trace, "--json", out]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["replay_trace"] == str(trace) and len(doc["rows"]) == 2
+
+
+@pytest.mark.parametrize("extra, match", [(["--json", "/nonexistent-dir/x.json"], "cannot write"),
+                                          (["--csv", "/tmp"], "is a directory"),
+                                          (["--plot", "x.txt"], ".png, .pdf or .svg"),
+                                          (["--policies", "hybrimo"], "unknown policy 'hybrimo'"),
+                                          (["--policies", "hot-set"], "'hot-set' needs --moe-profile"),
+                                          (["--moe-profile", "/nonexistent/p.npz"], "trace file not found"),
+                                          (["--upstream", "exps,foo"], "unknown mode(s) foo"),
+                                          (["--policies", "", "--upstream", ""], "nothing to run"),
+                                          (["--moe-cost-model", "nope"], "nope"),
+                                          (["--stand-in"], "either --rpc or --stand-in"),
+                                          (["--moe-cache", "-3"], "negative")])
+def test_bench_bad_input(extra, match, tiny_model, rpc_server, capsys):
+    rc = _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--rpc", rpc_server.endpoint, *extra])
+    assert rc == 1
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("-r", "0"), ("-p", "0"), ("-n", "-1"), ("-t", "0")])
+def test_bench_bad_numbers_are_flag_errors(flag, value, tiny_model, capsys):
+    """A number out of range is refused by the parser, as in every command: status 2, one line naming the flag."""
+    rc = _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--stand-in", flag, value])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"argument {flag}/" in err and "must be >= 1" in err, err
+
+
+def test_bench_hot_set_with_a_profile(tiny_model, rpc_server, tmp_path, capsys):
+    """--moe-profile (a version-1 trace file of the model's shape): hot-set runs, and the simulator's replay of its
+    decisions (and of ktransformers') agrees exactly."""
+    import numpy as np
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    rng = np.random.default_rng(3)
+    ids = np.array([[rng.choice(8, 2, replace=False, p=[.4, .2, .1, .1, .05, .05, .05, .05]) for _ in range(2)]
+                    for _ in range(40)], dtype=np.int16)
+    prof = tmp_path / "p.npz"
+    np.savez(prof, expert_ids=ids, prompt_offsets=np.array([0, 40]), num_experts=8, top_k=2,
+             expert_bytes=np.full(2, 1e6), format_version=1)
+    out = tmp_path / "b.json"
+    assert _bench(["-m", path, "--rpc", rpc_server.endpoint, "-p", 8, "-n", 2, "-r", 1, "--upstream", "exps",
+                   "--policies", "hot-set,ktransformers", "--moe-profile", prof, "--moe-cache", "50%",
+                   "--json", out]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["moe_profile"] == str(prof)
+    rows = {r["mode"]: r for r in doc["rows"]}
+    assert rows["hybrimoe hot-set"]["decisions_agree"] and rows["hybrimoe ktransformers"]["decisions_agree"]
+    assert "2/2 policies agree exactly" in capsys.readouterr().out
+
+
+def test_bench_trace_of_another_model(tiny_model, rpc_server, tmp_path, capsys):
+    import numpy as np
+
+    trace = tmp_path / "t.npz"
+    ids = np.broadcast_to(np.array([0, 1], np.int16), (4, 5, 2))  # each row a set of 2 experts, as a trace holds
+    np.savez(trace, expert_ids=ids, prompt_offsets=np.array([0, 4]), num_experts=8,
+             top_k=2, expert_bytes=np.full(5, 1e6), format_version=1)
+    rc = _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--rpc", rpc_server.endpoint, "--replay-trace", trace])
+    assert rc == 1 and "has 5 MoE layers" in capsys.readouterr().err
+
+
+def test_bench_without_a_gpu(tiny_model, capsys, monkeypatch):
+    from hybrimoe import _ggml
+
+    cpu_only = [d for d in _ggml.devices() if d["type"] == _ggml.DEV_CPU]
+    monkeypatch.setattr(_ggml, "devices", lambda memory=True: cpu_only)  # as on a machine without a GPU
+    assert _bench(["-m", tiny_model("qwen3moe", "Q8_0")]) == 1
+    assert "no GPU found" in capsys.readouterr().err
+
+
+def test_noisy_figures_are_flagged():
+    """A mode whose tokens/s vary across repetitions by more than 10% of their mean (pp or tg) is named in a
+    warning line and marked noisy in its row; steady modes and rows with an error are not flagged."""
+    from hybrimoe.runtime.benchmark import NOISY_CV, noise_warnings
+
+    steady = dict(mode="steady", n_prompt=64, n_gen=16, repetitions=3, pp_tps=100.0, pp_tps_sd=5.0,
+                  tg_tps=10.0, tg_tps_sd=0.5)
+    shaky = dict(steady, mode="shaky", tg_tps_sd=2.5)
+    edge = dict(steady, mode="edge", pp_tps_sd=100.0 * NOISY_CV)   # exactly at the limit: not flagged
+    failed = dict(mode="failed", error="out of memory")
+    rows = [steady, shaky, edge, failed]
+    lines = noise_warnings(rows)
+    assert len(lines) == 1 and lines[0].startswith("noisy: shaky: tg16 25%"), lines
+    assert [r.get("noisy") for r in rows] == [False, True, False, None]
+
+
+def test_cli_warnings_are_one_line_each(tmp_path):
+    """Every command prints the library's warnings in the CLI's style, ``hybrimoe: warning: ...`` on one line,
+    never Python's ``file.py:LINE: RuntimeWarning`` form with the source line after it (here: bench's first-use
+    calibration on a stand-in, which warns that tiny experts give an underdetermined fit)."""
+    import os
+    import subprocess
+    import sys
+
+    from hybrimoe.tiny import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path / "d.gguf", "deepseek2"))   # F32: its quick calibration is underdetermined
+    env = dict(os.environ, HYBRIMOE_CACHE_DIR=str(tmp_path / "cache"), HYBRIMOE_AUTO_CALIBRATE="1")
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "bench", "-m", path, "--stand-in", "--moe-cache", "25%",
+                        "-p", "16", "-n", "4", "-r", "1", "--policies", "hybrimoe", "--upstream", "exps"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "hybrimoe: warning: calibration:" in r.stderr
+    assert "Warning:" not in r.stderr and ".py:" not in r.stderr, r.stderr

@@ -1,0 +1,64 @@
+"""hybrimoe.Llama's keywords: an unknown one is a TypeError naming the closest known one (llama-cpp-python's own
+``**kwargs`` would swallow it and run without the engine), and what llama-cpp-python mishandles works: a
+``draft_model`` without ``logits_all`` (speculative decoding), checked with the engine on against upstream."""
+from __future__ import annotations
+
+import pytest
+
+from hybrimoe.runtime.engine_facts import slot_bytes
+
+
+def _common(rpc_server, **kw):
+    return dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=512, n_batch=64, n_ubatch=16, seed=0,
+                verbose=False, **kw)
+
+
+@pytest.mark.parametrize("kw, close", [({"moe_cahce": "25%"}, "moe_cache"), ({"n_gpu_layer": 1}, "n_gpu_layers"),
+                                       ({"moe_polcy": "hybrimoe"}, "moe_policy"), ({"zzzzzz": 1}, None)])
+def test_unknown_keyword_is_a_type_error_naming_the_closest(tiny_model, kw, close):
+    from hybrimoe import Llama
+
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(kw))}'") as e:
+        Llama(str(tiny_model("qwen3moe", "Q8_0")), verbose=False, **kw)
+    if close:
+        assert f"did you mean '{close}'?" in str(e.value)
+    else:
+        assert "did you mean" not in str(e.value)
+
+
+def test_known_upstream_keywords_pass(tiny_model):
+    from hybrimoe import Llama
+
+    llm = Llama(str(tiny_model("qwen3moe", "Q8_0")), n_ctx=128, n_threads=1, use_mmap=True, verbose=False)
+    try:
+        assert llm.n_ctx() >= 128
+    finally:
+        llm.close()
+
+
+def test_draft_model_without_logits_all_matches_upstream(tiny_model, rpc_server, split_cost_model):
+    """Prompt-lookup drafting (multi-token verification batches) with the engine on: runs without ``logits_all``
+    and gives upstream's tokens at the same placement (our libllama without the hook: ``-ngl 99 -ot exps=CPU
+    --no-repack``; given ``logits_all=True``, which llama-cpp-python's own drafting needs), with a mixed CPU/GPU
+    split."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from hybrimoe import Llama
+
+    path = tiny_model("deepseek2", "Q8_0", n_layer=4)
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    llm = Llama(str(path), draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4),
+                moe_cache=4 * slot_bytes(path), moe_cost_model=split_cost_model, **_common(rpc_server))
+    try:
+        ours = llm(prompt, max_tokens=32, temperature=0)["choices"][0]["text"]
+        st = llm.moe_stats()["engine"]
+    finally:
+        llm.close()
+    assert st["gpu_experts"] > 0 and st["cpu_experts"] > 0, st
+    ref = Llama(str(path), draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4), logits_all=True,
+                tensor_buft_overrides="exps=CPU", no_repack=True, **_common(rpc_server))
+    try:
+        theirs = ref(prompt, max_tokens=32, temperature=0)["choices"][0]["text"]
+    finally:
+        ref.close()
+    assert ours == theirs and len(ours) > 0

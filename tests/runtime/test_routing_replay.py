@@ -1,0 +1,126 @@
+"""Routing override (patch 0002): forced expert ids reach every MoE layer, with and without the hook.
+
+Oracle: the model's own routing. Replaying the ids the router chose (recorded by the hook) must reproduce the
+run exactly; replaying other ids must make the layers see exactly those ids (recorded again by the hook) and
+change the output (negative control).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybrimoe.testing.upstream import last_logits
+
+PROMPT = "One two three four five six seven"
+
+
+def _record(llm, tokens, n_layer):
+    hook = llm.moe_hook
+    hook.set_recording(True)
+    llm.reset()
+    llm.eval(tokens)
+    out = last_logits(llm)
+    rec = {il: hook.recorded(il) for il in range(n_layer)}
+    hook.set_recording(False)
+    return out, rec
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+def test_replay_reproduces_and_forces_routing(arch, tiny_model):
+    from hybrimoe import Llama
+
+    path = str(tiny_model(arch, "Q8_0"))
+    kw = dict(n_ctx=128, n_threads=2, verbose=False, moe_hook=True)
+    llm = Llama(path, **kw)
+    tokens = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+    n_layer = llm.moe_hook.max_layers
+    base_logits, natural = _record(llm, tokens, n_layer)
+    llm.close()
+    moe = [il for il in range(n_layer) if natural[il].size]
+    k = natural[moe[0]].shape[1]
+    n_expert = int(max(natural[il].max() for il in moe)) + 1
+
+    table = np.zeros((len(tokens), n_layer, k), dtype=np.int32)
+    for il in moe:
+        table[:, il, :] = natural[il]
+    llm = Llama(path, **kw, moe_replay=table)
+    logits_replayed, seen = _record(llm, tokens, n_layer)
+    for il in moe:
+        np.testing.assert_array_equal(seen[il], natural[il])
+        assert llm.moe_replay.calls(il) >= 1
+    np.testing.assert_array_equal(logits_replayed, base_logits)
+    llm.close()
+
+    # other ids: shift every id by one expert
+    forced = table.copy()
+    forced[:, moe, :] = (forced[:, moe, :] + 1) % max(n_expert, k + 1)
+    llm = Llama(path, **kw, moe_replay=forced)
+    logits_forced, seen = _record(llm, tokens, n_layer)
+    for il in moe:
+        # the last layer computes only the output row (the last token): llama.cpp's inp_out_ids
+        rows = seen[il].shape[0]
+        assert rows in (1, len(tokens))
+        np.testing.assert_array_equal(seen[il], forced[len(tokens) - rows:, il, :])
+    assert not np.array_equal(logits_forced, base_logits)
+    llm.close()
+
+
+def test_replay_without_hook_matches_hooked_replay(tiny_model):
+    from hybrimoe import Llama
+
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    import gguf
+
+    llm = Llama(path, n_ctx=128, n_threads=2, verbose=False)
+    tokens = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+    llm.close()
+    rng = np.random.default_rng(0)
+    r = gguf.GGUFReader(path)
+    n_layer = next(int(f.parts[f.data[0]][0]) for name, f in r.fields.items() if name.endswith(".block_count"))
+    n_expert = next(int(f.parts[f.data[0]][0]) for name, f in r.fields.items() if name.endswith(".expert_count"))
+    k = next(int(f.parts[f.data[0]][0]) for name, f in r.fields.items() if name.endswith(".expert_used_count"))
+    table = np.stack([np.stack([rng.permutation(n_expert)[:k] for _ in range(n_layer)]) for _ in tokens])
+    outs = []
+    for hook in (False, True):
+        llm = Llama(path, n_ctx=128, n_threads=2, verbose=False, moe_replay=table, moe_hook=hook)
+        llm.eval(tokens)
+        outs.append(last_logits(llm))
+        llm.close()
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_replay_rejects_bad_tables(tiny_model):
+    from hybrimoe import Llama
+
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    with pytest.raises(ValueError, match="layers"):
+        Llama(path, n_ctx=64, verbose=False, moe_replay=np.zeros((4, 99, 2), dtype=np.int32))
+    with pytest.raises(ValueError, match="outside"):
+        Llama(path, n_ctx=64, verbose=False, moe_replay=np.full((4, 2, 2), 10_000, dtype=np.int32))
+    with pytest.raises(ValueError, match="shape"):
+        Llama(path, n_ctx=64, verbose=False, moe_replay=np.zeros((4, 2), dtype=np.int32))
+
+
+def test_replay_rejects_wrong_k_duplicates_and_floats(tiny_model):
+    """The Python API checks a table as --replay-trace does: k must be the model's top-k (no column dropped or
+    filled in), no id twice in a row, integer ids; each error names moe_replay and both shapes."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    f = engine_facts(path)
+    good = np.tile(np.arange(f.top_k, dtype=np.int32), (4, f.n_layer, 1))
+    wider = np.tile(np.arange(f.top_k + 1, dtype=np.int32), (4, f.n_layer, 1))
+    narrower = good[:, :, :1]
+    for bad in (wider, narrower):
+        with pytest.raises(ValueError, match=r"moe_replay has shape") as e:
+            Llama(path, n_ctx=64, verbose=False, moe_replay=bad)
+        assert str(bad.shape) in str(e.value) and f"[n_rows, {f.n_layer}, {f.top_k}]" in str(e.value)
+    dup = good.copy()
+    dup[2, 1, :] = 0
+    with pytest.raises(ValueError, match=r"moe_replay repeats an expert id.*row 2, layer 1"):
+        Llama(path, n_ctx=64, verbose=False, moe_replay=dup)
+    with pytest.raises(ValueError, match=r"moe_replay must hold integer.*float"):
+        Llama(path, n_ctx=64, verbose=False, moe_replay=good.astype(np.float64))
+    llm = Llama(path, n_ctx=64, verbose=False, moe_replay=good.astype(np.int64))  # any integer dtype is fine
+    llm.close()

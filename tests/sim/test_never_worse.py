@@ -1,0 +1,125 @@
+"""hybrimoe is never slower than static placement, and the clairvoyant bounds bound (simulation).
+
+For every trace (the shared DeepSeek-V2-Lite routing when present, and synthetic traces of the shapes of
+Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 and gpt-oss-120b at low and high temporal locality), seed (0, 1, 2: the
+synthetic trace, the truth model's noise and the predictor), hardware preset (paper-a6000, rtx4090-desktop, h200),
+cache size (10, 25, 50, 75%) and stage (decode: TPOT, prefill: TTFT), on the first 2,000 tokens:
+
+- hybrimoe's time is at most 1.01 x the best static placement's (every preset whose cache is static: nothing is
+  loaded at run time);
+- the ``oracle`` bound is at least as fast as hybrimoe and every static placement, on seed 0's table of each trace
+  (every hardware preset, cache size and stage; the oracle costs about twice hybrimoe's simulation, so seeds 1 and 2
+  leave it out; tests/test_bounds.py checks it against every policy on random small traces).
+
+The synthetic traces' router scores are an assumption (hybrimoe.traces.synthetic); the truth model charges host-memory
+contention per overlapped second while the planner charges a fixed share of each copy (policy.cost_model_from_hardware,
+policy.truth_model_for), so the planner is not judged by its own formula.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from hybrimoe import policy as pol
+from hybrimoe.sim.simulator import total_times
+
+HARDWARE = ("paper-a6000", "rtx4090-desktop", "h200")
+CACHES = ("10%", "25%", "50%", "75%")
+SEEDS = (0, 1, 2)
+TOKENS = 2000
+STATIC = pol.STATIC_PRESETS
+#: runs where hybrimoe is known to be more than 1% slower than the best static placement: (shape, locality, seed,
+#: hardware, cache, stage) -> the ratio measured when it was listed. An entry that stops failing fails the test
+#: (remove it then). Empty since demand loads in large ubatches stream (policy.STREAMING_FRACTION): before, gpt-oss-
+#: shaped routing without locality at a 75% cache in prefill on rtx4090-desktop was 1.09x the profiled hot set.
+KNOWN_SHORTFALLS: dict = {}
+TRACES = [("dsv2lite", None)] + [(shape, loc) for shape in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3",
+                                                            "gpt-oss-120b") for loc in ("low", "high")]
+
+
+def _trace(shape, locality, seed):
+    if locality is None:
+        from hybrimoe.traces.format import default_trace_path, load_trace
+
+        path = default_trace_path()
+        if not path.exists():
+            pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
+        return load_trace(path)
+    from hybrimoe.traces.synthetic import synthetic_trace
+
+    # enough prompts after the simulator's 20% profile for 2,000 evaluated tokens
+    return synthetic_trace(shape, TOKENS * 5 // 4 + 200, locality=locality, seed=seed)
+
+
+def _workers() -> int:
+    """Processes for a table: the machine's cores (``HYBRIMOE_TEST_WORKERS`` overrides; 1 runs in this process)."""
+    return max(1, int(os.environ.get("HYBRIMOE_TEST_WORKERS", os.cpu_count() or 1)))
+
+
+def _tables(jobs):
+    """Run ``hybrimoe.sim.simulator.total_times`` for each job ``(trace, hw, cache, stage, names, kwargs)`` and return the results
+    in order, on ``_workers()`` spawned processes (not forked: this process may hold ggml threads). One pool serves
+    every job of a test, so no worker waits for a table's slowest configuration before the next table starts."""
+    n = min(_workers(), len(jobs))
+    if n <= 1:
+        return [total_times(tr, hw, cache, stage, names=names, max_tokens=TOKENS, **kw)
+                for tr, hw, cache, stage, names, kw in jobs]
+    with ProcessPoolExecutor(n, mp_context=mp.get_context("spawn")) as ex:
+        # the slowest first (with the oracle, then decode), so that the pool's tail is short
+        order = sorted(range(len(jobs)), key=lambda i: ("oracle" not in jobs[i][4], jobs[i][3] != "decode"))
+        futures = {}
+        for i in order:
+            tr, hw, cache, stage, names, kw = jobs[i]
+            futures[i] = ex.submit(total_times, tr, hw, cache, stage, names=names, max_tokens=TOKENS, **kw)
+        return [futures[i].result() for i in range(len(jobs))]
+
+
+CONFIGS = [(hw, cache, stage) for hw in HARDWARE for cache in CACHES for stage in ("decode", "prefill")]
+
+
+@pytest.mark.parametrize("shape,locality", TRACES, ids=[f"{s}-{loc or 'real'}" for s, loc in TRACES])
+def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(shape, locality):
+    assert len(STATIC) >= 2, STATIC
+    worse, unbounded = [], []
+    keys, jobs = [], []
+    for seed in SEEDS:
+        tr = _trace(shape, locality, seed)
+        names = ("hybrimoe",) + STATIC + (("oracle",) if seed == 0 else ())
+        for hw_name, cache, stage in CONFIGS:
+            keys.append((seed, hw_name, cache, stage))
+            jobs.append((tr, hw_name, cache, stage, names, dict(seed=seed + 1)))
+    for (seed, hw_name, cache, stage), t in zip(keys, _tables(jobs)):
+        best_static = min(t[p] for p in STATIC)
+        where = f"seed {seed} {hw_name} {cache} {stage}"
+        known = (shape, locality, seed, hw_name, cache, stage) in KNOWN_SHORTFALLS
+        if (t["hybrimoe"] > 1.01 * best_static) != known:
+            worse.append(f"{where}: hybrimoe {t['hybrimoe']:.4g} s vs best static {best_static:.4g} s"
+                         + (" (a known shortfall that no longer fails: remove it)" if known else ""))
+        if "oracle" in t and t["oracle"] > min(t["hybrimoe"], best_static) * (1 + 1e-9):
+            unbounded.append(f"{where}: oracle {t['oracle']:.4g} s vs {min(t['hybrimoe'], best_static):.4g} s")
+    assert not worse, f"{shape} {locality}: hybrimoe slower than static placement in {len(worse)} runs: " + \
+        "; ".join(worse[:10])
+    assert not unbounded, f"{shape} {locality}: the oracle is not a bound in {len(unbounded)} runs: " + \
+        "; ".join(unbounded[:10])
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.5])
+@pytest.mark.parametrize("shape,locality", [("dsv2lite", None), ("mixtral-8x7b", "low"), ("mixtral-8x7b", "high")],
+                         ids=["dsv2lite-real", "mixtral-8x7b-low", "mixtral-8x7b-high"])
+def test_never_slower_when_the_truth_contention_differs_from_the_planners(shape, locality, scale):
+    """The planner charges a fixed share of each copy to the CPU share (cost_model_from_hardware's
+    cpu_copy_overlap); the truth charges contention per overlapped second. With the truth's contention at 0.5x and
+    1.5x the preset's value hybrimoe still stays within 1.01 x the best static placement (seed 0)."""
+    tr = _trace(shape, locality, 0)
+    assert all(pol.truth_model_for(pol.load_hardware(hw), 1).contention > 0 for hw in HARDWARE)
+    worse = []
+    jobs = [(tr, hw, cache, stage, ("hybrimoe",) + STATIC, dict(seed=1, contention_scale=scale))
+            for hw, cache, stage in CONFIGS]
+    for (hw_name, cache, stage), t in zip(CONFIGS, _tables(jobs)):
+        best_static = min(t[p] for p in STATIC)
+        if t["hybrimoe"] > 1.01 * best_static:
+            worse.append(f"{hw_name} {cache} {stage}: {t['hybrimoe']:.4g} s vs {best_static:.4g} s")
+    assert not worse, f"contention x{scale}: " + "; ".join(worse)

@@ -1,0 +1,77 @@
+"""Documented names work as written: every ``hybrimoe.x.y`` dotted name in README.md, CHANGELOG.md and docs/*.md
+resolves after a plain ``import hybrimoe`` (in a fresh process), and the names that moved in 0.2 still resolve through
+their alias modules, with a DeprecationWarning that says where they live now."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import hybrimoe
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout these tests belong to
+DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: a dotted name in the text; file format names (``hybrimoe.cost_model/3``, ``hybrimoe.trace`` version 2) are not
+#: Python names and are followed by a slash or named as a format
+DOTTED = re.compile(r"(?<![\w./-])(hybrimoe(?:\.[A-Za-z_][A-Za-z0-9_]*)+)(?![\w/])")
+
+
+def documented_names() -> list[str]:
+    """The dotted names of the docs; of CHANGELOG.md's, those not in its list of names that have no alias any more
+    (history: they no longer exist)."""
+    names = set()
+    for doc in DOCS:
+        if not doc.is_file():
+            continue
+        text = doc.read_text()
+        found = set(DOTTED.findall(text))
+        if doc.name == "CHANGELOG.md":
+            gone = set(DOTTED.findall(text.split("No alias", 1)[1].split("\n\n", 1)[0])) if "No alias" in text else set()
+            found = {n for n in found if not any(n == g or n.startswith(g + ".") for g in gone)}
+        names.update(found)
+    return sorted(names)
+
+
+@pytest.mark.skipif(not (ROOT / "README.md").is_file(), reason="no checkout beside the package")
+def test_every_documented_name_resolves_after_import_hybrimoe():
+    names = documented_names()
+    assert len(names) >= 20, names  # the scan finds the README's names
+    code = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import hybrimoe
+bad = []
+for name in json.loads(sys.argv[1]):
+    obj = hybrimoe
+    try:
+        for part in name.split(".")[1:]:
+            obj = getattr(obj, part)
+    except AttributeError as e:
+        bad.append(f"{name}: {e}")
+print(json.dumps(bad))
+"""
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(names)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == []
+
+
+def test_moved_names_resolve_with_a_warning_naming_the_new_place():
+    import hybrimoe.engine as old_engine
+    from hybrimoe.runtime.engine_facts import slot_bytes
+    from hybrimoe.traces.synthetic import synthetic_trace
+
+    with pytest.warns(DeprecationWarning, match=r"hybrimoe\.engine\.slot_bytes moved to "
+                                                r"hybrimoe\.runtime\.engine_facts\.slot_bytes"):
+        assert old_engine.slot_bytes is slot_bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert hybrimoe.trace.synthetic_trace is synthetic_trace
+        assert hybrimoe.simulate.replay_engine_log.__module__ == "hybrimoe.runtime.decision_replay"
+        assert hybrimoe.policy.build_preset.__module__ == "hybrimoe.policy.presets"
+    with pytest.raises(AttributeError):
+        old_engine.no_such_name
