@@ -36,15 +36,6 @@ SCHEMA = "hybrimoe.gpu_check/1"
 # the targets for hybrimoe over the best upstream mode at a 25% cache
 TARGET_SPEEDUP = {"prefill": 1.5, "decode": 2.0}
 
-# planner costs under which CPU and GPU are comparable for the tiny models, so that the engine's splits are
-# mixed (the hardware presets would keep tiny experts on the CPU); the same figures as tests/conftest.py's
-# SPLIT_COST (seconds, bytes/s; schema hybrimoe.cost_model/1)
-SPLIT_COST = {"schema": "hybrimoe.cost_model/1", "cpu_a_s": 4e-4, "cpu_b_s": 4e-5, "cpu_startup_s": 1e-5,
-              "gpu_a_s": 1e-4, "gpu_b_s": 1e-6, "h2d_bandwidth_Bps": 2e8, "h2d_latency_s": 2e-5,
-              "act_a_s": 5e-5, "act_b_s": 1e-7, "layer_a_s": 1e-4, "layer_b_s": 1e-6, "dense_a_s": 1e-4,
-              "dense_b_s": 1e-6}
-
-
 def _log(msg: str) -> None:
     print(f"[gpu-check] {msg}", file=sys.stderr, flush=True)
 
@@ -249,7 +240,8 @@ def cmd_correctness(args) -> int:
     The device is the first CUDA GPU (``--mode cuda``) or an RPC stand-in server (``--mode cpu``)."""
     import hybrimoe  # noqa: F401  (before llama_cpp: hybrimoe's libllama)
     from hybrimoe import Llama, _ggml
-    from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
+    # planner costs under which CPU and GPU are comparable for the tiny models (mixed splits), as in the tests
+    from hybrimoe.testing.upstream import SPLIT_COST, greedy_with_logits, prompt_tokens
     from hybrimoe.testing.upstream import nmse as logits_nmse
     from hybrimoe.tiny import make_tiny_model
 
@@ -263,7 +255,7 @@ def cmd_correctness(args) -> int:
     cost = work / "split-cost.json"
     cost.write_text(json.dumps(SPLIT_COST))
     doc = dict(mode=args.mode, tol_nmse=args.tol, policy=args.policy, n_prompt=args.n_prompt, n_gen=args.n_gen,
-               n_ubatch=args.n_ubatch, cost_model="tests/conftest.py SPLIT_COST (mixed CPU/GPU splits)",
+               n_ubatch=args.n_ubatch, cost_model="hybrimoe.testing.upstream.SPLIT_COST (mixed CPU/GPU splits)",
                hybrimoe=os.path.dirname(hybrimoe.__file__), cases=[], errors=[])
     server = None
     endpoint = None

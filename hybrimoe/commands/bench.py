@@ -129,11 +129,11 @@ def _inputs(args) -> tuple:
     facts = engine_facts(args.model)
     pols, up = _check_modes(args, facts)
     n_slots = cache_slots(args.moe_cache, facts)
-    replay = None
+    routing_table = None
     if args.replay_trace:
         # a recorded trace (with phases): prefill routing for the prompt, decode routing for the generated tokens
-        replay = routing_replay_table(args.replay_trace, args.model, layout=(args.n_prompt, args.n_gen))
-    return facts, pols, up, n_slots, n_slots * facts.slot_bytes, replay
+        routing_table = routing_replay_table(args.replay_trace, args.model, layout=(args.n_prompt, args.n_gen))
+    return facts, pols, up, n_slots, n_slots * facts.slot_bytes, routing_table
 
 
 def _modes(args, facts, pols: list, up: set, budget: int) -> list[tuple[str, dict, int]]:
@@ -169,7 +169,7 @@ def _measure_mode(args, label: str, kw: dict, gpu_bytes: int, common: dict, bar,
                 cfg.step()
             cfg.finish(keep=i >= 0)
             bar.update(1)
-        checked = cfg.replay() if cfg.llm.moe_engine is not None else {}
+        checked = cfg.replay_decisions() if cfg.llm.moe_engine is not None else {}
     finally:
         cfg.close()
     pp = [r["n_prompt"] / r["prompt_perf_s"] for r in cfg.reps if r["prompt_perf_s"] > 0]
@@ -208,11 +208,11 @@ def _write_outputs(args, doc: dict, rows: list) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs ``hybrimoe bench``: 0 when every mode ran, 1 otherwise (or on bad input)."""
     try:
-        facts, pols, up, n_slots, budget, replay = _inputs(args)
+        facts, pols, up, n_slots, budget, routing_table = _inputs(args)
     except (OSError, ValueError) as e:
         print(f"hybrimoe bench: error: {e}", file=sys.stderr)
         return 1
-    if replay is not None:
+    if routing_table is not None:
         print(f"hybrimoe bench: routing replayed from {args.replay_trace}: the generated text is meaningless",
               file=sys.stderr)
     server, endpoint = None, args.rpc
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
             print("hybrimoe bench: error: no GPU found: give --rpc HOST:PORT (a ggml-rpc-server) or --stand-in",
                   file=sys.stderr)
             return 1
-    common = dict(rpc_servers=endpoint, moe_replay=replay, threads=args.threads or os.cpu_count() or 1)
+    common = dict(rpc_servers=endpoint, moe_replay=routing_table, threads=args.threads or os.cpu_count() or 1)
     modes = _modes(args, facts, pols, up, budget)
     bar = tqdm(total=len(modes) * (args.repetitions + 1), desc="bench", unit="run", file=sys.stderr,
                disable=not progress_on())

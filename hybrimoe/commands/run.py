@@ -86,11 +86,11 @@ def run(args: argparse.Namespace) -> int:
     if model is None:
         return 1
     try:
-        replay = _routing_replay(args, model)
+        routing_table = _routing_replay(args, model)
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
-    llm = load_llama(args, model, prog, moe_replay=replay)
+    llm = load_llama(args, model, prog, moe_replay=routing_table)
     if llm is None:
         return 1
     try:

@@ -129,7 +129,7 @@ class Config:
             self.reps.append(r)
         return r
 
-    def replay(self) -> dict:
+    def replay_decisions(self) -> dict:
         """Replays the decision log through the simulator (fresh policies, same preset, budget and cost model) and
         compares: ``decisions_agree``, ``decision_difference`` (the first one, if any, or why the replay failed), and
         the MoE time that the cost model predicts for the replayed plans (the scheduler's makespans, summed over the

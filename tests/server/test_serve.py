@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import threading
 
 import pytest
 
-from hybrimoe.testing.processes import default_signals
+from hybrimoe.testing.processes import start_serve
 
 KEY = "sk-hybrimoe-test"
 ALIAS = "tiny-moe"
@@ -117,40 +116,15 @@ def server(chat_model, rpc_server_factory, tmp_path_factory):
     # its own RPC stand-in: a ggml RPC server serves one client at a time, and the oracle uses the session's
     rpc = rpc_server_factory()
     tmp = tmp_path_factory.mktemp("serve")
-    stderr_path = tmp / "stderr.txt"
-    cmd = [sys.executable, "-m", "hybrimoe", "serve", "-m", str(chat_model), "--rpc", rpc.endpoint, "-ngl", "99",
-           "--moe-cache", "25%", "-c", str(N_CTX), "-t", "2", "--host", "127.0.0.1", "--port", "0",
-           "--api-key", KEY, "--alias", ALIAS]
-    with open(stderr_path, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True,
-                                cwd=tmp, preexec_fn=default_signals)
-    out: list[str] = []
-    ready = threading.Event()
-    found: list[int] = []
-
-    def read_stdout():  # all of it, so that the pipe never fills
-        for line in proc.stdout:
-            out.append(line)
-            m = re.search(r"ready at http://127\.0\.0\.1:(\d+)/v1", line)
-            if m and not found:
-                found.append(int(m.group(1)))
-                ready.set()
-        ready.set()
-
-    reader = threading.Thread(target=read_stdout, daemon=True)
-    reader.start()
+    sp = start_serve(["-m", str(chat_model), "--rpc", rpc.endpoint, "-ngl", "99", "--moe-cache", "25%", "-c",
+                      str(N_CTX), "-t", "2", "--api-key", KEY, "--alias", ALIAS], tmp, startup_s=STARTUP_S)
     try:
-        ready.wait(STARTUP_S)
-        srv = Server(proc, stderr_path, found[0] if found else 0, out)
-        assert found, f"no 'ready at' line within {STARTUP_S} s (exit code {proc.poll()}):\n{srv.log()}"
+        srv = Server(sp.proc, sp.stderr_path, sp.port, sp.out)
         status, _, body = request(srv, "GET", "/health", key=None, timeout=30)
         assert status == 200 and json.loads(body) == {"status": "ok"}, body
         yield srv
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
-        reader.join(timeout=10)
+        sp.stop()
 
 
 @pytest.fixture(scope="module")
