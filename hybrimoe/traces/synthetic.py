@@ -76,9 +76,9 @@ class Knobs:
                              "locality at a longer lag cannot be higher in this model")
 
 
-#: fitted by :func:`fit_synthetic` to the DeepSeek-V2-Lite development trace (../shared/traces/dsv2lite_dev.npz,
-#: 170,338 prefill tokens of 1,799 chat prompts, 26 MoE layers, 64 experts, top-6, ids only; docs/design.md §12) on
-#: 2026-12-01; stored here because CI has no trace (tests/test_synth.py refits it when $HYBRIMOE_TRACE is set)
+#: fitted by :func:`fit_synthetic` to the DeepSeek-V2-Lite development trace (170,338 prefill tokens of 1,799 chat
+#: prompts, 26 MoE layers, 64 experts, top-6, ids only; docs/design.md §12) on 2026-12-01; stored here because CI may
+#: have no trace (tests/traces/test_synthetic.py refits it where the trace is present)
 FITTED_DSV2_LITE = Knobs(skew=0.3304, overlap=0.1838, persistence=0.0602, cross_layer=0.388)
 
 #: locality presets: ``high`` the fitted DeepSeek-V2-Lite values; ``low`` no temporal locality (overlap and

@@ -1,4 +1,4 @@
-"""Worker of tests/test_vulkan.py: runs one tiny model's cases on ggml's Vulkan device in a process of its own.
+"""Worker of tests/runtime/test_vulkan.py: runs one tiny model's cases on ggml's Vulkan device in a process of its own.
 
 A separate process because ggml's Vulkan backend reads ``GGML_VK_VISIBLE_DEVICES`` (which makes Mesa's lavapipe,
 a CPU-type device that ggml skips by default, visible as ``Vulkan0``) once, when the backend registers: the test

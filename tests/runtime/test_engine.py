@@ -296,7 +296,7 @@ def test_two_turn_chat_reusing_the_kv_cache(tiny_model, rpc_server, split_cost_m
 
 def test_gpt_oss_experts_run_on_the_engine(tiny_model, rpc_server, split_cost_model):
     """gpt-oss experts (F32 matrices, biases, SwiGLU-OAI): the engine runs them (no layer left to upstream's
-    path), with upstream's tokens (tests/test_gpt_oss_engine.py has the quantized cases and the logits)."""
+    path), with upstream's tokens (tests/runtime/test_gpt_oss_engine.py has the quantized cases and the logits)."""
     from hybrimoe import Llama
 
     path = tiny_model("gpt-oss", None)

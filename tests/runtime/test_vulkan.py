@@ -6,7 +6,7 @@ upstream llama.cpp with the same placement on the same Vulkan device (``-ngl 99 
 same greedy tokens over 32 and last-logit NMSE <= 1e-3 (not bit-exact: the GPU share runs Vulkan kernels where
 upstream runs the CPU's). Cases are pairwise over model (qwen3moe, deepseek2) x quant (Q8_0, Q4_K_M) x cache (25,
 50, 100%) x policy x ubatch (1, 48), plus per model a negative control, one repeat and one pool split over several
-buffers. Each model's cases run in one process of their own (tests/_vulkan_cases.py), since the Vulkan device is
+buffers. Each model's cases run in one process of their own (tests/runtime/_vulkan_cases.py), since the Vulkan device is
 made visible by an environment variable read at start-up and each cold process compiles shader pipelines.
 
 Skipped unless llama-cpp-python was built with Vulkan (``CMAKE_ARGS="-DGGML_VULKAN=on"``, README "Vulkan");
@@ -35,7 +35,7 @@ TOL_NMSE = 1e-3
 # stand-in the engine matches upstream bit for bit with seed 0 too.
 SEEDS = {("deepseek2", "Q4_K_M"): 1}
 # Planner costs with the CPU's and the GPU's per-expert costs alike (seconds, bytes/s; schema hybrimoe.cost_model/1),
-# so that HybriMoE's split (§IV.B) uses both sides in decode too: under tests/conftest.py's SPLIT_COST the tiny
+# so that HybriMoE's split (§IV.B) uses both sides in decode too: under hybrimoe.testing.upstream's SPLIT_COST the tiny
 # experts all go to the GPU in single-token ubatches on Vulkan.
 VULKAN_COST = {"schema": "hybrimoe.cost_model/1", "cpu_a_s": 1e-4, "cpu_b_s": 1e-5, "cpu_startup_s": 1e-5,
                "gpu_a_s": 1e-4, "gpu_b_s": 1e-6, "h2d_bandwidth_Bps": 2e8, "h2d_latency_s": 2e-5,

@@ -9,7 +9,7 @@ cache size (10, 25, 50, 75%) and stage (decode: TPOT, prefill: TTFT), on the fir
   loaded at run time);
 - the ``oracle`` bound is at least as fast as hybrimoe and every static placement, on seed 0's table of each trace
   (every hardware preset, cache size and stage; the oracle costs about twice hybrimoe's simulation, so seeds 1 and 2
-  leave it out; tests/test_bounds.py checks it against every policy on random small traces).
+  leave it out; tests/sim/test_bounds.py checks it against every policy on random small traces).
 
 The synthetic traces' router scores are an assumption (hybrimoe.traces.synthetic); the truth model charges host-memory
 contention per overlapped second while the planner charges a fixed share of each copy (policy.cost_model_from_hardware,
@@ -60,9 +60,10 @@ def _workers() -> int:
 
 
 def _tables(jobs):
-    """Run ``hybrimoe.sim.simulator.total_times`` for each job ``(trace, hw, cache, stage, names, kwargs)`` and return the results
-    in order, on ``_workers()`` spawned processes (not forked: this process may hold ggml threads). One pool serves
-    every job of a test, so no worker waits for a table's slowest configuration before the next table starts."""
+    """Run ``hybrimoe.sim.simulator.total_times`` for each job ``(trace, hw, cache, stage, names, kwargs)`` and return
+    the results in order, on ``_workers()`` spawned processes (not forked: this process may hold ggml threads). One
+    pool serves every job of a test, so no worker waits for a table's slowest configuration before the next table
+    starts."""
     n = min(_workers(), len(jobs))
     if n <= 1:
         return [total_times(tr, hw, cache, stage, names=names, max_tokens=TOKENS, **kw)
