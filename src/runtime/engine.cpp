@@ -497,7 +497,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
             if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + run_plan.makespan_s;
             predictor_->predict(ml, cfg_.prefetch_layers, (int) T, (const float *) x->data, x->nb[2],
                                 run_plan.makespan_s, layer_est_, cfg_.cost.layer((int) T), predictions_);
-            decider_->prefetch(std::move(predictions_), (int) tensors_.size(), placement_, rp);
+            decider_->prefetch(predictions_, (int) tensors_.size(), placement_, rp);
         }
         decider_->fills(placement_, rp);
 
