@@ -9,6 +9,7 @@
 #include "runtime/engine.h"
 #include "runtime/moe_hook.h"
 #include "runtime/routing_recorder.h"
+#include "runtime/routing_replay.h"
 #include "policy/cost_model.h"
 #include "policy/expert_cache.h"
 #include "policy/prefetcher.h"
