@@ -38,6 +38,7 @@
 #include "policy/scheduler.h"
 #include "runtime/expert_ffn.h"
 #include "runtime/gpu_share.h"
+#include "runtime/negative_controls.h"
 #include "runtime/slot_pool.h"
 
 #include <array>
@@ -171,18 +172,12 @@ public:
     void set_logging(bool on);
     /// The records kept since the last call.
     std::vector<DecisionRecord> take_log();
-    /// Negative control for tests: the GPU share's outputs are replaced by zeros (results must then differ).
-    void set_drop_gpu_share(bool on) { drop_gpu_ = on; }
-    /// Negative control for tests: copies into the slot pool take each bias row and scale from the next expert
-    /// ((expert + 1) mod n_expert) instead of the expert's own (results must then differ when the GPU share
-    /// computes a biased or scaled expert). Takes effect for copies made after the call.
-    void set_wrong_bias_rows(bool on) { wrong_bias_ = on; }
-    /// Negative control for tests: the GPU share leaves one variant's op out, so results must then differ where
-    /// the GPU computes that variant: "weight_before" (routing weights after the FFN instead of before it),
-    /// "gate_up" (the fused gate_up product's halves swapped), "activation" (SiLU in place of GELU, ReLU, SITU or
-    /// SwiGLU-OAI; GELU in place of SiLU), "scales" (no per-expert scales), "clamp" (no SwiGLU clamp); "" turns it
-    /// off. Throws std::invalid_argument for another name.
-    void set_negative_control(const std::string & what);
+    /// The test-only negative controls (negative_controls.h): results must then differ from upstream's where the GPU
+    /// computes. set_negative_control sets the GPU share's left-out variant by name ("" for none; throws
+    /// std::invalid_argument for another name).
+    void set_negative_control(const std::string & what) { controls_.set_variant(what); }
+    void set_drop_gpu_share(bool on) { controls_.drop_gpu_share = on; }
+    void set_wrong_bias_rows(bool on) { controls_.wrong_bias_rows = on; }
     /// (layer, expert) keys pinned now; 0 between decodes unless prefetched experts wait for their layer.
     int pinned_count() const;
     /// Slots holding an expert; equals the cache's resident count when the bookkeeping agrees.
@@ -245,9 +240,7 @@ private:
     std::vector<EngineLayerStats> stats_;
     std::string error_;
     bool failed_ = false;
-    bool drop_gpu_ = false;
-    bool wrong_bias_ = false;
-    std::string control_;                    // set_negative_control
+    NegativeControls controls_;              // tests only
     bool logging_ = false;
     int64_t ubatch_ = -1;
     int last_ml_ = 1 << 30;                  // MoE layer of the previous plan (a lower or equal one: new ubatch)
