@@ -10,6 +10,7 @@
 
 using hybrimoe::Engine;
 using hybrimoe::EngineConfig;
+using hybrimoe::SlotPool;
 
 namespace hybrimoe_bind {
 
@@ -107,25 +108,26 @@ Raises:
              py::arg("sigmoid_gating"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"),
              py::arg("max_buffer_bytes") = 0, py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
              py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{})
-        .def_static("slot_bytes_for", &Engine::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
+        .def_static("slot_bytes_for", &SlotPool::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
                     py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
                     py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{},
                     "Bytes of one GPU slot for these per-layer (gate, up, down) expert sizes and ggml types and "
                     "(optional) F32 bias row and scale sizes: per kind the largest matrix, rounded up to a multiple "
                     "of 16 and of the kind's block sizes, plus per kind the largest bias row rounded up to 16, plus "
                     "4 bytes per kind some layer scales.")
-        .def_static("scale_strides", &Engine::scale_strides, py::arg("scale_bytes"), py::arg("expert_layers"),
+        .def_static("scale_strides", &SlotPool::scale_strides, py::arg("scale_bytes"), py::arg("expert_layers"),
                     "Per-slot bytes of the gate, up and down scale regions of the slot pool (4, or 0: no such scale).")
-        .def_static("bias_strides", &Engine::bias_strides, py::arg("bias_bytes"), py::arg("expert_layers"),
+        .def_static("bias_strides", &SlotPool::bias_strides, py::arg("bias_bytes"), py::arg("expert_layers"),
                     "Per-slot bytes of the gate, up and down bias regions of the slot pool (0: no such bias).")
-        .def_static("region_strides", &Engine::region_strides, py::arg("expert_bytes"), py::arg("expert_types"),
+        .def_static("region_strides", &SlotPool::region_strides, py::arg("expert_bytes"), py::arg("expert_types"),
                     "Per-slot bytes of the gate, up and down regions of the slot pool (see slot_bytes_for).")
         .def("set_negative_control", &Engine::set_negative_control, py::arg("what"),
              "Negative control for tests: the GPU share leaves one variant's op out ('weight_before', 'gate_up', "
              "'activation', 'scales', 'clamp'; '' for none). ValueError for another name.")
-        .def_property_readonly("slot_bytes", &Engine::slot_bytes)
+        .def_property_readonly("slot_bytes", [](const Engine & e) { return e.pool().slot_bytes(); })
         .def_property_readonly("n_slots", &Engine::n_slots)
-        .def("slot_of", &Engine::slot_of, py::arg("layer"), py::arg("expert"),
+        .def("slot_of", [](const Engine & e, int layer, int expert) { return e.pool().slot_of(layer, expert); },
+             py::arg("layer"), py::arg("expert"),
              "GPU slot of a resident (MoE layer, expert), or -1.")
         .def("take_error", &Engine::take_error,
              "First error since the last call ('' if none); after one, layers run on the CPU until clear_failure().")
@@ -146,10 +148,11 @@ Raises:
              "Negative control for tests: later copies into the slot pool take each expert's bias rows from "
              "the next expert ((e + 1) mod n_expert).")
         .def("pinned_count", &Engine::pinned_count, "(layer, expert) keys pinned now.")
-        .def("slots_in_use", &Engine::slots_in_use, "GPU slots holding an expert.")
-        .def_property_readonly("slot_buffers", &Engine::slot_buffers,
+        .def("slots_in_use", [](const Engine & e) { return e.pool().slots_in_use(); }, "GPU slots holding an expert.")
+        .def_property_readonly("slot_buffers", [](const Engine & e) { return e.pool().n_buffers(); },
                                "Device buffers the slot pool is split over (the device caps one buffer; 0: no slots).")
-        .def_property_readonly("slots_per_buffer", &Engine::slots_per_buffer,
+        .def_property_readonly("slots_per_buffer",
+                               [](const Engine & e) { return e.pool().is_open() ? e.pool().slots_per_buffer() : 0; },
                                "Slots per slot buffer (the last may hold fewer; 0: no slots).")
         .def("layer_stats", [](const Engine & e) {
                 py::list out;

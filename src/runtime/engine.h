@@ -128,27 +128,9 @@ public:
     Engine(const Engine &) = delete;
     Engine & operator=(const Engine &) = delete;
 
-    /// SlotPool::region_strides / bias_strides / scale_strides / slot_bytes_for (bytes per slot of the gate, up
-    /// and down matrix regions; of their bias regions; of their scale regions; the sum of all nine).
-    static std::array<int64_t, 3> region_strides(const std::vector<std::array<int64_t, 3>> & expert_bytes,
-                                                 const std::vector<std::array<int32_t, 3>> & expert_types) {
-        return SlotPool::region_strides(expert_bytes, expert_types);
-    }
-    static std::array<int64_t, 3> bias_strides(const std::vector<std::array<int64_t, 3>> & bias_bytes,
-                                               size_t expert_layers) {
-        return SlotPool::bias_strides(bias_bytes, expert_layers);
-    }
-    static std::array<int64_t, 3> scale_strides(const std::vector<std::array<int64_t, 3>> & scale_bytes,
-                                                size_t expert_layers) {
-        return SlotPool::scale_strides(scale_bytes, expert_layers);
-    }
-    static int64_t slot_bytes_for(const std::vector<std::array<int64_t, 3>> & expert_bytes,
-                                  const std::vector<std::array<int32_t, 3>> & expert_types,
-                                  const std::vector<std::array<int64_t, 3>> & bias_bytes = {},
-                                  const std::vector<std::array<int64_t, 3>> & scale_bytes = {}) {
-        return SlotPool::slot_bytes_for(expert_bytes, expert_types, bias_bytes, scale_bytes);
-    }
-    int64_t slot_bytes() const { return pool_.slot_bytes(); }
+    /// The GPU slot pool (its geometry, which slot holds which expert; bindings read it). Its static sizing
+    /// functions (SlotPool::slot_bytes_for and the region strides) size an engine's slots before it exists.
+    const SlotPool & pool() const { return pool_; }
     int64_t n_slots() const { return cfg_.n_slots; }
     const EngineConfig & config() const { return cfg_; }
 
@@ -166,8 +148,6 @@ public:
     void clear_failure();
     /// MoE layer index of model layer il, or -1.
     int moe_index(int il) const { return il >= 0 && il < (int) moe_index_.size() ? moe_index_[il] : -1; }
-    /// Slot of a resident (MoE layer, expert) or -1 (tests: slot bookkeeping agrees with the cache).
-    int slot_of(int layer, int expert) const { return pool_.slot_of(layer, expert); }
     /// Keep a DecisionRecord per (MoE layer, ubatch) from now on (off: stop and drop them).
     void set_logging(bool on);
     /// The records kept since the last call.
@@ -180,11 +160,6 @@ public:
     void set_wrong_bias_rows(bool on) { controls_.wrong_bias_rows = on; }
     /// (layer, expert) keys pinned now; 0 between decodes unless prefetched experts wait for their layer.
     int pinned_count() const;
-    /// Slots holding an expert; equals the cache's resident count when the bookkeeping agrees.
-    int slots_in_use() const { return pool_.slots_in_use(); }
-    /// Device buffers the slot pool is split over (0 without slots) and slots per buffer.
-    int slot_buffers() const { return pool_.n_buffers(); }
-    int64_t slots_per_buffer() const { return pool_.is_open() ? pool_.slots_per_buffer() : 0; }
 
     // ---- custom-op bodies (public for the C trampolines) ----
     struct LayerRun;
