@@ -220,10 +220,12 @@ void MakespanEvaluator::prepare(const LayerInput & in, const CostModel & cost, c
     uncached_.clear();
     cached_desc_.clear();
     cached_order_.clear();
+    gpu_min_s_ = std::numeric_limits<double>::infinity();
     for (size_t r = 0; r < k; ++r) {
         const int32_t i = desc[r];
         cpu_s_[r] = cost.cpu(in.loads[i]);
         gpu_s_[r] = cost.gpu(in.loads[i]);
+        gpu_min_s_ = std::min(gpu_min_s_, gpu_s_[r]);
         ready_rank_[r] = in.ready_s[i];
         if (in.cached[i]) {
             cached_order_.push_back(static_cast<int32_t>(r));
@@ -469,21 +471,29 @@ void MakespanEvaluator::greedy() {
     // terms that change only when a copy is queued (t_link moves)
     double link_gpu = co1 * t_link + gpu_start;
     double cpu_block = cco1 * (t_link - pcie_free);
+    // The GPU's and the link's candidates (g, p, f_gpu, the copy's finish before its CPU term) change only when the
+    // GPU or the link takes a task, or a range they read runs empty: kept until then (the same numbers).
+    bool gpu_side_changed = true;
+    int g = -1, p = -1;
+    double f_gpu = inf, f_pcie_gpu = inf, copy_end = 0.0;
 
     while (u_begin < u_end || c_begin < c_end) {
         const bool any_unc = u_begin < u_end, any_cac = c_begin < c_end;
         // ranks (-1: none left): the CPU's next, a cached GPU task, a copy
         const int c = any_unc ? unc[u_end - 1] : cac[c_begin];
-        const int g = any_cac ? cac[c_end - 1] : -1;
-        const int p = any_unc ? unc[u_begin] : -1;
-        // the copy queue (so far) delays the GPU on a device that cannot compute while it copies
-        const double gpu_base = std::max(gpu_started ? t_gpu : gpu_start, link_gpu);
-
+        if (gpu_side_changed) {
+            g = any_cac ? cac[c_end - 1] : -1;
+            p = any_unc ? unc[u_begin] : -1;
+            // the copy queue (so far) delays the GPU on a device that cannot compute while it copies
+            const double gpu_base = std::max(gpu_started ? t_gpu : gpu_start, link_gpu);
+            f_gpu = g >= 0 ? std::max(gpu_base, ready[g]) + gpu_s[g] : inf;
+            copy_end = t_link + h2d;
+            f_pcie_gpu = p >= 0 ? std::max(gpu_base, copy_end) + gpu_s[p] : inf;
+            gpu_side_changed = false;
+        }
         // the CPU's work so far plus what this layer's copies so far cost it (cpu_copy_overlap < 1)
-        const double f_gpu = g >= 0 ? std::max(gpu_base, ready[g]) + gpu_s[g] : inf;
         const double f_cpu = t_cpu + cpu_block + (cpu_started ? 0.0 : startup) + cpu_s[c];
-        const double copy_end = t_link + h2d;
-        double f_pcie = p >= 0 ? std::max(gpu_base, copy_end) + gpu_s[p] : inf;
+        double f_pcie = f_pcie_gpu;
         // a copy that costs the CPU time is judged by the later of the two ends it makes
         if (p >= 0 && cpu_started && cpu_pays) {
             f_pcie = std::max(f_pcie, t_cpu + cpu_block + cco1 * h2d);
@@ -495,13 +505,16 @@ void MakespanEvaluator::greedy() {
             gpu_started = true;
             on[g] = 1;
             --c_end;
+            gpu_side_changed = true;
         } else if (f_cpu <= f_pcie) {
             t_cpu = f_cpu - cpu_block;
             cpu_started = true;
             if (any_unc) {
                 --u_end;
+                gpu_side_changed = u_end == u_begin;  // no copy left (p), and the CPU turns to the cached
             } else {
                 ++c_begin;
+                gpu_side_changed = c_begin == c_end;  // no cached task left (g)
             }
         } else {
             t_link = copy_end;
@@ -511,6 +524,7 @@ void MakespanEvaluator::greedy() {
             gpu_started = true;
             on[p] = 1;
             ++u_begin;
+            gpu_side_changed = true;
         }
     }
 }
@@ -521,9 +535,25 @@ double MakespanEvaluator::best_of_greedy_and_trivial() {
     double best = makespan_ranked();
     const double cpu = makespan_all_cpu();
     if (cpu < best) best = cpu;
-    const double gpu = makespan_all_gpu();
-    if (gpu < best) best = gpu;
+    // the all-GPU plan ends no sooner than its last copy plus one task (see makespan_all_gpu_bound): when that is
+    // not shorter than the best so far, it cannot be chosen and is not evaluated
+    if (makespan_all_gpu_bound() < best) {
+        const double gpu = makespan_all_gpu();
+        if (gpu < best) best = gpu;
+    }
     return best;
+}
+
+double MakespanEvaluator::makespan_all_gpu_bound() const {
+    // makespan_all_gpu() starts the GPU at (1 - copy_overlap) * the copy queue's end + act and runs every task
+    // after its release: its end is at least that start plus the cheapest task and, with copies, the last copy's end
+    // plus the cheapest task (maxima and additions of nonnegative numbers: monotone in floating point too)
+    if (uncached_.empty() && cached_order_.empty()) return 0.0;
+    double t_link = pcie_free_s_;
+    for (size_t j = 0; j < uncached_.size(); ++j) t_link += h2d_s_;
+    double bound = (1.0 - copy_overlap_) * t_link + act_s_ + gpu_min_s_;
+    if (!uncached_.empty()) bound = std::max(bound, t_link + gpu_min_s_);
+    return bound;
 }
 
 double MakespanEvaluator::makespan_all_cpu() {

@@ -107,6 +107,8 @@ private:
     // makespan_ranked() of the all-CPU and the all-GPU split, the same operations without looking at a split
     double makespan_all_cpu();
     double makespan_all_gpu();
+    // a lower bound of makespan_all_gpu(), O(uncached) additions
+    double makespan_all_gpu_bound() const;
     // The change of best_with_cached / set_cached, and its undoing (positions of the entries moved).
     struct CacheChange {
         int32_t r = -1;           // rank made cached
@@ -132,6 +134,7 @@ private:
     std::vector<int32_t> copy_rank_;      // scratch: their ranks
     double pcie_free_s_ = 0.0, h2d_s_ = 0.0, act_s_ = 0.0, cpu_startup_s_ = 0.0;
     double copy_overlap_ = 1.0, cpu_copy_overlap_ = 1.0;
+    double gpu_min_s_ = 0.0;              // the cheapest GPU task
 };
 
 /// A scheduling policy: decides the CPU/GPU split of one layer. Subclass and override `split`
