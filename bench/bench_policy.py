@@ -33,7 +33,7 @@ def build(build_dir: Path) -> Path:
                    check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", str(build_dir), "--target", "bench_policy"], check=True,
                    stdout=subprocess.DEVNULL)
-    exe = build_dir / "src" / "policy" / "bench_policy"
+    exe = build_dir / "bench" / "bench_policy"
     if not exe.is_file():
         raise FileNotFoundError(f"bench_policy was not built at {exe}")
     return exe

@@ -1,4 +1,4 @@
-"""Type stubs for hybrimoe._engine (bindings/engine/engine_module.cpp)."""
+"""Type stubs for hybrimoe._engine (bindings/engine/: one file per bound class, module.cpp)."""
 from typing import Any
 
 import numpy as np

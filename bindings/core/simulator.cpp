@@ -1,7 +1,7 @@
 #include "common.h"
 
 #include "policy/simulator.h"
-#include "../decision_dict.h"
+#include "../common/decision_dict.h"
 
 namespace hybrimoe_bind {
 

@@ -220,7 +220,7 @@ bool LayerDecider::wants_prefetch(int n_moe_layers) const {
     return cfg_.has_slots && cfg_.prefetch_layers > 0 && !no_prefetcher_ && in_.layer + 1 < n_moe_layers;
 }
 
-void LayerDecider::prefetch(std::vector<Prediction> predictions, int n_moe_layers, ExpertPlacement & place,
+void LayerDecider::prefetch(const std::vector<Prediction> & predictions, int n_moe_layers, ExpertPlacement & place,
                             DecisionRecord * rec) {
     if (!wants_prefetch(n_moe_layers)) return;
     const int ml = in_.layer;
@@ -232,7 +232,7 @@ void LayerDecider::prefetch(std::vector<Prediction> predictions, int n_moe_layer
     if (rec) rec->predictions = predictions;
     pctx_.now_s = now_s_;
     pctx_.pcie_free_at_s = now_s_ + pcie_free_s_;
-    pctx_.predictions = std::move(predictions);
+    pctx_.predictions = predictions;  // copy-assigned: the buffers of the last call are reused
     for (Prediction & p : pctx_.predictions) p.start_s += now_s_;
     prefetch_declined_ = 0;
     const auto reqs = prefetcher_->plan(pctx_, *cache_, cost_);

@@ -114,7 +114,7 @@ public:
     /// release) and loads what it asks for. The prefetcher sees times on the caller's clock, like the cache's
     /// ready times: now_s, pcie_free_at_s = now_s + pcie_free_s, start_s + now_s. The record keeps the predictions as
     /// given. Throws std::invalid_argument on a request outside the next prefetch_layers layers.
-    void prefetch(std::vector<Prediction> predictions, int n_moe_layers, ExpertPlacement & place,
+    void prefetch(const std::vector<Prediction> & predictions, int n_moe_layers, ExpertPlacement & place,
                   DecisionRecord * rec);
     /// Fills: CPU-computed misses of the split's layer are offered to the cache, in activation order, while the
     /// copy-queue estimate stays below the predicted makespan of the split run (the copy would end before the

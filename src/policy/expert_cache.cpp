@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 
@@ -43,55 +44,101 @@ void MRSPolicy::set_score(int layer, int expert, double s) {
     touch(layer);
 }
 
+// The p entries of v[0..n) (p < n) that rank highest by value, ties to the lower index, into kept (unordered): the
+// entries MRS's TopP keeps (HybriMoE §IV.D). First a bound: the smallest of the maxima of p disjoint blocks is met
+// or beaten by p entries (one per block), so the p best are among the entries >= it (cand, in index order; a few
+// times p of them). Then one pass over those keeping the best p so far in a min-heap whose top is the lowest value,
+// among equal values the highest index; an entry replaces it only when strictly greater (a later entry of equal
+// value ranks lower).
+void MRSPolicy::top_p(const double * v, int n, int p, std::vector<Scored> & cand, std::vector<Scored> & kept) {
+    const int block = n / p;
+    double bound = v[0];
+    for (int b = 0; b < p; ++b) {
+        const double * x = v + static_cast<size_t>(b) * block;
+        double m = x[0];
+        for (int j = 1; j < block; ++j) m = x[j] > m ? x[j] : m;
+        bound = b == 0 || m < bound ? m : bound;
+    }
+    cand.clear();
+    for (int e = 0; e < n; ++e) {
+        if (v[e] >= bound) cand.push_back({v[e], e});
+    }
+    const int m = static_cast<int>(cand.size());
+    kept.assign(cand.begin(), cand.begin() + p);
+    Scored * h = kept.data();
+    auto lower = [](const Scored & a, const Scored & b) { return a.v < b.v || (a.v == b.v && a.e > b.e); };
+    // a min-heap under `lower`: std::make_heap builds a max-heap, so give it the reverse order
+    std::make_heap(h, h + p, [&](const Scored & a, const Scored & b) { return lower(b, a); });
+    for (int c = p; c < m; ++c) {
+        const Scored in = cand[static_cast<size_t>(c)];
+        if (!(in.v > h[0].v)) continue;
+        // replace the lowest kept entry by `in` and sift it down
+        int i = 0;
+        for (;;) {
+            const int l = 2 * i + 1;
+            if (l >= p) break;
+            const int k = (l + 1 < p && lower(h[l + 1], h[l])) ? l + 1 : l;
+            if (!lower(h[k], in)) break;
+            h[i] = h[k];
+            i = k;
+        }
+        h[i] = in;
+    }
+}
+
 void MRSPolicy::observe(const LayerObservation & obs) {
     if (obs.layer < 0 || obs.layer >= n_layers_ || obs.n_experts != n_experts_) {
         throw std::invalid_argument("MRSPolicy.observe: layer or n_experts does not match reset()");
     }
     const int E = n_experts_;
-    agg_.assign(E, 0.0);
+    agg_.resize(E);
+    double * agg = agg_.data();
+    int nonzero = 0;
     if (!obs.scores.empty()) {
         if (obs.scores.size() != static_cast<size_t>(obs.n_tokens) * E) {
             throw std::invalid_argument("MRSPolicy.observe: scores must be [n_tokens, n_experts]");
         }
-        for (int t = 0; t < obs.n_tokens; ++t) {
-            const float * row = obs.scores.data() + static_cast<size_t>(t) * E;
-            for (int e = 0; e < E; ++e) {
-                agg_[e] = use_max_ ? std::max(agg_[e], double(row[e])) : agg_[e] + row[e];
+        // every aggregate starts from 0 (0.0 + s, max(0.0, s) for the first token)
+        const float * row = obs.scores.data();
+        if (use_max_) {
+            for (int e = 0; e < E; ++e) agg[e] = std::max(0.0, double(row[e]));
+        } else {
+            for (int e = 0; e < E; ++e) agg[e] = 0.0 + row[e];
+        }
+        for (int t = 1; t < obs.n_tokens; ++t) {
+            row = obs.scores.data() + static_cast<size_t>(t) * E;
+            if (use_max_) {
+                for (int e = 0; e < E; ++e) agg[e] = std::max(agg[e], double(row[e]));
+            } else {
+                for (int e = 0; e < E; ++e) agg[e] = agg[e] + row[e];
             }
         }
-        if (!use_max_) {
-            for (double & v : agg_) v /= obs.n_tokens;
+        if (!use_max_ && obs.n_tokens != 1) {  // the mean (a division by 1 changes nothing)
+            for (int e = 0; e < E; ++e) agg[e] /= obs.n_tokens;
         }
+        // only whether more than p are nonzero matters below: stop counting there
+        const int p_stop = p_ > 0 ? p_ : 2 * obs.top_k;
+        for (int e = 0; e < E && nonzero <= p_stop; ++e) nonzero += agg[e] > 0.0;
     } else {
         // No router scores: each token gives 1/top_k to each of its activated experts (docs/design.md §4,
         // no-scores fallback).
+        std::fill(agg, agg + E, 0.0);
         for (size_t i = 0; i < obs.experts.size(); ++i) {
-            agg_[obs.experts[i]] = use_max_ ? 1.0 / obs.top_k : double(obs.loads[i]) / (double(obs.n_tokens) * obs.top_k);
+            agg[obs.experts[i]] = use_max_ ? 1.0 / obs.top_k : double(obs.loads[i]) / (double(obs.n_tokens) * obs.top_k);
+            nonzero += agg[obs.experts[i]] > 0.0;
         }
     }
-    // TopP: keep the p largest aggregated scores (ties to the lower expert id), zero the rest.
+    // TopP: keep the p largest aggregated scores (ties to the lower expert id), zero the rest:
+    // S[e] <- alpha * 0 + (1 - alpha) * S[e] for the others, the whole update for the p kept.
     const int p = p_ > 0 ? p_ : 2 * obs.top_k;
-    int nonzero = 0;
-    for (double v : agg_) nonzero += v > 0.0;
-    if (nonzero > p) {
-        sorted_.assign(agg_.begin(), agg_.end());
-        std::nth_element(sorted_.begin(), sorted_.begin() + (p - 1), sorted_.end(), std::greater<double>());
-        const double thr = sorted_[p - 1];
-        int above = 0;
-        for (double v : agg_) above += v > thr;
-        int equal_left = p - above;
-        for (double & v : agg_) {
-            if (v > thr) continue;
-            if (v == thr && equal_left > 0) {
-                --equal_left;
-                continue;
-            }
-            v = 0.0;
-        }
-    }
     double * S = score_.data() + static_cast<size_t>(obs.layer) * E;
-    for (int e = 0; e < E; ++e) {
-        S[e] = alpha_ * agg_[e] + (1.0 - alpha_) * S[e];
+    if (nonzero > p) {
+        top_p(agg, E, p, cand_, kept_);
+        for (Scored & k : kept_) k.v = alpha_ * k.v + (1.0 - alpha_) * S[k.e];
+        for (int e = 0; e < E; ++e) S[e] = alpha_ * 0.0 + (1.0 - alpha_) * S[e];
+        for (const Scored & k : kept_) S[k.e] = k.v;
+    } else {
+        for (int e = 0; e < E; ++e) S[e] = alpha_ * agg[e] + (1.0 - alpha_) * S[e];
     }
     touch(obs.layer);
 }
@@ -241,6 +288,7 @@ ExpertCache::ExpertCache(std::vector<double> expert_bytes_per_layer, int n_exper
     seen_rev_.assign(bytes_.size(), 0);
     for (int l = 0; l < n_layers(); ++l) seen_rev_[l] = policy_->revision(l);
     cursor_.assign(bytes_.size(), 0);
+    is_dirty_.assign(bytes_.size(), 0);
     while (tree_leaves_ < n_layers()) tree_leaves_ *= 2;
     tree_.assign(2 * static_cast<size_t>(tree_leaves_), -1);
 }
@@ -307,6 +355,7 @@ int ExpertCache::access(int layer, int expert, double now_s) {
         return 0;
     }
     stale_[layer] = 1;  // its last_use moved
+    mark_dirty(layer);
     en.probation = false;  // used again after its demand load: ranked by its policy from now on
     if (en.ready_s > now_s) {
         en.prefetched_unused = false;
@@ -346,7 +395,7 @@ void ExpertCache::refresh(int layer) {
         const Entry & en = entries_[rank_keys_[i]];
         ord[i] = Rank{order_priority(en, rank_p_[i]), en.last_use, en.slot, rank_keys_[i]};
     }
-    std::sort(ord.begin(), ord.end(), rank_less);
+    std::sort(ord.begin(), ord.end(), RankLess());
     stale_[layer] = 0;
     seen_rev_[layer] = policy_->revision(layer);
 }
@@ -355,12 +404,13 @@ void ExpertCache::order_add(int64_t key, bool keep_order, double p) {
     const int layer = static_cast<int>(key / n_experts_);
     if (!keep_order || !fresh(layer)) {
         stale_[layer] = 1;
+        mark_dirty(layer);
         return;
     }
     const Entry & en = entries_[key];
     const Rank r{order_priority(en, p), en.last_use, en.slot, key};
     std::vector<Rank> & ord = order_[layer];
-    ord.insert(std::upper_bound(ord.begin(), ord.end(), r, rank_less), r);
+    ord.insert(std::upper_bound(ord.begin(), ord.end(), r, RankLess()), r);
     head_changed(layer);
 }
 
@@ -383,25 +433,65 @@ int32_t ExpertCache::better_layer(int32_t a, int32_t b) const {
 }
 
 void ExpertCache::head_changed(int layer) {
-    if (!tree_valid_) return;
+    if (!tree_valid_) {
+        mark_dirty(layer);
+        return;
+    }
     size_t i = static_cast<size_t>(tree_leaves_) + layer;
     tree_[i] = cursor_[layer] < static_cast<int32_t>(order_[layer].size()) ? layer : -1;
     for (i >>= 1; i > 0; i >>= 1) tree_[i] = better_layer(tree_[2 * i], tree_[2 * i + 1]);
 }
 
-bool ExpertCache::choose_victims(double need, double incoming, bool & refreshed, bool allow_bypass) {
-    victims_.clear();
-    if (used_ + need <= budget_ * (1.0 + 1e-12)) return true;
+void ExpertCache::sync_tree() {
     const int L = n_layers();
-    if (!refreshed) {
-        if (!tracks_) std::fill(stale_.begin(), stale_.end(), 1);
+    bool all = !tree_built_ || !tracks_;
+    if (!tracks_) std::fill(stale_.begin(), stale_.end(), 1);
+    const uint64_t touches = policy_->touches();
+    if (!all && touches != seen_touches_) {
+        // priorities the policy changed since the last sync: one layer's when it marked one change since
+        const int last = policy_->last_touched();
+        if (touches == seen_touches_ + 1 && last >= 0) {
+            if (last < L) mark_dirty(last);
+        } else {
+            for (int l = 0; l < L; ++l) {
+                if (seen_rev_[l] != policy_->revision(l)) mark_dirty(l);
+            }
+        }
+    }
+    seen_touches_ = touches;
+    if (all) {
         for (int l = 0; l < L; ++l) refresh(l);
         // Orders now hold exactly the unpinned residents; build the tree bottom-up.
         for (int l = 0; l < tree_leaves_; ++l) {
             tree_[tree_leaves_ + l] = (l < L && !order_[l].empty()) ? l : -1;
         }
-        tree_valid_ = true;
         for (int i = tree_leaves_ - 1; i > 0; --i) tree_[i] = better_layer(tree_[2 * i], tree_[2 * i + 1]);
+        tree_built_ = true;
+    } else if (!dirty_.empty()) {
+        // Every other layer's order and leaf are as the tree last saw them. The dirty leaves first, then their
+        // paths level by level (all leaves are at one depth), so that a node is recomputed only from children that
+        // are final.
+        for (int32_t l : dirty_) {
+            refresh(l);
+            tree_[static_cast<size_t>(tree_leaves_) + l] = order_[l].empty() ? -1 : l;
+        }
+        for (int shift = 1; (tree_leaves_ >> shift) > 0; ++shift) {
+            for (int32_t l : dirty_) {
+                const size_t i = (static_cast<size_t>(tree_leaves_) + l) >> shift;
+                tree_[i] = better_layer(tree_[2 * i], tree_[2 * i + 1]);
+            }
+        }
+    }
+    for (int32_t l : dirty_) is_dirty_[l] = 0;
+    dirty_.clear();
+    tree_valid_ = true;
+}
+
+bool ExpertCache::choose_victims(double need, double incoming, bool & refreshed, bool allow_bypass) {
+    victims_.clear();
+    if (used_ + need <= budget_ * (1.0 + 1e-12)) return true;
+    if (!refreshed) {
+        sync_tree();
         refreshed = true;
     }
     const bool bypass = allow_bypass && policy_->bypass();

@@ -81,10 +81,16 @@ public:
     uint64_t revision(int layer) const {
         return rev_all_ + (static_cast<size_t>(layer) < rev_layer_.size() ? rev_layer_[layer] : 0);
     }
+    /// How many times priorities were marked as changed so far, and the layer of the last mark (-1: all layers):
+    /// a cache that saw touches() == n and now sees n + 1 knows that only last_touched() may have changed.
+    uint64_t touches() const { return touches_; }
+    int last_touched() const { return last_touched_; }
 
 protected:
     /// Marks the priorities of one layer (layer < 0: all layers) as changed.
     void touch(int layer) {
+        ++touches_;
+        last_touched_ = layer < 0 ? -1 : layer;
         if (layer < 0) {
             ++rev_all_;
             return;
@@ -96,6 +102,8 @@ protected:
 private:
     uint64_t rev_all_ = 0;
     std::vector<uint64_t> rev_layer_;
+    uint64_t touches_ = 0;
+    int last_touched_ = -1;
 };
 
 /// MRS, "minus recent score" (HybriMoE §IV.D): S[e] <- alpha * TopP(s)[e] + (1 - alpha) * S[e] for every expert
@@ -123,7 +131,14 @@ private:
     int n_layers_ = 0, n_experts_ = 0;
     std::vector<double> score_;
     std::vector<double> agg_;
-    std::vector<double> sorted_;
+    struct Scored {
+        double v;
+        int32_t e;
+    };
+    std::vector<Scored> cand_, kept_;  // TopP's candidates and the entries kept, of one observation
+    /// The p entries of v[0..n) (p < n) that rank highest by value, ties to the lower index, into kept (unordered);
+    /// cand: scratch.
+    static void top_p(const double * v, int n, int p, std::vector<Scored> & cand, std::vector<Scored> & kept);
 };
 
 /// LRU: every resident has the same priority, so the cache's least-recently-used tie-break decides.
@@ -346,6 +361,21 @@ private:
     }
     bool fresh(int layer) const { return tracks_ && !stale_[layer] && seen_rev_[layer] == policy_->revision(layer); }
     void refresh(int layer);
+    /// The layer's order (or its freshness) changed since the tree last looked at it: its leaf is recomputed at the
+    /// next sync_tree (or now, inside an admission, when the tree is valid).
+    void mark_dirty(int layer) {
+        if (!is_dirty_[layer]) {
+            is_dirty_[layer] = 1;
+            dirty_.push_back(layer);
+        }
+    }
+    /// Brings the orders of every layer that may be out of date (dirty, stale, or a policy revision since the last
+    /// sync) up to date, and the tournament tree with them; afterwards the tree is valid.
+    void sync_tree();
+    /// std::sort / upper_bound comparator over Rank (inlined, unlike a pointer to rank_less).
+    struct RankLess {
+        bool operator()(const Rank & a, const Rank & b) const { return rank_less(a, b); }
+    };
     /// Puts an unpinned resident into its layer's order (sorted when fresh, else marks the layer stale).
     void order_add(int64_t key, bool keep_order, double p);
     /// Takes key out of its layer's order, if there.
@@ -368,10 +398,16 @@ private:
     std::vector<uint64_t> seen_rev_;
     std::vector<int32_t> cursor_;       // per layer: how many of its order are chosen in this admission
     // Tournament tree over the layers' heads (order_[l][cursor_[l]]), root tree_[1] = the layer of the global
-    // victim; valid only inside one admit / admit_batch call, where orders change only by evictions.
+    // victim. Kept between admissions: a layer whose order changes (or goes stale) outside an admission is marked
+    // dirty, and sync_tree recomputes only the dirty layers' leaves and paths (every layer when the policy does
+    // not track its changes). tree_valid_: inside one admit / admit_batch call, where the tree is updated at once.
     std::vector<int32_t> tree_;
     int32_t tree_leaves_ = 1;
     bool tree_valid_ = false;
+    bool tree_built_ = false;
+    std::vector<int32_t> dirty_;
+    std::vector<uint8_t> is_dirty_;
+    uint64_t seen_touches_ = 0;  // policy_->touches() at the last sync_tree
     std::vector<int32_t> touched_;
     std::vector<int64_t> victims_;
     double stream_min_active_ = 0.0;

@@ -39,35 +39,32 @@ ImpactPrefetcher::ImpactPrefetcher(int max_copies, int max_candidates, bool use_
 
 std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & ctx, const ExpertCache & cache,
                                                         const CostModel & cost) {
-    struct Candidate {
-        double gain;
-        int pred;     // index into ctx.predictions / inputs_
-        int index;    // index into the layer input
-        size_t round; // copies issued when `gain` was computed
-    };
     std::vector<std::pair<int, int>> out;
     const size_t n_pred = ctx.predictions.size();
     inputs_.resize(n_pred);
     orders_.resize(n_pred);
-    std::vector<double> base(n_pred, 0.0);
-    std::vector<Candidate> heap;
+    evals_.resize(n_pred);
+    base_.assign(n_pred, 0.0);
+    version_.assign(n_pred, 0);
+    heap_.clear();
     double pcie_free_at = ctx.pcie_free_at_s;
 
-    // Makespan of prediction pi's layer if input i were (already) being copied behind the link.
-    auto gain_of = [&](int pi, int i) {
+    // Net gain of copying input i of prediction pi next: the drop in that layer's makespan if i were (already)
+    // being copied behind the link, weighted by the prediction's confidence, minus the expected waste. The
+    // evaluator holds the layer as predicted with the copies issued so far; only i's state changes here.
+    // The gain depends on the prediction's layer as the issued copies leave it (version_) and on how long the copy
+    // would make it wait (wait): with both as at its last evaluation the gain is the same number, and the lazy
+    // loop below takes it again instead of evaluating it again.
+    auto wait_of = [&](int pi) {
         const Prediction & p = ctx.predictions[pi];
-        LayerInput & in = inputs_[pi];
         const double copy_end = pcie_free_at + cost.h2d(p.expert_bytes);
-        in.cached[i] = 1;
-        in.ready_s[i] = std::max(0.0, copy_end - p.start_s);
-        const double saved_free = in.pcie_free_s;
-        in.pcie_free_s = std::max(0.0, copy_end - p.start_s);
-        const double makespan = sched_.makespan(in, cost, orders_[pi]);
+        return std::max(0.0, copy_end - p.start_s);
+    };
+    auto gain_of = [&](int pi, int i, double wait) {
+        const Prediction & p = ctx.predictions[pi];
+        const double makespan = evals_[pi].best_with_cached(i, wait, wait);
         ++evaluations_;
-        in.pcie_free_s = saved_free;
-        in.cached[i] = 0;
-        in.ready_s[i] = 0.0;
-        const double g = base[pi] - makespan;
+        const double g = base_[pi] - makespan;
         const double waste = waste_weight_ * (1.0 - p.confidence) * cost.h2d(p.expert_bytes);
         return (use_confidence_ ? g * p.confidence : g) - waste;
     };
@@ -93,38 +90,46 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
             }
         }
         if (in.experts.empty()) continue;
-        // the loads stay as predicted below (only cache states change): one order serves every evaluation
+        // the loads stay as predicted below (only cache states change): one order and one preparation serve every
+        // evaluation of this layer
         load_descending_order(in, orders_[pi]);
-        base[pi] = sched_.makespan(in, cost, orders_[pi]);
+        evals_[pi].prepare(in, cost, orders_[pi]);
+        base_[pi] = evals_[pi].best_of_greedy_and_trivial();
         ++evaluations_;
         // Bounded candidate list: the highest predicted loads among the uncached.
-        std::vector<int32_t> idx;
+        idx_.clear();
         for (size_t i = 0; i < in.size(); ++i) {
-            if (!in.cached[i]) idx.push_back(static_cast<int32_t>(i));
+            if (!in.cached[i]) idx_.push_back(static_cast<int32_t>(i));
         }
-        std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return in.loads[a] > in.loads[b]; });
-        if (static_cast<int>(idx.size()) > max_candidates_) idx.resize(max_candidates_);
-        for (int32_t i : idx) {
-            heap.push_back({gain_of(static_cast<int>(pi), i), static_cast<int>(pi), i, 0});
+        std::stable_sort(idx_.begin(), idx_.end(), [&](int32_t a, int32_t b) { return in.loads[a] > in.loads[b]; });
+        if (static_cast<int>(idx_.size()) > max_candidates_) idx_.resize(max_candidates_);
+        const double wait = wait_of(static_cast<int>(pi));
+        for (int32_t i : idx_) {
+            heap_.push_back({gain_of(static_cast<int>(pi), i, wait), static_cast<int>(pi), i, 0, wait, 0});
         }
     }
     auto less = [](const Candidate & a, const Candidate & b) { return a.gain < b.gain; };
-    std::make_heap(heap.begin(), heap.end(), less);
+    std::make_heap(heap_.begin(), heap_.end(), less);
     const int limit = max_copies_ > 0 ? max_copies_ : ctx.top_k;
-    while (!heap.empty() && static_cast<int>(out.size()) < limit) {
-        std::pop_heap(heap.begin(), heap.end(), less);
-        Candidate c = heap.back();
-        heap.pop_back();
+    while (!heap_.empty() && static_cast<int>(out.size()) < limit) {
+        std::pop_heap(heap_.begin(), heap_.end(), less);
+        Candidate c = heap_.back();
+        heap_.pop_back();
         // lazy re-evaluation under the current link and cache state; both change only when a copy is issued, so a
         // gain computed since the last issue is current already (gain_of would return the same value)
         if (c.round != out.size()) {
-            c.gain = gain_of(c.pred, c.index);
+            const double wait = wait_of(c.pred);
+            if (wait != c.wait || version_[c.pred] != c.version) {
+                c.gain = gain_of(c.pred, c.index, wait);
+                c.wait = wait;
+                c.version = version_[c.pred];
+            }
             c.round = out.size();
         }
         if (c.gain <= 0.0) continue;
-        if (!heap.empty() && c.gain < heap.front().gain) {
-            heap.push_back(c);
-            std::push_heap(heap.begin(), heap.end(), less);
+        if (!heap_.empty() && c.gain < heap_.front().gain) {
+            heap_.push_back(c);
+            std::push_heap(heap_.begin(), heap_.end(), less);
             continue;
         }
         const Prediction & p = ctx.predictions[c.pred];
@@ -133,7 +138,9 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
         in.cached[c.index] = 1;
         in.ready_s[c.index] = std::max(0.0, pcie_free_at - p.start_s);
         in.pcie_free_s = std::max(0.0, pcie_free_at - p.start_s);
-        base[c.pred] = sched_.makespan(in, cost, orders_[c.pred]);
+        evals_[c.pred].set_cached(c.index, in.ready_s[c.index], in.pcie_free_s);
+        ++version_[c.pred];
+        base_[c.pred] = evals_[c.pred].best_of_greedy_and_trivial();
         ++evaluations_;
         out.emplace_back(p.layer, p.experts[c.index]);
     }

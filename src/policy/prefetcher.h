@@ -97,9 +97,21 @@ private:
     int max_candidates_;
     bool use_confidence_;
     double waste_weight_;
-    HybriMoEScheduler sched_;
-    std::vector<LayerInput> inputs_;
+    struct Candidate {
+        double gain;
+        int pred;      // index into ctx.predictions / inputs_
+        int index;     // index into the layer input
+        size_t round;  // copies issued when `gain` was last looked at
+        double wait;   // the copy's wait for the layer when `gain` was computed (gain_of's ready time)
+        uint32_t version;  // version_[pred] then
+    };
+    std::vector<LayerInput> inputs_;            // each prediction's layer as the copies issued so far leave it
     std::vector<std::vector<int32_t>> orders_;  // load_descending_order of each prediction's input
+    std::vector<MakespanEvaluator> evals_;      // each prediction's input, prepared once per plan
+    std::vector<double> base_;                  // each prediction's current makespan
+    std::vector<uint32_t> version_;             // each prediction's copies issued in this plan
+    std::vector<Candidate> heap_;
+    std::vector<int32_t> idx_;
     int64_t evaluations_ = 0;
 };
 

@@ -1,6 +1,8 @@
 #include "policy/scheduler.h"
 
 #include <algorithm>
+#include <array>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
@@ -210,16 +212,20 @@ double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std
 void MakespanEvaluator::prepare(const LayerInput & in, const CostModel & cost, const std::vector<int32_t> & desc) {
     const size_t k = in.size();
     index_.assign(desc.begin(), desc.begin() + static_cast<std::ptrdiff_t>(k));
+    rank_of_.resize(k);
+    for (size_t r = 0; r < k; ++r) rank_of_[index_[r]] = static_cast<int32_t>(r);
     cpu_s_.resize(k);
     gpu_s_.resize(k);
     ready_rank_.resize(k);
     uncached_.clear();
     cached_desc_.clear();
     cached_order_.clear();
+    gpu_min_s_ = std::numeric_limits<double>::infinity();
     for (size_t r = 0; r < k; ++r) {
         const int32_t i = desc[r];
         cpu_s_[r] = cost.cpu(in.loads[i]);
         gpu_s_[r] = cost.gpu(in.loads[i]);
+        gpu_min_s_ = std::min(gpu_min_s_, gpu_s_[r]);
         ready_rank_[r] = in.ready_s[i];
         if (in.cached[i]) {
             cached_order_.push_back(static_cast<int32_t>(r));
@@ -259,6 +265,71 @@ double MakespanEvaluator::makespan_mask(uint32_t mask) {
     return makespan_ranked();
 }
 
+uint32_t MakespanEvaluator::best_mask(double & best) {
+    const int k = static_cast<int>(index_.size());
+    if (k > kMaxMaskSearch) throw std::invalid_argument("MakespanEvaluator.best_mask: too many experts");
+    const uint32_t n_masks = 1u << k;
+    // the CPU queue of makespan_ranked: uncached ranks from the highest down, then the cached ones likewise;
+    // queue position q of each LayerInput index, and the CPU sum of every set of positions in queue order
+    // (sum(S) = sum(S without its last position) + that position's cost, the queue's own additions)
+    std::array<uint32_t, kMaxMaskSearch> qbit{};
+    std::array<double, kMaxMaskSearch> qcost{};
+    int q = 0;
+    for (size_t j = uncached_.size(); j-- > 0; ++q) {
+        qbit[index_[uncached_[j]]] = 1u << q;
+        qcost[q] = cpu_s_[uncached_[j]];
+    }
+    for (int32_t r : cached_desc_) {
+        qbit[index_[r]] = 1u << q;
+        qcost[q] = cpu_s_[r];
+        ++q;
+    }
+    cpu_sum_.resize(n_masks);
+    queue_set_.resize(n_masks);
+    cpu_sum_[0] = 0.0;
+    queue_set_[0] = 0;
+    uint32_t unc_bits = 0;
+    for (int32_t r : uncached_) unc_bits |= 1u << index_[r];
+    for (uint32_t m = 1; m < n_masks; ++m) {
+        int hb = 31 - __builtin_clz(m);
+        cpu_sum_[m] = cpu_sum_[m ^ (1u << hb)] + qcost[hb];
+        queue_set_[m] = queue_set_[m & (m - 1)] | qbit[__builtin_ctz(m)];
+    }
+    // the copy queue after n copies (makespan_ranked's repeated additions) and the cheapest GPU task
+    std::array<double, kMaxMaskSearch + 1> link{};
+    link[0] = pcie_free_s_;
+    for (int n = 1; n <= k; ++n) link[n] = link[n - 1] + h2d_s_;
+    double g_min = std::numeric_limits<double>::infinity();
+    for (double g : gpu_s_) g_min = std::min(g_min, g);
+    const uint32_t all = n_masks - 1;
+    best = std::numeric_limits<double>::infinity();
+    uint32_t best_m = 0;
+    for (uint32_t m = 0; m < n_masks; ++m) {
+        const uint32_t cpu = all & ~m;
+        const int n_copied = __builtin_popcount(m & unc_bits);
+        // makespan >= the CPU end (exactly as makespan_ranked computes it) and >= the GPU end, which is no less
+        // than its start plus one task, nor than the last copy's end plus one task (every step there is a max and
+        // an addition of nonnegative numbers: monotone in floating point too)
+        double bound = 0.0;
+        if (cpu) {
+            bound = (cpu_sum_[queue_set_[cpu]] + cpu_startup_s_) +
+                    (1.0 - cpu_copy_overlap_) * (link[n_copied] - pcie_free_s_);
+        }
+        if (m) {
+            const double start = (1.0 - copy_overlap_) * link[n_copied] + act_s_;
+            bound = std::max(bound, start + g_min);
+            if (n_copied > 0) bound = std::max(bound, link[n_copied] + g_min);
+        }
+        if (!(bound < best)) continue;
+        const double v = makespan_mask(m);
+        if (v < best) {
+            best = v;
+            best_m = m;
+        }
+    }
+    return best_m;
+}
+
 double MakespanEvaluator::makespan_ranked() {
     // evaluate_ordered's arithmetic, operation for operation (see there for what each step models)
     const uint8_t * on = on_rank_.data();
@@ -281,10 +352,11 @@ double MakespanEvaluator::makespan_ranked() {
     if (any_cpu) t_cpu += cpu_startup_s_;
     // copies back to back, highest load first
     double t_link = pcie_free_s_;
+    const double h2d = h2d_s_;
     int n_copied = 0;
     for (int32_t r : uncached_) {
         if (on[r]) {
-            t_link += h2d_s_;
+            t_link += h2d;
             copy_end_[n_copied] = t_link;
             copy_rank_[n_copied] = r;
             ++n_copied;
@@ -376,37 +448,55 @@ void MakespanEvaluator::greedy() {
     // uncached experts (then of the cached ones), the GPU the highest cached load, the link the highest uncached
     // load, so what is left of each kind is a contiguous range of its list: uncached_ (highest load first) and
     // cached_desc_ (lowest load first), each consumed from both ends. The costs are prepare()'s.
+    // Members are read into locals first: the split is written through a uint8_t pointer, which may alias them.
     uint8_t * on = on_rank_.data();
     std::fill(on_rank_.begin(), on_rank_.end(), 0);
     const int32_t * unc = uncached_.data();
     const int32_t * cac = cached_desc_.data();
+    const double * cpu_s = cpu_s_.data();
+    const double * gpu_s = gpu_s_.data();
+    const double * ready = ready_rank_.data();
     int u_begin = 0, u_end = static_cast<int>(uncached_.size());     // uncached left: [u_begin, u_end)
     int c_begin = 0, c_end = static_cast<int>(cached_desc_.size());  // cached left: [c_begin, c_end)
 
     const double inf = std::numeric_limits<double>::infinity();
     const double h2d = h2d_s_;
     const double gpu_start = act_s_;
-    double t_cpu = 0.0, t_gpu = 0.0, t_link = pcie_free_s_;
+    const double pcie_free = pcie_free_s_;
+    const double startup = cpu_startup_s_;
+    const double co1 = 1.0 - copy_overlap_, cco1 = 1.0 - cpu_copy_overlap_;
+    const bool cpu_pays = cpu_copy_overlap_ < 1.0;
+    double t_cpu = 0.0, t_gpu = 0.0, t_link = pcie_free;
     bool cpu_started = false, gpu_started = false;
+    // terms that change only when a copy is queued (t_link moves)
+    double link_gpu = co1 * t_link + gpu_start;
+    double cpu_block = cco1 * (t_link - pcie_free);
+    // The GPU's and the link's candidates (g, p, f_gpu, the copy's finish before its CPU term) change only when the
+    // GPU or the link takes a task, or a range they read runs empty: kept until then (the same numbers).
+    bool gpu_side_changed = true;
+    int g = -1, p = -1;
+    double f_gpu = inf, f_pcie_gpu = inf, copy_end = 0.0;
 
     while (u_begin < u_end || c_begin < c_end) {
         const bool any_unc = u_begin < u_end, any_cac = c_begin < c_end;
         // ranks (-1: none left): the CPU's next, a cached GPU task, a copy
         const int c = any_unc ? unc[u_end - 1] : cac[c_begin];
-        const int g = any_cac ? cac[c_end - 1] : -1;
-        const int p = any_unc ? unc[u_begin] : -1;
-        // the copy queue (so far) delays the GPU on a device that cannot compute while it copies
-        const double gpu_base = std::max(gpu_started ? t_gpu : gpu_start, (1.0 - copy_overlap_) * t_link + gpu_start);
-
+        if (gpu_side_changed) {
+            g = any_cac ? cac[c_end - 1] : -1;
+            p = any_unc ? unc[u_begin] : -1;
+            // the copy queue (so far) delays the GPU on a device that cannot compute while it copies
+            const double gpu_base = std::max(gpu_started ? t_gpu : gpu_start, link_gpu);
+            f_gpu = g >= 0 ? std::max(gpu_base, ready[g]) + gpu_s[g] : inf;
+            copy_end = t_link + h2d;
+            f_pcie_gpu = p >= 0 ? std::max(gpu_base, copy_end) + gpu_s[p] : inf;
+            gpu_side_changed = false;
+        }
         // the CPU's work so far plus what this layer's copies so far cost it (cpu_copy_overlap < 1)
-        const double cpu_block = (1.0 - cpu_copy_overlap_) * (t_link - pcie_free_s_);
-        const double f_gpu = g >= 0 ? std::max(gpu_base, ready_rank_[g]) + gpu_s_[g] : inf;
-        const double f_cpu = t_cpu + cpu_block + (cpu_started ? 0.0 : cpu_startup_s_) + cpu_s_[c];
-        const double copy_end = t_link + h2d;
-        double f_pcie = p >= 0 ? std::max(gpu_base, copy_end) + gpu_s_[p] : inf;
+        const double f_cpu = t_cpu + cpu_block + (cpu_started ? 0.0 : startup) + cpu_s[c];
+        double f_pcie = f_pcie_gpu;
         // a copy that costs the CPU time is judged by the later of the two ends it makes
-        if (p >= 0 && cpu_started && cpu_copy_overlap_ < 1.0) {
-            f_pcie = std::max(f_pcie, t_cpu + cpu_block + (1.0 - cpu_copy_overlap_) * h2d);
+        if (p >= 0 && cpu_started && cpu_pays) {
+            f_pcie = std::max(f_pcie, t_cpu + cpu_block + cco1 * h2d);
         }
 
         // Ties: a cached GPU task first (no copy), then the CPU, then a copy.
@@ -415,20 +505,26 @@ void MakespanEvaluator::greedy() {
             gpu_started = true;
             on[g] = 1;
             --c_end;
+            gpu_side_changed = true;
         } else if (f_cpu <= f_pcie) {
             t_cpu = f_cpu - cpu_block;
             cpu_started = true;
             if (any_unc) {
                 --u_end;
+                gpu_side_changed = u_end == u_begin;  // no copy left (p), and the CPU turns to the cached
             } else {
                 ++c_begin;
+                gpu_side_changed = c_begin == c_end;  // no cached task left (g)
             }
         } else {
             t_link = copy_end;
+            link_gpu = co1 * t_link + gpu_start;
+            cpu_block = cco1 * (t_link - pcie_free);
             t_gpu = f_pcie;
             gpu_started = true;
             on[p] = 1;
             ++u_begin;
+            gpu_side_changed = true;
         }
     }
 }
@@ -437,12 +533,140 @@ double MakespanEvaluator::best_of_greedy_and_trivial() {
     // plan()'s three candidates, makespans only: the same first minimum (strictly shorter replaces)
     greedy();
     double best = makespan_ranked();
-    for (int trivial = 0; trivial < 2; ++trivial) {
-        std::fill(on_rank_.begin(), on_rank_.end(), static_cast<uint8_t>(trivial));
-        const double m = makespan_ranked();
-        if (m < best) best = m;
+    const double cpu = makespan_all_cpu();
+    if (cpu < best) best = cpu;
+    // the all-GPU plan ends no sooner than its last copy plus one task (see makespan_all_gpu_bound): when that is
+    // not shorter than the best so far, it cannot be chosen and is not evaluated
+    if (makespan_all_gpu_bound() < best) {
+        const double gpu = makespan_all_gpu();
+        if (gpu < best) best = gpu;
     }
     return best;
+}
+
+double MakespanEvaluator::makespan_all_gpu_bound() const {
+    // makespan_all_gpu() starts the GPU at (1 - copy_overlap) * the copy queue's end + act and runs every task
+    // after its release: its end is at least that start plus the cheapest task and, with copies, the last copy's end
+    // plus the cheapest task (maxima and additions of nonnegative numbers: monotone in floating point too)
+    if (uncached_.empty() && cached_order_.empty()) return 0.0;
+    double t_link = pcie_free_s_;
+    for (size_t j = 0; j < uncached_.size(); ++j) t_link += h2d_s_;
+    double bound = (1.0 - copy_overlap_) * t_link + act_s_ + gpu_min_s_;
+    if (!uncached_.empty()) bound = std::max(bound, t_link + gpu_min_s_);
+    return bound;
+}
+
+double MakespanEvaluator::makespan_all_cpu() {
+    // makespan_ranked() with every rank on the CPU: the CPU queue only (nothing is copied, the GPU stays idle)
+    double t_cpu = 0.0;
+    for (size_t j = uncached_.size(); j-- > 0;) t_cpu += cpu_s_[uncached_[j]];
+    for (int32_t r : cached_desc_) t_cpu += cpu_s_[r];
+    if (uncached_.empty() && cached_desc_.empty()) return 0.0;
+    t_cpu += cpu_startup_s_;
+    t_cpu += (1.0 - cpu_copy_overlap_) * (pcie_free_s_ - pcie_free_s_);  // no copies: as makespan_ranked adds it
+    return std::max(t_cpu, 0.0);
+}
+
+double MakespanEvaluator::makespan_all_gpu() {
+    // makespan_ranked() with every rank on the GPU: every uncached expert copied, all merged by (ready, rank)
+    double t_link = pcie_free_s_;
+    int n_copied = 0;
+    for (int32_t r : uncached_) {
+        t_link += h2d_s_;
+        copy_end_[n_copied] = t_link;
+        copy_rank_[n_copied] = r;
+        ++n_copied;
+    }
+    const size_t n_cached = cached_order_.size();
+    if (n_copied == 0 && n_cached == 0) return 0.0;
+    double t_gpu = (1.0 - copy_overlap_) * t_link + act_s_;
+    size_t a = 0;
+    int b = 0;
+    while (a < n_cached) {
+        if (b < n_copied &&
+            (copy_end_[b] < cached_ready_[a] || (copy_end_[b] == cached_ready_[a] && copy_rank_[b] < cached_order_[a]))) {
+            t_gpu = std::max(t_gpu, copy_end_[b]) + gpu_s_[copy_rank_[b]];
+            ++b;
+        } else {
+            t_gpu = std::max(t_gpu, cached_ready_[a]) + gpu_s_[cached_order_[a]];
+            ++a;
+        }
+    }
+    for (; b < n_copied; ++b) t_gpu = std::max(t_gpu, copy_end_[b]) + gpu_s_[copy_rank_[b]];
+    return std::max(0.0, t_gpu);
+}
+
+namespace {
+
+// v.insert(v.begin() + pos, x) and v.erase(v.begin() + pos) for the evaluator's short lists (a few elements: a plain
+// loop is cheaper than a memmove call).
+template <typename T>
+void insert_at(std::vector<T> & v, size_t pos, T x) {
+    const size_t n = v.size();
+    v.push_back(x);
+    T * d = v.data();
+    for (size_t j = n; j > pos; --j) d[j] = d[j - 1];
+    d[pos] = x;
+}
+
+template <typename T>
+void erase_at(std::vector<T> & v, size_t pos) {
+    T * d = v.data();
+    const size_t n = v.size();
+    for (size_t j = pos; j + 1 < n; ++j) d[j] = d[j + 1];
+    v.pop_back();
+}
+
+}  // namespace
+
+MakespanEvaluator::CacheChange MakespanEvaluator::apply_cached(int32_t i, double ready_s, double pcie_free_s) {
+    CacheChange c;
+    c.r = rank_of_[static_cast<size_t>(i)];
+    const auto u = std::lower_bound(uncached_.begin(), uncached_.end(), c.r);
+    if (u == uncached_.end() || *u != c.r) {
+        throw std::logic_error("MakespanEvaluator: input index " + std::to_string(i) + " is cached already");
+    }
+    c.unc = static_cast<size_t>(u - uncached_.begin());
+    erase_at(uncached_, c.unc);
+    // cached_desc_: ranks descending
+    size_t d = 0;
+    while (d < cached_desc_.size() && cached_desc_[d] > c.r) ++d;
+    c.desc = d;
+    insert_at(cached_desc_, d, c.r);
+    // cached_order_: (ready, rank) ascending, the order prepare()'s stable sort by ready leaves rank-ordered ranks in
+    size_t o = 0;
+    while (o < cached_order_.size() &&
+           (cached_ready_[o] < ready_s || (cached_ready_[o] == ready_s && cached_order_[o] < c.r))) {
+        ++o;
+    }
+    c.order = o;
+    insert_at(cached_order_, o, c.r);
+    insert_at(cached_ready_, o, ready_s);
+    c.ready = ready_rank_[c.r];
+    ready_rank_[c.r] = ready_s;
+    c.pcie_free = pcie_free_s_;
+    pcie_free_s_ = pcie_free_s;
+    return c;
+}
+
+void MakespanEvaluator::undo(const CacheChange & c) {
+    pcie_free_s_ = c.pcie_free;
+    ready_rank_[c.r] = c.ready;
+    erase_at(cached_ready_, c.order);
+    erase_at(cached_order_, c.order);
+    erase_at(cached_desc_, c.desc);
+    insert_at(uncached_, c.unc, c.r);
+}
+
+double MakespanEvaluator::best_with_cached(int32_t i, double ready_s, double pcie_free_s) {
+    const CacheChange c = apply_cached(i, ready_s, pcie_free_s);
+    const double m = best_of_greedy_and_trivial();
+    undo(c);
+    return m;
+}
+
+void MakespanEvaluator::set_cached(int32_t i, double ready_s, double pcie_free_s) {
+    apply_cached(i, ready_s, pcie_free_s);
 }
 
 void HybriMoEScheduler::split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu) {
@@ -518,11 +742,15 @@ void ExhaustiveScheduler::plan(const LayerInput & in, const CostModel & cost, Sc
         double best = std::numeric_limits<double>::infinity();
         trial_.assign(k, 0);
         eval_.prepare(in, cost, order_);
-        for (uint32_t mask = 0; mask < (1u << k); ++mask) {
-            const double m = eval_.makespan_mask(mask);
-            if (m < best) {
-                best = m;
-                best_mask = mask;
+        if (static_cast<int>(k) <= MakespanEvaluator::kMaxMaskSearch) {
+            best_mask = eval_.best_mask(best);  // the same first minimum, without evaluating hopeless masks
+        } else {
+            for (uint32_t mask = 0; mask < (1u << k); ++mask) {
+                const double m = eval_.makespan_mask(mask);
+                if (m < best) {
+                    best = m;
+                    best_mask = mask;
+                }
             }
         }
         for (size_t i = 0; i < k; ++i) {

@@ -79,18 +79,50 @@ public:
     double makespan(const uint8_t * on_gpu);
     /// The same for the split whose bit i (of LayerInput index i) is 1 for the GPU (k <= 32).
     double makespan_mask(uint32_t mask);
+    /// The first mask in 0, 1, ..., 2^k - 1 of least makespan_mask (k <= kMaxMaskSearch), its makespan into `best`:
+    /// what evaluating every mask in that order and keeping the first strict minimum gives. A mask is evaluated
+    /// only when a lower bound of its makespan is below the best so far (a mask at or above it cannot replace it):
+    /// the exact CPU end (the CPU queue's sums for every CPU set, one addition each) and the GPU end's bound from
+    /// its last copy.
+    uint32_t best_mask(double & best);
+    static constexpr int kMaxMaskSearch = 16;
     /// HybriMoE's greedy split of the prepared input (HybriMoE §IV.B), kept as the current split.
     void greedy();
     /// min(greedy, all-CPU, all-GPU) makespan of the prepared input, seconds (HybriMoEScheduler::plan's choice).
     double best_of_greedy_and_trivial();
+    /// best_of_greedy_and_trivial() of the prepared input changed in one place: the uncached expert of LayerInput
+    /// index i cached, usable from ready_s, and the copy queue busy for pcie_free_s. Bit-identical to preparing that
+    /// input and asking best_of_greedy_and_trivial(), without preparing it (the per-rank costs stay; only the lists
+    /// of cached and uncached ranks change, by one entry each way): ImpactPrefetcher's gain of one candidate copy.
+    /// The prepared input is unchanged afterwards. Throws std::logic_error if i is cached.
+    double best_with_cached(int32_t i, double ready_s, double pcie_free_s);
+    /// Makes that change part of the prepared input (ImpactPrefetcher: a copy was issued).
+    void set_cached(int32_t i, double ready_s, double pcie_free_s);
     /// The current split per LayerInput index (1 = GPU), as a k-vector.
     void split_by_input(std::vector<uint8_t> & on_gpu) const;
 
 private:
     // the split by rank (position in desc): on_rank_[r] = 1 for the GPU
     double makespan_ranked();
+    // makespan_ranked() of the all-CPU and the all-GPU split, the same operations without looking at a split
+    double makespan_all_cpu();
+    double makespan_all_gpu();
+    // a lower bound of makespan_all_gpu(), O(uncached) additions
+    double makespan_all_gpu_bound() const;
+    // The change of best_with_cached / set_cached, and its undoing (positions of the entries moved).
+    struct CacheChange {
+        int32_t r = -1;           // rank made cached
+        size_t unc = 0;           // its position in uncached_ before
+        size_t desc = 0, order = 0;  // its positions in cached_desc_ and cached_order_ after
+        double ready = 0.0, pcie_free = 0.0;  // ready_rank_[r] and pcie_free_s_ before
+    };
+    CacheChange apply_cached(int32_t i, double ready_s, double pcie_free_s);
+    void undo(const CacheChange & c);
 
     std::vector<int32_t> index_;          // LayerInput index of each rank
+    std::vector<int32_t> rank_of_;        // rank of each LayerInput index
+    std::vector<double> cpu_sum_;         // best_mask: CPU queue sum per CPU set (bits: positions in that queue)
+    std::vector<uint32_t> queue_set_;     // best_mask: the CPU set of a LayerInput-index mask, as queue positions
     std::vector<double> cpu_s_, gpu_s_;   // cost.cpu(load), cost.gpu(load) per rank
     std::vector<double> ready_rank_;      // ready_s per rank
     std::vector<int32_t> uncached_;       // ranks of the uncached experts, ascending
@@ -102,6 +134,7 @@ private:
     std::vector<int32_t> copy_rank_;      // scratch: their ranks
     double pcie_free_s_ = 0.0, h2d_s_ = 0.0, act_s_ = 0.0, cpu_startup_s_ = 0.0;
     double copy_overlap_ = 1.0, cpu_copy_overlap_ = 1.0;
+    double gpu_min_s_ = 0.0;              // the cheapest GPU task
 };
 
 /// A scheduling policy: decides the CPU/GPU split of one layer. Subclass and override `split`

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <functional>
 #include <cmath>
 #include <stdexcept>
 
@@ -228,6 +227,292 @@ CacheStats replay_cache(const Trace & trace, ExpertCache & cache, int first_prom
     return cache.stats();
 }
 
+namespace {
+
+// One simulate() run: the three true timelines (CPU, GPU, copy engine), the truth model's draws and the counters,
+// with one member function per step of a MoE layer. It is also the placement the decision rules (LayerDecider)
+// queue copies on: each copy is charged on the true link under the truth model. The initial fill is resident from
+// the start (no first-use copies here). Draws come from one generator in a fixed order (non-expert part, the copies
+// as they are queued, the GPU share's activations and experts, the CPU share's experts), so a run is reproducible.
+class SimRun final : public ExpertPlacement {
+public:
+    using clock = std::chrono::steady_clock;
+
+    SimRun(const Trace & trace, ExpertCache & cache, SchedulePolicy & scheduler, PrefetchPolicy & prefetcher,
+           const CostModel & planner, const CostModel & truth_cost, const TruthModel & truth, const SimConfig & cfg)
+        : trace_(trace), cache_(cache), planner_(planner), truth_cost_(truth_cost), truth_(truth), cfg_(cfg), L_(trace.n_layers),
+          K_(trace.top_k), E_(trace.n_experts), predictor_(cfg.recall, cfg.predictor_seed), noise_(truth.seed),
+          // the caller owns the policies: non-owning handles for the rules
+          decider_(std::shared_ptr<ExpertCache>(&cache, [](ExpertCache *) {}),
+                   std::shared_ptr<SchedulePolicy>(&scheduler, [](SchedulePolicy *) {}),
+                   std::shared_ptr<PrefetchPolicy>(&prefetcher, [](PrefetchPolicy *) {}), planner,
+                   decider_config(cache, cfg)),
+          truth_ready_((size_t) L_ * E_, 0.0), pos_(E_, -1) {
+        res_.stage = cfg.stage;
+        res_.layer_moe_s.assign(L_, 0.0);
+    }
+
+    /// Runs every step, then fills in the result's totals and means.
+    SimResult run(const std::vector<Step> & steps);
+
+    // ExpertPlacement: the decision rules queued a copy of (layer, expert); charge it on the true link.
+    double load(int layer, int expert, Kind kind) override;
+    bool holds(int) const override { return true; }
+
+private:
+    static DeciderConfig decider_config(const ExpertCache & cache, const SimConfig & cfg) {
+        DeciderConfig d;
+        d.has_slots = cache.budget_bytes() > 0.0;
+        d.prefetch_layers = cfg.prefetch_depth;
+        d.fill_on_miss = cfg.fill_on_miss;
+        return d;
+    }
+    void record(int64_t si, int l, int resource, int expert, int kind, double a, double b) {
+        if (si == cfg_.timeline_step && l < cfg_.timeline_layers) {
+            res_.timeline.push_back({si, l, resource, expert, kind, a, b});
+        }
+    }
+    void run_step(int64_t si, const Step & st);
+    /// One MoE layer: non-expert part, decision, the true GPU and CPU shares, prefetches and fills.
+    void run_layer(int64_t si, const Step & st, int l);
+    /// The engine's decisions for layer l (timed): split, demand loads; fills gpu_order_ / cpu_order_ with the
+    /// execution order (a load the cache refused runs on the CPU, after the planned CPU experts). Returns the
+    /// planner's predicted makespan of the split run.
+    double decide(int64_t si, const Step & st, int l, int n);
+    /// True end of the GPU share started at t_moe_ (t_moe_ if it has no experts).
+    double charge_gpu(int64_t si, int l, int n);
+    /// True end of the CPU share started at t_moe_ (t_moe_ if it has no experts).
+    double charge_cpu(int64_t si, int l);
+    /// Prefetches for the next prefetch_depth layers (planned after this layer's router, timed), then fills.
+    void prefetch_and_fill(const Step & st, int l, int n, double predicted_s);
+
+    const Trace & trace_;
+    ExpertCache & cache_;
+    const CostModel & planner_;
+    const CostModel & truth_cost_;
+    const TruthModel & truth_;
+    const SimConfig & cfg_;
+    const int L_, K_, E_;
+    TracePredictor predictor_;
+    Noise noise_;
+    LayerDecider decider_;
+    SimResult res_;
+
+    std::vector<int32_t> ids32_;
+    std::vector<float> scores_;
+    std::vector<double> truth_ready_;                  // key -> true end of its last copy (0: from the start)
+    std::vector<std::pair<double, double>> link_busy_; // copy intervals, in start order
+    std::vector<Prediction> preds_;
+    std::vector<int32_t> gpu_order_, cpu_order_, pos_;
+    double t_ = 0.0;                   // the true clock: end of the last layer
+    double true_pcie_free_at_ = 0.0;   // the true copy engine is busy until then
+    double pcie_free_at_ = 0.0;        // the planner's estimate of the same
+    double layer_est_ = -1.0;          // smoothed true seconds per MoE layer (prediction start times)
+    double t_moe_ = 0.0;               // when the current layer's routed experts may start
+    int64_t cur_step_ = 0;
+    int cur_layer_ = 0;
+    double layer_copy_s_ = 0.0;        // true copy time queued for the current layer (loads, prefetches, fills)
+    double charge_ns_ = 0.0;           // time spent charging copies inside a timed decision (not part of deciding)
+    double decision_ns_ = 0.0, prefetch_ns_ = 0.0;
+    int64_t layers_run_ = 0;
+    int current_prompt_ = -1;
+    double prompt_start_ = 0.0, ttft_sum_ = 0.0;
+};
+
+double SimRun::load(int layer, int e, Kind kind) {
+    if (kind == kFirstUse) return 0.0;
+    const auto c0 = clock::now();
+    const double bytes = trace_.expert_bytes[(size_t) layer];
+    const double start = std::max(true_pcie_free_at_, t_moe_);
+    const double end = start + truth_cost_.h2d(bytes) * truth_.h2d_scale * noise_.factor(truth_.h2d_noise);
+    res_.link_busy_s += end - start;
+    layer_copy_s_ += end - start;
+    true_pcie_free_at_ = end;
+    link_busy_.emplace_back(start, end);
+    truth_ready_[(size_t) layer * E_ + e] = end;
+    int tl_kind = 1;
+    if (kind == kDemand) {
+        res_.bytes_demand += bytes;
+    } else if (kind == kPrefetch) {
+        res_.bytes_prefetch += bytes;
+        ++res_.prefetch_issued;
+        tl_kind = 2;
+    } else {
+        res_.bytes_fill += bytes;
+        tl_kind = 3;
+    }
+    record(cur_step_, cur_layer_, 2, e, tl_kind, start, end);
+    charge_ns_ += std::chrono::duration<double, std::nano>(clock::now() - c0).count();
+    return bytes;
+}
+
+double SimRun::decide(int64_t si, const Step & st, int l, int n) {
+    const auto d0 = clock::now();
+    charge_ns_ = 0.0;
+    layer_copy_s_ = 0.0;
+    load_routing(trace_, st, l, ids32_, scores_);
+    const std::vector<uint8_t> & on_gpu =
+        decider_.split(si, l, ids32_.data(), n, K_, scores_, trace_.expert_bytes[(size_t) l], t_moe_,
+                       std::max(0.0, pcie_free_at_ - t_moe_), *this, nullptr);
+    decision_ns_ += std::chrono::duration<double, std::nano>(clock::now() - d0).count() - charge_ns_;
+    const LayerInput & din = decider_.input();
+    const SchedulePlan & plan = decider_.plan();
+    for (size_t i = 0; i < din.size(); ++i) pos_[din.experts[i]] = static_cast<int32_t>(i);
+    // execution order: the plan's; a load the cache refused runs on the CPU, after the planned CPU experts
+    gpu_order_.clear();
+    cpu_order_.assign(plan.cpu_experts.begin(), plan.cpu_experts.end());
+    for (int32_t e : plan.gpu_experts) (on_gpu[pos_[e]] ? gpu_order_ : cpu_order_).push_back(e);
+    return decider_.run_plan().makespan_s;
+}
+
+double SimRun::charge_gpu(int64_t si, int l, int n) {
+    if (gpu_order_.empty()) return t_moe_;
+    const LayerInput & din = decider_.input();
+    // a device that cannot compute while it copies works through the queued copies first
+    const double blocked = truth_cost_.copy_blocking(std::max(0.0, true_pcie_free_at_ - t_moe_));
+    double tg = t_moe_ + blocked + truth_cost_.act(n) * noise_.factor(truth_.act_noise);
+    record(si, l, 1, -1, 5, t_moe_, tg);
+    for (int32_t e : gpu_order_) {
+        const double s0 = std::max(tg, truth_ready_[(size_t) l * E_ + e]);
+        const double dur = truth_cost_.gpu(din.loads[pos_[e]]) * truth_.gpu_scale * noise_.factor(truth_.gpu_noise);
+        tg = s0 + dur;
+        res_.gpu_busy_s += dur;
+        record(si, l, 1, e, 0, s0, tg);
+    }
+    return tg;
+}
+
+double SimRun::charge_cpu(int64_t si, int l) {
+    if (cpu_order_.empty()) return t_moe_;
+    const LayerInput & din = decider_.input();
+    // the layer's loads, queued before its CPU share runs, delay it on a host that pays for copies
+    double tc = t_moe_ + truth_cost_.cpu_copy_blocking(layer_copy_s_) + truth_cost_.cpu_startup_s +
+                truth_.cpu_startup_extra_s;
+    for (int32_t e : cpu_order_) {
+        double dur = truth_cost_.cpu(din.loads[pos_[e]]) * truth_.cpu_scale * noise_.factor(truth_.cpu_noise);
+        if (truth_.contention > 0.0) {
+            double overlap = 0.0;
+            for (const auto & iv : link_busy_) {
+                overlap += std::max(0.0, std::min(tc + dur, iv.second) - std::max(tc, iv.first));
+            }
+            dur += truth_.contention * overlap;
+        }
+        record(si, l, 0, e, 0, tc, tc + dur);
+        tc += dur;
+    }
+    res_.cpu_busy_s += tc - t_moe_;
+    return tc;
+}
+
+void SimRun::prefetch_and_fill(const Step & st, int l, int n, double predicted_s) {
+    if (decider_.wants_prefetch(L_)) {
+        const auto p0 = clock::now();
+        if (layer_est_ < 0.0) layer_est_ = planner_.layer(n) + predicted_s;
+        const int depth = std::min(cfg_.prefetch_depth, L_ - 1 - l);
+        preds_.resize(static_cast<size_t>(depth));
+        for (int d = 1; d <= depth; ++d) {
+            Prediction & p = preds_[static_cast<size_t>(d - 1)];
+            const int j = l + d;
+            predictor_.predict(trace_.row(st.begin, j), static_cast<int64_t>(L_) * K_, n, K_, E_, d, p);
+            p.layer = j;
+            p.expert_bytes = trace_.expert_bytes[j];
+            p.start_s = predicted_s + (double(d) - 1.0) * layer_est_ + planner_.layer(n);
+        }
+        decider_.prefetch(preds_, L_, *this, nullptr);
+        res_.prefetch_declined += decider_.prefetch_declined();
+        prefetch_ns_ += std::chrono::duration<double, std::nano>(clock::now() - p0).count();
+    }
+    decider_.fills(*this, nullptr);
+}
+
+void SimRun::run_layer(int64_t si, const Step & st, int l) {
+    const int n = static_cast<int>(st.end - st.begin);
+    const double t_layer0 = t_;
+    const double ne = truth_cost_.layer(n) * truth_.gpu_scale * noise_.factor(truth_.layer_noise);
+    res_.gpu_busy_s += ne;
+    record(si, l, 1, -1, 4, t_, t_ + ne);
+    t_moe_ = t_ + ne;
+    cur_step_ = si;
+    cur_layer_ = l;
+    // Drop copy intervals that can no longer overlap CPU work.
+    size_t keep = 0;
+    while (keep < link_busy_.size() && link_busy_[keep].second < t_moe_) ++keep;
+    link_busy_.erase(link_busy_.begin(), link_busy_.begin() + keep);
+
+    const double predicted_s = decide(si, st, l, n);
+    double t_gpu_end = charge_gpu(si, l, n);
+    double t_cpu_end = charge_cpu(si, l);
+    const double demand_copy_s = layer_copy_s_;
+    prefetch_and_fill(st, l, n, predicted_s);
+    pcie_free_at_ = t_moe_ + decider_.pcie_free_s();
+    res_.predicted_moe_s += decider_.run_plan().makespan_s;  // with the copies queued after the plan
+    // the prefetches and fills are queued before the CPU share runs too (the engine's order): on a host that pays
+    // for copies they delay it as well (0 when copies cost the CPU nothing: the order of the draws and the
+    // contention above stay as without the term)
+    if (!cpu_order_.empty()) {
+        const double late = truth_cost_.cpu_copy_blocking(layer_copy_s_ - demand_copy_s);
+        res_.cpu_busy_s += late;
+        t_cpu_end += late;
+    }
+    // and they are queued after the GPU share's launch: a device that cannot compute while it copies returns the
+    // share's outputs after them
+    if (!gpu_order_.empty()) t_gpu_end += truth_cost_.copy_blocking(layer_copy_s_ - demand_copy_s);
+
+    const double t_end = std::max(t_moe_, std::max(t_cpu_end, t_gpu_end));
+    res_.charged_moe_s += t_end - t_moe_;
+    res_.layer_moe_s[l] += t_end - t_moe_;
+    decider_.release(l);
+    const double layer_dur = t_end - t_layer0;
+    layer_est_ = layer_est_ < 0.0 ? layer_dur : 0.8 * layer_est_ + 0.2 * layer_dur;
+    t_ = t_end;
+    ++layers_run_;
+}
+
+void SimRun::run_step(int64_t si, const Step & st) {
+    const int n = static_cast<int>(st.end - st.begin);
+    if (st.prompt != current_prompt_) {
+        if (current_prompt_ >= 0) ttft_sum_ += t_ - prompt_start_;
+        current_prompt_ = st.prompt;
+        prompt_start_ = t_;
+        ++res_.prompts;
+    }
+    for (int d = 0; d < trace_.n_dense_layers; ++d) {
+        const double dur = truth_cost_.dense(n) * truth_.gpu_scale * noise_.factor(truth_.layer_noise);
+        res_.gpu_busy_s += dur;
+        t_ += dur;
+    }
+    for (int l = 0; l < L_; ++l) run_layer(si, st, l);
+    res_.tokens += n;
+    ++res_.steps;
+}
+
+SimResult SimRun::run(const std::vector<Step> & steps) {
+    for (size_t si = 0; si < steps.size(); ++si) run_step(static_cast<int64_t>(si), steps[si]);
+    if (current_prompt_ >= 0) ttft_sum_ += t_ - prompt_start_;
+    SimResult res = std::move(res_);
+    const double t = t_;
+    res.total_s = t;
+    res.cache = cache_.stats();
+    res.prefetch_used = res.cache.prefetch_hits;
+    res.bytes_h2d = res.bytes_demand + res.bytes_prefetch + res.bytes_fill;
+    res.tokens_per_s = t > 0.0 ? double(res.tokens) / t : 0.0;
+    if (cfg_.stage == "decode") {
+        res.tpot_s = res.tokens ? t / double(res.tokens) : 0.0;
+    } else {
+        res.ttft_s = res.prompts ? ttft_sum_ / double(res.prompts) : 0.0;
+    }
+    if (res.steps > 0) {
+        for (double & v : res.layer_moe_s) v /= double(res.steps);
+    }
+    if (layers_run_ > 0) {
+        res.decision_us_mean = decision_ns_ / 1e3 / double(layers_run_);
+        res.prefetch_us_mean = prefetch_ns_ / 1e3 / double(layers_run_);
+    }
+    return res;
+}
+
+}  // namespace
+
 SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & scheduler, PrefetchPolicy & prefetcher,
                    const CostModel & planner, const CostModel & truth_cost, const TruthModel & truth,
                    const SimConfig & cfg, int first_prompt, int end_prompt) {
@@ -239,230 +524,8 @@ SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & sc
     const std::vector<Step> steps = make_steps(trace, first_prompt, end_prompt, cfg);
     if (cache.policy().clairvoyant()) cache.policy().prepare(build_future(trace, steps));
     cache.reset_stats();
-
-    using clock = std::chrono::steady_clock;
-    const int L = trace.n_layers, K = trace.top_k, E = trace.n_experts;
-    TracePredictor predictor(cfg.recall, cfg.predictor_seed);
-    Noise noise(truth.seed);
-    SimResult res;
-    res.stage = cfg.stage;
-    res.layer_moe_s.assign(L, 0.0);
-
-    std::vector<int32_t> ids32;
-    std::vector<float> scores;
-    std::vector<double> truth_ready((size_t) L * E, 0.0);  // key -> true end of its last copy (0: from the start)
-    std::vector<std::pair<double, double>> link_busy;       // copy intervals, in start order
-    double t = 0.0, true_pcie_free_at = 0.0, pcie_free_at = 0.0, layer_est = -1.0;
-    double decision_ns = 0.0, prefetch_ns = 0.0;
-    int64_t layers_run = 0;
-    int current_prompt = -1;
-    double prompt_start = 0.0, ttft_sum = 0.0;
-    int64_t cur_step = 0;
-    int cur_layer = 0;
-    double t_moe = 0.0;
-
-    auto record = [&](int64_t si, int l, int resource, int expert, int kind, double a, double b) {
-        if (static_cast<int64_t>(si) == cfg.timeline_step && l < cfg.timeline_layers) {
-            res.timeline.push_back({si, l, resource, expert, kind, a, b});
-        }
-    };
-
-    // The engine's decision rules (LayerDecider) decide; this placement charges each copy they queue on the link
-    // under the truth model. The initial fill is resident from the start (no first-use copies here).
-    struct TruthPlacement : ExpertPlacement {
-        std::function<double(int, int, Kind)> on_load;
-        double load(int layer, int expert, Kind kind) override { return on_load(layer, expert, kind); }
-        bool holds(int) const override { return true; }
-    } place;
-    double charge_ns = 0.0;  // time spent charging copies inside a timed decision (not part of deciding)
-    double layer_copy_s = 0.0;  // true copy time queued for the current layer (loads, prefetches, fills)
-    place.on_load = [&](int layer, int e, ExpertPlacement::Kind kind) -> double {
-        if (kind == ExpertPlacement::kFirstUse) return 0.0;
-        const auto c0 = clock::now();
-        const double bytes = trace.expert_bytes[(size_t) layer];
-        const double start = std::max(true_pcie_free_at, t_moe);
-        const double end = start + truth_cost.h2d(bytes) * truth.h2d_scale * noise.factor(truth.h2d_noise);
-        res.link_busy_s += end - start;
-        layer_copy_s += end - start;
-        true_pcie_free_at = end;
-        link_busy.emplace_back(start, end);
-        truth_ready[(size_t) layer * E + e] = end;
-        int tl_kind = 1;
-        if (kind == ExpertPlacement::kDemand) {
-            res.bytes_demand += bytes;
-        } else if (kind == ExpertPlacement::kPrefetch) {
-            res.bytes_prefetch += bytes;
-            ++res.prefetch_issued;
-            tl_kind = 2;
-        } else {
-            res.bytes_fill += bytes;
-            tl_kind = 3;
-        }
-        record(cur_step, cur_layer, 2, e, tl_kind, start, end);
-        charge_ns += std::chrono::duration<double, std::nano>(clock::now() - c0).count();
-        return bytes;
-    };
-    DeciderConfig dcfg;
-    dcfg.has_slots = cache.budget_bytes() > 0.0;
-    dcfg.prefetch_layers = cfg.prefetch_depth;
-    dcfg.fill_on_miss = cfg.fill_on_miss;
-    // the caller owns the policies: non-owning handles for the rules
-    LayerDecider decider(std::shared_ptr<ExpertCache>(&cache, [](ExpertCache *) {}),
-                         std::shared_ptr<SchedulePolicy>(&scheduler, [](SchedulePolicy *) {}),
-                         std::shared_ptr<PrefetchPolicy>(&prefetcher, [](PrefetchPolicy *) {}), planner, dcfg);
-    std::vector<Prediction> preds;
-    std::vector<int32_t> gpu_order, cpu_order, pos(E, -1);
-
-    for (size_t si_u = 0; si_u < steps.size(); ++si_u) {
-        const int64_t si = static_cast<int64_t>(si_u);
-        const Step & st = steps[si_u];
-        const int n = static_cast<int>(st.end - st.begin);
-        if (st.prompt != current_prompt) {
-            if (current_prompt >= 0) ttft_sum += t - prompt_start;
-            current_prompt = st.prompt;
-            prompt_start = t;
-            ++res.prompts;
-        }
-        for (int d = 0; d < trace.n_dense_layers; ++d) {
-            const double dur = truth_cost.dense(n) * truth.gpu_scale * noise.factor(truth.layer_noise);
-            res.gpu_busy_s += dur;
-            t += dur;
-        }
-        for (int l = 0; l < L; ++l) {
-            const double t_layer0 = t;
-            const double ne = truth_cost.layer(n) * truth.gpu_scale * noise.factor(truth.layer_noise);
-            res.gpu_busy_s += ne;
-            record(si, l, 1, -1, 4, t, t + ne);
-            t_moe = t + ne;
-            cur_step = si;
-            cur_layer = l;
-            // Drop copy intervals that can no longer overlap CPU work.
-            size_t keep = 0;
-            while (keep < link_busy.size() && link_busy[keep].second < t_moe) ++keep;
-            link_busy.erase(link_busy.begin(), link_busy.begin() + keep);
-
-            // ---- decision (timed): observe, look up, split, demand loads, as the engine decides ----
-            const auto d0 = clock::now();
-            charge_ns = 0.0;
-            layer_copy_s = 0.0;
-            load_routing(trace, st, l, ids32, scores);
-            const std::vector<uint8_t> & on_gpu =
-                decider.split(si, l, ids32.data(), n, K, scores,
-                              trace.expert_bytes[(size_t) l], t_moe, std::max(0.0, pcie_free_at - t_moe), place, nullptr);
-            decision_ns += std::chrono::duration<double, std::nano>(clock::now() - d0).count() - charge_ns;
-            const LayerInput & din = decider.input();
-            const SchedulePlan & plan = decider.plan();
-            const double predicted_s = decider.run_plan().makespan_s;
-            for (size_t i = 0; i < din.size(); ++i) pos[din.experts[i]] = static_cast<int32_t>(i);
-            // execution order: the plan's; a load the cache refused runs on the CPU, after the planned CPU experts
-            gpu_order.clear();
-            cpu_order.assign(plan.cpu_experts.begin(), plan.cpu_experts.end());
-            for (int32_t e : plan.gpu_experts) (on_gpu[pos[e]] ? gpu_order : cpu_order).push_back(e);
-
-            // ---- truth: GPU ----
-            double t_gpu_end = t_moe;
-            if (!gpu_order.empty()) {
-                // a device that cannot compute while it copies works through the queued copies first
-                const double blocked = truth_cost.copy_blocking(std::max(0.0, true_pcie_free_at - t_moe));
-                double tg = t_moe + blocked + truth_cost.act(n) * noise.factor(truth.act_noise);
-                record(si, l, 1, -1, 5, t_moe, tg);
-                for (int32_t e : gpu_order) {
-                    const double s0 = std::max(tg, truth_ready[(size_t) l * E + e]);
-                    const double dur = truth_cost.gpu(din.loads[pos[e]]) * truth.gpu_scale * noise.factor(truth.gpu_noise);
-                    tg = s0 + dur;
-                    res.gpu_busy_s += dur;
-                    record(si, l, 1, e, 0, s0, tg);
-                }
-                t_gpu_end = tg;
-            }
-            // ---- truth: CPU ----
-            double t_cpu_end = t_moe;
-            if (!cpu_order.empty()) {
-                // the layer's loads, queued before its CPU share runs, delay it on a host that pays for copies
-                double tc = t_moe + truth_cost.cpu_copy_blocking(layer_copy_s) + truth_cost.cpu_startup_s +
-                            truth.cpu_startup_extra_s;
-                for (int32_t e : cpu_order) {
-                    double dur = truth_cost.cpu(din.loads[pos[e]]) * truth.cpu_scale * noise.factor(truth.cpu_noise);
-                    if (truth.contention > 0.0) {
-                        double overlap = 0.0;
-                        for (const auto & iv : link_busy) {
-                            overlap += std::max(0.0, std::min(tc + dur, iv.second) - std::max(tc, iv.first));
-                        }
-                        dur += truth.contention * overlap;
-                    }
-                    record(si, l, 0, e, 0, tc, tc + dur);
-                    tc += dur;
-                }
-                res.cpu_busy_s += tc - t_moe;
-                t_cpu_end = tc;
-            }
-            // ---- prefetch for the next D layers (planned after this layer's router), then fills ----
-            const double demand_copy_s = layer_copy_s;
-            if (decider.wants_prefetch(L)) {
-                const auto p0 = clock::now();
-                if (layer_est < 0.0) layer_est = planner.layer(n) + predicted_s;
-                const int depth = std::min(cfg.prefetch_depth, L - 1 - l);
-                preds.resize(static_cast<size_t>(depth));
-                for (int d = 1; d <= depth; ++d) {
-                    Prediction & p = preds[static_cast<size_t>(d - 1)];
-                    const int j = l + d;
-                    predictor.predict(trace.row(st.begin, j), static_cast<int64_t>(L) * K, n, K, E, d, p);
-                    p.layer = j;
-                    p.expert_bytes = trace.expert_bytes[j];
-                    p.start_s = predicted_s + (double(d) - 1.0) * layer_est + planner.layer(n);
-                }
-                decider.prefetch(preds, L, place, nullptr);
-                res.prefetch_declined += decider.prefetch_declined();
-                prefetch_ns += std::chrono::duration<double, std::nano>(clock::now() - p0).count();
-            }
-            decider.fills(place, nullptr);
-            pcie_free_at = t_moe + decider.pcie_free_s();
-            res.predicted_moe_s += decider.run_plan().makespan_s;  // with the copies queued after the plan
-            // the prefetches and fills are queued before the CPU share runs too (the engine's order): on a host that
-            // pays for copies they delay it as well (0 when copies cost the CPU nothing: the order of the draws
-            // and the contention above stay as without the term)
-            if (!cpu_order.empty()) {
-                const double late = truth_cost.cpu_copy_blocking(layer_copy_s - demand_copy_s);
-                res.cpu_busy_s += late;
-                t_cpu_end += late;
-            }
-            // and they are queued after the GPU share's launch: a device that cannot compute while it copies
-            // returns the share's outputs after them
-            if (!gpu_order.empty()) t_gpu_end += truth_cost.copy_blocking(layer_copy_s - demand_copy_s);
-
-            const double t_end = std::max(t_moe, std::max(t_cpu_end, t_gpu_end));
-            res.charged_moe_s += t_end - t_moe;
-            res.layer_moe_s[l] += t_end - t_moe;
-
-            decider.release(l);
-
-            const double layer_dur = t_end - t_layer0;
-            layer_est = layer_est < 0.0 ? layer_dur : 0.8 * layer_est + 0.2 * layer_dur;
-            t = t_end;
-            ++layers_run;
-        }
-        res.tokens += n;
-        ++res.steps;
-    }
-    if (current_prompt >= 0) ttft_sum += t - prompt_start;
-    res.total_s = t;
-    res.cache = cache.stats();
-    res.prefetch_used = res.cache.prefetch_hits;
-    res.bytes_h2d = res.bytes_demand + res.bytes_prefetch + res.bytes_fill;
-    res.tokens_per_s = t > 0.0 ? double(res.tokens) / t : 0.0;
-    if (cfg.stage == "decode") {
-        res.tpot_s = res.tokens ? t / double(res.tokens) : 0.0;
-    } else {
-        res.ttft_s = res.prompts ? ttft_sum / double(res.prompts) : 0.0;
-    }
-    if (res.steps > 0) {
-        for (double & v : res.layer_moe_s) v /= double(res.steps);
-    }
-    if (layers_run > 0) {
-        res.decision_us_mean = decision_ns / 1e3 / double(layers_run);
-        res.prefetch_us_mean = prefetch_ns / 1e3 / double(layers_run);
-    }
-    return res;
+    SimRun run(trace, cache, scheduler, prefetcher, planner, truth_cost, truth, cfg);
+    return run.run(steps);
 }
 
 namespace {

@@ -315,18 +315,6 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     return out;
 }
 
-void Engine::set_negative_control(const std::string & what) {
-    static const char * known[] = {"", "weight_before", "gate_up", "activation", "scales", "clamp"};
-    for (const char * k : known) {
-        if (what == k) {
-            control_ = what;
-            return;
-        }
-    }
-    throw std::invalid_argument("engine: unknown negative control '" + what +
-                                "' (weight_before, gate_up, activation, scales, clamp or '')");
-}
-
 void Engine::Placement::evicted(const std::vector<int64_t> & keys) {
     for (int64_t key : keys) engine->pool_.evict(key);
 }
@@ -343,7 +331,7 @@ double Engine::Placement::load(int layer, int expert, Kind kind) {
                                  std::to_string(expert) + " although the cache admitted it (slot bookkeeping)");
     }
     const ExpertMatrices & lt = en.tensors_[(size_t) layer];
-    const int bias_expert = en.wrong_bias_ ? (expert + 1) % en.cfg_.n_expert : -1;
+    const int bias_expert = en.controls_.bias_expert(expert, en.cfg_.n_expert);
     const double bytes = en.pool_.copy(layer, expert, lt, bias_expert);
     if (bytes <= 0.0) return 0.0;
     en.copies_[(size_t) kind] += 1;
@@ -373,15 +361,7 @@ void Engine::launch_gpu_share(ggml_tensor * dst, LayerRun & run, const std::vect
         const int b = pool_.buffer_of(pool_.slot_of(ml, in.experts[i]));
         n_pairs[(size_t) ((part[i] - 1) * n_bufs + b)] += in.loads[i];
     }
-    ExpertMatrices lt = tensors_[(size_t) ml];
-    if (!control_.empty()) {
-        // a test's negative control: the GPU share without one variant's op
-        if (control_ == "weight_before") lt.weight_before = false;
-        if (control_ == "gate_up") lt.swap_gate_up = true;
-        if (control_ == "activation") lt.act = lt.act == ExpertAct::kSilu ? ExpertAct::kGelu : ExpertAct::kSilu;
-        if (control_ == "scales") lt.gate_s = lt.up_s = lt.down_s = nullptr;
-        if (control_ == "clamp") lt.clamp = 0.0f;
-    }
+    const ExpertMatrices lt = controls_.gpu_share_matrices(tensors_[(size_t) ml]);
     token_row_.resize((size_t) T);
     int32_t out_row = 0;  // row of the wait op's output: the launches' pairs in launch order
     for (int li = 0; li < 2; ++li) {
@@ -497,7 +477,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
             if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + run_plan.makespan_s;
             predictor_->predict(ml, cfg_.prefetch_layers, (int) T, (const float *) x->data, x->nb[2],
                                 run_plan.makespan_s, layer_est_, cfg_.cost.layer((int) T), predictions_);
-            decider_->prefetch(std::move(predictions_), (int) tensors_.size(), placement_, rp);
+            decider_->prefetch(predictions_, (int) tensors_.size(), placement_, rp);
         }
         decider_->fills(placement_, rp);
 
@@ -555,7 +535,7 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
         // the launches waited for every copy queued so far: the copy queue is empty now, whatever the estimate
         // (a bandwidth below the real one would otherwise let the estimate run ahead without bound)
         if (pool_.all_copies_waited()) pcie_free_at_ = std::min(pcie_free_at_, now());
-        if (drop_gpu_) std::memset(dst->data, 0, down);
+        if (controls_.drop_gpu_share) std::memset(dst->data, 0, down);
         std::lock_guard<std::mutex> lock(stats_mu_);
         stats_[(size_t) run.ml].bytes_act_d2h += (double) down;
     }

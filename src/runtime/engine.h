@@ -38,6 +38,7 @@
 #include "policy/scheduler.h"
 #include "runtime/expert_ffn.h"
 #include "runtime/gpu_share.h"
+#include "runtime/negative_controls.h"
 #include "runtime/slot_pool.h"
 
 #include <array>
@@ -127,27 +128,9 @@ public:
     Engine(const Engine &) = delete;
     Engine & operator=(const Engine &) = delete;
 
-    /// SlotPool::region_strides / bias_strides / scale_strides / slot_bytes_for (bytes per slot of the gate, up
-    /// and down matrix regions; of their bias regions; of their scale regions; the sum of all nine).
-    static std::array<int64_t, 3> region_strides(const std::vector<std::array<int64_t, 3>> & expert_bytes,
-                                                 const std::vector<std::array<int32_t, 3>> & expert_types) {
-        return SlotPool::region_strides(expert_bytes, expert_types);
-    }
-    static std::array<int64_t, 3> bias_strides(const std::vector<std::array<int64_t, 3>> & bias_bytes,
-                                               size_t expert_layers) {
-        return SlotPool::bias_strides(bias_bytes, expert_layers);
-    }
-    static std::array<int64_t, 3> scale_strides(const std::vector<std::array<int64_t, 3>> & scale_bytes,
-                                                size_t expert_layers) {
-        return SlotPool::scale_strides(scale_bytes, expert_layers);
-    }
-    static int64_t slot_bytes_for(const std::vector<std::array<int64_t, 3>> & expert_bytes,
-                                  const std::vector<std::array<int32_t, 3>> & expert_types,
-                                  const std::vector<std::array<int64_t, 3>> & bias_bytes = {},
-                                  const std::vector<std::array<int64_t, 3>> & scale_bytes = {}) {
-        return SlotPool::slot_bytes_for(expert_bytes, expert_types, bias_bytes, scale_bytes);
-    }
-    int64_t slot_bytes() const { return pool_.slot_bytes(); }
+    /// The GPU slot pool (its geometry, which slot holds which expert; bindings read it). Its static sizing
+    /// functions (SlotPool::slot_bytes_for and the region strides) size an engine's slots before it exists.
+    const SlotPool & pool() const { return pool_; }
     int64_t n_slots() const { return cfg_.n_slots; }
     const EngineConfig & config() const { return cfg_; }
 
@@ -165,31 +148,18 @@ public:
     void clear_failure();
     /// MoE layer index of model layer il, or -1.
     int moe_index(int il) const { return il >= 0 && il < (int) moe_index_.size() ? moe_index_[il] : -1; }
-    /// Slot of a resident (MoE layer, expert) or -1 (tests: slot bookkeeping agrees with the cache).
-    int slot_of(int layer, int expert) const { return pool_.slot_of(layer, expert); }
     /// Keep a DecisionRecord per (MoE layer, ubatch) from now on (off: stop and drop them).
     void set_logging(bool on);
     /// The records kept since the last call.
     std::vector<DecisionRecord> take_log();
-    /// Negative control for tests: the GPU share's outputs are replaced by zeros (results must then differ).
-    void set_drop_gpu_share(bool on) { drop_gpu_ = on; }
-    /// Negative control for tests: copies into the slot pool take each bias row and scale from the next expert
-    /// ((expert + 1) mod n_expert) instead of the expert's own (results must then differ when the GPU share
-    /// computes a biased or scaled expert). Takes effect for copies made after the call.
-    void set_wrong_bias_rows(bool on) { wrong_bias_ = on; }
-    /// Negative control for tests: the GPU share leaves one variant's op out, so results must then differ where
-    /// the GPU computes that variant: "weight_before" (routing weights after the FFN instead of before it),
-    /// "gate_up" (the fused gate_up product's halves swapped), "activation" (SiLU in place of GELU, ReLU, SITU or
-    /// SwiGLU-OAI; GELU in place of SiLU), "scales" (no per-expert scales), "clamp" (no SwiGLU clamp); "" turns it
-    /// off. Throws std::invalid_argument for another name.
-    void set_negative_control(const std::string & what);
+    /// The test-only negative controls (negative_controls.h): results must then differ from upstream's where the GPU
+    /// computes. set_negative_control sets the GPU share's left-out variant by name ("" for none; throws
+    /// std::invalid_argument for another name).
+    void set_negative_control(const std::string & what) { controls_.set_variant(what); }
+    void set_drop_gpu_share(bool on) { controls_.drop_gpu_share = on; }
+    void set_wrong_bias_rows(bool on) { controls_.wrong_bias_rows = on; }
     /// (layer, expert) keys pinned now; 0 between decodes unless prefetched experts wait for their layer.
     int pinned_count() const;
-    /// Slots holding an expert; equals the cache's resident count when the bookkeeping agrees.
-    int slots_in_use() const { return pool_.slots_in_use(); }
-    /// Device buffers the slot pool is split over (0 without slots) and slots per buffer.
-    int slot_buffers() const { return pool_.n_buffers(); }
-    int64_t slots_per_buffer() const { return pool_.is_open() ? pool_.slots_per_buffer() : 0; }
 
     // ---- custom-op bodies (public for the C trampolines) ----
     struct LayerRun;
@@ -245,9 +215,7 @@ private:
     std::vector<EngineLayerStats> stats_;
     std::string error_;
     bool failed_ = false;
-    bool drop_gpu_ = false;
-    bool wrong_bias_ = false;
-    std::string control_;                    // set_negative_control
+    NegativeControls controls_;              // tests only
     bool logging_ = false;
     int64_t ubatch_ = -1;
     int last_ml_ = 1 << 30;                  // MoE layer of the previous plan (a lower or equal one: new ubatch)

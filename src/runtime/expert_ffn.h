@@ -48,7 +48,7 @@ struct ExpertMatrices {
     float situ_beta = 1.0f, situ_linear_beta = 0.0f;  ///< kSitu: hparams.situ_beta, situ_linear_beta
     int prec_up = 0, prec_gate = 0, prec_down = 0;    ///< enum ggml_prec for src1 of each mul_mat_id (0: unset)
     bool weight_before = false;         ///< Llama 4: routing weights multiply the input, not the output
-    bool swap_gate_up = false;          ///< negative control for tests: the fused product's halves swapped
+    bool swap_gate_up = false;          ///< the fused product's halves swapped: set only by NegativeControls
 
     /// The matrix of each slot region (0 gate or fused gate_up, 1 up, 2 down; nullptr: none), the bias of each
     /// bias region (0 gate or gate_up, 1 up, 2 down) and the scale of each scale region (gate, up, down).

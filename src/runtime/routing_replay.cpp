@@ -1,0 +1,58 @@
+#include "runtime/routing_replay.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace hybrimoe {
+
+RoutingReplay::RoutingReplay(std::vector<int32_t> ids, int n_rows, int n_layers, int k, int n_expert)
+    : ids_(std::move(ids)), n_rows_(n_rows), n_layers_(n_layers), k_(k), n_expert_(n_expert),
+      calls_(new std::atomic<uint64_t>[(size_t) (n_layers > 0 ? n_layers : 1)]) {
+    if (n_rows < 1 || n_layers < 1 || k < 1) {
+        throw std::invalid_argument("routing table must have at least one row, layer and rank");
+    }
+    if (ids_.size() != (size_t) n_rows * n_layers * k) {
+        throw std::invalid_argument("routing table size does not match [n_rows, n_layers, k]");
+    }
+    for (size_t i = 0; i < ids_.size(); ++i) {
+        if (ids_[i] < 0 || ids_[i] >= n_expert) {
+            throw std::invalid_argument("routing table holds expert id " + std::to_string(ids_[i]) +
+                                        " outside [0, " + std::to_string(n_expert) + ")");
+        }
+    }
+    for (int i = 0; i < n_layers; ++i) calls_[(size_t) i] = 0;
+}
+
+void RoutingReplay::attach(llama_context * ctx) {
+    ctx_ = ctx;
+    llama_set_moe_routing(ctx, &RoutingReplay::callback, this);
+}
+
+void RoutingReplay::detach() {
+    if (ctx_) {
+        llama_set_moe_routing(ctx_, nullptr, nullptr);
+        ctx_ = nullptr;
+    }
+}
+
+void RoutingReplay::callback(int32_t il, int32_t n_tokens, int32_t n_expert_used, int32_t n_expert,
+                             const llama_token * tokens, const llama_pos * pos, int32_t * out, void * user_data) {
+    (void) tokens;
+    auto * self = static_cast<RoutingReplay *>(user_data);
+    const int layer = il >= 0 && il < self->n_layers_ ? il : 0;
+    for (int32_t t = 0; t < n_tokens; ++t) {
+        const int64_t p = pos ? (int64_t) pos[t] : (int64_t) t;
+        const int64_t row = ((p % self->n_rows_) + self->n_rows_) % self->n_rows_;
+        const int32_t * src = self->ids_.data() + ((size_t) row * self->n_layers_ + layer) * self->k_;
+        for (int32_t j = 0; j < n_expert_used; ++j) {
+            // warmup graphs ask for every expert: fill the ranks past the table's k with distinct ids
+            int32_t id = j < self->k_ ? src[j] : j;
+            out[(size_t) t * n_expert_used + j] = id < n_expert ? id : id % n_expert;
+        }
+    }
+    if (il >= 0 && il < self->n_layers_) {
+        self->calls_[(size_t) il].fetch_add(1, std::memory_order_relaxed);
+    }
+}
+
+} // namespace hybrimoe

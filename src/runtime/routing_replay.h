@@ -1,0 +1,39 @@
+// Routing replay through llama_set_moe_routing (vendor/llama.cpp/patches/0002): every MoE layer's routed expert
+// ids come from a recorded table instead of the router (tests and traces compare upstream and hybrimoe on the same
+// routing).
+#pragma once
+
+#include "llama.h"
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace hybrimoe {
+
+/// Replays recorded routing through llama_set_moe_routing (patch 0002): the token at position p of any
+/// sequence gets row (p mod n_rows) of the table in every MoE layer.
+class RoutingReplay {
+public:
+    /// ids: [n_rows, n_layers, k] int32, row-major; layer index = model layer (dense layers' rows unused).
+    /// Throws std::invalid_argument on an empty table or ids outside [0, n_expert).
+    RoutingReplay(std::vector<int32_t> ids, int n_rows, int n_layers, int k, int n_expert);
+
+    void attach(llama_context * ctx);
+    void detach();
+
+    static void callback(int32_t il, int32_t n_tokens, int32_t n_expert_used, int32_t n_expert,
+                         const llama_token * tokens, const llama_pos * pos, int32_t * ids, void * user_data);
+
+    /// ubatches replayed so far per layer
+    uint64_t calls(int il) const { return il >= 0 && il < n_layers_ ? calls_[(size_t) il].load() : 0; }
+
+private:
+    std::vector<int32_t> ids_;
+    int n_rows_, n_layers_, k_, n_expert_;
+    std::unique_ptr<std::atomic<uint64_t>[]> calls_;
+    llama_context * ctx_ = nullptr;
+};
+
+} // namespace hybrimoe
