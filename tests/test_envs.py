@@ -38,6 +38,8 @@ def test_every_variable_named_anywhere_is_in_the_table():
     cmake_names = {m for f in files if f.suffix in (".cmake", ".txt")
                    for m in re.findall(r"(?:option|set)\(\s*(HYBRIMOE_\w+)", f.read_text(errors="replace"))}
     for f in files:
+        if f.resolve() == Path(__file__).resolve():
+            continue  # this file's HYBRIMOE_X, _Y and _Z are the examples of the check's own test below
         try:
             text = f.read_text()
         except (UnicodeDecodeError, OSError):

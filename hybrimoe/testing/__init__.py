@@ -1,6 +1,6 @@
 """Yardsticks for tests and scripts: the comparison with upstream llama.cpp at the same placement
-(:mod:`~hybrimoe.testing.upstream`) and the test suite's pytest fixtures (:mod:`~hybrimoe.testing.fixtures`, needs
-pytest)."""
+(:mod:`~hybrimoe.testing.upstream`), the test suite's pytest fixtures (:mod:`~hybrimoe.testing.fixtures`, needs
+pytest) and its subprocess helpers (:mod:`~hybrimoe.testing.processes`)."""
 from hybrimoe._lazy import lazy_submodules
 
-__getattr__ = lazy_submodules(__name__, ("upstream", "fixtures"))
+__getattr__ = lazy_submodules(__name__, ("upstream", "fixtures", "processes"))
