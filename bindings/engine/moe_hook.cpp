@@ -37,7 +37,7 @@ Args:
                 return v; }, "Graph builds (reserve or rebuild) that called the hook, per layer.")
         .def("set_engine", [](MoeHook & h, std::shared_ptr<Engine> e) { h.set_engine(std::move(e)); },
              py::arg("engine").none(true),
-             "Use an Engine for the layers it handles (None: the CPU-only seed path); rebuilds the graphs.")
+             "Use an Engine for the layers it handles (None: the CPU-only path); rebuilds the graphs.")
         .def("engine_skipped", &MoeHook::engine_skipped,
              "(layer, reason) for supported layers the engine left to the CPU-only path.")
         .def("unsupported", &MoeHook::unsupported, "(layer, reason) for layers kept on upstream's path.")

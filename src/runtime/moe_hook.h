@@ -66,11 +66,11 @@ public:
     /// Recorded ids of layer il: rows of k ids; k is 0 while nothing was recorded.
     std::vector<int32_t> recorded(int il, int32_t * k) const;
 
-    /// Use `engine` for the layers it handles (the hybrid CPU+GPU path); nullptr: the CPU-only seed path.
+    /// Use `engine` for the layers it handles (the hybrid CPU+GPU path); nullptr: the CPU-only path.
     /// Forces llama to rebuild its graphs when attached.
     void set_engine(std::shared_ptr<Engine> engine);
     const std::shared_ptr<Engine> & engine() const { return engine_; }
-    /// Supported layers the engine left to the CPU-only seed path, with the reason (e.g. experts not in host
+    /// Supported layers the engine left to the CPU-only path, with the reason (e.g. experts not in host
     /// memory).
     std::vector<std::pair<int, std::string>> engine_skipped() const;
 
