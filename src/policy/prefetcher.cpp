@@ -46,6 +46,8 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
     evals_.resize(n_pred);
     base_.assign(n_pred, 0.0);
     version_.assign(n_pred, 0);
+    known_.resize(n_pred);
+    for (std::vector<Known> & k : known_) k.clear();
     heap_.clear();
     double pcie_free_at = ctx.pcie_free_at_s;
 
@@ -60,10 +62,24 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
         const double copy_end = pcie_free_at + cost.h2d(p.expert_bytes);
         return std::max(0.0, copy_end - p.start_s);
     };
+    auto makespan_of = [&](int pi, int i, double wait) {
+        MakespanEvaluator & ev = evals_[pi];
+        // with every copy ending after the candidate is ready, candidates of one key share the result
+        const int32_t key = wait + ev.h2d_s() > wait ? ev.equal_result_key(i) : -1;
+        std::vector<Known> & known = known_[pi];
+        if (key >= 0) {
+            for (const Known & k : known) {
+                if (k.key == key && k.version == version_[pi] && k.wait == wait) return k.makespan;
+            }
+        }
+        const double makespan = ev.best_with_cached(i, wait, wait);
+        ++evaluations_;
+        if (key >= 0) known.push_back({key, version_[pi], wait, makespan});
+        return makespan;
+    };
     auto gain_of = [&](int pi, int i, double wait) {
         const Prediction & p = ctx.predictions[pi];
-        const double makespan = evals_[pi].best_with_cached(i, wait, wait);
-        ++evaluations_;
+        const double makespan = makespan_of(pi, i, wait);
         const double g = base_[pi] - makespan;
         const double waste = waste_weight_ * (1.0 - p.confidence) * cost.h2d(p.expert_bytes);
         return (use_confidence_ ? g * p.confidence : g) - waste;
@@ -140,6 +156,7 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
         in.pcie_free_s = std::max(0.0, pcie_free_at - p.start_s);
         evals_[c.pred].set_cached(c.index, in.ready_s[c.index], in.pcie_free_s);
         ++version_[c.pred];
+        known_[c.pred].clear();  // the layer changed: its known makespans no longer hold
         base_[c.pred] = evals_[c.pred].best_of_greedy_and_trivial();
         ++evaluations_;
         out.emplace_back(p.layer, p.experts[c.index]);

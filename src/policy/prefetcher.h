@@ -112,6 +112,15 @@ private:
     std::vector<uint32_t> version_;             // each prediction's copies issued in this plan
     std::vector<Candidate> heap_;
     std::vector<int32_t> idx_;
+    // makespans already evaluated in this plan, per prediction: a candidate whose
+    // MakespanEvaluator::equal_result_key, wait and version_ match an entry takes its makespan (the same number)
+    struct Known {
+        int32_t key;
+        uint32_t version;
+        double wait;
+        double makespan;
+    };
+    std::vector<std::vector<Known>> known_;
     int64_t evaluations_ = 0;
 };
 

@@ -80,6 +80,15 @@ void LayerInput::set_routing(const int32_t * ids, int n_tokens_, int top_k, int 
 
 namespace {
 
+// Set bits of x. __builtin_popcount is a libgcc call on the baseline x86-64 target (no POPCNT instruction) and
+// best_mask asks it once per split; these shifts and adds are a few instructions inline.
+inline int popcount32(uint32_t x) {
+    x = x - ((x >> 1) & 0x55555555u);
+    x = (x & 0x33333333u) + ((x >> 2) & 0x33333333u);
+    x = (x + (x >> 4)) & 0x0F0F0F0Fu;
+    return static_cast<int>((x * 0x01010101u) >> 24);
+}
+
 // Indices 0..k-1 ordered by load descending, ties by expert id ascending (deterministic). Sorts (key, index)
 // pairs whose 64-bit key encodes both criteria, so the comparison is one integer compare without indirection.
 void order_by_load_desc(const LayerInput & in, std::vector<int32_t> & idx) {
@@ -221,11 +230,13 @@ void MakespanEvaluator::prepare(const LayerInput & in, const CostModel & cost, c
     cached_desc_.clear();
     cached_order_.clear();
     gpu_min_s_ = std::numeric_limits<double>::infinity();
+    uniform_costs_ = true;
     for (size_t r = 0; r < k; ++r) {
         const int32_t i = desc[r];
         cpu_s_[r] = cost.cpu(in.loads[i]);
         gpu_s_[r] = cost.gpu(in.loads[i]);
         gpu_min_s_ = std::min(gpu_min_s_, gpu_s_[r]);
+        uniform_costs_ = uniform_costs_ && cpu_s_[r] == cpu_s_[0] && gpu_s_[r] == gpu_s_[0];
         ready_rank_[r] = in.ready_s[i];
         if (in.cached[i]) {
             cached_order_.push_back(static_cast<int32_t>(r));
@@ -306,7 +317,7 @@ uint32_t MakespanEvaluator::best_mask(double & best) {
     uint32_t best_m = 0;
     for (uint32_t m = 0; m < n_masks; ++m) {
         const uint32_t cpu = all & ~m;
-        const int n_copied = __builtin_popcount(m & unc_bits);
+        const int n_copied = popcount32(m & unc_bits);
         // makespan >= the CPU end (exactly as makespan_ranked computes it) and >= the GPU end, which is no less
         // than its start plus one task, nor than the last copy's end plus one task (every step there is a max and
         // an addition of nonnegative numbers: monotone in floating point too)
@@ -667,6 +678,15 @@ double MakespanEvaluator::best_with_cached(int32_t i, double ready_s, double pci
 
 void MakespanEvaluator::set_cached(int32_t i, double ready_s, double pcie_free_s) {
     apply_cached(i, ready_s, pcie_free_s);
+}
+
+int32_t MakespanEvaluator::equal_result_key(int32_t i) const {
+    if (!uniform_costs_) return -1;
+    // apply_cached's position of the rank in cached_desc_ (ranks descending)
+    const int32_t r = rank_of_[static_cast<size_t>(i)];
+    int32_t above = 0;
+    while (above < static_cast<int32_t>(cached_desc_.size()) && cached_desc_[above] > r) ++above;
+    return above;
 }
 
 void HybriMoEScheduler::split(const LayerInput & in, const CostModel & cost, std::vector<uint8_t> & on_gpu) {

@@ -98,6 +98,15 @@ public:
     double best_with_cached(int32_t i, double ready_s, double pcie_free_s);
     /// Makes that change part of the prepared input (ImpactPrefetcher: a copy was issued).
     void set_cached(int32_t i, double ready_s, double pcie_free_s);
+    /// A key under which uncached candidates share one best_with_cached(i, t, t) result: when every prepared rank
+    /// has the same CPU and the same GPU cost (decode: one token per expert) and t + h2d_s() > t (every copy ends
+    /// after the candidate is ready), two candidates with the same key give the same makespan, bit for bit. The
+    /// key is the number of cached ranks above i's rank: the candidate then takes the same place in every list the
+    /// evaluations walk (ranks differ, costs and ready times in each position do not), and an uncached rank compares
+    /// with every other cached rank the same way. -1 when the costs differ (no two candidates known equal).
+    int32_t equal_result_key(int32_t i) const;
+    /// The copy time of one expert of the prepared input, seconds (CostModel::h2d of its bytes).
+    double h2d_s() const { return h2d_s_; }
     /// The current split per LayerInput index (1 = GPU), as a k-vector.
     void split_by_input(std::vector<uint8_t> & on_gpu) const;
 
@@ -135,6 +144,7 @@ private:
     double pcie_free_s_ = 0.0, h2d_s_ = 0.0, act_s_ = 0.0, cpu_startup_s_ = 0.0;
     double copy_overlap_ = 1.0, cpu_copy_overlap_ = 1.0;
     double gpu_min_s_ = 0.0;              // the cheapest GPU task
+    bool uniform_costs_ = false;          // every rank's cpu_s_ equal, and every gpu_s_ equal
 };
 
 /// A scheduling policy: decides the CPU/GPU split of one layer. Subclass and override `split`
