@@ -67,9 +67,12 @@ void bind_prefetcher(py::module_ & m) {
     py::classh<ImpactPrefetcher, PrefetchPolicy>(m, "ImpactPrefetcher",
                                                  "HybriMoE §IV.C impact-driven prefetch (gain = drop in the layer's "
                                                  "simulated makespan x confidence, minus waste_weight x (1 - "
-                                                 "confidence) x the copy's seconds), lazy greedy, bounded candidates.")
-        .def(py::init<int, int, bool, double>(), py::arg("max_copies") = 0, py::arg("max_candidates") = 12,
-             py::arg("use_confidence") = true, py::arg("waste_weight") = kDefaultPrefetchWasteWeight)
+                                                 "confidence) x the copy's seconds), lazy greedy, bounded candidates; "
+                                                 "share_equal_evaluations: candidates that cannot differ share one "
+                                                 "makespan evaluation (the same plans; False only to check that).")
+        .def(py::init<int, int, bool, double, bool>(), py::arg("max_copies") = 0, py::arg("max_candidates") = 12,
+             py::arg("use_confidence") = true, py::arg("waste_weight") = kDefaultPrefetchWasteWeight,
+             py::arg("share_equal_evaluations") = true)
         .def_property_readonly("evaluations", &ImpactPrefetcher::evaluations);
     m.def("make_prefetcher", &make_prefetcher, py::arg("name"),
           "Prefetcher by name: none, topk, impact. ValueError on an unknown name.");

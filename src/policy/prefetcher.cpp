@@ -29,9 +29,10 @@ std::vector<std::pair<int, int>> TopKPrefetcher::plan(const PrefetchContext & ct
     return out;
 }
 
-ImpactPrefetcher::ImpactPrefetcher(int max_copies, int max_candidates, bool use_confidence, double waste_weight)
+ImpactPrefetcher::ImpactPrefetcher(int max_copies, int max_candidates, bool use_confidence, double waste_weight,
+                                   bool share_equal)
     : max_copies_(max_copies), max_candidates_(max_candidates), use_confidence_(use_confidence),
-      waste_weight_(waste_weight) {
+      waste_weight_(waste_weight), share_equal_(share_equal) {
     if (max_copies < 0 || max_candidates < 1) {
         throw std::invalid_argument("ImpactPrefetcher: max_copies must be >= 0 and max_candidates >= 1");
     }
@@ -65,7 +66,7 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
     auto makespan_of = [&](int pi, int i, double wait) {
         MakespanEvaluator & ev = evals_[pi];
         // with every copy ending after the candidate is ready, candidates of one key share the result
-        const int32_t key = wait + ev.h2d_s() > wait ? ev.equal_result_key(i) : -1;
+        const int32_t key = share_equal_ && wait + ev.h2d_s() > wait ? ev.equal_result_key(i) : -1;
         std::vector<Known> & known = known_[pi];
         if (key >= 0) {
             for (const Known & k : known) {

@@ -82,11 +82,13 @@ constexpr double kDefaultPrefetchWasteWeight = 0.5;
 /// `waste_weight * (1 - confidence) * h2d(bytes)` (the link time of a copy made for a wrong prediction). Lazy
 /// greedy: issue the highest current net gain while it is > 0, up to `max_copies` (0 = top_k) copies per call. Cost is bounded: at most
 /// `max_candidates` (highest predicted load) candidates per predicted layer; a candidate's gain is recomputed only
-/// when it reaches the top. Throws std::invalid_argument on negative limits.
+/// when it reaches the top. Throws std::invalid_argument on negative limits. `share_equal` (default): candidates of
+/// one MakespanEvaluator::equal_result_key share one evaluation (the same gains, fewer evaluations; off only to
+/// check that).
 class ImpactPrefetcher : public PrefetchPolicy {
 public:
     explicit ImpactPrefetcher(int max_copies = 0, int max_candidates = 12, bool use_confidence = true,
-                              double waste_weight = kDefaultPrefetchWasteWeight);
+                              double waste_weight = kDefaultPrefetchWasteWeight, bool share_equal = true);
     std::string name() const override { return "impact"; }
     std::vector<std::pair<int, int>> plan(const PrefetchContext & ctx, const ExpertCache & cache,
                                           const CostModel & cost) override;
@@ -97,6 +99,7 @@ private:
     int max_candidates_;
     bool use_confidence_;
     double waste_weight_;
+    bool share_equal_;
     struct Candidate {
         double gain;
         int pred;      // index into ctx.predictions / inputs_

@@ -394,3 +394,28 @@ def test_model_facts_by_name_on_the_dsv2lite_trace(tmp_path, capsys):
     assert "the trace has no phases" in rec["assumptions"]["stage_model"] and rec["tokens"] >= 500
     rc, _, err = _run(capsys, trace=path, model_facts="mixtral")
     assert rc == 2 and "unknown model facts 'mixtral'" in err
+
+
+@pytest.mark.parametrize("stage", ["decode", "prefill"])
+def test_impact_prefetch_shares_evaluations_without_changing_a_plan(stage):
+    """ImpactPrefetcher's shared evaluations (MakespanEvaluator::equal_result_key: candidates that cannot differ are
+    evaluated once) give the plans of evaluating every candidate: the same simulated run, field for field, with
+    fewer evaluations in decode, where every predicted expert has a load of one token."""
+    from hybrimoe.policy.hardware import load_hardware
+    from hybrimoe.traces.synthetic import synthetic_trace
+
+    tr = synthetic_trace("qwen3-30b-a3b", 400, locality="low", seed=0)
+    s = Setup(tr, load_hardware("h200"), "25%", stage, max_tokens=200, seed=1)
+    recs, evaluations = [], []
+    for share in (True, False):
+        cache, sched, _, cfg = s.build("hybrimoe")
+        pre = _core.ImpactPrefetcher(share_equal_evaluations=share)
+        rec = s.run("hybrimoe", cache, sched, pre, cfg)
+        recs.append({k: v for k, v in rec.items() if not k.endswith("_us_mean")})  # wall-clock fields differ
+        evaluations.append(pre.evaluations)
+    assert recs[0]["prefetch_issued"] > 0
+    assert recs[0] == recs[1]
+    if stage == "decode":
+        assert evaluations[0] < 0.8 * evaluations[1], evaluations
+    else:
+        assert evaluations[0] <= evaluations[1], evaluations
