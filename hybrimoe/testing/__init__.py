@@ -1,6 +1,7 @@
 """Yardsticks for tests and scripts: the comparison with upstream llama.cpp at the same placement
 (:mod:`~hybrimoe.testing.upstream`), the test suite's pytest fixtures (:mod:`~hybrimoe.testing.fixtures`, needs
-pytest) and its subprocess helpers (:mod:`~hybrimoe.testing.processes`)."""
+pytest), its subprocess helpers (:mod:`~hybrimoe.testing.processes`) and the never-worse tables' process pool
+(:mod:`~hybrimoe.testing.tables`)."""
 from hybrimoe._lazy import lazy_submodules
 
-__getattr__ = lazy_submodules(__name__, ("upstream", "fixtures", "processes"))
+__getattr__ = lazy_submodules(__name__, ("upstream", "fixtures", "processes", "tables"))

@@ -17,14 +17,12 @@ policy.truth_model_for), so the planner is not judged by its own formula.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
 from hybrimoe import policy as pol
-from hybrimoe.sim.simulator import total_times
+from hybrimoe.testing.tables import TablePool
 
 HARDWARE = ("paper-a6000", "rtx4090-desktop", "h200")
 CACHES = ("10%", "25%", "50%", "75%")
@@ -41,48 +39,42 @@ TRACES = [("dsv2lite", None)] + [(shape, loc) for shape in ("mixtral-8x7b", "qwe
 
 
 def _trace(shape, locality, seed):
+    """The trace spec (hybrimoe.testing.tables) of one table: the shared trace, or a synthetic one of the shape."""
     if locality is None:
-        from hybrimoe.traces.format import default_trace_path, load_trace
+        from hybrimoe.traces.format import default_trace_path
 
         path = default_trace_path()
         if not path.exists():
             pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
-        return load_trace(path)
-    from hybrimoe.traces.synthetic import synthetic_trace
-
+        return ("file", str(path))
     # enough prompts after the simulator's 20% profile for 2,000 evaluated tokens
-    return synthetic_trace(shape, TOKENS * 5 // 4 + 200, locality=locality, seed=seed)
+    return ("synthetic", shape, TOKENS * 5 // 4 + 200, locality, seed)
 
 
 def _workers() -> int:
-    """Processes for a table: the machine's cores (``HYBRIMOE_TEST_WORKERS`` overrides; 1 runs in this process)."""
+    """Processes for the tables: the machine's cores (``HYBRIMOE_TEST_WORKERS`` overrides; 1 runs in this process)."""
     return max(1, int(os.environ.get("HYBRIMOE_TEST_WORKERS", os.cpu_count() or 1)))
 
 
-def _tables(jobs):
-    """Run ``hybrimoe.sim.simulator.total_times`` for each job ``(trace, hw, cache, stage, names, kwargs)`` and return
-    the results in order, on ``_workers()`` spawned processes (not forked: this process may hold ggml threads). One
-    pool serves every job of a test, so no worker waits for a table's slowest configuration before the next table
-    starts."""
-    n = min(_workers(), len(jobs))
-    if n <= 1:
-        return [total_times(tr, hw, cache, stage, names=names, max_tokens=TOKENS, **kw)
-                for tr, hw, cache, stage, names, kw in jobs]
-    with ProcessPoolExecutor(n, mp_context=mp.get_context("spawn")) as ex:
-        # the slowest first (with the oracle, then decode), so that the pool's tail is short
-        order = sorted(range(len(jobs)), key=lambda i: ("oracle" not in jobs[i][4], jobs[i][3] != "decode"))
-        futures = {}
-        for i in order:
-            tr, hw, cache, stage, names, kw = jobs[i]
-            futures[i] = ex.submit(total_times, tr, hw, cache, stage, names=names, max_tokens=TOKENS, **kw)
-        return [futures[i].result() for i in range(len(jobs))]
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    """One pool of workers for every table of this module (hybrimoe.testing.tables.TablePool): each synthetic trace
+    is built once, by a worker, while the others simulate."""
+    pool = TablePool(_workers(), tmp_path_factory.mktemp("never-worse-traces"))
+    yield pool
+    pool.close()
+
+
+def _tables(pool, jobs):
+    """``total_times`` of each job ``(trace spec, hw, cache, stage, names, kwargs)``, in order."""
+    return pool.run(jobs, max_tokens=TOKENS)
 
 
 CONFIGS = [(hw, cache, stage) for hw in HARDWARE for cache in CACHES for stage in ("decode", "prefill")]
 
 
 @pytest.mark.parametrize("shape,locality", TRACES, ids=[f"{s}-{loc or 'real'}" for s, loc in TRACES])
-def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(shape, locality):
+def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(tables, shape, locality):
     assert len(STATIC) >= 2, STATIC
     worse, unbounded = [], []
     keys, jobs = [], []
@@ -92,7 +84,7 @@ def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(shape, locality
         for hw_name, cache, stage in CONFIGS:
             keys.append((seed, hw_name, cache, stage))
             jobs.append((tr, hw_name, cache, stage, names, dict(seed=seed + 1)))
-    for (seed, hw_name, cache, stage), t in zip(keys, _tables(jobs)):
+    for (seed, hw_name, cache, stage), t in zip(keys, _tables(tables, jobs)):
         best_static = min(t[p] for p in STATIC)
         where = f"seed {seed} {hw_name} {cache} {stage}"
         known = (shape, locality, seed, hw_name, cache, stage) in KNOWN_SHORTFALLS
@@ -110,7 +102,7 @@ def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(shape, locality
 @pytest.mark.parametrize("scale", [0.5, 1.5])
 @pytest.mark.parametrize("shape,locality", [("dsv2lite", None), ("mixtral-8x7b", "low"), ("mixtral-8x7b", "high")],
                          ids=["dsv2lite-real", "mixtral-8x7b-low", "mixtral-8x7b-high"])
-def test_never_slower_when_the_truth_contention_differs_from_the_planners(shape, locality, scale):
+def test_never_slower_when_the_truth_contention_differs_from_the_planners(tables, shape, locality, scale):
     """The planner charges a fixed share of each copy to the CPU share (cost_model_from_hardware's
     cpu_copy_overlap); the truth charges contention per overlapped second. With the truth's contention at 0.5x and
     1.5x the preset's value hybrimoe still stays within 1.01 x the best static placement (seed 0)."""
@@ -119,7 +111,7 @@ def test_never_slower_when_the_truth_contention_differs_from_the_planners(shape,
     worse = []
     jobs = [(tr, hw, cache, stage, ("hybrimoe",) + STATIC, dict(seed=1, contention_scale=scale))
             for hw, cache, stage in CONFIGS]
-    for (hw_name, cache, stage), t in zip(CONFIGS, _tables(jobs)):
+    for (hw_name, cache, stage), t in zip(CONFIGS, _tables(tables, jobs)):
         best_static = min(t[p] for p in STATIC)
         if t["hybrimoe"] > 1.01 * best_static:
             worse.append(f"{hw_name} {cache} {stage}: {t['hybrimoe']:.4g} s vs {best_static:.4g} s")
