@@ -14,7 +14,7 @@ The package is layered (each layer imports only the ones above it in this list; 
                 stand-in
 ``server``      ``hybrimoe serve``'s app (llama-cpp-python's server)
 ``commands``    one module per ``hybrimoe`` subcommand (nothing imports them)
-``testing``     yardsticks for tests and scripts (the upstream comparison, pytest fixtures)
+``testing``     yardsticks for tests and scripts (the upstream comparison, pytest fixtures, simulator tables)
 ``tiny``        tiny synthetic GGUF models
 ==============  ====================================================================================================
 

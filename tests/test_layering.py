@@ -26,7 +26,7 @@ ALLOWED = {
     "sim": {"model", "policy", "traces"},
     "runtime": {"model", "policy", "traces", "tiny"},
     "server": {"model", "policy", "traces", "tiny", "runtime"},
-    "testing": {"model", "policy", "traces", "tiny", "runtime"},
+    "testing": {"model", "policy", "traces", "tiny", "runtime", "sim"},
     "commands": {"model", "policy", "traces", "tiny", "runtime", "sim", "server"},
 }
 

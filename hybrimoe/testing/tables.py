@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from hybrimoe.sim.simulator import total_times
+from hybrimoe.traces.format import load_trace
+from hybrimoe.traces.synthetic import synthetic_trace
 
 #: a job: (trace spec, hardware preset, cache budget, stage, preset names, total_times keyword arguments)
 Job = Tuple[tuple, str, str, str, Sequence[str], dict]
@@ -31,13 +33,9 @@ _traces: "OrderedDict[tuple, object]" = OrderedDict()
 def _build(spec: tuple):
     kind = spec[0]
     if kind == "synthetic":
-        from hybrimoe.traces.synthetic import synthetic_trace
-
         _, shape, n_tokens, locality, seed = spec
         return synthetic_trace(shape, n_tokens, locality=locality, seed=seed)
     if kind == "file":
-        from hybrimoe.traces.format import load_trace
-
         return load_trace(spec[1])
     raise ValueError(f"unknown trace spec {spec!r} (known kinds: 'synthetic', 'file')")
 
