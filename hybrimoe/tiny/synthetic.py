@@ -7,15 +7,13 @@ GB in seconds, in constant memory. :func:`synthetic_tensor_plan` lists its tenso
 """
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from hybrimoe.outputs import new_file_mode
+from hybrimoe.outputs import atomic_path
 from hybrimoe.tiny.quantize import q4_k_m_type
 from hybrimoe.tiny.rows import random_quant_rows
 from hybrimoe.tiny.tokenizers import N_VOCAB, _write_tokenizer
@@ -173,10 +171,9 @@ def make_synthetic_model(path, *, quant: str = "Q4_K_M", seed: int = 0, n_layer:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".tmp.gguf", dir=str(path.parent))
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, "deepseek2")
+    # written next to the target and renamed at the end: a failure never leaves a damaged file at `path`
+    with atomic_path(path) as tmp:
+        w = gguf.GGUFWriter(str(tmp), "deepseek2")
         _write_header(w, plan, quant=quant, n_layer=n_layer, n_embd=n_embd, n_ff_exp=n_ff_exp,
                       n_ff_dense=n_ff_dense, n_expert=n_expert, n_expert_used=n_expert_used, n_shared=n_shared,
                       n_head=n_head, kv_lora_rank=kv_lora_rank, qk_rope=qk_rope, qk_nope=qk_nope, v_head=v_head,
@@ -195,10 +192,5 @@ def make_synthetic_model(path, *, quant: str = "Q4_K_M", seed: int = 0, n_layer:
             if progress and name.endswith("ffn_down_shexp.weight"):
                 print(f"make_synthetic_model: wrote {name.split('.')[0]}.{name.split('.')[1]}", file=sys.stderr)
         w.close()
-        os.chmod(tmp, new_file_mode(path))  # mkstemp makes 0600 files; the umask decides, as elsewhere
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 

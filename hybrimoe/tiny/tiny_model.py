@@ -56,7 +56,6 @@ and the other 32-wide types): an explicit ``n_embd`` or ``n_ff_exp`` that does n
 """
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +63,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from hybrimoe.outputs import new_file_mode
+from hybrimoe.outputs import atomic_path
 from hybrimoe.tiny.quantize import check_rows, parse_quant, quantize_gguf
 from hybrimoe.tiny.router import router_design
 from hybrimoe.tiny.tokenizers import TOKENIZERS, _write_tokenizer
@@ -171,25 +170,15 @@ def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    # write next to the target and rename at the end: a failure never leaves a damaged file at `path`
-    fd, out_tmp = tempfile.mkstemp(suffix=".tmp.gguf", dir=str(path.parent))
-    os.close(fd)
-    try:
+    # written next to the target and renamed at the end: a failure never leaves a damaged file at `path`
+    with atomic_path(path) as out_tmp:
         if qspec is None:
-            _write(Path(out_tmp), shape, rng)
+            _write(out_tmp, shape, rng)
         else:
-            fd, tmp = tempfile.mkstemp(suffix=".f32.gguf", dir=str(path.parent))
-            os.close(fd)
-            try:
-                _write(Path(tmp), shape, rng)
-                quantize_gguf(tmp, out_tmp, qspec.base, qspec.overrides)
-            finally:
-                os.unlink(tmp)
-        os.chmod(out_tmp, new_file_mode(path))  # mkstemp makes 0600 files; the umask decides, as elsewhere
-        os.replace(out_tmp, path)
-    finally:
-        if os.path.exists(out_tmp):
-            os.unlink(out_tmp)
+            with tempfile.TemporaryDirectory(dir=path.parent) as d:  # the F32 file the quantizer reads
+                f32 = Path(d) / "f32.gguf"
+                _write(f32, shape, rng)
+                quantize_gguf(str(f32), str(out_tmp), qspec.base, qspec.overrides)
     return path
 
 
