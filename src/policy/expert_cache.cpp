@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <limits>
 #include <stdexcept>
@@ -193,6 +194,8 @@ bool StaticPolicy::admit(int layer, int expert) {
 void BeladyPolicy::prepare(const FutureAccesses & future) {
     future_ = future;
     cursor_.assign(future_.uses.size(), 0);
+    memo_cursor_.assign(future_.uses.size(), SIZE_MAX);
+    memo_value_.assign(future_.uses.size(), 0.0);
     now_ = -1;
     horizon_ = 0;
     for (const auto & u : future_.uses) {
@@ -220,13 +223,25 @@ void BeladyPolicy::observe(const LayerObservation & obs) {
 }
 
 double BeladyPolicy::priority(int layer, int expert) {
-    const size_t key = static_cast<size_t>(layer) * future_.n_experts + expert;
+    return priority_of(static_cast<size_t>(layer) * future_.n_experts + expert);
+}
+
+void BeladyPolicy::priorities(const int64_t * keys, size_t n, int n_experts, double * out) {
+    if (n_experts != future_.n_experts) {
+        CachePolicy::priorities(keys, n, n_experts, out);
+        return;
+    }
+    for (size_t i = 0; i < n; ++i) out[i] = priority_of(static_cast<size_t>(keys[i]));
+}
+
+double BeladyPolicy::priority_of(size_t key) {
     if (key >= future_.uses.size()) {
         throw std::logic_error("BeladyPolicy: prepare() was not called with this run's future accesses");
     }
     const std::vector<int64_t> & u = future_.uses[key];
     size_t & c = cursor_[key];
     while (c < u.size() && u[c] <= now_) ++c;
+    if (memo_cursor_[key] == c) return memo_value_[key];
     // Farthest next use evicted first. One ubatch needs several experts at once, so next uses tie; ties go to the
     // uses after that (lexicographic on the future-use sequence: keep the expert needed again sooner), to the depth
     // that fits exactly in a double's 53-bit mantissa (depth_ levels of horizon_+1 values each).
@@ -236,6 +251,8 @@ double BeladyPolicy::priority(int layer, int expert) {
         const size_t i = c + static_cast<size_t>(d);
         key_value = key_value * base + (i < u.size() ? double(u[i]) : double(horizon_));
     }
+    memo_cursor_[key] = c;
+    memo_value_[key] = -key_value;
     return -key_value;
 }
 
@@ -299,16 +316,9 @@ double ExpertCache::total_expert_bytes() const {
     return t;
 }
 
-const ExpertCache::Entry & ExpertCache::entry(int layer, int expert) const {
-    if (layer < 0 || layer >= n_layers() || expert < 0 || expert >= n_experts_) {
-        throw std::out_of_range("ExpertCache: (layer " + std::to_string(layer) + ", expert " +
-                                std::to_string(expert) + ") out of range");
-    }
-    return entries_[static_cast<size_t>(layer) * n_experts_ + expert];
-}
-
-ExpertCache::Entry & ExpertCache::entry(int layer, int expert) {
-    return const_cast<Entry &>(static_cast<const ExpertCache *>(this)->entry(layer, expert));
+void ExpertCache::out_of_range(int layer, int expert) {
+    throw std::out_of_range("ExpertCache: (layer " + std::to_string(layer) + ", expert " + std::to_string(expert) +
+                            ") out of range");
 }
 
 void ExpertCache::observe(const LayerObservation & obs) {

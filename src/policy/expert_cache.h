@@ -196,14 +196,22 @@ public:
     void prepare(const FutureAccesses & future) override;
     void observe(const LayerObservation & obs) override;
     double priority(int layer, int expert) override;
+    /// priority() of each key, indexing the future uses by the key itself (same numbers, no division per key).
+    void priorities(const int64_t * keys, size_t n, int n_experts, double * out) override;
     bool bypass() const override { return true; }
     bool clairvoyant() const override { return true; }
     /// A key's next uses move only when its layer is observed (time = step * n_layers + layer).
     bool tracks_changes() const override { return true; }
 
 private:
+    /// priority() of key = layer * n_experts + expert; std::logic_error before prepare() or for a key beyond it.
+    double priority_of(size_t key);
     FutureAccesses future_;
     std::vector<size_t> cursor_;
+    // a key's priority depends only on its cursor (its future uses and the depth are fixed by prepare()): the last
+    // value computed, and the cursor it was computed at (SIZE_MAX: none)
+    std::vector<size_t> memo_cursor_;
+    std::vector<double> memo_value_;
     int64_t now_ = -1;
     int64_t horizon_ = 0;
     int depth_ = 1;
@@ -322,8 +330,19 @@ private:
         int64_t last_use = -1;
         double ready_s = 0.0;
     };
-    const Entry & entry(int layer, int expert) const;
-    Entry & entry(int layer, int expert);
+    /// The entry of (layer, expert); std::out_of_range naming both when either is out of range. Inline: every
+    /// access, residency test and admission goes through it (the throw is out of line, out_of_range below).
+    const Entry & entry(int layer, int expert) const {
+        if (static_cast<unsigned>(layer) >= static_cast<unsigned>(n_layers()) ||
+            static_cast<unsigned>(expert) >= static_cast<unsigned>(n_experts_)) {
+            out_of_range(layer, expert);
+        }
+        return entries_[static_cast<size_t>(layer) * n_experts_ + expert];
+    }
+    Entry & entry(int layer, int expert) {
+        return const_cast<Entry &>(static_cast<const ExpertCache *>(this)->entry(layer, expert));
+    }
+    [[noreturn]] static void out_of_range(int layer, int expert);
     /// Makes key resident. keep_order: p is its current priority and it is placed in its layer's order when that
     /// order is fresh; otherwise (or when the order is stale) the layer is marked stale.
     void insert(int64_t key, double ready_s, bool by_prefetch, bool keep_order, double p);

@@ -118,7 +118,9 @@ std::vector<std::pair<int, int>> ImpactPrefetcher::plan(const PrefetchContext & 
         for (size_t i = 0; i < in.size(); ++i) {
             if (!in.cached[i]) idx_.push_back(static_cast<int32_t>(i));
         }
-        std::stable_sort(idx_.begin(), idx_.end(), [&](int32_t a, int32_t b) { return in.loads[a] > in.loads[b]; });
+        // (in decode every load is one: already in order, and stable_sort would only copy it through a buffer)
+        auto by_load = [&](int32_t a, int32_t b) { return in.loads[a] > in.loads[b]; };
+        if (!std::is_sorted(idx_.begin(), idx_.end(), by_load)) std::stable_sort(idx_.begin(), idx_.end(), by_load);
         if (static_cast<int>(idx_.size()) > max_candidates_) idx_.resize(max_candidates_);
         const double wait = wait_of(static_cast<int>(pi));
         for (int32_t i : idx_) {
