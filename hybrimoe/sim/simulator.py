@@ -72,23 +72,49 @@ def stage_tokens(trace: RoutingTrace, stage: str) -> RoutingTrace:
     return trace.select_tokens(keep)
 
 
+def stage_core_trace(trace: RoutingTrace, stage: str):
+    """The C++ trace (``_core.Trace``) of a stage's tokens, as :class:`Setup` builds it
+    (:func:`stage_tokens`, then :meth:`RoutingTrace.to_core`): for a caller that runs many Setups of one trace and
+    stage (a table of hardware presets and cache sizes), which then share one copy (a DeepSeek-V3-shaped trace of
+    2,700 tokens with router scores is about 160 MB; building it takes about 0.1 s).
+
+    Raises:
+        ValueError: as :func:`stage_tokens` and :meth:`RoutingTrace.to_core`.
+    """
+    return stage_tokens(trace, stage).to_core()
+
+
+def _check_core_trace(core, trace: RoutingTrace, stage: str) -> None:
+    """ValueError unless ``core`` has the sizes of ``trace`` (already cut to ``stage``'s tokens)."""
+    want = dict(n_tokens=trace.n_tokens, n_layers=trace.n_layers, top_k=trace.top_k, n_experts=trace.num_experts,
+                n_prompts=trace.n_prompts, has_scores=trace.router_scores is not None)
+    got = {k: getattr(core, k) for k in want}
+    if got != want:
+        diff = ", ".join(f"{k} {got[k]} (trace: {want[k]})" for k in want if got[k] != want[k])
+        raise ValueError(f"core_trace is not the {stage} tokens of this trace: {diff}; build it with "
+                         "stage_core_trace(trace, stage)")
+
+
 class Setup:
     """Everything shared by the runs of one invocation (trace, costs, profile, prompt split).
 
     ``facts``: the model facts to use (``facts_source`` says where they came from, for the records); None takes
     the trace's (:meth:`RoutingTrace.resolve_facts`). ``n_dropped``: incomplete tokens dropped before (recorded).
-    The trace is cut to the stage's tokens (:func:`stage_tokens`).
+    The trace is cut to the stage's tokens (:func:`stage_tokens`). ``core_trace``: that cut as the C++ trace
+    (:func:`stage_core_trace` of the same trace and stage), when the caller has it already; built here otherwise.
 
     Raises:
         ValueError: a bad stage, fraction or limit; no model facts (the message names ``-m``, ``--model-facts`` and a
-            trace with facts); no tokens of the stage; no prompts left after profiling.
+            trace with facts); no tokens of the stage; no prompts left after profiling; a ``core_trace`` whose sizes
+            (tokens, layers, top-k, experts, prompts, scores or not) are not the stage's.
     """
 
     def __init__(self, trace: RoutingTrace, hw: Hardware, budget_spec, stage: str, *, cost_model=None,
                  max_tokens: int = 20000, max_prompts: int = 0, ubatch: int = 512,
                  prefetch_depth: int = PREFETCH_LAYERS,
                  recall: Sequence[float] = _core.DEFAULT_PREDICTOR_RECALL, profile_fraction: float = 0.2, seed: int = 1,
-                 facts: Optional[ModelFacts] = None, facts_source: str = "", n_dropped: int = 0):
+                 facts: Optional[ModelFacts] = None, facts_source: str = "", n_dropped: int = 0,
+                 core_trace=None):
         if stage not in ("decode", "prefill"):
             raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
         if not (0.0 <= profile_fraction < 1.0):
@@ -109,7 +135,11 @@ class Setup:
         self.facts_source = facts_source or "given"
         self.n_dropped = int(n_dropped)
         self.trace, self.hw, self.facts, self.stage = trace, hw, facts, stage
-        self.core_trace = trace.to_core()
+        if core_trace is None:
+            core_trace = trace.to_core()
+        else:
+            _check_core_trace(core_trace, trace, stage)
+        self.core_trace = core_trace
         self.planner = cost_model if cost_model is not None else cost_model_from_hardware(hw, facts)
         self.truth_cost = cost_model_from_hardware(hw, facts)
         # the truth charges host-memory contention per overlapped second (TruthModel.contention), not the planner's
@@ -150,6 +180,8 @@ class Setup:
             b, e = (int(steps[0][0]), int(steps[-1][1])) if steps else (0, 0)
             ids = self.trace.expert_ids[b:e].astype(np.int64) + (np.arange(L) * E)[None, :, None]
             flat = ids.reshape(ids.shape[0], -1).ravel()   # token-major, layer order within a token
+            if L * E <= np.iinfo(np.int16).max:
+                flat = flat.astype(np.int16)  # the same keys; np.unique's stable sort of int16 is a radix sort
             _, at = np.unique(flat, return_index=True)
             used = flat[np.sort(at)].tolist()
             seen = set(used)
@@ -206,7 +238,7 @@ class Setup:
                 "tokens left out)" if self.phased else f"prefill: every token of each prompt in ubatches of "
                 f"{self.cfg.ubatch} (the trace has no phases)")
 
-    def run(self, name: str, cache=None, sched=None, pre=None, cfg=None) -> dict:
+    def run(self, name: str, cache=None, sched=None, pre=None, cfg=None, *, enough_s: Optional[float] = None) -> dict:
         """Simulates one system preset (or the given components) and returns its JSON record.
 
         A clairvoyant preset with ``also`` (:data:`hybrimoe.policy.presets.SYSTEM_PRESETS`: ``oracle``) is also run with
@@ -215,7 +247,11 @@ class Setup:
         weighing what the copy evicts or delays on the link, and on some small traces that plan is slower than
         belady's (its predictor's misses copy less), so the bound keeps the better plan. Where a step can activate
         :data:`hybrimoe.policy.presets.STREAMING_FRACTION` of a layer's experts (prefill), its own plan is also run with
-        streamed demand loads (``plan`` is then ``oracle+streaming``)."""
+        streamed demand loads (``plan`` is then ``oracle+streaming``).
+
+        ``enough_s``: the alternatives stop at the first plan that takes at most this many seconds (a check that the
+        bound is at most ``enough_s`` needs no more: the fastest of every plan would be no slower); the record then
+        names the plans not run under ``plans_not_run``, and its ``total_s`` is an upper value of the bound."""
         if cache is None:
             cache, sched, pre, cfg = self.build(name)
             alternatives = system_preset(name).get("also", ()) if name in SYSTEM_PRESETS else ()
@@ -233,7 +269,10 @@ class Setup:
             # activate enough experts to stream: Belady's order is usually the better one, but not always
             streams = self.stage == "prefill" or self.trace.top_k >= STREAMING_FRACTION * self.trace.num_experts
             plans = [(a, 0.0) for a in alternatives] + ([(name, STREAMING_FRACTION)] if streams else [])
-            for alt, streaming in plans:
+            for i, (alt, streaming) in enumerate(plans):
+                if enough_s is not None and rec["total_s"] <= enough_s:
+                    rec["plans_not_run"] = [a + ("+streaming" if st else "") for a, st in plans[i:]]
+                    break
                 parts = self.build(alt)
                 parts[0].set_streaming_demand(streaming)
                 other = self.run(alt, *parts)
@@ -244,22 +283,38 @@ class Setup:
 
 
 def total_times(trace: RoutingTrace, hw_name: str, budget_spec, stage: str, names: Sequence[str], *,
-                max_tokens: int = 20000, seed: int = 1, contention_scale: float = 1.0) -> dict:
+                max_tokens: int = 20000, seed: int = 1, contention_scale: float = 1.0, core_trace=None,
+                bound_tolerance: Optional[float] = None) -> dict:
     """Simulated total time of each preset in ``names`` on one configuration: ``{name: seconds}`` (TPOT x tokens in
     decode, TTFT summed over prompts in prefill: :meth:`Setup.run`'s ``total_s``).
 
     ``hw_name``: a hardware preset (:func:`hybrimoe.policy.hardware.load_hardware`); ``contention_scale`` multiplies the
-    truth model's host-memory contention (> 0), to judge the planner under a truth it does not know. A module-level
+    truth model's host-memory contention (> 0), to judge the planner under a truth it does not know; ``core_trace``:
+    :func:`stage_core_trace` of ``trace`` and ``stage``, when the caller keeps one for many calls. A module-level
     function of picklable arguments, so that a process pool can run a table of configurations.
 
+    ``bound_tolerance`` (>= 0): for a table that checks a bound, not one that reports it. A preset with alternative
+    plans (``oracle``, :meth:`Setup.run`) then stops at its first plan that takes at most ``1 + bound_tolerance``
+    times the least time of the presets before it in ``names``: its time is then an upper value of the bound, one
+    that already shows the bound holds; where no plan gets there every plan is run and its time is the bound.
+
     Raises:
-        ValueError: as :class:`Setup`, or a contention scale <= 0.
+        ValueError: as :class:`Setup`, a contention scale <= 0, or a negative bound tolerance.
     """
     if not contention_scale > 0:
         raise ValueError(f"contention scale must be > 0, got {contention_scale}")
-    s = Setup(trace, load_hardware(hw_name), budget_spec, stage, max_tokens=max_tokens, seed=seed)
+    if bound_tolerance is not None and not bound_tolerance >= 0:
+        raise ValueError(f"bound tolerance must be >= 0, got {bound_tolerance}")
+    s = Setup(trace, load_hardware(hw_name), budget_spec, stage, max_tokens=max_tokens, seed=seed,
+              core_trace=core_trace)
     s.truth.contention = contention_scale * s.truth.contention
-    return {n: s.run(n)["total_s"] for n in names}
+    times: dict = {}
+    for n in names:
+        enough = None
+        if bound_tolerance is not None and times:
+            enough = (1.0 + bound_tolerance) * min(times.values())
+        times[n] = s.run(n, enough_s=enough)["total_s"]
+    return times
 
 
 def _clairvoyant(name: str) -> bool:

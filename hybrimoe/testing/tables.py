@@ -6,7 +6,8 @@ spec rather than passed: ``("synthetic", shape, n_tokens, locality, seed)``
 (:func:`hybrimoe.traces.format.load_trace`). Each synthetic trace is generated once, by whichever worker is free,
 while the other workers simulate, and written to a file the others read (a DeepSeek-V3-shaped trace with router
 scores is about 160 MB: generating it takes seconds, reading it a fraction of one). Workers keep the last few traces
-they used in memory.
+they used in memory, with the C++ trace of each stage they ran on it (:func:`hybrimoe.sim.simulator.stage_core_trace`:
+built once per trace and stage, not once per job).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from hybrimoe.sim.simulator import total_times
+from hybrimoe.sim.simulator import stage_core_trace, total_times
 from hybrimoe.traces.format import load_trace
 from hybrimoe.traces.synthetic import synthetic_trace
 
@@ -28,6 +29,9 @@ Job = Tuple[tuple, str, str, str, Sequence[str], dict]
 #: traces a worker keeps in memory (a table's traces: the never-worse tests use three per table)
 _KEEP = 3
 _traces: "OrderedDict[tuple, object]" = OrderedDict()
+#: (trace spec, stage) -> the C++ trace of that stage's tokens, for the traces in _traces (stage None: a trace
+#: without phases, whose stages simulate the same tokens)
+_cores: Dict[Tuple[tuple, Optional[str]], object] = {}
 
 
 def _build(spec: tuple):
@@ -44,7 +48,9 @@ def _remember(spec: tuple, trace) -> None:
     _traces[spec] = trace
     _traces.move_to_end(spec)
     while len(_traces) > _KEEP:
-        _traces.popitem(last=False)
+        gone, _ = _traces.popitem(last=False)
+        for key in [key for key in _cores if key[0] == gone]:
+            del _cores[key]
 
 
 def _trace(spec: tuple, path: Optional[str]):
@@ -77,7 +83,12 @@ def _write(spec: tuple, path: str) -> str:
 def _run(spec: tuple, path: Optional[str], hw: str, cache: str, stage: str, names: Sequence[str],
          max_tokens: int, kwargs: dict) -> dict:
     """Worker job: :func:`hybrimoe.sim.simulator.total_times` on the trace of ``spec``."""
-    return total_times(_trace(spec, path), hw, cache, stage, names=names, max_tokens=max_tokens, **kwargs)
+    trace = _trace(spec, path)
+    key = (spec, stage if trace.phases is not None else None)
+    core = _cores.get(key)
+    if core is None:
+        core = _cores[key] = stage_core_trace(trace, stage)
+    return total_times(trace, hw, cache, stage, names=names, max_tokens=max_tokens, core_trace=core, **kwargs)
 
 
 class TablePool:

@@ -9,7 +9,10 @@ cache size (10, 25, 50, 75%) and stage (decode: TPOT, prefill: TTFT), on the fir
   loaded at run time);
 - the ``oracle`` bound is at least as fast as hybrimoe and every static placement, on seed 0's table of each trace
   (every hardware preset, cache size and stage; the oracle costs about twice hybrimoe's simulation, so seeds 1 and 2
-  leave it out; tests/sim/test_bounds.py checks it against every policy on random small traces).
+  leave it out; tests/sim/test_bounds.py checks it against every policy on random small traces). The oracle is the
+  fastest of several plans (hybrimoe.sim.simulator.Setup.run); here it stops at the first plan that is already
+  within the check's tolerance (total_times' ``bound_tolerance``), which gives every check the verdict the fastest
+  plan would, and where none is, every plan runs and a failure reports the bound itself.
 
 The synthetic traces' router scores are an assumption (hybrimoe.traces.synthetic); the truth model charges host-memory
 contention per overlapped second while the planner charges a fixed share of each copy (policy.cost_model_from_hardware,
@@ -29,6 +32,8 @@ CACHES = ("10%", "25%", "50%", "75%")
 SEEDS = (0, 1, 2)
 TOKENS = 2000
 STATIC = pol.STATIC_PRESETS
+#: the oracle may exceed the best of the others by this relative rounding margin and still bound them
+BOUND_TOLERANCE = 1e-9
 #: runs where hybrimoe is known to be more than 1% slower than the best static placement: (shape, locality, seed,
 #: hardware, cache, stage) -> the ratio measured when it was listed. An entry that stops failing fails the test
 #: (remove it then). Empty since demand loads in large ubatches stream (policy.STREAMING_FRACTION): before, gpt-oss-
@@ -83,7 +88,8 @@ def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(tables, shape, 
         names = ("hybrimoe",) + STATIC + (("oracle",) if seed == 0 else ())
         for hw_name, cache, stage in CONFIGS:
             keys.append((seed, hw_name, cache, stage))
-            jobs.append((tr, hw_name, cache, stage, names, dict(seed=seed + 1)))
+            jobs.append((tr, hw_name, cache, stage, names,
+                         dict(seed=seed + 1, bound_tolerance=BOUND_TOLERANCE if seed == 0 else None)))
     for (seed, hw_name, cache, stage), t in zip(keys, _tables(tables, jobs)):
         best_static = min(t[p] for p in STATIC)
         where = f"seed {seed} {hw_name} {cache} {stage}"
@@ -91,7 +97,7 @@ def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(tables, shape, 
         if (t["hybrimoe"] > 1.01 * best_static) != known:
             worse.append(f"{where}: hybrimoe {t['hybrimoe']:.4g} s vs best static {best_static:.4g} s"
                          + (" (a known shortfall that no longer fails: remove it)" if known else ""))
-        if "oracle" in t and t["oracle"] > min(t["hybrimoe"], best_static) * (1 + 1e-9):
+        if "oracle" in t and t["oracle"] > min(t["hybrimoe"], best_static) * (1 + BOUND_TOLERANCE):
             unbounded.append(f"{where}: oracle {t['oracle']:.4g} s vs {min(t['hybrimoe'], best_static):.4g} s")
     assert not worse, f"{shape} {locality}: hybrimoe slower than static placement in {len(worse)} runs: " + \
         "; ".join(worse[:10])

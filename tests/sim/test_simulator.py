@@ -11,7 +11,7 @@ from hybrimoe import _core
 from hybrimoe import policy as pol
 from hybrimoe.commands import simulate as simulate_command
 from hybrimoe.model.facts import MODEL_FACTS
-from hybrimoe.sim.simulator import Setup
+from hybrimoe.sim.simulator import Setup, stage_core_trace, total_times
 from hybrimoe.traces.format import RoutingTrace, default_trace_path
 
 MB = 1e6
@@ -171,6 +171,33 @@ def test_every_system_preset_runs_on_a_synthetic_trace(tmp_path):
     assert by["ktransformers"]["bytes_h2d"] == 0 and by["upstream-ncmoe"]["bytes_h2d"] == 0
     assert by["hot-set"]["bytes_h2d"] == 0
     assert by["gpu-on-demand"]["cpu_busy_frac"] == 0
+
+
+@pytest.mark.parametrize("stage", ["decode", "prefill"])
+def test_a_bound_check_stops_the_oracle_only_where_the_verdict_is_known(stage):
+    """Setup.run(enough_s=...) stops the oracle's alternative plans at the first one within enough_s; enough_s 0
+    runs every plan (the record is the bound's); total_times' bound_tolerance gives each bound check the verdict the
+    full oracle gives, and the presets before it their own times."""
+    rt = synthetic()
+    rt.model = "deepseek-v2-lite"
+    hw = pol.load_hardware("paper-a6000")
+    full = Setup(rt, hw, "25%", stage, max_tokens=200).run("oracle")
+    assert "plans_not_run" not in full
+    assert _untimed(Setup(rt, hw, "25%", stage, max_tokens=200).run("oracle", enough_s=0.0)) == _untimed(full)
+    first = Setup(rt, hw, "25%", stage, max_tokens=200).run("oracle", enough_s=float("inf"))
+    assert first["plan"] == "oracle" and first["plans_not_run"][0] == "belady"
+    assert first["total_s"] >= full["total_s"]
+    assert ("oracle+streaming" in first["plans_not_run"]) == (stage == "prefill")
+    names = ("hybrimoe",) + pol.STATIC_PRESETS + ("oracle",)
+    for cache in ("10%", "25%", "75%"):
+        every = total_times(rt, "paper-a6000", cache, stage, names, max_tokens=200)
+        checked = total_times(rt, "paper-a6000", cache, stage, names, max_tokens=200, bound_tolerance=1e-9)
+        assert {n: checked[n] for n in names[:-1]} == {n: every[n] for n in names[:-1]}
+        others = (1 + 1e-9) * min(every[n] for n in names[:-1])
+        assert (checked["oracle"] <= others) == (every["oracle"] <= others)
+        assert checked["oracle"] >= every["oracle"]
+    with pytest.raises(ValueError, match="bound tolerance must be >= 0"):
+        total_times(rt, "paper-a6000", "25%", stage, names, max_tokens=200, bound_tolerance=-1.0)
 
 
 def _args(**kw):
@@ -352,6 +379,29 @@ def test_stages_take_their_phase_tokens():
     rt.phases = np.zeros(400, np.int8)
     with pytest.raises(ValueError, match="no decode-phase tokens .*simulate --stage prefill"):
         Setup(rt, hw, "25%", "decode", facts=facts)
+
+
+def _untimed(record: dict) -> dict:
+    """A run's record without the measured decision times (the one part that differs between identical runs)."""
+    return {k: v for k, v in record.items() if not k.endswith("_us_mean")}
+
+
+def test_a_shared_core_trace_gives_the_same_records_and_a_wrong_one_is_refused():
+    """Setups of one trace and stage may share the C++ trace (stage_core_trace): every record is as with a trace
+    built by the Setup itself; the other stage's C++ trace of a phased trace is refused, naming what differs."""
+    facts = MODEL_FACTS["deepseek-v2-lite"]
+    rt = synthetic(n_tok=400, prompts=tuple(range(0, 401, 40)))
+    rt.phases = np.tile(np.r_[np.zeros(30), np.ones(10)].astype(np.int8), 10)
+    hw = pol.load_hardware("paper-a6000")
+    for stage in ("decode", "prefill"):
+        core = stage_core_trace(rt, stage)
+        for name in ("hybrimoe", "hot-set", "oracle"):
+            mine = Setup(rt, hw, "25%", stage, facts=facts, facts_source="test").run(name)
+            shared = Setup(rt, hw, "25%", stage, facts=facts, facts_source="test", core_trace=core).run(name)
+            assert _untimed(shared) == _untimed(mine), (stage, name)
+    with pytest.raises(ValueError, match=r"core_trace is not the decode tokens of this trace: n_tokens 300 "
+                                         r"\(trace: 100\)"):
+        Setup(rt, hw, "25%", "decode", facts=facts, core_trace=stage_core_trace(rt, "prefill"))
 
 
 def test_drop_incomplete(tiny_model, tmp_path, capsys):
