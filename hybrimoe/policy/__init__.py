@@ -14,8 +14,9 @@ exception in one surfaces as RuntimeError naming the policy class and method):
 Modules, one concept each (a leaf package: it imports the policy core and :mod:`hybrimoe.model` only):
 
 =================  ================================================================================================
-``cost_model``     the cost-model JSON format (schema ``hybrimoe.cost_model/3``): load, save, validate
-``hardware``       hardware files (``hybrimoe.hardware/1``), the cost and truth models derived from one,
+``cost_model``     the cost-model JSON format (schema ``hybrimoe.cost_model/4``): load, save, validate
+``hardware``       hardware files (``hybrimoe.hardware/1``) and disk files (``hybrimoe.disk/1``), the cost and
+                   truth models derived from them,
                    :func:`~hybrimoe.policy.hardware.resolve_cost_model`
 ``presets``        the policy presets (:data:`~hybrimoe.policy.presets.SYSTEM_PRESETS`) and
                    :func:`~hybrimoe.policy.presets.build_preset`
@@ -33,6 +34,7 @@ from hybrimoe.policy.cost_model import (
     COST_FIELDS,
     COST_MODEL_SCHEMA,
     COST_MODEL_SCHEMAS,
+    DISK_FIELDS,
     CostModelError,
     cost_model_from_dict,
     cost_model_to_dict,
@@ -45,9 +47,12 @@ from hybrimoe.policy.hardware import (
     HARDWARE_SCHEMA,
     Hardware,
     cost_model_from_hardware,
+    disk_names,
     hardware_names,
+    load_disk,
     load_hardware,
     resolve_cost_model,
+    set_disk,
     truth_model_for,
 )
 from hybrimoe.policy.presets import (
@@ -94,5 +99,5 @@ __all__ = [
     "expert_counts", "hot_keys_from_counts", "parse_budget", "CachePolicy", "SchedulePolicy", "PrefetchPolicy",
     "CostModel", "ExpertCache", "LayerInput", "MRSPolicy", "LRUPolicy", "LFUPolicy", "StaticPolicy", "BeladyPolicy",
     "HybriMoEScheduler", "ExhaustiveScheduler", "ImpactPrefetcher", "TopKPrefetcher", "NoPrefetcher",
-    "preset_names", "PRESET_DIR",
+    "preset_names", "PRESET_DIR", "DISK_FIELDS", "disk_names", "load_disk", "set_disk",
 ]

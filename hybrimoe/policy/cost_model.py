@@ -1,10 +1,11 @@
 """The planner's cost model file format (HybriMoE §IV.B's cost model, as JSON).
 
-Cost model JSON, schema ``hybrimoe.cost_model/3`` (all times in seconds, bandwidth in bytes/s; ``/2`` files,
-without ``cpu_copy_overlap`` and ``cpu_c_s``, read with 1 and 0; ``/1`` files, without ``copy_overlap`` either, read
+Cost model JSON, schema ``hybrimoe.cost_model/4`` (all times in seconds, bandwidth in bytes/s; ``/3`` files, without
+the disk fields, read with no disk figures (bandwidth 0, latency 0, queue depth 1); ``/2`` files, without
+``cpu_copy_overlap`` and ``cpu_c_s`` either, read with 1 and 0; ``/1`` files, without ``copy_overlap`` either, read
 with it 1)::
 
-    {"schema": "hybrimoe.cost_model/3",
+    {"schema": "hybrimoe.cost_model/4",
      "cpu_a_s": float, "cpu_b_s": float, "cpu_c_s": float,         # CPU expert: a + b*n + c*min(n, 8) (n tokens)
      "cpu_startup_s": float,                                        # (+ start-up once per layer)
      "gpu_a_s": float, "gpu_b_s": float,                            # GPU expert: a + b*tokens
@@ -14,16 +15,20 @@ with it 1)::
      "dense_a_s": float, "dense_b_s": float,                        # a dense layer
      "copy_overlap": float,                                         # 0..1: device computes while it copies
      "cpu_copy_overlap": float,                                     # 0..1: host CPU share runs while it copies
+     "disk_bandwidth_Bps": float, "disk_latency_s": float,          # disk read: bytes/bandwidth + latency (0: none)
+     "disk_queue_depth": float,                                     # >= 1: reads in flight that share the bandwidth
      "sources": {field: str, ...}}                                  # optional: where each number comes from
 
-Every listed number is required, finite and >= 0 (bandwidth > 0, the overlaps <= 1); unknown keys are errors;
-NaN and Infinity (which Python's json reads and writes) are reported as bad values. ``copy_overlap``: the share of a
-host-to-device copy's time during which the device still computes (1: a GPU's copy engine runs beside compute; 0: the
-device does one thing at a time, as the RPC stand-in does). ``cpu_copy_overlap``: the share of a copy's time during
-which the host's CPU share still runs at full speed (1: copies cost the CPU nothing; 0: the copies issued for a layer
-delay its CPU share by their whole time; between: host-memory contention). This module is the only reader and writer
-of these files (:func:`load_cost_model`, :func:`save_cost_model`, :func:`cost_model_from_dict`,
-:func:`cost_model_to_dict`); the engine and the simulator are handed the resulting ``CostModel`` object.
+Every listed number is required, finite and >= 0 (link bandwidth > 0, the overlaps <= 1, the disk queue depth >= 1);
+unknown keys are errors; NaN and Infinity (which Python's json reads and writes) are reported as bad values.
+``copy_overlap``: the share of a host-to-device copy's time during which the device still computes (1: a GPU's copy
+engine runs beside compute; 0: the device does one thing at a time, as the RPC stand-in does). ``cpu_copy_overlap``:
+the share of a copy's time during which the host's CPU share still runs at full speed (1: copies cost the CPU
+nothing; 0: the copies issued for a layer delay its CPU share by their whole time; between: host-memory contention).
+The disk fields describe the tier below host RAM (the model file's disk, for models larger than RAM); a disk
+bandwidth of 0 says none is known. This module is the only reader and writer of these files
+(:func:`load_cost_model`, :func:`save_cost_model`, :func:`cost_model_from_dict`, :func:`cost_model_to_dict`); the
+engine and the simulator are handed the resulting ``CostModel`` object.
 """
 from __future__ import annotations
 
@@ -34,15 +39,20 @@ from typing import Optional, Union
 
 from hybrimoe import _core
 
-COST_MODEL_SCHEMA = "hybrimoe.cost_model/3"         # written
+COST_MODEL_SCHEMA = "hybrimoe.cost_model/4"         # written
+COST_MODEL_SCHEMA_V3 = "hybrimoe.cost_model/3"      # still read: no disk fields (read as no disk figures)
 COST_MODEL_SCHEMA_V2 = "hybrimoe.cost_model/2"      # still read: no cpu_copy_overlap (read as 1), no cpu_c_s (0)
 COST_MODEL_SCHEMA_V1 = "hybrimoe.cost_model/1"      # still read: no copy_overlap either (both read as 1)
-COST_MODEL_SCHEMAS = (COST_MODEL_SCHEMA, COST_MODEL_SCHEMA_V2, COST_MODEL_SCHEMA_V1)  # read
-#: the schema version each field first appeared in (an older document reads CostModel's default, 1, for it)
-_FIELD_SINCE = {"copy_overlap": 2, "cpu_copy_overlap": 3, "cpu_c_s": 3}
+COST_MODEL_SCHEMAS = (COST_MODEL_SCHEMA, COST_MODEL_SCHEMA_V3, COST_MODEL_SCHEMA_V2, COST_MODEL_SCHEMA_V1)  # read
+#: the schema version each field first appeared in (an older document reads CostModel's default for it: overlaps
+#: 1, cpu_c_s 0, no disk figures)
+_FIELD_SINCE = {"copy_overlap": 2, "cpu_copy_overlap": 3, "cpu_c_s": 3, "disk_bandwidth_Bps": 4, "disk_latency_s": 4,
+                "disk_queue_depth": 4}
+#: the disk tier's fields (CostModel.disk_read; 0 bandwidth: no disk figures)
+DISK_FIELDS = ("disk_bandwidth_Bps", "disk_latency_s", "disk_queue_depth")
 COST_FIELDS = ("cpu_a_s", "cpu_b_s", "cpu_c_s", "cpu_startup_s", "gpu_a_s", "gpu_b_s", "h2d_bandwidth_Bps",
                "h2d_latency_s", "act_a_s", "act_b_s", "layer_a_s", "layer_b_s", "dense_a_s", "dense_b_s",
-               "copy_overlap", "cpu_copy_overlap")
+               "copy_overlap", "cpu_copy_overlap") + DISK_FIELDS
 
 
 class CostModelError(ValueError):
@@ -85,9 +95,9 @@ def _cost_model_and_sources(doc, where: str) -> tuple["_core.CostModel", dict]:
     schema = doc.get("schema")
     if schema not in COST_MODEL_SCHEMAS:
         got = "nothing" if "schema" not in doc else _shown(schema) if isinstance(schema, str) else _json_type(schema)
-        raise CostModelError(f"{where}: 'schema' must be '{COST_MODEL_SCHEMA}' (or '{COST_MODEL_SCHEMA_V2}', "
-                             f"'{COST_MODEL_SCHEMA_V1}'), got {got}")
-    version = 3 - COST_MODEL_SCHEMAS.index(schema)
+        older = "', '".join(COST_MODEL_SCHEMAS[1:])
+        raise CostModelError(f"{where}: 'schema' must be '{COST_MODEL_SCHEMA}' (or '{older}'), got {got}")
+    version = len(COST_MODEL_SCHEMAS) - COST_MODEL_SCHEMAS.index(schema)
     unknown = [str(k) for k in doc if k not in ("schema", "sources", *COST_FIELDS)]
     if unknown:
         raise CostModelError(f"{where}: unknown field(s) {', '.join(unknown)}")
@@ -96,7 +106,7 @@ def _cost_model_and_sources(doc, where: str) -> tuple["_core.CostModel", dict]:
         if _FIELD_SINCE.get(f, 1) > version:
             if f in doc:
                 raise CostModelError(f"{where}: field '{f}' is not in schema {schema}")
-            continue  # an older schema: CostModel's default (overlaps 1: copies beside compute, free for the CPU; c 0)
+            continue  # an older schema: CostModel's default (overlaps 1, c 0, no disk figures)
         if f not in doc:
             raise CostModelError(f"{where}: missing field '{f}'")
         v = doc[f]
@@ -112,6 +122,8 @@ def _cost_model_and_sources(doc, where: str) -> tuple["_core.CostModel", dict]:
     for f in ("copy_overlap", "cpu_copy_overlap"):
         if getattr(cm, f) > 1.0:
             raise CostModelError(f"{where}: field '{f}' must be in [0, 1]")
+    if cm.disk_queue_depth < 1.0:
+        raise CostModelError(f"{where}: field 'disk_queue_depth' must be >= 1 (reads in flight at once)")
     sources = doc.get("sources", {})
     if not isinstance(sources, dict):
         raise CostModelError(f"{where}: 'sources' must be an object of strings, got {_json_type(sources)}")
@@ -126,7 +138,7 @@ def _cost_model_and_sources(doc, where: str) -> tuple["_core.CostModel", dict]:
 
 
 def cost_model_from_dict(d: dict, where: str = "cost model") -> "_core.CostModel":
-    """CostModel from a ``hybrimoe.cost_model/3`` (or ``/2``, ``/1``) dict, as :func:`json.load` gives it.
+    """CostModel from a ``hybrimoe.cost_model/4`` (or ``/3``, ``/2``, ``/1``) dict, as :func:`json.load` gives it.
 
     Raises:
         CostModelError: not a dict, wrong schema, or a missing, unknown or bad field (named, with ``where``).
@@ -136,7 +148,7 @@ def cost_model_from_dict(d: dict, where: str = "cost model") -> "_core.CostModel
 
 def cost_model_to_dict(cm: "_core.CostModel", sources: Optional[dict] = None,
                        where: str = "cost model") -> dict:
-    """The ``hybrimoe.cost_model/3`` dict of a CostModel: the schema, every field as a float, and ``"sources"``
+    """The ``hybrimoe.cost_model/4`` dict of a CostModel: the schema, every field as a float, and ``"sources"``
     (str -> str, sorted by field) when given and not empty.
 
     Raises:

@@ -26,6 +26,12 @@ HARDWARE_SCHEMA = "hybrimoe.hardware/1"
 HARDWARE_FACTS = ("gpu_mem_bandwidth_Bps", "gpu_mem_efficiency", "gpu_effective_flops", "gpu_kernel_launch_s",
                   "gpu_kernels_per_expert", "gpu_kernels_per_layer", "cpu_mem_bandwidth_Bps", "cpu_mem_efficiency",
                   "cpu_effective_flops", "cpu_startup_s", "h2d_bandwidth_Bps", "h2d_latency_s", "gpu_memory_bytes")
+#: facts a hardware file may leave out (files written before them load): the host's RAM, bytes
+HARDWARE_OPTIONAL_FACTS = ("host_memory_bytes",)
+DISK_DIR = Path(__file__).resolve().parent / "disk_files"
+DISK_SCHEMA = "hybrimoe.disk/1"
+#: a disk file's facts: sequential read bytes/s, seconds before one read's data flows, reads in flight that gain
+DISK_FACTS = ("read_bandwidth_Bps", "read_latency_s", "queue_depth")
 
 
 def hardware_names() -> list[str]:
@@ -43,43 +49,90 @@ class Hardware:
     sources: dict
 
 
+def _read_facts(name_or_path: str, directory: Path, schema: str, required: tuple, optional: tuple = (),
+                what: str = "hardware preset") -> tuple[Path, dict, dict, dict]:
+    """(path, document, facts, sources) of a facts file: a bundled name in ``directory`` or a ``.json`` path, of
+    ``schema``, with every ``required`` fact (and those of ``optional`` it has) a positive finite ``value`` with a
+    ``source`` string. Raises ValueError for an unknown name, CostModelError naming the file and the problem."""
+    p = Path(name_or_path)
+    if not p.suffix == ".json":
+        p = directory / f"{name_or_path}.json"
+        if not p.is_file():
+            known = ", ".join(sorted(q.stem for q in directory.glob("*.json")))
+            raise ValueError(f"unknown {what} '{name_or_path}' (known: {known}), and no such file either (a "
+                             f"{what} or cost-model file is a .json path)")
+    try:
+        d = json.loads(p.read_text())
+    except OSError as e:
+        raise CostModelError(f"cannot read {what} {p}: {e}") from e
+    except json.JSONDecodeError as e:
+        raise CostModelError(f"{what} {p} is not valid JSON: {e}") from e
+    if not isinstance(d, dict) or d.get("schema") != schema or not isinstance(d.get("facts"), dict):
+        raise CostModelError(f"{what} {p}: expected schema '{schema}' with a 'facts' object")
+    facts, sources = {}, {}
+    for f in required + tuple(o for o in optional if o in d["facts"]):
+        entry = d["facts"].get(f)
+        if not isinstance(entry, dict) or "value" not in entry:
+            raise CostModelError(f"{what} {p}: missing fact '{f}' ({{'value': ..., 'source': ...}})")
+        v = entry["value"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise CostModelError(f"{what} {p}: fact '{f}' must be a positive number, got {v!r}")
+        if not isinstance(entry.get("source"), str) or not entry["source"].strip():
+            raise CostModelError(f"{what} {p}: fact '{f}' has no source")
+        facts[f], sources[f] = float(v), entry["source"]
+    return p, d, facts, sources
+
+
 def load_hardware(name_or_path: str) -> Hardware:
     """Loads a bundled hardware file by name (see :func:`hardware_names`) or a hardware JSON file by path.
+    :data:`HARDWARE_OPTIONAL_FACTS` (the host's RAM) are in ``facts`` only where the file has them.
 
     Raises ValueError naming an unknown preset, and CostModelError for corrupt JSON, a wrong schema, or a fact
     that is missing, not a positive finite number, or without a source string.
     """
-    p = Path(name_or_path)
-    if not p.suffix == ".json":
-        p = HARDWARE_DIR / f"{name_or_path}.json"
-        if not p.is_file():
-            raise ValueError(f"unknown hardware preset '{name_or_path}' (known: {', '.join(hardware_names())}), and "
-                             "no such file either (a preset or cost-model file is a .json path)")
-    try:
-        d = json.loads(p.read_text())
-    except OSError as e:
-        raise CostModelError(f"cannot read hardware preset {p}: {e}") from e
-    except json.JSONDecodeError as e:
-        raise CostModelError(f"hardware preset {p} is not valid JSON: {e}") from e
-    if not isinstance(d, dict) or d.get("schema") != HARDWARE_SCHEMA or not isinstance(d.get("facts"), dict):
-        raise CostModelError(f"hardware preset {p}: expected schema '{HARDWARE_SCHEMA}' with a 'facts' object")
-    facts, sources = {}, {}
-    for f in HARDWARE_FACTS:
-        entry = d["facts"].get(f)
-        if not isinstance(entry, dict) or "value" not in entry:
-            raise CostModelError(f"hardware preset {p}: missing fact '{f}' ({{'value': ..., 'source': ...}})")
-        v = entry["value"]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise CostModelError(f"hardware preset {p}: fact '{f}' must be a positive number, got {v!r}")
-        if not isinstance(entry.get("source"), str) or not entry["source"].strip():
-            raise CostModelError(f"hardware preset {p}: fact '{f}' has no source")
-        facts[f], sources[f] = float(v), entry["source"]
+    p, d, facts, sources = _read_facts(name_or_path, HARDWARE_DIR, HARDWARE_SCHEMA, HARDWARE_FACTS,
+                                       HARDWARE_OPTIONAL_FACTS)
     return Hardware(name=str(d.get("name", p.stem)), description=str(d.get("description", "")), facts=facts,
                     sources=sources)
 
 
-def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostModel":
-    """Derives a CostModel for ``model`` on ``hw`` (docs/design.md §1 and §6).
+def disk_names() -> list[str]:
+    """Names of the bundled disk files (``hybrimoe/policy/disk_files/*.json``)."""
+    return sorted(p.stem for p in DISK_DIR.glob("*.json"))
+
+
+def load_disk(name_or_path: str) -> Hardware:
+    """Loads a bundled disk file by name (see :func:`disk_names`) or a disk JSON file by path (schema
+    ``hybrimoe.disk/1``: ``name``, ``description`` and ``facts`` as a hardware file's, the facts
+    :data:`DISK_FACTS`: sequential read bandwidth in bytes/s, the latency of one read in seconds, and how many reads
+    in flight still gain throughput). Returned as a :class:`Hardware` record of those facts.
+
+    Raises ValueError naming an unknown disk, and CostModelError for corrupt JSON, a wrong schema, or a fact that is
+    missing, not a positive finite number (queue depth: at least 1), or without a source string.
+    """
+    p, d, facts, sources = _read_facts(name_or_path, DISK_DIR, DISK_SCHEMA, DISK_FACTS, what="disk")
+    if facts["queue_depth"] < 1:
+        raise CostModelError(f"disk {p}: fact 'queue_depth' must be >= 1, got {facts['queue_depth']!r}")
+    return Hardware(name=str(d.get("name", p.stem)), description=str(d.get("description", "")), facts=facts,
+                    sources=sources)
+
+
+def set_disk(cm: "_core.CostModel", disk: Optional[Hardware]) -> "_core.CostModel":
+    """Puts a disk's figures (:func:`load_disk`) into ``cm`` (``disk_bandwidth_Bps``, ``disk_latency_s``,
+    ``disk_queue_depth``), or no disk figures for None; returns ``cm``, validated."""
+    if disk is None:
+        cm.disk_bandwidth_Bps, cm.disk_latency_s, cm.disk_queue_depth = 0.0, 0.0, 1.0
+    else:
+        cm.disk_bandwidth_Bps = disk.facts["read_bandwidth_Bps"]
+        cm.disk_latency_s = disk.facts["read_latency_s"]
+        cm.disk_queue_depth = disk.facts["queue_depth"]
+    cm.validate()
+    return cm
+
+
+def cost_model_from_hardware(hw: Hardware, model: ModelFacts, disk: Optional[Hardware] = None) -> "_core.CostModel":
+    """Derives a CostModel for ``model`` on ``hw`` (docs/design.md §1 and §6), with ``disk``'s figures
+    (:func:`load_disk`; None: no disk figures, every expert in RAM).
 
     - CPU expert: reading its bytes at the effective host bandwidth (a decode-time expert is bandwidth bound), plus
       2*params FLOP per token at the effective CPU throughput; start-up from the preset.
@@ -120,8 +173,7 @@ def cost_model_from_hardware(hw: Hardware, model: ModelFacts) -> "_core.CostMode
     cm.dense_b_s = 2.0 * model.dense_layer_params / f["gpu_effective_flops"]
     cm.copy_overlap = 1.0
     cm.cpu_copy_overlap = max(0.0, 1.0 - f["h2d_bandwidth_Bps"] / cpu_bw)
-    cm.validate()
-    return cm
+    return set_disk(cm, disk)
 
 
 def truth_model_for(hw: Hardware, seed: int = 1) -> "_core.TruthModel":
@@ -144,7 +196,7 @@ def resolve_cost_model(spec, model: Optional[ModelFacts]) -> "_core.CostModel":
     """The planner's cost model for ``model``: ``spec`` None (the default hardware,
     :data:`hybrimoe.envs.DEFAULT_COST_HARDWARE`), a bundled hardware name or a hardware JSON file (schema
     ``hybrimoe.hardware/1``: :func:`cost_model_from_hardware`), a cost-model JSON file (schema
-    ``hybrimoe.cost_model/3``, ``/2`` or ``/1``), or a CostModel (validated).
+    ``hybrimoe.cost_model/4``, ``/3``, ``/2`` or ``/1``), or a CostModel (validated).
 
     Raises:
         ValueError (CostModelError): another type; an unknown name, a missing or unreadable file, a file of neither

@@ -24,7 +24,7 @@ context and devices; :func:`measure` swaps measuring engines onto the hook):
 - Non-expert work per MoE layer: (the run's compute time - the MoE layers' engine time) / layers, fitted against
   the tokens: ``layer_a_s + layer_b_s * tokens`` (dense layers get the same figures; an approximation).
 
-The result is a cost-model JSON (schema ``hybrimoe.cost_model/3``, with ``sources``) stored under ``calibration/``
+The result is a cost-model JSON (schema ``hybrimoe.cost_model/4``, with ``sources``) stored under ``calibration/``
 in hybrimoe's cache directory (:func:`hybrimoe.envs.cache_dir`), keyed by the model file and the device; the
 engine then uses it when ``moe_cost_model`` is not given. When none is stored, the engine's first use of that model
 on that device runs a short calibration on the model it just loaded (:func:`on_first_use`;
@@ -49,7 +49,7 @@ from hybrimoe import _core, _ggml
 from hybrimoe._lib import llama_cpp_module
 from hybrimoe.envs import AUTO_CALIBRATE_ENV, DEFAULT_COST_HARDWARE, auto_calibrate, cache_dir, progress_on
 from hybrimoe.outputs import atomic_path
-from hybrimoe.policy.cost_model import COST_FIELDS, CostModelError, save_cost_model
+from hybrimoe.policy.cost_model import COST_FIELDS, DISK_FIELDS, CostModelError, save_cost_model
 from hybrimoe.policy.hardware import resolve_cost_model
 from hybrimoe.runtime.engine_facts import engine_module
 from hybrimoe.runtime.generate import FIXED_TEXT
@@ -197,6 +197,7 @@ class _Measurement:
         for f in COST_FIELDS:
             setattr(self.cm, f, getattr(self.preset, f))
         self.sources = {f: f"{DEFAULT_COST_HARDWARE} preset (not measured)" for f in COST_FIELDS}
+        self.sources.update({f: "no disk figures (the disk is not measured)" for f in DISK_FIELDS})
         self.hook = llm.moe_hook
         self.before = llm.moe_engine  # the Llama's own engine (None during its first-use calibration)
         self.prompt = _varied_prompt(llm, max(sizes) * (reps + 1))

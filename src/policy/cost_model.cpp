@@ -16,6 +16,8 @@ void CostModel::validate() const {
         {"h2d_latency_s", h2d_latency_s}, {"act_a_s", act_a_s}, {"act_b_s", act_b_s},
         {"layer_a_s", layer_a_s}, {"layer_b_s", layer_b_s}, {"dense_a_s", dense_a_s},
         {"dense_b_s", dense_b_s}, {"copy_overlap", copy_overlap}, {"cpu_copy_overlap", cpu_copy_overlap},
+        {"disk_bandwidth_Bps", disk_bandwidth_Bps}, {"disk_latency_s", disk_latency_s},
+        {"disk_queue_depth", disk_queue_depth},
     };
     for (const auto & f : fields) {
         if (!std::isfinite(f.value) || f.value < 0.0) {
@@ -28,6 +30,10 @@ void CostModel::validate() const {
     }
     if (copy_overlap > 1.0) {
         throw std::invalid_argument("CostModel.copy_overlap must be in [0, 1], got " + std::to_string(copy_overlap));
+    }
+    if (disk_queue_depth < 1.0) {
+        throw std::invalid_argument("CostModel.disk_queue_depth must be >= 1 (reads in flight at once), got " +
+                                    std::to_string(disk_queue_depth));
     }
     if (cpu_copy_overlap > 1.0) {
         throw std::invalid_argument("CostModel.cpu_copy_overlap must be in [0, 1], got " +

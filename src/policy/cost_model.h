@@ -1,6 +1,8 @@
 // Cost model of one MoE layer's work on CPU, GPU and the host-to-device link (HybriMoE §IV.B; docs/design.md §1).
 #pragma once
 
+#include <limits>
+
 namespace hybrimoe {
 
 /// Predicted durations, all in seconds, of the pieces of one MoE layer.
@@ -25,8 +27,13 @@ namespace hybrimoe {
 ///   prefetches and fills, queued before the CPU share runs) delay that layer's CPU share by
 ///   (1 - cpu_copy_overlap) of their time: host-memory contention on a real GPU, the whole copy on a device whose
 ///   copies block the issuing thread.
-/// The numbers come from a calibration or from a hardware preset (hybrimoe/presets/*.json), never from constants
-/// in the scheduler. The C++ side only holds them: cost-model JSON files (schema hybrimoe.cost_model/3) are read
+/// - Disk (the tier below host RAM, for models larger than RAM): a read of `bytes` of the model file takes
+///   `bytes / disk_bandwidth_Bps + disk_latency_s` when it runs alone; up to `disk_queue_depth` reads are in
+///   flight at once and share the bandwidth (more than that wait). `disk_bandwidth_Bps` 0: no disk figures
+///   (every expert in RAM, today's case; a RAM tier cannot be planned with such a model).
+/// The numbers come from a calibration or from a hardware file (hybrimoe/policy/hardware_files/*.json, a disk from
+/// hybrimoe/policy/disk_files/*.json), never from constants in the scheduler. The C++ side only holds them:
+/// cost-model JSON files (schema hybrimoe.cost_model/4) are read
 /// and written in Python (hybrimoe.policy), which hands the engine and the simulator a CostModel.
 struct CostModel {
     double cpu_a_s = 0.0;
@@ -45,6 +52,9 @@ struct CostModel {
     double dense_b_s = 0.0;
     double copy_overlap = 1.0;
     double cpu_copy_overlap = 1.0;
+    double disk_bandwidth_Bps = 0.0;
+    double disk_latency_s = 0.0;
+    double disk_queue_depth = 1.0;
 
     /// Rows of an expert up to which each pays cpu_c_s on top of cpu_b_s.
     static constexpr int kCpuSmallRows = 8;
@@ -57,6 +67,12 @@ struct CostModel {
     double act(int n_tokens) const { return act_a_s + act_b_s * n_tokens; }
     double layer(int n_tokens) const { return layer_a_s + layer_b_s * n_tokens; }
     double dense(int n_tokens) const { return dense_a_s + dense_b_s * n_tokens; }
+    /// Whether the disk figures are known (disk_bandwidth_Bps > 0).
+    bool has_disk() const { return disk_bandwidth_Bps > 0.0; }
+    /// Seconds to read `bytes` from the disk with no other read in flight; infinity without disk figures.
+    double disk_read(double bytes) const {
+        return has_disk() ? bytes / disk_bandwidth_Bps + disk_latency_s : std::numeric_limits<double>::infinity();
+    }
 
     /// Seconds of copy-queue time during which the device cannot compute: (1 - copy_overlap) * queue_s.
     double copy_blocking(double queue_s) const { return (1.0 - copy_overlap) * queue_s; }
@@ -65,7 +81,7 @@ struct CostModel {
     double cpu_copy_blocking(double copy_s) const { return (1.0 - cpu_copy_overlap) * copy_s; }
 
     /// Throws std::invalid_argument naming the first field that is negative or not finite, a non-positive
-    /// bandwidth, or a copy_overlap or cpu_copy_overlap outside [0, 1].
+    /// link bandwidth, a copy_overlap or cpu_copy_overlap outside [0, 1], or a disk_queue_depth below 1.
     void validate() const;
 };
 

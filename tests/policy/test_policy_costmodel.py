@@ -20,7 +20,7 @@ def test_cost_model_json_roundtrip(tmp_path):
 
 def test_saved_numbers_read_back_bit_for_bit(tmp_path):
     """Values with no short decimal form (thirds, 0.1 + 0.2, the smallest subnormal, the largest double, -0.0)
-    come back as the same doubles; the file is schema /3 with every field and the sources, sorted."""
+    come back as the same doubles; the file is schema /4 with every field and the sources, sorted."""
     cm = _core.CostModel()
     cm.cpu_a_s, cm.cpu_b_s, cm.gpu_b_s = 1e-4 / 3, 0.1 + 0.2, 5e-324
     cm.h2d_bandwidth_Bps, cm.layer_b_s, cm.dense_a_s, cm.copy_overlap = 24.7e9, 1.7976931348623157e308, -0.0, 2 / 3
@@ -31,7 +31,7 @@ def test_saved_numbers_read_back_bit_for_bit(tmp_path):
     for f in pol.COST_FIELDS:
         assert struct.pack("<d", getattr(back, f)) == struct.pack("<d", getattr(cm, f)), f
     doc = json.loads(path.read_text(encoding="utf-8"))
-    assert list(doc) == ["schema", *pol.COST_FIELDS, "sources"] and doc["schema"] == "hybrimoe.cost_model/3"
+    assert list(doc) == ["schema", *pol.COST_FIELDS, "sources"] and doc["schema"] == "hybrimoe.cost_model/4"
     assert list(doc["sources"].items()) == sorted(sources.items())
     assert pol.cost_model_to_dict(back, sources) == doc
     # no sources: no "sources" key
@@ -45,7 +45,8 @@ def test_saved_numbers_read_back_bit_for_bit(tmp_path):
     ("[1, 2]", "expected a JSON object, got array"),
     ('"x"', "expected a JSON object, got string"),
     (json.dumps({"schema": "x"}),
-     "'schema' must be 'hybrimoe.cost_model/3' \\(or 'hybrimoe.cost_model/2', 'hybrimoe.cost_model/1'\\), got "
+     "'schema' must be 'hybrimoe.cost_model/4' \\(or 'hybrimoe.cost_model/3', 'hybrimoe.cost_model/2', "
+     "'hybrimoe.cost_model/1'\\), got "
      "\"x\""),
     (json.dumps({"cpu_a_s": 1}), "'schema' must be .* got nothing"),
     (json.dumps({"schema": 2}), "'schema' must be .* got number"),
@@ -114,10 +115,12 @@ def test_older_schemas_read_with_the_overlaps_they_lack_at_1():
     overlaps at 1 (copies beside compute, free for the CPU); /3 requires both, an older schema refuses a field it
     did not have, and both must lie in [0, 1]."""
     d = pol.cost_model_to_dict(_core.CostModel())
-    assert d["schema"] == "hybrimoe.cost_model/3" and d["copy_overlap"] == 1.0 and d["cpu_copy_overlap"] == 1.0
+    assert d["schema"] == "hybrimoe.cost_model/4" and d["copy_overlap"] == 1.0 and d["cpu_copy_overlap"] == 1.0
     d["copy_overlap"], d["cpu_copy_overlap"] = 0.25, 0.5
     back = pol.cost_model_from_dict(d)
     assert (back.copy_overlap, back.cpu_copy_overlap) == (0.25, 0.5)
+    d = {k: v for k, v in d.items() if k not in pol.DISK_FIELDS}
+    d["schema"] = "hybrimoe.cost_model/3"
     v2 = dict({k: v for k, v in d.items() if k not in ("cpu_copy_overlap", "cpu_c_s")}, schema="hybrimoe.cost_model/2")
     back = pol.cost_model_from_dict(v2)
     assert (back.copy_overlap, back.cpu_copy_overlap) == (0.25, 1.0)
@@ -139,6 +142,75 @@ def test_older_schemas_read_with_the_overlaps_they_lack_at_1():
         pol.cost_model_from_dict(dict(d, copy_overlap=1.5))
     with pytest.raises(ValueError, match="cpu_copy_overlap' must be in \\[0, 1\\]"):
         pol.cost_model_from_dict(dict(d, cpu_copy_overlap=1.5))
+
+
+def test_disk_fields_since_schema_4():
+    """Schema /4 carries the disk tier's figures; a /3 file reads as no disk figures (bandwidth 0, queue depth 1),
+    refuses a disk field, and /4 requires them; a queue depth below 1 or a negative latency is refused in the file
+    and by CostModel.validate."""
+    cm = _core.CostModel()
+    assert (cm.disk_bandwidth_Bps, cm.disk_latency_s, cm.disk_queue_depth, cm.has_disk) == (0.0, 0.0, 1.0, False)
+    assert cm.disk_read(1e6) == float("inf")
+    cm.disk_bandwidth_Bps, cm.disk_latency_s, cm.disk_queue_depth = 5e9, 1e-4, 4.0
+    assert cm.has_disk and cm.disk_read(5e6) == pytest.approx(5e6 / 5e9 + 1e-4)
+    d = pol.cost_model_to_dict(cm)
+    back = pol.cost_model_from_dict(d)
+    assert [getattr(back, f) for f in pol.DISK_FIELDS] == [5e9, 1e-4, 4.0]
+    v3 = dict({k: v for k, v in d.items() if k not in pol.DISK_FIELDS}, schema="hybrimoe.cost_model/3")
+    old = pol.cost_model_from_dict(v3)
+    assert not old.has_disk and old.disk_queue_depth == 1.0 and old.cpu_a_s == cm.cpu_a_s
+    with pytest.raises(ValueError, match="'disk_latency_s' is not in schema hybrimoe.cost_model/3"):
+        pol.cost_model_from_dict(dict(v3, disk_latency_s=1e-4))
+    with pytest.raises(ValueError, match="missing field 'disk_bandwidth_Bps'"):
+        pol.cost_model_from_dict(dict(v3, schema="hybrimoe.cost_model/4"))
+    with pytest.raises(ValueError, match="'disk_queue_depth' must be >= 1"):
+        pol.cost_model_from_dict(dict(d, disk_queue_depth=0.5))
+    with pytest.raises(ValueError, match="'disk_latency_s' must be a finite number >= 0"):
+        pol.cost_model_from_dict(dict(d, disk_latency_s=-1.0))
+    cm.disk_queue_depth = 0.0
+    with pytest.raises(ValueError, match="disk_queue_depth must be >= 1"):
+        cm.validate()
+
+
+def test_disk_files_have_sources_and_set_the_cost_model(tmp_path):
+    """The bundled disks (a PCIe 4.0 and a PCIe 5.0 NVMe SSD) load with a source per fact and set the cost
+    model's disk fields; a hardware file carries the host's RAM (optional: files without it still load); bad disk
+    files are refused naming the file and the fact."""
+    assert set(pol.disk_names()) >= {"pcie4-nvme", "pcie5-nvme"}
+    facts = MODEL_FACTS["deepseek-v2-lite"]
+    hw = pol.load_hardware("rtx4090-desktop")
+    assert hw.facts["host_memory_bytes"] == 64e9 and hw.sources["host_memory_bytes"].strip()
+    assert not pol.cost_model_from_hardware(hw, facts).has_disk
+    speeds = {}
+    for name in pol.disk_names():
+        disk = pol.load_disk(name)
+        assert all(disk.sources[f].strip() for f in ("read_bandwidth_Bps", "read_latency_s", "queue_depth"))
+        cm = pol.cost_model_from_hardware(hw, facts, disk)
+        assert (cm.disk_bandwidth_Bps, cm.disk_latency_s, cm.disk_queue_depth) == (
+            disk.facts["read_bandwidth_Bps"], disk.facts["read_latency_s"], disk.facts["queue_depth"])
+        # an expert from disk costs more than over PCIe from RAM, which costs more than computing it on the CPU
+        assert cm.disk_read(facts.expert_bytes) > cm.h2d(facts.expert_bytes) > cm.cpu(1)
+        speeds[name] = cm.disk_read(facts.expert_bytes)
+        assert pol.set_disk(cm, None).has_disk is False
+    assert speeds["pcie5-nvme"] < speeds["pcie4-nvme"]
+    d = json.loads((pol.HARDWARE_DIR / "h200.json").read_text())
+    del d["facts"]["host_memory_bytes"]
+    (tmp_path / "hw.json").write_text(json.dumps(d))
+    assert "host_memory_bytes" not in pol.load_hardware(str(tmp_path / "hw.json")).facts
+    with pytest.raises(ValueError, match="unknown disk 'nope' \\(known: pcie4-nvme, pcie5-nvme"):
+        pol.load_disk("nope")
+    d = json.loads((pol.hardware.DISK_DIR / "pcie4-nvme.json").read_text())
+    d["facts"]["queue_depth"]["value"] = 0.5
+    (tmp_path / "d.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="d.json: fact 'queue_depth' must be >= 1"):
+        pol.load_disk(str(tmp_path / "d.json"))
+    d["facts"].pop("read_latency_s")
+    (tmp_path / "d.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="disk .*d.json: missing fact 'read_latency_s'"):
+        pol.load_disk(str(tmp_path / "d.json"))
+    (tmp_path / "h.json").write_text(json.dumps(dict(d, schema="hybrimoe.hardware/1")))
+    with pytest.raises(ValueError, match="expected schema 'hybrimoe.disk/1'"):
+        pol.load_disk(str(tmp_path / "h.json"))
 
 
 def test_presets_have_sources_and_derive_sane_costs():
@@ -199,6 +271,8 @@ def test_a_document_written_by_hand_reads(tmp_path):
     d.pop("copy_overlap")
     d.pop("cpu_copy_overlap")
     d.pop("cpu_c_s")
+    for f in pol.DISK_FIELDS:
+        d.pop(f)
     d["schema"] = "hybrimoe.cost_model/1"
     (tmp_path / "p.json").write_text(json.dumps(dict(reversed(list(d.items()))), separators=(",", ":")))
     back = pol.load_cost_model(tmp_path / "p.json")

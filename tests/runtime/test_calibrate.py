@@ -216,7 +216,7 @@ def test_a_damaged_stored_calibration_is_set_aside_and_measured_again(tiny_model
                                                                        monkeypatch):
     """A stored calibration that cannot be read costs a warning, not the model: the file is kept as .bad (the
     user's bytes are not lost) and the first use measures and stores a new one."""
-    from hybrimoe import Llama
+    from hybrimoe import Llama, policy
     from hybrimoe.runtime import calibration
     from hybrimoe.runtime.engine_facts import slot_bytes
 
@@ -232,7 +232,7 @@ def test_a_damaged_stored_calibration_is_set_aside_and_measured_again(tiny_model
     try:
         assert llm.moe_stats()["engine"]["cost_model"] == str(target)
         assert target.with_name(target.name + ".bad").read_text().startswith('{"schema"')
-        assert json.loads(target.read_text())["schema"] == "hybrimoe.cost_model/3"
+        assert json.loads(target.read_text())["schema"] == policy.COST_MODEL_SCHEMA
     finally:
         llm.close()
 
