@@ -261,6 +261,16 @@ class TruthModel:
 
 DEFAULT_PREDICTOR_RECALL: tuple[float, ...]  # simulator: assumed predictor recall per distance
 
+class RamTierConfig:
+    reads: str
+    keep: bool
+    lookahead: int
+    ready_first: bool
+    fault_bytes: float
+    recall: list[float]
+    def __init__(self) -> None: ...
+    def validate(self) -> None: ...
+
 class SimConfig:
     stage: str
     ubatch: int
@@ -271,6 +281,7 @@ class SimConfig:
     max_tokens: int
     timeline_step: int
     timeline_layers: int
+    ram: RamTierConfig
     def __init__(self) -> None: ...
     def validate(self) -> None: ...
 
@@ -305,6 +316,13 @@ class SimResult:
     link_busy_s: float
     predicted_moe_s: float
     charged_moe_s: float
+    ram_cache: CacheStats
+    bytes_disk: float
+    bytes_disk_prefetch: float
+    disk_reads: int
+    page_faults: int
+    ram_prefetch_issued: int
+    disk_busy_s: float
     decision_us_mean: float
     prefetch_us_mean: float
     layer_moe_s: list[float]
@@ -315,7 +333,7 @@ def replay_cache(trace: Trace, cache: ExpertCache, first_prompt: int, end_prompt
                  config: SimConfig) -> CacheStats: ...
 def simulate(trace: Trace, cache: ExpertCache, scheduler: SchedulePolicy, prefetcher: PrefetchPolicy,
              planner: CostModel, truth_cost: CostModel, truth: TruthModel, config: SimConfig, first_prompt: int,
-             end_prompt: int) -> SimResult: ...
+             end_prompt: int, ram_cache: ExpertCache | None = None) -> SimResult: ...
 def replay_decisions(log: Iterable[dict[str, Any]], cache: ExpertCache, scheduler: SchedulePolicy,
                      prefetcher: PrefetchPolicy, cost_model: CostModel, has_slots: bool, prefetch_layers: int,
                      fill_on_miss: bool) -> list[dict[str, Any]]: ...

@@ -76,6 +76,19 @@ void bind_simulator(py::module_ & m) {
     // A tuple, so that it cannot be changed in place: SimConfig() starts from the compiled-in default, a changed
     // copy here would not reach it.
     m.attr("DEFAULT_PREDICTOR_RECALL") = py::tuple(py::cast(kDefaultPredictorRecall));
+    py::class_<RamTierConfig>(m, "RamTierConfig",
+                              "How the RAM tier reads experts from the model file: reads ('queued' or 'faulting'), "
+                              "keep (offer read experts to the RAM cache), lookahead (MoE layers read ahead), "
+                              "ready_first (the CPU runs resident experts first), fault_bytes, recall.")
+        .def(py::init<>())
+        .def_readwrite("reads", &RamTierConfig::reads)
+        .def_readwrite("keep", &RamTierConfig::keep)
+        .def_readwrite("lookahead", &RamTierConfig::lookahead)
+        .def_readwrite("ready_first", &RamTierConfig::ready_first)
+        .def_readwrite("fault_bytes", &RamTierConfig::fault_bytes)
+        .def_readwrite("recall", &RamTierConfig::recall)
+        .def("validate", &RamTierConfig::validate);
+
     py::class_<SimConfig>(m, "SimConfig", "Simulator settings; recall per distance is an assumption to report.")
         .def(py::init<>())
         .def_readwrite("stage", &SimConfig::stage)
@@ -87,6 +100,7 @@ void bind_simulator(py::module_ & m) {
         .def_readwrite("max_tokens", &SimConfig::max_tokens)
         .def_readwrite("timeline_step", &SimConfig::timeline_step)
         .def_readwrite("timeline_layers", &SimConfig::timeline_layers)
+        .def_readwrite("ram", &SimConfig::ram)
         .def("validate", &SimConfig::validate);
 
     py::class_<TimelineEvent>(m, "TimelineEvent", "resource 0 CPU, 1 GPU, 2 PCIe; kind 0 compute, 1 demand copy, "
@@ -121,6 +135,13 @@ void bind_simulator(py::module_ & m) {
         .def_readonly("link_busy_s", &SimResult::link_busy_s)
         .def_readonly("predicted_moe_s", &SimResult::predicted_moe_s)
         .def_readonly("charged_moe_s", &SimResult::charged_moe_s)
+        .def_readonly("ram_cache", &SimResult::ram_cache)
+        .def_readonly("bytes_disk", &SimResult::bytes_disk)
+        .def_readonly("bytes_disk_prefetch", &SimResult::bytes_disk_prefetch)
+        .def_readonly("disk_reads", &SimResult::disk_reads)
+        .def_readonly("page_faults", &SimResult::page_faults)
+        .def_readonly("ram_prefetch_issued", &SimResult::ram_prefetch_issued)
+        .def_readonly("disk_busy_s", &SimResult::disk_busy_s)
         .def_readonly("decision_us_mean", &SimResult::decision_us_mean)
         .def_readonly("prefetch_us_mean", &SimResult::prefetch_us_mean)
         .def_readonly("layer_moe_s", &SimResult::layer_moe_s)
@@ -140,8 +161,10 @@ void bind_simulator(py::module_ & m) {
           "Cache-only replay (every miss offered for admission); returns CacheStats.");
     m.def("simulate", &simulate, py::arg("trace"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"),
           py::arg("planner"), py::arg("truth_cost"), py::arg("truth"), py::arg("config"), py::arg("first_prompt"),
-          py::arg("end_prompt"), py::call_guard<py::gil_scoped_release>(),
-          "Event-driven simulation of prompts [first_prompt, end_prompt); see hybrimoe.simulate.");
+          py::arg("end_prompt"), py::arg("ram_cache") = static_cast<ExpertCache *>(nullptr),
+          py::call_guard<py::gil_scoped_release>(),
+          "Event-driven simulation of prompts [first_prompt, end_prompt); ram_cache: the RAM tier's ExpertCache "
+          "(None: every expert in RAM); see hybrimoe.simulate.");
     m.def("replay_decisions",
           [](py::iterable log, py::object cache, py::object scheduler, py::object prefetcher, const CostModel & cost,
              bool has_slots, int prefetch_layers, bool fill_on_miss) {

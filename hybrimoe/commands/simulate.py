@@ -20,10 +20,10 @@ from hybrimoe.model.facts import MODEL_FACTS, ModelFacts, facts_from_gguf
 from hybrimoe.outputs import check_output, write_text
 from hybrimoe.policy.budget import parse_budget
 from hybrimoe.policy.cost_model import load_cost_model
-from hybrimoe.policy.hardware import hardware_names, load_hardware
-from hybrimoe.policy.presets import SYSTEM_PRESETS, system_preset
+from hybrimoe.policy.hardware import disk_names, hardware_names, load_disk, load_hardware
+from hybrimoe.policy.presets import RAM_PRESETS, SYSTEM_PRESETS, ram_preset, system_preset
 from hybrimoe.sim.plots import PLOT_FILES, write_plots
-from hybrimoe.sim.simulator import Setup, cache_hit_rates, format_table
+from hybrimoe.sim.simulator import DEFAULT_DISK, Setup, cache_hit_rates, format_table
 from hybrimoe.traces.format import RoutingTrace, default_trace_path, load_trace
 
 HELP = "trace-driven comparison of expert placement policies"
@@ -31,6 +31,8 @@ HELP = "trace-driven comparison of expert placement policies"
 PLOT_CACHE_FRACTIONS = (0.1, 0.25, 0.5, 0.75)
 DEFAULT_POLICIES = ("hybrimoe", "hybrimoe-lru", "ktransformers", "hot-set", "upstream-ncmoe", "gpu-on-demand",
                     "belady", "oracle")
+#: the GPU-tier presets --moe-ram-cache compares the RAM presets under when --policies is not given
+DEFAULT_RAM_TIER_POLICIES = ("hybrimoe",)
 
 
 def presets_help() -> str:
@@ -57,9 +59,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                            "derived planner costs)")
     parser.add_argument("--moe-cache", default="25%", help="GPU expert-cache budget: '25%%' of all routed-expert "
                                                            "bytes, bytes, or e.g. '3GiB'")
+    parser.add_argument("--moe-ram-cache", default=None, metavar="BUDGET",
+                        help="host RAM for routed experts, for a model larger than RAM: '25%%' of all routed-expert "
+                             "bytes, '12GiB' or bytes (as run's --moe-ram-cache); the experts in neither cache are "
+                             "read from disk (--disk). Unset: every expert in RAM")
+    parser.add_argument("--disk", default=None, metavar="NAME|FILE",
+                        help=f"the disk under the RAM tier: {', '.join(disk_names())} or a disk JSON file "
+                             f"(default {DEFAULT_DISK}; only with --moe-ram-cache)")
+    parser.add_argument("--ram-policies", default=",".join(RAM_PRESETS),
+                        help="RAM-tier presets to compare with --moe-ram-cache, each with every --policies preset: "
+                             + "; ".join(f"{n}: {s['about']}" for n, s in RAM_PRESETS.items()))
     parser.add_argument("--stage", choices=("decode", "prefill"), default="decode")
-    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                        help="comma-separated system presets (default: %(default)s). " +
+    parser.add_argument("--policies", default=None,
+                        help=f"comma-separated system presets (default: {','.join(DEFAULT_POLICIES)}; with "
+                             f"--moe-ram-cache {','.join(DEFAULT_RAM_TIER_POLICIES)}). " +
                              presets_help().replace("%", "%%") +
                              ". Presets and sources: hybrimoe.policy.presets.SYSTEM_PRESETS")
     parser.add_argument("--json", default=None, help="write the records to this JSON file")
@@ -182,6 +195,24 @@ def load_inputs(args) -> tuple[RoutingTrace, Optional[ModelFacts], str, int, lis
     return trace, facts, source, n_dropped, notes
 
 
+def _ram_names(args) -> list:
+    """The RAM-tier presets of ``--ram-policies`` (checked), or [] without ``--moe-ram-cache``.
+
+    Raises:
+        ValueError: an empty list or an unknown preset, or ``--ram-policies`` given without ``--moe-ram-cache``.
+    """
+    names = [p.strip() for p in str(args.ram_policies).split(",") if p.strip()]
+    if args.moe_ram_cache is None:
+        if args.ram_policies != ",".join(RAM_PRESETS):
+            raise ValueError("--ram-policies needs --moe-ram-cache (without a RAM budget every expert is in RAM)")
+        return []
+    if not names:
+        raise ValueError("--ram-policies is empty")
+    for n in names:
+        ram_preset(n)
+    return names
+
+
 def _setup_maker(args, names: list):
     """Checks the flags, then the inputs (the flags first: a typo in ``--hardware`` is named even where the trace is
     missing), and returns ``(make_setup(budget) -> Setup, the first Setup, notes to print)``.
@@ -193,10 +224,17 @@ def _setup_maker(args, names: list):
         raise ValueError("--policies is empty")
     for n in names:
         system_preset(n)
+    ram_names = _ram_names(args)
     recall = _positive_recall(args.recall, args.prefetch_depth)
     hw = load_hardware(args.hardware)
     cm = load_cost_model(args.cost_model) if args.cost_model else None
     parse_budget(args.moe_cache, 1.0, 0.0)  # its syntax and range, before the trace gives the totals
+    if args.moe_ram_cache is not None:
+        parse_budget(args.moe_ram_cache, 1.0, 0.0)
+        load_disk(args.disk or DEFAULT_DISK)
+    elif args.disk is not None:
+        raise ValueError("--disk needs --moe-ram-cache (without a RAM budget every expert is in RAM)")
+    del ram_names
     _check_outputs(args.json, args.plot, args.force,
                    [("--trace", args.trace or default_trace_path()), ("-m", args.model),
                     ("--cost-model", args.cost_model),
@@ -207,15 +245,17 @@ def _setup_maker(args, names: list):
         return Setup(trace, hw, budget_spec, args.stage, cost_model=cm, max_tokens=args.max_tokens,
                      max_prompts=args.max_prompts, ubatch=args.ubatch, prefetch_depth=args.prefetch_depth,
                      recall=recall, profile_fraction=args.profile_fraction, seed=args.seed, facts=facts,
-                     facts_source=source, n_dropped=n_dropped)
+                     facts_source=source, n_dropped=n_dropped, ram_cache=args.moe_ram_cache, disk=args.disk)
 
     return make_setup, make_setup(args.moe_cache), notes
 
 
 def _report(args, setup: Setup, records: list) -> None:
     """Prints the table, the assumptions and (``--hit-rates``) the cache-only hit rates."""
+    ram = (f" | RAM {args.moe_ram_cache} ({setup.ram_budget / 1e9:.2f} GB), disk {setup.disk.name}"
+           if setup.ram_budget is not None else "")
     print(f"hybrimoe simulate: {setup.trace.path or 'trace'} | {setup.hw.name} | cache {args.moe_cache} "
-          f"({setup.budget / 1e9:.2f} GB) | {args.stage} | prompts {setup.first}..{setup.end} | "
+          f"({setup.budget / 1e9:.2f} GB){ram} | {args.stage} | prompts {setup.first}..{setup.end} | "
           f"{records[0]['tokens'] if records else 0} tokens")
     print(format_table(records))
     a = setup.assumptions(records[0]["policy"])
@@ -242,20 +282,23 @@ def _plots(args, make_setup, setup: Setup, records: list, names: list) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``hybrimoe simulate``; returns the exit status (0 ok, 2 bad input)."""
-    names = [p.strip() for p in str(args.policies).split(",") if p.strip()]
+    default = DEFAULT_RAM_TIER_POLICIES if args.moe_ram_cache is not None else DEFAULT_POLICIES
+    names = [p.strip() for p in str(args.policies or ",".join(default)).split(",") if p.strip()]
     try:
         make_setup, setup, notes = _setup_maker(args, names)
+        ram_names = _ram_names(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"hybrimoe simulate: error: {e}", file=sys.stderr)
         return 2
     for note in notes:
         print(f"hybrimoe simulate: {note}")
-    bar = tqdm(names, desc=f"simulate {args.stage}", unit="policy", file=sys.stderr,
+    runs = [(n, r) for n in names for r in (ram_names or [None])]
+    bar = tqdm(runs, desc=f"simulate {args.stage}", unit="run", file=sys.stderr,
                disable=args.no_progress or not progress_on())
     records = []
-    for n in bar:
-        bar.set_postfix_str(n)
-        records.append(setup.run(n))
+    for n, r in bar:
+        bar.set_postfix_str(n if r is None else f"{n}/{r}")
+        records.append(setup.run(n, ram=r))
     bar.close()
     _report(args, setup, records)
     if args.json:

@@ -208,3 +208,105 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
         pre = _core.make_prefetcher(str(pre) if prefetch else "none")
     return PolicySet(cache=cache, scheduler=sched, prefetcher=pre, fill_on_miss=fill, name=name,
                      true_routing=bool(comp.get("true_routing", False)))
+
+
+#: The RAM tier's presets, for a model larger than host RAM: which experts stay in RAM (``cache``: a cache policy
+#: name, or ``static-frequency`` for a profiled hot set) and how the others arrive from the model file (``reads``:
+#: ``queued`` pread reads that the work needing an expert waits for, or ``faulting`` mmap page faults on the thread
+#: that touches the expert; ``keep``: read experts are offered to the RAM cache; ``lookahead``: MoE layers whose
+#: predicted experts are read ahead; ``ready_first``: the CPU share runs the experts already in RAM first;
+#: ``streaming``: as the GPU presets', for reads; ``true_routing``: the look-ahead sees the true routing, a bound;
+#: ``also``: a bound's alternative plans, the fastest kept). :class:`hybrimoe._core.RamTierConfig` holds
+#: the same fields for the simulator. ``baseline``: a system users run today, which hybrimoe must not be slower than.
+RAM_PRESETS = {
+    "hybrimoe": dict(cache="mrs", reads="queued", keep=True, lookahead=3, ready_first=True, true_routing=False,
+                     baseline=False, streaming=STREAMING_FRACTION,
+                     about="MRS RAM cache (reads for a ubatch that activates half a layer's experts or more enter "
+                           "at the lowest eviction rank, LIP); the router look-ahead reads the next 3 MoE layers' "
+                           "predicted experts while this layer computes; the CPU runs the experts already in RAM "
+                           "first",
+                     source="HybriMoE's cache (§IV.D) and impact-driven prefetch (§IV.C) applied to the tier below "
+                            "the GPU (docs/design.md §17)"),
+    "mmap": dict(cache="lru", reads="faulting", keep=True, lookahead=0, ready_first=False, true_routing=False,
+                 baseline=True,
+                 about="upstream llama.cpp's mmap: the kernel's page cache of the same RAM (LRU), a routed expert "
+                       "not in it faults in 128 KiB at a time on the thread that touches it",
+                 source="upstream llama.cpp src/llama-mmap.cpp (the file mapped, read by page faults); Linux's "
+                        "default read_ahead_kb 128"),
+    "hot-set": dict(cache="static-frequency", reads="faulting", keep=False, lookahead=0, ready_first=False,
+                    true_routing=False, baseline=True,
+                    about="the profile's most frequently routed experts pinned in RAM (mlock), every other expert "
+                          "faulted in from the file at each use",
+                    source="a static hot set, as the GPU tier's hot-set preset (docs/design.md §5), one tier down"),
+    "prefetch-at-use": dict(cache="lru", reads="queued", keep=True, lookahead=0, ready_first=False,
+                            true_routing=False, baseline=True,
+                            about="a page cache of the same RAM (LRU); once a layer's router ran, I/O workers read "
+                                  "its selected experts that are not in RAM, in parallel, and compute waits for "
+                                  "each",
+                            source="ik_llama.cpp --prefetch-experts (pread workers warm the page cache with the "
+                                   "experts the router selected, at the layer that uses them)"),
+    "oracle": dict(cache="belady", reads="queued", keep=True, lookahead=3, ready_first=True, true_routing=True,
+                   baseline=False, also=("lookahead-oracle",),
+                   about="bound: a clairvoyant (Belady) RAM cache and a look-ahead that knows the routing, or "
+                         "lookahead-oracle's plan where that is faster",
+                   source="docs/design.md §5 bounds, one tier down"),
+    "lookahead-oracle": dict(cache="mrs", reads="queued", keep=True, lookahead=3, ready_first=True,
+                             true_routing=True, baseline=False, streaming=STREAMING_FRACTION,
+                             about="bound: hybrimoe's RAM tier with a look-ahead that knows the routing (where "
+                                   "reads ahead fill the RAM, Belady's bypass can keep out what they would bring)",
+                             source="docs/design.md §5 bounds, one tier down"),
+}
+#: the RAM presets of systems users run today (the never-worse table's baselines for the RAM tier)
+RAM_BASELINES = tuple(n for n, s in RAM_PRESETS.items() if s["baseline"])
+
+
+def ram_preset(name: str) -> dict:
+    """The components of a RAM-tier preset (:data:`RAM_PRESETS`).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if name not in RAM_PRESETS:
+        raise ValueError(f"unknown RAM-tier preset {name!r} (known: {', '.join(RAM_PRESETS)})")
+    return RAM_PRESETS[name]
+
+
+def build_ram_tier(name: str, expert_bytes: Sequence[float], n_experts: int, budget_bytes: float, *,
+                   hot_keys: Optional[Sequence[int]] = None, profile: Optional[Sequence[float]] = None,
+                   lookahead: Optional[int] = None, recall: Optional[Sequence[float]] = None):
+    """The RAM tier of a preset (:data:`RAM_PRESETS`): ``(cache, config)``, an :class:`hybrimoe._core.ExpertCache`
+    of ``budget_bytes`` (bytes of host RAM for routed experts) over ``expert_bytes`` (bytes of one expert per MoE
+    layer) and its :class:`hybrimoe._core.RamTierConfig`. The cache starts filled with ``hot_keys`` (keys ``layer *
+    n_experts + expert``, hottest first) as the GPU tier's adaptive caches do; ``static-frequency`` needs them.
+    ``lookahead`` overrides the preset's depth (0: none); ``recall``: the look-ahead predictor's recall per
+    distance (a preset with ``true_routing`` uses 1).
+
+    Raises:
+        ValueError: an unknown preset, a static hot set without ``hot_keys``, a bad budget (as ExpertCache).
+    """
+    comp = ram_preset(name)
+    eb = [float(b) for b in expert_bytes]
+    if comp["cache"] == "static-frequency":
+        if hot_keys is None:
+            raise ValueError(f"RAM preset {name!r}: a static hot set needs a profile of expert frequencies "
+                             "(hot_keys)")
+        keys = [int(k) for k in hot_keys]
+        prio = [float(profile[k]) for k in keys] if profile is not None else []
+        cache = _core.ExpertCache(eb, int(n_experts), float(budget_bytes), _core.StaticPolicy(keys, prio))
+    else:
+        cache = _core.ExpertCache(eb, int(n_experts), float(budget_bytes), _core.make_cache_policy(comp["cache"]))
+    if hot_keys is not None and budget_bytes > 0:
+        cache.fill([int(k) for k in hot_keys])
+    if comp.get("streaming", 0.0):
+        cache.set_streaming_demand(float(comp["streaming"]))
+    cfg = _core.RamTierConfig()
+    cfg.reads = comp["reads"]
+    cfg.keep = bool(comp["keep"])
+    cfg.lookahead = int(comp["lookahead"] if lookahead is None else lookahead)
+    cfg.ready_first = bool(comp["ready_first"])
+    if comp["true_routing"]:
+        cfg.recall = [1.0] * max(1, cfg.lookahead)
+    elif recall is not None:
+        cfg.recall = [float(r) for r in recall]
+    cfg.validate()
+    return cache, cfg

@@ -48,10 +48,28 @@ from hybrimoe.envs import PREFETCH_LAYERS
 from hybrimoe.model.facts import MODEL_FACTS, ModelFacts
 from hybrimoe.policy.budget import parse_budget
 from hybrimoe.policy.cost_model import COST_FIELDS
-from hybrimoe.policy.hardware import Hardware, cost_model_from_hardware, load_hardware, truth_model_for
-from hybrimoe.policy.presets import STREAMING_FRACTION, SYSTEM_PRESETS, build_preset, system_preset
+from hybrimoe.policy.hardware import (
+    Hardware,
+    cost_model_from_hardware,
+    load_disk,
+    load_hardware,
+    set_disk,
+    truth_model_for,
+)
+from hybrimoe.policy.presets import (
+    RAM_PRESETS,
+    STREAMING_FRACTION,
+    SYSTEM_PRESETS,
+    build_preset,
+    build_ram_tier,
+    ram_preset,
+    system_preset,
+)
 from hybrimoe.policy.profile import expert_counts, hot_keys_from_counts
 from hybrimoe.traces.format import PHASE_DECODE, PHASE_PREFILL, RoutingTrace
+
+#: the disk a RAM tier is simulated with when none is named (hybrimoe/policy/disk_files/)
+DEFAULT_DISK = "pcie4-nvme"
 
 
 def stage_tokens(trace: RoutingTrace, stage: str) -> RoutingTrace:
@@ -103,10 +121,17 @@ class Setup:
     The trace is cut to the stage's tokens (:func:`stage_tokens`). ``core_trace``: that cut as the C++ trace
     (:func:`stage_core_trace` of the same trace and stage), when the caller has it already; built here otherwise.
 
+    ``ram_cache``: the host RAM for routed experts (``"25%"`` of their bytes, ``"12GiB"``, bytes; as
+    ``--moe-ram-cache``), for a model larger than RAM: runs then simulate the RAM tier (:meth:`run`'s ``ram``), with
+    ``disk``'s figures (a disk file name or path, :func:`hybrimoe.policy.hardware.load_disk`; default
+    :data:`DEFAULT_DISK`) in the planner's and the truth's cost models, unless a given ``cost_model`` has its own
+    (the planner's then, the truth's from ``disk``). None: every expert is in RAM (no disk).
+
     Raises:
         ValueError: a bad stage, fraction or limit; no model facts (the message names ``-m``, ``--model-facts`` and a
             trace with facts); no tokens of the stage; no prompts left after profiling; a ``core_trace`` whose sizes
-            (tokens, layers, top-k, experts, prompts, scores or not) are not the stage's.
+            (tokens, layers, top-k, experts, prompts, scores or not) are not the stage's; a bad RAM budget or an
+            unknown disk.
     """
 
     def __init__(self, trace: RoutingTrace, hw: Hardware, budget_spec, stage: str, *, cost_model=None,
@@ -114,7 +139,7 @@ class Setup:
                  prefetch_depth: int = PREFETCH_LAYERS,
                  recall: Sequence[float] = _core.DEFAULT_PREDICTOR_RECALL, profile_fraction: float = 0.2, seed: int = 1,
                  facts: Optional[ModelFacts] = None, facts_source: str = "", n_dropped: int = 0,
-                 core_trace=None):
+                 core_trace=None, ram_cache=None, disk: Optional[str] = None):
         if stage not in ("decode", "prefill"):
             raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
         if not (0.0 <= profile_fraction < 1.0):
@@ -150,6 +175,13 @@ class Setup:
         self.total_bytes = float(np.sum(trace.expert_bytes) * trace.num_experts)
         self.budget_spec = budget_spec
         self.budget = parse_budget(budget_spec, self.total_bytes, float(np.min(trace.expert_bytes)))
+        self.ram_spec, self.ram_budget, self.disk = ram_cache, None, None
+        if ram_cache is not None:
+            self.ram_budget = parse_budget(ram_cache, self.total_bytes, float(np.min(trace.expert_bytes)))
+            self.disk = load_disk(disk or DEFAULT_DISK)
+            set_disk(self.truth_cost, self.disk)
+            if not self.planner.has_disk:
+                set_disk(self.planner, self.disk)
         n = trace.n_prompts
         self.first = int(math.floor(profile_fraction * n))
         if self.first >= n:
@@ -238,7 +270,19 @@ class Setup:
                 "tokens left out)" if self.phased else f"prefill: every token of each prompt in ubatches of "
                 f"{self.cfg.ubatch} (the trace has no phases)")
 
-    def run(self, name: str, cache=None, sched=None, pre=None, cfg=None, *, enough_s: Optional[float] = None) -> dict:
+    def build_ram(self, ram: str):
+        """(RAM cache, RamTierConfig) of a RAM-tier preset (:func:`hybrimoe.policy.presets.build_ram_tier`) over
+        this setup's RAM budget, starting with the profile's hot set (a clairvoyant one with
+        :meth:`first_use_keys`). ValueError without a RAM budget or on an unknown preset."""
+        if self.ram_budget is None:
+            raise ValueError("this setup has no RAM tier: give ram_cache (simulate --moe-ram-cache)")
+        clair = ram_preset(ram)["cache"] == "belady"
+        return build_ram_tier(ram, self.expert_bytes, self.trace.num_experts, self.ram_budget,
+                              hot_keys=self.first_use_keys() if clair else self.hot_keys,
+                              profile=self.profile.ravel(), recall=self.recall)
+
+    def run(self, name: str, cache=None, sched=None, pre=None, cfg=None, *, enough_s: Optional[float] = None,
+            ram: Optional[str] = None) -> dict:
         """Simulates one system preset (or the given components) and returns its JSON record.
 
         A clairvoyant preset with ``also`` (:data:`hybrimoe.policy.presets.SYSTEM_PRESETS`: ``oracle``) is also run with
@@ -251,16 +295,36 @@ class Setup:
 
         ``enough_s``: the alternatives stop at the first plan that takes at most this many seconds (a check that the
         bound is at most ``enough_s`` needs no more: the fastest of every plan would be no slower); the record then
-        names the plans not run under ``plans_not_run``, and its ``total_s`` is an upper value of the bound."""
+        names the plans not run under ``plans_not_run``, and its ``total_s`` is an upper value of the bound.
+
+        ``ram``: a RAM-tier preset (:data:`hybrimoe.policy.presets.RAM_PRESETS`) for a setup with a RAM budget
+        (default ``hybrimoe``, ``oracle`` for a clairvoyant ``name``); the record names it (``ram_policy``) and gives
+        the RAM tier's figures (``ram_hit_rate``, ``bytes_disk``, ...). Without a RAM budget it must be None."""
+        if ram is None and self.ram_budget is not None:
+            ram = "oracle" if _clairvoyant(name) else "hybrimoe"
+        if ram is not None and self.ram_budget is None:
+            raise ValueError(f"RAM preset {ram!r} given, but this setup has no RAM tier (give ram_cache)")
+        cache_given = cache
         if cache is None:
             cache, sched, pre, cfg = self.build(name)
             alternatives = system_preset(name).get("also", ()) if name in SYSTEM_PRESETS else ()
         else:
             alternatives = ()
         planner = self.clairvoyant_planner() if _clairvoyant(name) else self.planner
+        ram_cache = None
+        if ram is not None:
+            ram_cache, cfg.ram = self.build_ram(ram)
         res = _core.simulate(self.core_trace, cache, sched, pre, planner, self.truth_cost, self.truth, cfg,
-                             self.first, self.end)
-        rec, plan = record(name, res, self), name
+                             self.first, self.end, ram_cache)
+        rec, plan = record(name, res, self, ram), name
+        # a RAM-tier bound with alternatives keeps its fastest plan, as the GPU tier's oracle does (below)
+        for alt in ram_preset(ram).get("also", ()) if ram is not None else ():
+            if enough_s is not None and rec["total_s"] <= enough_s:
+                rec.setdefault("plans_not_run", []).append(f"ram:{alt}")
+                continue
+            other = self.run(name, *self.build(name), ram=alt) if cache_given is None else None
+            if other is not None and other["total_s"] < rec["total_s"]:
+                rec = dict(other, ram_policy=ram, ram_plan=alt)
         for alt in alternatives:
             if not _clairvoyant(alt):
                 raise ValueError(f"preset {name!r}: 'also' names {alt!r}, which is not clairvoyant")
@@ -275,7 +339,7 @@ class Setup:
                     break
                 parts = self.build(alt)
                 parts[0].set_streaming_demand(streaming)
-                other = self.run(alt, *parts)
+                other = self.run(alt, *parts, ram=ram)
                 if other["total_s"] < rec["total_s"]:
                     rec, plan = dict(other, policy=name), alt + ("+streaming" if streaming else "")
             rec["plan"] = plan
@@ -284,7 +348,8 @@ class Setup:
 
 def total_times(trace: RoutingTrace, hw_name: str, budget_spec, stage: str, names: Sequence[str], *,
                 max_tokens: int = 20000, seed: int = 1, contention_scale: float = 1.0, core_trace=None,
-                bound_tolerance: Optional[float] = None) -> dict:
+                bound_tolerance: Optional[float] = None, ram_cache=None, disk: Optional[str] = None,
+                gpu_preset: str = "hybrimoe") -> dict:
     """Simulated total time of each preset in ``names`` on one configuration: ``{name: seconds}`` (TPOT x tokens in
     decode, TTFT summed over prompts in prefill: :meth:`Setup.run`'s ``total_s``).
 
@@ -298,6 +363,10 @@ def total_times(trace: RoutingTrace, hw_name: str, budget_spec, stage: str, name
     times the least time of the presets before it in ``names``: its time is then an upper value of the bound, one
     that already shows the bound holds; where no plan gets there every plan is run and its time is the bound.
 
+    ``ram_cache`` (a RAM budget, as :class:`Setup`'s, with ``disk``): ``names`` are then RAM-tier presets
+    (:data:`hybrimoe.policy.presets.RAM_PRESETS`), each run under the GPU tier's ``gpu_preset``, so that only the RAM
+    tier differs between them.
+
     Raises:
         ValueError: as :class:`Setup`, a contention scale <= 0, or a negative bound tolerance.
     """
@@ -306,14 +375,15 @@ def total_times(trace: RoutingTrace, hw_name: str, budget_spec, stage: str, name
     if bound_tolerance is not None and not bound_tolerance >= 0:
         raise ValueError(f"bound tolerance must be >= 0, got {bound_tolerance}")
     s = Setup(trace, load_hardware(hw_name), budget_spec, stage, max_tokens=max_tokens, seed=seed,
-              core_trace=core_trace)
+              core_trace=core_trace, ram_cache=ram_cache, disk=disk)
     s.truth.contention = contention_scale * s.truth.contention
     times: dict = {}
     for n in names:
         enough = None
         if bound_tolerance is not None and times:
             enough = (1.0 + bound_tolerance) * min(times.values())
-        times[n] = s.run(n, enough_s=enough)["total_s"]
+        rec = s.run(gpu_preset, enough_s=enough, ram=n) if ram_cache is not None else s.run(n, enough_s=enough)
+        times[n] = rec["total_s"]
     return times
 
 
@@ -322,8 +392,8 @@ def _clairvoyant(name: str) -> bool:
     return name in SYSTEM_PRESETS and bool(system_preset(name)["clairvoyant"])
 
 
-def record(name: str, res, setup: Setup) -> dict:
-    """The JSON record of one run."""
+def record(name: str, res, setup: Setup, ram: Optional[str] = None) -> dict:
+    """The JSON record of one run (``ram``: its RAM-tier preset, or None without a RAM tier)."""
     st = res.cache
     tot = max(res.total_s, 1e-30)
     rec = {
@@ -360,6 +430,29 @@ def record(name: str, res, setup: Setup) -> dict:
         rec["tpot_s"] = res.tpot_s
     else:
         rec["ttft_s"] = res.ttft_s
+    if ram is not None:
+        rs = res.ram_cache
+        tokens = max(res.tokens, 1)
+        rec.update({
+            "ram_policy": ram,
+            "moe_ram_cache": str(setup.ram_spec),
+            "ram_budget_bytes": setup.ram_budget,
+            "disk": setup.disk.name,
+            "ram_hit_rate": rs.hit_rate,
+            "ram_late_rate": rs.late / rs.accesses if rs.accesses else 0.0,
+            "bytes_disk": res.bytes_disk,
+            "bytes_disk_prefetch": res.bytes_disk_prefetch,
+            "bytes_disk_per_token": res.bytes_disk / tokens,
+            "disk_reads": res.disk_reads,
+            "page_faults": res.page_faults,
+            "page_faults_per_token": res.page_faults / tokens,
+            "ram_prefetch_issued": res.ram_prefetch_issued,
+            "disk_busy_frac": res.disk_busy_s / tot,
+        })
+        if name in SYSTEM_PRESETS:
+            rec["assumptions"]["ram_tier"] = (
+                f"{ram}: {RAM_PRESETS[ram]['about']}; disk {setup.disk.name} (one read per expert, no noise on "
+                "disk times)")
     return rec
 
 
@@ -382,12 +475,20 @@ def format_table(records: Sequence[dict]) -> str:
     stage = records[0]["stage"] if records else "decode"
     tcol = "tpot_ms" if stage == "decode" else "ttft_ms"
     head = f"| policy | hit rate | {tcol} | tokens/s | GB h2d | CPU busy | GPU busy | link busy | decide us |"
-    lines = [head, "|" + "---|" * 9]
+    ram = any("ram_policy" in r for r in records)
+    if ram:
+        head += " RAM policy | RAM hit rate | MB disk/token | faults/token | disk busy |"
+    lines = [head, "|" + "---|" * (14 if ram else 9)]
     for r in records:
         t = (r.get("tpot_s") if stage == "decode" else r.get("ttft_s")) * 1e3
-        lines.append(f"| {r['policy']} | {r['hit_rate']:.3f} | {t:.3f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['bytes_h2d'] / 1e9:.2f} | {r['cpu_busy_frac']:.2f} | {r['gpu_busy_frac']:.2f} | "
-                     f"{r['link_busy_frac']:.2f} | {r['decision_us_mean']:.2f} |")
+        line = (f"| {r['policy']} | {r['hit_rate']:.3f} | {t:.3f} | {r['tokens_per_s']:.1f} | "
+                f"{r['bytes_h2d'] / 1e9:.2f} | {r['cpu_busy_frac']:.2f} | {r['gpu_busy_frac']:.2f} | "
+                f"{r['link_busy_frac']:.2f} | {r['decision_us_mean']:.2f} |")
+        if ram:
+            line += (f" {r.get('ram_policy', '-')} | {r.get('ram_hit_rate', 1.0):.3f} | "
+                     f"{r.get('bytes_disk_per_token', 0.0) / 1e6:.2f} | {r.get('page_faults_per_token', 0.0):.1f} | "
+                     f"{r.get('disk_busy_frac', 0.0):.2f} |")
+        lines.append(line)
     return "\n".join(lines)
 
 

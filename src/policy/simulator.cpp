@@ -64,6 +64,27 @@ void SimConfig::validate() const {
     }
     if (max_tokens < 0) throw std::invalid_argument("SimConfig.max_tokens must be >= 0");
     if (timeline_layers < 0) throw std::invalid_argument("SimConfig.timeline_layers must be >= 0");
+    ram.validate();
+}
+
+void RamTierConfig::validate() const {
+    if (reads != "queued" && reads != "faulting") {
+        throw std::invalid_argument("RamTierConfig.reads must be 'queued' or 'faulting', got '" + reads + "'");
+    }
+    if (lookahead < 0) throw std::invalid_argument("RamTierConfig.lookahead must be >= 0");
+    if (lookahead > 0 && reads != "queued") {
+        throw std::invalid_argument("RamTierConfig.lookahead needs queued reads (a faulting read happens at use)");
+    }
+    if (static_cast<int>(recall.size()) < lookahead) {
+        throw std::invalid_argument("RamTierConfig.recall needs one value per distance up to lookahead (" +
+                                    std::to_string(lookahead) + "), got " + std::to_string(recall.size()));
+    }
+    for (double r : recall) {
+        if (!(r >= 0.0 && r <= 1.0)) throw std::invalid_argument("RamTierConfig.recall values must be in [0, 1]");
+    }
+    if (!(fault_bytes >= 4096.0) || !std::isfinite(fault_bytes)) {
+        throw std::invalid_argument("RamTierConfig.fault_bytes must be a finite number >= 4096 (one page)");
+    }
 }
 
 TracePredictor::TracePredictor(std::vector<double> recall, uint64_t seed) : recall_(std::move(recall)), rng_(seed) {
@@ -239,17 +260,25 @@ public:
     using clock = std::chrono::steady_clock;
 
     SimRun(const Trace & trace, ExpertCache & cache, SchedulePolicy & scheduler, PrefetchPolicy & prefetcher,
-           const CostModel & planner, const CostModel & truth_cost, const TruthModel & truth, const SimConfig & cfg)
-        : trace_(trace), cache_(cache), planner_(planner), truth_cost_(truth_cost), truth_(truth), cfg_(cfg), L_(trace.n_layers),
+           const CostModel & planner, const CostModel & truth_cost, const TruthModel & truth, const SimConfig & cfg,
+           ExpertCache * ram)
+        : trace_(trace), cache_(cache), ram_(ram), planner_(planner), truth_cost_(truth_cost), truth_(truth), cfg_(cfg), L_(trace.n_layers),
           K_(trace.top_k), E_(trace.n_experts), predictor_(cfg.recall, cfg.predictor_seed), noise_(truth.seed),
           // the caller owns the policies: non-owning handles for the rules
           decider_(std::shared_ptr<ExpertCache>(&cache, [](ExpertCache *) {}),
                    std::shared_ptr<SchedulePolicy>(&scheduler, [](SchedulePolicy *) {}),
                    std::shared_ptr<PrefetchPolicy>(&prefetcher, [](PrefetchPolicy *) {}), planner,
                    decider_config(cache, cfg)),
-          truth_ready_((size_t) L_ * E_, 0.0), pos_(E_, -1) {
+          truth_ready_((size_t) L_ * E_, 0.0), pos_(E_, -1), ram_predictor_(cfg.ram.recall, cfg.predictor_seed + 1) {
         res_.stage = cfg.stage;
         res_.layer_moe_s.assign(L_, 0.0);
+        if (ram_) {
+            faulting_ = cfg.ram.reads == "faulting";
+            disk_places_.assign((size_t) std::max(1.0, std::floor(truth_cost.disk_queue_depth)), 0.0);
+            transient_tick_.assign((size_t) L_ * E_, -1);
+            transient_ready_.assign((size_t) L_ * E_, 0.0);
+            ram_unpin_.assign((size_t) L_, {});
+        }
     }
 
     /// Runs every step, then fills in the result's totals and means.
@@ -286,8 +315,28 @@ private:
     /// Prefetches for the next prefetch_depth layers (planned after this layer's router, timed), then fills.
     void prefetch_and_fill(const Step & st, int l, int n, double predicted_s);
 
+    // ---- the RAM tier (ram_ not null) ----
+    int64_t tick() const { return cur_step_ * L_ + cur_layer_; }
+    /// A queued read of (l, e)'s `bytes` issued at t on the true disk; returns its end.
+    double disk_read(double bytes, double t, int l, int e);
+    /// Seconds a faulting read of `bytes` takes on the touching thread (every fault pays the latency).
+    double fault_s(double bytes);
+    /// When (l, e)'s weights are in RAM for a use now: resident (or read for this layer) -> its read end; else, with
+    /// queued reads, a read is issued at t and kept; -1: faulting reads, the user must fault it in (fault_in).
+    double ram_ready(int l, int e, double t);
+    /// ram_ready for a use of this layer's activated expert: counts the RAM lookup and pins it for the layer.
+    double ram_use(int l, int e, double t);
+    /// The read of (l, e) ended (or ends) at `end`: offers it to the RAM cache, else keeps it for this layer only.
+    void ram_keep(int l, int e, double end, bool by_prefetch);
+    /// Router look-ahead reads for the next cfg.ram.lookahead layers (after layer l's router and its own
+    /// reads; predicted_s: the planner's makespan of its split).
+    void ram_lookahead(const Step & st, int l, int n, double predicted_s);
+    /// After layer l: unpins its RAM experts and those read ahead for it.
+    void ram_release(int l);
+
     const Trace & trace_;
     ExpertCache & cache_;
+    ExpertCache * ram_;
     const CostModel & planner_;
     const CostModel & truth_cost_;
     const TruthModel & truth_;
@@ -317,14 +366,43 @@ private:
     int64_t layers_run_ = 0;
     int current_prompt_ = -1;
     double prompt_start_ = 0.0, ttft_sum_ = 0.0;
+
+    // the RAM tier
+    TracePredictor ram_predictor_;
+    bool faulting_ = false;
+    std::vector<double> disk_places_;        // when each of the disk's queue places frees (true)
+    double disk_bytes_free_at_ = 0.0;        // the true disk has moved the bytes of every read issued by then
+    double disk_est_free_at_ = 0.0;          // the planner's estimate of the same
+    double layer_disk_est_ = 0.0;            // that estimate once the current layer's own reads were queued
+    std::vector<int64_t> transient_tick_;    // key -> layer tick a read not kept in RAM serves (-1: none)
+    std::vector<double> transient_ready_;    // its end
+    std::vector<int32_t> ram_pinned_;        // this layer's experts pinned in RAM
+    std::vector<std::vector<int32_t>> ram_unpin_;  // per MoE layer: experts read ahead for it, pinned until it ran
+    std::vector<double> cpu_ready_;          // per cpu_order_ entry: when its weights are in RAM (-1: fault)
+    std::vector<int32_t> ram_order_;
+    LayerInput ram_in_;
+    LayerObservation ram_obs_;
+    Prediction ram_pred_;
 };
 
 double SimRun::load(int layer, int e, Kind kind) {
     if (kind == kFirstUse) return 0.0;
     const auto c0 = clock::now();
     const double bytes = trace_.expert_bytes[(size_t) layer];
-    const double start = std::max(true_pcie_free_at_, t_moe_);
-    const double end = start + truth_cost_.h2d(bytes) * truth_.h2d_scale * noise_.factor(truth_.h2d_noise);
+    // with a RAM tier the copy reads the expert from RAM: it starts after the expert's read, or (faulting reads)
+    // the copy's own touch faults it in first
+    double ready = 0.0, fault = 0.0;
+    if (ram_) {
+        ready = kind == kDemand ? ram_use(layer, e, t_moe_) : ram_ready(layer, e, t_moe_);
+        if (ready < 0.0) {
+            fault = fault_s(bytes);
+            ready = 0.0;
+        }
+    }
+    const double start = std::max(std::max(true_pcie_free_at_, t_moe_), ready);
+    if (fault > 0.0) ram_keep(layer, e, start + fault, kind != kDemand);
+    const double end =
+        start + fault + truth_cost_.h2d(bytes) * truth_.h2d_scale * noise_.factor(truth_.h2d_noise);
     res_.link_busy_s += end - start;
     layer_copy_s_ += end - start;
     true_pcie_free_at_ = end;
@@ -351,6 +429,15 @@ double SimRun::decide(int64_t si, const Step & st, int l, int n) {
     charge_ns_ = 0.0;
     layer_copy_s_ = 0.0;
     load_routing(trace_, st, l, ids32_, scores_);
+    if (ram_) {
+        // the RAM cache's policy sees the router as the GPU cache's does (split() takes the scores buffer)
+        ram_in_.layer = l;
+        ram_in_.set_routing(ids32_.data(), n, K_, E_);
+        ram_obs_.step = si;
+        ram_obs_.scores = scores_;
+        ram_obs_.set_routed(l, n, K_, E_, ram_in_.experts, ram_in_.loads);
+        ram_->observe(ram_obs_);
+    }
     const std::vector<uint8_t> & on_gpu =
         decider_.split(si, l, ids32_.data(), n, K_, scores_, trace_.expert_bytes[(size_t) l], t_moe_,
                        std::max(0.0, pcie_free_at_ - t_moe_), *this, nullptr);
@@ -362,6 +449,26 @@ double SimRun::decide(int64_t si, const Step & st, int l, int n) {
     gpu_order_.clear();
     cpu_order_.assign(plan.cpu_experts.begin(), plan.cpu_experts.end());
     for (int32_t e : plan.gpu_experts) (on_gpu[pos_[e]] ? gpu_order_ : cpu_order_).push_back(e);
+    if (ram_) {
+        // the CPU share's experts must be in RAM: queued reads are issued now, in execution order
+        cpu_ready_.resize(cpu_order_.size());
+        for (size_t i = 0; i < cpu_order_.size(); ++i) cpu_ready_[i] = ram_use(l, cpu_order_[i], t_moe_);
+        layer_disk_est_ = disk_est_free_at_;
+        if (cfg_.ram.ready_first && !faulting_) {
+            ram_order_.resize(cpu_order_.size());
+            for (size_t i = 0; i < ram_order_.size(); ++i) ram_order_[i] = static_cast<int32_t>(i);
+            std::stable_sort(ram_order_.begin(), ram_order_.end(),
+                             [&](int32_t a, int32_t b) { return cpu_ready_[a] < cpu_ready_[b]; });
+            std::vector<int32_t> order(cpu_order_.size());
+            std::vector<double> ready(cpu_order_.size());
+            for (size_t i = 0; i < ram_order_.size(); ++i) {
+                order[i] = cpu_order_[ram_order_[i]];
+                ready[i] = cpu_ready_[ram_order_[i]];
+            }
+            cpu_order_.swap(order);
+            cpu_ready_.swap(ready);
+        }
+    }
     return decider_.run_plan().makespan_s;
 }
 
@@ -388,7 +495,19 @@ double SimRun::charge_cpu(int64_t si, int l) {
     // the layer's loads, queued before its CPU share runs, delay it on a host that pays for copies
     double tc = t_moe_ + truth_cost_.cpu_copy_blocking(layer_copy_s_) + truth_cost_.cpu_startup_s +
                 truth_.cpu_startup_extra_s;
-    for (int32_t e : cpu_order_) {
+    for (size_t i = 0; i < cpu_order_.size(); ++i) {
+        const int32_t e = cpu_order_[i];
+        if (ram_) {
+            // its weights in RAM first: wait for the read, or fault them in on this thread
+            if (cpu_ready_[i] < 0.0) {
+                const double f = fault_s(trace_.expert_bytes[(size_t) l]);
+                record(si, l, 0, e, 6, tc, tc + f);
+                tc += f;
+                ram_keep(l, e, tc, false);
+            } else {
+                tc = std::max(tc, cpu_ready_[i]);
+            }
+        }
         double dur = truth_cost_.cpu(din.loads[pos_[e]]) * truth_.cpu_scale * noise_.factor(truth_.cpu_noise);
         if (truth_.contention > 0.0) {
             double overlap = 0.0;
@@ -444,6 +563,7 @@ void SimRun::run_layer(int64_t si, const Step & st, int l) {
     double t_cpu_end = charge_cpu(si, l);
     const double demand_copy_s = layer_copy_s_;
     prefetch_and_fill(st, l, n, predicted_s);
+    if (ram_) ram_lookahead(st, l, n, predicted_s);
     pcie_free_at_ = t_moe_ + decider_.pcie_free_s();
     res_.predicted_moe_s += decider_.run_plan().makespan_s;  // with the copies queued after the plan
     // the prefetches and fills are queued before the CPU share runs too (the engine's order): on a host that pays
@@ -462,10 +582,110 @@ void SimRun::run_layer(int64_t si, const Step & st, int l) {
     res_.charged_moe_s += t_end - t_moe_;
     res_.layer_moe_s[l] += t_end - t_moe_;
     decider_.release(l);
+    if (ram_) ram_release(l);
     const double layer_dur = t_end - t_layer0;
     layer_est_ = layer_est_ < 0.0 ? layer_dur : 0.8 * layer_est_ + 0.2 * layer_dur;
     t_ = t_end;
     ++layers_run_;
+}
+
+double SimRun::disk_read(double bytes, double t, int l, int e) {
+    // a free queue place (the earliest to free), the latency, then the bytes after every earlier read's bytes
+    auto place = std::min_element(disk_places_.begin(), disk_places_.end());
+    const double start = std::max(t, *place);
+    const double move = bytes / truth_cost_.disk_bandwidth_Bps;
+    const double end = std::max(start + truth_cost_.disk_latency_s, disk_bytes_free_at_) + move;
+    *place = end;
+    disk_bytes_free_at_ = end;
+    disk_est_free_at_ = std::max(disk_est_free_at_, t) + bytes / planner_.disk_bandwidth_Bps;
+    res_.bytes_disk += bytes;
+    res_.disk_busy_s += move;
+    ++res_.disk_reads;
+    record(cur_step_, cur_layer_, 3, e, 6, start, end);
+    (void) l;
+    return end;
+}
+
+double SimRun::fault_s(double bytes) {
+    const double faults = std::ceil(bytes / cfg_.ram.fault_bytes);
+    const double move = bytes / truth_cost_.disk_bandwidth_Bps;
+    res_.page_faults += static_cast<int64_t>(faults);
+    res_.bytes_disk += bytes;
+    res_.disk_busy_s += move;
+    ++res_.disk_reads;
+    return faults * truth_cost_.disk_latency_s + move;
+}
+
+double SimRun::ram_ready(int l, int e, double t) {
+    const size_t key = (size_t) l * E_ + e;
+    if (ram_->resident(l, e)) return ram_->ready_s(l, e);
+    if (transient_tick_[key] == tick()) return transient_ready_[key];
+    if (faulting_) return -1.0;
+    const double end = disk_read(trace_.expert_bytes[(size_t) l], t, l, e);
+    ram_keep(l, e, end, l != cur_layer_);
+    return end;
+}
+
+double SimRun::ram_use(int l, int e, double t) {
+    ram_->access(l, e, t);
+    const double ready = ram_ready(l, e, t);
+    if (ram_->resident(l, e)) {
+        ram_->pin(l, e);
+        ram_pinned_.push_back(e);
+    }
+    return ready;
+}
+
+void SimRun::ram_keep(int l, int e, double end, bool by_prefetch) {
+    // a bypassing policy (Belady) may refuse a read for this use: refusing costs nothing here (the read serves
+    // the use either way), unlike a GPU demand load, which a refusal moves to the CPU
+    const bool demand = !by_prefetch && !ram_->policy().bypass();
+    if (cfg_.ram.keep && ram_->admit(l, e, end, by_prefetch, demand)) {
+        ram_->set_ready(l, e, end);
+        return;
+    }
+    const size_t key = (size_t) l * E_ + e;
+    transient_tick_[key] = tick();
+    transient_ready_[key] = end;
+}
+
+void SimRun::ram_lookahead(const Step & st, int l, int n, double predicted_s) {
+    const int depth = std::min(cfg_.ram.lookahead, L_ - 1 - l);
+    if (depth <= 0 || faulting_) return;
+    // Reads ahead use the disk's idle time only: one is queued when the planner expects it to end before this
+    // layer's work does (its plan, or its own reads when they end later) and the next layer's experts start,
+    // so it never delays the next layer's reads, which are queued behind it.
+    const double horizon = std::max(t_moe_ + predicted_s, layer_disk_est_) + planner_.layer(n);
+    for (int d = 1; d <= depth; ++d) {
+        const int j = l + d;
+        ram_predictor_.predict(trace_.row(st.begin, j), static_cast<int64_t>(L_) * K_, n, K_, E_, d, ram_pred_);
+        ram_order_.resize(ram_pred_.experts.size());
+        for (size_t i = 0; i < ram_order_.size(); ++i) ram_order_[i] = static_cast<int32_t>(i);
+        std::sort(ram_order_.begin(), ram_order_.end(), [&](int32_t a, int32_t b) {
+            if (ram_pred_.loads[a] != ram_pred_.loads[b]) return ram_pred_.loads[a] > ram_pred_.loads[b];
+            return ram_pred_.experts[a] < ram_pred_.experts[b];
+        });
+        const double bytes = trace_.expert_bytes[(size_t) j];
+        for (int32_t i : ram_order_) {
+            const int32_t e = ram_pred_.experts[i];
+            if (cache_.resident(j, e) || ram_->resident(j, e)) continue;
+            if (std::max(disk_est_free_at_, t_moe_) + planner_.disk_read(bytes) > horizon) break;
+            if (!ram_->admit(j, e, t_moe_, true)) continue;
+            const double end = disk_read(bytes, t_moe_, j, e);
+            ram_->set_ready(j, e, end);
+            ram_->pin(j, e);
+            ram_unpin_[(size_t) j].push_back(e);
+            res_.bytes_disk_prefetch += bytes;
+            ++res_.ram_prefetch_issued;
+        }
+    }
+}
+
+void SimRun::ram_release(int l) {
+    for (int32_t e : ram_pinned_) ram_->unpin(l, e);
+    ram_pinned_.clear();
+    for (int32_t e : ram_unpin_[(size_t) l]) ram_->unpin(l, e);
+    ram_unpin_[(size_t) l].clear();
 }
 
 void SimRun::run_step(int64_t si, const Step & st) {
@@ -493,6 +713,7 @@ SimResult SimRun::run(const std::vector<Step> & steps) {
     const double t = t_;
     res.total_s = t;
     res.cache = cache_.stats();
+    if (ram_) res.ram_cache = ram_->stats();
     res.prefetch_used = res.cache.prefetch_hits;
     res.bytes_h2d = res.bytes_demand + res.bytes_prefetch + res.bytes_fill;
     res.tokens_per_s = t > 0.0 ? double(res.tokens) / t : 0.0;
@@ -515,16 +736,30 @@ SimResult SimRun::run(const std::vector<Step> & steps) {
 
 SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & scheduler, PrefetchPolicy & prefetcher,
                    const CostModel & planner, const CostModel & truth_cost, const TruthModel & truth,
-                   const SimConfig & cfg, int first_prompt, int end_prompt) {
+                   const SimConfig & cfg, int first_prompt, int end_prompt, ExpertCache * ram) {
     cfg.validate();
     truth.validate();
     planner.validate();
     truth_cost.validate();
     check_cache_matches(trace, cache);
+    if (ram) {
+        check_cache_matches(trace, *ram);
+        if (!planner.has_disk() || !truth_cost.has_disk()) {
+            throw std::invalid_argument("a RAM tier needs disk figures (disk_bandwidth_Bps > 0) in both the planner's "
+                                        "and the truth's cost model");
+        }
+        if (ram == &cache) throw std::invalid_argument("the RAM cache must be another ExpertCache than the GPU's");
+    }
     const std::vector<Step> steps = make_steps(trace, first_prompt, end_prompt, cfg);
-    if (cache.policy().clairvoyant()) cache.policy().prepare(build_future(trace, steps));
+    const bool gpu_future = cache.policy().clairvoyant(), ram_future = ram && ram->policy().clairvoyant();
+    if (gpu_future || ram_future) {
+        const FutureAccesses future = build_future(trace, steps);
+        if (gpu_future) cache.policy().prepare(future);
+        if (ram_future) ram->policy().prepare(future);
+    }
     cache.reset_stats();
-    SimRun run(trace, cache, scheduler, prefetcher, planner, truth_cost, truth, cfg);
+    if (ram) ram->reset_stats();
+    SimRun run(trace, cache, scheduler, prefetcher, planner, truth_cost, truth, cfg, ram);
     return run.run(steps);
 }
 

@@ -65,6 +65,34 @@ private:
     std::vector<int32_t> pos_;
 };
 
+/// The host-RAM tier under the GPU cache, for a model larger than RAM: which routed experts are in RAM is an
+/// ExpertCache of the RAM budget (any policy), and how the others arrive from the model file is set here. Reads are
+/// charged by the truth CostModel's disk figures (CostModel::disk_read): a queued read of `bytes` waits for one of
+/// disk_queue_depth places, pays disk_latency_s, then moves its bytes at disk_bandwidth_Bps once the reads ahead of
+/// it moved theirs (in flight reads overlap their latency and share the bandwidth). One read per expert.
+struct RamTierConfig {
+    /// "queued": reads are queued to I/O workers (pread) when an expert is needed or predicted, and the work that
+    /// needs the expert waits for its read; "faulting": the expert is touched through the file's mapping and its
+    /// pages fault in on the touching thread, one read of `fault_bytes` at a time, each paying the latency
+    /// (upstream llama.cpp's mmap: the CPU thread that computes the expert, or the copy of a GPU load, waits).
+    std::string reads = "queued";
+    /// Experts read from disk are offered to the RAM cache (false: the cache is a static set and what is read
+    /// for a use is dropped after it).
+    bool keep = true;
+    /// Queued reads only: after a layer's router, read the predicted experts of the next `lookahead` MoE layers
+    /// (the router look-ahead of HybriMoE §IV.C, one tier down), highest predicted load first, while the
+    /// planner's estimate of the disk queue ends before that layer is expected to start. 0: no look-ahead.
+    int lookahead = 0;
+    /// The CPU share runs its experts in the order their weights are in RAM (resident first, then by read end);
+    /// false: the plan's order, waiting for each.
+    bool ready_first = false;
+    double fault_bytes = 131072.0;   ///< bytes one page fault reads: Linux's default read_ahead_kb, 128 KiB
+    /// look-ahead predictor recall per distance 1..lookahead (an assumption to report, as SimConfig::recall)
+    std::vector<double> recall{kDefaultPredictorRecall.begin(), kDefaultPredictorRecall.end()};
+    /// Throws std::invalid_argument naming the bad field.
+    void validate() const;
+};
+
 /// Run settings.
 struct SimConfig {
     std::string stage = "decode";       ///< "decode" (one token per step) or "prefill" (ubatches of a prompt)
@@ -77,6 +105,7 @@ struct SimConfig {
     int64_t max_tokens = 0;             ///< stop after about this many tokens (0 = all); prefill: whole prompts
     int64_t timeline_step = 0;          ///< step whose first `timeline_layers` MoE layers are recorded (-1 = none)
     int timeline_layers = 4;
+    RamTierConfig ram;                  ///< used when simulate() is given a RAM cache
     /// Throws std::invalid_argument naming the bad field.
     void validate() const;
 };
@@ -85,9 +114,10 @@ struct SimConfig {
 struct TimelineEvent {
     int64_t step = 0;
     int layer = 0;
-    int resource = 0;    ///< 0 CPU, 1 GPU, 2 PCIe
+    int resource = 0;    ///< 0 CPU, 1 GPU, 2 PCIe, 3 disk
     int expert = -1;     ///< -1: non-expert work / activation transfer
-    int kind = 0;        ///< 0 compute, 1 demand copy, 2 prefetch copy, 3 fill copy, 4 non-expert, 5 activations
+    int kind = 0;        ///< 0 compute, 1 demand copy, 2 prefetch copy, 3 fill copy, 4 non-expert, 5 activations,
+                         ///< 6 disk read (a queued read on the disk, a faulting read on the CPU)
     double start_s = 0.0;
     double end_s = 0.0;
 };
@@ -108,6 +138,13 @@ struct SimResult {
     double cpu_busy_s = 0.0, gpu_busy_s = 0.0, link_busy_s = 0.0;
     double predicted_moe_s = 0.0;  ///< sum of the planner's predicted makespans
     double charged_moe_s = 0.0;    ///< sum of the truth model's MoE times
+    CacheStats ram_cache;          ///< the RAM tier's lookups (experts the CPU computes or a GPU load copies)
+    double bytes_disk = 0.0;       ///< bytes read from the model file (all reads)
+    double bytes_disk_prefetch = 0.0;  ///< of those, read by the look-ahead
+    int64_t disk_reads = 0;        ///< reads of whole experts (queued or faulting)
+    int64_t page_faults = 0;       ///< faulting reads: faults of fault_bytes each
+    int64_t ram_prefetch_issued = 0;
+    double disk_busy_s = 0.0;      ///< seconds the disk moved bytes (bandwidth time, latency not counted)
     double decision_us_mean = 0.0;  ///< wall-clock per layer of split + cache update (instrumented)
     double prefetch_us_mean = 0.0;  ///< wall-clock per layer of prefetch planning
     std::vector<double> layer_moe_s;  ///< mean charged MoE time per MoE layer
@@ -138,9 +175,13 @@ CacheStats replay_cache(const Trace & trace, ExpertCache & cache, int first_prom
 /// from the start (the engine copies it at first use). Non-expert work runs on the
 /// GPU before the routed experts; a leading dense layer costs dense(n). Throws std::invalid_argument on bad
 /// ranges or a cache whose shape does not match the trace; exceptions from policies propagate.
+///
+/// `ram`: the RAM tier (cfg.ram says how it reads): an expert the CPU computes, or a GPU load copies, must be in
+/// RAM first; one in neither cache is read from disk. nullptr: every expert is in RAM (no disk). With a RAM tier
+/// both cost models need disk figures (CostModel::has_disk), else std::invalid_argument.
 SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & scheduler, PrefetchPolicy & prefetcher,
                    const CostModel & planner, const CostModel & truth_cost, const TruthModel & truth,
-                   const SimConfig & cfg, int first_prompt, int end_prompt);
+                   const SimConfig & cfg, int first_prompt, int end_prompt, ExpertCache * ram = nullptr);
 
 /// Replays the engine's decision records (Engine::take_log, logged from the engine's first ubatch on) through
 /// `cache`, `scheduler` and `prefetcher`, which must be fresh objects built as the engine's were (same preset,

@@ -1,0 +1,200 @@
+"""The simulator's RAM tier (a model larger than host RAM): conservation of disk bytes and faults, a RAM tier that
+holds everything costs nothing, the disk model's bandwidth and latency, the presets behave as named, bad input is
+refused, and ``hybrimoe simulate --moe-ram-cache``."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from hybrimoe import _core
+from hybrimoe import policy as pol
+from hybrimoe.commands import simulate as simulate_command
+from hybrimoe.policy.presets import RAM_BASELINES, RAM_PRESETS, build_ram_tier
+from hybrimoe.sim.simulator import Setup
+from hybrimoe.traces.synthetic import synthetic_trace
+
+from .test_simulator import MB, _args, cfg, costs, quiet_truth, synthetic
+
+N_LAYERS, N_EXP, K = 5, 16, 2
+
+
+def disk_costs(bw=2e9, lat=1e-4, qd=4):
+    c = costs()
+    c.disk_bandwidth_Bps, c.disk_latency_s, c.disk_queue_depth = bw, lat, qd
+    return c
+
+
+def ram_cfg(reads="queued", keep=True, lookahead=0, ready_first=False):
+    r = _core.RamTierConfig()
+    r.reads, r.keep, r.lookahead, r.ready_first = reads, keep, lookahead, ready_first
+    return r
+
+
+def run(tr, ram_budget, ram, c=None, policy=None, fill=(), stage="decode", truth=None):
+    """CPU only (an empty GPU cache): every activated expert is computed from RAM."""
+    c = c or disk_costs()
+    gpu = _core.ExpertCache([2 * MB] * N_LAYERS, N_EXP, 0.0, _core.LRUPolicy())
+    rc = _core.ExpertCache([2 * MB] * N_LAYERS, N_EXP, ram_budget, policy or _core.LRUPolicy())
+    if fill:
+        rc.fill(list(fill))
+    conf = cfg(stage)
+    conf.ram = ram
+    res = _core.simulate(tr, gpu, _core.HybriMoEScheduler(), _core.NoPrefetcher(), c, c, truth or quiet_truth(),
+                         conf, 0, tr.n_prompts, rc)
+    return res
+
+
+def activations(rt, stage="decode", ubatch=64):
+    """Activated (layer, expert) pairs per step: per decode token, or per prefill ubatch of each prompt."""
+    out = 0
+    for p in range(rt.n_prompts):
+        b, e = int(rt.prompt_offsets[p]), int(rt.prompt_offsets[p + 1])
+        step = 1 if stage == "decode" else ubatch
+        for s in range(b, e, step):
+            ids = rt.expert_ids[s:min(e, s + step)]
+            out += sum(len(np.unique(ids[:, layer])) for layer in range(rt.n_layers))
+    return out
+
+
+@pytest.mark.parametrize("stage", ["decode", "prefill"])
+def test_a_ram_tier_that_holds_every_expert_costs_nothing(stage):
+    """Every expert resident from the start: no read, and the same simulated time as without a RAM tier, to the
+    last bit (the RAM tier draws nothing from the truth model's generator)."""
+    rt = synthetic()
+    tr = rt.to_core()
+    truth = _core.TruthModel()  # with noise: the draws must stay in the same order
+    every = [layer * N_EXP + e for layer in range(N_LAYERS) for e in range(N_EXP)]
+    full = run(tr, N_LAYERS * N_EXP * 2 * MB, ram_cfg(lookahead=3, ready_first=True), fill=every, stage=stage,
+               truth=truth)
+    gpu = _core.ExpertCache([2 * MB] * N_LAYERS, N_EXP, 0.0, _core.LRUPolicy())
+    conf = cfg(stage)
+    none = _core.simulate(tr, gpu, _core.HybriMoEScheduler(), _core.NoPrefetcher(), disk_costs(), disk_costs(),
+                          truth, conf, 0, tr.n_prompts)
+    assert full.bytes_disk == 0 and full.disk_reads == 0 and full.ram_cache.misses == 0
+    assert full.ram_cache.accesses == activations(rt, stage)
+    assert full.total_s == none.total_s and full.tokens == none.tokens
+
+
+@pytest.mark.parametrize("reads", ["queued", "faulting"])
+def test_without_ram_every_use_reads_its_expert(reads):
+    """A RAM budget of 0: every activated expert is read for its use, whole; faulting reads fault 2 MB in
+    128 KiB pieces; the disk moves every byte at its bandwidth."""
+    rt = synthetic()
+    res = run(rt.to_core(), 0.0, ram_cfg(reads))
+    n = activations(rt)
+    assert res.disk_reads == n and res.ram_cache.misses == n == res.ram_cache.accesses
+    assert res.bytes_disk == pytest.approx(n * 2 * MB)
+    assert res.disk_busy_s == pytest.approx(res.bytes_disk / 2e9)
+    assert res.page_faults == (n * math.ceil(2 * MB / 131072) if reads == "faulting" else 0)
+    assert res.total_s > res.disk_busy_s  # the CPU-only run waits for each read; nothing overlaps them here
+
+
+def test_reads_are_charged_by_bandwidth_latency_and_queue_depth():
+    """Queued reads of one layer overlap their latency up to the queue depth and share the bandwidth, so a deeper
+    queue never costs more, and a faulting read (every 128 KiB fault pays the latency) costs the most."""
+    tr = synthetic().to_core()
+    t = {qd: run(tr, 0.0, ram_cfg(), c=disk_costs(lat=2e-3, qd=qd)).total_s for qd in (1, 2, 8)}
+    assert t[8] <= t[2] < t[1]
+    faulting = run(tr, 0.0, ram_cfg("faulting"), c=disk_costs(lat=2e-3, qd=1)).total_s
+    assert faulting > t[1]
+    slow = run(tr, 0.0, ram_cfg(), c=disk_costs(bw=0.5e9)).total_s
+    assert slow > run(tr, 0.0, ram_cfg()).total_s
+
+
+def test_a_static_set_keeps_nothing_it_reads_and_a_cache_keeps_what_fits():
+    rt = synthetic()
+    tr = rt.to_core()
+    hot = [0 * N_EXP + 0, 1 * N_EXP + 0]
+    static = run(tr, 4 * MB, ram_cfg("faulting", keep=False), policy=_core.StaticPolicy(hot, []), fill=hot)
+    assert static.ram_cache.admissions == 0 and static.ram_cache.demand_hits > 0
+    lru = run(tr, 40 * 2 * MB, ram_cfg("faulting"))  # half the experts: more than a token's 10
+    assert lru.ram_cache.admissions > 0 and lru.ram_cache.demand_hits > 0
+    assert lru.bytes_disk < run(tr, 0.0, ram_cfg("faulting")).bytes_disk
+
+
+def test_the_lookahead_reads_ahead_and_is_used():
+    """With look-ahead the predicted experts of the next layers are read while a layer computes (here the CPU takes
+    longer per expert than the disk: the disk idles otherwise): some lookups hit an expert read ahead, and the run
+    is faster than reading at use. Where the disk is the bottleneck, nothing is read ahead (the reads would delay
+    the next layer's own)."""
+    tr = synthetic().to_core()
+    c = disk_costs(bw=4e9)
+    c.cpu_a_s = 3e-3
+    at_use = run(tr, 10 * 2 * MB, ram_cfg(), c=c, policy=_core.MRSPolicy())
+    ahead = run(tr, 10 * 2 * MB, ram_cfg(lookahead=2, ready_first=True), c=c, policy=_core.MRSPolicy())
+    assert ahead.ram_prefetch_issued > 0 and ahead.ram_cache.prefetch_hits > 0
+    assert ahead.bytes_disk_prefetch > 0 and at_use.bytes_disk_prefetch == 0
+    assert ahead.total_s < at_use.total_s
+    bound = run(tr, 10 * 2 * MB, ram_cfg(lookahead=2, ready_first=True), c=disk_costs(bw=1e9),
+                policy=_core.MRSPolicy())
+    assert bound.ram_prefetch_issued == 0
+
+
+def test_bad_ram_tier_inputs():
+    tr = synthetic().to_core()
+    for field, value, word in (("reads", "mmap", "reads"), ("lookahead", -1, "lookahead"),
+                               ("fault_bytes", 100.0, "fault_bytes")):
+        r = ram_cfg()
+        setattr(r, field, value)
+        with pytest.raises(ValueError, match=word):
+            r.validate()
+    with pytest.raises(ValueError, match="needs queued reads"):
+        ram_cfg("faulting", lookahead=1).validate()
+    with pytest.raises(ValueError, match="disk figures"):
+        run(tr, 4 * MB, ram_cfg(), c=costs())
+    gpu = _core.ExpertCache([2 * MB] * N_LAYERS, N_EXP, 0.0, _core.LRUPolicy())
+    with pytest.raises(ValueError, match="another ExpertCache"):
+        _core.simulate(tr, gpu, _core.HybriMoEScheduler(), _core.NoPrefetcher(), disk_costs(), disk_costs(),
+                       quiet_truth(), cfg(), 0, tr.n_prompts, gpu)
+    wrong = _core.ExpertCache([2 * MB] * 3, N_EXP, 4 * MB, _core.LRUPolicy())
+    with pytest.raises(ValueError, match="does not match the trace"):
+        _core.simulate(tr, gpu, _core.HybriMoEScheduler(), _core.NoPrefetcher(), disk_costs(), disk_costs(),
+                       quiet_truth(), cfg(), 0, tr.n_prompts, wrong)
+    with pytest.raises(ValueError, match="unknown RAM-tier preset 'swap'"):
+        build_ram_tier("swap", [2 * MB] * N_LAYERS, N_EXP, 4 * MB)
+    with pytest.raises(ValueError, match="hot_keys"):
+        build_ram_tier("hot-set", [2 * MB] * N_LAYERS, N_EXP, 4 * MB)
+
+
+def test_setup_runs_every_ram_preset_and_records_the_tier():
+    tr = synthetic_trace("qwen3-30b-a3b", 500, locality="high", seed=0)
+    s = Setup(tr, pol.load_hardware("rtx4090-desktop"), "0", "decode", max_tokens=150, ram_cache="25%")
+    assert s.ram_budget == pytest.approx(0.25 * s.total_bytes) and s.disk.name == "pcie4-nvme"
+    assert s.planner.has_disk and s.truth_cost.has_disk
+    recs = {r: s.run("hybrimoe", ram=r) for r in RAM_PRESETS}
+    for name, rec in recs.items():
+        assert rec["ram_policy"] == name and rec["bytes_disk"] > 0 and rec["tokens"] == 150
+        assert "ram_tier" in rec["assumptions"] and rec["moe_ram_cache"] == "25%"
+    assert recs["mmap"]["page_faults"] > 0 and recs["hybrimoe"]["page_faults"] == 0
+    assert recs["hybrimoe"]["ram_prefetch_issued"] > 0 and recs["prefetch-at-use"]["ram_prefetch_issued"] == 0
+    assert s.run("hybrimoe")["ram_policy"] == "hybrimoe" and s.run("oracle")["ram_policy"] == "oracle"
+    plain = Setup(tr, pol.load_hardware("rtx4090-desktop"), "0", "decode", max_tokens=150)
+    assert "ram_policy" not in plain.run("hybrimoe")
+    with pytest.raises(ValueError, match="no RAM tier"):
+        plain.run("hybrimoe", ram="mmap")
+    with pytest.raises(ValueError, match="unknown disk"):
+        Setup(tr, pol.load_hardware("rtx4090-desktop"), "0", "decode", ram_cache="25%", disk="floppy")
+    assert set(RAM_BASELINES) == {"mmap", "hot-set", "prefetch-at-use"}
+
+
+def test_simulate_command_with_a_ram_tier(tmp_path, capsys):
+    path = tmp_path / "t.npz"
+    synthetic_trace("mixtral-8x7b", 300, locality="high", seed=1).save(path)
+    out = tmp_path / "r.json"
+    rc = simulate_command.run(_args(trace=path, moe_cache="0", moe_ram_cache="50%", disk="pcie5-nvme",
+                                    ram_policies="hybrimoe,mmap", max_tokens=100, json=out, no_progress=True))
+    assert rc == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    recs = json.loads(out.read_text())
+    assert [(r["policy"], r["ram_policy"]) for r in recs] == [("hybrimoe", "hybrimoe"), ("hybrimoe", "mmap")]
+    assert all(r["disk"] == "pcie5-nvme" for r in recs) and "RAM policy" in text and "disk pcie5-nvme" in text
+    for bad, word in ((dict(ram_policies="mmap,swap"), "swap"), (dict(moe_ram_cache="200%"), "0..100"),
+                      (dict(disk="floppy"), "floppy")):
+        kw = dict(trace=path, moe_ram_cache="50%", no_progress=True)
+        kw.update(bad)
+        assert simulate_command.run(_args(**kw)) == 2
+        assert word in capsys.readouterr().err
+    for alone in (dict(disk="pcie4-nvme"), dict(ram_policies="mmap")):
+        assert simulate_command.run(_args(trace=path, no_progress=True, **alone)) == 2
+        assert "needs --moe-ram-cache" in capsys.readouterr().err
