@@ -372,6 +372,26 @@ def _deepseek_v3() -> ModelFacts:
                  "(128x128)x7168 = 187.1 M; dense layers add 3 x 7168 x 18432")
 
 
+def _kimi_k2() -> ModelFacts:
+    n_embd, n_ff, n_dense_ff, n_layer, heads = 7168, 2048, 18432, 61, 64
+    q_lora, kv_lora, nope, rope, v = 1536, 512, 128, 64, 128
+    attn = (n_embd * q_lora + q_lora * heads * (nope + rope) + n_embd * (kv_lora + rope)
+            + kv_lora * heads * (nope + v) + heads * v * n_embd)
+    return _config_facts(
+        "kimi-k2", arch="deepseek2", n_layer=n_layer, n_dense=1, n_experts=384, top_k=8, n_shared=1,
+        n_embd=n_embd, n_ff_exp=n_ff, n_ff_dense=n_dense_ff, n_head=heads, n_head_kv=heads, attn_params=attn,
+        gating="sigmoid", layer_bytes=q4_k_m_expert_bytes(n_embd, n_ff, range(1, n_layer), n_layer),
+        shape_src="moonshotai/Kimi-K2-Instruct config.json (the DeepSeek-V3 architecture): hidden_size 7168, "
+                  "moe_intermediate_size 2048, intermediate_size 18432 (dense layer), num_hidden_layers 61, "
+                  "first_k_dense_replace 1 (60 MoE layers), n_routed_experts 384, num_experts_per_tok 8, "
+                  "n_shared_experts 1, num_attention_heads 64, q_lora_rank 1536, kv_lora_rank 512, "
+                  "qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, scoring_func sigmoid",
+        bytes_src="Q4_K_M (llama.cpp's llama_tensor_get_type as pinned, 61 blocks): as DeepSeek-V3's experts "
+                  "(the same expert shape): 28.56 or 24.77 MB per expert",
+        attn_src="MLA attention with 64 heads: q_a 7168x1536 + q_b 1536x(64x192) + kv_a 7168x576 + kv_b "
+                 "512x(64x256) + o (64x128)x7168; the dense layer adds 3 x 7168 x 18432")
+
+
 def _gpt_oss_120b() -> ModelFacts:
     n_embd, n_ff, n_layer, heads, kv, hd = 2880, 2880, 36, 64, 8, 64
     attn = n_embd * heads * hd + 2 * n_embd * kv * hd + heads * hd * n_embd
@@ -390,7 +410,7 @@ def _gpt_oss_120b() -> ModelFacts:
 
 
 MODEL_FACTS = {"deepseek-v2-lite": _dsv2_lite(), "mixtral-8x7b": _mixtral_8x7b(), "qwen3-30b-a3b": _qwen3_30b_a3b(),
-               "deepseek-v3": _deepseek_v3(), "gpt-oss-120b": _gpt_oss_120b()}
+               "deepseek-v3": _deepseek_v3(), "kimi-k2": _kimi_k2(), "gpt-oss-120b": _gpt_oss_120b()}
 
 
 # ---- from a GGUF ---------------------------------------------------------------------------------------------------

@@ -88,8 +88,8 @@ LOCALITY = {"high": FITTED_DSV2_LITE,
                          cross_layer=FITTED_DSV2_LITE.cross_layer)}
 
 #: the named shapes synthetic traces can have (model facts with their sources: :mod:`hybrimoe.model.facts`)
-SHAPES = {name: MODEL_FACTS[name] for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b",
-                                                "deepseek-v2-lite")}
+SHAPES = {name: MODEL_FACTS[name] for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "kimi-k2",
+                                                "gpt-oss-120b", "deepseek-v2-lite")}
 
 
 def fit_synthetic(trace: RoutingTrace) -> Knobs:

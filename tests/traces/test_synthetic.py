@@ -156,7 +156,8 @@ def test_quant_table():
 
 @pytest.mark.parametrize("name,shape,dense,hidden,ff", [
     ("mixtral-8x7b", (32, 8, 2), 0, 4096, 14336), ("qwen3-30b-a3b", (48, 128, 8), 0, 2048, 768),
-    ("deepseek-v3", (58, 256, 8), 3, 7168, 2048), ("gpt-oss-120b", (36, 128, 4), 0, 2880, 2880),
+    ("deepseek-v3", (58, 256, 8), 3, 7168, 2048), ("kimi-k2", (60, 384, 8), 1, 7168, 2048),
+    ("gpt-oss-120b", (36, 128, 4), 0, 2880, 2880),
 ])
 def test_model_facts_from_config(name, shape, dense, hidden, ff):
     f = MODEL_FACTS[name]
