@@ -350,11 +350,17 @@ def _qwen3_30b_a3b() -> ModelFacts:
         attn_src="GQA attention q 2048x4096 + k, v 2048x512 + o 4096x2048 = 18.9 M (q/k norms left out)")
 
 
+def _mla_attn_params(n_embd: int, heads: int, q_lora: int = 1536, kv_lora: int = 512, nope: int = 128,
+                     rope: int = 64, v: int = 128) -> int:
+    """Weights of one multi-head latent attention block (DeepSeek-V2/V3's MLA, as in their config.json: q_a, q_b,
+    kv_a, kv_b and o projections; norms left out); the defaults are DeepSeek-V3's and Kimi-K2's ranks."""
+    return (n_embd * q_lora + q_lora * heads * (nope + rope) + n_embd * (kv_lora + rope)
+            + kv_lora * heads * (nope + v) + heads * v * n_embd)
+
+
 def _deepseek_v3() -> ModelFacts:
     n_embd, n_ff, n_dense_ff, n_layer, heads = 7168, 2048, 18432, 61, 128
-    q_lora, kv_lora, nope, rope, v = 1536, 512, 128, 64, 128
-    attn = (n_embd * q_lora + q_lora * heads * (nope + rope) + n_embd * (kv_lora + rope)
-            + kv_lora * heads * (nope + v) + heads * v * n_embd)
+    attn = _mla_attn_params(n_embd, heads)
     return _config_facts(
         "deepseek-v3", arch="deepseek2", n_layer=n_layer, n_dense=3, n_experts=256, top_k=8, n_shared=1,
         n_embd=n_embd, n_ff_exp=n_ff, n_ff_dense=n_dense_ff, n_head=heads, n_head_kv=heads, attn_params=attn,
@@ -374,9 +380,7 @@ def _deepseek_v3() -> ModelFacts:
 
 def _kimi_k2() -> ModelFacts:
     n_embd, n_ff, n_dense_ff, n_layer, heads = 7168, 2048, 18432, 61, 64
-    q_lora, kv_lora, nope, rope, v = 1536, 512, 128, 64, 128
-    attn = (n_embd * q_lora + q_lora * heads * (nope + rope) + n_embd * (kv_lora + rope)
-            + kv_lora * heads * (nope + v) + heads * v * n_embd)
+    attn = _mla_attn_params(n_embd, heads)
     return _config_facts(
         "kimi-k2", arch="deepseek2", n_layer=n_layer, n_dense=1, n_experts=384, top_k=8, n_shared=1,
         n_embd=n_embd, n_ff_exp=n_ff, n_ff_dense=n_dense_ff, n_head=heads, n_head_kv=heads, attn_params=attn,

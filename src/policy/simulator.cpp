@@ -317,8 +317,8 @@ private:
 
     // ---- the RAM tier (ram_ not null) ----
     int64_t tick() const { return cur_step_ * L_ + cur_layer_; }
-    /// A queued read of (l, e)'s `bytes` issued at t on the true disk; returns its end.
-    double disk_read(double bytes, double t, int l, int e);
+    /// A queued read of expert e's `bytes` issued at t on the true disk; returns its end.
+    double disk_read(double bytes, double t, int e);
     /// Seconds a faulting read of `bytes` takes on the touching thread (every fault pays the latency).
     double fault_s(double bytes);
     /// When (l, e)'s weights are in RAM for a use now: resident (or read for this layer) -> its read end; else, with
@@ -379,7 +379,8 @@ private:
     std::vector<int32_t> ram_pinned_;        // this layer's experts pinned in RAM
     std::vector<std::vector<int32_t>> ram_unpin_;  // per MoE layer: experts read ahead for it, pinned until it ran
     std::vector<double> cpu_ready_;          // per cpu_order_ entry: when its weights are in RAM (-1: fault)
-    std::vector<int32_t> ram_order_;
+    std::vector<int32_t> ram_order_, ram_ids_;   // scratch: an order, and cpu_order_ in it
+    std::vector<double> ram_ready_;              // scratch: cpu_ready_ in that order
     LayerInput ram_in_;
     LayerObservation ram_obs_;
     Prediction ram_pred_;
@@ -459,14 +460,14 @@ double SimRun::decide(int64_t si, const Step & st, int l, int n) {
             for (size_t i = 0; i < ram_order_.size(); ++i) ram_order_[i] = static_cast<int32_t>(i);
             std::stable_sort(ram_order_.begin(), ram_order_.end(),
                              [&](int32_t a, int32_t b) { return cpu_ready_[a] < cpu_ready_[b]; });
-            std::vector<int32_t> order(cpu_order_.size());
-            std::vector<double> ready(cpu_order_.size());
+            ram_ids_.resize(cpu_order_.size());
+            ram_ready_.resize(cpu_order_.size());
             for (size_t i = 0; i < ram_order_.size(); ++i) {
-                order[i] = cpu_order_[ram_order_[i]];
-                ready[i] = cpu_ready_[ram_order_[i]];
+                ram_ids_[i] = cpu_order_[ram_order_[i]];
+                ram_ready_[i] = cpu_ready_[ram_order_[i]];
             }
-            cpu_order_.swap(order);
-            cpu_ready_.swap(ready);
+            cpu_order_.swap(ram_ids_);
+            cpu_ready_.swap(ram_ready_);
         }
     }
     return decider_.run_plan().makespan_s;
@@ -589,7 +590,7 @@ void SimRun::run_layer(int64_t si, const Step & st, int l) {
     ++layers_run_;
 }
 
-double SimRun::disk_read(double bytes, double t, int l, int e) {
+double SimRun::disk_read(double bytes, double t, int e) {
     // a free queue place (the earliest to free), the latency, then the bytes after every earlier read's bytes
     auto place = std::min_element(disk_places_.begin(), disk_places_.end());
     const double start = std::max(t, *place);
@@ -602,7 +603,6 @@ double SimRun::disk_read(double bytes, double t, int l, int e) {
     res_.disk_busy_s += move;
     ++res_.disk_reads;
     record(cur_step_, cur_layer_, 3, e, 6, start, end);
-    (void) l;
     return end;
 }
 
@@ -621,7 +621,7 @@ double SimRun::ram_ready(int l, int e, double t) {
     if (ram_->resident(l, e)) return ram_->ready_s(l, e);
     if (transient_tick_[key] == tick()) return transient_ready_[key];
     if (faulting_) return -1.0;
-    const double end = disk_read(trace_.expert_bytes[(size_t) l], t, l, e);
+    const double end = disk_read(trace_.expert_bytes[(size_t) l], t, e);
     ram_keep(l, e, end, l != cur_layer_);
     return end;
 }
@@ -671,7 +671,7 @@ void SimRun::ram_lookahead(const Step & st, int l, int n, double predicted_s) {
             if (cache_.resident(j, e) || ram_->resident(j, e)) continue;
             if (std::max(disk_est_free_at_, t_moe_) + planner_.disk_read(bytes) > horizon) break;
             if (!ram_->admit(j, e, t_moe_, true)) continue;
-            const double end = disk_read(bytes, t_moe_, j, e);
+            const double end = disk_read(bytes, t_moe_, e);
             ram_->set_ready(j, e, end);
             ram_->pin(j, e);
             ram_unpin_[(size_t) j].push_back(e);
