@@ -61,6 +61,9 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
                         f"{AUTO_CALIBRATE_ENV}=0: {DEFAULT_COST_HARDWARE} instead; --moe-stats names the one used)")
     p.add_argument("-nr", "--no-repack", action="store_true",
                    help="keep CPU weights in the file's layout (upstream --no-repack)")
+    p.add_argument("--lazy-experts", action="store_true",
+                   help="leave the routed experts unread at load: their pages are read from the file when first "
+                        "used (for a model larger than RAM)")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's log on stderr")
 
 
@@ -104,6 +107,7 @@ def load_llama(args: argparse.Namespace, model: Path, prog: str, *, llama_class=
             seed=args.seed if args.seed >= 0 else 0xFFFFFFFF, verbose=args.verbose,
             rpc_servers=args.rpc, tensor_buft_overrides=args.override_tensor or None,
             cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook, no_repack=args.no_repack,
+            lazy_experts=args.lazy_experts,
             moe_cache=args.moe_cache, moe_policy=args.moe_policy, moe_prefetch_layers=args.moe_prefetch_layers,
             moe_cost_model=args.moe_cost_model, moe_profile=args.moe_profile, load_progress=progress, **extra)
     except (FileNotFoundError, ValueError, RuntimeError) as e:

@@ -79,6 +79,13 @@ class Llama(llama_cpp.Llama):
         n_seq_max: sequences the context can hold at once (upstream ``-np/--parallel``; llama-cpp-python: 1).
         no_repack: do not put CPU weights into repacked (interleaved) buffers (upstream ``--no-repack``); implied
             for the routed experts by ``moe_cache``.
+        lazy_experts: leave the routed experts' weights (``ffn_*_exps``) unread at load time: they stay mapped
+            from the file (advised random access, never pre-read nor mlocked, on the CPU whatever the offload
+            options) and their pages are read when first used, as upstream's mmap reads a page it has not
+            pre-read; every other tensor loads as usual (patch 0007, ``LLAMA_LAZY_MODE_EXPERTS``). For a model
+            larger than RAM: the load reads only the weights outside the experts. Needs mmap (the default
+            ``use_mmap=True``; with ``use_mmap=False`` the experts are still mapped, the rest read into RAM);
+            refused with ``use_mlock`` (llama.cpp locks the mapping from its start, expert pages included).
         moe_hook: install hybrimoe's MoE hook (``hybrimoe._engine.MoeHook``); its statistics are in
             ``moe_stats()``.
         moe_replay: int array ``[n_rows, n_layer, k]``: force every MoE layer's routed expert ids; the token at
@@ -130,7 +137,8 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *, rpc_servers: str | Sequence[str] | None = None,
                  tensor_buft_overrides: str | Sequence[str] | None = None, cpu_moe: bool = False,
-                 n_cpu_moe: int | None = None, no_repack: bool = False, n_seq_max: int | None = None,
+                 n_cpu_moe: int | None = None, no_repack: bool = False, lazy_experts: bool = False,
+                 n_seq_max: int | None = None,
                  moe_hook: bool = False, moe_replay: np.ndarray | None = None,
                  moe_cache=None, moe_policy=None, moe_prefetch_layers: int | None = None, moe_cost_model=None,
                  moe_profile=None, load_progress=None, record_routing: bool = False, **kwargs):
@@ -142,6 +150,12 @@ class Llama(llama_cpp.Llama):
         check_gguf(model_path)
         if n_seq_max is not None and (isinstance(n_seq_max, bool) or not isinstance(n_seq_max, int) or n_seq_max < 1):
             raise ValueError(f"n_seq_max must be an integer >= 1, got {n_seq_max!r}")
+        if not isinstance(lazy_experts, bool):
+            raise ValueError(f"lazy_experts must be True or False, got {lazy_experts!r}")
+        if lazy_experts and kwargs.get("use_mlock"):
+            raise ValueError("lazy_experts=True cannot go with use_mlock=True: llama.cpp locks the model's mapping "
+                             "from its start, which would read and lock every expert page the lazy load leaves "
+                             "unread; drop one of the two")
         kwargs = speculative_keywords(kwargs)
         self._rpc_endpoints = rpc_endpoints(rpc_servers)
         overrides = parse_tensor_overrides(tensor_buft_overrides) + moe_overrides(cpu_moe, n_cpu_moe)
@@ -163,7 +177,7 @@ class Llama(llama_cpp.Llama):
         devices = rpc_devs + _ggml.local_gpus() if _ggml.rpc_device_ptrs() else None
         self._native = NativeParams(
             overrides, devices=devices, load_progress=load_progress, no_repack=no_repack or setup is not None,
-            n_seq_max=n_seq_max, eval_callback=None if self._recorder is None else
+            lazy_experts=lazy_experts, n_seq_max=n_seq_max, eval_callback=None if self._recorder is None else
             (engine_module().RoutingRecorder.callback_address, self._recorder.address))
         with self._native.patched():
             super().__init__(model_path, **kwargs)

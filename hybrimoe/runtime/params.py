@@ -113,10 +113,13 @@ def register_rpc_servers(endpoints: Sequence[str], verbose: bool) -> list[int]:
     return [ptr for ep in endpoints for ptr in _ggml.add_rpc_server(ep)]
 
 
+#: llama_lazy_mode value of patch 0007: as LLAMA_LAZY_MODE_ON, plus every routed-expert weight (``ffn_*_exps``)
+LAZY_MODE_EXPERTS = 3
+
 #: hybrimoe.Llama's own keywords (besides llama-cpp-python's)
-OWN_KEYWORDS = ("rpc_servers", "tensor_buft_overrides", "cpu_moe", "n_cpu_moe", "no_repack", "n_seq_max", "moe_hook",
-                "moe_replay", "moe_cache", "moe_policy", "moe_prefetch_layers", "moe_cost_model", "moe_profile",
-                "load_progress", "record_routing")
+OWN_KEYWORDS = ("rpc_servers", "tensor_buft_overrides", "cpu_moe", "n_cpu_moe", "no_repack", "lazy_experts",
+                "n_seq_max", "moe_hook", "moe_replay", "moe_cache", "moe_policy", "moe_prefetch_layers",
+                "moe_cost_model", "moe_profile", "load_progress", "record_routing")
 
 
 def upstream_keywords() -> tuple[str, ...]:
@@ -161,6 +164,8 @@ class NativeParams:
         devices: device pointers the model may use (None: llama.cpp's default, every device).
         load_progress: called with the load's fraction done (0..1), or None.
         no_repack: no repacked CPU weight layouts (``use_extra_bufts = False``, upstream ``--no-repack``).
+        lazy_experts: the routed experts' weights stay unread at load (``lazy_mode = LLAMA_LAZY_MODE_EXPERTS``,
+            patch 0007).
         n_seq_max: sequences the context holds (None: llama-cpp-python's default).
         eval_callback: ``(function address, user data address)`` of llama.cpp's eval callback, or None.
 
@@ -170,6 +175,7 @@ class NativeParams:
 
     def __init__(self, overrides: Sequence[tuple[str, str]] = (), devices: Optional[Sequence[int]] = None,
                  load_progress: Optional[Callable[[float], None]] = None, no_repack: bool = False,
+                 lazy_experts: bool = False,
                  n_seq_max: Optional[int] = None, eval_callback: Optional[tuple[int, int]] = None):
         self.model: dict = {}
         self.context: dict = {}
@@ -198,6 +204,8 @@ class NativeParams:
             self.model["progress_callback"] = cb
         if no_repack:
             self.model["use_extra_bufts"] = False  # no repacked CPU layouts: the engine copies experts as stored
+        if lazy_experts:
+            self.model["lazy_mode"] = LAZY_MODE_EXPERTS
         if n_seq_max is not None:
             self.context["n_seq_max"] = int(n_seq_max)
         if eval_callback is not None:
