@@ -52,7 +52,8 @@ def _expert_tensor_lines(d: dict) -> list[str]:
 def format_info(d: dict) -> str:
     """Human-readable text for a ``describe`` dict."""
     lines = [
-        f"file:          {d['path']} ({d['file_size']} bytes, {_mib(d['file_size'])})",
+        f"file:          {d['path']} ({d['file_size']} bytes, {_mib(d['file_size'])}"
+        + (f", in {d['n_shards']} shards)" if d.get("n_shards", 1) > 1 else ")"),
         f"architecture:  {d['architecture']}" + (f" (name: {d['name']})" if d.get("name") else ""),
         f"file type:     {d['file_type'] or 'unknown'}",
         f"layers:        {d['n_layer']}  (MoE: {_ranges(d['moe_layers'])}; dense: {_ranges(d['dense_layers'])})",

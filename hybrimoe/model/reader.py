@@ -31,13 +31,22 @@ from hybrimoe.model.tables import (
 PathLike = Union[str, os.PathLike]
 
 
+#: llama.cpp's shard file name: ``<prefix>-<no, from 1>-of-<count>.gguf`` (llama_split_path in llama.cpp's llama.cpp)
+SHARD_NAME_FORMAT = "{}-{:05d}-of-{:05d}.gguf"
+
+
 @dataclass(frozen=True)
 class GGUFFile:
-    """A validated GGUF file: ``path``, ``size`` (bytes) and the ``gguf`` package's ``reader`` (memory-mapped)."""
+    """A validated GGUF model: ``path`` (the file given: a split model's first shard), ``size`` (bytes, all shards
+    together) and the ``gguf`` package's ``reader`` (memory-mapped) of that file, whose metadata is the model's.
+    A split model (``split.count`` > 1, as llama.cpp's gguf-split and ``convert_hf_to_gguf.py --split-max-*``
+    write it) also has ``shards``: every shard's ``(path, reader)``, the first included, in ``split.no`` order
+    (empty for a single file)."""
 
     path: Path
     size: int
     reader: gguf.GGUFReader = field(repr=False)
+    shards: tuple = field(default=(), repr=False)
 
     def field(self, key: str, default=None):
         """The value of metadata key ``key``, or ``default`` when absent or malformed."""
@@ -50,21 +59,91 @@ class GGUFFile:
             return default
 
     @cached_property
+    def all_tensors(self) -> list:
+        """Every tensor of the model (``gguf`` ReaderTensor; offsets are within its own shard), shard by shard."""
+        return [t for _, r in (self.shards or ((self.path, self.reader),)) for t in r.tensors]
+
+    @cached_property
     def tensors(self) -> dict:
-        """``{name: gguf ReaderTensor}`` of every tensor in the file."""
-        return {t.name: t for t in self.reader.tensors}
+        """``{name: gguf ReaderTensor}`` of every tensor of the model (every shard's)."""
+        return {t.name: t for t in self.all_tensors}
+
+    @cached_property
+    def tensor_shard(self) -> dict:
+        """``{name: (shard path, absolute data offset in that file)}`` of every tensor of the model."""
+        return {t.name: (p, int(t.data_offset)) for p, r in (self.shards or ((self.path, self.reader),))
+                for t in r.tensors}
+
+
+def _split_field(reader, key: str):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    try:
+        return int(f.contents())
+    except Exception:
+        return None
+
+
+def _shard_paths(p: Path, reader) -> list[Path]:
+    """The shard files of a split model whose first shard is ``p`` (llama.cpp's naming: llama_split_prefix and
+    llama_split_path), or ``[p]`` for a single file."""
+    count = _split_field(reader, gguf.Keys.Split.LLM_KV_SPLIT_COUNT)
+    if count is None or count <= 1:
+        return [p]
+    no = _split_field(reader, gguf.Keys.Split.LLM_KV_SPLIT_NO) or 0
+    if no != 0:
+        raise ValueError(f"{p}: shard {no + 1} of a model split in {count} files; give the first shard "
+                         f"(its name ends in -00001-of-{count:05d}.gguf)")
+    suffix = f"-00001-of-{count:05d}.gguf"
+    if not p.name.endswith(suffix):
+        raise ValueError(f"{p}: the first shard of a model split in {count} files, but its name does not end in "
+                         f"{suffix!r}, so llama.cpp cannot find the other shards; rename it as gguf-split names it")
+    prefix = p.name[: -len(suffix)]
+    return [p.with_name(SHARD_NAME_FORMAT.format(prefix, i + 1, count)) for i in range(count)]
 
 
 def open_gguf(path: PathLike) -> GGUFFile:
-    """Opens and validates a GGUF file: it exists, is a regular readable file, starts with the GGUF magic, its
-    header parses, and no tensor's data ends past the end of the file.
+    """Opens and validates a GGUF model: the file exists, is a regular readable file, starts with the GGUF magic,
+    its header parses, and no tensor's data ends past the end of the file. A split model (``split.count`` > 1) is
+    opened by its first shard (``<prefix>-00001-of-<N>.gguf``, as llama.cpp loads it) and every shard is checked
+    the same way, and for its ``split.no`` and the model's tensor count (``split.tensors.count``).
 
     Raises:
-        FileNotFoundError: no such file.
-        ValueError: not a regular file, unreadable, not a GGUF file, or truncated or corrupt (names the tensor that
-            ends past the end of the file).
+        FileNotFoundError: no such file, or a shard of a split model is missing (named).
+        ValueError: not a regular file, unreadable, not a GGUF file, or truncated or corrupt (names the file and
+            the tensor that ends past its end); a later shard given instead of the first; a shard of another
+            split; tensors missing from the shards.
     """
-    p = Path(os.fspath(path))
+    first = _open_one(Path(os.fspath(path)))
+    paths = _shard_paths(first.path, first.reader)
+    if len(paths) == 1:
+        return first
+    shards = [(first.path, first.reader)]
+    size = first.size
+    for i, sp in enumerate(paths[1:], start=1):
+        if not sp.exists():
+            raise FileNotFoundError(f"{sp}: no such file (shard {i + 1} of {len(paths)} of the model {first.path})")
+        one = _open_one(sp)
+        no = _split_field(one.reader, gguf.Keys.Split.LLM_KV_SPLIT_NO)
+        count = _split_field(one.reader, gguf.Keys.Split.LLM_KV_SPLIT_COUNT)
+        if count != len(paths):
+            raise ValueError(f"{sp}: split.count is {count}, but {first.path} is split in {len(paths)} files: a shard "
+                             "of another split")
+        if no != i:
+            raise ValueError(f"{sp}: split.no is {no}, expected {i} (shard {i + 1} of {len(paths)} of {first.path})")
+        shards.append((sp, one.reader))
+        size += one.size
+    expected = _split_field(first.reader, gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+    have = sum(len(r.tensors) for _, r in shards)
+    if expected is not None and have != expected:
+        raise ValueError(f"{first.path}: the model's {len(paths)} shards hold {have} tensors, its split.tensors.count "
+                         f"says {expected}")
+    return GGUFFile(path=first.path, size=size, reader=first.reader, shards=tuple(shards))
+
+
+def _open_one(p: Path) -> GGUFFile:
+    """One GGUF file, validated as :func:`open_gguf` says (its shards, if any, not opened)."""
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file (GGUF model file not found)")
     if not p.is_file():
@@ -85,7 +164,7 @@ def open_gguf(path: PathLike) -> GGUFFile:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size:
             raise ValueError(f"{p}: truncated GGUF file: tensor {t.name} ends at byte {end} but the file has {size}")
-    return GGUFFile(path=p, size=size, reader=reader)
+    return GGUFFile(path=p, size=size, reader=reader, shards=())
 
 
 def check_gguf(path: PathLike) -> None:
@@ -265,7 +344,7 @@ class _Scan:
 
 def _scan(g: GGUFFile) -> _Scan:
     s = _Scan()
-    for t in g.reader.tensors:
+    for t in g.all_tensors:
         tname = gguf.GGMLQuantizationType(int(t.tensor_type)).name
         s.types[tname] = s.types.get(tname, 0) + 1
         nb = int(t.n_bytes)
@@ -287,9 +366,10 @@ def describe(src: Union[PathLike, GGUFFile]) -> dict:
     """Describe a GGUF model's MoE structure (``src``: a path, or a :class:`GGUFFile` already open).
 
     Returns a dict with keys:
-        path, file_size (bytes), architecture, name, file_type (e.g. "MOSTLY_Q8_0" or None), n_layer, n_embd,
-        n_vocab, has_experts (bool), moe_layers / dense_layers (lists of block ids), n_expert, n_expert_used
-        (top-k), shared: {"count", "ff" (width), "gated" (has ffn_gate_inp_shexp)} or None,
+        path, file_size (bytes; a split model's: all shards), n_shards (1 for a single file), architecture, name,
+        file_type (e.g. "MOSTLY_Q8_0" or None), n_layer, n_embd, n_vocab, has_experts (bool), moe_layers /
+        dense_layers (lists of block ids), n_expert, n_expert_used (top-k), shared: {"count", "ff" (width),
+        "gated" (has ffn_gate_inp_shexp)} or None,
         expert_tensors: {kind: {"types": [ggml type names], "bytes_per_expert": int or None when it differs
             between layers, "shape": [ne0, ne1] of one expert (the first layer's), "layers": {block id: {"type",
             "bytes", "bytes_per_expert", "n_expert", "shape"}}}} for kind in gate/up/down/gate_up present
@@ -343,7 +423,8 @@ def describe(src: Union[PathLike, GGUFFile]) -> dict:
     clamp = g.field(f"{arch}.swiglu_clamp_exp") if arch in CLAMP_ARCHS else None
     variants = {il: expert_variant(arch, il, s.kinds, s.biases, s.scales, clamp) for il in sorted(s.moe_layers)}
     return {
-        "path": str(g.path), "file_size": g.size, "architecture": arch, "name": g.field("general.name"),
+        "path": str(g.path), "file_size": g.size, "n_shards": max(1, len(g.shards)), "architecture": arch,
+        "name": g.field("general.name"),
         "file_type": ft_name, "n_layer": n_layer, "n_embd": None if n_embd is None else int(n_embd),
         "n_vocab": n_vocab, "has_experts": has_experts,
         "moe_layers": sorted(s.moe_layers), "dense_layers": [i for i in range(n_layer) if i not in s.moe_layers],
@@ -376,7 +457,7 @@ def layer_bytes(src: Union[PathLike, GGUFFile]) -> dict:
     exps = re.compile(EXPS_REGEX)
     per: dict = {}
     outside = 0
-    for t in _as_gguf(src).reader.tensors:
+    for t in _as_gguf(src).all_tensors:
         m = BLOCK_RE.match(t.name)
         if not m:
             outside += int(t.n_bytes)

@@ -20,6 +20,7 @@ Modules, one concept each:
 ``rows``             :func:`random_quant_rows`: random valid Q4_K/Q5_0/Q6_K/Q8_0 blocks
 ``synthetic``        :func:`make_synthetic_model`, :func:`synthetic_tensor_plan`, ``DSV2_LITE_SHAPE``
 ``fixtures``         :func:`fixture_set`
+``split``            :func:`split_gguf`: a model as llama.cpp's shard files (``-00001-of-0000N.gguf``)
 ===================  ===========================================================================================
 
 ``hybrimoe make-tiny-model`` (:mod:`hybrimoe.commands.make_tiny_model`) is the command line of
@@ -30,6 +31,7 @@ from __future__ import annotations
 from hybrimoe.tiny.fixtures import fixture_set
 from hybrimoe.tiny.quantize import FTYPES, MIX_PRESETS, QuantSpec, parse_quant, q4_k_m_type, quantize_gguf
 from hybrimoe.tiny.rows import random_quant_rows
+from hybrimoe.tiny.split import split_gguf
 from hybrimoe.tiny.synthetic import DSV2_LITE_SHAPE, make_synthetic_model, synthetic_tensor_plan
 from hybrimoe.tiny.tiny_model import ARCHS, DEFAULT_N_EMBD, DEFAULT_N_FF_EXP, default_widths, make_tiny_model
 from hybrimoe.tiny.tokenizers import N_VOCAB, TOKENIZERS, WORDS
@@ -37,5 +39,5 @@ from hybrimoe.tiny.tokenizers import N_VOCAB, TOKENIZERS, WORDS
 __all__ = [
     "ARCHS", "DEFAULT_N_EMBD", "DEFAULT_N_FF_EXP", "DSV2_LITE_SHAPE", "FTYPES", "MIX_PRESETS", "N_VOCAB",
     "QuantSpec", "TOKENIZERS", "WORDS", "default_widths", "fixture_set", "make_synthetic_model", "make_tiny_model",
-    "parse_quant", "q4_k_m_type", "quantize_gguf", "random_quant_rows", "synthetic_tensor_plan",
+    "parse_quant", "q4_k_m_type", "quantize_gguf", "random_quant_rows", "split_gguf", "synthetic_tensor_plan",
 ]
