@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default=None,
                    help="write here instead of the calibration store (calibration/ in hybrimoe's cache directory: "
                         "$HYBRIMOE_CACHE_DIR, else $XDG_CACHE_HOME/hybrimoe, else ~/.cache/hybrimoe)")
+    p.add_argument("--disk", action="store_true",
+                   help="measure the disk the model is read from instead (cold reads of its experts: bandwidth, "
+                        "latency, useful reads in flight), written as a disk file for simulate --disk")
     p.add_argument("--force", action="store_true", help="replace an existing -o file")
 
 
@@ -35,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     from hybrimoe.runtime.calibrate_model import calibrate_model
     from hybrimoe.runtime.calibration import calibration_path, save
 
+    if args.disk:
+        return _run_disk(args)
     try:
         if args.output:
             check_output(args.output, "-o", force=args.force, inputs=[("-m", args.model)])
@@ -48,4 +54,32 @@ def run(args: argparse.Namespace) -> int:
     for f in COST_FIELDS:
         print(f"{f:18s} {doc[f]:.6g}   ({sources.get(f, '')})")
     print(f"hybrimoe calibrate: wrote {out}")
+    return 0
+
+
+def _run_disk(args: argparse.Namespace) -> int:
+    """``hybrimoe calibrate --disk``: measures and writes the disk file, prints its figures."""
+    from hybrimoe.runtime.disk_calibration import disk_file_path, measure_disk
+
+    try:
+        out = Path(args.output) if args.output else disk_file_path(args.model)
+        if args.output:
+            check_output(args.output, "-o", force=args.force, inputs=[("-m", args.model)])
+        m = measure_disk(args.model)
+        doc = m.to_disk_file(name=f"measured-{Path(args.model).stem}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, out)
+    except (OSError, ValueError) as e:
+        print(f"hybrimoe calibrate: error: {e}", file=sys.stderr)
+        return 1
+    for d, v in sorted(m.per_depth_Bps.items()):
+        print(f"reads in flight {d:2d}: {v / 1e9:.3f} GB/s cold")
+    print(f"read_bandwidth_Bps {m.read_bandwidth_Bps:.6g}\nread_latency_s     {m.read_latency_s:.6g}\n"
+          f"queue_depth        {m.queue_depth}\nwarm (page cache)  {m.warm_Bps / 1e9:.3f} GB/s")
+    if m.host_cache_suspected:
+        print("hybrimoe calibrate: warning: cold reads ran at nearly page-cache speed: probably served from a cache "
+              "below this machine (a virtual disk's host)", file=sys.stderr)
+    print(f"hybrimoe calibrate: wrote {out} (hybrimoe simulate --disk {out})")
     return 0

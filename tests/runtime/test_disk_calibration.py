@@ -1,0 +1,94 @@
+"""``hybrimoe calibrate --disk``: the disk figures measured on the model's own file, written as a disk file the
+simulator takes (hybrimoe.runtime.disk_calibration)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hybrimoe.policy.hardware import load_disk
+from hybrimoe.runtime import disk_calibration as dc
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    # 16 experts of 256 x 1024 F16 per matrix (512 KiB reads), 48 MiB of experts
+    return tiny_model("qwen3moe", "F16", n_embd=256, n_ff_exp=1024, n_expert=16)
+
+
+def test_every_expert_matrix_is_a_read(model):
+    from hybrimoe.model.reader import describe
+
+    d = describe(model)
+    reads = dc._expert_reads(model)
+    assert len(reads) == len(d["moe_layers"]) * 3 * d["n_expert"]
+    assert sum(nb for _, _, nb in reads) == d["routed_expert_bytes"]
+    assert len({(p, off) for p, off, _ in reads}) == len(reads)
+
+
+def test_measure_disk_reads_each_expert_once_and_gives_sane_figures(model):
+    m = dc.measure_disk(model, depths=(1, 2, 4), bytes_per_depth=4 << 20)
+    assert set(m.per_depth_Bps) == {1, 2, 4}
+    assert m.read_bandwidth_Bps == max(m.per_depth_Bps.values()) > 0
+    assert m.queue_depth in m.per_depth_Bps
+    assert m.per_depth_Bps[m.queue_depth] >= dc.SATURATION * m.read_bandwidth_Bps
+    assert 0 < m.read_latency_s < 1.0
+    assert m.read_bytes == 256 * 1024 * 2
+    # at least the bytes asked for per depth, each expert once (the passes never reuse an expert)
+    assert 3 * (4 << 20) <= m.bytes_read <= 3 * (4 << 20) + 3 * m.read_bytes
+
+
+def test_reads_served_from_the_page_cache_are_flagged(model, monkeypatch):
+    """With the drop disabled and the file warm, the "cold" reads are page-cache reads: the result must say so."""
+    monkeypatch.setattr(dc, "drop_from_page_cache", lambda path: None)
+    with open(model, "rb") as f:
+        while f.read(1 << 24):
+            pass
+    m = dc.measure_disk(model, depths=(1, 2), bytes_per_depth=8 << 20)
+    assert m.host_cache_suspected
+    assert "served from a cache" in m.to_disk_file("x")["description"]
+
+
+def test_the_written_file_is_a_disk_the_simulator_takes(model, tmp_path):
+    out = tmp_path / "disk.json"
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "calibrate", "--disk", "-m", str(model), "-o", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {out}" in r.stdout
+    disk = load_disk(str(out))
+    doc = json.loads(out.read_text())
+    assert disk.facts["read_bandwidth_Bps"] == doc["facts"]["read_bandwidth_Bps"]["value"] > 0
+    assert "cold buffered preads" in disk.sources["read_latency_s"]
+    trace = tmp_path / "t.npz"
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "trace", "-m", str(model), "-p", "hello world", "-n", "16",
+                        "-o", str(trace)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    sim = subprocess.run([sys.executable, "-m", "hybrimoe", "simulate", "--trace", str(trace), "-m", str(model),
+                          "--moe-cache", "0", "--moe-ram-cache", "50%", "--disk", str(out),
+                          "--json", str(tmp_path / "s.json")], capture_output=True, text=True, timeout=600)
+    assert sim.returncode == 0, sim.stderr
+    text = (tmp_path / "s.json").read_text()
+    assert '"disk"' in text and ("measured-" in text or str(out) in text), text[:2000]
+
+
+def test_an_existing_output_is_kept_without_force(model, tmp_path):
+    out = tmp_path / "disk.json"
+    out.write_text("mine")
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "calibrate", "--disk", "-m", str(model), "-o", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "exists" in r.stderr
+    assert out.read_text() == "mine"
+
+
+def test_a_dense_model_is_refused(tmp_path):
+    from hybrimoe.tiny import make_tiny_model
+
+    p = make_tiny_model(tmp_path / "d.gguf", "qwen3moe")
+    # the same file with its expert tensors renamed away is not a MoE model any more: use a non-GGUF instead
+    bad = tmp_path / "not.gguf"
+    bad.write_bytes(b"nope" * 100)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        dc.measure_disk(bad)
+    assert dc._expert_reads(p)
