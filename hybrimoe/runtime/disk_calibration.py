@@ -40,7 +40,7 @@ class DiskMeasurement:
     read_latency_s: float
     queue_depth: int
     per_depth_Bps: dict = field(default_factory=dict)   # depth -> cold throughput
-    warm_Bps: float = 0.0                                # the same kind of reads, from the page cache
+    warm_Bps: float = 0.0                                # the last pass's reads again, from the page cache
     read_bytes: int = 0                                  # bytes per read (one expert matrix, the median)
     bytes_read: int = 0                                  # cold bytes read in all
     files: list = field(default_factory=list)
@@ -162,7 +162,7 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
             lat.append(_timed_reads(fds, [r], 1))
         # throughput per depth, each over experts no earlier pass read (a small file: an equal share each)
         bytes_per_depth = min(bytes_per_depth, sum(r[2] for r in reads) // len(depths))
-        per, used, pos = {}, 0, 0
+        per, used, pos, last = {}, 0, 0, []
         for d in depths:
             batch, nbytes = [], 0
             while pos < len(reads) and (nbytes < bytes_per_depth or len(batch) < d):
@@ -175,17 +175,16 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
                 drop_from_page_cache(p)
             per[d] = nbytes / max(_timed_reads(fds, batch, d), 1e-9)
             used += nbytes
+            last = batch
         if not per:
             raise ValueError(f"{model_path}: too few experts to measure")
-        # the same reads again, warm (no drop): what a page-cache hit costs
-        warm_batch = reads[:max(1, pos)][:64]
-        _timed_reads(fds, warm_batch, 1)
-        warm = sum(r[2] for r in warm_batch) / max(_timed_reads(fds, warm_batch, 1), 1e-9)
+        best = max(per.values())
+        qd = min(d for d, v in per.items() if v >= SATURATION * best)
+        # the last pass's reads again, now in the page cache, at the best depth: what a page-cache hit costs
+        warm = sum(r[2] for r in last) / max(_timed_reads(fds, last, max(per, key=per.get)), 1e-9)
     finally:
         for fd in fds.values():
             os.close(fd)
-    best = max(per.values())
-    qd = min(d for d, v in per.items() if v >= SATURATION * best)
     latency = statistics.median(lat) if lat else 1.0 / best * 4096
     return DiskMeasurement(read_bandwidth_Bps=best, read_latency_s=max(latency, 1e-9), queue_depth=qd,
                            per_depth_Bps=per, warm_Bps=warm,
