@@ -104,6 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``info`` arguments."""
     parser.add_argument("model", metavar="MODEL.gguf", help="GGUF model file")
     parser.add_argument("--json", action="store_true", help="print the describe() dict as JSON")
+    parser.add_argument("--moe-ram-cache", default=None, metavar="SIZE",
+                        help="also estimate the disk traffic per token with this much RAM for routed experts ('40%%', "
+                             "'12GiB'; as run's): simulated on synthetic routing of the model's shape")
+    parser.add_argument("--disk", default=None, metavar="NAME|FILE",
+                        help="disk for --moe-ram-cache (a name or a calibrate --disk file; default pcie4-nvme)")
+    parser.add_argument("--moe-cache", default="0", metavar="SIZE",
+                        help="GPU expert cache for --moe-ram-cache (default 0: CPU only)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,5 +121,36 @@ def run(args: argparse.Namespace) -> int:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"hybrimoe info: error: {msg}", file=sys.stderr)
         return 1
-    print(json.dumps(d, indent=1, default=str) if args.json else format_info(d))
+    traffic = None
+    if args.moe_ram_cache is not None:
+        try:
+            traffic = _ram_traffic(args)
+        except (OSError, ValueError) as e:
+            print(f"hybrimoe info: error: {e}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(d if traffic is None else dict(d, ram_traffic=traffic), indent=1, default=str))
+    else:
+        print(format_info(d))
+        if traffic is not None:
+            print(format_traffic(traffic))
     return 0
+
+
+def _ram_traffic(args) -> list[dict]:
+    from hybrimoe.model.facts import facts_from_gguf
+    from hybrimoe.sim.simulator import ram_traffic
+
+    return ram_traffic(facts_from_gguf(args.model), args.moe_ram_cache, disk=args.disk, moe_cache=args.moe_cache)
+
+
+def format_traffic(records: list[dict]) -> str:
+    """The disk traffic lines of ``info --moe-ram-cache`` (records of :func:`hybrimoe.sim.simulator.ram_traffic`)."""
+    r0 = records[0]
+    lines = [f"RAM tier:      {r0['moe_ram_cache']} = {_mib(r0['ram_budget_bytes'])} for routed experts, disk "
+             f"{r0['disk']}, GPU cache {r0['moe_cache']} (simulated; {r0['assumptions']['routing']})"]
+    for r in records:
+        lines.append(f"  {r['stage']:<8}{r['ram_policy']:<10}{r['bytes_disk_per_token'] / 2**20:10.2f} MiB/token from "
+                     f"disk, RAM hit rate {r['ram_hit_rate']:.3f}, {r['page_faults_per_token']:.0f} page faults/token, "
+                     f"{r['tokens_per_s']:.2f} tokens/s")
+    return "\n".join(lines)

@@ -492,3 +492,32 @@ def format_table(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+
+
+def ram_traffic(facts: ModelFacts, ram_cache, *, disk: Optional[str] = None, hw_name: str = "rtx4090-desktop",
+                moe_cache="0", n_tokens: int = 1200, seed: int = 0,
+                policies: Sequence[str] = ("hybrimoe", "mmap")) -> list[dict]:
+    """How much a model reads from disk per token at a RAM budget (``hybrimoe info --moe-ram-cache``): the
+    simulator's records (:func:`record`) of each RAM-tier preset in ``policies``, decode then prefill, on a synthetic
+    trace of the model's shape (:func:`hybrimoe.traces.synthetic.synthetic_trace`, its default locality: an
+    assumption, named in each record's ``assumptions["routing"]``) of ``n_tokens`` tokens, with a GPU cache of
+    ``moe_cache`` on ``hw_name``. ``bytes_disk_per_token`` (bytes), ``ram_hit_rate`` and ``page_faults_per_token``
+    are the figures; real routing gives other numbers (``hybrimoe trace`` then ``simulate --moe-ram-cache``).
+
+    Raises:
+        ValueError: as :class:`Setup` (a bad RAM or GPU budget, an unknown disk or hardware), or bad facts.
+    """
+    from hybrimoe.traces.synthetic import synthetic_trace
+
+    tr = synthetic_trace(facts, int(n_tokens), seed=seed)
+    out = []
+    for stage in ("decode", "prefill"):
+        s = Setup(tr, load_hardware(hw_name), moe_cache, stage, facts=facts, facts_source="the model's GGUF",
+                  ram_cache=ram_cache, disk=disk)
+        for name in policies:
+            rec = s.run("hybrimoe", ram=name)
+            rec.setdefault("assumptions", {})["routing"] = (
+                f"synthetic routing of the model's shape ({n_tokens} tokens, hybrimoe.traces.synthetic's default "
+                "locality), not the model's own")
+            out.append(rec)
+    return out

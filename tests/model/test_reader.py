@@ -183,3 +183,34 @@ def test_expert_variant_names_the_variant_and_whether_the_engine_runs_it(tmp_pat
     assert v["clamp"] == 7.0 and v["clamp_form"] == "clamp_silu_mul" and v["engine"]
     assert reader.expert_variant("deepseek4", 0, w, {}, {}, clamp=7.0)["clamp_form"] == "swiglu_clamp"
     assert reader.expert_variant("llama4", 0, w, {}, {})["weight_before_ffn"]
+
+
+def test_info_estimates_the_disk_traffic_at_a_ram_budget(tmp_path, capsys):
+    """``--moe-ram-cache``: simulated disk bytes per token for hybrimoe's RAM tier and upstream's mmap, decode and
+    prefill; more RAM reads less from disk (the simulator is the oracle of the figures, the ordering is checked)."""
+    import json
+
+    p = make_tiny_model(tmp_path / "m.gguf", "qwen3moe", n_expert=16, n_layer=3)
+    rc, out, err = _run([str(p), "--moe-ram-cache", "25%"], capsys)
+    assert rc == 0, err
+    assert "RAM tier:" in out and "MiB/token from disk" in out
+    per = {}
+    for budget in ("25%", "75%"):
+        rc, out, err = _run([str(p), "--moe-ram-cache", budget, "--json"], capsys)
+        assert rc == 0, err
+        recs = json.loads(out)["ram_traffic"]
+        assert {(r["stage"], r["ram_policy"]) for r in recs} == {(s, q) for s in ("decode", "prefill")
+                                                               for q in ("hybrimoe", "mmap")}
+        per[budget] = {(r["stage"], r["ram_policy"]): r for r in recs}
+    for key in per["25%"]:
+        assert per["25%"][key]["bytes_disk_per_token"] > per["75%"][key]["bytes_disk_per_token"] > 0, key
+    assert per["25%"][("decode", "mmap")]["page_faults_per_token"] > 0
+    assert per["25%"][("decode", "hybrimoe")]["page_faults_per_token"] == 0
+
+
+def test_info_refuses_a_bad_ram_budget(tmp_path, capsys):
+    p = make_tiny_model(tmp_path / "m.gguf", "qwen3moe")
+    rc, out, err = _run([str(p), "--moe-ram-cache", "lots"], capsys)
+    assert rc == 1 and err.startswith("hybrimoe info: error:") and "lots" in err
+    rc, out, err = _run([str(p), "--moe-ram-cache", "25%", "--disk", "floppy"], capsys)
+    assert rc == 1 and "floppy" in err
