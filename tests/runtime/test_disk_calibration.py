@@ -40,17 +40,6 @@ def test_measure_disk_reads_each_expert_once_and_gives_sane_figures(model):
     assert 3 * (4 << 20) <= m.bytes_read <= 3 * (4 << 20) + 3 * m.read_bytes
 
 
-def test_reads_served_from_the_page_cache_are_flagged(model, monkeypatch):
-    """With the drop disabled and the file warm, the "cold" reads are page-cache reads: the result must say so."""
-    monkeypatch.setattr(dc, "drop_from_page_cache", lambda path: None)
-    with open(model, "rb") as f:
-        while f.read(1 << 24):
-            pass
-    m = dc.measure_disk(model, depths=(1, 2), bytes_per_depth=8 << 20)
-    assert m.host_cache_suspected
-    assert "served from a cache" in m.to_disk_file("x")["description"]
-
-
 def test_the_written_file_is_a_disk_the_simulator_takes(model, tmp_path):
     out = tmp_path / "disk.json"
     r = subprocess.run([sys.executable, "-m", "hybrimoe", "calibrate", "--disk", "-m", str(model), "-o", str(out)],
