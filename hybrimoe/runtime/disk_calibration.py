@@ -100,13 +100,15 @@ def disk_file_path(model_path) -> Path:
 
 
 def drop_from_page_cache(path) -> None:
-    """Asks the kernel to drop ``path``'s clean, unmapped pages from the page cache (POSIX_FADV_DONTNEED).
+    """Asks the kernel to drop ``path``'s unmapped pages from the page cache: written pages are flushed first (fsync),
+    so that they are clean, then POSIX_FADV_DONTNEED drops them.
 
     Raises:
         OSError: the file cannot be opened.
     """
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)

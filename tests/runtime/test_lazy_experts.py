@@ -13,18 +13,10 @@ import os
 import numpy as np
 import pytest
 
+from hybrimoe.runtime.disk_calibration import drop_from_page_cache as _drop_from_page_cache
 from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
 
 PAGE = mmap.PAGESIZE
-
-
-def _drop_from_page_cache(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _expert_pages(path) -> list[tuple[int, int]]:
