@@ -63,7 +63,8 @@ file(GLOB HYBRIMOE_ENGINE_SOURCES CONFIGURE_DEPENDS
     "${CMAKE_SOURCE_DIR}/src/runtime/*.cpp" "${CMAKE_SOURCE_DIR}/bindings/engine/*.cpp")
 pybind11_add_module(_engine MODULE ${HYBRIMOE_ENGINE_SOURCES})
 target_include_directories(_engine PRIVATE "${CMAKE_SOURCE_DIR}/src")
-target_link_libraries(_engine PRIVATE llama ggml ggml-base hybrimoe_policy)
+find_package(Threads REQUIRED)
+target_link_libraries(_engine PRIVATE llama ggml ggml-base hybrimoe_policy Threads::Threads)
 set_target_properties(_engine PROPERTIES INSTALL_RPATH "$ORIGIN/lib;$ORIGIN/../llama_cpp/lib")
 install(TARGETS _engine LIBRARY DESTINATION "${HYBRIMOE_PKG_DIR}")
 

@@ -76,7 +76,11 @@ Raises:
                          std::shared_ptr<hybrimoe::SchedulePolicy> scheduler,
                          std::shared_ptr<hybrimoe::PrefetchPolicy> prefetcher, int64_t max_buffer_bytes,
                          std::vector<std::array<int64_t, 3>> bias_bytes,
-                         std::vector<std::array<int64_t, 3>> scale_bytes) {
+                         std::vector<std::array<int64_t, 3>> scale_bytes, int64_t ram_slots,
+                         std::vector<std::string> ram_files, std::vector<int64_t> ram_file_sizes,
+                         std::vector<int64_t> ram_file_mtimes_ns, std::vector<std::array<int32_t, 3>> ram_file_of,
+                         std::vector<std::array<int64_t, 3>> ram_offset_of, int ram_io_threads,
+                         std::shared_ptr<hybrimoe::ExpertCache> ram_cache, bool ram_drop_after_read) {
                  EngineConfig c;
                  c.n_layer = n_layer;
                  c.n_expert = n_expert;
@@ -96,10 +100,20 @@ Raises:
                  for (auto & r : routers) c.routers.emplace_back(r.data(), r.data() + r.size());
                  for (auto & b : router_bias) c.router_bias.emplace_back(b.data(), b.data() + b.size());
                  c.sigmoid_gating = sigmoid_gating;
+                 if (ram_slots < 0) throw py::value_error("ram_slots must be >= 0");
+                 if (ram_slots > 0 && !ram_cache) throw py::value_error("ram_slots > 0 needs ram_cache");
+                 c.ram.n_slots = ram_slots;
+                 c.ram.files = std::move(ram_files);
+                 c.ram.file_sizes = std::move(ram_file_sizes);
+                 c.ram.file_mtimes_ns = std::move(ram_file_mtimes_ns);
+                 c.ram.file_of = std::move(ram_file_of);
+                 c.ram.offset_of = std::move(ram_offset_of);
+                 c.ram.io_threads = ram_io_threads;
+                 c.ram.drop_after_read = ram_drop_after_read;
                  // The arguments keep the policies (and a Python subclass's object) alive while the GIL is
                  // released: nothing Python is freed without it.
                  py::gil_scoped_release nogil;
-                 return std::shared_ptr<Engine>(new Engine(std::move(c), cache, scheduler, prefetcher),
+                 return std::shared_ptr<Engine>(new Engine(std::move(c), cache, scheduler, prefetcher, ram_cache),
                                                 delete_engine);
              }),
              py::arg("n_layer"), py::arg("n_expert"), py::arg("top_k"), py::arg("n_embd"), py::arg("moe_layers"),
@@ -107,7 +121,12 @@ Raises:
              py::arg("prefetch_layers"), py::arg("fill_on_miss"), py::arg("routers"), py::arg("router_bias"),
              py::arg("sigmoid_gating"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"),
              py::arg("max_buffer_bytes") = 0, py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
-             py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{})
+             py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{}, py::arg("ram_slots") = 0,
+             py::arg("ram_files") = std::vector<std::string>{}, py::arg("ram_file_sizes") = std::vector<int64_t>{},
+             py::arg("ram_file_mtimes_ns") = std::vector<int64_t>{},
+             py::arg("ram_file_of") = std::vector<std::array<int32_t, 3>>{},
+             py::arg("ram_offset_of") = std::vector<std::array<int64_t, 3>>{}, py::arg("ram_io_threads") = 4,
+             py::arg("ram_cache") = std::shared_ptr<hybrimoe::ExpertCache>(), py::arg("ram_drop_after_read") = true)
         .def_static("slot_bytes_for", &SlotPool::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
                     py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
                     py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{},
@@ -133,7 +152,9 @@ Raises:
              "First error since the last call ('' if none); after one, layers run on the CPU until clear_failure().")
         .def_property_readonly("failed", &Engine::failed)
         .def("clear_failure", &Engine::clear_failure)
-        .def("reset_stats", &Engine::reset_stats)
+        .def("reset_stats", [](Engine & e) {
+                 e.reset_stats();
+                 if (e.ram()) e.ram()->reset_stats(); })
         .def("release", &Engine::release, py::call_guard<py::gil_scoped_release>(),
              "Free the slot pool, GPU graphs and device backends now (afterwards every layer runs on the CPU).")
         .def("set_logging", &Engine::set_logging, py::arg("on"),
@@ -148,6 +169,35 @@ Raises:
              "Negative control for tests: later copies into the slot pool take each expert's bias rows from "
              "the next expert ((e + 1) mod n_expert).")
         .def("pinned_count", &Engine::pinned_count, "(layer, expert) keys pinned now.")
+        .def_property_readonly("ram_slots", [](const Engine & e) { return e.ram() ? e.ram()->n_slots() : 0; },
+                               "RAM expert slots of the RAM tier (0: no RAM tier).")
+        .def_property_readonly("ram_slot_bytes", [](const Engine & e) { return e.ram() ? e.ram()->slot_bytes() : 0; },
+                               "Bytes of one RAM expert slot (the GPU slot's layout; 0: no RAM tier).")
+        .def("ram_slot_of", [](const Engine & e, int layer, int expert) {
+                 return e.ram() ? e.ram()->slot_of(layer, expert) : -1; },
+             py::arg("layer"), py::arg("expert"), "RAM slot of (MoE layer, expert), or -1.")
+        .def("ram_resident_keys", [](const Engine & e) {
+                 return e.ram() ? e.ram()->cache().resident_keys() : std::vector<int64_t>{}; },
+             "Keys (layer * n_expert + expert) the RAM tier holds or is reading.")
+        .def("ram_stats", [](const Engine & e) {
+                py::dict d;
+                if (!e.ram()) return d;
+                const hybrimoe::RamTierStats s = e.ram()->stats();
+                d["accesses"] = s.accesses; d["hits"] = s.hits; d["misses"] = s.misses; d["late"] = s.late;
+                d["demand_reads"] = s.demand_reads; d["prefetch_reads"] = s.prefetch_reads;
+                d["prefetch_used"] = s.prefetch_used; d["preads"] = s.preads; d["evictions"] = s.evictions;
+                d["bytes_demand"] = s.bytes_demand; d["bytes_prefetch"] = s.bytes_prefetch; d["wait_s"] = s.wait_s;
+                d["reads_in_flight"] = e.ram()->reads_in_flight();
+                return d; },
+             "RAM tier counters since the last reset_stats(): accesses, hits, misses, late (hits still being read), "
+             "demand_reads / prefetch_reads (experts read from the file) and their bytes (bytes_demand, "
+             "bytes_prefetch), prefetch_used (prefetched experts used at their layer), preads (system calls), "
+             "evictions, wait_s (seconds the plan waited for reads), reads_in_flight (now); {} without a RAM tier.")
+        .def("ram_inject_read_error", [](Engine & e, int err, int count) {
+                 if (!e.ram()) throw py::value_error("no RAM tier");
+                 e.ram()->inject_read_error(err, count); },
+             py::arg("errno"), py::arg("count") = 1,
+             "Fault injection for tests: the RAM tier's next `count` reads fail with this errno (0: off).")
         .def("slots_in_use", [](const Engine & e) { return e.pool().slots_in_use(); }, "GPU slots holding an expert.")
         .def_property_readonly("slot_buffers", [](const Engine & e) { return e.pool().n_buffers(); },
                                "Device buffers the slot pool is split over (the device caps one buffer; 0: no slots).")

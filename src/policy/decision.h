@@ -125,6 +125,8 @@ public:
     void release(int layer);
 
     const LayerInput & input() const { return in_; }
+    /// The observation of the last split (routing, router scores [n_tokens, n_experts]): the cache saw it.
+    const LayerObservation & observation() const { return obs_; }
     /// The scheduler's plan of the last split.
     const SchedulePlan & plan() const { return plan_; }
     /// The plan of the split that runs (split()'s result): plan() itself, or its re-evaluation (evaluate_plan)

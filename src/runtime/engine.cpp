@@ -124,7 +124,7 @@ std::string cpu_backend_problem() {
 }
 
 Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared_ptr<SchedulePolicy> scheduler,
-               std::shared_ptr<PrefetchPolicy> prefetcher)
+               std::shared_ptr<PrefetchPolicy> prefetcher, std::shared_ptr<ExpertCache> ram_cache)
     : cfg_(std::move(cfg)), cache_(std::move(cache)), scheduler_(std::move(scheduler)),
       prefetcher_(std::move(prefetcher)),
       pool_((int) cfg_.moe_layers.size(), cfg_.n_expert, cfg_.expert_bytes, cfg_.expert_types, cfg_.bias_bytes,
@@ -178,6 +178,13 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     dc.fill_on_miss = cfg_.fill_on_miss;
     decider_.reset(new LayerDecider(cache_, scheduler_, prefetcher_, cfg_.cost, dc));
 
+    if (cfg_.ram.n_slots > 0) {
+        if (cfg_.n_slots > 0) {
+            throw std::invalid_argument("engine: the RAM expert tier runs without GPU slots for now (moe_cache=0)");
+        }
+        ram_.reset(new RamTier(L, cfg_.n_expert, cfg_.expert_bytes, cfg_.expert_types, cfg_.bias_bytes,
+                               cfg_.scale_bytes, cfg_.ram, std::move(ram_cache), nullptr));
+    }
     if (cfg_.n_slots == 0) return;
     if (!cfg_.device) throw std::invalid_argument("engine: a device is required for a non-empty expert cache");
     pool_.open(cfg_.device, cfg_.n_slots, cfg_.max_buffer_bytes);
@@ -188,9 +195,27 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     }
 }
 
-Engine::~Engine() { release(); }
+Engine::~Engine() {
+    release();
+    ram_.reset();
+}
+
+void Engine::write_fallback(ggml_tensor * dst) {
+    if (!ram_) {
+        write_all_cpu(dst, ids_);
+        return;
+    }
+    const int64_t k = dst->ne[0], T = dst->ne[1];
+    for (int64_t t = 0; t < T; ++t) {
+        int32_t * cpu = plane(dst, 0, t);
+        int32_t * gpu = plane(dst, 1, t);
+        for (int64_t j = 0; j < k; ++j) cpu[j] = gpu[j] = -1;
+    }
+}
 
 void Engine::release() {
+    // the RAM slots stay (graphs built over them may still run, on no device); their reads stop
+    if (ram_) ram_->stop_io();
     gpu_.reset();
     pool_.release();
     if (cfg_.n_slots > 0) {
@@ -301,7 +326,10 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
 
     // the CPU share, unweighted (the combine weights each CPU pair) unless weighted before the FFN (Llama 4); scales
     // are gathered by the routing's own ids (ggml_get_rows has no "skip" for the GPU pairs' -1: it would abort)
-    ggml_tensor * experts = build_expert_ffn(ctx, m, x, cpu_ids, m.weight_before ? a.weights : nullptr,
+    // with the RAM tier the CPU share reads the RAM slots (plane 0 then holds slot numbers), else the file's tensors
+    if (ram_) ram_->set_layer(ml, m);
+    const ExpertMatrices cpu_m = ram_ ? ram_->views(ctx, m) : m;
+    ggml_tensor * experts = build_expert_ffn(ctx, cpu_m, x, cpu_ids, m.weight_before ? a.weights : nullptr,
                                              "hybrimoe_cpu", a.il, a.selected_experts);
 
     ggml_tensor * wsrc[2] = {plan, experts};  // experts: only to run after the CPU share
@@ -425,14 +453,21 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
     write_all_cpu(dst, ids_);
     if (run.counters) note_plan_run(*static_cast<LayerCounters *>(run.counters), ids_.data(), k, T);
     if (T == 0) return;
-    // warm-up graphs route every token to every expert: not a real ubatch, leave it to the CPU
-    if (k != cfg_.top_k) return;
+    // warm-up graphs route every token to every expert: not a real ubatch, leave it to the CPU (with the RAM
+    // tier: compute nothing, its output is thrown away)
+    if (k != cfg_.top_k) {
+        if (ram_) write_fallback(dst);
+        return;
+    }
     // a new ubatch starts when the MoE layers start over (the first layer the engine handles need not be 0)
     if (ml <= last_ml_) ++ubatch_;
     last_ml_ = ml;
 
     try {
-        if (failed_) return;
+        if (failed_) {
+            write_fallback(dst);
+            return;
+        }
         // many ubatch sizes: start over rather than grow without bound (here, before this layer launches
         // anything; earlier layers' launches are done: their wait ops synchronised)
         if (gpu_ && gpu_->n_graphs() >= 64) gpu_->clear();
@@ -471,6 +506,27 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
             gpu_pairs += on_gpu[i] ? (uint64_t) in.loads[i] : 0;
         }
         if (n_gpu > 0) launch_gpu_share(dst, run, on_gpu, k, T, x, launches);
+
+        // ---- the RAM tier: the CPU share's experts into RAM slots, its ids remapped to them; read-ahead ----
+        if (ram_) {
+            std::vector<int32_t> cpu_experts;
+            for (size_t i = 0; i < in.size(); ++i) {
+                if (!on_gpu[i]) cpu_experts.push_back(in.experts[i]);
+            }
+            ram_->acquire(decider_->observation(), cpu_experts, now());
+            for (int64_t t = 0; t < T; ++t) {
+                int32_t * cpu = plane(dst, 0, t);
+                for (int64_t j = 0; j < k; ++j) {
+                    if (cpu[j] >= 0) cpu[j] = ram_->slot_of(ml, cpu[j]);
+                }
+            }
+            if (cfg_.prefetch_layers > 0) {
+                if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + run_plan.makespan_s;
+                predictor_->predict(ml, cfg_.prefetch_layers, (int) T, (const float *) x->data, x->nb[2],
+                                    run_plan.makespan_s, layer_est_, cfg_.cost.layer((int) T), predictions_);
+                ram_->prefetch(predictions_, std::min<int64_t>(E, T * k), now());
+            }
+        }
 
         // ---- prefetch for the next layers, then fills ----
         if (decider_->wants_prefetch((int) tensors_.size())) {
@@ -511,11 +567,11 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         s.predicted_s += run_plan.makespan_s;
     } catch (const std::exception & e) {
         // numbers stay right: every pair goes to the CPU (its nodes have not run yet); a launched GPU share is
-        // waited for and ignored
-        write_all_cpu(dst, ids_);
+        // waited for and ignored. With the RAM tier nothing is computed and the decode reports the error.
+        write_fallback(dst);
         fail(std::string("MoE layer ") + std::to_string(run.il) + ": " + e.what());
     } catch (...) {
-        write_all_cpu(dst, ids_);
+        write_fallback(dst);
         fail(std::string("MoE layer ") + std::to_string(run.il) + ": unknown error");
     }
 }
@@ -541,6 +597,7 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
     }
     run.launches.clear();
     try {
+        if (ram_) ram_->release(run.ml);
         decider_->release(run.ml);
     } catch (const std::exception & e) {
         fail(std::string("cache bookkeeping: ") + e.what());

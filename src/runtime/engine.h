@@ -39,6 +39,7 @@
 #include "runtime/expert_ffn.h"
 #include "runtime/gpu_share.h"
 #include "runtime/negative_controls.h"
+#include "runtime/ram_tier.h"
 #include "runtime/slot_pool.h"
 
 #include <array>
@@ -91,6 +92,8 @@ struct EngineConfig {
     /// per MoE layer: selection bias added to sigmoid scores (DeepSeek-V3 exp_probs_b) or empty
     std::vector<std::vector<float>> router_bias;
     bool sigmoid_gating = false;           ///< router probabilities by sigmoid (else softmax)
+    /// the RAM expert tier (ram.n_slots > 0: routed experts read from the file into host slots; ram_tier.h)
+    RamTierConfig ram;
 };
 
 /// Per MoE layer counters (read between decodes).
@@ -118,8 +121,10 @@ public:
     /// Throws std::invalid_argument on inconsistent facts, std::runtime_error when the CPU backend is not
     /// hybrimoe's ggml-cpu (cpu_backend_skips_negative_ids), the device cannot be initialised or the pool cannot
     /// be allocated (the message names the device and the bytes).
+    /// With cfg.ram.n_slots > 0 also opens the RAM tier (RamTier: its files, host slots, I/O workers) with
+    /// `ram_cache` as its cache; for now only without GPU slots (n_slots 0: std::invalid_argument otherwise).
     Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared_ptr<SchedulePolicy> scheduler,
-           std::shared_ptr<PrefetchPolicy> prefetcher);
+           std::shared_ptr<PrefetchPolicy> prefetcher, std::shared_ptr<ExpertCache> ram_cache = nullptr);
     ~Engine();
     /// Waits for queued device work and frees the slot pool, the GPU graphs and the device backends now (the
     /// engine then runs every layer on the CPU). Call before the llama context and the device go away; the
@@ -132,6 +137,8 @@ public:
     /// functions (SlotPool::slot_bytes_for and the region strides) size an engine's slots before it exists.
     const SlotPool & pool() const { return pool_; }
     int64_t n_slots() const { return cfg_.n_slots; }
+    /// The RAM tier, or nullptr without one (and after release()).
+    RamTier * ram() const { return ram_.get(); }
     const EngineConfig & config() const { return cfg_; }
 
     /// Builds the layer's replacement subgraph (called by MoeHook::build for supported layers), or nullptr when
@@ -181,6 +188,10 @@ private:
     std::vector<std::unique_ptr<LayerRun>> runs_;
     SlotPool pool_;
     std::unique_ptr<GpuShare> gpu_;
+    std::unique_ptr<RamTier> ram_;
+    /// The plan's output when the engine cannot plan (an error, a warm-up graph): every pair to the CPU share with
+    /// upstream's ids, or, with the RAM tier (whose CPU share indexes RAM slots), no pair computed at all.
+    void write_fallback(ggml_tensor * dst);
 
     /// the decision rules shared with the simulator's replay (policy/decision.h); the engine is their placement
     struct Placement : ExpertPlacement {

@@ -3,6 +3,7 @@
 #include "ggml-alloc.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <stdexcept>
 
@@ -219,6 +220,57 @@ void SlotPool::open(ggml_backend_dev_t device, int64_t n_slots, int64_t max_buff
     for (int64_t s = n_slots_ - 1; s >= 0; --s) free_slots_.push_back((int32_t) s);
 }
 
+void SlotPool::open_host(ggml_backend_buffer_type_t buft, int64_t n_slots) {
+    if (!buft || !ggml_backend_buft_is_host(buft)) {
+        throw std::invalid_argument("engine: the RAM expert slots need a host buffer type");
+    }
+    if (n_slots < 1) throw std::invalid_argument("engine: a slot pool needs at least one slot");
+    release();
+    const size_t buft_max = ggml_backend_buft_get_max_size(buft);
+    per_buf_ = slots_per_buffer_for(n_slots, buft_max >= (size_t) INT64_MAX ? 0 : (int64_t) buft_max);
+    n_slots_ = n_slots;
+    const int64_t n_bufs = (n_slots_ + per_buf_ - 1) / per_buf_;
+    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (n_bufs + 1), nullptr, true};
+    ctx_ = ggml_init(ip);
+    int64_t total = 0;
+    for (int64_t b = 0; b < n_bufs; ++b) {
+        const int64_t bytes = buffer_bytes_for(std::min(per_buf_, n_slots_ - b * per_buf_));
+        ggml_tensor * t = ggml_new_tensor_1d(ctx_, GGML_TYPE_I8, bytes);
+        ggml_format_name(t, "hybrimoe_ram_slots_%d", (int) b);
+        bufs_.push_back(t);
+        total += bytes;
+    }
+    buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
+    if (!buf_) {
+        release();
+        throw std::runtime_error("engine: cannot allocate " + std::to_string(total) + " bytes of RAM expert slots (" +
+                                 std::string(ggml_backend_buft_name(buft)) + ")");
+    }
+    host_ = true;
+    // every null slot holds zeros (and no slot holds stale bytes of another process: the memory is fresh)
+    for (int b = 0; b < (int) bufs_.size(); ++b) {
+        const int64_t n = buffer_slots(b);
+        for (int i = 0; i < kRegions; ++i) {
+            if (strides_[(size_t) i] == 0) continue;
+            std::memset((char *) bufs_[(size_t) b]->data + region_base(i, n) + n * strides_[(size_t) i], 0,
+                        (size_t) strides_[(size_t) i]);
+        }
+    }
+    slot_key_.assign((size_t) n_slots_, -1);
+    free_slots_.clear();
+    for (int64_t s = n_slots_ - 1; s >= 0; --s) free_slots_.push_back((int32_t) s);
+}
+
+uint8_t * SlotPool::slot_data(int32_t s, int which) const {
+    if (!host_ || s < 0 || s >= n_slots_ || which < 0 || which >= kRegions) {
+        throw std::logic_error("engine: slot_data of slot " + std::to_string(s) + " region " + std::to_string(which) +
+                               " (not a host pool's)");
+    }
+    const int b = buffer_of(s);
+    return (uint8_t *) bufs_[(size_t) b]->data + region_base(which, buffer_slots(b)) +
+           (int64_t) local_slot(s) * strides_[(size_t) which];
+}
+
 void SlotPool::release() {
     if (compute_) ggml_backend_synchronize(compute_);
     if (copy_) ggml_backend_synchronize(copy_);
@@ -235,6 +287,7 @@ void SlotPool::release() {
     copy_ = nullptr;
     compute_ = nullptr;
     host_buft_ = nullptr;
+    host_ = false;
     n_slots_ = 0;
     slot_key_.clear();
     free_slots_.clear();

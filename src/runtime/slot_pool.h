@@ -77,9 +77,18 @@ public:
     /// when the device has events (ggml_backend_dev_get_props caps), one event per in-flight copy. Throws
     /// std::runtime_error naming the device (and the bytes, for the pool) when one cannot be had.
     void open(ggml_backend_dev_t device, int64_t n_slots, int64_t max_buffer_bytes = 0);
+    /// Allocates n_slots slots in host memory of buffer type `buft` (the CPU's, or a device's pinned host type),
+    /// in as few buffers as its max size allows, each buffer's null slot zeroed; no backends and no copy queue
+    /// (the RAM tier writes the slots itself through slot_data). Throws std::invalid_argument when `buft` is not
+    /// a host buffer type or n_slots < 1, std::runtime_error when the memory cannot be had (the bytes named).
+    void open_host(ggml_backend_buffer_type_t buft, int64_t n_slots);
+    /// Host address of region `which` (as strides()) of global slot s: a host pool (open_host) only.
+    uint8_t * slot_data(int32_t s, int which) const;
     /// Waits for queued device work and frees everything on the device; afterwards n_slots() is 0.
     void release();
-    bool is_open() const { return compute_ != nullptr; }
+    bool is_open() const { return compute_ != nullptr || host_; }
+    /// Whether the slots lie in host memory (open_host).
+    bool is_host() const { return host_; }
 
     int64_t n_slots() const { return n_slots_; }
     int64_t slot_bytes() const { return slot_bytes_; }
@@ -154,6 +163,7 @@ private:
     std::array<int64_t, kRegions> strides_{};  // gate, up, down, their biases, their scales: bytes per slot
     int64_t slot_bytes_ = 0;
     int64_t n_slots_ = 0;
+    bool host_ = false;                  // open_host: the slots are host memory, no device
     ggml_backend_dev_t device_ = nullptr;
     std::string device_name_;
     ggml_backend_t compute_ = nullptr;

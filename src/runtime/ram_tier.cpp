@@ -1,0 +1,520 @@
+#include "runtime/ram_tier.h"
+
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fcntl.h>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+namespace hybrimoe {
+
+namespace {
+
+// the largest page-cache folio (a PMD: 2 MiB on x86-64 and arm64 with 4 KiB pages)
+constexpr int64_t kDropGranule = 2 << 20;
+
+// Advises MADV_RANDOM on every mapping of the file (device, inode) in this process (/proc/self/maps): the loader's
+// (llama_mmap) above all. The weights outside the experts were pre-read at load (WILLNEED), but a page fault on one
+// that is no longer in the page cache is answered by the kernel with a read-around of read_ahead_kb (often MiBs)
+// centred on it, across the neighbouring expert tensors' pages, whatever advice those ranges carry; random advice on
+// the whole mapping reads the faulting page only. Returns the bytes advised.
+int64_t advise_mappings_random(dev_t dev, ino_t ino) {
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    int64_t advised = 0;
+    while (std::getline(maps, line)) {
+        // "lo-hi perms offset major:minor inode path"
+        std::istringstream in(line);
+        std::string range, perms, offset, devs;
+        unsigned long long inode = 0;
+        if (!(in >> range >> perms >> offset >> devs >> inode) || inode != (unsigned long long) ino) continue;
+        const size_t colon = devs.find(':');
+        if (colon == std::string::npos) continue;
+        const unsigned maj = (unsigned) std::stoul(devs.substr(0, colon), nullptr, 16);
+        const unsigned min = (unsigned) std::stoul(devs.substr(colon + 1), nullptr, 16);
+        if (makedev(maj, min) != dev) continue;
+        const size_t dash = range.find('-');
+        const uintptr_t lo = (uintptr_t) std::stoull(range.substr(0, dash), nullptr, 16);
+        const uintptr_t hi = (uintptr_t) std::stoull(range.substr(dash + 1), nullptr, 16);
+        if (hi > lo && madvise((void *) lo, hi - lo, MADV_RANDOM) == 0) advised += (int64_t) (hi - lo);
+    }
+    return advised;
+}
+
+int64_t mtime_ns(const struct stat & st) {
+    return (int64_t) st.st_mtim.tv_sec * 1000000000LL + (int64_t) st.st_mtim.tv_nsec;
+}
+
+}  // namespace
+
+RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_t, 3>> & expert_bytes,
+                 const std::vector<std::array<int32_t, 3>> & expert_types,
+                 const std::vector<std::array<int64_t, 3>> & bias_bytes,
+                 const std::vector<std::array<int64_t, 3>> & scale_bytes, RamTierConfig cfg,
+                 std::shared_ptr<ExpertCache> cache, ggml_backend_buffer_type_t buft)
+    : n_layers_(n_layers), n_expert_(n_expert), expert_bytes_(expert_bytes), cfg_(std::move(cfg)),
+      cache_(std::move(cache)), pool_(n_layers, n_expert, expert_bytes, expert_types, bias_bytes, scale_bytes) {
+    const size_t L = (size_t) n_layers_;
+    if (cfg_.n_slots < 1) throw std::invalid_argument("RAM tier: at least one RAM expert slot is needed");
+    if (!cache_ || cache_->n_layers() != n_layers_ || cache_->n_experts() != n_expert_) {
+        throw std::invalid_argument("RAM tier: the RAM cache must have the model's MoE layers and experts");
+    }
+    if (cfg_.file_of.size() != L || cfg_.offset_of.size() != L) {
+        throw std::invalid_argument("RAM tier: one file index and offset per MoE layer and matrix");
+    }
+    if (cfg_.files.empty() || cfg_.file_sizes.size() != cfg_.files.size() ||
+        cfg_.file_mtimes_ns.size() != cfg_.files.size()) {
+        throw std::invalid_argument("RAM tier: one size and modification time per model file");
+    }
+    if (cfg_.io_threads < 1 || cfg_.io_threads > 256) {
+        throw std::invalid_argument("RAM tier: io_threads must be in 1..256, got " + std::to_string(cfg_.io_threads));
+    }
+    for (size_t l = 0; l < L; ++l) {
+        for (int i = 0; i < 3; ++i) {
+            const int32_t f = cfg_.file_of[l][(size_t) i];
+            if (f < -1 || f >= (int32_t) cfg_.files.size()) throw std::invalid_argument("RAM tier: bad file index");
+            if ((f >= 0) != (expert_bytes_[l][(size_t) i] > 0) || (f >= 0 && cfg_.offset_of[l][(size_t) i] < 0)) {
+                throw std::invalid_argument("RAM tier: MoE layer " + std::to_string(l) +
+                                            " has a matrix without a file range, or a range without a matrix");
+            }
+            const int64_t end = cfg_.offset_of[l][(size_t) i] + expert_bytes_[l][(size_t) i] * n_expert_;
+            if (f >= 0 && end > cfg_.file_sizes[(size_t) f]) {
+                throw std::invalid_argument("RAM tier: MoE layer " + std::to_string(l) + "'s experts end at byte " +
+                                            std::to_string(end) + ", past the end of " + cfg_.files[(size_t) f] +
+                                            " (" + std::to_string(cfg_.file_sizes[(size_t) f]) + " bytes)");
+            }
+        }
+    }
+    for (size_t f = 0; f < cfg_.files.size(); ++f) {
+        const std::string & path = cfg_.files[f];
+        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            const int err = errno;
+            for (int o : fds_) ::close(o);
+            throw std::runtime_error("RAM tier: cannot open " + path + ": " + std::strerror(err));
+        }
+        fds_.push_back(fd);
+        struct stat st {};
+        std::string changed;
+        if (fstat(fd, &st) != 0) {
+            changed = std::string("cannot stat it: ") + std::strerror(errno);
+        } else if ((int64_t) st.st_size != cfg_.file_sizes[f]) {
+            changed = "it has " + std::to_string((int64_t) st.st_size) + " bytes, " +
+                      std::to_string(cfg_.file_sizes[f]) + " when the model was loaded";
+        } else if (cfg_.file_mtimes_ns[f] != 0 && mtime_ns(st) != cfg_.file_mtimes_ns[f]) {
+            changed = "it was modified after the model was loaded";
+        }
+        if (!changed.empty()) {
+            for (int o : fds_) ::close(o);
+            throw std::runtime_error("RAM tier: " + path + " changed: " + changed + "; load the model again");
+        }
+        // the reads are the router's choice, not sequential: no kernel readahead around them, nor around the
+        // loader's page faults on its mapping of the file
+        posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
+        advise_mappings_random(st.st_dev, st.st_ino);
+    }
+    try {
+        pool_.open_host(buft ? buft : ggml_backend_cpu_buffer_type(), cfg_.n_slots);
+    } catch (...) {
+        for (int o : fds_) ::close(o);
+        throw;
+    }
+    if (pool_.n_buffers() != 1) {
+        for (int o : fds_) ::close(o);
+        throw std::runtime_error("RAM tier: the host buffer type caps one buffer below " +
+                                 std::to_string(pool_.buffer_bytes_for(cfg_.n_slots)) +
+                                 " bytes; the CPU share needs the RAM slots in one buffer");
+    }
+    if (cfg_.drop_after_read) {
+        // Expert pages already in the page cache (the kernel's read-around of an earlier read of the file's header or
+        // of a neighbouring tensor) leave it now: they are not meant to be in RAM there, and one of them may carry a
+        // read-ahead mark, whose first read would start an asynchronous read-ahead of the next megabytes of experts.
+        for (size_t l = 0; l < L; ++l) {
+            for (int i = 0; i < 3; ++i) {
+                const int32_t f = cfg_.file_of[l][(size_t) i];
+                if (f < 0) continue;
+                posix_fadvise(fds_[(size_t) f], (off_t) cfg_.offset_of[l][(size_t) i],
+                              (off_t) (expert_bytes_[l][(size_t) i] * n_expert_), POSIX_FADV_DONTNEED);
+            }
+        }
+    }
+    const size_t keys = L * (size_t) n_expert_;
+    state_.assign(keys, 0);
+    key_error_.assign(keys, std::string());
+    prefetched_.assign(keys, 0);
+    pin_count_.assign(keys, 0);
+    layers_.resize(L);
+    pins_.resize(L);
+    prefetch_pins_.resize(L);
+    cache_->set_record_evicted(true);
+    cache_->take_evicted();
+    for (int i = 0; i < cfg_.io_threads; ++i) workers_.emplace_back(&RamTier::worker, this);
+}
+
+RamTier::~RamTier() {
+    stop_io();
+    for (int fd : fds_) ::close(fd);
+}
+
+void RamTier::stop_io() {
+    std::vector<int64_t> dropped;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+        for (const Job & j : queue_) {
+            state_[(size_t) j.key] = 0;
+            key_error_[(size_t) j.key] = "the engine was released before this read ran";
+            dropped.push_back(j.key);
+        }
+        queue_.clear();
+        done_.insert(done_.end(), dropped.begin(), dropped.end());
+    }
+    cv_work_.notify_all();
+    for (auto & t : workers_) t.join();
+    workers_.clear();
+    cv_done_.notify_all();
+}
+
+ExpertMatrices RamTier::views(ggml_context * ctx, const ExpertMatrices & m) const {
+    ExpertMatrices v = m;
+    ggml_tensor ** mats[3] = {m.gate_up ? &v.gate_up : &v.gate, &v.up, &v.down};
+    ggml_tensor ** biases[3] = {m.gate_up ? &v.gate_up_b : &v.gate_b, &v.up_b, &v.down_b};
+    for (int i = 0; i < 3; ++i) {
+        if (*mats[i]) *mats[i] = pool_.region_view(ctx, *mats[i], i, 0);
+        if (*biases[i]) *biases[i] = pool_.bias_view(ctx, *biases[i], i, 0);
+    }
+    return v;
+}
+
+void RamTier::pin(int64_t key) {
+    cache_->pin((int) (key / n_expert_), (int) (key % n_expert_));
+    if (pin_count_[(size_t) key]++ == 0) ++n_pinned_;
+}
+
+void RamTier::unpin(int64_t key) {
+    cache_->unpin((int) (key / n_expert_), (int) (key % n_expert_));
+    if (--pin_count_[(size_t) key] == 0) --n_pinned_;
+}
+
+void RamTier::drop_evicted() {
+    for (int64_t key : cache_->take_evicted()) {
+        pool_.evict(key);
+        std::lock_guard<std::mutex> lock(mu_);
+        state_[(size_t) key] = 0;
+        prefetched_[(size_t) key] = 0;
+        std::lock_guard<std::mutex> slock(stats_mu_);
+        stats_.evictions += 1;
+    }
+}
+
+bool RamTier::start_read(int layer, int expert, bool prefetch, double now_s) {
+    const int64_t key = (int64_t) layer * n_expert_ + expert;
+    if (workers_.empty()) throw std::runtime_error("RAM tier: the engine was released: no more reads");
+    if (!cache_->resident(layer, expert)) {
+        if (!cache_->admit(layer, expert, now_s, prefetch, !prefetch)) return false;
+        drop_evicted();
+    }
+    if (!pool_.assign(layer, expert)) {
+        throw std::logic_error("RAM tier: the cache admitted MoE layer " + std::to_string(layer) + " expert " +
+                               std::to_string(expert) + " but no RAM slot is free (slot bookkeeping)");
+    }
+    pin(key);  // until its read is harvested: an expert being read is never evicted
+    const auto & eb = expert_bytes_[(size_t) layer];
+    const double bytes = (double) (eb[0] + eb[1] + eb[2]);
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        state_[(size_t) key] = 1;
+        key_error_[(size_t) key].clear();
+        prefetched_[(size_t) key] = prefetch ? 1 : 0;
+        const Job j{key, pool_.slot_of(layer, expert), prefetch};
+        // a demand read goes before every queued prefetch: the layer computing now waits for it
+        if (prefetch) {
+            queue_.push_back(j);
+        } else {
+            queue_.push_front(j);
+        }
+    }
+    cv_work_.notify_one();
+    std::lock_guard<std::mutex> slock(stats_mu_);
+    (prefetch ? stats_.prefetch_reads : stats_.demand_reads) += 1;
+    (prefetch ? stats_.bytes_prefetch : stats_.bytes_demand) += bytes;
+    return true;
+}
+
+void RamTier::worker() {
+    for (;;) {
+        Job j{};
+        {
+            std::unique_lock<std::mutex> lock(mu_);
+            cv_work_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+            if (stop_) return;
+            j = queue_.front();
+            queue_.pop_front();
+            ++in_flight_;
+        }
+        std::string err = read_expert(j);
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            --in_flight_;
+            if (err.empty()) {
+                state_[(size_t) j.key] = 2;
+            } else {
+                state_[(size_t) j.key] = 0;
+                key_error_[(size_t) j.key] = std::move(err);
+            }
+            done_.push_back(j.key);
+        }
+        cv_done_.notify_all();
+    }
+}
+
+std::string RamTier::read_expert(const Job & j) {
+    const int layer = (int) (j.key / n_expert_), expert = (int) (j.key % n_expert_);
+    ExpertMatrices host;
+    int fault = 0;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        host = layers_[(size_t) layer];
+        if (fault_count_ > 0) {
+            --fault_count_;
+            fault = fault_errno_;
+        }
+    }
+    uint64_t calls = 0;
+    for (int i = 0; i < 3; ++i) {
+        const int32_t f = cfg_.file_of[(size_t) layer][(size_t) i];
+        if (f < 0) continue;
+        const int64_t n = expert_bytes_[(size_t) layer][(size_t) i];
+        const int64_t off = cfg_.offset_of[(size_t) layer][(size_t) i] + n * expert;
+        uint8_t * dst = pool_.slot_data(j.slot, i);
+        int64_t got = 0;
+        while (got < n) {
+            ssize_t r;
+            if (fault) {
+                errno = fault;
+                r = -1;
+            } else {
+                r = ::pread(fds_[(size_t) f], dst + got, (size_t) (n - got), (off_t) (off + got));
+            }
+            ++calls;
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) {
+                const std::string why = r < 0 ? std::strerror(errno)
+                                              : "the file ends there (truncated or replaced while the model runs)";
+                std::lock_guard<std::mutex> slock(stats_mu_);
+                stats_.preads += calls;
+                return "reading " + std::to_string(n) + " bytes of MoE layer " + std::to_string(layer) + " expert " +
+                       std::to_string(expert) + " at offset " + std::to_string(off + got) + " of " +
+                       cfg_.files[(size_t) f] + ": " + why;
+            }
+            got += r;
+        }
+        if (cfg_.drop_after_read) {
+            // The page cache holds a file in folios of up to 2 MiB (large folios), and DONTNEED drops only the
+            // folios wholly inside its range: the range is rounded out to 2 MiB, within this tensor's bytes (the
+            // kernel rounds its ends in to pages), so that the neighbouring experts' parts of a folio go too (they
+            // are not meant to be in RAM through the page cache) and no weight outside the experts does.
+            const int64_t t_lo = cfg_.offset_of[(size_t) layer][(size_t) i], t_hi = t_lo + n * n_expert_;
+            const int64_t lo = std::max(t_lo, off / kDropGranule * kDropGranule);
+            const int64_t hi = std::min(t_hi, (off + n + kDropGranule - 1) / kDropGranule * kDropGranule);
+            posix_fadvise(fds_[(size_t) f], (off_t) lo, (off_t) (hi - lo), POSIX_FADV_DONTNEED);
+        }
+    }
+    // biases and scales load with the model (host tensors): copied into the slot as the GPU pool copies them
+    const auto biases = host.slot_biases(), scales = host.slot_scales();
+    for (int i = 0; i < 3; ++i) {
+        if (biases[i]) {
+            std::memcpy(pool_.slot_data(j.slot, 3 + i), (const char *) biases[i]->data + (size_t) expert * biases[i]->nb[1],
+                        (size_t) biases[i]->ne[0] * sizeof(float));
+        }
+        if (scales[i]) {
+            std::memcpy(pool_.slot_data(j.slot, 6 + i), (const char *) scales[i]->data + (size_t) expert * scales[i]->nb[0],
+                        sizeof(float));
+        }
+    }
+    std::lock_guard<std::mutex> slock(stats_mu_);
+    stats_.preads += calls;
+    return "";
+}
+
+void RamTier::harvest() {
+    std::vector<int64_t> done;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        done.swap(done_);
+    }
+    for (int64_t key : done) unpin(key);  // the read's own pin
+}
+
+void RamTier::wait_for(int64_t key) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_done_.wait(lock, [&] { return state_[(size_t) key] != 1; });
+}
+
+void RamTier::acquire(int layer, const std::vector<int32_t> & experts, const std::vector<int32_t> & loads,
+                      int n_tokens, int top_k, const std::vector<float> & scores, int64_t step, double now_s) {
+    LayerObservation obs;
+    obs.step = step;
+    obs.set_routed(layer, n_tokens, top_k, n_expert_, experts, loads);
+    obs.scores = scores;
+    acquire(obs, experts, now_s);
+}
+
+void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> & experts, double now_s) {
+    const int layer = seen.layer;
+    harvest();
+    // the policy sees the whole layer's routing (its scores rank every expert), the lookups only the CPU's experts
+    cache_->observe(seen);
+    uint64_t hits = 0, late = 0, misses = 0, used = 0;
+    std::vector<int64_t> wait;
+    for (int32_t e : experts) {
+        const int64_t key = (int64_t) layer * n_expert_ + e;
+        cache_->access(layer, e, now_s);
+        uint8_t st;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            st = state_[(size_t) key];
+            if (prefetched_[(size_t) key]) {
+                prefetched_[(size_t) key] = 0;
+                ++used;
+            }
+        }
+        if (cache_->resident(layer, e) && st != 0) {
+            ++hits;
+            if (st == 1) {
+                ++late;
+                wait.push_back(key);
+            }
+            pin(key);
+            pins_[(size_t) layer].push_back(e);
+            continue;
+        }
+        ++misses;
+        if (!start_read(layer, e, false, now_s)) {
+            // every slot is pinned: the reads in flight end and the prefetches for other layers give theirs up
+            {
+                std::unique_lock<std::mutex> lock(mu_);
+                cv_done_.wait(lock, [&] { return queue_.empty() && in_flight_ == 0; });
+            }
+            harvest();
+            for (int l = 0; l < n_layers_; ++l) {
+                if (l == layer) continue;
+                for (int32_t p : prefetch_pins_[(size_t) l]) unpin((int64_t) l * n_expert_ + p);
+                prefetch_pins_[(size_t) l].clear();
+            }
+            if (!start_read(layer, e, false, now_s)) {
+                throw std::runtime_error("the RAM expert cache (" + std::to_string(pool_.n_slots()) +
+                                         " slots) cannot hold the " + std::to_string(experts.size()) +
+                                         " experts MoE layer " + std::to_string(layer) +
+                                         " uses at once; give moe_ram_cache at least that many experts' bytes");
+            }
+        }
+        pin(key);
+        pins_[(size_t) layer].push_back(e);
+        wait.push_back(key);
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string err;
+    for (int64_t key : wait) {
+        wait_for(key);
+        std::lock_guard<std::mutex> lock(mu_);
+        if (err.empty() && !key_error_[(size_t) key].empty()) err = key_error_[(size_t) key];
+        key_error_[(size_t) key].clear();
+    }
+    harvest();
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    {
+        std::lock_guard<std::mutex> slock(stats_mu_);
+        stats_.accesses += experts.size();
+        stats_.hits += hits;
+        stats_.late += late;
+        stats_.misses += misses;
+        stats_.prefetch_used += used;
+        stats_.wait_s += waited;
+    }
+    if (!err.empty()) throw std::runtime_error(err);
+}
+
+void RamTier::release(int layer) {
+    for (int32_t e : pins_[(size_t) layer]) unpin((int64_t) layer * n_expert_ + e);
+    pins_[(size_t) layer].clear();
+    for (int32_t e : prefetch_pins_[(size_t) layer]) unpin((int64_t) layer * n_expert_ + e);
+    prefetch_pins_[(size_t) layer].clear();
+}
+
+int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_free, double now_s) {
+    harvest();
+    struct Cand {
+        double confidence;
+        int32_t load;
+        int layer;
+        int32_t expert;
+    };
+    std::vector<Cand> cands;
+    for (const Prediction & p : predictions) {
+        if (p.confidence < cfg_.min_prefetch_confidence || p.layer < 0 || p.layer >= n_layers_) continue;
+        for (size_t i = 0; i < p.experts.size(); ++i) {
+            cands.push_back({p.confidence, i < p.loads.size() ? p.loads[i] : 1, p.layer, p.experts[i]});
+        }
+    }
+    // the reads that save the most first: a likelier use, then more tokens waiting for it (every expert of a layer
+    // costs the same read, so per byte the order is the same)
+    std::stable_sort(cands.begin(), cands.end(), [](const Cand & a, const Cand & b) {
+        return a.confidence != b.confidence ? a.confidence > b.confidence : a.load > b.load;
+    });
+    int queued = 0;
+    for (const Cand & c : cands) {
+        if (pool_.n_slots() - n_pinned_ <= keep_free) break;
+        const int64_t key = (int64_t) c.layer * n_expert_ + c.expert;
+        if (pin_count_[(size_t) key] > 0) continue;  // pinned already: being read, used now, or kept for its layer
+        uint8_t st;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            st = state_[(size_t) key];
+        }
+        if (!(cache_->resident(c.layer, c.expert) && st == 2)) {
+            if (!start_read(c.layer, c.expert, true, now_s)) continue;  // the policy declined, or no room
+            ++queued;
+        }
+        pin(key);
+        prefetch_pins_[(size_t) c.layer].push_back(c.expert);
+    }
+    return queued;
+}
+
+RamTierStats RamTier::stats() const {
+    std::lock_guard<std::mutex> slock(stats_mu_);
+    return stats_;
+}
+
+void RamTier::reset_stats() {
+    std::lock_guard<std::mutex> slock(stats_mu_);
+    stats_ = RamTierStats{};
+}
+
+int RamTier::reads_in_flight() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return (int) queue_.size() + in_flight_;
+}
+
+void RamTier::inject_read_error(int err, int count) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fault_errno_ = err;
+    fault_count_ = err ? count : 0;
+}
+
+void RamTier::set_layer(int layer, const ExpertMatrices & m) {
+    std::lock_guard<std::mutex> lock(mu_);
+    layers_[(size_t) layer] = m;
+}
+
+}  // namespace hybrimoe

@@ -1,0 +1,166 @@
+// The RAM expert tier: routed experts read from the GGUF file into a host slot pool, for models larger than RAM.
+//
+// Upstream llama.cpp runs such a model through mmap: an expert not in the page cache arrives by page faults,
+// synchronously, while the CPU waits, and the kernel's page cache decides what stays. Here the routed-expert
+// tensors stay unread (patch 0007, LLAMA_LAZY_MODE_EXPERTS), a SlotPool in host memory (SlotPool::open_host, the
+// GPU pool's region layout) holds the experts an ExpertCache of its own keeps in RAM (MRS by default, HybriMoE
+// §IV.D applied to this tier), and a pool of I/O workers reads the others from the file: one buffered pread per
+// matrix of the expert (one expert is 1-3 reads; its F32 bias rows, which load with the model, are copied from
+// host memory), then POSIX_FADV_DONTNEED on the range read, so the page cache does not keep a second copy and the
+// RAM budget holds. Reads come from the plan op (demand: the layer's CPU experts not in RAM, waited for before the
+// CPU share runs) and from the router look-ahead (prefetch: the next layers' predicted experts, HybriMoE §IV.C,
+// read while this layer computes). The CPU share then computes over views of the pool's regions with the routing
+// ids remapped to RAM slots: upstream's kernels on upstream's bytes, so the results are upstream's bit for bit.
+//
+// Threading: every method but the workers' own runs on ggml's thread 0 (the engine's ops) or, between decodes,
+// the Python thread; the workers only read files into slots they were given and post completions.
+#pragma once
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "policy/expert_cache.h"
+#include "policy/prefetcher.h"
+#include "runtime/expert_ffn.h"
+#include "runtime/slot_pool.h"
+
+#include <array>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace hybrimoe {
+
+/// Where the RAM tier reads the routed experts from, and how (Python fills it from the GGUF's tensor offsets).
+struct RamTierConfig {
+    int64_t n_slots = 0;                        ///< RAM expert slots (0: no RAM tier)
+    std::vector<std::string> files;             ///< the model's GGUF files (one, or every shard of a split model)
+    std::vector<int64_t> file_sizes;            ///< bytes each file had when the model was loaded (checked at open)
+    std::vector<int64_t> file_mtimes_ns;        ///< and its modification time (ns since the epoch)
+    /// per MoE layer, per matrix region (0 gate or fused gate_up, 1 up, 2 down): the file index (-1: the layer has
+    /// no such matrix) and the byte offset of expert 0's matrix in it; expert e's lies EngineConfig::expert_bytes
+    /// further per expert (the tensor's ggml nb[2])
+    std::vector<std::array<int32_t, 3>> file_of;
+    std::vector<std::array<int64_t, 3>> offset_of;
+    int io_threads = 4;                         ///< I/O workers (reads in flight at most)
+    bool drop_after_read = true;                ///< POSIX_FADV_DONTNEED on each range read
+    double min_prefetch_confidence = 0.5;       ///< a predicted expert is read ahead only above this confidence
+};
+
+/// RAM tier counters (read between decodes; byte counts are file bytes read).
+struct RamTierStats {
+    uint64_t accesses = 0, hits = 0, misses = 0;
+    uint64_t late = 0;                  ///< hits whose read (a prefetch) was still in flight at use
+    uint64_t demand_reads = 0, prefetch_reads = 0;   ///< experts read
+    uint64_t prefetch_used = 0;         ///< prefetched experts used at their layer before eviction
+    uint64_t preads = 0;                ///< read system calls
+    uint64_t evictions = 0;
+    double bytes_demand = 0, bytes_prefetch = 0;
+    double wait_s = 0;                  ///< seconds the plan op waited for reads
+};
+
+class RamTier {
+public:
+    /// Opens the files (each must still have the size and modification time it had at load), allocates
+    /// cfg.n_slots host slots of `geometry`'s layout from `buft` (nullptr: the CPU buffer type) and starts the I/O
+    /// workers. `cache`: the tier's ExpertCache, sized in these slots. Throws std::invalid_argument on facts that
+    /// disagree, std::runtime_error naming the file when one cannot be opened or changed since the load, and naming
+    /// the bytes when the slots cannot be allocated.
+    RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_t, 3>> & expert_bytes,
+            const std::vector<std::array<int32_t, 3>> & expert_types,
+            const std::vector<std::array<int64_t, 3>> & bias_bytes,
+            const std::vector<std::array<int64_t, 3>> & scale_bytes, RamTierConfig cfg,
+            std::shared_ptr<ExpertCache> cache, ggml_backend_buffer_type_t buft);
+    /// Drops the queued reads, waits for the ones in flight (each is one pread) and closes the files.
+    ~RamTier();
+    /// Drops the queued reads and stops the workers once the reads in flight end (each is one pread); from then
+    /// on a read the tier would need fails (std::runtime_error). The slots stay. Idempotent.
+    void stop_io();
+    RamTier(const RamTier &) = delete;
+    RamTier & operator=(const RamTier &) = delete;
+
+    /// The layer's host expert tensors (biases are copied from them into the slots); set once its graph is built.
+    void set_layer(int layer, const ExpertMatrices & m);
+    /// `m` with its matrices and bias rows replaced by views of the slot pool, built in `ctx` (no_alloc): indexed by
+    /// RAM slot (slot_of) instead of expert id. Scales stay the file's (gathered by expert id).
+    ExpertMatrices views(ggml_context * ctx, const ExpertMatrices & m) const;
+
+    /// Makes the experts `experts` of MoE layer `layer` resident, reading the missing ones (demand reads, issued
+    /// before any prefetch still queued), waits for every one of their reads, and pins them until release(layer).
+    /// `now_s` is the engine clock, `scores` [n_tokens, n_expert] router probabilities for the cache policy.
+    /// Throws std::runtime_error naming the file and the offset when a read failed (EIO, a file that became shorter),
+    /// or when the pinned experts leave no slot (a budget below the minimum).
+    void acquire(int layer, const std::vector<int32_t> & experts, const std::vector<int32_t> & loads, int n_tokens,
+                 int top_k, const std::vector<float> & scores, int64_t step, double now_s);
+    /// The same with the layer's observation as the GPU cache saw it (LayerDecider::observation).
+    void acquire(const LayerObservation & seen, const std::vector<int32_t> & experts, double now_s);
+    /// RAM slot of (layer, expert), or -1.
+    int32_t slot_of(int layer, int expert) const { return pool_.slot_of(layer, expert); }
+    /// Unpins the experts acquire(layer) pinned and the prefetches made for this layer.
+    void release(int layer);
+    /// Reads ahead the predicted experts of later layers (highest confidence first, those above
+    /// min_prefetch_confidence, not resident, not in flight), admitted by the cache, pinned until their layer ran;
+    /// at most `keep_free` slots stay unpinned for the next layer's own demand. Returns the experts queued.
+    int prefetch(const std::vector<Prediction> & predictions, int64_t keep_free, double now_s);
+
+    int64_t n_slots() const { return pool_.n_slots(); }
+    int64_t slot_bytes() const { return pool_.slot_bytes(); }
+    const SlotPool & pool() const { return pool_; }
+    const ExpertCache & cache() const { return *cache_; }
+    RamTierStats stats() const;
+    void reset_stats();
+    /// Reads queued or in flight now.
+    int reads_in_flight() const;
+    /// Test-only fault injection: the next `count` preads fail with errno `err` (0: off).
+    void inject_read_error(int err, int count = 1);
+
+private:
+    struct Job {
+        int64_t key;
+        int32_t slot;
+        bool prefetch;
+    };
+    void worker();
+    /// Reads one expert into its slot; "" or the error (file, offset, cause).
+    std::string read_expert(const Job & j);
+    /// Admits `key` (evicting as the policy says), assigns its slot and queues its read. False: no room.
+    bool start_read(int layer, int expert, bool prefetch, double now_s);
+    /// Completed reads since the last call: their pins from the read are dropped, errors collected.
+    void harvest();
+    void wait_for(int64_t key);
+    void drop_evicted();
+    void pin(int64_t key);
+    void unpin(int64_t key);
+
+    int n_layers_, n_expert_;
+    std::vector<std::array<int64_t, 3>> expert_bytes_;
+    RamTierConfig cfg_;
+    std::shared_ptr<ExpertCache> cache_;
+    SlotPool pool_;
+    std::vector<int> fds_;
+    std::vector<ExpertMatrices> layers_;
+    // key state: 0 not resident, 1 read queued or in flight, 2 in the slot; written under mu_
+    std::vector<uint8_t> state_;
+    std::vector<std::string> key_error_;    // a failed read's message (state back to 0 at harvest)
+    std::vector<uint8_t> prefetched_;       // resident through a prefetch and not yet used
+    std::vector<std::vector<int32_t>> pins_;          // per layer: experts acquire() pinned
+    std::vector<std::vector<int32_t>> prefetch_pins_; // per layer: experts prefetched for it (pinned)
+    std::vector<int32_t> pin_count_;        // pins this tier holds per key (the cache's own count mirrored)
+    int64_t n_pinned_ = 0;                  // keys with a pin
+    std::vector<int64_t> done_;             // completed reads not yet harvested
+    mutable std::mutex mu_;
+    std::condition_variable cv_work_, cv_done_;
+    std::deque<Job> queue_;
+    int in_flight_ = 0;
+    bool stop_ = false;
+    int fault_errno_ = 0, fault_count_ = 0;
+    std::vector<std::thread> workers_;
+    mutable std::mutex stats_mu_;
+    RamTierStats stats_;
+};
+
+}  // namespace hybrimoe
