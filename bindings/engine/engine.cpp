@@ -62,8 +62,17 @@ Args:
     sigmoid_gating: router probabilities by sigmoid (else softmax).
     cache: hybrimoe._core.ExpertCache sized in slots (every layer's expert_bytes = slot_bytes).
     scheduler, prefetcher: hybrimoe._core.SchedulePolicy / PrefetchPolicy.
+    ram_slots: RAM expert slots of the RAM tier (0: none; src/runtime/ram_tier.h): routed experts read from the
+        model's files into host slots, the CPU share computed over them; needs n_slots 0 for now.
+    ram_files, ram_file_sizes, ram_file_mtimes_ns: the model's GGUF files (every shard) with the size (bytes) and
+        modification time (ns) each had at load (checked when the tier opens them).
+    ram_file_of, ram_offset_of: per MoE layer and matrix (gate or gate_up, up, down): file index (-1: none) and byte
+        offset of expert 0's matrix (hybrimoe.runtime.ram_tier.expert_file_ranges).
+    ram_io_threads: I/O workers; ram_cache: the RAM tier's ExpertCache (sized in RAM slots of slot_bytes);
+    ram_drop_after_read: POSIX_FADV_DONTNEED on what was read (the page cache keeps no second copy).
 Raises:
-    ValueError: inconsistent facts or cost model. RuntimeError: the device cannot hold the slot pool.
+    ValueError: inconsistent facts or cost model. RuntimeError: the device cannot hold the slot pool; a model file
+    cannot be opened or changed since the load; the RAM slots cannot be allocated.
     TypeError: cache, scheduler, prefetcher or cost_model is not the hybrimoe._core class named above.
 )doc")
         .def(py::init([](int n_layer, int n_expert, int top_k, int n_embd, std::vector<int> moe_layers,

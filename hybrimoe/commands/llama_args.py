@@ -43,6 +43,13 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
                    help="turn on the hybrid CPU+GPU engine with a GPU expert cache of SIZE: 25%% (of all routed "
                         "experts), 3GiB, 512MB or bytes; auto = as much as the device has left after the model "
                         "(like upstream's --fit); 0 = every expert on the CPU through the engine")
+    p.add_argument("--moe-ram-cache", default=None, metavar="SIZE",
+                   help="for a model larger than RAM: keep SIZE of the routed experts in RAM (40%% of their bytes, "
+                        "12GiB, bytes, or auto = what the memory left after the load holds) and read the others from "
+                        "the GGUF file when needed or ahead by the router look-ahead; the loader leaves them unread. "
+                        "Turns the engine on with --moe-cache 0 (every expert on the CPU)")
+    p.add_argument("--moe-ram-policy", default=None, metavar="NAME",
+                   help="the RAM tier's cache policy: mrs (default), lru, lfu (needs --moe-ram-cache)")
     p.add_argument("--moe-policy", default=None,
                    help=f"engine policy: {', '.join(ENGINE_PRESETS)} (default: {DEFAULT_PRESET}; needs --moe-cache; "
                         "hot-set needs --moe-profile; what each does: hybrimoe.policy.presets.SYSTEM_PRESETS)")
@@ -109,7 +116,8 @@ def load_llama(args: argparse.Namespace, model: Path, prog: str, *, llama_class=
             cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook, no_repack=args.no_repack,
             lazy_experts=args.lazy_experts,
             moe_cache=args.moe_cache, moe_policy=args.moe_policy, moe_prefetch_layers=args.moe_prefetch_layers,
-            moe_cost_model=args.moe_cost_model, moe_profile=args.moe_profile, load_progress=progress, **extra)
+            moe_cost_model=args.moe_cost_model, moe_profile=args.moe_profile, moe_ram_cache=args.moe_ram_cache,
+            moe_ram_policy=args.moe_ram_policy, load_progress=progress, **extra)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return None

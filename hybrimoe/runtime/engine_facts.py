@@ -102,18 +102,39 @@ def _per_expert_rows(tensors: dict, il: int, names, what: str, E: int) -> list:
     return out
 
 
-def _routers(tensors: dict, moe_layers: list, n_expert: int, n_embd: int) -> tuple[list, list]:
+def _read_f32(where: dict, name: str, count: int) -> np.ndarray:
+    """Tensor ``name``'s ``count`` F32 values read with pread on a descriptor advised POSIX_FADV_RANDOM: not through
+    the reader's mapping, whose page fault the kernel answers with a read-around (``read_ahead_kb``, megabytes) that
+    would bring the neighbouring expert tensors into the page cache, the RAM a model larger than RAM lacks."""
+    path, off = where[name]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        raw = os.pread(fd, 4 * count, off)
+    finally:
+        os.close(fd)
+    if len(raw) != 4 * count:
+        raise ValueError(f"{path}: {name} ends past the end of the file")
+    return np.frombuffer(raw, dtype=np.float32).copy()
+
+
+def _routers(g: GGUFFile, moe_layers: list, n_expert: int, n_embd: int) -> tuple[list, list]:
     """Per MoE layer: the F32 router ``[n_expert, n_embd]`` (empty when the file's router is not F32) and the
     selection bias ``[n_expert]`` (DeepSeek-V3 ``exp_probs_b``; empty without one)."""
+    tensors, where = g.tensors, g.tensor_shard
     routers, biases = [], []
     for il in moe_layers:
-        t = tensors.get(f"blk.{il}.ffn_gate_inp.weight")
+        name = f"blk.{il}.ffn_gate_inp.weight"
+        t = tensors.get(name)
         if t is not None and int(t.tensor_type) == int(gguf.GGMLQuantizationType.F32):
-            routers.append(np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(n_expert, n_embd)))
+            routers.append(_read_f32(where, name, n_expert * n_embd).reshape(n_expert, n_embd))
         else:
             routers.append(np.zeros(0, np.float32))
-        b = tensors.get(f"blk.{il}.exp_probs_b.bias")
-        biases.append(np.asarray(b.data, dtype=np.float32).ravel().copy() if b is not None
+        name = f"blk.{il}.exp_probs_b.bias"
+        b = tensors.get(name)
+        biases.append(_read_f32(where, name, int(b.n_elements)) if b is not None and
+                      int(b.tensor_type) == int(gguf.GGMLQuantizationType.F32)
+                      else np.asarray(b.data, dtype=np.float32).ravel().copy() if b is not None
                       else np.zeros(0, np.float32))
     return routers, biases
 
@@ -147,7 +168,7 @@ def engine_facts(path: Union[str, os.PathLike, GGUFFile]) -> EngineFacts:
         bb.append(_per_expert_rows(g.tensors, il, names, "bias", E))
         # per-expert scales (build_lora_mm_id's w_s, one value per expert) of the gate, up and down products
         sb.append(_per_expert_rows(g.tensors, il, ("gate", "up", "down"), "scale", E))
-    routers, biases = _routers(g.tensors, moe_layers, E, int(d["n_embd"]))
+    routers, biases = _routers(g, moe_layers, E, int(d["n_embd"]))
     variants = d["expert_variants"].values()
     return EngineFacts(path=os.fspath(g.path), arch=d["architecture"], n_layer=int(d["n_layer"]), n_expert=E,
                        top_k=int(d["n_expert_used"]), n_embd=int(d["n_embd"]), moe_layers=moe_layers,

@@ -118,6 +118,19 @@ class Llama(llama_cpp.Llama):
             ``{auto_env}=0`` the ``{cost_preset}`` hardware's instead. ``moe_stats()["engine"]["cost_model"]`` says
             which.
 
+        moe_ram_cache: the RAM expert tier, for a model larger than RAM: the routed experts stay unread at load
+            (as ``lazy_experts``), the engine keeps this many of them in RAM (``"40%"`` of their bytes, ``"12GiB"``,
+            bytes, or ``"auto"``: what the memory available after the load holds, less the other weights and a
+            margin) and reads the others from the GGUF file (every shard of a split model) when their layer needs
+            them or ahead of it by the router look-ahead (``moe_prefetch_layers``), dropping them from the page
+            cache once read, so the process uses about the budget (``hybrimoe.runtime.ram_tier``). Turns the engine
+            on with ``moe_cache=0`` (a GPU cache with it is not implemented yet). The smallest budget holds every
+            expert one ubatch can route to in a layer (``min(n_expert, n_ubatch * top_k)`` experts); a budget above
+            the machine's memory is refused; ``use_mlock`` is refused with it. ``moe_stats()["engine"]["ram"]``
+            reports the tier.
+        moe_ram_policy: the RAM tier's cache policy: ``"mrs"`` (default), ``"lru"``, ``"lfu"`` or a
+            ``hybrimoe.CachePolicy`` object (``hybrimoe.runtime.setup.ram_cache_policy``).
+
         draft_model: as llama-cpp-python's (speculative decoding); hybrimoe turns ``logits_all`` on for it (the
             verification batches need every token's logits).
 
@@ -141,7 +154,8 @@ class Llama(llama_cpp.Llama):
                  n_seq_max: int | None = None,
                  moe_hook: bool = False, moe_replay: np.ndarray | None = None,
                  moe_cache=None, moe_policy=None, moe_prefetch_layers: int | None = None, moe_cost_model=None,
-                 moe_profile=None, load_progress=None, record_routing: bool = False, **kwargs):
+                 moe_profile=None, moe_ram_cache=None, moe_ram_policy=None, load_progress=None,
+                 record_routing: bool = False, **kwargs):
         self._moe = _MoeParts()
         self._recorder = None
         self._moe_setup = None
@@ -152,6 +166,9 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"n_seq_max must be an integer >= 1, got {n_seq_max!r}")
         if not isinstance(lazy_experts, bool):
             raise ValueError(f"lazy_experts must be True or False, got {lazy_experts!r}")
+        if moe_ram_cache is not None and kwargs.get("use_mlock"):
+            raise ValueError("moe_ram_cache cannot go with use_mlock=True: llama.cpp would lock every expert page of "
+                             "the model's mapping, the RAM the tier is there to save; drop one of the two")
         if lazy_experts and kwargs.get("use_mlock"):
             raise ValueError("lazy_experts=True cannot go with use_mlock=True: llama.cpp locks the model's mapping "
                              "from its start, which would read and lock every expert page the lazy load leaves "
@@ -165,10 +182,15 @@ class Llama(llama_cpp.Llama):
         setup = EngineSetup.create(model_path, moe_cache=moe_cache, moe_policy=moe_policy,
                                    moe_prefetch_layers=moe_prefetch_layers, moe_cost_model=moe_cost_model,
                                    moe_profile=moe_profile, kv_overrides=kwargs.get("kv_overrides"),
-                                   rpc_devices=rpc_devs, tensor_overrides=overrides)
+                                   rpc_devices=rpc_devs, tensor_overrides=overrides,
+                                   moe_ram_cache=moe_ram_cache, moe_ram_policy=moe_ram_policy,
+                                   n_ubatch=int(kwargs.get("n_ubatch") or 512))
         if setup is not None:
             setup = calibration.with_stored_cost(setup, model_path)
-            overrides.append(setup.expert_override())
+            if setup.ram_tier:
+                lazy_experts = True  # the RAM tier reads the experts itself: the loader leaves them unread
+            else:
+                overrides.append(setup.expert_override())
         self._moe_setup = setup
         if record_routing:
             # kept on the Llama, which outlives its context (the context calls it on every graph)
@@ -217,6 +239,7 @@ class Llama(llama_cpp.Llama):
             return
         # known only now: the device memory left ("auto") and the loaded model to calibrate on
         setup = setup.with_auto_slots(self.context_params.n_ubatch)
+        setup = setup.with_auto_ram_slots(self.context_params.n_ubatch)
         setup = calibration.with_first_use_cost(self, setup, n_threads)
         self._moe.hook.reset_counters()  # the user's statistics start with the user's first eval
         # (_moe_warned is kept: a first-use calibration that already warned about layers left to upstream's

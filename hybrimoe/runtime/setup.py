@@ -182,15 +182,43 @@ def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: in
         raise ValueError(f"moe_policy: {e}") from None
 
 
+def ram_cache_policy(spec) -> "_core.CachePolicy":
+    """The RAM tier's cache policy for ``moe_ram_policy``: None (MRS, HybriMoE §IV.D, as the GPU cache's default), a
+    name of ``hybrimoe._core.make_cache_policy`` (``mrs``, ``lru``, ``lfu``) or a ``CachePolicy`` object (Python
+    subclasses too).
+
+    Raises:
+        ValueError: an unknown name, a clairvoyant policy (``belady`` needs the future), or another type.
+    """
+    if spec is None:
+        return _core.make_cache_policy("mrs")
+    if isinstance(spec, _core.CachePolicy):
+        return spec
+    if isinstance(spec, str):
+        if spec.strip().lower() == "belady":
+            raise ValueError("moe_ram_policy='belady' is clairvoyant (it needs the future routing): the simulator's "
+                             "bound only")
+        try:
+            return _core.make_cache_policy(spec.strip().lower())
+        except ValueError as e:
+            raise ValueError(f"moe_ram_policy: {e}") from None
+    raise ValueError(f"moe_ram_policy must be a policy name (mrs, lru, lfu) or a CachePolicy, not "
+                     f"{type(spec).__name__}")
+
+
 def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], policies: PolicySet,
-                cost: "_core.CostModel", prefetch_layers: int):
+                cost: "_core.CostModel", prefetch_layers: int, ram: Optional[dict] = None):
     """Builds the ``hybrimoe._engine.Engine``. The slot pool is split over as many device buffers as the device's
     max buffer size needs (``Engine.slot_buffers``); ``$HYBRIMOE_MAX_BUFFER_BYTES`` (bytes, > 0) caps one buffer
     lower still, to exercise the split on a device without a cap (the RPC stand-in, CUDA).
 
+    ``ram``: the RAM tier (``slots``, ``policy`` (a CachePolicy), ``ranges`` of
+    :func:`hybrimoe.runtime.ram_tier.expert_file_ranges`), or None without one.
+
     Raises:
         ValueError: the slot pool does not fit in the device's free memory, or no device for a non-empty cache.
-        RuntimeError: the device cannot allocate the pool.
+        RuntimeError: the device cannot allocate the pool; the RAM tier cannot open a file (or it changed since the
+            load) or allocate its slots.
     """
     _engine = engine_module()
     require_accelerator(device_ptr, n_slots)
@@ -200,6 +228,15 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         if need > free:
             raise ValueError(f"moe_cache needs {need} bytes ({n_slots} expert slots + 1 of {facts.slot_bytes} bytes), "
                              f"more than the {free} bytes free on the device (of {total})")
+    extra = {}
+    if ram:
+        sb = facts.slot_bytes
+        rc = _core.ExpertCache([float(sb)] * len(facts.moe_layers), facts.n_expert, float(ram["slots"] * sb),
+                               ram["policy"])
+        rg = ram["ranges"]
+        extra = dict(ram_slots=int(ram["slots"]), ram_files=rg["files"], ram_file_sizes=rg["sizes"],
+                     ram_file_mtimes_ns=rg["mtimes_ns"], ram_file_of=rg["file_of"], ram_offset_of=rg["offset_of"],
+                     ram_io_threads=int(ram.get("io_threads", 4)), ram_cache=rc)
     return _engine.Engine(
         n_layer=facts.n_layer, n_expert=facts.n_expert, top_k=facts.top_k, n_embd=facts.n_embd,
         moe_layers=list(facts.moe_layers), expert_bytes=[tuple(b) for b in facts.expert_bytes],
@@ -208,7 +245,7 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         prefetch_layers=int(prefetch_layers), fill_on_miss=policies.fill_on_miss, routers=facts.routers,
         router_bias=facts.router_bias, sigmoid_gating=facts.sigmoid_gating, cache=policies.cache,
         scheduler=policies.scheduler, prefetcher=policies.prefetcher, max_buffer_bytes=max_buffer_bytes(),
-        bias_bytes=[tuple(b) for b in facts.bias_bytes], scale_bytes=[tuple(b) for b in facts.scale_bytes])
+        bias_bytes=[tuple(b) for b in facts.bias_bytes], scale_bytes=[tuple(b) for b in facts.scale_bytes], **extra)
 
 
 def gpu_work_bytes(facts: EngineFacts, n_ubatch: int) -> int:
@@ -294,18 +331,32 @@ class EngineSetup:
     host_buffer_type: Optional[str]
     profile: Optional[np.ndarray] = field(default=None, compare=False)
     profile_source: str = ""
+    ram_spec: object = None
+    ram_slots: Optional[int] = None
+    ram_note: str = ""
+    ram_policy: object = field(default=None, compare=False)
+    ram_ranges: Optional[dict] = field(default=None, compare=False)
+
+    @property
+    def ram_tier(self) -> bool:
+        """Whether the routed experts come from the file through the RAM tier (``moe_ram_cache``)."""
+        return self.ram_spec is not None
 
     @classmethod
     def create(cls, model_path, *, moe_cache, moe_policy=None, moe_prefetch_layers=None, moe_cost_model=None,
                moe_profile=None, kv_overrides: Optional[dict] = None, rpc_devices: Sequence[int] = (),
-               tensor_overrides: Sequence[tuple] = ()) -> Optional["EngineSetup"]:
+               tensor_overrides: Sequence[tuple] = (), moe_ram_cache=None, moe_ram_policy=None,
+               n_ubatch: int = 512) -> Optional["EngineSetup"]:
         """The set-up for these options, or None when the engine is off (``moe_cache`` None).
 
         ``moe_profile``: a routing trace file or counts ``[MoE layers, experts]`` (:func:`load_profile`): the
         profile ``hot-set`` needs and the adaptive caches start filled from (:func:`build_policies`).
         ``rpc_devices``: the device pointers of the Llama's RPC servers (the first is the accelerator, else this
         machine's first GPU); ``tensor_overrides``: the user's ``(pattern, buffer type)`` overrides (none may put
-        routed experts on a device: the engine keeps them in host memory).
+        routed experts on a device: the engine keeps them in host memory). ``moe_ram_cache``: the RAM tier's
+        budget (:mod:`hybrimoe.runtime.ram_tier`; turns the engine on with ``moe_cache=0`` when that is not given;
+        for now only without GPU slots), ``moe_ram_policy`` its cache policy (:func:`ram_cache_policy`),
+        ``n_ubatch`` the context's ubatch (the smallest RAM budget).
 
         Raises:
             ValueError: a ``moe_*`` option without ``moe_cache``; a bad budget, policy, prefetch depth, cost model,
@@ -313,6 +364,10 @@ class EngineSetup:
                 MoE model; a cache without an accelerator; an override that moves routed experts to a device.
             RuntimeError: the process's CPU backend is not hybrimoe's ggml-cpu (llama_cpp loaded first).
         """
+        if moe_ram_cache is None and moe_ram_policy is not None:
+            raise ValueError("moe_ram_policy set without moe_ram_cache: there is no RAM tier to apply it to")
+        if moe_ram_cache is not None and moe_cache is None:
+            moe_cache = 0  # the RAM tier runs in the engine: on, with no GPU cache
         if moe_cache is None:
             given = [n for n, v in (("moe_policy", moe_policy), ("moe_prefetch_layers", moe_prefetch_layers),
                                     ("moe_cost_model", moe_cost_model), ("moe_profile", moe_profile))
@@ -356,14 +411,39 @@ class EngineSetup:
             cost = resolve_cost_model(moe_cost_model, facts.model)
             source = "CostModel object" if isinstance(moe_cost_model, _core.CostModel) else str(moe_cost_model)
         note = "" if auto else f"moe_cache={moe_cache!r}: {n_slots} slots of {facts.slot_bytes} bytes"
+        ram = {}
+        if moe_ram_cache is not None:
+            from hybrimoe.runtime import ram_tier
+            if auto or n_slots:
+                raise ValueError(f"moe_ram_cache with moe_cache={moe_cache!r}: the RAM tier runs with every expert on "
+                                 "the CPU for now; give moe_cache=0 (--moe-cache 0) or leave moe_cache out")
+            ram_auto = isinstance(moe_ram_cache, str) and moe_ram_cache.strip().lower() == "auto"
+            ram_n, ram_note = (None, "") if ram_auto else ram_tier.ram_slots(moe_ram_cache, facts, n_ubatch)
+            ram = dict(ram_spec=moe_ram_cache, ram_slots=ram_n, ram_note=ram_note,
+                       ram_policy=ram_cache_policy(moe_ram_policy), ram_ranges=ram_tier.expert_file_ranges(facts))
         return cls(facts=facts, cache_spec=moe_cache, n_slots=n_slots, slots_note=note, policy_spec=policy_spec,
                    policies=policies, prefetch_layers=prefetch, cost=cost, cost_source=source, device=device,
-                   device_label=label, host_buffer_type=host, profile=profile, profile_source=profile_source)
+                   device_label=label, host_buffer_type=host, profile=profile, profile_source=profile_source, **ram)
 
     def expert_override(self) -> tuple:
         """The tensor override that keeps the routed experts in host memory, in the file's layout: the device's
         pinned host buffer type when it has one (``(pattern, buffer type name)``)."""
         return (EXPS_REGEX, self.host_buffer_type or "CPU")
+
+    def with_auto_ram_slots(self, n_ubatch: int) -> "EngineSetup":
+        """For ``moe_ram_cache="auto"``, once the model is loaded: the set-up with the RAM slots that fit the memory
+        available now (:func:`hybrimoe.runtime.ram_tier.auto_ram_slots`); other set-ups are returned unchanged.
+
+        Raises:
+            ValueError: too little memory for a layer's experts.
+        """
+        if not self.ram_tier or self.ram_slots is not None:
+            return self
+        from hybrimoe.model.reader import open_gguf
+        from hybrimoe.runtime import ram_tier
+        other = max(0, int(open_gguf(self.facts.path).size) - int(self.facts.total_expert_bytes))
+        n, why = ram_tier.auto_ram_slots(self.facts, n_ubatch, other)
+        return dataclasses.replace(self, ram_slots=n, ram_note=why)
 
     def with_auto_slots(self, n_ubatch: int) -> "EngineSetup":
         """For ``moe_cache="auto"``, once the model is loaded: the set-up with the slots that fit the device's free
@@ -388,4 +468,12 @@ class EngineSetup:
         if self.n_slots is None or self.cost is None or self.policies is None:
             raise ValueError("EngineSetup.make_engine: the set-up lacks its slots or cost model (with_auto_slots, "
                              "hybrimoe.runtime.calibration.with_first_use_cost)")
-        return make_engine(self.facts, self.n_slots, self.device, self.policies, self.cost, self.prefetch_layers)
+        ram = None
+        if self.ram_tier:
+            if self.ram_slots is None:
+                raise ValueError("EngineSetup.make_engine: the set-up lacks its RAM slots (with_auto_ram_slots)")
+            from hybrimoe.runtime.ram_tier import IO_THREADS
+            ram = {"slots": self.ram_slots, "policy": self.ram_policy, "ranges": self.ram_ranges,
+                   "io_threads": IO_THREADS}
+        return make_engine(self.facts, self.n_slots, self.device, self.policies, self.cost, self.prefetch_layers,
+                           ram)

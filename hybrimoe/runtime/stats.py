@@ -47,4 +47,30 @@ def engine_stats(engine, setup) -> dict:
         "layer_s": tot["layer_s"] / tot["runs"] if tot["runs"] else 0.0,
         "failed": engine.failed,
         "layers": layers,
+        "ram": ram_stats(engine, setup),
+    }
+
+
+def ram_stats(engine, setup) -> dict:
+    """The RAM tier's part of ``moe_stats()["engine"]`` (``"ram"``; ``{}`` without ``moe_ram_cache``): the budget
+    (``moe_ram_cache``: how the slots were chosen), ``n_slots`` and ``slot_bytes`` (bytes), ``hit_rate`` (RAM hits
+    over lookups of the CPU share's experts), ``hits``, ``misses``, ``late`` (hits still being read: a prefetch in
+    flight), ``bytes_demand`` / ``bytes_prefetch`` / ``bytes_read`` (file bytes read, on demand, ahead, both),
+    ``demand_reads`` / ``prefetch_reads`` (experts read), ``prefetch_accuracy`` (prefetched experts used at their
+    layer over those read ahead), ``reads_in_flight`` (now), ``preads`` (system calls), ``evictions``, ``wait_s``
+    (seconds the engine waited for reads), ``policy`` (the RAM cache policy's name)."""
+    st = engine.ram_stats()
+    if not st:
+        return {}
+    acc = st["accesses"]
+    return {
+        "moe_ram_cache": setup.ram_note,
+        "policy": setup.ram_policy.name() if setup.ram_policy is not None else "",
+        "n_slots": engine.ram_slots,
+        "slot_bytes": engine.ram_slot_bytes,
+        "hit_rate": st["hits"] / acc if acc else 0.0,
+        **{k: st[k] for k in ("accesses", "hits", "misses", "late", "demand_reads", "prefetch_reads", "bytes_demand",
+                              "bytes_prefetch", "reads_in_flight", "preads", "evictions", "wait_s")},
+        "bytes_read": st["bytes_demand"] + st["bytes_prefetch"],
+        "prefetch_accuracy": st["prefetch_used"] / st["prefetch_reads"] if st["prefetch_reads"] else 0.0,
     }
