@@ -6,72 +6,18 @@ cache (fsync, then POSIX_FADV_DONTNEED: clean pages of a file no one maps leave 
 it lies wholly inside an expert tensor, so a neighbour's pages (pre-read with WILLNEED) do not blur the figure."""
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
-
 import numpy as np
 import pytest
 
 from hybrimoe.runtime.disk_calibration import drop_from_page_cache as _drop_from_page_cache
+from hybrimoe.testing.residency import expert_pages, resident_pages
 from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
-
-PAGE = mmap.PAGESIZE
-
-
-def _expert_pages(path) -> list[tuple[int, int]]:
-    """File offset ranges [begin, end) of the whole pages inside routed-expert weight tensors."""
-    from gguf import GGUFReader
-
-    out = []
-    for t in GGUFReader(str(path)).tensors:
-        if t.name.endswith("_exps.weight"):
-            begin = -(-int(t.data_offset) // PAGE) * PAGE
-            end = (int(t.data_offset) + int(t.n_bytes)) // PAGE * PAGE
-            if end > begin:
-                out.append((begin, end))
-    return out
-
-
-def _mappings(path) -> list[tuple[int, int, int]]:
-    """This process's mappings of ``path``: (address, end address, file offset)."""
-    real = os.path.realpath(path)
-    out = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].strip() == real:
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                out.append((lo, hi, int(parts[2], 16)))
-    return out
-
-
-def resident_pages(path, ranges) -> tuple[set, int]:
-    """(the resident pages, as file offsets, of ``ranges`` that this process maps, by mincore(2); their page
-    count)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    maps = _mappings(path)
-    assert maps, f"{path} is not mapped by this process"
-    resident, total = set(), 0
-    for begin, end in ranges:
-        for lo, hi, off in maps:
-            a, b = max(begin, off), min(end, off + (hi - lo))
-            if a >= b:
-                continue
-            n = (b - a) // PAGE
-            vec = (ctypes.c_ubyte * n)()
-            if libc.mincore(ctypes.c_void_p(lo + (a - off)), b - a, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed")
-            resident.update(a + i * PAGE for i in range(n) if vec[i] & 1)
-            total += n
-    return resident, total
 
 
 class _Model:
     def __init__(self, path):
         self.path = path
-        self.experts = _expert_pages(path)  # read before any measurement: gguf's reader reads ahead
+        self.experts = expert_pages(path)  # read before any measurement: gguf's reader reads ahead
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,367 @@
+"""The RAM expert tier (``Llama(moe_ram_cache=...)``): routed experts read from the GGUF file into RAM slots, the CPU
+share computed over them.
+
+Oracle: upstream llama.cpp on the CPU with the file's layout (``no_repack``), the same tokens: same greedy tokens and
+bit-identical logits, at the smallest budget the tier takes (every layer's experts evict another layer's, so experts
+are read from the file every token). Residency: mincore(2) on the model's mapping (hybrimoe.testing.residency)."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+from hybrimoe.runtime.disk_calibration import drop_from_page_cache
+from hybrimoe.testing.fixtures import ENGINE_ARCHS
+from hybrimoe.testing.residency import expert_pages, resident_pages
+from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
+
+N_GEN = 12
+QUANTS = ("Q8_0", "Q4_K_M", "mix")
+UBATCHES = (1, 7, 64)
+
+
+def _kw(ub=64, **kw):
+    d = dict(n_ctx=512, n_batch=64, n_ubatch=ub, seed=0, verbose=False)
+    d.update(kw)
+    return d
+
+
+def _min_budget(path, ub) -> int:
+    """Bytes of the smallest RAM budget for ubatches of ``ub`` tokens (hybrimoe.runtime.ram_tier.min_ram_slots)."""
+    from hybrimoe.runtime.engine_facts import engine_facts
+    from hybrimoe.runtime.ram_tier import min_ram_slots
+
+    f = engine_facts(path)
+    return min_ram_slots(f, ub) * f.slot_bytes
+
+
+def _reference(path, tokens, ub, **kw):
+    from hybrimoe import Llama
+
+    ref = Llama(str(path), no_repack=True, **_kw(ub, **kw))
+    try:
+        return greedy_with_logits(ref, tokens, N_GEN)
+    finally:
+        ref.close()
+
+
+def _ram_run(path, tokens, ub, budget=None, **kw):
+    from hybrimoe import Llama
+
+    llm = Llama(str(path), moe_ram_cache=_min_budget(path, ub) if budget is None else budget,
+                moe_cost_model="rtx4090-desktop", **_kw(ub, **kw))
+    try:
+        out, lg = greedy_with_logits(llm, tokens, N_GEN)
+        return out, lg, llm.moe_stats()["engine"]
+    finally:
+        llm.close()
+
+
+def _tokens(path, n):
+    from hybrimoe import Llama
+
+    llm = Llama(str(path), vocab_only=True, verbose=False)
+    try:
+        return prompt_tokens(llm, n)
+    finally:
+        llm.close()
+
+
+def _cases():
+    from allpairspy import AllPairs
+
+    return [pytest.param(*c, id="-".join(map(str, c))) for c in AllPairs([list(ENGINE_ARCHS), list(QUANTS),
+                                                                          list(UBATCHES)])]
+
+
+@pytest.mark.parametrize("arch, quant, ub", _cases())
+def test_reads_every_token_and_matches_upstream(arch, quant, ub, tiny_model):
+    """At the smallest budget: upstream's greedy tokens and logits bit for bit, while experts are read from the
+    file during the decode (at least one read per generated token, and evictions)."""
+    path = tiny_model(arch, quant)
+    tokens = _tokens(path, 2 * ub + 3)
+    ref_out, ref_lg = _reference(path, tokens, ub)
+    out, lg, st = _ram_run(path, tokens, ub)
+    ram = st["ram"]
+    assert out == ref_out
+    assert np.array_equal(lg, ref_lg)
+    assert ram["demand_reads"] + ram["prefetch_reads"] >= N_GEN and ram["evictions"] > 0, ram
+    assert ram["reads_in_flight"] == 0
+    assert st["gpu_experts"] == 0
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "MXFP4"])
+def test_gpt_oss_biases_come_with_the_slot(quant, tmp_path_factory, tiny_model):
+    """gpt-oss: expert biases (ggml_add_id, indexed by RAM slot) and SwiGLU-OAI, Q8_0 or MXFP4 matrices."""
+    from hybrimoe.tiny import make_tiny_model
+
+    if quant == "Q8_0":
+        path = tiny_model("gpt-oss", "Q8_0")
+    else:
+        path = make_tiny_model(tmp_path_factory.mktemp("mxfp4") / "gpt-oss-mxfp4.gguf", "gpt-oss",
+                               quant={"base": "Q8_0", r"ffn_(gate|up|down)_exps": "MXFP4"})
+    tokens = _tokens(path, 20)
+    ref_out, ref_lg = _reference(path, tokens, 7)
+    out, lg, st = _ram_run(path, tokens, 7)
+    assert out == ref_out
+    assert np.array_equal(lg, ref_lg)
+    assert st["ram"]["misses"] > 0
+
+
+@pytest.mark.parametrize("variant", [
+    dict(arch="llama4", n_layer=4, n_expert=6, n_expert_used=2, n_shared=1),            # weights before the FFN
+    dict(arch="deepseek2", n_layer=3, n_expert=6, n_expert_used=2, n_shared=1, fused_gate_up=True),
+    dict(arch="qwen3moe", n_expert=8, n_expert_used=2, expert_scales=True),           # per-expert scales
+], ids=["weight-before", "fused-gate-up", "scales"])
+def test_expert_variants_match_upstream(variant, tmp_path):
+    from hybrimoe.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "variant.gguf", quant="Q8_0", **variant)
+    tokens = _tokens(path, 17)
+    ref_out, ref_lg = _reference(path, tokens, 7)
+    out, lg, st = _ram_run(path, tokens, 7)
+    assert out == ref_out
+    assert np.array_equal(lg, ref_lg)
+    assert st["ram"]["misses"] > 0
+
+
+@pytest.mark.parametrize("policy, prefetch", [("lru", 3), ("mrs", 0), ("lfu", 1)])
+def test_every_policy_and_prefetch_depth_matches_upstream(policy, prefetch, tiny_model):
+    path = tiny_model("qwen3moe", "Q8_0")
+    tokens = _tokens(path, 15)
+    ref_out, ref_lg = _reference(path, tokens, 7)
+    out, lg, st = _ram_run(path, tokens, 7, moe_ram_policy=policy, moe_prefetch_layers=prefetch)
+    assert out == ref_out
+    assert np.array_equal(lg, ref_lg)
+    assert st["ram"]["policy"] == policy
+    if prefetch == 0:
+        assert st["ram"]["prefetch_reads"] == 0
+    else:
+        assert st["ram"]["prefetch_reads"] > 0, st["ram"]
+
+
+def test_two_sequences_in_one_batch_match_upstream(tiny_model):
+    """n_seq = 2: two sequences decoded together, each step's logits of both bit-identical to upstream's."""
+    from hybrimoe import Llama
+    from hybrimoe._lib import llama_cpp_module
+
+    lc = llama_cpp_module().llama_cpp
+    path = tiny_model("qwen3moe", "Q8_0")
+    prompts = [_tokens(path, 9), _tokens(path, 13)[2:]]
+
+    def run(llm) -> list:
+        ctx, n_vocab = llm.ctx, llm.n_vocab()
+        batch = lc.llama_batch_init(64, 0, 2)
+        got = []
+        try:
+            cur, pos = [list(p) for p in prompts], [0, 0]
+            for _ in range(6):
+                batch.n_tokens = 0
+                last = []
+                for s in (0, 1):
+                    for i, tok in enumerate(cur[s]):
+                        j = batch.n_tokens
+                        batch.token[j], batch.pos[j], batch.n_seq_id[j] = tok, pos[s] + i, 1
+                        batch.seq_id[j][0] = s
+                        batch.logits[j] = i == len(cur[s]) - 1
+                        batch.n_tokens += 1
+                    last.append(batch.n_tokens - 1)
+                    pos[s] += len(cur[s])
+                assert lc.llama_decode(ctx, batch) == 0
+                step = [np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, j), shape=(n_vocab,)).copy() for j in last]
+                got.append(step)
+                cur = [[int(np.argmax(x))] for x in step]
+        finally:
+            lc.llama_batch_free(batch)
+        return got
+
+    ref = Llama(str(path), no_repack=True, n_seq_max=2, **_kw(7))
+    try:
+        want = run(ref)
+    finally:
+        ref.close()
+    llm = Llama(str(path), moe_ram_cache=_min_budget(path, 7), n_seq_max=2, moe_cost_model="rtx4090-desktop",
+                **_kw(7))
+    try:
+        have = run(llm)
+        st = llm.moe_stats()["engine"]["ram"]
+    finally:
+        llm.close()
+    assert st["misses"] > 0
+    for a, b in zip(want, have):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_split_model_reads_from_each_shard(tiny_model, tmp_path):
+    """A split GGUF (model-0000N-of-0000M.gguf): the experts are read from the shard that holds them."""
+    from hybrimoe.tiny import split_gguf
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    first = split_gguf(path, tmp_path / "split.gguf", n_shards=3)
+    tokens = _tokens(path, 15)
+    ref_out, ref_lg = _reference(path, tokens, 7)
+    out, lg, st = _ram_run(first, tokens, 7)
+    assert out == ref_out
+    assert np.array_equal(lg, ref_lg)
+    from hybrimoe.runtime.engine_facts import engine_facts
+    from hybrimoe.runtime.ram_tier import expert_file_ranges
+
+    files = expert_file_ranges(engine_facts(first))["files"]
+    assert len(files) > 1, files
+
+
+@pytest.fixture(scope="module")
+def big_model(tiny_model):
+    # 16 experts of 256 x 1024 F16 (512 KiB per matrix): most expert pages lie beyond what the header's parse reads
+    return tiny_model("qwen3moe", "F16", n_embd=256, n_ff_exp=1024, n_expert=16)
+
+
+def test_the_engine_leaves_no_expert_page_in_the_page_cache(big_model):
+    """After loading and decoding, the experts' file pages are no more resident than hybrimoe's own header check
+    leaves them (the tier reads with pread and drops what it read): the RAM the experts use is the tier's."""
+    from hybrimoe import Llama
+    from hybrimoe.model.reader import open_gguf
+
+    pages = expert_pages(big_model)
+    drop_from_page_cache(big_model)
+    g = open_gguf(big_model)
+    by_check, total = resident_pages(big_model, pages)
+    del g
+    drop_from_page_cache(big_model)
+    llm = Llama(str(big_model), moe_ram_cache="50%", moe_cost_model="rtx4090-desktop", **_kw(7))
+    try:
+        tokens = prompt_tokens(llm, 15)
+        greedy_with_logits(llm, tokens, 8)
+        resident, _ = resident_pages(big_model, pages)
+        st = llm.moe_stats()["engine"]["ram"]
+    finally:
+        llm.close()
+    assert st["bytes_read"] > 0
+    if len(by_check) > total // 4:
+        pytest.skip("this file system keeps dropped pages (tmpfs?): residency cannot be told")
+    assert resident <= by_check, f"{len(resident - by_check)} of {total} expert pages left in the page cache"
+
+
+def test_a_read_error_names_the_file_and_offset(tiny_model):
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), moe_ram_cache=_min_budget(path, 7), moe_cost_model="rtx4090-desktop", **_kw(7))
+    try:
+        tokens = prompt_tokens(llm, 9)
+        llm.moe_engine.ram_inject_read_error(errno.EIO, 1)
+        with pytest.raises(RuntimeError, match=r"offset \d+ of .*" + os.path.basename(path) + ".*Input/output error"):
+            llm.eval(tokens)
+        llm.moe_engine.ram_inject_read_error(0)
+        llm.reset()
+        out, _ = greedy_with_logits(llm, tokens, 4)  # the next decode reads again, and works
+    finally:
+        llm.close()
+    ref_out, _ = _reference(path, tokens, 7)
+    assert out == ref_out[:4]
+
+
+def test_a_file_truncated_while_running_is_a_clear_error(tiny_model, tmp_path):
+    """The file cut short under a running model: the reads past its end are named, no crash, no output (the
+    weights outside the experts were read into RAM: use_mmap=False)."""
+    from hybrimoe import Llama
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(tiny_model("qwen3moe", "Q8_0"), path)
+    llm = Llama(str(path), moe_ram_cache=_min_budget(path, 7), use_mmap=False, moe_prefetch_layers=0,
+                moe_cost_model="rtx4090-desktop", **_kw(7))
+    try:
+        tokens = prompt_tokens(llm, 9)
+        os.truncate(path, os.path.getsize(path) // 3)
+        with pytest.raises(RuntimeError, match=r"m\.gguf.*(ends there|truncated)"):
+            for _ in range(4):
+                llm.eval(tokens)
+                llm.reset()
+    finally:
+        llm.close()
+
+
+def test_a_file_changed_since_the_load_is_refused(tiny_model, tmp_path, monkeypatch):
+    """The tier checks each file's size and modification time when it opens it: another file is refused."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime import ram_tier
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(tiny_model("qwen3moe", "Q8_0"), path)
+    real = ram_tier.expert_file_ranges
+
+    def stale(facts):
+        r = real(facts)
+        r["mtimes_ns"] = [m - 10**9 for m in r["mtimes_ns"]]  # as if the file had been replaced after the stat
+        return r
+
+    monkeypatch.setattr(ram_tier, "expert_file_ranges", stale)
+    with pytest.raises(RuntimeError, match=r"m\.gguf changed: it was modified"):
+        Llama(str(path), moe_ram_cache=_min_budget(path, 7), moe_cost_model="rtx4090-desktop", **_kw(7))
+
+
+def test_budgets_out_of_range_are_refused_with_the_numbers(tiny_model):
+    from hybrimoe import Llama
+    from hybrimoe.runtime.engine_facts import engine_facts
+    from hybrimoe.runtime.ram_tier import machine_memory, ram_slots
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    f = engine_facts(path)
+    with pytest.raises(ValueError, match=rf"holds {f.n_expert - 1} experts.*route to {f.n_expert} experts.*at least "
+                                         rf"{f.n_expert * f.slot_bytes} bytes"):
+        Llama(str(path), moe_ram_cache=(f.n_expert - 1) * f.slot_bytes, **_kw(64))
+    mem = machine_memory()
+    with pytest.raises(ValueError, match=rf"{mem['total'] + 1} bytes, more than the {mem['total']} bytes"):
+        ram_slots(mem["total"] + 1, f, 64, memory=mem)
+    with pytest.raises(ValueError, match="moe_ram_cache"):
+        Llama(str(path), moe_ram_cache="lots", **_kw(64))
+
+
+def test_options_that_do_not_go_with_the_ram_tier_are_refused(tiny_model):
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    with pytest.raises(ValueError, match="use_mlock"):
+        Llama(str(path), moe_ram_cache="100%", use_mlock=True, **_kw())
+    with pytest.raises(ValueError, match="moe_ram_policy set without moe_ram_cache"):
+        Llama(str(path), moe_ram_policy="lru", **_kw())
+    with pytest.raises(ValueError, match="belady"):
+        Llama(str(path), moe_ram_cache="100%", moe_ram_policy="belady", **_kw())
+    with pytest.raises(ValueError, match="moe_cache=0"):
+        Llama(str(path), moe_ram_cache="100%", moe_cache="50%", **_kw())
+
+
+def test_auto_budget_fits_the_machine(tiny_model):
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), moe_ram_cache="auto", moe_cost_model="rtx4090-desktop", **_kw(7))
+    try:
+        ram = llm.moe_stats()["engine"]["ram"]
+        assert ram["moe_ram_cache"].startswith("auto: ") and "bytes available" in ram["moe_ram_cache"]
+        greedy_with_logits(llm, prompt_tokens(llm, 9), 2)
+    finally:
+        llm.close()
+    # a tiny model fits whole: every expert has a slot
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    f = engine_facts(path)
+    assert ram["n_slots"] == len(f.moe_layers) * f.n_expert
+
+
+def test_close_returns_with_reads_queued(big_model):
+    """close() right after a decode that queued read-ahead: returns (the queue is dropped, reads in flight end)."""
+    from hybrimoe import Llama
+
+    llm = Llama(str(big_model), moe_ram_cache=_min_budget(big_model, 7), moe_cost_model="rtx4090-desktop",
+                moe_prefetch_layers=3, **_kw(7))
+    drop_from_page_cache(big_model)
+    llm.eval(prompt_tokens(llm, 7))
+    t = threading.Thread(target=llm.close)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "close() hung with reads queued"
