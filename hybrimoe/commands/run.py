@@ -67,6 +67,12 @@ def timing_lines(gen, stats: dict) -> list[str]:
         e = stats["engine"]
         lines.append(f"hybrimoe: engine hit rate {e['hit_rate']:.3f} ({e['cache']['hits']} of {e['cache']['accesses']}"
                      f" activated experts resident), {e['bytes_copied'] / 2**20:.1f} MiB copied to the device")
+        r = e.get("ram") or {}
+        if r:
+            lines.append(f"hybrimoe: RAM tier hit rate {r['hit_rate']:.3f} ({r['hits']} of {r['accesses']}; "
+                         f"{r['n_slots']} slots of {r['slot_bytes']} B), {r['bytes_read'] / 2**20:.1f} MiB read from "
+                         f"the file ({r['bytes_prefetch'] / 2**20:.1f} ahead, prefetch accuracy "
+                         f"{r['prefetch_accuracy']:.2f}), {1e3 * r['wait_s']:.1f} ms waiting for reads")
     return lines
 
 
@@ -78,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt == "":
         print(f"{prog}: error: the prompt is empty (-p TEXT)", file=sys.stderr)
         return 2
-    if args.moe_stats and args.moe_cache is None:  # the statistics are the engine's: without it there are none
-        print(f"{prog}: error: --moe-stats prints the engine's statistics and needs --moe-cache (the engine)",
+    engine_on = args.moe_cache is not None or args.moe_ram_cache is not None
+    if args.moe_stats and not engine_on:  # the statistics are the engine's: without it there are none
+        print(f"{prog}: error: --moe-stats prints the engine's statistics and needs --moe-cache or --moe-ram-cache "
+              "(the engine)",
               file=sys.stderr)
         return 2
     model = model_argument(args, prog)
@@ -105,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         except (RuntimeError, ValueError) as e:
             print(f"\n{prog}: error: generation failed: {e}", file=sys.stderr)
             return 1
-        stats = llm.moe_stats() if (args.moe_hook or args.moe_cache is not None) else {}
+        stats = llm.moe_stats() if (args.moe_hook or engine_on) else {}
         if args.output_format == "json":
             text = llm.detokenize(gen.tokens).decode("utf-8", errors="replace")
             json.dump({"prompt_tokens": prompt_tokens, "tokens": gen.tokens, "text": text, "n_ctx": llm.n_ctx()},

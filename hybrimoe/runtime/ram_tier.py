@@ -188,9 +188,10 @@ def auto_ram_slots(facts: EngineFacts, n_ubatch: int, other_bytes: int, memory: 
         other_bytes = 0
     room = int(mem["available"]) - int(other_bytes) - margin
     n = max(0, min(n_all, room // sb)) if room > 0 else 0
-    why = (f"auto: {mem['available']} bytes available ({mem['source']}) after the load, less {other_bytes} for the "
-           f"weights outside the routed experts and a margin of {margin}: {n} of {n_all} experts in RAM slots of {sb} "
-           "bytes")
+    other = ("the weights outside the routed experts counted in its usage" if mem.get("cgroup") else
+             f"less {other_bytes} for the weights outside the routed experts")
+    why = (f"auto: {mem['available']} bytes available ({mem['source']}) after the load, {other}, and a margin of "
+           f"{margin}: {n} of {n_all} experts in RAM slots of {sb} bytes")
     need = min_ram_slots(facts, n_ubatch)
     if n < need:
         raise ValueError(f"moe_ram_cache='auto' found room for {n} experts ({why}); a ubatch of {n_ubatch} tokens "

@@ -365,3 +365,25 @@ def test_close_returns_with_reads_queued(big_model):
     t.start()
     t.join(60)
     assert not t.is_alive(), "close() hung with reads queued"
+
+
+def test_run_command_takes_the_flag(tiny_model, tmp_path):
+    """``hybrimoe run --moe-ram-cache``: the tokens of ``--no-repack`` upstream, and the tier's line in the stats."""
+    import json
+    import subprocess
+    import sys
+
+    path = tiny_model("qwen3moe", "Q8_0")
+
+    def run(*extra):
+        r = subprocess.run([sys.executable, "-m", "hybrimoe", "run", "-m", str(path), "-p", "Once upon a time", "-n",
+                            "8", "--temp", "0", "-ub", "7", "--output-format", "json", *extra], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["tokens"], r.stderr
+
+    want, _ = run("--no-repack")
+    have, err = run("--moe-ram-cache", str(_min_budget(path, 7)), "--moe-stats", "--moe-cost-model",
+                    "rtx4090-desktop")
+    assert have == want
+    assert "RAM tier hit rate" in err, err
