@@ -33,7 +33,7 @@ class Engine:
                  ram_file_sizes: list[int] = ..., ram_file_mtimes_ns: list[int] = ...,
                  ram_file_of: list[tuple[int, int, int]] = ..., ram_offset_of: list[tuple[int, int, int]] = ...,
                  ram_io_threads: int = 4, ram_cache: ExpertCache | None = None,
-                 ram_drop_after_read: bool = True) -> None: ...
+                 ram_drop_after_read: bool = True, ram_direct_io: bool = True) -> None: ...
     @staticmethod
     def slot_bytes_for(expert_bytes: list[tuple[int, int, int]], expert_types: list[tuple[int, int, int]],
                        bias_bytes: list[tuple[int, int, int]] = ...,

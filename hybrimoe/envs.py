@@ -16,6 +16,7 @@ variable                            read by  meaning (default)
                                              up beside the checkout and the working directory)
 ``HYBRIMOE_RPC_TIMEOUT_S``          package  seconds for the RPC handshake with a server (5)
 ``HYBRIMOE_MAX_BUFFER_BYTES``       package  caps one slot-pool device buffer (bytes; unset: the device's cap)
+``HYBRIMOE_RAM_DIRECT_IO``          package  ``0``: the RAM tier reads the model with buffered reads, not O_DIRECT
 ``HYBRIMOE_RPC_STATS``              server   set by :class:`hybrimoe.runtime.rpc.RPCServer`: the patched server
                                              tallies the commands it serves into this file
 ``HYBRIMOE_RPC_MEMORY``             server   set by ``RPCServer``: the device memory (bytes) the server reports
@@ -58,6 +59,7 @@ VARIABLES = {v.name: v for v in (
     EnvVar("HYBRIMOE_TRACE", "package", "shared/traces/dsv2lite_dev.npz", "the development routing trace"),
     EnvVar("HYBRIMOE_RPC_TIMEOUT_S", "package", "5", "seconds for the RPC handshake with a server"),
     EnvVar("HYBRIMOE_MAX_BUFFER_BYTES", "package", "", "bytes: caps one slot-pool device buffer"),
+    EnvVar("HYBRIMOE_RAM_DIRECT_IO", "package", "1", "0: the RAM tier's reads are buffered, not O_DIRECT"),
     EnvVar("HYBRIMOE_RPC_STATS", "server", "", "file the patched ggml-rpc-server tallies its commands into"),
     EnvVar("HYBRIMOE_RPC_MEMORY", "server", "", "bytes of device memory the patched ggml-rpc-server reports"),
     EnvVar("HYBRIMOE_RPC_IO_TIMEOUT_S", "backend", "", "seconds the patched RPC client waits for a reply"),
@@ -98,6 +100,7 @@ PROGRESS_ENV = "HYBRIMOE_PROGRESS"
 TRACE_ENV = "HYBRIMOE_TRACE"
 RPC_TIMEOUT_ENV = "HYBRIMOE_RPC_TIMEOUT_S"
 MAX_BUFFER_ENV = "HYBRIMOE_MAX_BUFFER_BYTES"
+RAM_DIRECT_IO_ENV = "HYBRIMOE_RAM_DIRECT_IO"
 RPC_STATS_ENV = "HYBRIMOE_RPC_STATS"
 RPC_MEMORY_ENV = "HYBRIMOE_RPC_MEMORY"
 
@@ -118,6 +121,14 @@ def auto_calibrate() -> bool:
     """Whether a model's cost model is measured on first use: unless ``HYBRIMOE_AUTO_CALIBRATE`` is ``0``, ``no``,
     ``false`` or ``off``."""
     return os.environ.get(AUTO_CALIBRATE_ENV, "1").strip().lower() not in ("0", "no", "false", "off")
+
+
+def ram_direct_io() -> bool:
+    """Whether the RAM tier reads the model's experts with O_DIRECT (the default; buffered where the file system
+    refuses it): unless ``HYBRIMOE_RAM_DIRECT_IO`` is ``0``, ``no``, ``false`` or ``off``. Buffered reads cost the
+    CPU a copy out of the page cache and the page cache's bookkeeping (about 1-1.5 s of system time per GB read on
+    this project's 2-core machine, against 0.2 s direct: docs/benchmarks.md)."""
+    return os.environ.get(RAM_DIRECT_IO_ENV, "1").strip().lower() not in ("0", "no", "false", "off")
 
 
 def progress_on() -> bool:

@@ -69,7 +69,8 @@ Args:
     ram_file_of, ram_offset_of: per MoE layer and matrix (gate or gate_up, up, down): file index (-1: none) and byte
         offset of expert 0's matrix (hybrimoe.runtime.ram_tier.expert_file_ranges).
     ram_io_threads: I/O workers; ram_cache: the RAM tier's ExpertCache (sized in RAM slots of slot_bytes);
-    ram_drop_after_read: POSIX_FADV_DONTNEED on what was read (the page cache keeps no second copy).
+    ram_drop_after_read: POSIX_FADV_DONTNEED on what a buffered read read (the page cache keeps no second copy);
+    ram_direct_io: O_DIRECT reads through an aligned staging buffer (buffered where the file system refuses them).
 Raises:
     ValueError: inconsistent facts or cost model. RuntimeError: the device cannot hold the slot pool; a model file
     cannot be opened or changed since the load; the RAM slots cannot be allocated.
@@ -89,7 +90,8 @@ Raises:
                          std::vector<std::string> ram_files, std::vector<int64_t> ram_file_sizes,
                          std::vector<int64_t> ram_file_mtimes_ns, std::vector<std::array<int32_t, 3>> ram_file_of,
                          std::vector<std::array<int64_t, 3>> ram_offset_of, int ram_io_threads,
-                         std::shared_ptr<hybrimoe::ExpertCache> ram_cache, bool ram_drop_after_read) {
+                         std::shared_ptr<hybrimoe::ExpertCache> ram_cache, bool ram_drop_after_read,
+                         bool ram_direct_io) {
                  EngineConfig c;
                  c.n_layer = n_layer;
                  c.n_expert = n_expert;
@@ -119,6 +121,7 @@ Raises:
                  c.ram.offset_of = std::move(ram_offset_of);
                  c.ram.io_threads = ram_io_threads;
                  c.ram.drop_after_read = ram_drop_after_read;
+                 c.ram.direct_io = ram_direct_io;
                  // The arguments keep the policies (and a Python subclass's object) alive while the GIL is
                  // released: nothing Python is freed without it.
                  py::gil_scoped_release nogil;
@@ -135,7 +138,8 @@ Raises:
              py::arg("ram_file_mtimes_ns") = std::vector<int64_t>{},
              py::arg("ram_file_of") = std::vector<std::array<int32_t, 3>>{},
              py::arg("ram_offset_of") = std::vector<std::array<int64_t, 3>>{}, py::arg("ram_io_threads") = 4,
-             py::arg("ram_cache") = std::shared_ptr<hybrimoe::ExpertCache>(), py::arg("ram_drop_after_read") = true)
+             py::arg("ram_cache") = std::shared_ptr<hybrimoe::ExpertCache>(), py::arg("ram_drop_after_read") = true,
+             py::arg("ram_direct_io") = true)
         .def_static("slot_bytes_for", &SlotPool::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
                     py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
                     py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{},
@@ -195,13 +199,14 @@ Raises:
                 d["accesses"] = s.accesses; d["hits"] = s.hits; d["misses"] = s.misses; d["late"] = s.late;
                 d["demand_reads"] = s.demand_reads; d["prefetch_reads"] = s.prefetch_reads;
                 d["prefetch_used"] = s.prefetch_used; d["preads"] = s.preads; d["evictions"] = s.evictions;
+                d["direct_matrices"] = s.direct_matrices;
                 d["bytes_demand"] = s.bytes_demand; d["bytes_prefetch"] = s.bytes_prefetch; d["wait_s"] = s.wait_s;
                 d["reads_in_flight"] = e.ram()->reads_in_flight();
                 return d; },
              "RAM tier counters since the last reset_stats(): accesses, hits, misses, late (hits still being read), "
              "demand_reads / prefetch_reads (experts read from the file) and their bytes (bytes_demand, "
              "bytes_prefetch), prefetch_used (prefetched experts used at their layer), preads (system calls), "
-             "evictions, wait_s (seconds the plan waited for reads), reads_in_flight (now); {} without a RAM tier.")
+             "direct_matrices (expert matrices read with O_DIRECT), evictions, wait_s (seconds the plan waited for reads), reads_in_flight (now); {} without a RAM tier.")
         .def("ram_inject_read_error", [](Engine & e, int err, int count) {
                  if (!e.ram()) throw py::value_error("no RAM tier");
                  e.ram()->inject_read_error(err, count); },

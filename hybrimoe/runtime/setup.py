@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from hybrimoe import _core, _ggml
-from hybrimoe.envs import AUTO_MARGIN_FRACTION, AUTO_MARGIN_MIN_BYTES, PREFETCH_LAYERS, max_buffer_bytes
+from hybrimoe.envs import AUTO_MARGIN_FRACTION, AUTO_MARGIN_MIN_BYTES, PREFETCH_LAYERS, max_buffer_bytes, ram_direct_io
 from hybrimoe.model.tables import EXPS_REGEX
 from hybrimoe.policy.budget import parse_budget
 from hybrimoe.policy.hardware import resolve_cost_model
@@ -236,7 +236,8 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         rg = ram["ranges"]
         extra = dict(ram_slots=int(ram["slots"]), ram_files=rg["files"], ram_file_sizes=rg["sizes"],
                      ram_file_mtimes_ns=rg["mtimes_ns"], ram_file_of=rg["file_of"], ram_offset_of=rg["offset_of"],
-                     ram_io_threads=int(ram.get("io_threads", 4)), ram_cache=rc)
+                     ram_io_threads=int(ram.get("io_threads", 4)), ram_cache=rc,
+                     ram_direct_io=bool(ram.get("direct_io", ram_direct_io())))
     return _engine.Engine(
         n_layer=facts.n_layer, n_expert=facts.n_expert, top_k=facts.top_k, n_embd=facts.n_embd,
         moe_layers=list(facts.moe_layers), expert_bytes=[tuple(b) for b in facts.expert_bytes],

@@ -524,7 +524,7 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
                 if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + run_plan.makespan_s;
                 predictor_->predict(ml, cfg_.prefetch_layers, (int) T, (const float *) x->data, x->nb[2],
                                     run_plan.makespan_s, layer_est_, cfg_.cost.layer((int) T), predictions_);
-                ram_->prefetch(predictions_, std::min<int64_t>(E, T * k), now());
+                ram_->prefetch(predictions_, std::min<int64_t>(E, T * k), now(), (int) T, (int) k);
             }
         }
 

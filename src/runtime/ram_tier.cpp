@@ -3,6 +3,7 @@
 #include "ggml-cpu.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -99,7 +100,7 @@ RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_
         const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
         if (fd < 0) {
             const int err = errno;
-            for (int o : fds_) ::close(o);
+            close_files();
             throw std::runtime_error("RAM tier: cannot open " + path + ": " + std::strerror(err));
         }
         fds_.push_back(fd);
@@ -114,22 +115,26 @@ RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_
             changed = "it was modified after the model was loaded";
         }
         if (!changed.empty()) {
-            for (int o : fds_) ::close(o);
+            close_files();
             throw std::runtime_error("RAM tier: " + path + " changed: " + changed + "; load the model again");
         }
         // the reads are the router's choice, not sequential: no kernel readahead around them, nor around the
         // loader's page faults on its mapping of the file
         posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
         advise_mappings_random(st.st_dev, st.st_ino);
+        direct_fds_.push_back(cfg_.direct_io ? ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT) : -1);
+    }
+    for (const auto & eb : expert_bytes_) {
+        for (int64_t b : eb) staging_bytes_ = std::max(staging_bytes_, b + 2 * kDirectAlign);
     }
     try {
         pool_.open_host(buft ? buft : ggml_backend_cpu_buffer_type(), cfg_.n_slots);
     } catch (...) {
-        for (int o : fds_) ::close(o);
+        close_files();
         throw;
     }
     if (pool_.n_buffers() != 1) {
-        for (int o : fds_) ::close(o);
+        close_files();
         throw std::runtime_error("RAM tier: the host buffer type caps one buffer below " +
                                  std::to_string(pool_.buffer_bytes_for(cfg_.n_slots)) +
                                  " bytes; the CPU share needs the RAM slots in one buffer");
@@ -162,7 +167,16 @@ RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_
 
 RamTier::~RamTier() {
     stop_io();
+    close_files();
+}
+
+void RamTier::close_files() {
     for (int fd : fds_) ::close(fd);
+    for (int fd : direct_fds_) {
+        if (fd >= 0) ::close(fd);
+    }
+    fds_.clear();
+    direct_fds_.clear();
 }
 
 void RamTier::stop_io() {
@@ -216,7 +230,8 @@ void RamTier::drop_evicted() {
     }
 }
 
-bool RamTier::start_read(int layer, int expert, bool prefetch, double now_s) {
+bool RamTier::start_read(int layer, int expert, uint8_t tag, double now_s) {
+    const bool prefetch = tag != 0;
     const int64_t key = (int64_t) layer * n_expert_ + expert;
     if (workers_.empty()) throw std::runtime_error("RAM tier: the engine was released: no more reads");
     if (!cache_->resident(layer, expert)) {
@@ -234,7 +249,8 @@ bool RamTier::start_read(int layer, int expert, bool prefetch, double now_s) {
         std::lock_guard<std::mutex> lock(mu_);
         state_[(size_t) key] = 1;
         key_error_[(size_t) key].clear();
-        prefetched_[(size_t) key] = prefetch ? 1 : 0;
+        prefetched_[(size_t) key] = tag;
+        if (tag >= 1 && tag <= 3) ahead_reads_[(size_t) tag - 1] += 1;
         const Job j{key, pool_.slot_of(layer, expert), prefetch};
         // a demand read goes before every queued prefetch: the layer computing now waits for it
         if (prefetch) {
@@ -251,6 +267,14 @@ bool RamTier::start_read(int layer, int expert, bool prefetch, double now_s) {
 }
 
 void RamTier::worker() {
+    // this worker's staging buffer for direct reads (none when no file takes them)
+    std::unique_ptr<uint8_t, void (*)(void *)> staging(nullptr, std::free);
+    bool any_direct = false;
+    for (int d : direct_fds_) any_direct = any_direct || d >= 0;
+    if (any_direct) {
+        void * p = nullptr;
+        if (posix_memalign(&p, (size_t) kDirectAlign, (size_t) staging_bytes_) == 0) staging.reset((uint8_t *) p);
+    }
     for (;;) {
         Job j{};
         {
@@ -261,7 +285,7 @@ void RamTier::worker() {
             queue_.pop_front();
             ++in_flight_;
         }
-        std::string err = read_expert(j);
+        std::string err = read_expert(j, staging.get());
         {
             std::lock_guard<std::mutex> lock(mu_);
             --in_flight_;
@@ -277,7 +301,48 @@ void RamTier::worker() {
     }
 }
 
-std::string RamTier::read_expert(const Job & j) {
+int64_t RamTier::read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, uint8_t * staging, uint64_t & calls,
+                            bool & direct) {
+    const int dfd = direct_fds_[(size_t) f];
+    if (dfd >= 0 && staging != nullptr) {
+        // O_DIRECT: the aligned range around the bytes into the staging buffer (DMA, no page cache), then a copy
+        const int64_t lo = off / kDirectAlign * kDirectAlign;
+        const int64_t hi = (off + n + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+        int64_t got = 0;  // bytes from lo
+        bool refused = false;
+        while (lo + got < off + n) {
+            const ssize_t r = ::pread(dfd, staging + got, (size_t) (hi - lo - got), (off_t) (lo + got));
+            ++calls;
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0 && errno == EINVAL && got == 0) {  // this file system takes no direct reads here: buffered
+                refused = true;
+                break;
+            }
+            if (r < 0) return -errno;
+            if (r == 0) break;  // the file ends
+            got += r;
+            if (got % kDirectAlign != 0) break;  // a short direct read ends at the end of the file
+        }
+        if (!refused) {
+            direct = true;
+            const int64_t have = std::max<int64_t>(0, std::min<int64_t>(lo + got - off, n));
+            std::memcpy(dst, staging + (off - lo), (size_t) have);
+            return have;
+        }
+    }
+    int64_t got = 0;
+    while (got < n) {
+        const ssize_t r = ::pread(fds_[(size_t) f], dst + got, (size_t) (n - got), (off_t) (off + got));
+        ++calls;
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return -errno;
+        if (r == 0) break;
+        got += r;
+    }
+    return got;
+}
+
+std::string RamTier::read_expert(const Job & j, uint8_t * staging) {
     const int layer = (int) (j.key / n_expert_), expert = (int) (j.key % n_expert_);
     ExpertMatrices host;
     int fault = 0;
@@ -289,36 +354,27 @@ std::string RamTier::read_expert(const Job & j) {
             fault = fault_errno_;
         }
     }
-    uint64_t calls = 0;
+    uint64_t calls = 0, n_direct = 0;
     for (int i = 0; i < 3; ++i) {
         const int32_t f = cfg_.file_of[(size_t) layer][(size_t) i];
         if (f < 0) continue;
         const int64_t n = expert_bytes_[(size_t) layer][(size_t) i];
         const int64_t off = cfg_.offset_of[(size_t) layer][(size_t) i] + n * expert;
         uint8_t * dst = pool_.slot_data(j.slot, i);
-        int64_t got = 0;
-        while (got < n) {
-            ssize_t r;
-            if (fault) {
-                errno = fault;
-                r = -1;
-            } else {
-                r = ::pread(fds_[(size_t) f], dst + got, (size_t) (n - got), (off_t) (off + got));
-            }
-            ++calls;
-            if (r < 0 && errno == EINTR) continue;
-            if (r <= 0) {
-                const std::string why = r < 0 ? std::strerror(errno)
-                                              : "the file ends there (truncated or replaced while the model runs)";
-                std::lock_guard<std::mutex> slock(stats_mu_);
-                stats_.preads += calls;
-                return "reading " + std::to_string(n) + " bytes of MoE layer " + std::to_string(layer) + " expert " +
-                       std::to_string(expert) + " at offset " + std::to_string(off + got) + " of " +
-                       cfg_.files[(size_t) f] + ": " + why;
-            }
-            got += r;
+        bool direct = false;
+        const int64_t got = fault ? -fault : read_range(f, dst, n, off, staging, calls, direct);
+        if (fault) ++calls;
+        if (got < n) {
+            const std::string why = got < 0 ? std::strerror((int) -got)
+                                            : "the file ends there (truncated or replaced while the model runs)";
+            std::lock_guard<std::mutex> slock(stats_mu_);
+            stats_.preads += calls;
+            return "reading " + std::to_string(n) + " bytes of MoE layer " + std::to_string(layer) + " expert " +
+                   std::to_string(expert) + " at offset " + std::to_string(off + std::max<int64_t>(0, got)) + " of " +
+                   cfg_.files[(size_t) f] + ": " + why;
         }
-        if (cfg_.drop_after_read) {
+        n_direct += direct ? 1 : 0;
+        if (!direct && cfg_.drop_after_read) {
             // The page cache holds a file in folios of up to 2 MiB (large folios), and DONTNEED drops only the
             // folios wholly inside its range: the range is rounded out to 2 MiB, within this tensor's bytes (the
             // kernel rounds its ends in to pages), so that the neighbouring experts' parts of a folio go too (they
@@ -343,6 +399,7 @@ std::string RamTier::read_expert(const Job & j) {
     }
     std::lock_guard<std::mutex> slock(stats_mu_);
     stats_.preads += calls;
+    stats_.direct_matrices += n_direct;
     return "";
 }
 
@@ -383,9 +440,10 @@ void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> 
         {
             std::lock_guard<std::mutex> lock(mu_);
             st = state_[(size_t) key];
-            if (prefetched_[(size_t) key]) {
+            if (const uint8_t tag = prefetched_[(size_t) key]) {
                 prefetched_[(size_t) key] = 0;
                 ++used;
+                if (tag >= 1 && tag <= 3) ahead_used_[(size_t) tag - 1] += 1;
             }
         }
         if (cache_->resident(layer, e) && st != 0) {
@@ -399,7 +457,7 @@ void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> 
             continue;
         }
         ++misses;
-        if (!start_read(layer, e, false, now_s)) {
+        if (!start_read(layer, e, 0, now_s)) {
             // every slot is pinned: the reads in flight end and the prefetches for other layers give theirs up
             {
                 std::unique_lock<std::mutex> lock(mu_);
@@ -411,7 +469,7 @@ void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> 
                 for (int32_t p : prefetch_pins_[(size_t) l]) unpin((int64_t) l * n_expert_ + p);
                 prefetch_pins_[(size_t) l].clear();
             }
-            if (!start_read(layer, e, false, now_s)) {
+            if (!start_read(layer, e, 0, now_s)) {
                 throw std::runtime_error("the RAM expert cache (" + std::to_string(pool_.n_slots()) +
                                          " slots) cannot hold the " + std::to_string(experts.size()) +
                                          " experts MoE layer " + std::to_string(layer) +
@@ -451,25 +509,55 @@ void RamTier::release(int layer) {
     prefetch_pins_[(size_t) layer].clear();
 }
 
-int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_free, double now_s) {
+int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_free, double now_s, int n_tokens,
+                      int top_k) {
     harvest();
     struct Cand {
         double confidence;
+        int distance;
         int32_t load;
         int layer;
         int32_t expert;
+        uint8_t tag;
     };
-    std::vector<Cand> cands;
-    for (const Prediction & p : predictions) {
-        if (p.confidence < cfg_.min_prefetch_confidence || p.layer < 0 || p.layer >= n_layers_) continue;
-        for (size_t i = 0; i < p.experts.size(); ++i) {
-            cands.push_back({p.confidence, i < p.loads.size() ? p.loads[i] : 1, p.layer, p.experts[i]});
+    // the chance that a ubatch of n_tokens tokens uses a given expert under uniform routing
+    const double prior = 1.0 - std::pow(1.0 - std::min(1.0, (double) top_k / n_expert_), (double) n_tokens);
+    const bool small = prior < cfg_.min_prefetch_confidence;
+    std::array<double, 3> measured{-1.0, -1.0, -1.0};
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (size_t d = 0; d < 3; ++d) {
+            if (ahead_reads_[d] >= kMinOutcomes) measured[d] = (double) ahead_used_[d] / (double) ahead_reads_[d];
         }
     }
-    // the reads that save the most first: a likelier use, then more tokens waiting for it (every expert of a layer
-    // costs the same read, so per byte the order is the same)
+    std::vector<Cand> cands;
+    std::vector<uint8_t> seen((size_t) n_expert_);
+    for (const Prediction & p : predictions) {
+        if (p.layer < 0 || p.layer >= n_layers_) continue;
+        const int d = std::max(1, p.distance);
+        double conf = p.confidence;
+        if (small && d <= 3 && measured[(size_t) d - 1] >= 0.0) conf = measured[(size_t) d - 1];
+        conf = std::max(conf, prior);
+        const uint8_t tag = small && d <= 3 ? (uint8_t) d : kUncounted;
+        std::fill(seen.begin(), seen.end(), 0);
+        if (conf >= cfg_.min_prefetch_confidence) {
+            for (size_t i = 0; i < p.experts.size(); ++i) {
+                cands.push_back({conf, d, i < p.loads.size() ? p.loads[i] : 1, p.layer, p.experts[i], tag});
+                seen[(size_t) p.experts[i]] = 1;
+            }
+        }
+        if (!small) {
+            for (int32_t e = 0; e < n_expert_; ++e) {
+                if (!seen[(size_t) e]) cands.push_back({prior, d, 0, p.layer, e, kUncounted});
+            }
+        }
+    }
+    // the reads that save the most first: a likelier use, a nearer layer, then more tokens waiting for it (every
+    // expert of a layer costs the same read, so per byte the order is the same)
     std::stable_sort(cands.begin(), cands.end(), [](const Cand & a, const Cand & b) {
-        return a.confidence != b.confidence ? a.confidence > b.confidence : a.load > b.load;
+        if (a.confidence != b.confidence) return a.confidence > b.confidence;
+        if (a.distance != b.distance) return a.distance < b.distance;
+        return a.load > b.load;
     });
     int queued = 0;
     for (const Cand & c : cands) {
@@ -482,13 +570,18 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
             st = state_[(size_t) key];
         }
         if (!(cache_->resident(c.layer, c.expert) && st == 2)) {
-            if (!start_read(c.layer, c.expert, true, now_s)) continue;  // the policy declined, or no room
+            if (!start_read(c.layer, c.expert, c.tag, now_s)) continue;  // the policy declined, or no room
             ++queued;
         }
         pin(key);
         prefetch_pins_[(size_t) c.layer].push_back(c.expert);
     }
     return queued;
+}
+
+std::array<uint64_t, 3> RamTier::prefetch_outcomes(bool used) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return used ? ahead_used_ : ahead_reads_;
 }
 
 RamTierStats RamTier::stats() const {

@@ -47,7 +47,10 @@ struct RamTierConfig {
     std::vector<std::array<int32_t, 3>> file_of;
     std::vector<std::array<int64_t, 3>> offset_of;
     int io_threads = 4;                         ///< I/O workers (reads in flight at most)
-    bool drop_after_read = true;                ///< POSIX_FADV_DONTNEED on each range read
+    bool drop_after_read = true;                ///< POSIX_FADV_DONTNEED on each range read (buffered reads)
+    /// O_DIRECT reads (aligned over-reads into a worker's staging buffer, then a copy into the slot); where the
+    /// file system refuses O_DIRECT, buffered reads
+    bool direct_io = true;
     double min_prefetch_confidence = 0.5;       ///< a predicted expert is read ahead only above this confidence
 };
 
@@ -58,6 +61,7 @@ struct RamTierStats {
     uint64_t demand_reads = 0, prefetch_reads = 0;   ///< experts read
     uint64_t prefetch_used = 0;         ///< prefetched experts used at their layer before eviction
     uint64_t preads = 0;                ///< read system calls
+    uint64_t direct_matrices = 0;       ///< expert matrices read with O_DIRECT (the others: buffered)
     uint64_t evictions = 0;
     double bytes_demand = 0, bytes_prefetch = 0;
     double wait_s = 0;                  ///< seconds the plan op waited for reads
@@ -102,10 +106,21 @@ public:
     int32_t slot_of(int layer, int expert) const { return pool_.slot_of(layer, expert); }
     /// Unpins the experts acquire(layer) pinned and the prefetches made for this layer.
     void release(int layer);
-    /// Reads ahead the predicted experts of later layers (highest confidence first, those above
-    /// min_prefetch_confidence, not resident, not in flight), admitted by the cache, pinned until their layer ran;
-    /// at most `keep_free` slots stay unpinned for the next layer's own demand. Returns the experts queued.
-    int prefetch(const std::vector<Prediction> & predictions, int64_t keep_free, double now_s);
+    /// Reads ahead the predicted experts of later layers (likeliest first, those at min_prefetch_confidence or
+    /// above, not resident, not in flight), admitted by the cache, pinned until their layer ran; at most
+    /// `keep_free` slots stay unpinned for the next layer's own demand. Returns the experts queued.
+    ///
+    /// How likely a predicted expert is used: a ubatch of `n_tokens` tokens picking `top_k` of n_expert each leaves
+    /// an expert unused with probability (1 - top_k / n_expert)^n_tokens under uniform routing, so in a large
+    /// ubatch (prefill) every expert of the next layers is read ahead, the sampled predictions first, the others
+    /// at that prior. For the sampled predictions of small ubatches (decode), once kMinOutcomes of them have been
+    /// read at a distance, the share of those used at their layer replaces the prediction's assumed confidence:
+    /// where the router look-ahead does not predict the routing, nothing is read ahead for it.
+    int prefetch(const std::vector<Prediction> & predictions, int64_t keep_free, double now_s, int n_tokens,
+                 int top_k);
+    /// Reads ahead of small ubatches per distance (1..3: index 0..2) and those used at their layer.
+    std::array<uint64_t, 3> prefetch_outcomes(bool used) const;
+    static constexpr uint64_t kMinOutcomes = 64;
 
     int64_t n_slots() const { return pool_.n_slots(); }
     int64_t slot_bytes() const { return pool_.slot_bytes(); }
@@ -125,10 +140,20 @@ private:
         bool prefetch;
     };
     void worker();
-    /// Reads one expert into its slot; "" or the error (file, offset, cause).
-    std::string read_expert(const Job & j);
+    /// Reads one expert into its slot; "" or the error (file, offset, cause). `staging`: the worker's aligned
+    /// buffer for direct reads (kDirectAlign-aligned, staging_bytes_).
+    std::string read_expert(const Job & j, uint8_t * staging);
+    /// Reads bytes [off, off + n) of file f into dst, directly (through `staging`) where the file allows it: the
+    /// bytes got (n unless the file ends first), or -errno.
+    int64_t read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, uint8_t * staging, uint64_t & calls,
+                       bool & direct);
+    void close_files();
+    static constexpr int64_t kDirectAlign = 4096;  // O_DIRECT: offset, length and buffer (4 KiB covers 512 B too)
     /// Admits `key` (evicting as the policy says), assigns its slot and queues its read. False: no room.
-    bool start_read(int layer, int expert, bool prefetch, double now_s);
+    /// `tag`: 0 a demand read; 1..3 a read ahead of a small ubatch's prediction at that distance (its use is
+    /// counted per distance); kUncounted another read ahead.
+    bool start_read(int layer, int expert, uint8_t tag, double now_s);
+    static constexpr uint8_t kUncounted = 255;
     /// Completed reads since the last call: their pins from the read are dropped, errors collected.
     void harvest();
     void wait_for(int64_t key);
@@ -142,11 +167,14 @@ private:
     std::shared_ptr<ExpertCache> cache_;
     SlotPool pool_;
     std::vector<int> fds_;
+    std::vector<int> direct_fds_;           // the same files opened O_DIRECT (-1: refused, or direct_io off)
+    int64_t staging_bytes_ = 0;
     std::vector<ExpertMatrices> layers_;
     // key state: 0 not resident, 1 read queued or in flight, 2 in the slot; written under mu_
     std::vector<uint8_t> state_;
     std::vector<std::string> key_error_;    // a failed read's message (state back to 0 at harvest)
-    std::vector<uint8_t> prefetched_;       // resident through a prefetch and not yet used
+    std::vector<uint8_t> prefetched_;       // resident through a prefetch and not yet used: its tag (0: not)
+    std::array<uint64_t, 3> ahead_reads_{}, ahead_used_{};  // small-ubatch reads ahead per distance, and used
     std::vector<std::vector<int32_t>> pins_;          // per layer: experts acquire() pinned
     std::vector<std::vector<int32_t>> prefetch_pins_; // per layer: experts prefetched for it (pinned)
     std::vector<int32_t> pin_count_;        // pins this tier holds per key (the cache's own count mirrored)

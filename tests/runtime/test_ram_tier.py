@@ -220,11 +220,15 @@ def big_model(tiny_model):
     return tiny_model("qwen3moe", "F16", n_embd=256, n_ff_exp=1024, n_expert=16)
 
 
-def test_the_engine_leaves_no_expert_page_in_the_page_cache(big_model):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_the_engine_leaves_no_expert_page_in_the_page_cache(big_model, direct, monkeypatch):
     """After loading and decoding, the experts' file pages are no more resident than hybrimoe's own header check
-    leaves them (the tier reads with pread and drops what it read): the RAM the experts use is the tier's."""
+    leaves them (the tier reads with O_DIRECT, or with buffered reads and drops what it read): the RAM the experts
+    use is the tier's."""
     from hybrimoe import Llama
     from hybrimoe.model.reader import open_gguf
+
+    monkeypatch.setenv("HYBRIMOE_RAM_DIRECT_IO", "1" if direct else "0")
 
     pages = expert_pages(big_model)
     drop_from_page_cache(big_model)
@@ -241,6 +245,10 @@ def test_the_engine_leaves_no_expert_page_in_the_page_cache(big_model):
     finally:
         llm.close()
     assert st["bytes_read"] > 0
+    if not direct:
+        assert st["direct_matrices"] == 0
+    elif st["direct_matrices"] == 0:
+        pytest.skip("this file system takes no O_DIRECT reads (tmpfs?): the buffered case covers it")
     if len(by_check) > total // 4:
         pytest.skip("this file system keeps dropped pages (tmpfs?): residency cannot be told")
     assert resident <= by_check, f"{len(resident - by_check)} of {total} expert pages left in the page cache"
@@ -387,3 +395,65 @@ def test_run_command_takes_the_flag(tiny_model, tmp_path):
                     "rtx4090-desktop")
     assert have == want
     assert "RAM tier hit rate" in err, err
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_buffered_reads_match_upstream(arch, tiny_model, monkeypatch):
+    """With HYBRIMOE_RAM_DIRECT_IO=0 (buffered reads, the fallback where a file system refuses O_DIRECT), at the
+    smallest budget: upstream's tokens and logits bit for bit, and no matrix read directly."""
+    monkeypatch.setenv("HYBRIMOE_RAM_DIRECT_IO", "0")
+    path = tiny_model(arch, "Q8_0")
+    tokens = _tokens(path, 9)
+    want, want_lg = _reference(path, tokens, 7)
+    have, have_lg, st = _ram_run(path, tokens, 7)
+    assert have == want
+    assert np.array_equal(have_lg, want_lg)
+    assert st["ram"]["bytes_read"] > 0 and st["ram"]["direct_matrices"] == 0
+
+
+def test_prefill_reads_the_next_layers_whole(tiny_model):
+    """A 64-token ubatch routes to nearly every expert of a layer (an expert stays unused with probability
+    (1 - k/E)^64 under uniform routing), so the look-ahead reads the next layers' experts whole while a layer
+    computes: only the first MoE layer's experts are demand reads, and the tokens stay upstream's."""
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = tiny_model("qwen3moe", "Q8_0", n_expert=32)
+    f = engine_facts(path)
+    assert len(f.moe_layers) >= 2
+    tokens = _tokens(path, 64)
+    want, _ = _reference(path, tokens, 64)
+    have, _, st = _ram_run(path, tokens, 64, budget="100%")
+    assert have == want
+    ram = st["ram"]
+    assert ram["prefetch_reads"] > 0 and ram["demand_reads"] <= f.n_expert, ram
+    _, _, off = _ram_run(path, tokens, 64, budget="100%", moe_prefetch_layers=0)
+    assert off["ram"]["prefetch_reads"] == 0 and off["ram"]["demand_reads"] > f.n_expert
+
+
+def test_decode_read_ahead_stops_when_its_predictions_miss(tiny_model):
+    """Routing replayed at random, so the router look-ahead's predictions miss: once enough reads ahead have been
+    judged at their layer, the share used (about top_k / n_expert here) replaces the assumed confidence and no
+    more are read ahead."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = tiny_model("qwen3moe", "Q8_0", n_expert=32)
+    f = engine_facts(path)
+    rng = np.random.default_rng(5)
+    n_rows, k = 400, f.model.top_k
+    table = np.stack([np.stack([rng.permutation(f.n_expert)[:k] for _ in range(max(f.moe_layers) + 1)])
+                      for _ in range(n_rows)]).astype(np.int32)
+    llm = Llama(str(path), moe_ram_cache="25%", moe_cost_model="rtx4090-desktop", moe_replay=table,
+                **_kw(1, n_ctx=512))
+    try:
+        for t in range(300):
+            llm.eval([5 + t % 100])
+        early = llm.moe_stats()["engine"]["ram"]
+        llm.moe_engine.reset_stats()
+        for t in range(60):
+            llm.eval([5 + t % 100])
+        late = llm.moe_stats()["engine"]["ram"]
+    finally:
+        llm.close()
+    assert early["prefetch_reads"] >= 64 and early["prefetch_accuracy"] < 0.5, early
+    assert late["prefetch_reads"] == 0 and late["demand_reads"] > 0, late
