@@ -19,6 +19,15 @@ and the bytes copied to the GPU per generated token (decode only). Timings come 
 (``llama_perf_context``, with ``llama_synchronize`` after every ``eval``): graph compute, no Python. With
 ``--replay-trace`` every mode routes the trace's expert ids (the text is then meaningless). Without a GPU, use the
 RPC stand-in (``--rpc``, or ``--stand-in`` to start one): it is the same CPU, so no speed claim can be made there.
+
+With ``--moe-ram-cache BUDGET`` (a model larger than RAM) the modes are CPU only and need no GPU: ``upstream mmap``
+(``-ngl 0 --no-repack``: the routed experts read through llama.cpp's mapping, by page faults) and ``hybrimoe RAM
+<policy>`` for each ``--ram-policies`` entry (``moe_ram_cache=BUDGET``: the engine's RAM tier). The file is dropped
+from the page cache before each mode loads (the repetitions after the warm-up then run with what the mode kept in
+RAM); the rows add the bytes read from the disk and the major page faults per token (``/proc/self/io``,
+getrusage), prefill and decode, and the RAM tier's hit rate. Nothing limits upstream's page cache here: on a
+machine with more free memory than the budget it keeps more of the model than hybrimoe does (bench/bench_ram_real.py
+runs both under one memory cgroup limit).
 """
 from __future__ import annotations
 
@@ -35,10 +44,12 @@ from tqdm import tqdm
 from hybrimoe import _ggml
 from hybrimoe.commands.args import POSITIVE, THREADS, int_in
 from hybrimoe.envs import progress_on
+from hybrimoe.model.reader import open_gguf
 from hybrimoe.outputs import atomic_open, check_output, savefig, write_text
 from hybrimoe.policy.hardware import resolve_cost_model
 from hybrimoe.policy.presets import ENGINE_PRESETS, PROFILE_PRESETS
-from hybrimoe.runtime.benchmark import Config, mean_sd, noise_warnings, prompts, upstream_modes
+from hybrimoe.runtime.benchmark import Config, io_counters, mean_sd, noise_warnings, prompts, upstream_modes
+from hybrimoe.runtime.disk_calibration import drop_from_page_cache
 from hybrimoe.runtime.engine_facts import engine_facts
 from hybrimoe.runtime.rpc import RPCServer
 from hybrimoe.runtime.setup import cache_slots, load_profile
@@ -50,7 +61,15 @@ HELP = "hybrimoe against upstream offloading at the same GPU memory (pp/tg token
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` flags."""
     p.add_argument("-m", "--model", required=True, help="GGUF model")
-    p.add_argument("--moe-cache", default="25%", help="GPU memory for routed experts, every mode (default 25%%)")
+    p.add_argument("--moe-cache", default=None,
+                   help="GPU memory for routed experts, every mode (default 25%%; 0 with --moe-ram-cache)")
+    p.add_argument("--moe-ram-cache", default=None, metavar="BUDGET",
+                   help="a model larger than RAM: upstream's mmap (CPU only, --no-repack) against hybrimoe's RAM tier "
+                        "with this much RAM for routed experts ('40%%', '12GiB', bytes, 'auto'), CPU only (no GPU "
+                        "needed); the figures add disk bytes and major page faults per token")
+    p.add_argument("--ram-policies", default="mrs,lru",
+                   help="with --moe-ram-cache: the RAM tier's cache policies to run (moe_ram_policy: mrs, lru, lfu; "
+                        "default %(default)s)")
     p.add_argument("-p", "--n-prompt", type=POSITIVE, default=512, help="prompt tokens (pp; default %(default)s)")
     p.add_argument("-n", "--n-gen", type=POSITIVE, default=128, help="generated tokens (tg; default %(default)s)")
     p.add_argument("-r", "--repetitions", type=POSITIVE, default=3, help="repetitions per mode (default %(default)s)")
@@ -122,13 +141,54 @@ def _check_modes(args, facts) -> tuple[list[str], set]:
     return pols, up
 
 
+def gpu_budget_spec(args) -> str:
+    """``--moe-cache`` as given, else its default: 25% of the routed experts, 0 with ``--moe-ram-cache``."""
+    if args.moe_cache is not None:
+        return args.moe_cache
+    return "0" if args.moe_ram_cache is not None else "25%"
+
+
+def _check_ram_modes(args, facts) -> tuple[list[str], set]:
+    """With ``--moe-ram-cache``: the RAM policies asked for (checked by building each) and the budget (checked
+    against the model, and the machine's memory unless ``auto``), before anything loads."""
+    from hybrimoe.runtime.ram_tier import ram_slots
+    from hybrimoe.runtime.setup import ram_cache_policy
+
+    pols = [x.strip().lower() for x in args.ram_policies.split(",") if x.strip()]
+    if not pols:
+        raise ValueError("--ram-policies is empty")
+    for p in pols:
+        try:
+            ram_cache_policy(p)
+        except ValueError as e:
+            raise ValueError(f"--ram-policies: {e}") from None
+    if args.rpc or args.stand_in:
+        raise ValueError("--moe-ram-cache runs CPU only: --rpc and --stand-in do not apply")
+    if args.policies is not None:
+        raise ValueError("--moe-ram-cache compares RAM tiers: give its cache policies with --ram-policies, not "
+                         "--policies")
+    if str(args.moe_ram_cache).strip().lower() != "auto":
+        try:  # the engine's own check: parsable, at least a ubatch's experts, at most the machine's memory
+            ram_slots(args.moe_ram_cache, facts, 512)
+        except ValueError as e:
+            raise ValueError(f"--moe-ram-cache: {e}") from None
+    load_profile(getattr(args, "moe_profile", None), facts)
+    return pols, {"mmap"}
+
+
 def _inputs(args) -> tuple:
     """Everything checked before a mode runs: ``(facts, policies, upstream modes, slots, budget bytes, replay table
     or None)``. Raises ValueError or OSError naming the flag."""
     _check_outputs(args)
     facts = engine_facts(args.model)
-    pols, up = _check_modes(args, facts)
-    n_slots = cache_slots(args.moe_cache, facts)
+    if args.moe_ram_cache is not None:
+        pols, up = _check_ram_modes(args, facts)
+    else:
+        pols, up = _check_modes(args, facts)
+    n_slots = cache_slots(gpu_budget_spec(args), facts)
+    if args.moe_ram_cache is not None and n_slots > 0:
+        raise ValueError(f"--moe-cache {args.moe_cache}: the RAM tier runs with every expert on the CPU for now (a "
+                         "GPU expert cache above it is not supported): leave --moe-cache out or give 0")
     routing_table = None
     if args.replay_trace:
         # a recorded trace (with phases): prefill routing for the prompt, decode routing for the generated tokens
@@ -139,6 +199,15 @@ def _inputs(args) -> tuple:
 def _modes(args, facts, pols: list, up: set, budget: int) -> list[tuple[str, dict, int]]:
     """(label, Llama keywords, GPU expert bytes) of every mode to run: the upstream ones asked for, then hybrimoe's."""
     modes = []
+    if args.moe_ram_cache is not None:
+        # CPU only, upstream's numbers on both sides: upstream reads the experts through its mapping (--no-repack,
+        # as the RAM tier computes from the file's bytes unrepacked), hybrimoe through its RAM tier
+        modes.append(("upstream mmap (CPU, --no-repack)", dict(n_gpu_layers=0, no_repack=True), 0))
+        for pol in pols:
+            modes.append((f"hybrimoe RAM {pol}", dict(n_gpu_layers=0, moe_ram_cache=args.moe_ram_cache,
+                                                      moe_ram_policy=pol, moe_cost_model=args.moe_cost_model,
+                                                      moe_profile=args.moe_profile), 0))
+        return modes
     for label, kw, gpu_bytes in upstream_modes(args.model, budget, facts.n_layer):
         key = "exps" if "exps" in label else "ncmoe" if "n-cpu-moe" in label else "ngl"
         if key in up:
@@ -155,7 +224,11 @@ def _modes(args, facts, pols: list, up: set, budget: int) -> list[tuple[str, dic
 def _measure_mode(args, label: str, kw: dict, gpu_bytes: int, common: dict, bar, ref: list) -> dict:
     """One mode loaded, warmed up, measured over ``-r`` repetitions and closed: its table row. ``ref``: the first
     mode's tokens per repetition (filled by the first mode that runs)."""
+    ram = args.moe_ram_cache is not None
     try:
+        if ram:  # every mode starts from a cold page cache: what it reads, it reads from the disk
+            for f in open_gguf(args.model).files:
+                drop_from_page_cache(f)
         cfg = Config(label, Path(args.model), n_ctx=args.n_prompt + args.n_gen + 8, **common, **kw)
     except (ValueError, RuntimeError) as e:
         print(f"hybrimoe bench: {label}: cannot load: {e}", file=sys.stderr)
@@ -163,11 +236,25 @@ def _measure_mode(args, label: str, kw: dict, gpu_bytes: int, common: dict, bar,
         return dict(mode=label, error=str(e))
     try:
         ps = prompts(cfg.llm, args.repetitions + 1, args.n_prompt)
+        disk = dict(pp_bytes=0, pp_faults=0, tg_bytes=0, tg_faults=0, ram_hits=0, ram_accesses=0, ram_bytes=0.0)
         for i in range(-1, args.repetitions):
+            c0 = io_counters()
             cfg.start(ps[i])
+            c1 = io_counters()
             for _ in range(args.n_gen if i >= 0 else min(8, args.n_gen)):
                 cfg.step()
+            c2 = io_counters()
             cfg.finish(keep=i >= 0)
+            if i >= 0:
+                disk["pp_bytes"] += c1[0] - c0[0]
+                disk["pp_faults"] += c1[1] - c0[1]
+                disk["tg_bytes"] += c2[0] - c1[0]
+                disk["tg_faults"] += c2[1] - c1[1]
+                r = cfg.llm.moe_stats().get("engine", {}).get("ram") or {}  # the decode's (reset after the prompt)
+                if r:
+                    disk["ram_hits"] += r["hits"]
+                    disk["ram_accesses"] += r["accesses"]
+                    disk["ram_bytes"] += r["bytes_read"]
             bar.update(1)
         checked = cfg.replay_decisions() if cfg.llm.moe_engine is not None else {}
     finally:
@@ -184,6 +271,14 @@ def _measure_mode(args, label: str, kw: dict, gpu_bytes: int, common: dict, bar,
         n_tok = sum(r["n_decode"] for r in cfg.reps)
         row["h2d_bytes_per_token"] = e["bytes"] / n_tok if n_tok else 0.0
         row["gpu_expert_share"] = e["gpu_experts"] / max(1, e["gpu_experts"] + e["cpu_experts"])
+    if ram:
+        n_pp, n_tg = args.n_prompt * args.repetitions, args.n_gen * args.repetitions
+        row.update(pp_disk_bytes_per_token=disk["pp_bytes"] / n_pp, tg_disk_bytes_per_token=disk["tg_bytes"] / n_tg,
+                   pp_major_faults_per_token=disk["pp_faults"] / n_pp,
+                   tg_major_faults_per_token=disk["tg_faults"] / n_tg)
+        if disk["ram_accesses"]:
+            row.update(ram_hit_rate=disk["ram_hits"] / disk["ram_accesses"],
+                       ram_bytes_read_per_token=disk["ram_bytes"] / n_tg)
     toks = [r["tokens"] for r in cfg.reps]
     if not ref:
         ref.extend(toks)
@@ -221,7 +316,9 @@ def run(args: argparse.Namespace) -> int:
         endpoint = server.endpoint
         print(f"hybrimoe bench: RPC stand-in at {endpoint} (the same CPU: no speed claim)", file=sys.stderr)
     device = endpoint
-    if not endpoint:
+    if args.moe_ram_cache is not None:
+        device = "CPU"
+    elif not endpoint:
         gpu = _ggml.accelerator([])
         device = _ggml.device_label(gpu) if gpu else None
         if not device:
@@ -247,14 +344,17 @@ def run(args: argparse.Namespace) -> int:
         bad = [r["mode"] for r in checked if not r["decisions_agree"]]
         print(f"simulator replay of the engine's decisions: {len(checked) - len(bad)}/{len(checked)} policies agree "
               "exactly" + (f"; differ: {', '.join(bad)}" if bad else ""))
-    _write_outputs(args, dict(model=os.fspath(args.model), moe_cache=str(args.moe_cache), budget_bytes=budget,
+    _write_outputs(args, dict(model=os.fspath(args.model), moe_cache=gpu_budget_spec(args),
+                              moe_ram_cache=args.moe_ram_cache, budget_bytes=budget,
                               slot_bytes=facts.slot_bytes, n_slots=n_slots, device=device, stand_in=bool(server),
                               replay_trace=args.replay_trace, moe_profile=args.moe_profile, rows=rows), rows)
     return 0 if all("error" not in r for r in rows) else 1
 
 
 def format_table(rows: Sequence[dict], args) -> str:
-    """llama-bench-style Markdown table."""
+    """llama-bench-style Markdown table (with ``--moe-ram-cache``, :func:`format_ram_table`'s)."""
+    if getattr(args, "moe_ram_cache", None) is not None:
+        return format_ram_table(rows, args)
     head = (f"| mode | GPU experts MiB | pp{args.n_prompt} t/s | tg{args.n_gen} t/s | hit rate | "
             "H2D MiB/token | same tokens | MoE ms/prompt predicted / measured | MoE ms/token predicted / measured |")
     out = [head, "|" + "---|" * 9]
@@ -271,6 +371,23 @@ def format_table(rows: Sequence[dict], args) -> str:
         out.append(f"| {r['mode']} | {r['gpu_expert_bytes'] / 2**20:.1f} | {r['pp_tps']:.1f} ± {r['pp_tps_sd']:.1f} | "
                    f"{r['tg_tps']:.2f} ± {r['tg_tps_sd']:.2f} | {hr} | {h2d} | "
                    f"{r['same_tokens_as_first']}/{r['repetitions']} | {sp} | {sm} |")
+    return "\n".join(out)
+
+
+def format_ram_table(rows: Sequence[dict], args) -> str:
+    """The ``--moe-ram-cache`` table: tokens/s, disk bytes and major faults per token, the RAM tier's hit rate."""
+    out = [f"| mode | pp{args.n_prompt} t/s | tg{args.n_gen} t/s | disk MiB/token pp, tg | major faults/token pp, tg | "
+           "RAM hit rate (tg) | same tokens |", "|" + "---|" * 7]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['mode']} | error: {r['error']} | | | | | |")
+            continue
+        hr = f"{r['ram_hit_rate']:.3f}" if "ram_hit_rate" in r else "-"
+        out.append(f"| {r['mode']} | {r['pp_tps']:.2f} ± {r['pp_tps_sd']:.2f} | "
+                   f"{r['tg_tps']:.3f} ± {r['tg_tps_sd']:.3f} | "
+                   f"{r['pp_disk_bytes_per_token'] / 2**20:.1f}, {r['tg_disk_bytes_per_token'] / 2**20:.1f} | "
+                   f"{r['pp_major_faults_per_token']:.0f}, {r['tg_major_faults_per_token']:.0f} | {hr} | "
+                   f"{r['same_tokens_as_first']}/{r['repetitions']} |")
     return "\n".join(out)
 
 

@@ -58,6 +58,11 @@ class GGUFFile:
         except Exception:  # a malformed field reads as absent
             return default
 
+    @property
+    def files(self) -> list:
+        """The model's files: ``[path]``, or every shard's path of a split model in ``split.no`` order."""
+        return [p for p, _ in self.shards] if self.shards else [self.path]
+
     @cached_property
     def all_tensors(self) -> list:
         """Every tensor of the model (``gguf`` ReaderTensor; offsets are within its own shard), shard by shard."""

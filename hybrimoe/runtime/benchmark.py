@@ -25,6 +25,23 @@ from hybrimoe.runtime.stats import layer_totals
 from hybrimoe.tiny.tokenizers import WORDS
 
 
+def io_counters() -> tuple[int, int]:
+    """``(bytes this process has read from block devices, major page faults)`` so far: ``/proc/self/io``'s
+    ``read_bytes`` (what reached the storage layer: page-cache hits are not in it, read-ahead is) and getrusage's
+    ``ru_majflt`` (faults that had to read the disk). ``(0, faults)`` where ``/proc/self/io`` is not readable."""
+    import resource
+
+    n = 0
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    n = int(line.split()[1])
+    except OSError:
+        pass
+    return n, int(resource.getrusage(resource.RUSAGE_SELF).ru_majflt)
+
+
 def prompts(llm, n: int, n_tokens: int) -> list[list[int]]:
     """``n`` prompts of exactly ``n_tokens`` tokens (BOS + seeded random words), one per repetition."""
     out = []

@@ -122,6 +122,60 @@ def test_bench_without_a_gpu(tiny_model, capsys, monkeypatch):
     assert "no GPU found" in capsys.readouterr().err
 
 
+def _min_ram_budget(path) -> int:
+    """The smallest RAM budget for bench's 512-token ubatches: every expert of one MoE layer."""
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    f = engine_facts(path)
+    return f.n_expert * f.slot_bytes
+
+
+def test_bench_ram_tier_cpu_only(tiny_model, tmp_path, capsys, monkeypatch):
+    """--moe-ram-cache: upstream's mmap against the RAM tier's policies, CPU only with no GPU on the machine; the RAM
+    tier gives upstream's tokens (same_tokens_as_first), and at the smallest budget (one layer's experts) every
+    decode token reads experts from the file, counted by the tier."""
+    from hybrimoe import _ggml
+
+    cpu_only = [d for d in _ggml.devices() if d["type"] == _ggml.DEV_CPU]
+    monkeypatch.setattr(_ggml, "devices", lambda memory=True: cpu_only)
+    path = tiny_model("qwen3moe", "Q8_0")
+    out = tmp_path / "b.json"
+    rc = _bench(["-m", path, "--moe-ram-cache", _min_ram_budget(path), "-p", 16, "-n", 4, "-r", 2,
+                 "--ram-policies", "mrs,lru", "--json", out])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["device"] == "CPU" and doc["budget_bytes"] == 0
+    rows = {r["mode"]: r for r in doc["rows"]}
+    assert list(rows) == ["upstream mmap (CPU, --no-repack)", "hybrimoe RAM mrs", "hybrimoe RAM lru"]
+    for r in rows.values():
+        assert r["same_tokens_as_first"] == 2, r
+        assert r["tg_disk_bytes_per_token"] >= 0 and r["tg_major_faults_per_token"] >= 0
+    for mode in ("hybrimoe RAM mrs", "hybrimoe RAM lru"):
+        assert 0 <= rows[mode]["ram_hit_rate"] < 1 and rows[mode]["ram_bytes_read_per_token"] > 0, rows[mode]
+    assert "ram_hit_rate" not in rows["upstream mmap (CPU, --no-repack)"]
+    table = capsys.readouterr().out
+    assert "disk MiB/token pp, tg" in table and "hybrimoe RAM lru" in table
+
+
+@pytest.mark.parametrize("extra, match", [(["--moe-cache", "25%"], "GPU expert cache above it is not supported"),
+                                          (["--ram-policies", "belady"], "clairvoyant"),
+                                          (["--ram-policies", "fifo"], "--ram-policies"),
+                                          (["--ram-policies", ""], "--ram-policies is empty"),
+                                          (["--stand-in"], "CPU only"),
+                                          (["--policies", "hybrimoe"], "--ram-policies, not --policies")])
+def test_bench_ram_tier_bad_input(extra, match, tiny_model, capsys):
+    path = tiny_model("qwen3moe", "Q8_0")
+    assert _bench(["-m", path, "--moe-ram-cache", _min_ram_budget(path), *extra]) == 1
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget, match", [("100000GiB", "more than the"), ("20%", "a ubatch of 512 tokens"),
+                                           ("lots", "cannot parse")])
+def test_bench_ram_budget_checked_before_loading(budget, match, tiny_model, capsys):
+    assert _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--moe-ram-cache", budget]) == 1
+    assert match in capsys.readouterr().err
+
+
 def test_noisy_figures_are_flagged():
     """A mode whose tokens/s vary across repetitions by more than 10% of their mean (pp or tg) is named in a
     warning line and marked noisy in its row; steady modes and rows with an error are not flagged."""
