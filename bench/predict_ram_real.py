@@ -1,0 +1,216 @@
+"""The simulator's prediction of bench/bench_ram_real.py's runs, beside what they measured: the first check of the
+simulator (docs/design.md §17) against a real device.
+
+Inputs: the measured rows (``bench_ram_real.py --json``) and a disk file of the model's own disk (``hybrimoe
+calibrate --disk -m MODEL -o DISK.json``: cold reads of its experts). The CPU's figures are fitted here, on this
+machine, from two in-RAM models of the benchmark model's shape (``--fit-layers``, written once like the benchmark
+model) run by upstream llama.cpp (CPU only, ``--threads``): the difference of their per-token times is the cost of
+the MoE layers they differ by, with nothing read from the disk. Decode (one token) gives the effective memory
+bandwidth (a decode-time layer reads its weights once: the other weights and top-k experts); prefill (one
+``--pp``-token ubatch) then gives the effective compute throughput. They are written as a hardware file whose "GPU"
+facts are the CPU's too: with no GPU cache every expert runs on the CPU, and the non-expert work the simulator places
+on the GPU runs on the same CPU, one after the other, as it does here.
+
+The runs simulated are the measured ones: the same synthetic trace (shape, locality, seed), the RAM budget the
+engine had (its ``n_slots x slot_bytes``; upstream's page cache gets the same), the prefill as one ubatch of the
+prompt, the decode as the ``--tg`` tokens after the prompt (the prompt's tokens run first as decode steps, so the
+RAM holds what they left: the two totals' difference). Modes: upstream-mmap is the simulator's ``mmap`` preset with
+faults of this disk's ``read_ahead_kb`` (the page-cache read-around of one fault), hybrimoe its ``hybrimoe`` preset,
+hybrimoe-no-prefetch the same without look-ahead, hybrimoe-lru with an LRU RAM cache. Prints a markdown table of
+measured, predicted and error; ``--json`` writes it.
+
+    python3 bench/predict_ram_real.py --measured ram_real.json --disk disk.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+MODES = {  # measured mode -> (simulator RAM preset, overrides of its components)
+    "upstream-mmap": ("mmap", {}),
+    "hybrimoe": ("hybrimoe", {}),
+    "hybrimoe-no-prefetch": ("hybrimoe", {"lookahead": 0}),
+    "hybrimoe-lru": ("hybrimoe", {"cache": "lru"}),
+}
+
+
+def read_ahead_bytes(path: Path) -> int:
+    """The block device's ``read_ahead_kb`` under ``path`` in bytes (128 KiB, Linux's default, where not found)."""
+    dev = os.stat(path).st_dev
+    sysfs = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for p in (sysfs / "queue/read_ahead_kb", sysfs / "../queue/read_ahead_kb"):
+        try:
+            return int(p.read_text()) * 1024
+        except (OSError, ValueError):
+            continue
+    return 128 * 1024
+
+
+def measure_in_ram(path: Path, pp: int, tg: int, threads: int) -> tuple[float, float]:
+    """(prefill seconds of one ``pp``-token ubatch, decode seconds per token) of upstream llama.cpp on ``path``,
+    every weight in RAM (read once before timing)."""
+    import numpy as np
+
+    from hybrimoe import Llama
+
+    llm = Llama(str(path), n_ctx=pp + tg + 16, n_batch=512, n_ubatch=512, n_threads=threads,
+                n_threads_batch=threads, n_gpu_layers=0, verbose=False, no_repack=True)
+    toks = [int(t) for t in np.random.default_rng(0).integers(5, 500, size=pp)]
+    llm.eval(toks[:8])  # warm-up: the pages in, the thread pool up
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(toks)
+    t1 = time.perf_counter()
+    for _ in range(tg):
+        llm.eval([7])
+    t2 = time.perf_counter()
+    llm.close()
+    return t1 - t0, (t2 - t1) / tg
+
+
+def fit_hardware(model: Path, layers: tuple[int, int], pp: int, tg: int, threads: int) -> dict:
+    """This CPU's effective bandwidth and throughput from two in-RAM models of ``model``'s shape with ``layers``
+    blocks (their time difference: the MoE layers between), as a ``hybrimoe.hardware/1`` document."""
+    from hybrimoe.model.facts import facts_from_gguf
+    from hybrimoe.tiny.synthetic import make_synthetic_model
+
+    root = model.parent
+    times, facts = [], None
+    for n in layers:
+        p = root / f"ram-bench-fit-{n}.gguf"
+        if not p.exists():
+            make_synthetic_model(p, n_layer=n)
+        times.append(measure_in_ram(p, pp, tg, threads))
+        facts = facts_from_gguf(p)
+    dl = layers[1] - layers[0]
+    t_pp = (times[1][0] - times[0][0]) / dl   # seconds per MoE layer, one pp-token ubatch
+    t_tg = (times[1][1] - times[0][1]) / dl   # seconds per MoE layer, one token
+    other = facts.moe_layer_other_bytes()
+    eb = float(facts.expert_bytes)
+    bw = (other + facts.top_k * eb) / t_tg
+    # prefill: every expert's bytes once (a ubatch of pp tokens routes to all of them) and 2 FLOP per parameter and
+    # token for the layer's other weights and each (token, expert) pair
+    flop = 2.0 * pp * (facts.non_expert_params_per_moe_layer + facts.top_k * facts.expert_params)
+    t_flop = max(1e-9, t_pp - (other + facts.n_experts * eb) / bw)
+    flops = flop / t_flop
+    src = (f"fitted on this machine by bench/predict_ram_real.py: upstream llama.cpp, {threads} threads, CPU only, "
+           f"in-RAM synthetic models of {layers[0]} and {layers[1]} layers of the benchmark's shape: "
+           f"{1e3 * t_tg:.2f} ms per MoE layer per decode token, {1e3 * t_pp:.1f} ms per MoE layer per {pp}-token "
+           "ubatch")
+    fact = lambda v, s=src: {"value": v, "source": s}  # noqa: E731
+    return {
+        "schema": "hybrimoe.hardware/1", "name": "this-machine-cpu",
+        "description": "this machine, CPU only: the GPU facts are the CPU's (no expert runs on a GPU; the non-expert "
+                       "work runs on the same CPU)",
+        "facts": {
+            "gpu_mem_bandwidth_Bps": fact(bw), "gpu_mem_efficiency": fact(1.0, "the fitted bandwidth is effective"),
+            "gpu_effective_flops": fact(flops), "gpu_kernel_launch_s": fact(1e-9, "no launches: the CPU"),
+            "gpu_kernels_per_expert": fact(3, "our MoE op"), "gpu_kernels_per_layer": fact(25, "as the presets"),
+            "cpu_mem_bandwidth_Bps": fact(bw), "cpu_mem_efficiency": fact(1.0, "the fitted bandwidth is effective"),
+            "cpu_effective_flops": fact(flops), "cpu_startup_s": fact(1e-6, "assumption: negligible at this scale"),
+            "h2d_bandwidth_Bps": fact(1e12, "unused: no GPU cache"), "h2d_latency_s": fact(1e-9, "unused"),
+            "gpu_memory_bytes": fact(1.0, "unused: no GPU cache"),
+        },
+    }, {"tpot_in_ram_s": times, "per_layer_decode_s": t_tg, "per_layer_prefill_s": t_pp}
+
+
+def simulate(trace, hw, disk: str, stage: str, budget: float, preset: str, over: dict, fault_bytes: int) -> dict:
+    """One simulator record of a RAM preset with component overrides (``over``)."""
+    from hybrimoe.policy import presets
+    from hybrimoe.sim.simulator import Setup
+
+    name = preset
+    if over or preset == "mmap":
+        name = f"{preset}-bench"
+        presets.RAM_PRESETS[name] = dict(presets.RAM_PRESETS[preset], **over, baseline=False)
+    try:
+        s = Setup(trace, hw, "0", stage, profile_fraction=0.0, seed=1, ram_cache=budget, disk=disk,
+                  max_tokens=trace.n_tokens)
+        orig = s.build_ram
+
+        def build_ram(ram):
+            cache, cfg = orig(ram)
+            if preset == "mmap":
+                cfg.fault_bytes = float(fault_bytes)
+            return cache, cfg
+
+        s.build_ram = build_ram
+        return s.run("hybrimoe", ram=name)
+    finally:
+        if name != preset:
+            del presets.RAM_PRESETS[name]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--measured", required=True, help="bench_ram_real.py --json output")
+    ap.add_argument("--disk", required=True, help="disk file (hybrimoe calibrate --disk -o FILE)")
+    ap.add_argument("--hardware", default=None, help="a hardware file instead of fitting this CPU")
+    ap.add_argument("--fit-layers", default="4,8", help="layers of the two in-RAM fit models (default 4,8)")
+    ap.add_argument("--locality", default="high")
+    ap.add_argument("--pp", type=int, default=256)
+    ap.add_argument("--tg", type=int, default=32)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from hybrimoe.model.facts import facts_from_gguf
+    from hybrimoe.policy.hardware import load_hardware
+    from hybrimoe.traces.synthetic import synthetic_trace
+
+    meas = json.loads(Path(args.measured).read_text())
+    model = Path(meas["model"])
+    threads = int(meas["threads"])
+    fit = {}
+    hw_path = args.hardware
+    if hw_path is None:
+        lo, hi = (int(x) for x in args.fit_layers.split(","))
+        doc, fit = fit_hardware(model, (lo, hi), args.pp, args.tg, threads)
+        hw_path = str(Path(args.json or "predict").with_suffix(".hardware.json"))
+        Path(hw_path).write_text(json.dumps(doc, indent=2))
+        print(f"fitted CPU: {doc['facts']['cpu_mem_bandwidth_Bps']['value'] / 1e9:.2f} GB/s, "
+              f"{doc['facts']['cpu_effective_flops']['value'] / 1e9:.1f} GFLOP/s ({hw_path})", file=sys.stderr)
+    hw = load_hardware(hw_path)
+    facts = facts_from_gguf(model)
+    full = synthetic_trace(facts, args.pp + args.tg + 8, locality=args.locality, seed=0, scores=False, n_prompts=1)
+    n = full.n_tokens
+    import numpy as np
+
+    first = lambda k: full.select_tokens(np.arange(n) < k)  # noqa: E731
+    ra = read_ahead_bytes(model)
+    hyb = next(r for r in meas["rows"] if r.get("mode") == "hybrimoe" and "ram_decode" in r)
+    budget = float(hyb["ram_decode"]["n_slots"] * hyb["ram_decode"]["slot_bytes"])
+    out = []
+    print(f"model {model.name}; RAM for experts {budget / 2**30:.2f} GiB (hybrimoe's auto budget, every mode); disk "
+          f"{args.disk}; upstream's faults read {ra // 1024} KiB (read_ahead_kb); CPU {hw_path}")
+    print(f"| mode | pp{args.pp} t/s measured | predicted | error | tg{args.tg} t/s measured | predicted | error | "
+          "MB read/token tg measured | predicted |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in meas["rows"]:
+        if "error" in r or r["mode"] not in MODES:
+            continue
+        preset, over = MODES[r["mode"]]
+        pre = simulate(first(args.pp), hw, args.disk, "prefill", budget, preset, over, ra)
+        d0 = simulate(first(args.pp), hw, args.disk, "decode", budget, preset, over, ra)
+        d1 = simulate(first(args.pp + args.tg), hw, args.disk, "decode", budget, preset, over, ra)
+        pp_tps = args.pp / pre["total_s"]
+        tg_tps = args.tg / (d1["total_s"] - d0["total_s"])
+        tg_bytes = (d1["bytes_disk"] - d0["bytes_disk"]) / args.tg
+        row = dict(mode=r["mode"], pp_measured=r["pp_tps"], pp_predicted=pp_tps, tg_measured=r["tg_tps"],
+                   tg_predicted=tg_tps, tg_bytes_measured=r["tg_read_per_token"], tg_bytes_predicted=tg_bytes,
+                   pp_error=pp_tps / r["pp_tps"] - 1, tg_error=tg_tps / r["tg_tps"] - 1)
+        out.append(row)
+        print(f"| {r['mode']} | {r['pp_tps']:.2f} | {pp_tps:.2f} | {100 * row['pp_error']:+.0f}% | {r['tg_tps']:.3f} | "
+              f"{tg_tps:.3f} | {100 * row['tg_error']:+.0f}% | {r['tg_read_per_token'] / 1e6:.0f} | "
+              f"{tg_bytes / 1e6:.0f} |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"budget_bytes": budget, "disk": args.disk, "hardware": hw_path,
+                                               "read_ahead_bytes": ra, "fit": fit, "rows": out}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
