@@ -27,7 +27,9 @@ def metrics_text(state) -> str:
     Counters (``_total``, since the server started): decodes, tokens decoded, cache accesses / hits / misses /
     evictions, experts run per side (``side="cpu"|"gpu"``, distinct experts per layer and ubatch), H2D bytes per
     kind (``kind="demand"|"prefetch"|"fill"``). Gauges: the model lock held, the hit rate, the mean seconds per MoE
-    layer run, the GPU expert slots and their bytes. Engine figures only with ``--moe-cache``."""
+    layer run, the GPU expert slots and their bytes. Engine figures only with ``--moe-cache`` or ``--moe-ram-cache``;
+    with the RAM tier also its lookups, hits, hit rate, bytes read from the files per kind (``kind="demand"|
+    "prefetch"``), reads in flight, seconds waited for reads and its slots (``ram_*``)."""
     snap = stats_json(state)
     model = f'model="{_label(state.proxy.alias)}"'
     lines: list[str] = []
@@ -64,6 +66,19 @@ def metrics_text(state) -> str:
                [("", e["layer_s"])])
         metric("gpu_expert_slots", "gauge", "Expert slots of the GPU expert cache.", [("", e["n_slots"])])
         metric("gpu_expert_slot_bytes", "gauge", "Bytes per expert slot.", [("", e["slot_bytes"])])
+        r = e.get("ram")
+        if r:
+            metric("ram_accesses_total", "counter", "CPU-share experts looked up in the RAM tier.",
+                   [("", r["accesses"])])
+            metric("ram_hits_total", "counter", "CPU-share experts resident in RAM when their layer ran.",
+                   [("", r["hits"])])
+            metric("ram_hit_rate", "gauge", "RAM tier hits / accesses since the server started.", [("", r["hit_rate"])])
+            metric("ram_read_bytes_total", "counter", "Expert bytes read from the model's files, by kind.",
+                   [(',kind="demand"', r["bytes_demand"]), (',kind="prefetch"', r["bytes_prefetch"])])
+            metric("ram_reads_in_flight", "gauge", "Expert reads queued or in flight.", [("", r["reads_in_flight"])])
+            metric("ram_wait_seconds_total", "counter", "Seconds the engine waited for expert reads.",
+                   [("", r["wait_s"])])
+            metric("ram_expert_slots", "gauge", "Expert slots of the RAM tier.", [("", r["n_slots"])])
     return "\n".join(lines) + "\n"
 
 

@@ -264,6 +264,30 @@ def test_metrics_match_the_stats(server):
     assert "# TYPE hybrimoe_experts_total counter" in text
 
 
+def test_the_ram_tier_is_served_with_its_stats(chat_model, tmp_path):
+    """``hybrimoe serve --moe-ram-cache`` (no GPU, CPU only) completes, and ``/moe/stats`` and ``/metrics`` carry the
+    RAM tier's counters (``engine["ram"]``)."""
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    f = engine_facts(chat_model)
+    budget = f.n_expert * f.slot_bytes  # one MoE layer's experts: every token reads from the file
+    sp = start_serve(["-m", str(chat_model), "--moe-ram-cache", str(budget), "-ub", "8", "-c", str(N_CTX), "-t", "2",
+                      "--api-key", KEY, "--alias", ALIAS], tmp_path, startup_s=STARTUP_S)
+    try:
+        srv = Server(sp.proc, sp.stderr_path, sp.port, sp.out)
+        status, _, body = request(srv, "POST", "/v1/completions",
+                                  {"model": ALIAS, "prompt": "Once upon a time", "max_tokens": 6, **GREEDY})
+        assert status == 200, body
+        s = stats(srv)
+        ram = s["engine"]["ram"]
+        assert ram["accesses"] > 0 and ram["bytes_read"] > 0 and 0 <= ram["hit_rate"] <= 1, ram
+        status, _, text = request(srv, "GET", "/metrics")
+        assert status == 200
+        assert f'hybrimoe_ram_hits_total{{model="{ALIAS}"}} {ram["hits"]}\n' in text.decode()
+    finally:
+        sp.stop()
+
+
 LONG_PROMPT = "once upon a time " * 120  # > N_CTX tokens
 
 
