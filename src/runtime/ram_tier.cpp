@@ -250,7 +250,6 @@ bool RamTier::start_read(int layer, int expert, uint8_t tag, double now_s) {
         state_[(size_t) key] = 1;
         key_error_[(size_t) key].clear();
         prefetched_[(size_t) key] = tag;
-        if (tag >= 1 && tag <= 3) ahead_reads_[(size_t) tag - 1] += 1;
         const Job j{key, pool_.slot_of(layer, expert), prefetch};
         // a demand read goes before every queued prefetch: the layer computing now waits for it
         if (prefetch) {
@@ -374,7 +373,7 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging) {
                    cfg_.files[(size_t) f] + ": " + why;
         }
         n_direct += direct ? 1 : 0;
-        if (!direct && cfg_.drop_after_read) {
+        if (cfg_.drop_after_read) {  // after direct reads too: some file systems serve them through the cache
             // The page cache holds a file in folios of up to 2 MiB (large folios), and DONTNEED drops only the
             // folios wholly inside its range: the range is rounded out to 2 MiB, within this tensor's bytes (the
             // kernel rounds its ends in to pages), so that the neighbouring experts' parts of a folio go too (they
@@ -443,7 +442,7 @@ void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> 
             if (const uint8_t tag = prefetched_[(size_t) key]) {
                 prefetched_[(size_t) key] = 0;
                 ++used;
-                if (tag >= 1 && tag <= 3) ahead_used_[(size_t) tag - 1] += 1;
+                if (tag >= 1 && tag <= 3) judge(tag, true);
             }
         }
         if (cache_->resident(layer, e) && st != 0) {
@@ -466,7 +465,11 @@ void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> 
             harvest();
             for (int l = 0; l < n_layers_; ++l) {
                 if (l == layer) continue;
-                for (int32_t p : prefetch_pins_[(size_t) l]) unpin((int64_t) l * n_expert_ + p);
+                for (int32_t p : prefetch_pins_[(size_t) l]) {
+                    unpin((int64_t) l * n_expert_ + p);
+                    std::lock_guard<std::mutex> lock(mu_);
+                    prefetched_[(size_t) l * n_expert_ + p] = 0;  // given up before its layer: not judged
+                }
                 prefetch_pins_[(size_t) l].clear();
             }
             if (!start_read(layer, e, 0, now_s)) {
@@ -505,8 +508,27 @@ void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> 
 void RamTier::release(int layer) {
     for (int32_t e : pins_[(size_t) layer]) unpin((int64_t) layer * n_expert_ + e);
     pins_[(size_t) layer].clear();
+    {
+        // the layer ran: what was read ahead for it and not used there is judged a miss
+        std::lock_guard<std::mutex> lock(mu_);
+        for (int32_t e : prefetch_pins_[(size_t) layer]) {
+            uint8_t & tag = prefetched_[(size_t) layer * n_expert_ + e];
+            if (tag >= 1 && tag <= 3) judge(tag, false);
+            tag = 0;
+        }
+    }
     for (int32_t e : prefetch_pins_[(size_t) layer]) unpin((int64_t) layer * n_expert_ + e);
     prefetch_pins_[(size_t) layer].clear();
+}
+
+void RamTier::judge(uint8_t distance, bool used) {
+    const size_t d = (size_t) distance - 1;
+    ahead_judged_[d] += 1;
+    ahead_used_[d] += used ? 1 : 0;
+    if (ahead_judged_[d] >= 4 * kMinOutcomes) {  // halved: the share follows the recent reads
+        ahead_judged_[d] /= 2;
+        ahead_used_[d] /= 2;
+    }
 }
 
 int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_free, double now_s, int n_tokens,
@@ -527,7 +549,7 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
     {
         std::lock_guard<std::mutex> lock(mu_);
         for (size_t d = 0; d < 3; ++d) {
-            if (ahead_reads_[d] >= kMinOutcomes) measured[d] = (double) ahead_used_[d] / (double) ahead_reads_[d];
+            if (ahead_judged_[d] >= kMinOutcomes) measured[d] = (double) ahead_used_[d] / (double) ahead_judged_[d];
         }
     }
     std::vector<Cand> cands;
@@ -535,10 +557,17 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
     for (const Prediction & p : predictions) {
         if (p.layer < 0 || p.layer >= n_layers_) continue;
         const int d = std::max(1, p.distance);
+        const size_t di = (size_t) std::min(d, 3) - 1;  // distances beyond 3 are judged with distance 3
         double conf = p.confidence;
-        if (small && d <= 3 && measured[(size_t) d - 1] >= 0.0) conf = measured[(size_t) d - 1];
+        if (small && measured[di] >= 0.0) {
+            conf = measured[di];
+            // a probe now and then, so that a share measured low can be measured again (the routing may change)
+            if (conf < cfg_.min_prefetch_confidence && ++probe_calls_[di] % kProbeEvery == 0) {
+                conf = cfg_.min_prefetch_confidence;
+            }
+        }
         conf = std::max(conf, prior);
-        const uint8_t tag = small && d <= 3 ? (uint8_t) d : kUncounted;
+        const uint8_t tag = small ? (uint8_t) (di + 1) : kUncounted;
         std::fill(seen.begin(), seen.end(), 0);
         if (conf >= cfg_.min_prefetch_confidence) {
             for (size_t i = 0; i < p.experts.size(); ++i) {
@@ -577,11 +606,6 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
         prefetch_pins_[(size_t) c.layer].push_back(c.expert);
     }
     return queued;
-}
-
-std::array<uint64_t, 3> RamTier::prefetch_outcomes(bool used) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return used ? ahead_used_ : ahead_reads_;
 }
 
 RamTierStats RamTier::stats() const {

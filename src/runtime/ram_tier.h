@@ -114,13 +114,14 @@ public:
     /// an expert unused with probability (1 - top_k / n_expert)^n_tokens under uniform routing, so in a large
     /// ubatch (prefill) every expert of the next layers is read ahead, the sampled predictions first, the others
     /// at that prior. For the sampled predictions of small ubatches (decode), once kMinOutcomes of them have been
-    /// read at a distance, the share of those used at their layer replaces the prediction's assumed confidence:
-    /// where the router look-ahead does not predict the routing, nothing is read ahead for it.
+    /// judged at a distance (used at their layer, or not by the time it ran: release), the share used replaces the
+    /// prediction's assumed confidence (the counts are halved at 4 x kMinOutcomes, so the share follows the recent
+    /// reads): where the router look-ahead does not predict the routing, nothing is read ahead for it but one
+    /// prediction in kProbeEvery, which keeps the share measured.
     int prefetch(const std::vector<Prediction> & predictions, int64_t keep_free, double now_s, int n_tokens,
                  int top_k);
-    /// Reads ahead of small ubatches per distance (1..3: index 0..2) and those used at their layer.
-    std::array<uint64_t, 3> prefetch_outcomes(bool used) const;
     static constexpr uint64_t kMinOutcomes = 64;
+    static constexpr uint64_t kProbeEvery = 8;
 
     int64_t n_slots() const { return pool_.n_slots(); }
     int64_t slot_bytes() const { return pool_.slot_bytes(); }
@@ -148,6 +149,8 @@ private:
     int64_t read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, uint8_t * staging, uint64_t & calls,
                        bool & direct);
     void close_files();
+    /// Counts a small-ubatch read ahead at `distance` (1..3) as used at its layer or not (under mu_).
+    void judge(uint8_t distance, bool used);
     static constexpr int64_t kDirectAlign = 4096;  // O_DIRECT: offset, length and buffer (4 KiB covers 512 B too)
     /// Admits `key` (evicting as the policy says), assigns its slot and queues its read. False: no room.
     /// `tag`: 0 a demand read; 1..3 a read ahead of a small ubatch's prediction at that distance (its use is
@@ -174,7 +177,9 @@ private:
     std::vector<uint8_t> state_;
     std::vector<std::string> key_error_;    // a failed read's message (state back to 0 at harvest)
     std::vector<uint8_t> prefetched_;       // resident through a prefetch and not yet used: its tag (0: not)
-    std::array<uint64_t, 3> ahead_reads_{}, ahead_used_{};  // small-ubatch reads ahead per distance, and used
+    // small-ubatch reads ahead per distance (1..3, 3 also for beyond) judged at their layer, and those used; under mu_
+    std::array<uint64_t, 3> ahead_judged_{}, ahead_used_{};
+    std::array<uint64_t, 3> probe_calls_{};  // predictions seen while a distance's measured share was low
     std::vector<std::vector<int32_t>> pins_;          // per layer: experts acquire() pinned
     std::vector<std::vector<int32_t>> prefetch_pins_; // per layer: experts prefetched for it (pinned)
     std::vector<int32_t> pin_count_;        // pins this tier holds per key (the cache's own count mirrored)

@@ -432,8 +432,9 @@ def test_prefill_reads_the_next_layers_whole(tiny_model):
 
 def test_decode_read_ahead_stops_when_its_predictions_miss(tiny_model):
     """Routing replayed at random, so the router look-ahead's predictions miss: once enough reads ahead have been
-    judged at their layer, the share used (about top_k / n_expert here) replaces the assumed confidence and no
-    more are read ahead."""
+    judged at their layer, the share used (about top_k / n_expert here) replaces the assumed confidence, and only
+    the probes (one prediction in RamTier::kProbeEvery = 8) are still read ahead: at most a third as many reads
+    ahead as demand reads."""
     from hybrimoe import Llama
     from hybrimoe.runtime.engine_facts import engine_facts
 
@@ -456,4 +457,4 @@ def test_decode_read_ahead_stops_when_its_predictions_miss(tiny_model):
     finally:
         llm.close()
     assert early["prefetch_reads"] >= 64 and early["prefetch_accuracy"] < 0.5, early
-    assert late["prefetch_reads"] == 0 and late["demand_reads"] > 0, late
+    assert late["demand_reads"] > 0 and late["prefetch_reads"] <= late["demand_reads"] / 3, late
