@@ -176,7 +176,9 @@ def main() -> int:
             print(f"{name}...", file=sys.stderr, flush=True)
             p = subprocess.run(cmd, preexec_fn=cg.enter, capture_output=True, text=True)
             got = [ln[4:] for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
-            row = json.loads(got[0]) if got else {"error": (p.stderr or p.stdout)[-2000:]}
+            row = json.loads(got[0]) if got else {
+                "error": f"exit status {p.returncode}" + (" (killed: out of memory?)" if p.returncode < 0 else "") +
+                         ": " + (p.stderr or p.stdout)[-2000:]}
             row["mode"] = name
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if not k.startswith("ram_")}), file=sys.stderr, flush=True)
@@ -198,7 +200,8 @@ def main() -> int:
               f"{r['pp_read_bw'] / 1e6:.0f}, {r['tg_read_bw'] / 1e6:.0f} | {hit} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(args.model), "model_bytes": size, "limit": limit,
-                                               "threads": args.threads, "rows": rows}, indent=2))
+                                               "threads": args.threads, "pp": args.pp, "tg": args.tg,
+                                               "locality": args.locality, "rows": rows}, indent=2))
     return 0 if all("error" not in r for r in rows) else 1
 
 

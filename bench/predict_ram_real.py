@@ -7,13 +7,13 @@ machine, from two in-RAM models of the benchmark model's shape (``--fit-layers``
 model) run by upstream llama.cpp (CPU only, ``--threads``): the difference of their per-token times is the cost of
 the MoE layers they differ by, with nothing read from the disk. Decode (one token) gives the effective memory
 bandwidth (a decode-time layer reads its weights once: the other weights and top-k experts); prefill (one
-``--pp``-token ubatch) then gives the effective compute throughput. They are written as a hardware file whose "GPU"
+prompt-length ubatch) then gives the effective compute throughput. They are written as a hardware file whose "GPU"
 facts are the CPU's too: with no GPU cache every expert runs on the CPU, and the non-expert work the simulator places
 on the GPU runs on the same CPU, one after the other, as it does here.
 
 The runs simulated are the measured ones: the same synthetic trace (shape, locality, seed), the RAM budget the
 engine had (its ``n_slots x slot_bytes``; upstream's page cache gets the same), the prefill as one ubatch of the
-prompt, the decode as the ``--tg`` tokens after the prompt (the prompt's tokens run first as decode steps, so the
+prompt, the decode as the measured decode tokens after the prompt (the prompt's tokens run first as decode steps, so the
 RAM holds what they left: the two totals' difference). Modes: upstream-mmap is the simulator's ``mmap`` preset with
 faults of this disk's ``read_ahead_kb`` (the page-cache read-around of one fault), hybrimoe its ``hybrimoe`` preset,
 hybrimoe-no-prefetch the same without look-ahead, hybrimoe-lru with an LRU RAM cache. Prints a markdown table of
@@ -151,9 +151,6 @@ def main() -> int:
     ap.add_argument("--disk", required=True, help="disk file (hybrimoe calibrate --disk -o FILE)")
     ap.add_argument("--hardware", default=None, help="a hardware file instead of fitting this CPU")
     ap.add_argument("--fit-layers", default="4,8", help="layers of the two in-RAM fit models (default 4,8)")
-    ap.add_argument("--locality", default="high")
-    ap.add_argument("--pp", type=int, default=256)
-    ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -164,6 +161,8 @@ def main() -> int:
     meas = json.loads(Path(args.measured).read_text())
     model = Path(meas["model"])
     threads = int(meas["threads"])
+    # the measured runs' own settings (bench_ram_real.py writes them)
+    args.pp, args.tg, args.locality = int(meas["pp"]), int(meas["tg"]), str(meas["locality"])
     fit = {}
     hw_path = args.hardware
     if hw_path is None:
@@ -181,7 +180,10 @@ def main() -> int:
 
     first = lambda k: full.select_tokens(np.arange(n) < k)  # noqa: E731
     ra = read_ahead_bytes(model)
-    hyb = next(r for r in meas["rows"] if r.get("mode") == "hybrimoe" and "ram_decode" in r)
+    hyb = next((r for r in meas["rows"] if r.get("mode") == "hybrimoe" and "ram_decode" in r), None)
+    if hyb is None:
+        print(f"{args.measured}: no successful 'hybrimoe' row: its RAM budget is every mode's here", file=sys.stderr)
+        return 1
     budget = float(hyb["ram_decode"]["n_slots"] * hyb["ram_decode"]["slot_bytes"])
     out = []
     print(f"model {model.name}; RAM for experts {budget / 2**30:.2f} GiB (hybrimoe's auto budget, every mode); disk "

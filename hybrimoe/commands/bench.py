@@ -67,16 +67,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a model larger than RAM: upstream's mmap (CPU only, --no-repack) against hybrimoe's RAM tier "
                         "with this much RAM for routed experts ('40%%', '12GiB', bytes, 'auto'), CPU only (no GPU "
                         "needed); the figures add disk bytes and major page faults per token")
-    p.add_argument("--ram-policies", default="mrs,lru",
+    p.add_argument("--ram-policies", default=None,
                    help="with --moe-ram-cache: the RAM tier's cache policies to run (moe_ram_policy: mrs, lru, lfu; "
-                        "default %(default)s)")
+                        "default mrs,lru)")
     p.add_argument("-p", "--n-prompt", type=POSITIVE, default=512, help="prompt tokens (pp; default %(default)s)")
     p.add_argument("-n", "--n-gen", type=POSITIVE, default=128, help="generated tokens (tg; default %(default)s)")
     p.add_argument("-r", "--repetitions", type=POSITIVE, default=3, help="repetitions per mode (default %(default)s)")
     p.add_argument("-t", "--threads", type=THREADS, default=None, help="CPU threads (default: llama-cpp-python's)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int_in(0, also=(-1,)), default=99,
+    p.add_argument("-ngl", "--n-gpu-layers", type=int_in(0, also=(-1,)), default=None,
                    help="layers on the GPU for the non-partial "
-                   "modes (default %(default)s)")
+                   "modes (default 99)")
     p.add_argument("--rpc", default=None, metavar="HOST:PORT", help="ggml RPC server as the GPU")
     p.add_argument("--stand-in", action="store_true",
                    help="start a ggml-rpc-server on 127.0.0.1 as the GPU (machines without one; no speed claim)")
@@ -86,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-profile", default=None, metavar="TRACE.npz",
                    help="profile of expert frequencies for every hybrimoe mode: a routing trace (hybrimoe trace) of "
                         "this model; hot-set needs it")
-    p.add_argument("--upstream", default="exps,ncmoe,ngl", help="upstream modes to run: exps, ncmoe, ngl")
+    p.add_argument("--upstream", default=None, help="upstream modes to run: exps, ncmoe, ngl (default all three)")
     p.add_argument("--moe-cost-model", default=None, help="planner cost model for hybrimoe (preset or JSON)")
     p.add_argument("--replay-trace", default=None, metavar="TRACE.npz", help="route every mode by a trace")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
@@ -128,7 +128,10 @@ def _check_modes(args, facts) -> tuple[list[str], set]:
         if p in PROFILE_PRESETS and profile is None:
             raise ValueError(f"--policies: '{p}' needs --moe-profile (a routing trace of this model, hybrimoe trace)")
     load_profile(profile, facts)  # a bad profile fails before anything runs
-    up = {m.strip() for m in args.upstream.split(",") if m.strip()}
+    if args.ram_policies is not None:
+        raise ValueError("--ram-policies names the RAM tier's policies: it needs --moe-ram-cache")
+    up = {m.strip() for m in (args.upstream if args.upstream is not None else ",".join(UPSTREAM_MODES)).split(",")
+          if m.strip()}
     bad = up - set(UPSTREAM_MODES)
     if bad:
         raise ValueError(f"--upstream: unknown mode(s) {', '.join(sorted(bad))} (known: {', '.join(UPSTREAM_MODES)})")
@@ -154,7 +157,8 @@ def _check_ram_modes(args, facts) -> tuple[list[str], set]:
     from hybrimoe.runtime.ram_tier import ram_slots
     from hybrimoe.runtime.setup import ram_cache_policy
 
-    pols = [x.strip().lower() for x in args.ram_policies.split(",") if x.strip()]
+    pols = [x.strip().lower() for x in (args.ram_policies if args.ram_policies is not None else "mrs,lru").split(",")
+            if x.strip()]
     if not pols:
         raise ValueError("--ram-policies is empty")
     for p in pols:
@@ -167,6 +171,12 @@ def _check_ram_modes(args, facts) -> tuple[list[str], set]:
     if args.policies is not None:
         raise ValueError("--moe-ram-cache compares RAM tiers: give its cache policies with --ram-policies, not "
                          "--policies")
+    for flag, value in (("--upstream", args.upstream), ("-ngl", args.n_gpu_layers)):
+        if value is not None:
+            raise ValueError(f"{flag} does not apply with --moe-ram-cache (CPU only: upstream's mmap against the RAM "
+                             "tier)")
+    if args.moe_cost_model is not None:
+        resolve_cost_model(args.moe_cost_model, facts.model)
     if str(args.moe_ram_cache).strip().lower() != "auto":
         try:  # the engine's own check: parsable, at least a ubatch's experts, at most the machine's memory
             ram_slots(args.moe_ram_cache, facts, 512)
@@ -208,14 +218,15 @@ def _modes(args, facts, pols: list, up: set, budget: int) -> list[tuple[str, dic
                                                       moe_ram_policy=pol, moe_cost_model=args.moe_cost_model,
                                                       moe_profile=args.moe_profile), 0))
         return modes
+    ngl = args.n_gpu_layers if args.n_gpu_layers is not None else 99
     for label, kw, gpu_bytes in upstream_modes(args.model, budget, facts.n_layer):
         key = "exps" if "exps" in label else "ncmoe" if "n-cpu-moe" in label else "ngl"
         if key in up:
             kw = dict(kw)
-            kw.setdefault("n_gpu_layers", args.n_gpu_layers)
+            kw.setdefault("n_gpu_layers", ngl)
             modes.append((label, kw, gpu_bytes))
     for pol in pols:
-        modes.append((f"hybrimoe {pol}", dict(n_gpu_layers=args.n_gpu_layers, moe_cache=budget, moe_policy=pol,
+        modes.append((f"hybrimoe {pol}", dict(n_gpu_layers=ngl, moe_cache=budget, moe_policy=pol,
                                               moe_cost_model=args.moe_cost_model, moe_profile=args.moe_profile),
                       budget))
     return modes
@@ -230,7 +241,7 @@ def _measure_mode(args, label: str, kw: dict, gpu_bytes: int, common: dict, bar,
             for f in open_gguf(args.model).files:
                 drop_from_page_cache(f)
         cfg = Config(label, Path(args.model), n_ctx=args.n_prompt + args.n_gen + 8, **common, **kw)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, OSError) as e:
         print(f"hybrimoe bench: {label}: cannot load: {e}", file=sys.stderr)
         bar.update(args.repetitions + 1)
         return dict(mode=label, error=str(e))
@@ -266,7 +277,7 @@ def _measure_mode(args, label: str, kw: dict, gpu_bytes: int, common: dict, bar,
     row["pp_tps"], row["pp_tps_sd"] = mean_sd(pp)
     row["tg_tps"], row["tg_tps_sd"] = mean_sd(tg)
     e = cfg.engine_acc
-    if e:
+    if e and not ram:  # the GPU cache's figures (none with the RAM tier: every expert on the CPU)
         row["hit_rate"] = e["hits"] / e["accesses"] if e["accesses"] else 0.0
         n_tok = sum(r["n_decode"] for r in cfg.reps)
         row["h2d_bytes_per_token"] = e["bytes"] / n_tok if n_tok else 0.0
@@ -386,7 +397,7 @@ def format_ram_table(rows: Sequence[dict], args) -> str:
         out.append(f"| {r['mode']} | {r['pp_tps']:.2f} ± {r['pp_tps_sd']:.2f} | "
                    f"{r['tg_tps']:.3f} ± {r['tg_tps_sd']:.3f} | "
                    f"{r['pp_disk_bytes_per_token'] / 2**20:.1f}, {r['tg_disk_bytes_per_token'] / 2**20:.1f} | "
-                   f"{r['pp_major_faults_per_token']:.0f}, {r['tg_major_faults_per_token']:.0f} | {hr} | "
+                   f"{r['pp_major_faults_per_token']:.2f}, {r['tg_major_faults_per_token']:.2f} | {hr} | "
                    f"{r['same_tokens_as_first']}/{r['repetitions']} |")
     return "\n".join(out)
 

@@ -64,7 +64,8 @@ def test_bench_with_replay(tiny_model, rpc_server, tmp_path):
                                           (["--policies", "", "--upstream", ""], "nothing to run"),
                                           (["--moe-cost-model", "nope"], "nope"),
                                           (["--stand-in"], "either --rpc or --stand-in"),
-                                          (["--moe-cache", "-3"], "negative")])
+                                          (["--moe-cache", "-3"], "negative"),
+                                          (["--ram-policies", "lru"], "needs --moe-ram-cache")])
 def test_bench_bad_input(extra, match, tiny_model, rpc_server, capsys):
     rc = _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--rpc", rpc_server.endpoint, *extra])
     assert rc == 1
@@ -162,7 +163,10 @@ def test_bench_ram_tier_cpu_only(tiny_model, tmp_path, capsys, monkeypatch):
                                           (["--ram-policies", "fifo"], "--ram-policies"),
                                           (["--ram-policies", ""], "--ram-policies is empty"),
                                           (["--stand-in"], "CPU only"),
-                                          (["--policies", "hybrimoe"], "--ram-policies, not --policies")])
+                                          (["--policies", "hybrimoe"], "--ram-policies, not --policies"),
+                                          (["--upstream", "exps"], "--upstream does not apply"),
+                                          (["-ngl", "0"], "-ngl does not apply"),
+                                          (["--moe-cost-model", "nope"], "nope")])
 def test_bench_ram_tier_bad_input(extra, match, tiny_model, capsys):
     path = tiny_model("qwen3moe", "Q8_0")
     assert _bench(["-m", path, "--moe-ram-cache", _min_ram_budget(path), *extra]) == 1
