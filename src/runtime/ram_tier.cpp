@@ -373,7 +373,9 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging) {
                    cfg_.files[(size_t) f] + ": " + why;
         }
         n_direct += direct ? 1 : 0;
-        if (cfg_.drop_after_read) {  // after direct reads too: some file systems serve them through the cache
+        // Not after direct reads: they bypass the page cache (a file system that serves O_DIRECT through its page
+        // cache instead: HYBRIMOE_RAM_DIRECT_IO=0, buffered reads and these drops)
+        if (!direct && cfg_.drop_after_read) {
             // The page cache holds a file in folios of up to 2 MiB (large folios), and DONTNEED drops only the
             // folios wholly inside its range: the range is rounded out to 2 MiB, within this tensor's bytes (the
             // kernel rounds its ends in to pages), so that the neighbouring experts' parts of a folio go too (they
