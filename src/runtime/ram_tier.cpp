@@ -427,8 +427,30 @@ void RamTier::acquire(int layer, const std::vector<int32_t> & experts, const std
     acquire(obs, experts, now_s);
 }
 
+void RamTier::check_files() const {
+    for (size_t f = 0; f < fds_.size(); ++f) {
+        struct stat st {};
+        std::string changed;
+        if (fstat(fds_[f], &st) != 0) {
+            changed = std::string("cannot stat it: ") + std::strerror(errno);
+        } else if ((int64_t) st.st_size != cfg_.file_sizes[f]) {
+            changed = "it has " + std::to_string((int64_t) st.st_size) + " bytes, " +
+                      std::to_string(cfg_.file_sizes[f]) + " when the model was loaded";
+        } else if (cfg_.file_mtimes_ns[f] != 0 && mtime_ns(st) != cfg_.file_mtimes_ns[f]) {
+            changed = "it was modified after the model was loaded";
+        }
+        if (!changed.empty()) {
+            throw std::runtime_error("RAM tier: " + cfg_.files[f] + " changed while the model runs: " + changed +
+                                     "; its experts can no longer be read as loaded (load the model again)");
+        }
+    }
+}
+
 void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> & experts, double now_s) {
     const int layer = seen.layer;
+    // once per ubatch (its first MoE layer): a file written in place keeps its size, so its modification time is
+    // checked too (an fstat per file; a short read catches a truncation between two checks)
+    if (layer == 0) check_files();
     harvest();
     // the policy sees the whole layer's routing (its scores rank every expert), the lookups only the CPU's experts
     cache_->observe(seen);

@@ -149,6 +149,9 @@ private:
     int64_t read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, uint8_t * staging, uint64_t & calls,
                        bool & direct);
     void close_files();
+    /// Throws std::runtime_error naming the file when one of the files no longer has the size or modification time
+    /// it had at load.
+    void check_files() const;
     /// Counts a small-ubatch read ahead at `distance` (1..3) as used at its layer or not (under mu_).
     void judge(uint8_t distance, bool used);
     static constexpr int64_t kDirectAlign = 4096;  // O_DIRECT: offset, length and buffer (4 KiB covers 512 B too)

@@ -285,10 +285,34 @@ def test_a_file_truncated_while_running_is_a_clear_error(tiny_model, tmp_path):
     try:
         tokens = prompt_tokens(llm, 9)
         os.truncate(path, os.path.getsize(path) // 3)
-        with pytest.raises(RuntimeError, match=r"m\.gguf.*(ends there|truncated)"):
+        with pytest.raises(RuntimeError, match=r"m\.gguf.*(ends there|truncated|changed while the model runs)"):
             for _ in range(4):
                 llm.eval(tokens)
                 llm.reset()
+    finally:
+        llm.close()
+
+
+def test_a_file_written_in_place_while_running_is_a_clear_error(tiny_model, tmp_path):
+    """Bytes of the file overwritten in place (same size: a copy over it) under a running model: the next ubatch
+    stops with an error naming the file instead of computing with other weights."""
+    from hybrimoe import Llama
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(tiny_model("qwen3moe", "Q8_0"), path)
+    llm = Llama(str(path), moe_ram_cache=_min_budget(path, 7), moe_cost_model="rtx4090-desktop", **_kw(7))
+    try:
+        tokens = prompt_tokens(llm, 9)
+        llm.eval(tokens)
+        llm.reset()
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:  # the last tenth of the file (expert data) replaced, the size kept
+            f.seek(size - size // 10)
+            f.write(bytes(size // 10))
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a clock too coarse to move it is not tested
+        with pytest.raises(RuntimeError, match=r"m\.gguf changed while the model runs: it was modified"):
+            llm.eval(tokens)
     finally:
         llm.close()
 
