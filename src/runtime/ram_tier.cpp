@@ -105,15 +105,7 @@ RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_
         }
         fds_.push_back(fd);
         struct stat st {};
-        std::string changed;
-        if (fstat(fd, &st) != 0) {
-            changed = std::string("cannot stat it: ") + std::strerror(errno);
-        } else if ((int64_t) st.st_size != cfg_.file_sizes[f]) {
-            changed = "it has " + std::to_string((int64_t) st.st_size) + " bytes, " +
-                      std::to_string(cfg_.file_sizes[f]) + " when the model was loaded";
-        } else if (cfg_.file_mtimes_ns[f] != 0 && mtime_ns(st) != cfg_.file_mtimes_ns[f]) {
-            changed = "it was modified after the model was loaded";
-        }
+        const std::string changed = file_change(f, st);
         if (!changed.empty()) {
             close_files();
             throw std::runtime_error("RAM tier: " + path + " changed: " + changed + "; load the model again");
@@ -427,18 +419,22 @@ void RamTier::acquire(int layer, const std::vector<int32_t> & experts, const std
     acquire(obs, experts, now_s);
 }
 
+std::string RamTier::file_change(size_t f, struct stat & st) const {
+    if (fstat(fds_[f], &st) != 0) return std::string("cannot stat it: ") + std::strerror(errno);
+    if ((int64_t) st.st_size != cfg_.file_sizes[f]) {
+        return "it has " + std::to_string((int64_t) st.st_size) + " bytes, " + std::to_string(cfg_.file_sizes[f]) +
+               " when the model was loaded";
+    }
+    if (cfg_.file_mtimes_ns[f] != 0 && mtime_ns(st) != cfg_.file_mtimes_ns[f]) {
+        return "it was modified after the model was loaded";
+    }
+    return "";
+}
+
 void RamTier::check_files() const {
     for (size_t f = 0; f < fds_.size(); ++f) {
         struct stat st {};
-        std::string changed;
-        if (fstat(fds_[f], &st) != 0) {
-            changed = std::string("cannot stat it: ") + std::strerror(errno);
-        } else if ((int64_t) st.st_size != cfg_.file_sizes[f]) {
-            changed = "it has " + std::to_string((int64_t) st.st_size) + " bytes, " +
-                      std::to_string(cfg_.file_sizes[f]) + " when the model was loaded";
-        } else if (cfg_.file_mtimes_ns[f] != 0 && mtime_ns(st) != cfg_.file_mtimes_ns[f]) {
-            changed = "it was modified after the model was loaded";
-        }
+        const std::string changed = file_change(f, st);
         if (!changed.empty()) {
             throw std::runtime_error("RAM tier: " + cfg_.files[f] + " changed while the model runs: " + changed +
                                      "; its experts can no longer be read as loaded (load the model again)");

@@ -29,6 +29,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <sys/stat.h>
 #include <string>
 #include <thread>
 #include <vector>
@@ -152,6 +153,9 @@ private:
     /// Throws std::runtime_error naming the file when one of the files no longer has the size or modification time
     /// it had at load.
     void check_files() const;
+    /// Why file f (fds_[f], fstat into `st`) is not the file loaded: "" when its size and modification time are
+    /// the load's.
+    std::string file_change(size_t f, struct stat & st) const;
     /// Counts a small-ubatch read ahead at `distance` (1..3) as used at its layer or not (under mu_).
     void judge(uint8_t distance, bool used);
     static constexpr int64_t kDirectAlign = 4096;  // O_DIRECT: offset, length and buffer (4 KiB covers 512 B too)
