@@ -178,20 +178,24 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     dc.fill_on_miss = cfg_.fill_on_miss;
     decider_.reset(new LayerDecider(cache_, scheduler_, prefetcher_, cfg_.cost, dc));
 
+    if (cfg_.n_slots > 0) {
+        if (!cfg_.device) throw std::invalid_argument("engine: a device is required for a non-empty expert cache");
+        pool_.open(cfg_.device, cfg_.n_slots, cfg_.max_buffer_bytes);
+        gpu_.reset(new GpuShare(pool_, cfg_.n_embd));
+        // experts already resident in the cache (an initial fill) get slots now and are copied at first use
+        for (int64_t key : cache_->resident_keys()) {
+            if (!pool_.assign((int) (key / cfg_.n_expert), (int) (key % cfg_.n_expert))) break;
+        }
+    }
     if (cfg_.ram.n_slots > 0) {
-        if (cfg_.n_slots > 0) {
-            throw std::invalid_argument("engine: the RAM expert tier runs without GPU slots for now (moe_cache=0)");
+        // GPU loads copy from the RAM slots: pinned host memory (the device's host buffer type) makes them DMA
+        // copies, where one buffer of that type can hold every RAM slot (the CPU share views them as one tensor)
+        ggml_backend_buffer_type_t host = pool_.host_buffer_type();
+        if (host && (int64_t) ggml_backend_buft_get_max_size(host) < pool_.buffer_bytes_for(cfg_.ram.n_slots)) {
+            host = nullptr;
         }
         ram_.reset(new RamTier(L, cfg_.n_expert, cfg_.expert_bytes, cfg_.expert_types, cfg_.bias_bytes,
-                               cfg_.scale_bytes, cfg_.ram, std::move(ram_cache), nullptr));
-    }
-    if (cfg_.n_slots == 0) return;
-    if (!cfg_.device) throw std::invalid_argument("engine: a device is required for a non-empty expert cache");
-    pool_.open(cfg_.device, cfg_.n_slots, cfg_.max_buffer_bytes);
-    gpu_.reset(new GpuShare(pool_, cfg_.n_embd));
-    // experts already resident in the cache (an initial fill) get slots now and are copied at first use
-    for (int64_t key : cache_->resident_keys()) {
-        if (!pool_.assign((int) (key / cfg_.n_expert), (int) (key % cfg_.n_expert))) break;
+                               cfg_.scale_bytes, cfg_.ram, std::move(ram_cache), host));
     }
 }
 
@@ -215,7 +219,10 @@ void Engine::write_fallback(ggml_tensor * dst) {
 
 void Engine::release() {
     // the RAM slots stay (graphs built over them may still run, on no device); their reads stop
-    if (ram_) ram_->stop_io();
+    if (ram_) {
+        release_ram_holds(true);
+        ram_->stop_io();
+    }
     gpu_.reset();
     pool_.release();
     if (cfg_.n_slots > 0) {
@@ -351,6 +358,31 @@ bool Engine::Placement::holds(int layer) const {
     return layer >= 0 && layer < (int) engine->tensors_.size() && engine->tensors_[(size_t) layer].down != nullptr;
 }
 
+double Engine::copy_from_ram(int layer, int expert, int bias_expert) {
+    const std::array<const uint8_t *, 3> src = ram_->matrices(layer, expert);
+    const double bytes = pool_.copy(layer, expert, tensors_[(size_t) layer], bias_expert, &src);
+    if (bytes > 0.0 && pool_.async_copies()) {
+        const int64_t key = (int64_t) layer * cfg_.n_expert + expert;
+        ram_->hold(layer, expert);
+        ram_holds_.emplace_back(key, pool_.copy_seq(key));
+    }
+    return bytes;
+}
+
+void Engine::release_ram_holds(bool all) {
+    if (ram_holds_.empty() || !ram_) return;
+    if (all) copies_done_ = pool_.sync_copies();
+    size_t kept = 0;
+    for (const auto & h : ram_holds_) {
+        if (h.second <= copies_done_) {
+            ram_->unhold((int) (h.first / cfg_.n_expert), (int) (h.first % cfg_.n_expert));
+        } else {
+            ram_holds_[kept++] = h;
+        }
+    }
+    ram_holds_.resize(kept);
+}
+
 double Engine::Placement::load(int layer, int expert, Kind kind) {
     Engine & en = *engine;
     if (!en.pool_.assign(layer, expert)) {
@@ -360,7 +392,27 @@ double Engine::Placement::load(int layer, int expert, Kind kind) {
     }
     const ExpertMatrices & lt = en.tensors_[(size_t) layer];
     const int bias_expert = en.controls_.bias_expert(expert, en.cfg_.n_expert);
-    const double bytes = en.pool_.copy(layer, expert, lt, bias_expert);
+    double bytes = 0.0;
+    if (!en.ram_) {
+        bytes = en.pool_.copy(layer, expert, lt, bias_expert);
+    } else if (en.pool_.loaded((int64_t) layer * en.cfg_.n_expert + expert)) {
+        return 0.0;
+    } else if (en.ram_->ready(layer, expert)) {
+        bytes = en.copy_from_ram(layer, expert, bias_expert);
+        // a load the layer needs is a lookup of the RAM tier (a hit): its policy and counters see it with the
+        // layer's CPU experts (op_plan)
+        if (bytes > 0.0 && (kind == kDemand || kind == kFirstUse)) en.ram_hits_.push_back(expert);
+    } else if (kind == kDemand || kind == kFirstUse) {
+        // on disk: the plan op reads it with the layer's CPU experts, then copies it from RAM (op_plan); the copy
+        // queue estimate counts it now, the copy counters when it is queued
+        const auto & eb = en.cfg_.expert_bytes[(size_t) layer];
+        bytes = (double) (eb[0] + eb[1] + eb[2]);
+        en.deferred_.emplace_back((int64_t) layer * en.cfg_.n_expert + expert, (int) kind);
+        en.pcie_free_at_ = std::max(en.pcie_free_at_, en.now()) + en.cfg_.cost.h2d(bytes);
+        return bytes;
+    } else {
+        return 0.0;  // a prefetch or fill of an expert not in RAM: copied at its first use, after its read
+    }
     if (bytes <= 0.0) return 0.0;
     en.copies_[(size_t) kind] += 1;
     en.copy_bytes_[(size_t) kind] += bytes;
@@ -472,6 +524,8 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         // anything; earlier layers' launches are done: their wait ops synchronised)
         if (gpu_ && gpu_->n_graphs() >= 64) gpu_->clear();
         // ---- observe, look up, pin, split, demand loads (policy/decision.h: the rules the replay shares) ----
+        deferred_.clear();
+        ram_hits_.clear();
         copies_.fill(0);
         copy_bytes_.fill(0.0);
         const auto & eb = cfg_.expert_bytes[(size_t) ml];
@@ -505,15 +559,36 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
             n_gpu += on_gpu[i];
             gpu_pairs += on_gpu[i] ? (uint64_t) in.loads[i] : 0;
         }
+        // ---- the RAM tier: the CPU share's experts, and the GPU loads not in RAM yet, read into RAM slots ----
+        bool acquired = false;
+        auto acquire_ram = [&]() {
+            std::vector<int32_t> need;
+            for (size_t i = 0; i < in.size(); ++i) {
+                if (!on_gpu[i]) need.push_back(in.experts[i]);
+            }
+            for (const auto & d : deferred_) need.push_back((int32_t) (d.first % E));
+            need.insert(need.end(), ram_hits_.begin(), ram_hits_.end());
+            ram_hits_.clear();
+            // GPU copies still reading RAM slots give them back first when the layer could not fit otherwise
+            release_ram_holds(ram_->pinned() + (int64_t) need.size() > ram_->n_slots());
+            ram_->acquire(decider_->observation(), need, now());
+            acquired = true;
+            // the GPU loads that waited for their reads, copied from RAM now that they are there
+            for (const auto & d : deferred_) {
+                const int32_t e = (int32_t) (d.first % E);
+                const double bytes = copy_from_ram(ml, e, controls_.bias_expert(e, E));
+                copies_[(size_t) d.second] += bytes > 0.0 ? 1 : 0;
+                copy_bytes_[(size_t) d.second] += bytes;
+            }
+            deferred_.clear();
+        };
+        // the GPU share starts before the CPU experts' reads unless it waits for reads itself
+        if (ram_ && !deferred_.empty()) acquire_ram();
         if (n_gpu > 0) launch_gpu_share(dst, run, on_gpu, k, T, x, launches);
 
-        // ---- the RAM tier: the CPU share's experts into RAM slots, its ids remapped to them; read-ahead ----
+        // ---- the CPU share's ids remapped to RAM slots; read-ahead ----
         if (ram_) {
-            std::vector<int32_t> cpu_experts;
-            for (size_t i = 0; i < in.size(); ++i) {
-                if (!on_gpu[i]) cpu_experts.push_back(in.experts[i]);
-            }
-            ram_->acquire(decider_->observation(), cpu_experts, now());
+            if (!acquired) acquire_ram();
             for (int64_t t = 0; t < T; ++t) {
                 int32_t * cpu = plane(dst, 0, t);
                 for (int64_t j = 0; j < k; ++j) {
@@ -531,8 +606,25 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
         // ---- prefetch for the next layers, then fills ----
         if (decider_->wants_prefetch((int) tensors_.size())) {
             if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + run_plan.makespan_s;
-            predictor_->predict(ml, cfg_.prefetch_layers, (int) T, (const float *) x->data, x->nb[2],
-                                run_plan.makespan_s, layer_est_, cfg_.cost.layer((int) T), predictions_);
+            if (!ram_) {
+                predictor_->predict(ml, cfg_.prefetch_layers, (int) T, (const float *) x->data, x->nb[2],
+                                    run_plan.makespan_s, layer_est_, cfg_.cost.layer((int) T), predictions_);
+            } else {
+                // the predictions the RAM tier read ahead with (above): only experts already in RAM are copied
+                // ahead to the GPU (one still on disk, or being read, is copied at its first use)
+                if (cfg_.prefetch_layers == 0) predictions_.clear();
+                for (Prediction & p : predictions_) {
+                    size_t kept = 0;
+                    for (size_t i = 0; i < p.experts.size(); ++i) {
+                        if (!ram_->ready(p.layer, p.experts[i])) continue;
+                        p.experts[kept] = p.experts[i];
+                        if (i < p.loads.size()) p.loads[kept] = p.loads[i];
+                        ++kept;
+                    }
+                    p.experts.resize(kept);
+                    if (p.loads.size() > kept) p.loads.resize(kept);
+                }
+            }
             decider_->prefetch(predictions_, (int) tensors_.size(), placement_, rp);
         }
         decider_->fills(placement_, rp);
@@ -588,6 +680,7 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
             rows += gpu_->pairs(*l) * dst->ne[0];
         }
         ggml_backend_synchronize(pool_.compute());
+        copies_done_ = std::max(copies_done_, pool_.waited_seq());
         // the launches waited for every copy queued so far: the copy queue is empty now, whatever the estimate
         // (a bandwidth below the real one would otherwise let the estimate run ahead without bound)
         if (pool_.all_copies_waited()) pcie_free_at_ = std::min(pcie_free_at_, now());
@@ -597,7 +690,15 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
     }
     run.launches.clear();
     try {
-        if (ram_) ram_->release(run.ml);
+        if (ram_) {
+            if (!ram_holds_.empty()) {
+                // the synchronised compute queue waited for every copy up to waited_seq; the holds of the others
+                // end at the ubatch's last MoE layer, or sooner when they hold an eighth of the RAM slots
+                release_ram_holds(run.ml + 1 == (int) tensors_.size() ||
+                                  (int64_t) ram_holds_.size() > std::max<int64_t>(1, ram_->n_slots() / 8));
+            }
+            ram_->release(run.ml);
+        }
         decider_->release(run.ml);
     } catch (const std::exception & e) {
         fail(std::string("cache bookkeeping: ") + e.what());

@@ -49,6 +49,7 @@
 #include <mutex>
 #include <string>
 #include <vector>
+#include <utility>
 
 namespace hybrimoe {
 
@@ -122,7 +123,9 @@ public:
     /// hybrimoe's ggml-cpu (cpu_backend_skips_negative_ids), the device cannot be initialised or the pool cannot
     /// be allocated (the message names the device and the bytes).
     /// With cfg.ram.n_slots > 0 also opens the RAM tier (RamTier: its files, host slots, I/O workers) with
-    /// `ram_cache` as its cache; for now only without GPU slots (n_slots 0: std::invalid_argument otherwise).
+    /// `ram_cache` as its cache. With GPU slots too, the RAM slots come from the device's pinned host buffer type
+    /// when one buffer of it holds them all (else from the CPU's), and every GPU load copies from a RAM slot: an
+    /// expert on disk is read into RAM first (a demand read), and is prefetched to the GPU only once it is there.
     Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared_ptr<SchedulePolicy> scheduler,
            std::shared_ptr<PrefetchPolicy> prefetcher, std::shared_ptr<ExpertCache> ram_cache = nullptr);
     ~Engine();
@@ -178,6 +181,12 @@ private:
     void launch_gpu_share(ggml_tensor * dst, LayerRun & run, const std::vector<uint8_t> & on_gpu, int64_t k,
                           int64_t T, const ggml_tensor * x, uint64_t & launches);
     void fail(const std::string & msg);
+    /// With the RAM tier: queues the copy of (layer, expert) from its RAM slot (ready) into its GPU slot, holding
+    /// the RAM slot until the copy ended when copies are asynchronous. Returns the bytes queued.
+    double copy_from_ram(int layer, int expert, int bias_expert);
+    /// Drops the RAM holds of GPU copies that ended (sequence number <= copies_done_); all of them with `all`,
+    /// after waiting for the copy queue.
+    void release_ram_holds(bool all);
 
     EngineConfig cfg_;
     std::shared_ptr<ExpertCache> cache_;
@@ -231,6 +240,12 @@ private:
     int64_t ubatch_ = -1;
     int last_ml_ = 1 << 30;                  // MoE layer of the previous plan (a lower or equal one: new ubatch)
     std::vector<DecisionRecord> log_;
+    // the RAM tier under a GPU cache: loads of the plan being made whose expert was not in RAM yet (key, kind),
+    // copied once the plan op has read them; RAM slots held for GPU copies (key, copy sequence number)
+    std::vector<std::pair<int64_t, int>> deferred_;
+    std::vector<int32_t> ram_hits_;         // this plan's GPU loads copied from RAM at once (looked up with the rest)
+    std::vector<std::pair<int64_t, uint64_t>> ram_holds_;
+    uint64_t copies_done_ = 0;              // every GPU copy up to this sequence number has ended
 };
 
 /// What one layer's ops share within one ubatch (owned by the Engine, one per MoE layer).

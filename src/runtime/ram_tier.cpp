@@ -541,6 +541,21 @@ void RamTier::release(int layer) {
     prefetch_pins_[(size_t) layer].clear();
 }
 
+bool RamTier::ready(int layer, int expert) const {
+    if (!cache_->resident(layer, expert) || pool_.slot_of(layer, expert) < 0) return false;
+    std::lock_guard<std::mutex> lock(mu_);
+    return state_[(size_t) layer * n_expert_ + expert] == 2;
+}
+
+std::array<const uint8_t *, 3> RamTier::matrices(int layer, int expert) const {
+    const int32_t s = pool_.slot_of(layer, expert);
+    if (s < 0) throw std::logic_error("RAM tier: MoE layer " + std::to_string(layer) + " expert " +
+                                      std::to_string(expert) + " has no RAM slot");
+    std::array<const uint8_t *, 3> out{};
+    for (int i = 0; i < 3; ++i) out[(size_t) i] = expert_bytes_[(size_t) layer][(size_t) i] > 0 ? pool_.slot_data(s, i) : nullptr;
+    return out;
+}
+
 void RamTier::judge(uint8_t distance, bool used) {
     const size_t d = (size_t) distance - 1;
     ahead_judged_[d] += 1;

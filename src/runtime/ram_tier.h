@@ -107,6 +107,14 @@ public:
     int32_t slot_of(int layer, int expert) const { return pool_.slot_of(layer, expert); }
     /// Unpins the experts acquire(layer) pinned and the prefetches made for this layer.
     void release(int layer);
+    /// Whether (layer, expert) is in its RAM slot with its read ended (a GPU load may copy from it now).
+    bool ready(int layer, int expert) const;
+    /// Host addresses of (layer, expert)'s gate (gate_up), up and down matrices in its RAM slot (ready() only).
+    std::array<const uint8_t *, 3> matrices(int layer, int expert) const;
+    /// Keeps (layer, expert) in its RAM slot until unhold (a GPU copy reading it has not ended yet); the holds are
+    /// counted, as pins.
+    void hold(int layer, int expert) { pin((int64_t) layer * n_expert_ + expert); }
+    void unhold(int layer, int expert) { unpin((int64_t) layer * n_expert_ + expert); }
     /// Reads ahead the predicted experts of later layers (likeliest first, those at min_prefetch_confidence or
     /// above, not resident, not in flight), admitted by the cache, pinned until their layer ran; at most
     /// `keep_free` slots stay unpinned for the next layer's own demand. Returns the experts queued.
@@ -125,6 +133,8 @@ public:
     static constexpr uint64_t kProbeEvery = 8;
 
     int64_t n_slots() const { return pool_.n_slots(); }
+    /// RAM slots pinned now (being read, used by a layer, read ahead for one, or held for a GPU copy).
+    int64_t pinned() const { return n_pinned_; }
     int64_t slot_bytes() const { return pool_.slot_bytes(); }
     const SlotPool & pool() const { return pool_; }
     const ExpertCache & cache() const { return *cache_; }

@@ -327,7 +327,8 @@ int SlotPool::slots_in_use() const {
     return n;
 }
 
-double SlotPool::copy(int layer, int expert, const ExpertMatrices & m, int bias_expert) {
+double SlotPool::copy(int layer, int expert, const ExpertMatrices & m, int bias_expert,
+                      const std::array<const uint8_t *, 3> * matrices) {
     const size_t key = (size_t) layer * n_expert_ + expert;
     const int32_t s = key_slot_[key];
     if (s < 0 || key_loaded_[key] || bufs_.empty()) return 0.0;
@@ -355,7 +356,8 @@ double SlotPool::copy(int layer, int expert, const ExpertMatrices & m, int bias_
     for (int i = 0; i < kRegions; ++i) {
         if (!parts[i]) continue;
         const int row = i >= 3 && bias_expert >= 0 ? bias_expert : expert;
-        const char * src = (const char *) parts[i]->data + (size_t) row * step[i];
+        const char * src = i < 3 && matrices ? (const char *) (*matrices)[(size_t) i]
+                                             : (const char *) parts[i]->data + (size_t) row * step[i];
         const size_t off = (size_t) (region_base(i, n_b) + ls * strides_[(size_t) i]);
         if (!events_.empty()) {
             ggml_backend_tensor_set_async(copy_, dst, src, off, n[i]);
@@ -371,6 +373,11 @@ double SlotPool::copy(int layer, int expert, const ExpertMatrices & m, int bias_
         key_copy_seq_[key] = copy_seq_;
     }
     return bytes;
+}
+
+uint64_t SlotPool::sync_copies() {
+    if (copy_) ggml_backend_synchronize(copy_);
+    return copy_seq_;
 }
 
 void SlotPool::wait_for_copy(uint64_t seq) {

@@ -124,7 +124,11 @@ public:
     /// (0: no slot, or already loaded). Without events the copy is synchronous. Throws std::invalid_argument when a
     /// part is larger than its region's stride (the pool was sized without it). `bias_expert` >= 0 takes the bias
     /// rows and scales of that expert instead (a negative control for tests: wrong numbers on purpose).
-    double copy(int layer, int expert, const ExpertMatrices & m, int bias_expert = -1);
+    /// `matrices`, when given, are host addresses of the gate (gate_up), up and down matrices to copy instead of
+    /// m's expert `expert` (the RAM tier's slot of that expert: the same bytes, read from the file); they must stay
+    /// unchanged until the copy ended (copy_seq, copies_done).
+    double copy(int layer, int expert, const ExpertMatrices & m, int bias_expert = -1,
+                const std::array<const uint8_t *, 3> * matrices = nullptr);
     /// Whether copies are queued (the device has events) rather than blocking until they end.
     bool async_copies() const { return !events_.empty(); }
     /// Sequence number of the last copy of `key` (0: none).
@@ -134,6 +138,11 @@ public:
     /// Whether every copy queued so far has been waited for by the compute queue (wait_for_copy of the last one):
     /// once the compute queue is synchronised, the copy queue is then empty.
     bool all_copies_waited() const { return events_.empty() || waited_seq_ >= copy_seq_; }
+    /// The latest copy the compute queue was made to wait for: once the compute queue is synchronised, every copy
+    /// up to it has ended (the copy queue runs in order).
+    uint64_t waited_seq() const { return waited_seq_; }
+    /// Blocks until every queued copy ended; returns the last copy's sequence number (all up to it have ended).
+    uint64_t sync_copies();
 
     /// A view of region `which` (0 gate, 1 up, 2 down) of slot buffer `b` as a [like->ne[0], like->ne[1],
     /// buffer_slots(b) + 1] tensor of like's type, in `ctx` (no_alloc), pointing into the pool: mul_mat_id indexes
