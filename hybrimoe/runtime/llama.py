@@ -189,8 +189,9 @@ class Llama(llama_cpp.Llama):
             setup = calibration.with_stored_cost(setup, model_path)
             if setup.ram_tier:
                 lazy_experts = True  # the RAM tier reads the experts itself: the loader leaves them unread
-            else:
-                overrides.append(setup.expert_override())
+            # routed experts in host memory: with lazy experts the loader skips the override for the weights
+            # (they stay in the mapping) and applies it to their biases and scales, which the engine copies too
+            overrides.append(setup.expert_override())
         self._moe_setup = setup
         if record_routing:
             # kept on the Llama, which outlives its context (the context calls it on every graph)

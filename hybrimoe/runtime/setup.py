@@ -356,7 +356,7 @@ class EngineSetup:
         machine's first GPU); ``tensor_overrides``: the user's ``(pattern, buffer type)`` overrides (none may put
         routed experts on a device: the engine keeps them in host memory). ``moe_ram_cache``: the RAM tier's
         budget (:mod:`hybrimoe.runtime.ram_tier`; turns the engine on with ``moe_cache=0`` when that is not given;
-        for now only without GPU slots), ``moe_ram_policy`` its cache policy (:func:`ram_cache_policy`),
+        with a GPU cache too, every GPU load copies from a RAM slot), ``moe_ram_policy`` its cache policy (:func:`ram_cache_policy`),
         ``n_ubatch`` the context's ubatch (the smallest RAM budget).
 
         Raises:
@@ -415,9 +415,6 @@ class EngineSetup:
         ram = {}
         if moe_ram_cache is not None:
             from hybrimoe.runtime import ram_tier
-            if auto or n_slots:
-                raise ValueError(f"moe_ram_cache with moe_cache={moe_cache!r}: the RAM tier runs with every expert on "
-                                 "the CPU for now; give moe_cache=0 (--moe-cache 0) or leave moe_cache out")
             ram_auto = isinstance(moe_ram_cache, str) and moe_ram_cache.strip().lower() == "auto"
             ram_n, ram_note = (None, "") if ram_auto else ram_tier.ram_slots(moe_ram_cache, facts, n_ubatch)
             ram = dict(ram_spec=moe_ram_cache, ram_slots=ram_n, ram_note=ram_note,

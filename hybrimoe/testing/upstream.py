@@ -38,6 +38,43 @@ def greedy_with_logits(llm, tokens: list[int], n: int = 32) -> tuple[list[int], 
     return out, last_logits(llm)
 
 
+def decode_together(llm, prompts: list[list[int]], steps: int) -> list[list[np.ndarray]]:
+    """Greedy decode of several sequences in one batch per step (sequence ids 0..len(prompts)-1, ``n_seq_max`` at
+    least that many): step 0 evaluates every prompt, each later step one token per sequence (its previous argmax).
+    Returns, per step, each sequence's last logits (float32 ``[n_vocab]``, copies).
+
+    Raises:
+        AssertionError: ``llama_decode`` failed.
+    """
+    from hybrimoe._lib import llama_cpp_module
+
+    lc = llama_cpp_module().llama_cpp
+    ctx, n_vocab = llm.ctx, llm.n_vocab()
+    batch = lc.llama_batch_init(max(64, sum(len(p) for p in prompts)), 0, len(prompts))
+    got = []
+    try:
+        cur, pos = [list(p) for p in prompts], [0] * len(prompts)
+        for _ in range(steps):
+            batch.n_tokens = 0
+            last = []
+            for s, toks in enumerate(cur):
+                for i, tok in enumerate(toks):
+                    j = batch.n_tokens
+                    batch.token[j], batch.pos[j], batch.n_seq_id[j] = tok, pos[s] + i, 1
+                    batch.seq_id[j][0] = s
+                    batch.logits[j] = i == len(toks) - 1
+                    batch.n_tokens += 1
+                last.append(batch.n_tokens - 1)
+                pos[s] += len(toks)
+            assert lc.llama_decode(ctx, batch) == 0
+            step = [np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, j), shape=(n_vocab,)).copy() for j in last]
+            got.append(step)
+            cur = [[int(np.argmax(x))] for x in step]
+    finally:
+        lc.llama_batch_free(batch)
+    return got
+
+
 def greedy_text(llm, prompt: str, n: int) -> list[int]:
     """Greedy continuation of the text ``prompt`` (BOS first; ``n`` tokens at most, stops at end of generation)."""
     toks = llm.tokenize(prompt.encode(), add_bos=True, special=False)

@@ -17,7 +17,7 @@ import pytest
 from hybrimoe.runtime.disk_calibration import drop_from_page_cache
 from hybrimoe.testing.fixtures import ENGINE_ARCHS
 from hybrimoe.testing.residency import expert_pages, resident_pages
-from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
+from hybrimoe.testing.upstream import decode_together, greedy_with_logits, prompt_tokens
 
 N_GEN = 12
 QUANTS = ("Q8_0", "Q4_K_M", "mix")
@@ -147,47 +147,18 @@ def test_every_policy_and_prefetch_depth_matches_upstream(policy, prefetch, tiny
 def test_two_sequences_in_one_batch_match_upstream(tiny_model):
     """n_seq = 2: two sequences decoded together, each step's logits of both bit-identical to upstream's."""
     from hybrimoe import Llama
-    from hybrimoe._lib import llama_cpp_module
 
-    lc = llama_cpp_module().llama_cpp
     path = tiny_model("qwen3moe", "Q8_0")
     prompts = [_tokens(path, 9), _tokens(path, 13)[2:]]
-
-    def run(llm) -> list:
-        ctx, n_vocab = llm.ctx, llm.n_vocab()
-        batch = lc.llama_batch_init(64, 0, 2)
-        got = []
-        try:
-            cur, pos = [list(p) for p in prompts], [0, 0]
-            for _ in range(6):
-                batch.n_tokens = 0
-                last = []
-                for s in (0, 1):
-                    for i, tok in enumerate(cur[s]):
-                        j = batch.n_tokens
-                        batch.token[j], batch.pos[j], batch.n_seq_id[j] = tok, pos[s] + i, 1
-                        batch.seq_id[j][0] = s
-                        batch.logits[j] = i == len(cur[s]) - 1
-                        batch.n_tokens += 1
-                    last.append(batch.n_tokens - 1)
-                    pos[s] += len(cur[s])
-                assert lc.llama_decode(ctx, batch) == 0
-                step = [np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, j), shape=(n_vocab,)).copy() for j in last]
-                got.append(step)
-                cur = [[int(np.argmax(x))] for x in step]
-        finally:
-            lc.llama_batch_free(batch)
-        return got
-
     ref = Llama(str(path), no_repack=True, n_seq_max=2, **_kw(7))
     try:
-        want = run(ref)
+        want = decode_together(ref, prompts, 6)
     finally:
         ref.close()
     llm = Llama(str(path), moe_ram_cache=_min_budget(path, 7), n_seq_max=2, moe_cost_model="rtx4090-desktop",
                 **_kw(7))
     try:
-        have = run(llm)
+        have = decode_together(llm, prompts, 6)
         st = llm.moe_stats()["engine"]["ram"]
     finally:
         llm.close()
@@ -397,6 +368,48 @@ def test_close_returns_with_reads_queued(big_model):
     t.start()
     t.join(60)
     assert not t.is_alive(), "close() hung with reads queued"
+
+
+def test_ctrl_c_while_the_tier_reads_exits_promptly(big_model, tmp_path):
+    """A real SIGINT to `hybrimoe run --moe-ram-cache` while it generates (every token reads experts from the file,
+    reads ahead are queued): exit 130 within seconds, no traceback. Python takes the signal between two decodes
+    (llama_decode is not interrupted), so what is measured is that the interrupt's close() drops the queued reads
+    and joins the I/O workers instead of waiting on them."""
+    import select
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from hybrimoe.testing.processes import default_signals
+
+    budget = str(_min_budget(big_model, 7))
+    drop_from_page_cache(big_model)
+    proc = subprocess.Popen([sys.executable, "-m", "hybrimoe", "run", "-m", str(big_model), "--moe-ram-cache", budget,
+                             "--moe-cost-model", "rtx4090-desktop", "-ub", "7", "-c", "4096", "-n", "4000", "--temp",
+                             "0", "-p", "Once upon a time"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=tmp_path, preexec_fn=default_signals)
+    got = b""
+    deadline = time.monotonic() + 300
+    try:
+        while len(got) < 16 and time.monotonic() < deadline:  # generation is under way
+            if select.select([proc.stdout], [], [], 5)[0]:
+                chunk = os.read(proc.stdout.fileno(), 64)
+                if not chunk:
+                    break
+                got += chunk
+        assert len(got) >= 16, proc.stderr.read().decode(errors="replace")[-2000:]
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err.decode(errors="replace")
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert took < 30, f"exit took {took:.1f} s after SIGINT"
 
 
 def test_run_command_takes_the_flag(tiny_model, tmp_path):

@@ -1,0 +1,181 @@
+"""A GPU expert cache above the RAM tier (``Llama(moe_cache=..., moe_ram_cache=...)``): every GPU load copies from
+a RAM slot, an expert on disk is read into RAM first.
+
+Oracle: upstream llama.cpp with the same placement on the RPC stand-in (``n_gpu_layers=-1``, ``-ot exps=CPU``,
+``no_repack``): the same greedy tokens and bit-identical logits (the stand-in computes the GPU share with the CPU's
+kernels, and the combine sums in upstream's order), with the smallest RAM budget (experts are read from the file
+every token) and a GPU share > 0 (a test cost model that splits the tiny models' layers, and ``gpu-on-demand`` where a
+case needs every GPU expert loaded on demand)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybrimoe.testing.fixtures import ENGINE_ARCHS
+from hybrimoe.testing.upstream import decode_together, greedy_with_logits, prompt_tokens
+
+N_GEN = 12
+QUANTS = ("Q8_0", "Q4_K_M", "mix")
+UBATCHES = (1, 7, 64)
+GPU_CACHES = ("k", "half")
+POLICIES = ("hybrimoe", "gpu-on-demand")
+
+
+def _common(rpc_server, ub, **kw):
+    d = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=512, n_batch=64, n_ubatch=ub, seed=0,
+             verbose=False)
+    d.update(kw)
+    return d
+
+
+def _budgets(path, ub, gpu_cache):
+    """(RAM bytes, GPU bytes): the smallest RAM budget for ``ub``-token ubatches, and ``gpu_cache`` as slots."""
+    from hybrimoe.runtime.engine_facts import engine_facts
+    from hybrimoe.runtime.ram_tier import min_ram_slots
+
+    f = engine_facts(path)
+    slots = f.top_k if gpu_cache == "k" else len(f.moe_layers) * f.n_expert // 2
+    return min_ram_slots(f, ub) * f.slot_bytes, slots * f.slot_bytes
+
+
+def _reference(path, rpc_server, ub, n_prompt, **kw):
+    from hybrimoe import Llama
+
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **_common(rpc_server, ub, **kw))
+    try:
+        tokens = prompt_tokens(ref, n_prompt)
+        return (tokens,) + greedy_with_logits(ref, tokens, N_GEN)
+    finally:
+        ref.close()
+
+
+def _run(path, rpc_server, ub, tokens, gpu_cache, policy, cost, **kw):
+    from hybrimoe import Llama
+
+    ram, gpu = _budgets(path, ub, gpu_cache)
+    llm = Llama(str(path), moe_cache=gpu, moe_ram_cache=ram, moe_policy=policy, moe_cost_model=cost,
+                **_common(rpc_server, ub, **kw))
+    try:
+        out, lg = greedy_with_logits(llm, tokens, N_GEN)
+        st = llm.moe_stats()["engine"]
+        return out, lg, st, llm.moe_engine.pinned_count()
+    finally:
+        llm.close()
+
+
+def _cases():
+    from allpairspy import AllPairs
+
+    dims = [list(ENGINE_ARCHS), list(QUANTS), list(UBATCHES), list(GPU_CACHES), list(POLICIES)]
+    return [pytest.param(*c, id="-".join(map(str, c))) for c in AllPairs(dims)]
+
+
+@pytest.mark.parametrize("arch, quant, ub, gpu_cache, policy", _cases())
+def test_gpu_cache_over_the_ram_tier_matches_upstream(arch, quant, ub, gpu_cache, policy, tiny_model, rpc_server,
+                                                      split_cost_model):
+    """Every pair of architecture, quant mix, ubatch (1/7/64), GPU cache size and policy: upstream's tokens and
+    logits bit for bit, with experts read from the file during the decode and experts computed on the GPU."""
+    path = tiny_model(arch, quant)
+    tokens, ref_out, ref_lg = _reference(path, rpc_server, ub, 2 * ub + 3)
+    out, lg, st, pinned = _run(path, rpc_server, ub, tokens, gpu_cache, policy, split_cost_model)
+    assert out == ref_out
+    assert np.array_equal(lg, ref_lg)
+    ram = st["ram"]
+    assert st["gpu_experts"] > 0 and st["bytes_copied"] > 0, st
+    assert ram["misses"] > 0 and ram["evictions"] > 0, ram
+    if gpu_cache == "k":  # a GPU cache of top-k experts leaves most of each token's experts to the file
+        assert ram["demand_reads"] + ram["prefetch_reads"] >= N_GEN, ram
+    assert ram["reads_in_flight"] == 0
+    # between decodes no GPU or RAM slot stays pinned (the GPU copies' holds on RAM slots end with the ubatch)
+    assert pinned == 0 and ram["pinned"] == 0, (pinned, ram)
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "MXFP4"])
+def test_gpt_oss_over_both_tiers_matches_upstream(quant, tiny_model, tmp_path_factory, rpc_server, split_cost_model):
+    """gpt-oss (expert biases, SwiGLU-OAI; Q8_0 or MXFP4 matrices): the GPU copies the biases with the RAM slot's
+    matrices."""
+    from hybrimoe.tiny import make_tiny_model
+
+    if quant == "Q8_0":
+        path = tiny_model("gpt-oss", "Q8_0")
+    else:
+        path = make_tiny_model(tmp_path_factory.mktemp("mxfp4") / "gpt-oss-mxfp4.gguf", "gpt-oss",
+                               quant={"base": "Q8_0", r"ffn_(gate|up|down)_exps": "MXFP4"})
+    tokens, ref_out, ref_lg = _reference(path, rpc_server, 7, 17)
+    out, lg, st, _ = _run(path, rpc_server, 7, tokens, "k", "gpu-on-demand", split_cost_model)
+    assert out == ref_out and np.array_equal(lg, ref_lg)
+    assert st["gpu_experts"] > 0 and st["ram"]["misses"] > 0, st
+
+
+def test_gpu_loads_come_from_ram_not_from_the_mapping(tiny_model, rpc_server, split_cost_model):
+    """Each expert the GPU loads was read by the RAM tier: the RAM tier was asked for at least as many experts as
+    the GPU got on demand from disk, and the bytes the GPU copied are whole experts of the file."""
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    tokens, ref_out, ref_lg = _reference(path, rpc_server, 1, 9)
+    out, lg, st, _ = _run(path, rpc_server, 1, tokens, "k", "gpu-on-demand", split_cost_model)
+    assert out == ref_out and np.array_equal(lg, ref_lg)
+    ram = st["ram"]
+    # gpu-on-demand puts every activated expert on the GPU: the RAM tier's accesses are the GPU's loads
+    demand = sum(layer["demand_copies"] for layer in st["layers"])
+    assert ram["accesses"] >= demand > 0, (ram, st)
+    f = engine_facts(path)
+    per_expert = sum(f.expert_bytes[0])
+    assert st["bytes_copied"] >= demand * per_expert
+
+
+def test_two_sequences_over_both_tiers_match_upstream(tiny_model, rpc_server, split_cost_model):
+    """n_seq = 2 decoded together in one batch, a GPU cache above the RAM tier: each step's logits of both sequences
+    bit-identical to upstream's."""
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q4_K_M")
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, n_seq_max=2,
+                **_common(rpc_server, 7))
+    try:
+        prompts = [prompt_tokens(ref, 9), prompt_tokens(ref, 13)[2:]]
+        want = decode_together(ref, prompts, 6)
+    finally:
+        ref.close()
+    ram, gpu = _budgets(path, 7, "half")
+    llm = Llama(str(path), moe_cache=gpu, moe_ram_cache=ram, moe_cost_model=split_cost_model, n_seq_max=2,
+                **_common(rpc_server, 7))
+    try:
+        have = decode_together(llm, prompts, 6)
+        st = llm.moe_stats()["engine"]
+    finally:
+        llm.close()
+    assert st["gpu_experts"] > 0 and st["ram"]["misses"] > 0, st
+    for a, b in zip(want, have):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_gpu_loads_leave_no_expert_page_in_the_page_cache(tiny_model, rpc_server, split_cost_model):
+    """With a GPU cache above the RAM tier the experts' file pages stay out of the page cache (mincore on a mapping
+    of the file): the GPU copies from RAM slots, never from llama.cpp's mapping."""
+    from hybrimoe import Llama
+    from hybrimoe.model.reader import open_gguf
+    from hybrimoe.runtime.disk_calibration import drop_from_page_cache
+    from hybrimoe.testing.residency import expert_pages, resident_pages
+
+    big = tiny_model("qwen3moe", "F16", n_embd=256, n_ff_exp=1024, n_expert=16)
+    pages = expert_pages(big)
+    drop_from_page_cache(big)
+    g = open_gguf(big)
+    by_check, total = resident_pages(big, pages)
+    del g
+    drop_from_page_cache(big)
+    ram, gpu = _budgets(big, 7, "k")
+    llm = Llama(str(big), moe_cache=gpu, moe_ram_cache=ram, moe_policy="gpu-on-demand",
+                moe_cost_model=split_cost_model, **_common(rpc_server, 7))
+    try:
+        greedy_with_logits(llm, prompt_tokens(llm, 15), 8)
+        resident, _ = resident_pages(big, pages)
+        st = llm.moe_stats()["engine"]
+    finally:
+        llm.close()
+    assert st["gpu_experts"] > 0 and st["ram"]["bytes_read"] > 0, st
+    if len(by_check) > total // 4:
+        pytest.skip("this file system keeps dropped pages (tmpfs?): residency cannot be told")
+    assert resident <= by_check, f"{len(resident - by_check)} of {total} expert pages left in the page cache"
