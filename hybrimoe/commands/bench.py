@@ -161,6 +161,9 @@ def _check_ram_modes(args, facts) -> tuple[list[str], set]:
             if x.strip()]
     if not pols:
         raise ValueError("--ram-policies is empty")
+    twice = sorted({p for p in pols if pols.count(p) > 1})
+    if twice:
+        raise ValueError(f"--ram-policies names {', '.join(twice)} twice: each policy runs once")
     for p in pols:
         try:
             ram_cache_policy(p)
@@ -197,8 +200,10 @@ def _inputs(args) -> tuple:
         pols, up = _check_modes(args, facts)
     n_slots = cache_slots(gpu_budget_spec(args), facts)
     if args.moe_ram_cache is not None and n_slots > 0:
-        raise ValueError(f"--moe-cache {args.moe_cache}: the RAM tier runs with every expert on the CPU for now (a "
-                         "GPU expert cache above it is not supported): leave --moe-cache out or give 0")
+        raise ValueError(f"--moe-cache {args.moe_cache}: bench --moe-ram-cache compares CPU-only runs (upstream's "
+                         "mmap against the RAM tier) and has no GPU mode; a GPU cache above the RAM tier runs with "
+                         "`hybrimoe run`/`serve` (--moe-cache with --moe-ram-cache); here leave --moe-cache out or "
+                         "give 0")
     routing_table = None
     if args.replay_trace:
         # a recorded trace (with phases): prefill routing for the prompt, decode routing for the generated tokens

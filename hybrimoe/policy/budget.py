@@ -10,14 +10,19 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
           "mib": 1024.0 ** 2, "gib": 1024.0 ** 3}
 
 
-def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert_bytes: float) -> float:
+def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert_bytes: float,
+                 allow_zero: bool = True) -> float:
     """Budget in bytes from ``"25%"`` (of all routed-expert bytes), ``"3GiB"``, ``"512MB"`` or a number of bytes.
 
-    0 is valid (nothing cached). Raises ValueError on an unparsable spec, a negative budget, a percentage above
-    100, or a positive budget smaller than one expert (``expert_bytes``).
+    0 is valid (nothing cached) unless ``allow_zero`` is False. Raises ValueError on an unparsable spec, a number
+    that is not a whole number of bytes (``0.5``: a share is written ``"50%"``), a negative budget, a percentage
+    above 100, a positive budget smaller than one expert (``expert_bytes``), or 0 where it is not allowed.
     """
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         b = float(spec)
+        if math.isfinite(b) and b != int(b):
+            raise ValueError(f"cache budget {spec!r}: a number is bytes, and this is not a whole number of bytes; "
+                             f"write a share as a percentage ('{100 * b:g}%')")
     else:
         s = str(spec).strip().lower()
         m = re.fullmatch(r"([-+]?[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*(%|[a-z]*)", s)
@@ -32,7 +37,7 @@ def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert
             b = v * _UNITS[m.group(2)]
     if not math.isfinite(b) or b < 0:
         raise ValueError(f"cache budget {spec!r} is negative or not finite")
-    if 0 < b < expert_bytes:
+    if 0 < b < expert_bytes or (b == 0 and not allow_zero):
         raise ValueError(f"cache budget {spec!r} = {b:.0f} bytes is smaller than one expert ({expert_bytes:.0f} "
-                         "bytes); use 0 for no cache")
+                         "bytes)" + ("; use 0 for no cache" if allow_zero else ""))
     return b

@@ -149,7 +149,7 @@ def ram_slots(spec, facts: EngineFacts, n_ubatch: int, memory: Optional[dict] = 
     sb = facts.slot_bytes
     n_all = len(facts.moe_layers) * facts.n_expert
     try:
-        b = parse_budget(spec, float(n_all * sb), sb)
+        b = parse_budget(spec, float(n_all * sb), sb, allow_zero=False)
     except ValueError as e:
         raise ValueError(f"moe_ram_cache: {e}") from None
     mem = memory or machine_memory()
@@ -159,10 +159,11 @@ def ram_slots(spec, facts: EngineFacts, n_ubatch: int, memory: Optional[dict] = 
     n = min(n_all, int(b // sb + 1e-9))
     need = min_ram_slots(facts, n_ubatch)
     if n < need:
+        fewer = min_ram_slots(facts, 1) < need  # a smaller ubatch routes to fewer experts
         raise ValueError(f"moe_ram_cache={spec!r} holds {n} experts of {sb} bytes; a ubatch of {n_ubatch} tokens can "
                          f"route to {need} experts of one layer, which must all be in RAM while it computes: give at "
-                         f"least {need * sb} bytes ({100.0 * need / n_all:.1f}% of the routed experts), or a smaller "
-                         "n_ubatch")
+                         f"least {need * sb} bytes ({100.0 * need / n_all:.1f}% of the routed experts)"
+                         + (", or a smaller n_ubatch" if fewer else ""))
     return n, f"moe_ram_cache={spec!r}: {n} of {n_all} experts in RAM slots of {sb} bytes"
 
 

@@ -182,6 +182,10 @@ def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: in
         raise ValueError(f"moe_policy: {e}") from None
 
 
+#: the cache policy names the RAM tier takes (``hybrimoe._core.make_cache_policy``'s, less clairvoyant ``belady``)
+RAM_POLICIES = ("mrs", "lru", "lfu")
+
+
 def ram_cache_policy(spec) -> "_core.CachePolicy":
     """The RAM tier's cache policy for ``moe_ram_policy``: None (MRS, HybriMoE §IV.D, as the GPU cache's default), a
     name of ``hybrimoe._core.make_cache_policy`` (``mrs``, ``lru``, ``lfu``) or a ``CachePolicy`` object (Python
@@ -195,14 +199,15 @@ def ram_cache_policy(spec) -> "_core.CachePolicy":
     if isinstance(spec, _core.CachePolicy):
         return spec
     if isinstance(spec, str):
-        if spec.strip().lower() == "belady":
+        name = spec.strip().lower()
+        if name == "belady":
             raise ValueError("moe_ram_policy='belady' is clairvoyant (it needs the future routing): the simulator's "
                              "bound only")
-        try:
-            return _core.make_cache_policy(spec.strip().lower())
-        except ValueError as e:
-            raise ValueError(f"moe_ram_policy: {e}") from None
-    raise ValueError(f"moe_ram_policy must be a policy name (mrs, lru, lfu) or a CachePolicy, not "
+        if name not in RAM_POLICIES:
+            raise ValueError(f"unknown moe_ram_policy {spec!r} (known: {', '.join(RAM_POLICIES)}, or a CachePolicy "
+                             "object)")
+        return _core.make_cache_policy(name)
+    raise ValueError(f"moe_ram_policy must be a policy name ({', '.join(RAM_POLICIES)}) or a CachePolicy, not "
                      f"{type(spec).__name__}")
 
 

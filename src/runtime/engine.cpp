@@ -189,9 +189,10 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     }
     if (cfg_.ram.n_slots > 0) {
         // GPU loads copy from the RAM slots: pinned host memory (the device's host buffer type) makes them DMA
-        // copies, where one buffer of that type can hold every RAM slot (the CPU share views them as one tensor)
+        // copies, where one buffer of that type can hold every RAM slot (the CPU share views them as one tensor);
+        // a type without a cap reports SIZE_MAX
         ggml_backend_buffer_type_t host = pool_.host_buffer_type();
-        if (host && (int64_t) ggml_backend_buft_get_max_size(host) < pool_.buffer_bytes_for(cfg_.ram.n_slots)) {
+        if (host && ggml_backend_buft_get_max_size(host) < (size_t) pool_.buffer_bytes_for(cfg_.ram.n_slots)) {
             host = nullptr;
         }
         ram_.reset(new RamTier(L, cfg_.n_expert, cfg_.expert_bytes, cfg_.expert_types, cfg_.bias_bytes,
@@ -361,6 +362,7 @@ bool Engine::Placement::holds(int layer) const {
 double Engine::copy_from_ram(int layer, int expert, int bias_expert) {
     const std::array<const uint8_t *, 3> src = ram_->matrices(layer, expert);
     const double bytes = pool_.copy(layer, expert, tensors_[(size_t) layer], bias_expert, &src);
+    if (bytes > 0.0) ram_->note_used(layer, expert);  // a read ahead that reached the GPU was used
     if (bytes > 0.0 && pool_.async_copies()) {
         const int64_t key = (int64_t) layer * cfg_.n_expert + expert;
         ram_->hold(layer, expert);
@@ -372,15 +374,18 @@ double Engine::copy_from_ram(int layer, int expert, int bias_expert) {
 void Engine::release_ram_holds(bool all) {
     if (ram_holds_.empty() || !ram_) return;
     if (all) copies_done_ = pool_.sync_copies();
+    // the ended copies leave the list before their holds are dropped: a throw leaves no hold to drop twice
+    std::vector<int64_t> ended;
     size_t kept = 0;
     for (const auto & h : ram_holds_) {
         if (h.second <= copies_done_) {
-            ram_->unhold((int) (h.first / cfg_.n_expert), (int) (h.first % cfg_.n_expert));
+            ended.push_back(h.first);
         } else {
             ram_holds_[kept++] = h;
         }
     }
     ram_holds_.resize(kept);
+    for (int64_t key : ended) ram_->unhold((int) (key / cfg_.n_expert), (int) (key % cfg_.n_expert));
 }
 
 double Engine::Placement::load(int layer, int expert, Kind kind) {
@@ -407,6 +412,10 @@ double Engine::Placement::load(int layer, int expert, Kind kind) {
         // queue estimate counts it now, the copy counters when it is queued
         const auto & eb = en.cfg_.expert_bytes[(size_t) layer];
         bytes = (double) (eb[0] + eb[1] + eb[2]);
+        for (const auto * extra : {&en.cfg_.bias_bytes, &en.cfg_.scale_bytes}) {
+            if (!extra->empty()) bytes += (double) ((*extra)[(size_t) layer][0] + (*extra)[(size_t) layer][1] +
+                                                    (*extra)[(size_t) layer][2]);
+        }
         en.deferred_.emplace_back((int64_t) layer * en.cfg_.n_expert + expert, (int) kind);
         en.pcie_free_at_ = std::max(en.pcie_free_at_, en.now()) + en.cfg_.cost.h2d(bytes);
         return bytes;
@@ -559,20 +568,23 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
             n_gpu += on_gpu[i];
             gpu_pairs += on_gpu[i] ? (uint64_t) in.loads[i] : 0;
         }
-        // ---- the RAM tier: the CPU share's experts, and the GPU loads not in RAM yet, read into RAM slots ----
-        bool acquired = false;
-        auto acquire_ram = [&]() {
+        // ---- the RAM tier: the GPU loads not in RAM yet and the CPU share's experts read into RAM slots ----
+        if (ram_) {
+            // the reads the GPU share waits for first (demand reads run in the order issued), then the CPU's
             std::vector<int32_t> need;
+            for (const auto & d : deferred_) need.push_back((int32_t) (d.first % E));
+            const size_t wait_first = need.size();
+            need.insert(need.end(), ram_hits_.begin(), ram_hits_.end());
+            ram_hits_.clear();
             for (size_t i = 0; i < in.size(); ++i) {
                 if (!on_gpu[i]) need.push_back(in.experts[i]);
             }
-            for (const auto & d : deferred_) need.push_back((int32_t) (d.first % E));
-            need.insert(need.end(), ram_hits_.begin(), ram_hits_.end());
-            ram_hits_.clear();
             // GPU copies still reading RAM slots give them back first when the layer could not fit otherwise
-            release_ram_holds(ram_->pinned() + (int64_t) need.size() > ram_->n_slots());
-            ram_->acquire(decider_->observation(), need, now());
-            acquired = true;
+            release_ram_holds(false);
+            int64_t unpinned = 0;
+            for (int32_t e : need) unpinned += ram_->is_pinned(ml, e) ? 0 : 1;
+            if (ram_->pinned() + unpinned > ram_->n_slots()) release_ram_holds(true);
+            ram_->acquire(decider_->observation(), need, now(), wait_first);
             // the GPU loads that waited for their reads, copied from RAM now that they are there
             for (const auto & d : deferred_) {
                 const int32_t e = (int32_t) (d.first % E);
@@ -580,15 +592,14 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
                 copies_[(size_t) d.second] += bytes > 0.0 ? 1 : 0;
                 copy_bytes_[(size_t) d.second] += bytes;
             }
+            if (!deferred_.empty() && !pool_.async_copies()) pcie_free_at_ = now();  // blocking copies have ended
             deferred_.clear();
-        };
-        // the GPU share starts before the CPU experts' reads unless it waits for reads itself
-        if (ram_ && !deferred_.empty()) acquire_ram();
+        }
+        // the GPU share starts while the CPU share's experts are still being read
         if (n_gpu > 0) launch_gpu_share(dst, run, on_gpu, k, T, x, launches);
 
-        // ---- the CPU share's ids remapped to RAM slots; read-ahead ----
+        // ---- the CPU share's ids remapped to RAM slots; read-ahead; the CPU share's reads waited for ----
         if (ram_) {
-            if (!acquired) acquire_ram();
             for (int64_t t = 0; t < T; ++t) {
                 int32_t * cpu = plane(dst, 0, t);
                 for (int64_t j = 0; j < k; ++j) {
@@ -599,8 +610,10 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
                 if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + run_plan.makespan_s;
                 predictor_->predict(ml, cfg_.prefetch_layers, (int) T, (const float *) x->data, x->nb[2],
                                     run_plan.makespan_s, layer_est_, cfg_.cost.layer((int) T), predictions_);
+                // queued behind this layer's demand reads: the disk stays busy while they end
                 ram_->prefetch(predictions_, std::min<int64_t>(E, T * k), now(), (int) T, (int) k);
             }
+            ram_->wait_rest();
         }
 
         // ---- prefetch for the next layers, then fills ----
@@ -692,10 +705,13 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
     try {
         if (ram_) {
             if (!ram_holds_.empty()) {
-                // the synchronised compute queue waited for every copy up to waited_seq; the holds of the others
-                // end at the ubatch's last MoE layer, or sooner when they hold an eighth of the RAM slots
-                release_ram_holds(run.ml + 1 == (int) tensors_.size() ||
-                                  (int64_t) ram_holds_.size() > std::max<int64_t>(1, ram_->n_slots() / 8));
+                // the synchronised compute queue waited for every copy up to waited_seq: those holds end; the
+                // others' at the ubatch's last MoE layer, or sooner when they hold an eighth of the RAM slots
+                release_ram_holds(false);
+                if (run.ml + 1 == (int) tensors_.size() ||
+                    (int64_t) ram_holds_.size() > std::max<int64_t>(1, ram_->n_slots() / 8)) {
+                    release_ram_holds(true);
+                }
             }
             ram_->release(run.ml);
         }

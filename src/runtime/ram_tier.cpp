@@ -131,19 +131,7 @@ RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_
                                  std::to_string(pool_.buffer_bytes_for(cfg_.n_slots)) +
                                  " bytes; the CPU share needs the RAM slots in one buffer");
     }
-    if (cfg_.drop_after_read) {
-        // Expert pages already in the page cache (the kernel's read-around of an earlier read of the file's header or
-        // of a neighbouring tensor) leave it now: they are not meant to be in RAM there, and one of them may carry a
-        // read-ahead mark, whose first read would start an asynchronous read-ahead of the next megabytes of experts.
-        for (size_t l = 0; l < L; ++l) {
-            for (int i = 0; i < 3; ++i) {
-                const int32_t f = cfg_.file_of[l][(size_t) i];
-                if (f < 0) continue;
-                posix_fadvise(fds_[(size_t) f], (off_t) cfg_.offset_of[l][(size_t) i],
-                              (off_t) (expert_bytes_[l][(size_t) i] * n_expert_), POSIX_FADV_DONTNEED);
-            }
-        }
-    }
+    drop_expert_pages();
     const size_t keys = L * (size_t) n_expert_;
     state_.assign(keys, 0);
     key_error_.assign(keys, std::string());
@@ -155,6 +143,23 @@ RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_
     cache_->set_record_evicted(true);
     cache_->take_evicted();
     for (int i = 0; i < cfg_.io_threads; ++i) workers_.emplace_back(&RamTier::worker, this);
+}
+
+void RamTier::drop_expert_pages() {
+    if (!cfg_.drop_after_read) return;
+    // Expert pages already in the page cache (the kernel's read-around of an earlier read of the file's header or of
+    // a neighbouring tensor, e.g. the loader uploading the weights next to the experts to a device) leave it: they
+    // are not meant to be in RAM there, and one of them may carry a read-ahead mark, whose first read would start an
+    // asynchronous read-ahead of the next megabytes of experts. Pages still being read, or mapped by the loader's
+    // fault-around, stay: the first ubatch drops them again (acquire).
+    for (size_t l = 0; l < (size_t) n_layers_; ++l) {
+        for (int i = 0; i < 3; ++i) {
+            const int32_t f = cfg_.file_of[l][(size_t) i];
+            if (f < 0) continue;
+            posix_fadvise(fds_[(size_t) f], (off_t) cfg_.offset_of[l][(size_t) i],
+                          (off_t) (expert_bytes_[l][(size_t) i] * n_expert_), POSIX_FADV_DONTNEED);
+        }
+    }
 }
 
 RamTier::~RamTier() {
@@ -243,11 +248,14 @@ bool RamTier::start_read(int layer, int expert, uint8_t tag, double now_s) {
         key_error_[(size_t) key].clear();
         prefetched_[(size_t) key] = tag;
         const Job j{key, pool_.slot_of(layer, expert), prefetch};
-        // a demand read goes before every queued prefetch: the layer computing now waits for it
+        // a demand read goes before every queued prefetch (the layer computing now waits for it), after the
+        // demand reads queued before it (the plan op issues the reads it waits for first, first)
         if (prefetch) {
             queue_.push_back(j);
         } else {
-            queue_.push_front(j);
+            auto it = queue_.begin();
+            while (it != queue_.end() && !it->prefetch) ++it;
+            queue_.insert(it, j);
         }
     }
     cv_work_.notify_one();
@@ -442,17 +450,28 @@ void RamTier::check_files() const {
     }
 }
 
-void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> & experts, double now_s) {
+void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> & experts, double now_s,
+                      size_t wait_first) {
     const int layer = seen.layer;
     // once per ubatch (its first MoE layer): a file written in place keeps its size, so its modification time is
     // checked too (an fstat per file; a short read catches a truncation between two checks)
-    if (layer == 0) check_files();
+    if (layer == 0) {
+        check_files();
+        if (!dropped_again_) {  // the load's read-ahead that was still in flight when the tier opened
+            drop_expert_pages();
+            dropped_again_ = true;
+        }
+    }
     harvest();
     // the policy sees the whole layer's routing (its scores rank every expert), the lookups only the CPU's experts
     cache_->observe(seen);
     uint64_t hits = 0, late = 0, misses = 0, used = 0;
     std::vector<int64_t> wait;
-    for (int32_t e : experts) {
+    rest_wait_.clear();
+    for (size_t j = 0; j < experts.size(); ++j) {
+        const int32_t e = experts[j];
+        // the experts past wait_first are waited for by wait_rest()
+        std::vector<int64_t> & waits = j < wait_first ? wait : rest_wait_;
         const int64_t key = (int64_t) layer * n_expert_ + e;
         cache_->access(layer, e, now_s);
         uint8_t st;
@@ -469,7 +488,7 @@ void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> 
             ++hits;
             if (st == 1) {
                 ++late;
-                wait.push_back(key);
+                waits.push_back(key);
             }
             pin(key);
             pins_[(size_t) layer].push_back(e);
@@ -501,11 +520,29 @@ void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> 
         }
         pin(key);
         pins_[(size_t) layer].push_back(e);
-        wait.push_back(key);
+        waits.push_back(key);
     }
+    {
+        std::lock_guard<std::mutex> slock(stats_mu_);
+        stats_.accesses += experts.size();
+        stats_.hits += hits;
+        stats_.late += late;
+        stats_.misses += misses;
+        stats_.prefetch_used += used;
+    }
+    wait_keys(wait);
+}
+
+void RamTier::wait_rest() {
+    std::vector<int64_t> keys;
+    keys.swap(rest_wait_);
+    wait_keys(keys);
+}
+
+void RamTier::wait_keys(const std::vector<int64_t> & keys) {
     const auto t0 = std::chrono::steady_clock::now();
     std::string err;
-    for (int64_t key : wait) {
+    for (int64_t key : keys) {
         wait_for(key);
         std::lock_guard<std::mutex> lock(mu_);
         if (err.empty() && !key_error_[(size_t) key].empty()) err = key_error_[(size_t) key];
@@ -515,14 +552,19 @@ void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> 
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     {
         std::lock_guard<std::mutex> slock(stats_mu_);
-        stats_.accesses += experts.size();
-        stats_.hits += hits;
-        stats_.late += late;
-        stats_.misses += misses;
-        stats_.prefetch_used += used;
         stats_.wait_s += waited;
     }
     if (!err.empty()) throw std::runtime_error(err);
+}
+
+void RamTier::note_used(int layer, int expert) {
+    std::lock_guard<std::mutex> lock(mu_);
+    uint8_t & tag = prefetched_[(size_t) layer * n_expert_ + expert];
+    if (!tag) return;
+    if (tag >= 1 && tag <= 3) judge(tag, true);
+    tag = 0;
+    std::lock_guard<std::mutex> slock(stats_mu_);
+    stats_.prefetch_used += 1;
 }
 
 void RamTier::release(int layer) {

@@ -25,6 +25,7 @@
 
 #include <array>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -101,8 +102,17 @@ public:
     /// or when the pinned experts leave no slot (a budget below the minimum).
     void acquire(int layer, const std::vector<int32_t> & experts, const std::vector<int32_t> & loads, int n_tokens,
                  int top_k, const std::vector<float> & scores, int64_t step, double now_s);
-    /// The same with the layer's observation as the GPU cache saw it (LayerDecider::observation).
-    void acquire(const LayerObservation & seen, const std::vector<int32_t> & experts, double now_s);
+    /// The same with the layer's observation as the GPU cache saw it (LayerDecider::observation); it waits only
+    /// for the reads of the first `wait_first` experts, and wait_rest() for the others' (the reads are all issued,
+    /// in the order given).
+    void acquire(const LayerObservation & seen, const std::vector<int32_t> & experts, double now_s,
+                 size_t wait_first = SIZE_MAX);
+    /// Waits for the reads the last acquire() left (its experts past wait_first). Throws as acquire.
+    void wait_rest();
+    /// A read ahead of (layer, expert) was used other than through acquire (copied to the GPU): counted as used.
+    void note_used(int layer, int expert);
+    /// Whether this tier holds a pin on (layer, expert) now.
+    bool is_pinned(int layer, int expert) const { return pin_count_[(size_t) layer * n_expert_ + expert] > 0; }
     /// RAM slot of (layer, expert), or -1.
     int32_t slot_of(int layer, int expert) const { return pool_.slot_of(layer, expert); }
     /// Unpins the experts acquire(layer) pinned and the prefetches made for this layer.
@@ -160,6 +170,10 @@ private:
     int64_t read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, uint8_t * staging, uint64_t & calls,
                        bool & direct);
     void close_files();
+    /// POSIX_FADV_DONTNEED over every expert range (drop_after_read only): at open, and once more at the first
+    /// ubatch.
+    void drop_expert_pages();
+    bool dropped_again_ = false;
     /// Throws std::runtime_error naming the file when one of the files no longer has the size or modification time
     /// it had at load.
     void check_files() const;
@@ -177,6 +191,9 @@ private:
     /// Completed reads since the last call: their pins from the read are dropped, errors collected.
     void harvest();
     void wait_for(int64_t key);
+    /// Waits for the reads of `keys`, then throws std::runtime_error with the first one's error, if any.
+    void wait_keys(const std::vector<int64_t> & keys);
+    std::vector<int64_t> rest_wait_;        // reads acquire() left to wait_rest()
     void drop_evicted();
     void pin(int64_t key);
     void unpin(int64_t key);

@@ -158,9 +158,10 @@ def test_bench_ram_tier_cpu_only(tiny_model, tmp_path, capsys, monkeypatch):
     assert "disk MiB/token pp, tg" in table and "hybrimoe RAM lru" in table
 
 
-@pytest.mark.parametrize("extra, match", [(["--moe-cache", "25%"], "GPU expert cache above it is not supported"),
+@pytest.mark.parametrize("extra, match", [(["--moe-cache", "25%"], "has no GPU mode"),
                                           (["--ram-policies", "belady"], "clairvoyant"),
-                                          (["--ram-policies", "fifo"], "--ram-policies"),
+                                          (["--ram-policies", "fifo"], "known: mrs, lru, lfu, or"),
+                                          (["--ram-policies", "lru,mrs,lru"], "names lru twice"),
                                           (["--ram-policies", ""], "--ram-policies is empty"),
                                           (["--stand-in"], "CPU only"),
                                           (["--policies", "hybrimoe"], "--ram-policies, not --policies"),

@@ -322,6 +322,19 @@ def test_budgets_out_of_range_are_refused_with_the_numbers(tiny_model):
         ram_slots(mem["total"] + 1, f, 64, memory=mem)
     with pytest.raises(ValueError, match="moe_ram_cache"):
         Llama(str(path), moe_ram_cache="lots", **_kw(64))
+    # the tier has no "no cache": 0 is below the minimum, and the message does not offer it
+    with pytest.raises(ValueError, match="smaller than one expert") as e:
+        ram_slots(f.slot_bytes - 1, f, 64, memory=mem)
+    assert "use 0" not in str(e.value)
+    with pytest.raises(ValueError, match="holds 0 experts|smaller than one expert"):
+        ram_slots(0, f, 64, memory=mem)
+    # a float below 1 is a share written as bytes: refused with the percentage it meant
+    with pytest.raises(ValueError, match=r"'50%'"):
+        Llama(str(path), moe_ram_cache=0.5, **_kw(64))
+    # at n_ubatch 1 no smaller ubatch would help
+    with pytest.raises(ValueError) as e:
+        ram_slots((f.top_k - 1) * f.slot_bytes, f, 1, memory=mem)
+    assert "smaller n_ubatch" not in str(e.value)
 
 
 def test_options_that_do_not_go_with_the_ram_tier_are_refused(tiny_model):
@@ -334,7 +347,8 @@ def test_options_that_do_not_go_with_the_ram_tier_are_refused(tiny_model):
         Llama(str(path), moe_ram_policy="lru", **_kw())
     with pytest.raises(ValueError, match="belady"):
         Llama(str(path), moe_ram_cache="100%", moe_ram_policy="belady", **_kw())
-    with pytest.raises(ValueError, match="moe_cache=0"):
+    # a GPU cache above the RAM tier needs an accelerator (tests/runtime/test_ram_tier_gpu.py runs it on one)
+    with pytest.raises(ValueError, match="accelerator"):
         Llama(str(path), moe_ram_cache="100%", moe_cache="50%", **_kw())
 
 
