@@ -361,8 +361,8 @@ class EngineSetup:
         machine's first GPU); ``tensor_overrides``: the user's ``(pattern, buffer type)`` overrides (none may put
         routed experts on a device: the engine keeps them in host memory). ``moe_ram_cache``: the RAM tier's
         budget (:mod:`hybrimoe.runtime.ram_tier`; turns the engine on with ``moe_cache=0`` when that is not given;
-        with a GPU cache too, every GPU load copies from a RAM slot), ``moe_ram_policy`` its cache policy (:func:`ram_cache_policy`),
-        ``n_ubatch`` the context's ubatch (the smallest RAM budget).
+        with a GPU cache too, every GPU load copies from a RAM slot), ``moe_ram_policy`` its cache policy
+        (:func:`ram_cache_policy`), ``n_ubatch`` the context's ubatch (the smallest RAM budget).
 
         Raises:
             ValueError: a ``moe_*`` option without ``moe_cache``; a bad budget, policy, prefetch depth, cost model,
