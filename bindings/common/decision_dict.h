@@ -35,6 +35,9 @@ inline py::dict decision_to_dict(const hybrimoe::DecisionRecord & r) {
     d["loads"] = r.loads;
     d["cached"] = r.cached;
     d["ready_s"] = r.ready_s;
+    d["on_disk"] = r.on_disk;
+    d["read_s"] = r.read_s;
+    d["read_slots"] = r.read_slots;
     d["planned_gpu"] = r.planned_gpu;
     d["on_gpu"] = r.on_gpu;
     d["loaded"] = r.loaded;
@@ -118,6 +121,9 @@ inline hybrimoe::DecisionRecord decision_from_dict(py::handle h, size_t index) {
         key = "loads"; r.loads = field_or_empty<int32_t>(d, key);
         key = "cached"; r.cached = field_or_empty<uint8_t>(d, key);
         key = "ready_s"; r.ready_s = field_or_empty<double>(d, key);
+        key = "on_disk"; r.on_disk = field_or_empty<uint8_t>(d, key);
+        key = "read_s"; r.read_s = d.contains(key) ? d[key].cast<double>() : 0.0;
+        key = "read_slots"; r.read_slots = d.contains(key) ? d[key].cast<int>() : 1;
         key = "planned_gpu"; r.planned_gpu = field_or_empty<uint8_t>(d, key);
         key = "on_gpu"; r.on_gpu = field_or_empty<uint8_t>(d, key);
         key = "loaded"; r.loaded = field_or_empty<int32_t>(d, key);

@@ -75,6 +75,10 @@ void bind_scheduler(py::module_ & m) {
         .def_readwrite("loads", &LayerInput::loads)
         .def_readwrite("cached", &LayerInput::cached)
         .def_readwrite("ready_s", &LayerInput::ready_s)
+        .def_readwrite("on_disk", &LayerInput::on_disk,
+                       "per expert: 1 when not in RAM yet (a RAM tier; read before the CPU or a copy); [] none")
+        .def_readwrite("read_s", &LayerInput::read_s, "seconds one expert read takes (0: no reads in the timeline)")
+        .def_readwrite("read_slots", &LayerInput::read_slots, "reads in flight at once")
         .def("__len__", &LayerInput::size)
         .def("validate", &LayerInput::validate)
         .def(
@@ -155,7 +159,15 @@ void bind_scheduler(py::module_ & m) {
                 self.greedy_split(in, cost, on_gpu);
                 return on_gpu;
             },
-            py::arg("layer_input"), py::arg("cost"), "The paper's greedy split alone (no best-of).");
+            py::arg("layer_input"), py::arg("cost"), "The paper's greedy split alone (no best-of).")
+        .def(
+            "makespan",
+            [](HybriMoEScheduler & self, const LayerInput & in, const CostModel & cost) {
+                in.validate();
+                return self.makespan(in, cost);
+            },
+            py::arg("layer_input"), py::arg("cost"),
+            "plan(layer_input, cost).makespan_s without building the plan (seconds; the prefetcher's evaluation).");
     py::classh<CpuUncachedScheduler, SchedulePolicy>(m, "CpuUncachedScheduler",
                                                      "kTransformers-style: uncached experts on the CPU.")
         .def(py::init<>());

@@ -15,14 +15,15 @@ def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert
     """Budget in bytes from ``"25%"`` (of all routed-expert bytes), ``"3GiB"``, ``"512MB"`` or a number of bytes.
 
     0 is valid (nothing cached) unless ``allow_zero`` is False. Raises ValueError on an unparsable spec, a number
-    that is not a whole number of bytes (``0.5``: a share is written ``"50%"``), a negative budget, a percentage
-    above 100, a positive budget smaller than one expert (``expert_bytes``), or 0 where it is not allowed.
+    between 0 and 1 (``0.5``: bytes, so a share written as a fraction; a share is ``"50%"``), a negative budget, a
+    percentage above 100, a positive budget smaller than one expert (``expert_bytes``), or 0 where it is not
+    allowed.
     """
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         b = float(spec)
-        if math.isfinite(b) and b != int(b):
-            raise ValueError(f"cache budget {spec!r}: a number is bytes, and this is not a whole number of bytes; "
-                             f"write a share as a percentage ('{100 * b:g}%')")
+        if 0 < b < 1:
+            raise ValueError(f"cache budget {spec!r}: a number is bytes, and this is less than one byte; write a "
+                             f"share as a percentage ('{100 * b:g}%')")
     else:
         s = str(spec).strip().lower()
         m = re.fullmatch(r"([-+]?[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*(%|[a-z]*)", s)

@@ -75,6 +75,18 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
             in_.ready_s[i] = std::max(0.0, cache_->ready_s(layer, e) - now_s);
         }
     }
+    // the RAM tier's reads, where there is one (the split sees which experts are not in RAM yet)
+    int slots = 1;
+    const double rs = place.read_s(layer, slots);
+    if (rs > 0.0) {
+        in_.on_disk.assign(in_.size(), 0);
+        for (size_t i = 0; i < in_.size(); ++i) in_.on_disk[i] = place.on_disk(layer, in_.experts[i]) ? 1 : 0;
+        in_.read_s = rs;
+        in_.read_slots = std::max(1, slots);
+    } else {
+        in_.read_s = 0.0;
+        in_.read_slots = 1;
+    }
     pcie_free_s_ = std::max(0.0, pcie_free_s);
     in_.pcie_free_s = pcie_free_s_;
     extra_copy_s_ = 0.0;
@@ -114,6 +126,9 @@ const std::vector<uint8_t> & LayerDecider::split(int64_t ubatch, int layer, cons
         rec->loads = in_.loads;
         rec->cached = in_.cached;
         rec->ready_s = in_.ready_s;
+        rec->on_disk = in_.on_disk;
+        rec->read_s = in_.read_s;
+        rec->read_slots = in_.read_slots;
         rec->planned_gpu = plan_.on_gpu;
     }
     on_gpu_ = plan_.on_gpu;
@@ -208,6 +223,9 @@ double record_makespan(const DecisionRecord & rec, const CostModel & cost) {
     in.loads = rec.loads;
     in.cached = rec.cached;
     in.ready_s = rec.ready_s;
+    if (rec.on_disk.size() == k) in.on_disk = rec.on_disk;
+    in.read_s = rec.read_s;
+    in.read_slots = std::max(1, rec.read_slots);
     SchedulePlan plan;
     evaluate_plan(in, cost, rec.on_gpu, plan);
     charge_late_copies(plan, cost, plan.cpu_end_s, plan.gpu_end_s,

@@ -36,6 +36,9 @@ struct DecisionRecord {
     std::vector<int32_t> experts, loads; ///< activated experts and their token counts
     std::vector<uint8_t> cached;         ///< resident (or its copy queued) when looked up
     std::vector<double> ready_s;         ///< per `experts` index: when a cached one is usable, seconds after now_s
+    std::vector<uint8_t> on_disk;        ///< per `experts` index: not in RAM yet (a RAM tier); empty: none
+    double read_s = 0;                   ///< seconds one expert read takes (LayerInput::read_s; 0: no disk)
+    int read_slots = 1;                  ///< reads in flight at once
     std::vector<uint8_t> planned_gpu;    ///< the scheduler's split (per `experts` index, 1 = GPU)
     std::vector<uint8_t> on_gpu;         ///< the split run (planned loads the cache refused ran on the CPU)
     std::vector<int32_t> loaded, declined, filled;   ///< demand loads admitted / refused; fills admitted
@@ -71,6 +74,19 @@ public:
     virtual double load(int layer, int expert, Kind kind) = 0;
     /// Whether MoE layer `layer` can hold experts on the GPU (the engine: its tensors are known).
     virtual bool holds(int layer) const = 0;
+    /// A RAM tier below the GPU: the seconds one expert of `layer` takes to read and how many reads run at once
+    /// (0 s: no RAM tier, or nothing measured yet; the split then plans without reads), and whether (layer, expert)
+    /// must be read before the CPU computes it or the GPU copies it (LayerInput::on_disk).
+    virtual double read_s(int layer, int & slots) const {
+        (void) layer;
+        slots = 1;
+        return 0.0;
+    }
+    virtual bool on_disk(int layer, int expert) const {
+        (void) layer;
+        (void) expert;
+        return false;
+    }
     /// The cache evicted these keys (layer * n_experts + expert) since the last call.
     virtual void evicted(const std::vector<int64_t> & keys) { (void) keys; }
 };

@@ -1,6 +1,7 @@
 #include "policy/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <array>
 #include <functional>
 #include <limits>
@@ -18,6 +19,13 @@ void LayerInput::validate() const {
     }
     if (n_tokens < 1) {
         throw std::invalid_argument("LayerInput.n_tokens must be >= 1, got " + std::to_string(n_tokens));
+    }
+    if (!on_disk.empty() && on_disk.size() != k) {
+        throw std::invalid_argument("LayerInput: on_disk must be empty or have one entry per expert (got " +
+                                    std::to_string(on_disk.size()) + " for " + std::to_string(k) + ")");
+    }
+    if (!(read_s >= 0.0) || !std::isfinite(read_s) || read_slots < 1) {
+        throw std::invalid_argument("LayerInput: read_s must be finite and >= 0, read_slots >= 1");
     }
     if (!(expert_bytes >= 0.0) || !(pcie_free_s >= 0.0)) {
         throw std::invalid_argument("LayerInput.expert_bytes and pcie_free_s must be >= 0");
@@ -37,6 +45,20 @@ void LayerInput::validate() const {
             }
         }
     }
+}
+
+bool LayerInput::has_disk() const {
+    if (!(read_s > 0.0)) return false;
+    for (uint8_t d : on_disk) {
+        if (d) return true;
+    }
+    return false;
+}
+
+double LayerInput::reads_s(int n) const {
+    if (n <= 0) return 0.0;
+    const int slots = std::max(1, read_slots);
+    return static_cast<double>((n + slots - 1) / slots) * read_s;
 }
 
 void LayerInput::set_routing(const int32_t * ids, int n_tokens_, int top_k, int n_experts) {
@@ -76,6 +98,7 @@ void LayerInput::set_routing(const int32_t * ids, int n_tokens_, int top_k, int 
     n_tokens = n_tokens_;
     cached.assign(experts.size(), 0);
     ready_s.assign(experts.size(), 0.0);
+    on_disk.clear();
 }
 
 namespace {
@@ -136,8 +159,12 @@ double evaluate_plan(const LayerInput & in, const CostModel & cost, const std::v
 
 namespace {
 
+double evaluate_disk(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
+                     const std::vector<int32_t> & idx, SchedulePlan & out);
+
 double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
                         const std::vector<int32_t> & idx, SchedulePlan & out) {
+    if (in.has_disk()) return evaluate_disk(in, cost, on_gpu, idx, out);
     const size_t k = in.size();
     // A GPU task: release time, rank r in idx (load-descending order), LayerInput index.
     struct Task {
@@ -216,9 +243,121 @@ double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std
     return out.makespan_s;
 }
 
+// evaluate_ordered with the RAM tier's reads in the timeline (evaluate_plan's documentation): the same queues, the
+// CPU share and the copies from disk delayed by the reads they wait for.
+double evaluate_disk(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
+                     const std::vector<int32_t> & idx, SchedulePlan & out) {
+    const size_t k = in.size();
+    struct Task {
+        double ready;
+        int32_t r;
+        int32_t i;
+    };
+    thread_local std::vector<Task> cached_tasks, copied_tasks, gpu_tasks;
+    if (&out.on_gpu != &on_gpu) out.on_gpu = on_gpu;
+    out.cpu_experts.clear();
+    out.gpu_experts.clear();
+    out.load_experts.clear();
+    cached_tasks.clear();
+    copied_tasks.clear();
+    int n_g = 0, n_c = 0;  // reads for the GPU's copies, for the CPU share
+    for (size_t i = 0; i < k; ++i) {
+        if (!in.on_disk[i]) continue;
+        if (!on_gpu[i]) {
+            ++n_c;
+        } else if (!in.cached[i]) {
+            ++n_g;
+        }
+    }
+    const double gpu_reads = in.reads_s(n_g), all_reads = in.reads_s(n_g + n_c);
+
+    double t_cpu = 0.0;
+    for (int pass = 0; pass < 2; ++pass) {
+        for (size_t r = k; r-- > 0;) {
+            const int32_t i = idx[r];
+            if (!on_gpu[i] && (in.cached[i] != 0) == (pass == 1)) {
+                t_cpu += cost.cpu(in.loads[i]);
+                out.cpu_experts.push_back(in.experts[i]);
+            }
+        }
+    }
+    if (!out.cpu_experts.empty()) t_cpu += cost.cpu_startup_s + (n_c > 0 ? all_reads : 0.0);
+
+    // copies: the experts in RAM first, highest load first, then those read from disk once their reads ended
+    double t_link = in.pcie_free_s;
+    const double h2d = cost.h2d(in.expert_bytes);
+    for (int pass = 0; pass < 2; ++pass) {
+        if (pass == 1 && n_g > 0) t_link = std::max(t_link, gpu_reads);
+        for (size_t r = 0; r < k; ++r) {
+            const int32_t i = idx[r];
+            if (!on_gpu[i] || in.cached[i] || (in.on_disk[i] != 0) != (pass == 1)) continue;
+            t_link += h2d;
+            out.load_experts.push_back(in.experts[i]);
+            copied_tasks.push_back({t_link, static_cast<int32_t>(r), i});
+        }
+    }
+    for (size_t r = 0; r < k; ++r) {
+        const int32_t i = idx[r];
+        if (on_gpu[i] && in.cached[i]) cached_tasks.push_back({in.ready_s[i], static_cast<int32_t>(r), i});
+    }
+    auto earlier = [](const Task & a, const Task & b) { return a.ready < b.ready || (a.ready == b.ready && a.r < b.r); };
+    std::stable_sort(cached_tasks.begin(), cached_tasks.end(), earlier);
+    std::stable_sort(copied_tasks.begin(), copied_tasks.end(), earlier);
+    gpu_tasks.resize(cached_tasks.size() + copied_tasks.size());
+    std::merge(cached_tasks.begin(), cached_tasks.end(), copied_tasks.begin(), copied_tasks.end(), gpu_tasks.begin(),
+               earlier);
+    double t_gpu = 0.0;
+    if (!gpu_tasks.empty()) {
+        // the launch waits for the GPU's reads (the copies it reads are queued after them)
+        t_gpu = std::max(cost.copy_blocking(t_link), n_g > 0 ? gpu_reads : 0.0) + cost.act(in.n_tokens);
+        for (const Task & task : gpu_tasks) {
+            t_gpu = std::max(t_gpu, task.ready) + cost.gpu(in.loads[task.i]);
+            out.gpu_experts.push_back(in.experts[task.i]);
+        }
+    }
+    if (!out.cpu_experts.empty()) t_cpu += cost.cpu_copy_blocking(t_link - in.pcie_free_s);
+    out.cpu_end_s = t_cpu;
+    out.gpu_end_s = t_gpu;
+    out.pcie_end_s = t_link;
+    out.makespan_s = std::max(t_cpu, t_gpu);
+    return out.makespan_s;
+}
+
 }  // namespace
 
+double MakespanEvaluator::disk_makespan(const uint8_t * on_rank) {
+    const size_t k = index_.size();
+    disk_split_.resize(k);
+    for (size_t r = 0; r < k; ++r) disk_split_[index_[r]] = on_rank[r];
+    return evaluate_ordered(disk_in_, disk_cost_, disk_split_, disk_desc_, disk_plan_);
+}
+
+void MakespanEvaluator::improve_split(std::vector<uint8_t> & on_gpu, double & best) {
+    if (!disk_) return;
+    const size_t k = on_gpu.size();
+    for (size_t round = 0; round < k; ++round) {
+        bool improved = false;
+        for (size_t i = 0; i < k; ++i) {
+            on_gpu[i] ^= 1;
+            const double m = makespan(on_gpu.data());
+            if (m < best) {
+                best = m;
+                improved = true;
+            } else {
+                on_gpu[i] ^= 1;
+            }
+        }
+        if (!improved) break;
+    }
+}
+
 void MakespanEvaluator::prepare(const LayerInput & in, const CostModel & cost, const std::vector<int32_t> & desc) {
+    disk_ = in.has_disk();
+    if (disk_) {
+        disk_in_ = in;
+        disk_cost_ = cost;
+        disk_desc_.assign(desc.begin(), desc.begin() + static_cast<std::ptrdiff_t>(in.size()));
+    }
     const size_t k = in.size();
     index_.assign(desc.begin(), desc.begin() + static_cast<std::ptrdiff_t>(k));
     rank_of_.resize(k);
@@ -342,6 +481,7 @@ uint32_t MakespanEvaluator::best_mask(double & best) {
 }
 
 double MakespanEvaluator::makespan_ranked() {
+    if (disk_) return disk_makespan(on_rank_.data());
     // evaluate_ordered's arithmetic, operation for operation (see there for what each step models)
     const uint8_t * on = on_rank_.data();
     // CPU queue: uncached lowest load first (ranks descending), then cached lowest load first
@@ -544,13 +684,29 @@ double MakespanEvaluator::best_of_greedy_and_trivial() {
     // plan()'s three candidates, makespans only: the same first minimum (strictly shorter replaces)
     greedy();
     double best = makespan_ranked();
+    int pick = -1;  // -1 the greedy split, 0 all-CPU, 1 all-GPU
     const double cpu = makespan_all_cpu();
-    if (cpu < best) best = cpu;
+    if (cpu < best) {
+        best = cpu;
+        pick = 0;
+    }
     // the all-GPU plan ends no sooner than its last copy plus one task (see makespan_all_gpu_bound): when that is
     // not shorter than the best so far, it cannot be chosen and is not evaluated
     if (makespan_all_gpu_bound() < best) {
         const double gpu = makespan_all_gpu();
-        if (gpu < best) best = gpu;
+        if (gpu < best) {
+            best = gpu;
+            pick = 1;
+        }
+    }
+    if (disk_) {  // plan()'s local search from the split it chose
+        std::vector<uint8_t> split;
+        if (pick < 0) {
+            split_by_input(split);
+        } else {
+            split.assign(index_.size(), static_cast<uint8_t>(pick));
+        }
+        improve_split(split, best);
     }
     return best;
 }
@@ -568,6 +724,10 @@ double MakespanEvaluator::makespan_all_gpu_bound() const {
 }
 
 double MakespanEvaluator::makespan_all_cpu() {
+    if (disk_) {
+        disk_split_.assign(index_.size(), 0);
+        return evaluate_ordered(disk_in_, disk_cost_, disk_split_, disk_desc_, disk_plan_);
+    }
     // makespan_ranked() with every rank on the CPU: the CPU queue only (nothing is copied, the GPU stays idle)
     double t_cpu = 0.0;
     for (size_t j = uncached_.size(); j-- > 0;) t_cpu += cpu_s_[uncached_[j]];
@@ -579,6 +739,10 @@ double MakespanEvaluator::makespan_all_cpu() {
 }
 
 double MakespanEvaluator::makespan_all_gpu() {
+    if (disk_) {
+        disk_split_.assign(index_.size(), 1);
+        return evaluate_ordered(disk_in_, disk_cost_, disk_split_, disk_desc_, disk_plan_);
+    }
     // makespan_ranked() with every rank on the GPU: every uncached expert copied, all merged by (ready, rank)
     double t_link = pcie_free_s_;
     int n_copied = 0;
@@ -657,10 +821,21 @@ MakespanEvaluator::CacheChange MakespanEvaluator::apply_cached(int32_t i, double
     ready_rank_[c.r] = ready_s;
     c.pcie_free = pcie_free_s_;
     pcie_free_s_ = pcie_free_s;
+    if (disk_) {
+        disk_in_.cached[static_cast<size_t>(i)] = 1;
+        disk_in_.ready_s[static_cast<size_t>(i)] = ready_s;
+        disk_in_.pcie_free_s = pcie_free_s;
+    }
     return c;
 }
 
 void MakespanEvaluator::undo(const CacheChange & c) {
+    if (disk_) {
+        const size_t i = static_cast<size_t>(index_[static_cast<size_t>(c.r)]);
+        disk_in_.cached[i] = 0;
+        disk_in_.ready_s[i] = c.ready;
+        disk_in_.pcie_free_s = c.pcie_free;
+    }
     pcie_free_s_ = c.pcie_free;
     ready_rank_[c.r] = c.ready;
     erase_at(cached_ready_, c.order);
@@ -681,7 +856,7 @@ void MakespanEvaluator::set_cached(int32_t i, double ready_s, double pcie_free_s
 }
 
 int32_t MakespanEvaluator::equal_result_key(int32_t i) const {
-    if (!uniform_costs_) return -1;
+    if (!uniform_costs_ || disk_) return -1;  // with the disk, which experts are on it tells them apart
     // apply_cached's position of the rank in cached_desc_ (ranks descending)
     const int32_t r = rank_of_[static_cast<size_t>(i)];
     int32_t above = 0;
@@ -709,6 +884,17 @@ void HybriMoEScheduler::plan(const LayerInput & in, const CostModel & cost, Sche
         if (eval_.makespan(trial_.data()) < out.makespan_s) {
             evaluate_ordered(in, cost, trial_, by_load_desc_, out);
             out.method = trivial ? "all_gpu" : "all_cpu";
+        }
+    }
+    // the RAM tier's reads (LayerInput::on_disk): the greedy does not see them, a local search on the full
+    // timeline does
+    if (eval_.has_disk()) {
+        trial_ = out.on_gpu;
+        double best = out.makespan_s;
+        eval_.improve_split(trial_, best);
+        if (best < out.makespan_s) {
+            evaluate_ordered(in, cost, trial_, by_load_desc_, out);
+            out.method += "+reads";
         }
     }
 }

@@ -22,8 +22,18 @@ struct LayerInput {
     std::vector<int32_t> loads;    ///< tokens routed to each expert, >= 1
     std::vector<uint8_t> cached;   ///< 1 when resident on the GPU or already in flight there
     std::vector<double> ready_s;   ///< for cached experts: when the weights are usable on the GPU (0 = now)
+    /// A RAM tier below the GPU cache (docs/design.md §18): per expert, 1 when its bytes are not in RAM yet (on
+    /// disk, or its read still in flight). Such an expert is read before the CPU computes it or the GPU copies
+    /// it; a cached one on the GPU needs no read. Empty: every expert is in RAM (no disk in the timeline).
+    std::vector<uint8_t> on_disk;
+    double read_s = 0.0;           ///< seconds one expert's read takes, with up to read_slots reads in flight
+    int read_slots = 1;            ///< reads in flight at once (the RAM tier's I/O workers)
 
     size_t size() const { return experts.size(); }
+    /// Whether the disk is in the timeline: some expert on disk and a known read time.
+    bool has_disk() const;
+    /// Seconds `n` reads take, issued together: ceil(n / read_slots) waves of read_s.
+    double reads_s(int n) const;
     /// Throws std::invalid_argument when the vectors disagree in length, a load is < 1, a time is negative
     /// or an expert id repeats.
     void validate() const;
@@ -50,6 +60,11 @@ struct SchedulePlan {
 void load_descending_order(const LayerInput & in, std::vector<int32_t> & idx);
 
 /// Predicted timeline of a given split `on_gpu` (size k), filling `out` (method untouched).
+/// With the disk in the timeline (LayerInput::has_disk) the RAM tier's reads come first, as the engine issues
+/// them: those of the GPU's uncached experts on disk (n_g), then the CPU's experts on disk (n_c), all at once. The
+/// GPU's copies of experts already in RAM run first; its copies from disk start when their reads end
+/// (reads_s(n_g)), and so does its launch; the CPU share starts when every read it needs ended
+/// (reads_s(n_g + n_c)), before its start-up.
 /// CPU experts run back to back (start-up paid once); uncached GPU experts are copied highest load first from
 /// `pcie_free_s` (Johnson's rule with equal copy times, so that order is optimal); the GPU pays one activation
 /// round trip, then runs its experts earliest-ready first (optimal for one machine with release times). On a
@@ -88,8 +103,14 @@ public:
     static constexpr int kMaxMaskSearch = 16;
     /// HybriMoE's greedy split of the prepared input (HybriMoE §IV.B), kept as the current split.
     void greedy();
-    /// min(greedy, all-CPU, all-GPU) makespan of the prepared input, seconds (HybriMoEScheduler::plan's choice).
+    /// min(greedy, all-CPU, all-GPU) makespan of the prepared input, seconds (HybriMoEScheduler::plan's choice);
+    /// with the disk in the timeline, that split improved by improve_split.
     double best_of_greedy_and_trivial();
+    /// With the disk in the timeline: moves single experts to the other side while that shortens the makespan
+    /// (first improvement, in LayerInput order, at most k rounds); `on_gpu` (per LayerInput index) and `best` (its
+    /// makespan) are updated. The greedy does not see the reads; this local search does.
+    void improve_split(std::vector<uint8_t> & on_gpu, double & best);
+    bool has_disk() const { return disk_; }
     /// best_of_greedy_and_trivial() of the prepared input changed in one place: the uncached expert of LayerInput
     /// index i cached, usable from ready_s, and the copy queue busy for pcie_free_s. Bit-identical to preparing that
     /// input and asking best_of_greedy_and_trivial(), without preparing it (the per-rank costs stay; only the lists
@@ -145,6 +166,15 @@ private:
     double copy_overlap_ = 1.0, cpu_copy_overlap_ = 1.0;
     double gpu_min_s_ = 0.0;              // the cheapest GPU task
     bool uniform_costs_ = false;          // every rank's cpu_s_ equal, and every gpu_s_ equal
+    // the disk in the timeline: the evaluations run evaluate_plan's own code on a copy of the input (kept in step
+    // with apply_cached and undo), bit for bit; the fast paths above are for inputs without it
+    bool disk_ = false;
+    LayerInput disk_in_;
+    CostModel disk_cost_;
+    std::vector<int32_t> disk_desc_;
+    std::vector<uint8_t> disk_split_;
+    SchedulePlan disk_plan_;
+    double disk_makespan(const uint8_t * on_rank);
 };
 
 /// A scheduling policy: decides the CPU/GPU split of one layer. Subclass and override `split`

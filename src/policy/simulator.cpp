@@ -780,6 +780,17 @@ struct ReplayPlacement : ExpertPlacement {
     bool holds(int layer) const override {
         return layer >= 0 && layer < (int) layer_runs.size() && layer_runs[(size_t) layer];
     }
+    // the record's view of the RAM tier
+    double read_s(int, int & slots) const override {
+        slots = rec->read_slots;
+        return rec->on_disk.empty() ? 0.0 : rec->read_s;
+    }
+    bool on_disk(int, int expert) const override {
+        for (size_t i = 0; i < rec->experts.size() && i < rec->on_disk.size(); ++i) {
+            if (rec->experts[i] == expert) return rec->on_disk[i] != 0;
+        }
+        return false;
+    }
 };
 
 template <typename T>

@@ -388,6 +388,17 @@ void Engine::release_ram_holds(bool all) {
     for (int64_t key : ended) ram_->unhold((int) (key / cfg_.n_expert), (int) (key % cfg_.n_expert));
 }
 
+double Engine::Placement::read_s(int layer, int & slots) const {
+    // the RAM tier's measured time per expert read, the disk shared by its reads: one read at a time in the
+    // planner's timeline (LayerInput::reads_s)
+    slots = 1;
+    return engine->ram_ ? engine->ram_->read_estimate_s(layer) : 0.0;
+}
+
+bool Engine::Placement::on_disk(int layer, int expert) const {
+    return engine->ram_ && !engine->ram_->ready(layer, expert);
+}
+
 double Engine::Placement::load(int layer, int expert, Kind kind) {
     Engine & en = *engine;
     if (!en.pool_.assign(layer, expert)) {

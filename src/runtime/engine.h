@@ -208,6 +208,8 @@ private:
         double load(int layer, int expert, Kind kind) override;
         bool holds(int layer) const override;
         void evicted(const std::vector<int64_t> & keys) override;
+        double read_s(int layer, int & slots) const override;
+        bool on_disk(int layer, int expert) const override;
     };
     std::unique_ptr<LayerDecider> decider_;
     Placement placement_;

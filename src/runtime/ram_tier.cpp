@@ -276,18 +276,29 @@ void RamTier::worker() {
     }
     for (;;) {
         Job j{};
+        int conc = 1;
         {
             std::unique_lock<std::mutex> lock(mu_);
             cv_work_.wait(lock, [&] { return stop_ || !queue_.empty(); });
             if (stop_) return;
             j = queue_.front();
             queue_.pop_front();
-            ++in_flight_;
+            conc = ++in_flight_;
         }
+        const auto t0 = std::chrono::steady_clock::now();
         std::string err = read_expert(j, staging.get());
+        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         {
             std::lock_guard<std::mutex> lock(mu_);
             --in_flight_;
+            // the disk's time per byte: this read's time shared by the reads in flight when it started (the
+            // planner's read estimate, read_estimate_s)
+            const auto & eb = expert_bytes_[(size_t) (j.key / n_expert_)];
+            const double bytes = (double) (eb[0] + eb[1] + eb[2]);
+            if (err.empty() && bytes > 0.0) {
+                const double spb = dt / (double) std::max(1, conc) / bytes;
+                read_spb_ = read_spb_ > 0.0 ? 0.9 * read_spb_ + 0.1 * spb : spb;
+            }
             if (err.empty()) {
                 state_[(size_t) j.key] = 2;
             } else {
@@ -581,6 +592,12 @@ void RamTier::release(int layer) {
     }
     for (int32_t e : prefetch_pins_[(size_t) layer]) unpin((int64_t) layer * n_expert_ + e);
     prefetch_pins_[(size_t) layer].clear();
+}
+
+double RamTier::read_estimate_s(int layer) const {
+    const auto & eb = expert_bytes_[(size_t) layer];
+    std::lock_guard<std::mutex> lock(mu_);
+    return read_spb_ * (double) (eb[0] + eb[1] + eb[2]);
 }
 
 bool RamTier::ready(int layer, int expert) const {

@@ -53,7 +53,10 @@ struct RamTierConfig {
     /// O_DIRECT reads (aligned over-reads into a worker's staging buffer, then a copy into the slot); where the
     /// file system refuses O_DIRECT, buffered reads
     bool direct_io = true;
-    double min_prefetch_confidence = 0.5;       ///< a predicted expert is read ahead only above this confidence
+    /// a predicted expert is read ahead only at this confidence p or above: with the disk the bottleneck, a read
+    /// ahead saves its later demand read's time t with probability p and takes t from the demand reads otherwise,
+    /// so it pays off net of the waste, (2p - 1) t > 0, above 1/2
+    double min_prefetch_confidence = 0.5;
 };
 
 /// RAM tier counters (read between decodes; byte counts are file bytes read).
@@ -117,6 +120,9 @@ public:
     int32_t slot_of(int layer, int expert) const { return pool_.slot_of(layer, expert); }
     /// Unpins the experts acquire(layer) pinned and the prefetches made for this layer.
     void release(int layer);
+    /// Seconds the disk takes per expert of `layer` (its bytes at the measured time per byte: each read's time
+    /// divided by the reads in flight when it started, smoothed); 0 before the first read ended.
+    double read_estimate_s(int layer) const;
     /// Whether (layer, expert) is in its RAM slot with its read ended (a GPU load may copy from it now).
     bool ready(int layer, int expert) const;
     /// Host addresses of (layer, expert)'s gate (gate_up), up and down matrices in its RAM slot (ready() only).
@@ -223,6 +229,7 @@ private:
     std::condition_variable cv_work_, cv_done_;
     std::deque<Job> queue_;
     int in_flight_ = 0;
+    double read_spb_ = 0.0;                 // measured seconds per byte read (smoothed); under mu_
     bool stop_ = false;
     int fault_errno_ = 0, fault_count_ = 0;
     std::vector<std::thread> workers_;

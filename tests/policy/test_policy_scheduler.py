@@ -1,6 +1,7 @@
 """Scheduler (HybriMoE §IV.B) against oracles: an independent Python evaluator, brute force over splits and
 orders, hand-computed timelines, and the trivial plans."""
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -267,3 +268,105 @@ def test_bad_names_and_shapes():
         _core.evaluate_plan(li, cost(), [1])
     with pytest.raises(ValueError, match="outside 0..7"):
         _core.LayerInput().set_routing(np.array([[1, 9]]), 8)
+
+
+def py_makespan_disk(li, cm, on_gpu):
+    """Independent evaluator of evaluate_plan's timeline with the RAM tier's reads (docs/design.md §18): the GPU's
+    uncached experts on disk are read first (n_g), then the CPU's experts on disk (n_c), ceil(n / read_slots) waves
+    of read_s; the copies of experts in RAM first (load desc), then those from disk once their reads ended; the
+    GPU's launch waits for its reads; the CPU share starts after every read, then its start-up."""
+    k = len(li.experts)
+    disk = list(li.on_disk)
+    waves = lambda n: math.ceil(n / li.read_slots) * li.read_s if n > 0 else 0.0  # noqa: E731
+    n_g = sum(1 for i in range(k) if disk[i] and on_gpu[i] and not li.cached[i])
+    n_c = sum(1 for i in range(k) if disk[i] and not on_gpu[i])
+    cpu = [i for i in range(k) if not on_gpu[i]]
+    t_cpu = 0.0
+    if cpu:
+        t_cpu = sum(cm.cpu_a_s + cm.cpu_b_s * li.loads[i] for i in cpu) + cm.cpu_startup_s
+        t_cpu += waves(n_g + n_c) if n_c else 0.0
+    key = lambda i: (-li.loads[i], li.experts[i])  # noqa: E731
+    in_ram = sorted((i for i in range(k) if on_gpu[i] and not li.cached[i] and not disk[i]), key=key)
+    from_disk = sorted((i for i in range(k) if on_gpu[i] and not li.cached[i] and disk[i]), key=key)
+    rel = {i: li.ready_s[i] for i in range(k) if on_gpu[i] and li.cached[i]}
+    t = li.pcie_free_s
+    for i in in_ram:
+        t += li.expert_bytes / cm.h2d_bandwidth_Bps + cm.h2d_latency_s
+        rel[i] = t
+    if from_disk:
+        t = max(t, waves(n_g))
+    for i in from_disk:
+        t += li.expert_bytes / cm.h2d_bandwidth_Bps + cm.h2d_latency_s
+        rel[i] = t
+    t_gpu = 0.0
+    if rel:
+        t_gpu = (waves(n_g) if n_g else 0.0) + cm.act_a_s + cm.act_b_s * li.n_tokens
+        for i in sorted(rel, key=lambda i: (rel[i], key(i))):
+            t_gpu = max(t_gpu, rel[i]) + cm.gpu_a_s + cm.gpu_b_s * li.loads[i]
+    return max(t_cpu, t_gpu)
+
+
+@st.composite
+def disk_instances(draw, max_k=6):
+    li, cm = draw(instances(max_k=max_k, prefill=True))
+    k = len(li)
+    li.on_disk = draw(st.lists(st.integers(0, 1), min_size=k, max_size=k))
+    li.read_s = draw(st.sampled_from([1e-4, 5e-4, 2e-3]))
+    li.read_slots = draw(st.integers(1, 4))
+    return li, cm
+
+
+@settings(max_examples=150, deadline=None)
+@given(disk_instances(max_k=5))
+def test_the_timeline_with_reads_matches_an_independent_evaluator(case):
+    li, cm = case
+    for bits in itertools.product((0, 1), repeat=len(li)):
+        got = _core.evaluate_plan(li, cm, list(bits)).makespan_s
+        assert got == pytest.approx(py_makespan_disk(li, cm, bits), rel=1e-12, abs=1e-15), bits
+
+
+@settings(max_examples=150, deadline=None)
+@given(disk_instances(max_k=7))
+def test_the_planner_with_reads_is_never_worse_than_the_one_without(case):
+    """The split planned with the reads in the timeline: no longer (under that timeline) than all-CPU, all-GPU or
+    the split planned without them; the exhaustive scheduler finds the brute-force optimum; and the makespan the
+    prefetcher asks for (HybriMoEScheduler.makespan) is the plan's, bit for bit."""
+    li, cm = case
+    p = _core.HybriMoEScheduler().plan(li, cm)
+    timed = lambda bits: _core.evaluate_plan(li, cm, list(bits)).makespan_s  # noqa: E731
+    blind_in = _core.LayerInput(list(li.experts), list(li.loads), list(li.cached), list(li.ready_s),
+                                expert_bytes=li.expert_bytes, n_tokens=li.n_tokens, pcie_free_s=li.pcie_free_s)
+    blind = _core.HybriMoEScheduler().plan(blind_in, cm)
+    assert p.makespan_s <= timed(blind.on_gpu) + 1e-15
+    assert p.makespan_s <= timed([0] * len(li)) + 1e-15 and p.makespan_s <= timed([1] * len(li)) + 1e-15
+    assert p.makespan_s == timed(p.on_gpu)
+    assert _core.HybriMoEScheduler().makespan(li, cm) == p.makespan_s
+    best = min(timed(bits) for bits in itertools.product((0, 1), repeat=len(li)))
+    assert _core.ExhaustiveScheduler().plan(li, cm).makespan_s == pytest.approx(best, rel=1e-12, abs=1e-15)
+
+
+def test_experts_not_in_ram_stay_where_they_need_no_read():
+    """Hand-computed: four experts cached on the GPU, none in RAM (CPU and GPU 1 s each, reads 2 s, one at a time).
+    Without the reads the best split halves them (2 s); with them, a cached expert moved to the CPU costs its read
+    first: two on the CPU end at 2 x 2 + 2 = 6 s, one at 2 + 1 = 3 s against the GPU's 3 s, so one moves (3 s)."""
+    cm = cost(cpu_a=1.0, cpu_b=0.0, start=0.0, gpu_a=1.0, gpu_b=0.0, bw=1.0, lat=0.0, act_a=0.0, act_b=0.0)
+    li = _core.LayerInput([1, 2, 3, 4], [1, 1, 1, 1], [1, 1, 1, 1], expert_bytes=1.0)
+    blind = _core.HybriMoEScheduler().plan(li, cm)
+    assert blind.makespan_s == pytest.approx(2.0) and sum(blind.on_gpu) == 2
+    li.on_disk, li.read_s, li.read_slots = [1, 1, 1, 1], 2.0, 1
+    assert _core.evaluate_plan(li, cm, list(blind.on_gpu)).makespan_s == pytest.approx(6.0)
+    p = _core.HybriMoEScheduler().plan(li, cm)
+    assert p.makespan_s == pytest.approx(3.0) and sum(p.on_gpu) == 3
+    assert p.method.endswith("+reads")
+    # in RAM again, the reads leave the timeline
+    li.on_disk = [0, 0, 0, 0]
+    assert _core.HybriMoEScheduler().plan(li, cm).makespan_s == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("bad", [dict(on_disk=[1]), dict(read_s=-1.0), dict(read_slots=0)])
+def test_bad_read_fields_are_refused(bad):
+    li = _core.LayerInput([1, 2], [1, 1], [0, 0])
+    for k, v in bad.items():
+        setattr(li, k, v)
+    with pytest.raises(ValueError):
+        li.validate()

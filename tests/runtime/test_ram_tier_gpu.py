@@ -188,3 +188,27 @@ def test_gpu_loads_leave_no_expert_page_in_the_page_cache(tiny_model, rpc_server
         pytest.skip("this file system keeps dropped pages (tmpfs?): residency cannot be told")
     assert len(after_load - by_check) <= total // 10, f"the load left {len(after_load - by_check)} of {total}"
     assert resident <= after_load | by_check, f"{len(resident - after_load - by_check)} expert pages read in"
+
+
+def test_the_split_is_planned_with_the_reads(tiny_model, rpc_server, split_cost_model):
+    """The planner sees which experts are not in RAM and the tier's measured read time (LayerInput.on_disk,
+    read_s): the decision records carry them, and each record's makespan re-timed from them is the one the engine
+    planned, bit for bit (the timeline with the reads, docs/design.md §18)."""
+    from hybrimoe import Llama, _core
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    ram, gpu = _budgets(path, 7, "k")
+    llm = Llama(str(path), moe_cache=gpu, moe_ram_cache=ram, moe_cost_model=split_cost_model,
+                **_common(rpc_server, 7))
+    try:
+        llm.moe_log()
+        greedy_with_logits(llm, prompt_tokens(llm, 17), N_GEN)
+        log = llm.moe_take_log()
+        cost = llm.moe_setup.cost
+    finally:
+        llm.close()
+    timed = [r for r in log if r["read_s"] > 0 and any(r["on_disk"])]
+    assert timed, "no split was planned with reads"
+    assert all(len(r["on_disk"]) == len(r["experts"]) for r in timed)
+    again = _core.record_makespans(log, cost)
+    assert again == [r["makespan_s"] for r in log]
