@@ -167,10 +167,18 @@ def ram_slots(spec, facts: EngineFacts, n_ubatch: int, memory: Optional[dict] = 
     return n, f"moe_ram_cache={spec!r}: {n} of {n_all} experts in RAM slots of {sb} bytes"
 
 
+def staging_bytes(facts: EngineFacts, io_threads: int = IO_THREADS) -> int:
+    """Bytes of the I/O workers' O_DIRECT staging buffers (src/runtime/ram_tier.cpp): one per worker, the largest
+    expert matrix rounded out to 4 KiB at both ends."""
+    largest = max((int(b) for eb in facts.expert_bytes for b in eb), default=0)
+    return int(io_threads) * (largest + 2 * 4096)
+
+
 def auto_ram_slots(facts: EngineFacts, n_ubatch: int, other_bytes: int, memory: Optional[dict] = None
                    ) -> tuple[int, str]:
     """``moe_ram_cache="auto"``, once the model is loaded: the memory available now (:func:`machine_memory`: the
-    KV cache and compute buffers are allocated by then, so already out of it) less ``other_bytes`` (the model's
+    KV cache and compute buffers are allocated by then, so already out of it) less the I/O workers' staging buffers
+    (:func:`staging_bytes`), less ``other_bytes`` (the model's
     weights outside the routed experts, which stay in RAM or in the page cache; not subtracted under a memory
     cgroup, whose usage counts them already) and a margin
     (:data:`AUTO_MARGIN_FRACTION`, at least :data:`AUTO_MARGIN_MIN_BYTES`), in whole slots, at most one per
@@ -186,14 +194,17 @@ def auto_ram_slots(facts: EngineFacts, n_ubatch: int, other_bytes: int, memory: 
     # MemAvailable counts the page cache as free, the other weights' pages among it; a cgroup's usage counts them
     if mem.get("cgroup"):
         other_bytes = 0
-    room = int(mem["available"]) - int(other_bytes) - margin
+    staging = staging_bytes(facts)
+    room = int(mem["available"]) - int(other_bytes) - margin - staging
     n = max(0, min(n_all, room // sb)) if room > 0 else 0
     other = ("the weights outside the routed experts counted in its usage" if mem.get("cgroup") else
              f"less {other_bytes} for the weights outside the routed experts")
-    why = (f"auto: {mem['available']} bytes available ({mem['source']}) after the load, {other}, and a margin of "
-           f"{margin}: {n} of {n_all} experts in RAM slots of {sb} bytes")
+    why = (f"auto: {mem['available']} bytes available ({mem['source']}) after the load, {other}, {staging} for the "
+           f"I/O workers' staging buffers and a margin of {margin}: {n} of {n_all} experts in RAM slots of {sb} bytes")
     need = min_ram_slots(facts, n_ubatch)
     if n < need:
+        fewer = min_ram_slots(facts, 1) < need
         raise ValueError(f"moe_ram_cache='auto' found room for {n} experts ({why}); a ubatch of {n_ubatch} tokens "
-                         f"needs {need} of one layer in RAM at once: free memory, or give a smaller n_ubatch")
+                         f"needs {need} of one layer in RAM at once: free memory"
+                         + (", or give a smaller n_ubatch" if fewer else ""))
     return int(n), why

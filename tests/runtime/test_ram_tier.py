@@ -370,6 +370,23 @@ def test_auto_budget_fits_the_machine(tiny_model):
     assert ram["n_slots"] == len(f.moe_layers) * f.n_expert
 
 
+def test_auto_budget_leaves_room_for_the_staging_buffers(tiny_model):
+    """"auto" subtracts the I/O workers' O_DIRECT staging buffers (one largest matrix plus 8 KiB each): with the
+    memory for exactly 5 slots beyond the margin, the other weights and the staging, 5 slots; one byte less, 4."""
+    from hybrimoe.runtime.engine_facts import engine_facts
+    from hybrimoe.runtime.ram_tier import AUTO_MARGIN_MIN_BYTES, IO_THREADS, auto_ram_slots, staging_bytes
+
+    f = engine_facts(tiny_model("qwen3moe", "Q8_0"))
+    staging = staging_bytes(f)
+    assert staging == IO_THREADS * (max(max(eb) for eb in f.expert_bytes) + 8192)
+    other = 12345
+    avail = AUTO_MARGIN_MIN_BYTES + staging + other + 5 * f.slot_bytes  # the margin is its minimum here
+    mem = dict(total=2 * avail, source="test")
+    got, why = auto_ram_slots(f, 1, other, memory=dict(mem, available=avail))
+    assert got == 5 and f"{staging} for the I/O workers" in why
+    assert auto_ram_slots(f, 1, other, memory=dict(mem, available=avail - 1))[0] == 4
+
+
 def test_close_returns_with_reads_queued(big_model):
     """close() right after a decode that queued read-ahead: returns (the queue is dropped, reads in flight end)."""
     from hybrimoe import Llama
