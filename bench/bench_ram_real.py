@@ -74,15 +74,19 @@ class MemoryCgroup:
             elif "memory" in ctrls.split(","):
                 rel_v1 = rel
         if rel_v1 is not None and Path(f"/sys/fs/cgroup/memory{rel_v1}").is_dir():
-            self.dir = Path(f"/sys/fs/cgroup/memory{rel_v1}") / f"hybrimoe-bench-{os.getpid()}"
-            self.dir.mkdir()
-            (self.dir / "memory.limit_in_bytes").write_text(str(limit))
+            self.dir, knob = Path(f"/sys/fs/cgroup/memory{rel_v1}") / f"hybrimoe-bench-{os.getpid()}", \
+                "memory.limit_in_bytes"
         elif rel_v2 is not None:
-            self.dir = Path(f"/sys/fs/cgroup{rel_v2}") / f"hybrimoe-bench-{os.getpid()}"
-            self.dir.mkdir()
-            (self.dir / "memory.max").write_text(str(limit))
+            # v2: the limit file exists only where the parent enables the memory controller for its children
+            self.dir, knob = Path(f"/sys/fs/cgroup{rel_v2}") / f"hybrimoe-bench-{os.getpid()}", "memory.max"
         else:
             raise OSError("no memory cgroup to make a child of")
+        self.dir.mkdir()
+        try:
+            (self.dir / knob).write_text(str(limit))
+        except OSError:
+            self.close()  # no limit could be set: leave no empty cgroup behind
+            raise
         self.limit = limit
 
     def enter(self) -> None:
