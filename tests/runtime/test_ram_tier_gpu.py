@@ -212,3 +212,71 @@ def test_the_split_is_planned_with_the_reads(tiny_model, rpc_server, split_cost_
     assert all(len(r["on_disk"]) == len(r["experts"]) for r in timed)
     again = _core.record_makespans(log, cost)
     assert again == [r["makespan_s"] for r in log]
+
+
+def test_a_read_error_for_a_gpu_load_names_the_file_and_offset(tiny_model, rpc_server, split_cost_model):
+    """EIO on a read the GPU share waits for (every expert on the GPU, none in RAM): the decode raises an error
+    naming the file and the offset, without hanging, and the next decode reads again and gives upstream's tokens."""
+    import errno
+    import os
+
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    tokens, ref_out, _ = _reference(path, rpc_server, 7, 9)
+    ram, gpu = _budgets(path, 7, "k")
+    llm = Llama(str(path), moe_cache=gpu, moe_ram_cache=ram, moe_policy="gpu-on-demand",
+                moe_cost_model=split_cost_model, **_common(rpc_server, 7))
+    try:
+        llm.moe_engine.ram_inject_read_error(errno.EIO, 1)
+        with pytest.raises(RuntimeError, match=r"offset \d+ of .*" + os.path.basename(path) + ".*Input/output error"):
+            llm.eval(tokens)
+        llm.moe_engine.ram_inject_read_error(0)
+        llm.reset()
+        out, _ = greedy_with_logits(llm, tokens, N_GEN)
+        st = llm.moe_stats()["engine"]
+    finally:
+        llm.close()
+    assert out == ref_out and st["gpu_experts"] > 0
+
+
+def test_close_with_reads_and_copies_queued_returns(tiny_model, rpc_server, split_cost_model):
+    """close() right after a prefill that queued read-ahead and GPU copies from RAM slots: returns promptly."""
+    import threading
+
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "F16", n_embd=256, n_ff_exp=1024, n_expert=16)
+    ram, gpu = _budgets(path, 7, "half")
+    llm = Llama(str(path), moe_cache=gpu, moe_ram_cache=ram, moe_cost_model=split_cost_model,
+                **_common(rpc_server, 7))
+    llm.eval(prompt_tokens(llm, 21))
+    t = threading.Thread(target=llm.close)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "close() hung with reads or copies queued"
+
+
+def test_run_command_takes_both_tiers(tiny_model, rpc_server, split_cost_model, tmp_path):
+    """``hybrimoe run --rpc ... -ngl 99 --moe-cache X --moe-ram-cache Y``: upstream's tokens with the same placement
+    (``-ot exps=CPU --no-repack``), and both tiers' lines in the stats."""
+    import json
+    import subprocess
+    import sys
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    ram, gpu = _budgets(path, 7, "k")
+
+    def run(*extra):
+        r = subprocess.run([sys.executable, "-m", "hybrimoe", "run", "-m", str(path), "-p", "Once upon a time", "-n",
+                            "8", "--temp", "0", "-ub", "7", "--rpc", rpc_server.endpoint, "-ngl", "99",
+                            "--output-format", "json", *extra], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["tokens"], r.stderr
+
+    want, _ = run("-ot", "exps=CPU", "--no-repack")
+    have, err = run("--moe-cache", str(gpu), "--moe-ram-cache", str(ram), "--moe-stats", "--moe-cost-model",
+                    split_cost_model)
+    assert have == want
+    assert "RAM tier hit rate" in err and "hit rate" in err.replace("RAM tier hit rate", ""), err
