@@ -264,15 +264,17 @@ def test_metrics_match_the_stats(server):
     assert "# TYPE hybrimoe_experts_total counter" in text
 
 
-def test_the_ram_tier_is_served_with_its_stats(chat_model, tmp_path):
-    """``hybrimoe serve --moe-ram-cache`` (no GPU, CPU only) completes, and ``/moe/stats`` and ``/metrics`` carry the
-    RAM tier's counters (``engine["ram"]``)."""
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu-only", "gpu-cache-above"])
+def test_the_ram_tier_is_served_with_its_stats(gpu, chat_model, rpc_server, tmp_path):
+    """``hybrimoe serve --moe-ram-cache`` (CPU only, or with a GPU cache above it on the RPC stand-in) completes, and
+    ``/moe/stats`` and ``/metrics`` carry the RAM tier's counters (``engine["ram"]``), and the GPU's with one."""
     from hybrimoe.runtime.engine_facts import engine_facts
 
     f = engine_facts(chat_model)
     budget = f.n_expert * f.slot_bytes  # one MoE layer's experts: every token reads from the file
+    extra = ["--rpc", rpc_server.endpoint, "-ngl", "99", "--moe-cache", str(f.top_k * f.slot_bytes)] if gpu else []
     sp = start_serve(["-m", str(chat_model), "--moe-ram-cache", str(budget), "-ub", "8", "-c", str(N_CTX), "-t", "2",
-                      "--api-key", KEY, "--alias", ALIAS], tmp_path, startup_s=STARTUP_S)
+                      "--api-key", KEY, "--alias", ALIAS, *extra], tmp_path, startup_s=STARTUP_S)
     try:
         srv = Server(sp.proc, sp.stderr_path, sp.port, sp.out)
         status, _, body = request(srv, "POST", "/v1/completions",
@@ -284,6 +286,8 @@ def test_the_ram_tier_is_served_with_its_stats(chat_model, tmp_path):
         status, _, text = request(srv, "GET", "/metrics")
         assert status == 200
         assert f'hybrimoe_ram_hits_total{{model="{ALIAS}"}} {ram["hits"]}\n' in text.decode()
+        if gpu:
+            assert s["engine"]["n_slots"] == f.top_k and s["engine"]["cache"]["accesses"] > 0, s["engine"]
     finally:
         sp.stop()
 
