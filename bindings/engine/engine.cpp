@@ -203,12 +203,13 @@ Raises:
                 d["bytes_demand"] = s.bytes_demand; d["bytes_prefetch"] = s.bytes_prefetch; d["wait_s"] = s.wait_s;
                 d["reads_in_flight"] = e.ram()->reads_in_flight();
                 d["pinned"] = e.ram()->pinned();
+                d["buffers"] = e.ram()->pool().n_buffers();
                 return d; },
              "RAM tier counters since the last reset_stats(): accesses, hits, misses, late (hits still being read), "
              "demand_reads / prefetch_reads (experts read from the file) and their bytes (bytes_demand, "
              "bytes_prefetch), prefetch_used (prefetched experts used at their layer), preads (system calls), "
              "direct_matrices (expert matrices read with O_DIRECT), evictions, wait_s (seconds the plan waited for reads), reads_in_flight and pinned (RAM slots in use by a read, a "
-             "layer, a read ahead or a GPU copy) now; {} without a RAM tier.")
+             "layer, a read ahead or a GPU copy) now; buffers (host buffers the slots lie in); {} without a RAM tier.")
         .def("ram_inject_read_error", [](Engine & e, int err, int count) {
                  if (!e.ram()) throw py::value_error("no RAM tier");
                  e.ram()->inject_read_error(err, count); },

@@ -58,7 +58,8 @@ def ram_stats(engine, setup) -> dict:
     flight), ``bytes_demand`` / ``bytes_prefetch`` / ``bytes_read`` (file bytes read, on demand, ahead, both),
     ``demand_reads`` / ``prefetch_reads`` (experts read), ``prefetch_accuracy`` (prefetched experts used at their
     layer over those read ahead), ``reads_in_flight`` and ``pinned`` (RAM slots a read, a layer, a read ahead or a GPU
-    copy holds; both now), ``preads`` (system calls), ``direct_matrices`` (expert
+    copy holds; both now), ``buffers`` (host buffers the RAM slots are split over: the host buffer type's cap, or
+    ``$HYBRIMOE_MAX_BUFFER_BYTES``), ``preads`` (system calls), ``direct_matrices`` (expert
     matrices read with O_DIRECT; the others were buffered reads), ``evictions``, ``wait_s`` (seconds the engine waited
     for reads), ``policy`` (the RAM cache policy's name)."""
     st = engine.ram_stats()
@@ -72,8 +73,8 @@ def ram_stats(engine, setup) -> dict:
         "slot_bytes": engine.ram_slot_bytes,
         "hit_rate": st["hits"] / acc if acc else 0.0,
         **{k: st[k] for k in ("accesses", "hits", "misses", "late", "demand_reads", "prefetch_reads", "bytes_demand",
-                              "bytes_prefetch", "reads_in_flight", "pinned", "preads", "direct_matrices", "evictions",
-                              "wait_s")},
+                              "bytes_prefetch", "reads_in_flight", "pinned", "buffers", "preads", "direct_matrices",
+                              "evictions", "wait_s")},
         "bytes_read": st["bytes_demand"] + st["bytes_prefetch"],
         "prefetch_accuracy": st["prefetch_used"] / st["prefetch_reads"] if st["prefetch_reads"] else 0.0,
     }

@@ -66,16 +66,21 @@ void wait_trampoline(ggml_tensor * dst, int ith, int nth, void * ud) {
 // before the sum: this file is compiled without FP contraction), a GPU pair's row as the GPU weighted it.
 void combine_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     const int64_t k_sum = run_of(ud)->k_sum;
-    const ggml_tensor * cpu = dst->src[0];
     const ggml_tensor * gpu = dst->src[1];
     const ggml_tensor * plan = dst->src[2];
     const RoutingView routing{dst->src[3], plan->ne[0]};
     const int64_t n_embd = dst->ne[0];
     const int64_t T = dst->ne[1];
+    const int64_t n_planes = plan->ne[2];  // 2, or 1 + RAM slot buffers (one CPU share each: src[0], src[4..])
     for (int64_t t = ith; t < T; t += nth) {
         float * out = (float *) ((char *) dst->data + t * dst->nb[1]);
         const int32_t * gpu_row = (const int32_t *) ((const char *) plan->data + t * plan->nb[1] + plan->nb[2]);
         for (int64_t j = 0; j < k_sum; ++j) {
+            const ggml_tensor * cpu = dst->src[0];
+            for (int64_t p = 2; p < n_planes; ++p) {  // the RAM buffer whose share computed this pair
+                const int32_t * row = (const int32_t *) ((const char *) plan->data + t * plan->nb[1] + p * plan->nb[2]);
+                if (j < plan->ne[0] && row[j] >= 0) cpu = dst->src[2 + p];
+            }
             if (gpu_row[j] >= 0) {
                 const float * v = (const float *) ((const char *) gpu->data + (size_t) gpu_row[j] * gpu->nb[1]);
                 if (j == 0) {
@@ -189,11 +194,25 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     }
     if (cfg_.ram.n_slots > 0) {
         // GPU loads copy from the RAM slots: pinned host memory (the device's host buffer type) makes them DMA
-        // copies, where one buffer of that type can hold every RAM slot (the CPU share views them as one tensor);
-        // a type without a cap reports SIZE_MAX
+        // copies; where that type caps a buffer (Vulkan), the slots are split over several, and the CPU share runs
+        // once per buffer (build)
+        if (cfg_.ram.max_buffer_bytes <= 0) cfg_.ram.max_buffer_bytes = cfg_.max_buffer_bytes;
+        auto buffers_with = [&](ggml_backend_buffer_type_t buft) {
+            const size_t mx = buft ? ggml_backend_buft_get_max_size(buft) : 0;
+            int64_t cap = mx == 0 || mx >= (size_t) INT64_MAX ? 0 : (int64_t) mx;
+            if (cfg_.ram.max_buffer_bytes > 0) cap = cap > 0 ? std::min(cap, cfg_.ram.max_buffer_bytes)
+                                                              : cfg_.ram.max_buffer_bytes;
+            const int64_t per = pool_.slots_per_buffer_for(cfg_.ram.n_slots, cap);
+            return (cfg_.ram.n_slots + per - 1) / per;
+        };
+        // the combine op takes one CPU share per buffer as a source: past that, pageable memory in one buffer
         ggml_backend_buffer_type_t host = pool_.host_buffer_type();
-        if (host && ggml_backend_buft_get_max_size(host) < (size_t) pool_.buffer_bytes_for(cfg_.ram.n_slots)) {
-            host = nullptr;
+        if (host && buffers_with(host) > kMaxRamBuffers) host = nullptr;
+        if (buffers_with(nullptr) > kMaxRamBuffers) {
+            throw std::invalid_argument("engine: the RAM expert slots would need " +
+                                        std::to_string(buffers_with(nullptr)) + " buffers of at most " +
+                                        std::to_string(cfg_.ram.max_buffer_bytes) + " bytes; at most " +
+                                        std::to_string(kMaxRamBuffers) + " (raise HYBRIMOE_MAX_BUFFER_BYTES)");
         }
         ram_.reset(new RamTier(L, cfg_.n_expert, cfg_.expert_bytes, cfg_.expert_types, cfg_.bias_bytes,
                                cfg_.scale_bytes, cfg_.ram, std::move(ram_cache), host));
@@ -212,9 +231,10 @@ void Engine::write_fallback(ggml_tensor * dst) {
     }
     const int64_t k = dst->ne[0], T = dst->ne[1];
     for (int64_t t = 0; t < T; ++t) {
-        int32_t * cpu = plane(dst, 0, t);
-        int32_t * gpu = plane(dst, 1, t);
-        for (int64_t j = 0; j < k; ++j) cpu[j] = gpu[j] = -1;
+        for (int64_t p = 0; p < dst->ne[2]; ++p) {
+            int32_t * row = plane(dst, (int) p, t);
+            for (int64_t j = 0; j < k; ++j) row[j] = -1;
+        }
     }
 }
 
@@ -321,6 +341,9 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     const int64_t k = a.n_expert_used;
 
     // routing ids, weights and probabilities in one tensor where they are computed: one transfer to the host
+    // with a RAM tier over several slot buffers, one CPU share per buffer: plane 0 the ids of buffer 0's pairs,
+    // plane 1 the GPU rows, plane 1 + b those of buffer b >= 1 (local slots; -1 where another computes the pair)
+    const int n_ram_bufs = ram_ ? std::max(1, ram_->pool().n_buffers()) : 1;  // at most kMaxRamBuffers
     ggml_tensor * ids_f = ggml_cast(ctx, a.selected_experts, GGML_TYPE_F32);  // [k, T], exact below 2^24
     ggml_tensor * w = ggml_is_contiguous(a.weights) ? a.weights : ggml_cont(ctx, a.weights);
     ggml_tensor * routing = ggml_concat(ctx, ggml_concat(ctx, ids_f, ggml_reshape_2d(ctx, w, k, T), 0), a.probs, 0);
@@ -328,25 +351,33 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     // the hidden state goes in as the same reshaped view the CPU share reads, so the scheduler copies it once
     ggml_tensor * x = ggml_reshape_3d(ctx, a.cur, n_embd, 1, T);
     ggml_tensor * psrc[2] = {routing, x};
-    ggml_tensor * plan = ggml_custom_4d(ctx, GGML_TYPE_I32, k, T, 2, 1, psrc, 2, plan_trampoline, 1, &run);
+    ggml_tensor * plan = ggml_custom_4d(ctx, GGML_TYPE_I32, k, T, 1 + n_ram_bufs, 1, psrc, 2, plan_trampoline, 1,
+                                        &run);
     ggml_format_name(plan, "hybrimoe_plan-%d", a.il);
-    ggml_tensor * cpu_ids = ggml_view_2d(ctx, plan, k, T, plan->nb[1], 0);
 
     // the CPU share, unweighted (the combine weights each CPU pair) unless weighted before the FFN (Llama 4); scales
     // are gathered by the routing's own ids (ggml_get_rows has no "skip" for the GPU pairs' -1: it would abort)
-    // with the RAM tier the CPU share reads the RAM slots (plane 0 then holds slot numbers), else the file's tensors
+    // with the RAM tier the CPU share reads the RAM slots (its planes then hold slot numbers), else the file's tensors
     if (ram_) ram_->set_layer(ml, m);
-    const ExpertMatrices cpu_m = ram_ ? ram_->views(ctx, m) : m;
-    ggml_tensor * experts = build_expert_ffn(ctx, cpu_m, x, cpu_ids, m.weight_before ? a.weights : nullptr,
-                                             "hybrimoe_cpu", a.il, a.selected_experts);
+    ggml_tensor * shares[GGML_MAX_SRC];
+    for (int b = 0; b < n_ram_bufs; ++b) {
+        ggml_tensor * cpu_ids = ggml_view_2d(ctx, plan, k, T, plan->nb[1], (size_t) (b == 0 ? 0 : 1 + b) * plan->nb[2]);
+        const ExpertMatrices cpu_m = ram_ ? ram_->views(ctx, m, b) : m;
+        shares[b] = build_expert_ffn(ctx, cpu_m, x, cpu_ids, m.weight_before ? a.weights : nullptr,
+                                     b == 0 ? "hybrimoe_cpu" : "hybrimoe_cpu_b", a.il, a.selected_experts);
+    }
+    ggml_tensor * experts = shares[0];
 
-    ggml_tensor * wsrc[2] = {plan, experts};  // experts: only to run after the CPU share
-    ggml_tensor * gpu = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, k * T, 1, 1, wsrc, 2, wait_trampoline, 1, &run);
+    ggml_tensor * wsrc[GGML_MAX_SRC] = {plan};  // the CPU shares: only to run after them
+    for (int b = 0; b < n_ram_bufs; ++b) wsrc[1 + b] = shares[b];
+    ggml_tensor * gpu = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, k * T, 1, 1, wsrc, 1 + n_ram_bufs, wait_trampoline,
+                                       1, &run);
     ggml_format_name(gpu, "hybrimoe_wait-%d", a.il);
 
-    ggml_tensor * csrc[4] = {experts, gpu, plan, routing};
-    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, T, 1, 1, csrc, 4, combine_op, GGML_N_TASKS_MAX,
-                                       &run);
+    ggml_tensor * csrc[GGML_MAX_SRC] = {experts, gpu, plan, routing};
+    for (int b = 1; b < n_ram_bufs; ++b) csrc[3 + b] = shares[b];
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, T, 1, 1, csrc, 3 + n_ram_bufs, combine_op,
+                                       GGML_N_TASKS_MAX, &run);
     ggml_format_name(out, "hybrimoe_combine-%d", a.il);
     return out;
 }
@@ -521,8 +552,14 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
             weights_[(size_t) (t * k + j)] = routing.weight(j, t);
         }
     }
-    // the plan's output starts as upstream's routing, nothing on the GPU
+    // the plan's output starts as upstream's routing, nothing on the GPU (and no pair for the other RAM buffers)
     write_all_cpu(dst, ids_);
+    for (int64_t p = 2; p < dst->ne[2]; ++p) {
+        for (int64_t t = 0; t < T; ++t) {
+            int32_t * row = plane(dst, (int) p, t);
+            for (int64_t j = 0; j < k; ++j) row[j] = -1;
+        }
+    }
     if (run.counters) note_plan_run(*static_cast<LayerCounters *>(run.counters), ids_.data(), k, T);
     if (T == 0) return;
     // warm-up graphs route every token to every expert: not a real ubatch, leave it to the CPU (with the RAM
@@ -611,10 +648,15 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
 
         // ---- the CPU share's ids remapped to RAM slots; read-ahead; the CPU share's reads waited for ----
         if (ram_) {
+            const SlotPool & rp = ram_->pool();
             for (int64_t t = 0; t < T; ++t) {
                 int32_t * cpu = plane(dst, 0, t);
                 for (int64_t j = 0; j < k; ++j) {
-                    if (cpu[j] >= 0) cpu[j] = ram_->slot_of(ml, cpu[j]);
+                    if (cpu[j] < 0) continue;
+                    const int32_t slot = ram_->slot_of(ml, cpu[j]);
+                    const int b = rp.buffer_of(slot);
+                    cpu[j] = b == 0 ? rp.local_slot(slot) : -1;
+                    if (b > 0) plane(dst, 1 + b, t)[j] = rp.local_slot(slot);
                 }
             }
             if (cfg_.prefetch_layers > 0) {

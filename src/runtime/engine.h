@@ -143,6 +143,9 @@ public:
     /// The RAM tier, or nullptr without one (and after release()).
     RamTier * ram() const { return ram_.get(); }
     const EngineConfig & config() const { return cfg_; }
+    /// Host buffers the RAM slots may be split over: the combine op takes one CPU share per buffer as a source,
+    /// beside the GPU rows, the plan and the routing (GGML_MAX_SRC in all).
+    static constexpr int kMaxRamBuffers = GGML_MAX_SRC - 4;
 
     /// Builds the layer's replacement subgraph (called by MoeHook::build for supported layers), or nullptr when
     /// this layer's tensors are not the ones the engine was given (upstream's path then). `counters` receives run

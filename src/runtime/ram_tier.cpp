@@ -120,16 +120,10 @@ RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_
         for (int64_t b : eb) staging_bytes_ = std::max(staging_bytes_, b + 2 * kDirectAlign);
     }
     try {
-        pool_.open_host(buft ? buft : ggml_backend_cpu_buffer_type(), cfg_.n_slots);
+        pool_.open_host(buft ? buft : ggml_backend_cpu_buffer_type(), cfg_.n_slots, cfg_.max_buffer_bytes);
     } catch (...) {
         close_files();
         throw;
-    }
-    if (pool_.n_buffers() != 1) {
-        close_files();
-        throw std::runtime_error("RAM tier: the host buffer type caps one buffer below " +
-                                 std::to_string(pool_.buffer_bytes_for(cfg_.n_slots)) +
-                                 " bytes; the CPU share needs the RAM slots in one buffer");
     }
     drop_expert_pages();
     const size_t keys = L * (size_t) n_expert_;
@@ -195,13 +189,13 @@ void RamTier::stop_io() {
     cv_done_.notify_all();
 }
 
-ExpertMatrices RamTier::views(ggml_context * ctx, const ExpertMatrices & m) const {
+ExpertMatrices RamTier::views(ggml_context * ctx, const ExpertMatrices & m, int b) const {
     ExpertMatrices v = m;
     ggml_tensor ** mats[3] = {m.gate_up ? &v.gate_up : &v.gate, &v.up, &v.down};
     ggml_tensor ** biases[3] = {m.gate_up ? &v.gate_up_b : &v.gate_b, &v.up_b, &v.down_b};
     for (int i = 0; i < 3; ++i) {
-        if (*mats[i]) *mats[i] = pool_.region_view(ctx, *mats[i], i, 0);
-        if (*biases[i]) *biases[i] = pool_.bias_view(ctx, *biases[i], i, 0);
+        if (*mats[i]) *mats[i] = pool_.region_view(ctx, *mats[i], i, b);
+        if (*biases[i]) *biases[i] = pool_.bias_view(ctx, *biases[i], i, b);
     }
     return v;
 }

@@ -57,6 +57,9 @@ struct RamTierConfig {
     /// ahead saves its later demand read's time t with probability p and takes t from the demand reads otherwise,
     /// so it pays off net of the waste, (2p - 1) t > 0, above 1/2
     double min_prefetch_confidence = 0.5;
+    /// bytes one RAM slot buffer may hold at most, below the host buffer type's own cap (0: that cap only); the CPU
+    /// share then runs once per buffer (Engine::build)
+    int64_t max_buffer_bytes = 0;
 };
 
 /// RAM tier counters (read between decodes; byte counts are file bytes read).
@@ -94,9 +97,10 @@ public:
 
     /// The layer's host expert tensors (biases are copied from them into the slots); set once its graph is built.
     void set_layer(int layer, const ExpertMatrices & m);
-    /// `m` with its matrices and bias rows replaced by views of the slot pool, built in `ctx` (no_alloc): indexed by
-    /// RAM slot (slot_of) instead of expert id. Scales stay the file's (gathered by expert id).
-    ExpertMatrices views(ggml_context * ctx, const ExpertMatrices & m) const;
+    /// `m` with its matrices and bias rows replaced by views of slot buffer `b` of the pool, built in `ctx`
+    /// (no_alloc): indexed by the buffer's local slot (SlotPool::local_slot of slot_of) instead of expert id.
+    /// Scales stay the file's (gathered by expert id).
+    ExpertMatrices views(ggml_context * ctx, const ExpertMatrices & m, int b = 0) const;
 
     /// Makes the experts `experts` of MoE layer `layer` resident, reading the missing ones (demand reads, issued
     /// before any prefetch still queued), waits for every one of their reads, and pins them until release(layer).

@@ -81,7 +81,8 @@ public:
     /// in as few buffers as its max size allows, each buffer's null slot zeroed; no backends and no copy queue
     /// (the RAM tier writes the slots itself through slot_data). Throws std::invalid_argument when `buft` is not
     /// a host buffer type or n_slots < 1, std::runtime_error when the memory cannot be had (the bytes named).
-    void open_host(ggml_backend_buffer_type_t buft, int64_t n_slots);
+    /// `max_buffer_bytes` > 0 caps one buffer lower than the buffer type does.
+    void open_host(ggml_backend_buffer_type_t buft, int64_t n_slots, int64_t max_buffer_bytes = 0);
     /// Host address of region `which` (as strides()) of global slot s: a host pool (open_host) only.
     uint8_t * slot_data(int32_t s, int which) const;
     /// Waits for queued device work and frees everything on the device; afterwards n_slots() is 0.

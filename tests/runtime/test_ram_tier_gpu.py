@@ -280,3 +280,45 @@ def test_run_command_takes_both_tiers(tiny_model, rpc_server, split_cost_model, 
                     split_cost_model)
     assert have == want
     assert "RAM tier hit rate" in err and "hit rate" in err.replace("RAM tier hit rate", ""), err
+
+
+@pytest.mark.parametrize("gpu_cache", [None, "k"], ids=["cpu-only", "gpu-cache-above"])
+def test_ram_slots_over_several_buffers_match_upstream(gpu_cache, tiny_model, rpc_server, split_cost_model,
+                                                       monkeypatch):
+    """A host buffer type that caps one buffer (Vulkan's pinned memory; here $HYBRIMOE_MAX_BUFFER_BYTES): the RAM
+    slots lie in several buffers and the CPU share runs once per buffer, each pair in the share of its expert's
+    buffer. Upstream's tokens and logits bit for bit, with or without a GPU cache above."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.engine_facts import engine_facts
+    from hybrimoe.runtime.ram_tier import min_ram_slots
+
+    path = tiny_model("qwen3moe", "Q4_K_M")
+    f = engine_facts(path)
+    n = min_ram_slots(f, 7)
+    monkeypatch.setenv("HYBRIMOE_MAX_BUFFER_BYTES", str((n // 3 + 2) * f.slot_bytes))
+    tokens, ref_out, ref_lg = _reference(path, rpc_server, 7, 17)
+    extra = dict(moe_cache=f.top_k * f.slot_bytes, moe_policy="gpu-on-demand") if gpu_cache else {}
+    llm = Llama(str(path), moe_ram_cache=n * f.slot_bytes, moe_cost_model=split_cost_model, **extra,
+                **_common(rpc_server, 7))
+    try:
+        out, lg = greedy_with_logits(llm, tokens, N_GEN)
+        stats = llm.moe_stats()
+    finally:
+        llm.close()
+    st = stats["engine"]
+    assert out == ref_out and np.array_equal(lg, ref_lg)
+    assert 2 <= st["ram"]["buffers"] <= 6 and st["ram"]["misses"] > 0, st["ram"]
+    assert st["cpu_experts"] > 0 and not stats["unsupported"] and not stats["engine_skipped"], stats
+    if gpu_cache:
+        assert st["gpu_experts"] > 0
+
+
+def test_too_many_ram_buffers_are_refused_with_the_numbers(tiny_model, monkeypatch):
+    from hybrimoe import Llama
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    f = engine_facts(path)
+    monkeypatch.setenv("HYBRIMOE_MAX_BUFFER_BYTES", str(2 * f.slot_bytes))
+    with pytest.raises(Exception, match=r"would need \d+ buffers of at most \d+ bytes; at most 6"):
+        Llama(str(path), moe_ram_cache="100%", moe_cost_model="rtx4090-desktop", n_ctx=256, n_ubatch=7, verbose=False)
