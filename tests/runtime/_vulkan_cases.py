@@ -6,8 +6,8 @@ process itself must keep the devices it started with. Each cold process compiles
 on lavapipe, a few with a warm ``MESA_SHADER_CACHE_DIR``), so one process serves all cases of one model.
 
 Usage: ``python _vulkan_cases.py SPEC.json OUT.json``. SPEC: ``{"arch", "quant", "seed" (of the fixture), "work"
-(a folder), "cost" (a cost model file), "cases": [{"id", "kind" ("case", "control" or "repeat"), "cache", "policy", "ubatch",
-"n_prompt", "max_buffer_bytes" (0: the device's cap)}], "n_gen"}``. OUT: ``{"devices": [...], "accelerator",
+(a folder), "cost" (a cost model file), "cases": [{"id", "kind" ("case", "control", "repeat", "split" or "ram"), "cache", "policy", "ubatch",
+"n_prompt", "max_buffer_bytes" (0: the device's cap), "ram" (true: the RAM tier below, smallest budget)}], "n_gen"}``. OUT: ``{"devices": [...], "accelerator",
 "cases": [{"id", "same_tokens", "nmse", "gpu_experts", "cpu_experts", "slot_buffers", "failed", "error",
 "tokens", "seconds"}], "error"}``. The oracle of a case is upstream llama.cpp with the same placement on the
 same device (``n_gpu_layers=-1, tensor_buft_overrides="exps=CPU", no_repack=True``) at the case's ubatch.
@@ -79,8 +79,13 @@ def main(spec_path: str, out_path: str) -> int:
                     os.environ["HYBRIMOE_MAX_BUFFER_BYTES"] = str(int(case["max_buffer_bytes"]))
                 else:
                     os.environ.pop("HYBRIMOE_MAX_BUFFER_BYTES", None)
+                ram = {}
+                if case.get("ram"):  # the RAM tier below the GPU cache, at its smallest budget
+                    from hybrimoe.runtime.ram_tier import min_ram_slots
+
+                    ram = dict(moe_ram_cache=min_ram_slots(facts, ub) * facts.slot_bytes)
                 llm = Llama(str(path), moe_cache=case["cache"], moe_policy=policy, moe_profile=profile,
-                            moe_cost_model=spec["cost"], **common)
+                            moe_cost_model=spec["cost"], **ram, **common)
                 try:
                     if case["kind"] == "control":
                         llm.moe_engine.set_drop_gpu_share(True)
@@ -91,6 +96,9 @@ def main(spec_path: str, out_path: str) -> int:
                     res["device"] = llm.moe_setup.device_label
                     out_t, lg = greedy_with_logits(llm, tokens, n_gen)
                     e = llm.moe_stats()["engine"]
+                    if ram:
+                        res["ram"] = {k: e["ram"][k] for k in ("misses", "evictions", "buffers", "pinned",
+                                                               "reads_in_flight", "bytes_read")}
                     res["error"] = llm.moe_engine.take_error()
                 finally:
                     llm.close()

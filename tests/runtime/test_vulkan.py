@@ -93,6 +93,10 @@ def _cases() -> dict:
         # device's own max buffer size, which lavapipe's 1 GiB never reaches with tiny models)
         cases.append(dict(id=f"split-{tag}", kind="split", cache="100%", policy="hybrimoe", ubatch=48,
                           n_prompt=_n_prompt(48), split=3))
+        # the GPU cache above the RAM tier: the RAM slots in Vulkan's pinned host memory, copies really asynchronous
+        for ub in (1, 48):
+            cases.append(dict(id=f"ram-{tag}-ub{ub}", kind="ram", cache="25%", policy="hybrimoe", ubatch=ub,
+                              n_prompt=_n_prompt(ub), ram=True))
     return by_model
 
 
@@ -194,6 +198,17 @@ def test_vulkan_pool_split_over_buffers(vulkan_results, case_id):
     assert res["slot_buffers"] >= 2, res
     assert res["same_tokens"] and res["nmse"] <= TOL_NMSE and not res["failed"], res
     assert res["gpu_experts"] > 0, res
+
+
+@pytest.mark.parametrize("case_id", _case_ids("ram"))
+def test_vulkan_gpu_cache_above_the_ram_tier(vulkan_results, case_id):
+    """A GPU cache on the Vulkan device above the RAM tier at its smallest budget (experts read from the file every
+    token, GPU loads copied from RAM slots in Vulkan_Host memory): upstream's tokens, and no RAM slot left pinned."""
+    res = _result(vulkan_results, case_id)
+    assert res["finite"] and not res["failed"] and not res["error"], res
+    assert res["same_tokens"] and res["nmse"] <= TOL_NMSE, res
+    assert res["gpu_experts"] > 0 and res["ram"]["misses"] > 0 and res["ram"]["evictions"] > 0, res
+    assert res["ram"]["pinned"] == 0 and res["ram"]["reads_in_flight"] == 0, res
 
 
 def test_vulkan_bench(tmp_path):

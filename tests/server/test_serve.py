@@ -265,14 +265,16 @@ def test_metrics_match_the_stats(server):
 
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["cpu-only", "gpu-cache-above"])
-def test_the_ram_tier_is_served_with_its_stats(gpu, chat_model, rpc_server, tmp_path):
+def test_the_ram_tier_is_served_with_its_stats(gpu, chat_model, rpc_server_factory, tmp_path):
     """``hybrimoe serve --moe-ram-cache`` (CPU only, or with a GPU cache above it on the RPC stand-in) completes, and
     ``/moe/stats`` and ``/metrics`` carry the RAM tier's counters (``engine["ram"]``), and the GPU's with one."""
     from hybrimoe.runtime.engine_facts import engine_facts
 
     f = engine_facts(chat_model)
     budget = f.n_expert * f.slot_bytes  # one MoE layer's experts: every token reads from the file
-    extra = ["--rpc", rpc_server.endpoint, "-ngl", "99", "--moe-cache", str(f.top_k * f.slot_bytes)] if gpu else []
+    # a server of its own: an RPC server serves one client at a time, and this process may hold the shared one
+    extra = (["--rpc", rpc_server_factory().endpoint, "-ngl", "99", "--moe-cache", str(f.top_k * f.slot_bytes)]
+             if gpu else [])
     sp = start_serve(["-m", str(chat_model), "--moe-ram-cache", str(budget), "-ub", "8", "-c", str(N_CTX), "-t", "2",
                       "--api-key", KEY, "--alias", ALIAS, *extra], tmp_path, startup_s=STARTUP_S)
     try:
