@@ -182,9 +182,9 @@ def _check_ram_modes(args, facts) -> tuple[list[str], set]:
         resolve_cost_model(args.moe_cost_model, facts.model)
     if str(args.moe_ram_cache).strip().lower() != "auto":
         try:  # the engine's own check: parsable, at least a ubatch's experts, at most the machine's memory
-            ram_slots(args.moe_ram_cache, facts, 512)
+            ram_slots(args.moe_ram_cache, facts, 512, ubatch_hint=False)
         except ValueError as e:
-            raise ValueError(f"--moe-ram-cache: {e}") from None
+            raise ValueError(f"--moe-ram-cache: {str(e).removeprefix('moe_ram_cache: ')}") from None
     load_profile(getattr(args, "moe_profile", None), facts)
     return pols, {"mmap"}
 

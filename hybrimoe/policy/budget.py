@@ -36,6 +36,9 @@ def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert
             b = v / 100.0 * total_expert_bytes
         else:
             b = v * _UNITS[m.group(2)]
+            if m.group(2) == "" and 0 < b < 1:  # "0.5" on a command line: the same slip as the number 0.5
+                raise ValueError(f"cache budget {spec!r}: a number is bytes, and this is less than one byte; write "
+                                 f"a share as a percentage ('{100 * b:g}%')")
     if not math.isfinite(b) or b < 0:
         raise ValueError(f"cache budget {spec!r} is negative or not finite")
     if 0 < b < expert_bytes or (b == 0 and not allow_zero):

@@ -136,11 +136,14 @@ def min_ram_slots(facts: EngineFacts, n_ubatch: int) -> int:
     return int(min(facts.n_expert, max(1, int(n_ubatch)) * facts.top_k))
 
 
-def ram_slots(spec, facts: EngineFacts, n_ubatch: int, memory: Optional[dict] = None) -> tuple[int, str]:
+def ram_slots(spec, facts: EngineFacts, n_ubatch: int, memory: Optional[dict] = None,
+              ubatch_hint: bool = True) -> tuple[int, str]:
     """RAM expert slots for a ``moe_ram_cache`` budget that is not ``"auto"``: ``(slots, why)``.
 
     ``spec``: ``"40%"`` (of the routed experts' bytes), ``"12GiB"``, ``"512MB"`` or bytes; rounded down to whole
     slots of ``facts.slot_bytes``, at most one per expert. ``memory``: :func:`machine_memory` (read when None).
+    ``ubatch_hint``: a budget below the minimum suggests a smaller ``n_ubatch`` where one would help (False where the
+    caller's ubatch is not the user's to choose).
 
     Raises:
         ValueError: unparsable or negative; below :func:`min_ram_slots` (the number of slots and bytes named); more
@@ -159,8 +162,9 @@ def ram_slots(spec, facts: EngineFacts, n_ubatch: int, memory: Optional[dict] = 
     n = min(n_all, int(b // sb + 1e-9))
     need = min_ram_slots(facts, n_ubatch)
     if n < need:
-        fewer = min_ram_slots(facts, 1) < need  # a smaller ubatch routes to fewer experts
-        raise ValueError(f"moe_ram_cache={spec!r} holds {n} experts of {sb} bytes; a ubatch of {n_ubatch} tokens can "
+        fewer = ubatch_hint and min_ram_slots(facts, 1) < need  # a smaller ubatch routes to fewer experts
+        raise ValueError(f"moe_ram_cache={spec!r} holds {n} expert{'' if n == 1 else 's'} of {sb} bytes; a ubatch of "
+                         f"{n_ubatch} tokens can "
                          f"route to {need} experts of one layer, which must all be in RAM while it computes: give at "
                          f"least {need * sb} bytes ({100.0 * need / n_all:.1f}% of the routed experts)"
                          + (", or a smaller n_ubatch" if fewer else ""))

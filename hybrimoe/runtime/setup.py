@@ -58,12 +58,8 @@ def cache_slots(spec, facts: EngineFacts) -> int:
     n_all = len(facts.moe_layers) * facts.n_expert
     try:
         b = parse_budget(spec, float(n_all * sb), sb)
-    except ValueError as e:
-        if isinstance(spec, (int, float)) and not isinstance(spec, bool) and 0 < spec < 1:
-            # 0.25 meant as a share reads as a quarter of a byte
-            raise ValueError(f"{e} (a number is a byte count; for a share of the experts give a percentage, "
-                             f"e.g. \"{100 * spec:g}%\")") from None
-        raise
+    except ValueError as e:  # a number between 0 and 1 is refused there with the percentage it meant
+        raise ValueError(f"moe_cache: {e}") from None
     return min(n_all, int(b // sb + 1e-9))
 
 

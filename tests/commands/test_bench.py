@@ -215,3 +215,15 @@ def test_cli_warnings_are_one_line_each(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "hybrimoe: warning: calibration:" in r.stderr
     assert "Warning:" not in r.stderr and ".py:" not in r.stderr, r.stderr
+
+
+def test_bench_ram_budget_errors_name_the_flag_once(tiny_model, capsys):
+    """A RAM budget below the minimum: the flag named once, and no advice of a smaller ubatch (bench has no -ub)."""
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    two = str(2 * engine_facts(path).slot_bytes)
+    assert _bench(["-m", path, "--moe-ram-cache", two]) == 1
+    err = capsys.readouterr().err
+    assert f"--moe-ram-cache: moe_ram_cache='{two}' holds 2 experts" in err and "moe_ram_cache: " not in err, err
+    assert "n_ubatch" not in err, err

@@ -198,7 +198,7 @@ def test_closed_llama_raises_instead_of_crashing(tiny_model):
 
 @pytest.mark.parametrize("kw, match", [(dict(n_cpu_moe="3"), "n_cpu_moe must be an integer"),
                                        (dict(tensor_buft_overrides=5), "tensor_buft_overrides must be a string"),
-                                       (dict(moe_cache=0.25), r'byte count.*"25%"')])
+                                       (dict(moe_cache=0.25), r"moe_cache: .*less than one byte.*'25%'")])
 def test_wrong_option_types_are_named(tiny_model, kw, match):
     from hybrimoe import Llama
 

@@ -331,6 +331,10 @@ def test_budgets_out_of_range_are_refused_with_the_numbers(tiny_model):
     # a float below 1 is a share written as bytes: refused with the percentage it meant
     with pytest.raises(ValueError, match=r"'50%'"):
         Llama(str(path), moe_ram_cache=0.5, **_kw(64))
+    with pytest.raises(ValueError, match=r"'50%'"):  # as a command line gives it
+        ram_slots("0.5", f, 64, memory=mem)
+    with pytest.raises(ValueError, match=r"moe_cache: .*'25%'"):
+        Llama(str(path), moe_cache="0.25", **_kw(64))
     # at n_ubatch 1 no smaller ubatch would help
     with pytest.raises(ValueError) as e:
         ram_slots((f.top_k - 1) * f.slot_bytes, f, 1, memory=mem)
