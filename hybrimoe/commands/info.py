@@ -106,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the describe() dict as JSON")
     parser.add_argument("--moe-ram-cache", default=None, metavar="SIZE",
                         help="also estimate the disk traffic per token with this much RAM for routed experts ('40%%', "
-                             "'12GiB'; as run's): simulated on synthetic routing of the model's shape")
+                             "'12GiB', 'auto': what run's 'auto' would take on this machine now): simulated on "
+                             "synthetic routing of the model's shape")
     parser.add_argument("--disk", default=None, metavar="NAME|FILE",
                         help="disk for --moe-ram-cache (a name or a calibrate --disk file; default pcie4-nvme)")
     parser.add_argument("--moe-cache", default="0", metavar="SIZE",
@@ -141,7 +142,19 @@ def _ram_traffic(args) -> list[dict]:
     from hybrimoe.model.facts import facts_from_gguf
     from hybrimoe.sim.simulator import ram_traffic
 
-    return ram_traffic(facts_from_gguf(args.model), args.moe_ram_cache, disk=args.disk, moe_cache=args.moe_cache)
+    budget = args.moe_ram_cache
+    if str(budget).strip().lower() == "auto":
+        # run's "auto" on this machine now (hybrimoe.runtime.ram_tier.auto_ram_slots, the default ubatch of 512):
+        # the memory available less the weights outside the experts and the margin, in bytes
+        from hybrimoe.model.reader import open_gguf
+        from hybrimoe.runtime.engine_facts import engine_facts
+        from hybrimoe.runtime.ram_tier import auto_ram_slots
+
+        ef = engine_facts(args.model)
+        other = max(0, int(open_gguf(args.model).size) - int(ef.total_expert_bytes))
+        n, _ = auto_ram_slots(ef, 512, other)
+        budget = n * ef.slot_bytes
+    return ram_traffic(facts_from_gguf(args.model), budget, disk=args.disk, moe_cache=args.moe_cache)
 
 
 def format_traffic(records: list[dict]) -> str:

@@ -208,6 +208,21 @@ def test_info_estimates_the_disk_traffic_at_a_ram_budget(tmp_path, capsys):
     assert per["25%"][("decode", "hybrimoe")]["page_faults_per_token"] == 0
 
 
+def test_info_takes_auto_as_run_does(tmp_path, capsys):
+    """``--moe-ram-cache auto``: the budget run's "auto" would take on this machine now (auto_ram_slots), in bytes;
+    a tiny model fits whole there."""
+    import json
+
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    p = make_tiny_model(tmp_path / "m.gguf", "qwen3moe", n_expert=16, n_layer=3)
+    rc, out, err = _run([str(p), "--moe-ram-cache", "auto", "--json"], capsys)
+    assert rc == 0, err
+    f = engine_facts(p)
+    recs = json.loads(out)["ram_traffic"]
+    assert {r["ram_budget_bytes"] for r in recs} == {len(f.moe_layers) * f.n_expert * f.slot_bytes}, recs[0]
+
+
 def test_info_refuses_a_bad_ram_budget(tmp_path, capsys):
     p = make_tiny_model(tmp_path / "m.gguf", "qwen3moe")
     rc, out, err = _run([str(p), "--moe-ram-cache", "lots"], capsys)
