@@ -65,8 +65,10 @@ def timing_lines(gen, stats: dict) -> list[str]:
         lines.append(f"hybrimoe: {what:>16} = {1e3 * s:10.2f} ms / {n:5d} tokens ({per})")
     if "engine" in stats:
         e = stats["engine"]
-        lines.append(f"hybrimoe: engine hit rate {e['hit_rate']:.3f} ({e['cache']['hits']} of {e['cache']['accesses']}"
-                     f" activated experts resident), {e['bytes_copied'] / 2**20:.1f} MiB copied to the device")
+        if e["n_slots"] > 0:  # no GPU cache (the RAM tier alone, or moe_cache=0): no GPU line
+            lines.append(f"hybrimoe: engine hit rate {e['hit_rate']:.3f} ({e['cache']['hits']} of "
+                         f"{e['cache']['accesses']} activated experts resident), {e['bytes_copied'] / 2**20:.1f} MiB "
+                         "copied to the device")
         r = e.get("ram") or {}
         if r:
             lines.append(f"hybrimoe: RAM tier hit rate {r['hit_rate']:.3f} ({r['hits']} of {r['accesses']}; "

@@ -135,6 +135,18 @@ def test_run_prints_the_engines_hit_rate(tiny_model, rpc_server, split_cost_mode
     assert "engine hit rate" in r.stderr and "activated experts resident" in r.stderr
 
 
+def test_run_without_a_gpu_cache_prints_no_gpu_line(tiny_model, tmp_path):
+    """The RAM tier alone (no GPU cache): its line, and none about a GPU cache that does not exist."""
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    f = engine_facts(path)
+    r = _cli(["run", "-m", str(path), "-n", "4", "--temp", "0", "--moe-ram-cache", str(f.n_expert * f.slot_bytes),
+              "--moe-cost-model", "rtx4090-desktop"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "RAM tier hit rate" in r.stderr and "engine hit rate" not in r.stderr, r.stderr
+
+
 def test_llama_cpp_warnings_only_with_verbose(tiny_model, tmp_path):
     """Without --verbose only hybrimoe's own lines reach stderr (llama.cpp's warnings, e.g. gpt-oss's SWA cache note,
     are hidden as llama-cpp-python hides them for verbose=False); with it llama.cpp's log is there."""
