@@ -333,7 +333,7 @@ def measure(llm, *, device: Optional[int], n_slots: int, quick: bool = False, th
     bar = tqdm(total=steps, desc=desc, unit="step", file=sys.stderr, disable=not progress or not progress_on())
     m = _Measurement(llm, device, sizes, reps, threads, bar)
     try:
-        layer_rows, used = m.share(0, sizes, "hybrimoe", "every expert on the CPU (moe_cache=0)",
+        layer_rows, used = m.share(0, sizes, "hybrimoe", "the calibration's own runs with every expert on the CPU",
                                    ("cpu_startup_s", "cpu_a_s", "cpu_b_s", "cpu_c_s"))
         m.non_expert(layer_rows)
         if device:
