@@ -159,13 +159,24 @@ double evaluate_plan(const LayerInput & in, const CostModel & cost, const std::v
 
 namespace {
 
-double evaluate_disk(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
-                     const std::vector<int32_t> & idx, SchedulePlan & out);
-
 double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
                         const std::vector<int32_t> & idx, SchedulePlan & out) {
-    if (in.has_disk()) return evaluate_disk(in, cost, on_gpu, idx, out);
     const size_t k = in.size();
+    // the RAM tier's reads (evaluate_plan's documentation): the GPU's reads (of its uncached experts on disk) come
+    // first, then the CPU's; without reads in the timeline every step below is the plain timeline's
+    const bool disk = in.has_disk();
+    int n_g = 0, n_c = 0;
+    if (disk) {
+        for (size_t i = 0; i < k; ++i) {
+            if (!in.on_disk[i]) continue;
+            if (!on_gpu[i]) {
+                ++n_c;
+            } else if (!in.cached[i]) {
+                ++n_g;
+            }
+        }
+    }
+    const double gpu_reads = in.reads_s(n_g);
     // A GPU task: release time, rank r in idx (load-descending order), LayerInput index.
     struct Task {
         double ready;
@@ -195,31 +206,39 @@ double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std
     }
     if (!out.cpu_experts.empty()) {
         t_cpu += cost.cpu_startup_s;
+        if (n_c > 0) t_cpu += in.reads_s(n_g + n_c);  // the CPU share starts once every read ended
     }
 
-    // Copies back to back, highest load first; GPU tasks released at their copy end.
+    // Copies back to back, highest load first; GPU tasks released at their copy end. With reads, the experts in RAM
+    // are copied first (pass 0), those read from disk once their reads ended (pass 1).
     double t_link = in.pcie_free_s;
     const double h2d = cost.h2d(in.expert_bytes);
-    for (size_t r = 0; r < k; ++r) {
-        const int32_t i = idx[r];
-        if (!on_gpu[i]) {
-            continue;
-        }
-        if (in.cached[i]) {
-            cached_tasks.push_back({in.ready_s[i], static_cast<int32_t>(r), i});
-        } else {
-            t_link += h2d;
-            out.load_experts.push_back(in.experts[i]);
-            copied_tasks.push_back({t_link, static_cast<int32_t>(r), i});
+    for (int pass = 0; pass < (n_g > 0 ? 2 : 1); ++pass) {
+        if (pass == 1) t_link = std::max(t_link, gpu_reads);
+        for (size_t r = 0; r < k; ++r) {
+            const int32_t i = idx[r];
+            if (!on_gpu[i] || (disk && (in.on_disk[i] != 0) != (pass == 1) && !in.cached[i])) {
+                continue;
+            }
+            if (in.cached[i]) {
+                if (pass == 0) cached_tasks.push_back({in.ready_s[i], static_cast<int32_t>(r), i});
+            } else {
+                t_link += h2d;
+                out.load_experts.push_back(in.experts[i]);
+                copied_tasks.push_back({t_link, static_cast<int32_t>(r), i});
+            }
         }
     }
     // GPU order: earliest ready first, ties in idx order (highest load first), i.e. ascending (ready, r). Copied
-    // tasks are already in that order (copy ends grow with r); cached ones usually are (all ready at 0), else a
-    // stable sort by ready keeps r order among equals. Merging the two on (ready, r) gives that total order.
+    // tasks are in that order without reads (copy ends grow with r); cached ones usually are (all ready at 0), else
+    // a stable sort by ready keeps r order among equals. Merging the two on (ready, r) gives that total order.
     auto earlier = [](const Task & a, const Task & b) { return a.ready < b.ready || (a.ready == b.ready && a.r < b.r); };
     if (!std::is_sorted(cached_tasks.begin(), cached_tasks.end(), earlier)) {
         std::stable_sort(cached_tasks.begin(), cached_tasks.end(),
                          [](const Task & a, const Task & b) { return a.ready < b.ready; });
+    }
+    if (!std::is_sorted(copied_tasks.begin(), copied_tasks.end(), earlier)) {
+        std::stable_sort(copied_tasks.begin(), copied_tasks.end(), earlier);
     }
     gpu_tasks.resize(cached_tasks.size() + copied_tasks.size());
     std::merge(cached_tasks.begin(), cached_tasks.end(), copied_tasks.begin(), copied_tasks.end(), gpu_tasks.begin(),
@@ -227,94 +246,16 @@ double evaluate_ordered(const LayerInput & in, const CostModel & cost, const std
     double t_gpu = 0.0;
     if (!gpu_tasks.empty()) {
         // a device that cannot compute while it copies (copy_overlap < 1) first works through the copy queue, this
-        // layer's loads included (the engine queues them before its launches)
-        t_gpu = cost.copy_blocking(t_link) + cost.act(in.n_tokens);
+        // layer's loads included (the engine queues them before its launches); the launch waits for the GPU's reads
+        t_gpu = cost.copy_blocking(t_link);
+        if (n_g > 0) t_gpu = std::max(t_gpu, gpu_reads);
+        t_gpu += cost.act(in.n_tokens);
         for (const Task & task : gpu_tasks) {
             t_gpu = std::max(t_gpu, task.ready) + cost.gpu(in.loads[task.i]);
             out.gpu_experts.push_back(in.experts[task.i]);
         }
     }
     // the copies this plan queues delay the CPU share on a host that pays for them (cpu_copy_overlap < 1)
-    if (!out.cpu_experts.empty()) t_cpu += cost.cpu_copy_blocking(t_link - in.pcie_free_s);
-    out.cpu_end_s = t_cpu;
-    out.gpu_end_s = t_gpu;
-    out.pcie_end_s = t_link;
-    out.makespan_s = std::max(t_cpu, t_gpu);
-    return out.makespan_s;
-}
-
-// evaluate_ordered with the RAM tier's reads in the timeline (evaluate_plan's documentation): the same queues, the
-// CPU share and the copies from disk delayed by the reads they wait for.
-double evaluate_disk(const LayerInput & in, const CostModel & cost, const std::vector<uint8_t> & on_gpu,
-                     const std::vector<int32_t> & idx, SchedulePlan & out) {
-    const size_t k = in.size();
-    struct Task {
-        double ready;
-        int32_t r;
-        int32_t i;
-    };
-    thread_local std::vector<Task> cached_tasks, copied_tasks, gpu_tasks;
-    if (&out.on_gpu != &on_gpu) out.on_gpu = on_gpu;
-    out.cpu_experts.clear();
-    out.gpu_experts.clear();
-    out.load_experts.clear();
-    cached_tasks.clear();
-    copied_tasks.clear();
-    int n_g = 0, n_c = 0;  // reads for the GPU's copies, for the CPU share
-    for (size_t i = 0; i < k; ++i) {
-        if (!in.on_disk[i]) continue;
-        if (!on_gpu[i]) {
-            ++n_c;
-        } else if (!in.cached[i]) {
-            ++n_g;
-        }
-    }
-    const double gpu_reads = in.reads_s(n_g), all_reads = in.reads_s(n_g + n_c);
-
-    double t_cpu = 0.0;
-    for (int pass = 0; pass < 2; ++pass) {
-        for (size_t r = k; r-- > 0;) {
-            const int32_t i = idx[r];
-            if (!on_gpu[i] && (in.cached[i] != 0) == (pass == 1)) {
-                t_cpu += cost.cpu(in.loads[i]);
-                out.cpu_experts.push_back(in.experts[i]);
-            }
-        }
-    }
-    if (!out.cpu_experts.empty()) t_cpu += cost.cpu_startup_s + (n_c > 0 ? all_reads : 0.0);
-
-    // copies: the experts in RAM first, highest load first, then those read from disk once their reads ended
-    double t_link = in.pcie_free_s;
-    const double h2d = cost.h2d(in.expert_bytes);
-    for (int pass = 0; pass < 2; ++pass) {
-        if (pass == 1 && n_g > 0) t_link = std::max(t_link, gpu_reads);
-        for (size_t r = 0; r < k; ++r) {
-            const int32_t i = idx[r];
-            if (!on_gpu[i] || in.cached[i] || (in.on_disk[i] != 0) != (pass == 1)) continue;
-            t_link += h2d;
-            out.load_experts.push_back(in.experts[i]);
-            copied_tasks.push_back({t_link, static_cast<int32_t>(r), i});
-        }
-    }
-    for (size_t r = 0; r < k; ++r) {
-        const int32_t i = idx[r];
-        if (on_gpu[i] && in.cached[i]) cached_tasks.push_back({in.ready_s[i], static_cast<int32_t>(r), i});
-    }
-    auto earlier = [](const Task & a, const Task & b) { return a.ready < b.ready || (a.ready == b.ready && a.r < b.r); };
-    std::stable_sort(cached_tasks.begin(), cached_tasks.end(), earlier);
-    std::stable_sort(copied_tasks.begin(), copied_tasks.end(), earlier);
-    gpu_tasks.resize(cached_tasks.size() + copied_tasks.size());
-    std::merge(cached_tasks.begin(), cached_tasks.end(), copied_tasks.begin(), copied_tasks.end(), gpu_tasks.begin(),
-               earlier);
-    double t_gpu = 0.0;
-    if (!gpu_tasks.empty()) {
-        // the launch waits for the GPU's reads (the copies it reads are queued after them)
-        t_gpu = std::max(cost.copy_blocking(t_link), n_g > 0 ? gpu_reads : 0.0) + cost.act(in.n_tokens);
-        for (const Task & task : gpu_tasks) {
-            t_gpu = std::max(t_gpu, task.ready) + cost.gpu(in.loads[task.i]);
-            out.gpu_experts.push_back(in.experts[task.i]);
-        }
-    }
     if (!out.cpu_experts.empty()) t_cpu += cost.cpu_copy_blocking(t_link - in.pcie_free_s);
     out.cpu_end_s = t_cpu;
     out.gpu_end_s = t_gpu;
