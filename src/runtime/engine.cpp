@@ -197,13 +197,9 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
         // copies; where that type caps a buffer (Vulkan), the slots are split over several, and the CPU share runs
         // once per buffer (build)
         if (cfg_.ram.max_buffer_bytes <= 0) cfg_.ram.max_buffer_bytes = cfg_.max_buffer_bytes;
+        // the GPU pool has the RAM pool's geometry
         auto buffers_with = [&](ggml_backend_buffer_type_t buft) {
-            const size_t mx = buft ? ggml_backend_buft_get_max_size(buft) : 0;
-            int64_t cap = mx == 0 || mx >= (size_t) INT64_MAX ? 0 : (int64_t) mx;
-            if (cfg_.ram.max_buffer_bytes > 0) cap = cap > 0 ? std::min(cap, cfg_.ram.max_buffer_bytes)
-                                                              : cfg_.ram.max_buffer_bytes;
-            const int64_t per = pool_.slots_per_buffer_for(cfg_.ram.n_slots, cap);
-            return (cfg_.ram.n_slots + per - 1) / per;
+            return pool_.host_buffers_for(buft, cfg_.ram.n_slots, cfg_.ram.max_buffer_bytes);
         };
         // the combine op takes one CPU share per buffer as a source: past that, pageable memory in one buffer
         ggml_backend_buffer_type_t host = pool_.host_buffer_type();
@@ -678,7 +674,6 @@ void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
             } else {
                 // the predictions the RAM tier read ahead with (above): only experts already in RAM are copied
                 // ahead to the GPU (one still on disk, or being read, is copied at its first use)
-                if (cfg_.prefetch_layers == 0) predictions_.clear();
                 for (Prediction & p : predictions_) {
                     size_t kept = 0;
                     for (size_t i = 0; i < p.experts.size(); ++i) {

@@ -220,16 +220,31 @@ void SlotPool::open(ggml_backend_dev_t device, int64_t n_slots, int64_t max_buff
     for (int64_t s = n_slots_ - 1; s >= 0; --s) free_slots_.push_back((int32_t) s);
 }
 
+namespace {
+
+// bytes one host slot buffer may hold: the buffer type's cap (SIZE_MAX or 0: none) and max_buffer_bytes (> 0), the
+// lower; 0 for no cap
+int64_t host_cap(ggml_backend_buffer_type_t buft, int64_t max_buffer_bytes) {
+    const size_t buft_max = buft ? ggml_backend_buft_get_max_size(buft) : 0;
+    int64_t cap = buft_max == 0 || buft_max >= (size_t) INT64_MAX ? 0 : (int64_t) buft_max;
+    if (max_buffer_bytes > 0) cap = cap > 0 ? std::min(cap, max_buffer_bytes) : max_buffer_bytes;
+    return cap;
+}
+
+}  // namespace
+
+int64_t SlotPool::host_buffers_for(ggml_backend_buffer_type_t buft, int64_t n_slots, int64_t max_buffer_bytes) const {
+    const int64_t per = slots_per_buffer_for(n_slots, host_cap(buft, max_buffer_bytes));
+    return (n_slots + per - 1) / per;
+}
+
 void SlotPool::open_host(ggml_backend_buffer_type_t buft, int64_t n_slots, int64_t max_buffer_bytes) {
     if (!buft || !ggml_backend_buft_is_host(buft)) {
         throw std::invalid_argument("engine: the RAM expert slots need a host buffer type");
     }
     if (n_slots < 1) throw std::invalid_argument("engine: a slot pool needs at least one slot");
     release();
-    const size_t buft_max = ggml_backend_buft_get_max_size(buft);
-    int64_t cap = buft_max >= (size_t) INT64_MAX ? 0 : (int64_t) buft_max;
-    if (max_buffer_bytes > 0) cap = cap > 0 ? std::min(cap, max_buffer_bytes) : max_buffer_bytes;
-    per_buf_ = slots_per_buffer_for(n_slots, cap);
+    per_buf_ = slots_per_buffer_for(n_slots, host_cap(buft, max_buffer_bytes));
     n_slots_ = n_slots;
     const int64_t n_bufs = (n_slots_ + per_buf_ - 1) / per_buf_;
     ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (n_bufs + 1), nullptr, true};

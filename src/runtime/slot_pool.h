@@ -69,6 +69,9 @@ public:
     /// cap); each buffer adds a null slot and pads each of its nine regions to 256 bytes. At most n_slots. Throws
     /// std::runtime_error when not even one slot and its null slot fit.
     int64_t slots_per_buffer_for(int64_t n_slots, int64_t max_buffer_bytes) const;
+    /// Slot buffers open_host(buft, n_slots, max_buffer_bytes) would allocate: the buffer type's cap (SIZE_MAX: none)
+    /// and max_buffer_bytes (> 0), the lower of the two.
+    int64_t host_buffers_for(ggml_backend_buffer_type_t buft, int64_t n_slots, int64_t max_buffer_bytes) const;
     /// Bytes of a slot buffer of n slots (plus its null slot).
     int64_t buffer_bytes_for(int64_t n) const { return region_base(kRegions, n); }
 
