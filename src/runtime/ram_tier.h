@@ -153,8 +153,13 @@ public:
     static constexpr uint64_t kProbeEvery = 8;
 
     int64_t n_slots() const { return pool_.n_slots(); }
-    /// RAM slots pinned now (being read, used by a layer, read ahead for one, or held for a GPU copy).
-    int64_t pinned() const { return n_pinned_; }
+    /// RAM slots pinned now (being read, used by a layer, read ahead for one, or held for a GPU copy); reads that
+    /// ended since the last harvest give their own pins back first (a read ahead can end after its last lookup).
+    /// Engine's thread, or between decodes.
+    int64_t pinned() {
+        harvest();
+        return n_pinned_;
+    }
     int64_t slot_bytes() const { return pool_.slot_bytes(); }
     const SlotPool & pool() const { return pool_; }
     const ExpertCache & cache() const { return *cache_; }
