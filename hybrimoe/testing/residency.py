@@ -66,3 +66,24 @@ def resident_pages(path, ranges) -> tuple[set, int]:
             resident.update(a + i * PAGE for i in range(n) if vec[i] & 1)
             total += n
     return resident, total
+
+
+def cold_expert_pages(path) -> tuple[list[tuple[int, int]], set, int]:
+    """The starting point of a residency test: ``(expert page ranges, pages resident after hybrimoe's own header
+    check, page count)``. Drops ``path`` from the page cache, parses its header as hybrimoe does (``open_gguf``,
+    whose reads may bring a few expert pages in), measures, and drops the file again, so that the run under test
+    starts cold and its residency can be compared with the check's.
+
+    Raises:
+        OSError: the file cannot be read or dropped.
+    """
+    from hybrimoe.model.reader import open_gguf
+    from hybrimoe.runtime.disk_calibration import drop_from_page_cache
+
+    pages = expert_pages(path)
+    drop_from_page_cache(path)
+    g = open_gguf(path)
+    by_check, total = resident_pages(path, pages)
+    del g
+    drop_from_page_cache(path)
+    return pages, by_check, total

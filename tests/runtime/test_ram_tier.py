@@ -16,7 +16,7 @@ import pytest
 
 from hybrimoe.runtime.disk_calibration import drop_from_page_cache
 from hybrimoe.testing.fixtures import ENGINE_ARCHS
-from hybrimoe.testing.residency import expert_pages, resident_pages
+from hybrimoe.testing.residency import cold_expert_pages, resident_pages
 from hybrimoe.testing.upstream import decode_together, greedy_with_logits, prompt_tokens
 
 N_GEN = 12
@@ -197,16 +197,10 @@ def test_the_engine_leaves_no_expert_page_in_the_page_cache(big_model, direct, m
     leaves them (the tier reads with O_DIRECT, or with buffered reads and drops what it read): the RAM the experts
     use is the tier's."""
     from hybrimoe import Llama
-    from hybrimoe.model.reader import open_gguf
 
     monkeypatch.setenv("HYBRIMOE_RAM_DIRECT_IO", "1" if direct else "0")
 
-    pages = expert_pages(big_model)
-    drop_from_page_cache(big_model)
-    g = open_gguf(big_model)
-    by_check, total = resident_pages(big_model, pages)
-    del g
-    drop_from_page_cache(big_model)
+    pages, by_check, total = cold_expert_pages(big_model)
     llm = Llama(str(big_model), moe_ram_cache="50%", moe_cost_model="rtx4090-desktop", **_kw(7))
     try:
         tokens = prompt_tokens(llm, 15)

@@ -160,17 +160,10 @@ def test_gpu_loads_leave_no_expert_page_in_the_page_cache(tiny_model, rpc_server
     the loader's (llama.cpp's mapping, before the engine exists), so what is asserted is that the decode, GPU
     loads included, adds none."""
     from hybrimoe import Llama
-    from hybrimoe.model.reader import open_gguf
-    from hybrimoe.runtime.disk_calibration import drop_from_page_cache
-    from hybrimoe.testing.residency import expert_pages, resident_pages
+    from hybrimoe.testing.residency import cold_expert_pages, resident_pages
 
     big = tiny_model("qwen3moe", "F16", n_embd=256, n_ff_exp=1024, n_expert=16)
-    pages = expert_pages(big)
-    drop_from_page_cache(big)
-    g = open_gguf(big)
-    by_check, total = resident_pages(big, pages)
-    del g
-    drop_from_page_cache(big)
+    pages, by_check, total = cold_expert_pages(big)
     ram, gpu = _budgets(big, 7, "k")
     llm = Llama(str(big), moe_cache=gpu, moe_ram_cache=ram, moe_policy="gpu-on-demand",
                 moe_cost_model=split_cost_model, **_common(rpc_server, 7))
