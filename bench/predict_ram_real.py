@@ -15,7 +15,9 @@ The runs simulated are the measured ones: the same synthetic trace (shape, local
 engine had (its ``n_slots x slot_bytes``; upstream's page cache gets the same), the prefill as one ubatch of the
 prompt, the decode as the measured decode tokens after the prompt (the prompt's tokens run first as decode steps, so the
 RAM holds what they left: the two totals' difference). Modes: upstream-mmap is the simulator's ``mmap`` preset with
-faults of this disk's ``read_ahead_kb`` (the page-cache read-around of one fault), hybrimoe its ``hybrimoe`` preset,
+the faults the disk file measured (``mmap_read_around``, ``mmap_fault_bytes``; without them, faults of this disk's
+``read_ahead_kb`` and no read-around waste), hybrimoe its ``hybrimoe`` preset (the reads' CPU time from the disk
+file's ``read_cpu_s_per_byte``),
 hybrimoe-no-prefetch the same without look-ahead, hybrimoe-lru with an LRU RAM cache. Prints a markdown table of
 measured, predicted and error; ``--json`` writes it.
 
@@ -138,7 +140,7 @@ def simulate(trace, hw, disk: str, stage: str, budget: float, preset: str, over:
 
         def build_ram(ram):
             cache, cfg = orig(ram)
-            if preset == "mmap":
+            if preset == "mmap" and fault_bytes:  # a disk file without the measured fault size
                 cfg.fault_bytes = float(fault_bytes)
             return cache, cfg
 
@@ -183,7 +185,16 @@ def main() -> int:
     import numpy as np
 
     first = lambda k: full.select_tokens(np.arange(n) < k)  # noqa: E731
-    ra = read_ahead_bytes(model)
+    from hybrimoe.policy.hardware import load_disk
+
+    dfacts = load_disk(args.disk).facts
+    # upstream's faults: as calibrate --disk measured them (read-around and bytes per fault), else one fault reads
+    # read_ahead_kb with no read-around waste
+    ra = 0 if "mmap_fault_bytes" in dfacts else read_ahead_bytes(model)
+    faults = (f"upstream's faults as measured: {dfacts['mmap_read_around']:.2f} bytes read per byte faulted, "
+              f"{dfacts['mmap_fault_bytes'] / 2**20:.1f} MiB per fault" if not ra else
+              f"upstream's faults read {ra // 1024} KiB (read_ahead_kb)")
+    cpu = f"; reads cost the CPU share {1e9 * dfacts.get('read_cpu_s_per_byte', 0.0):.2f} s per GB"
     hyb = next((r for r in meas["rows"] if r.get("mode") == "hybrimoe" and "ram_decode" in r), None)
     if hyb is None:
         print(f"{args.measured}: no successful 'hybrimoe' row: its RAM budget is every mode's here", file=sys.stderr)
@@ -191,10 +202,10 @@ def main() -> int:
     budget = float(hyb["ram_decode"]["n_slots"] * hyb["ram_decode"]["slot_bytes"])
     out = []
     print(f"model {model.name}; RAM for experts {budget / 2**30:.2f} GiB (hybrimoe's auto budget, every mode); disk "
-          f"{args.disk}; upstream's faults read {ra // 1024} KiB (read_ahead_kb); CPU {hw_path}")
+          f"{args.disk}; {faults}{cpu}; CPU {hw_path}")
     print(f"| mode | pp{args.pp} t/s measured | predicted | error | tg{args.tg} t/s measured | predicted | error | "
-          "MB read/token tg measured | predicted |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "MB read/token pp measured | predicted | MB read/token tg measured | predicted |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in meas["rows"]:
         if "error" in r or r["mode"] not in MODES:
             continue
@@ -207,10 +218,12 @@ def main() -> int:
         tg_bytes = (d1["bytes_disk"] - d0["bytes_disk"]) / args.tg
         row = dict(mode=r["mode"], pp_measured=r["pp_tps"], pp_predicted=pp_tps, tg_measured=r["tg_tps"],
                    tg_predicted=tg_tps, tg_bytes_measured=r["tg_read_per_token"], tg_bytes_predicted=tg_bytes,
+                   pp_bytes_measured=r["pp_read_per_token"], pp_bytes_predicted=pre["bytes_disk"] / args.pp,
                    pp_error=pp_tps / r["pp_tps"] - 1, tg_error=tg_tps / r["tg_tps"] - 1)
         out.append(row)
         print(f"| {r['mode']} | {r['pp_tps']:.2f} | {pp_tps:.2f} | {100 * row['pp_error']:+.0f}% | {r['tg_tps']:.3f} | "
-              f"{tg_tps:.3f} | {100 * row['tg_error']:+.0f}% | {r['tg_read_per_token'] / 1e6:.0f} | "
+              f"{tg_tps:.3f} | {100 * row['tg_error']:+.0f}% | {r['pp_read_per_token'] / 1e6:.0f} | "
+              f"{row['pp_bytes_predicted'] / 1e6:.0f} | {r['tg_read_per_token'] / 1e6:.0f} | "
               f"{tg_bytes / 1e6:.0f} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"budget_bytes": budget, "disk": args.disk, "hardware": hw_path,

@@ -267,6 +267,8 @@ class RamTierConfig:
     lookahead: int
     ready_first: bool
     fault_bytes: float
+    read_around: float
+    read_cpu_s_per_byte: float
     recall: list[float]
     def __init__(self) -> None: ...
     def validate(self) -> None: ...

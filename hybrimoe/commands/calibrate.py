@@ -77,7 +77,11 @@ def _run_disk(args: argparse.Namespace) -> int:
     for d, v in sorted(m.per_depth_Bps.items()):
         print(f"reads in flight {d:2d}: {v / 1e9:.3f} GB/s cold")
     print(f"read_bandwidth_Bps {m.read_bandwidth_Bps:.6g}\nread_latency_s     {m.read_latency_s:.6g}\n"
-          f"queue_depth        {m.queue_depth}\nwarm (page cache)  {m.warm_Bps / 1e9:.3f} GB/s")
+          f"queue_depth        {m.queue_depth}\nwarm (page cache)  {m.warm_Bps / 1e9:.3f} GB/s\n"
+          f"read_cpu_s_per_byte {m.read_cpu_s_per_byte:.4g} ({m.read_cpu_s_per_byte * 1e9:.3f} CPU s per GB read)")
+    if m.mmap_read_around >= 1:
+        print(f"mmap_read_around   {m.mmap_read_around:.3g} (bytes read per byte faulted)\n"
+              f"mmap_fault_bytes   {m.mmap_fault_bytes:.6g}")
     if m.host_cache_suspected:
         print("hybrimoe calibrate: warning: cold reads ran at nearly page-cache speed: probably served from a cache "
               "below this machine (a virtual disk's host)", file=sys.stderr)

@@ -32,6 +32,12 @@ DISK_DIR = Path(__file__).resolve().parent / "disk_files"
 DISK_SCHEMA = "hybrimoe.disk/1"
 #: a disk file's facts: sequential read bytes/s, seconds before one read's data flows, reads in flight that gain
 DISK_FACTS = ("read_bandwidth_Bps", "read_latency_s", "queue_depth")
+#: facts a disk file may leave out, measured by ``hybrimoe calibrate --disk`` on the machine itself:
+#: ``read_cpu_s_per_byte``, wall seconds by which each byte the RAM tier reads delays a CPU share running beside it
+#: (its I/O workers' CPU time per byte over the host's cores; left out: 0, spare cores absorb it);
+#: ``mmap_read_around``, bytes the kernel reads per byte of an expert faulted in through a mapping (>= 1; left out:
+#: 1); ``mmap_fault_bytes``, bytes one such page fault reads (left out: 128 KiB, Linux's default read_ahead_kb)
+DISK_OPTIONAL_FACTS = ("read_cpu_s_per_byte", "mmap_read_around", "mmap_fault_bytes")
 
 
 def hardware_names() -> list[str]:
@@ -105,14 +111,22 @@ def load_disk(name_or_path: str) -> Hardware:
     """Loads a bundled disk file by name (see :func:`disk_names`) or a disk JSON file by path (schema
     ``hybrimoe.disk/1``: ``name``, ``description`` and ``facts`` as a hardware file's, the facts
     :data:`DISK_FACTS`: sequential read bandwidth in bytes/s, the latency of one read in seconds, and how many reads
-    in flight still gain throughput). Returned as a :class:`Hardware` record of those facts.
+    in flight still gain throughput), and those of :data:`DISK_OPTIONAL_FACTS` it has. Returned as a
+    :class:`Hardware` record of those facts.
 
     Raises ValueError naming an unknown disk, and CostModelError for corrupt JSON, a wrong schema, or a fact that is
     missing, not a positive finite number (queue depth: at least 1), or without a source string.
     """
-    p, d, facts, sources = _read_facts(name_or_path, DISK_DIR, DISK_SCHEMA, DISK_FACTS, what="disk")
+    p, d, facts, sources = _read_facts(name_or_path, DISK_DIR, DISK_SCHEMA, DISK_FACTS, DISK_OPTIONAL_FACTS,
+                                       what="disk")
     if facts["queue_depth"] < 1:
         raise CostModelError(f"disk {p}: fact 'queue_depth' must be >= 1, got {facts['queue_depth']!r}")
+    if facts.get("mmap_read_around", 1.0) < 1:
+        raise CostModelError(f"disk {p}: fact 'mmap_read_around' must be >= 1 (bytes read per byte faulted), got "
+                             f"{facts['mmap_read_around']!r}")
+    if facts.get("mmap_fault_bytes", 4096.0) < 4096:
+        raise CostModelError(f"disk {p}: fact 'mmap_fault_bytes' must be >= 4096 (one page), got "
+                             f"{facts['mmap_fault_bytes']!r}")
     return Hardware(name=str(d.get("name", p.stem)), description=str(d.get("description", "")), facts=facts,
                     sources=sources)
 

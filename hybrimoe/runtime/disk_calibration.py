@@ -1,6 +1,9 @@
 """Measures the disk a model is read from, on the model's own file: the three figures the simulator's disk model
 takes (docs/design.md §17; ``hybrimoe.policy.hardware.load_disk``): sequential read bandwidth (bytes/s), the
-latency of one read (seconds) and how many reads in flight still gain throughput.
+latency of one read (seconds) and how many reads in flight still gain throughput; and two costs of this machine
+around them (``hybrimoe.policy.hardware.DISK_OPTIONAL_FACTS``): the CPU time the RAM tier's reads take (its own
+read path: O_DIRECT into an aligned staging buffer, then a copy into the slot, by its 4 I/O workers), and what a
+page fault through the file's mapping reads (upstream llama.cpp's mmap: the kernel's read-around of a fault).
 
 Every read is cold: the model's files are dropped from the page cache first (POSIX_FADV_DONTNEED, which drops the
 clean pages no process maps) and no byte is read twice, so the figures are the device's, not the page cache's. The
@@ -11,8 +14,10 @@ about as fast as warm ones.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import random
+import resource
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +50,11 @@ class DiskMeasurement:
     bytes_read: int = 0                                  # cold bytes read in all
     files: list = field(default_factory=list)
     host_cache_suspected: bool = False
+    read_cpu_s_per_byte: float = 0.0                     # wall seconds a CPU share loses per byte the tier reads
+    read_cpu_source: str = ""
+    mmap_read_around: float = 0.0                        # bytes read per byte faulted through a mapping (0: none)
+    mmap_fault_bytes: float = 0.0                        # bytes read per major fault
+    mmap_source: str = ""
 
     def to_disk_file(self, name: str) -> dict:
         """A ``hybrimoe.disk/1`` document (``hybrimoe simulate --disk FILE`` reads it), sources naming the run."""
@@ -67,6 +77,11 @@ class DiskMeasurement:
                 "queue_depth": {"value": self.queue_depth,
                                 "source": f"{base}; fewest reads in flight reaching {SATURATION:.0%} of the best "
                                           f"throughput"},
+                **({"read_cpu_s_per_byte": {"value": self.read_cpu_s_per_byte, "source": self.read_cpu_source}}
+                   if self.read_cpu_s_per_byte > 0 else {}),
+                **({"mmap_read_around": {"value": self.mmap_read_around, "source": self.mmap_source},
+                    "mmap_fault_bytes": {"value": self.mmap_fault_bytes, "source": self.mmap_source}}
+                   if self.mmap_read_around >= 1 and self.mmap_fault_bytes >= 4096 else {}),
             },
             "measured": {"per_depth_Bps": {str(k): v for k, v in self.per_depth_Bps.items()},
                          "warm_Bps": self.warm_Bps, "bytes_read": self.bytes_read,
@@ -133,6 +148,144 @@ def _timed_reads(fds: dict, reads: list, depth: int) -> float:
     return time.perf_counter() - t0
 
 
+#: the RAM tier's I/O workers (src/runtime/ram_tier.h RamTierFacts::io_threads)
+IO_WORKERS = 4
+#: bytes of expert matrices read to measure the reads' CPU time, and at most this many matrices faulted in through
+#: a mapping to measure its read-around
+CPU_PROBE_BYTES = 256 << 20
+MMAP_PROBE_MATRICES = 48
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, every thread's."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _read_cpu(reads: list) -> tuple[float, str]:
+    """(CPU seconds per byte, how) of reading ``reads`` (cold (file, offset, bytes) expert matrices) the RAM tier's
+    way (src/runtime/ram_tier.cpp): :data:`IO_WORKERS` threads, each an O_DIRECT pread of the page-aligned span into
+    its own aligned staging buffer and a copy of the matrix into a slot buffer; buffered preads followed by
+    POSIX_FADV_DONTNEED where O_DIRECT is off (``HYBRIMOE_RAM_DIRECT_IO=0``) or the file system refuses it.
+
+    Raises:
+        OSError: a read failed or came back short (the message names the file and offset).
+    """
+    from hybrimoe.envs import ram_direct_io
+
+    page = mmap.PAGESIZE
+    largest = max(nb for _, _, nb in reads)
+    span = (largest + 2 * page - 1) // page * page
+    direct = ram_direct_io() and hasattr(os, "O_DIRECT")
+    fds = {}
+    try:
+        for p in sorted({p for p, _, _ in reads}):
+            fd = -1
+            if direct:
+                try:
+                    fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+                except OSError:
+                    direct = False
+            fds[p] = fd if fd >= 0 else os.open(p, os.O_RDONLY)
+        if not direct:  # one mode for all: reopen what was opened for direct reads
+            for p, fd in list(fds.items()):
+                os.close(fd)
+                fds[p] = os.open(p, os.O_RDONLY)
+        bufs = [(mmap.mmap(-1, span), mmap.mmap(-1, largest)) for _ in range(IO_WORKERS)]
+
+        def one(i_r):
+            i, (path, off, nb) = i_r
+            staging, slot = bufs[i % IO_WORKERS]
+            head = off % page if direct else 0
+            n = (head + nb + page - 1) // page * page if direct else nb
+            got = os.preadv(fds[path], [memoryview(staging)[:n]], off - head)
+            if got < head + nb:
+                raise OSError(f"{path}: short read at offset {off}: {max(0, got - head)} of {nb} bytes")
+            slot[:nb] = staging[head:head + nb]
+            if not direct:
+                os.posix_fadvise(fds[path], off, nb, os.POSIX_FADV_DONTNEED)
+
+        for p in fds:
+            drop_from_page_cache(p)
+        c0 = _cpu_seconds()
+        # one worker per slice of the list: the pairs (worker, read) keep each worker on its own buffers
+        with ThreadPoolExecutor(max_workers=IO_WORKERS) as ex:
+            for k in range(0, len(reads), IO_WORKERS):
+                list(ex.map(one, enumerate(reads[k:k + IO_WORKERS])))
+        cpu = _cpu_seconds() - c0
+        for staging, slot in bufs:
+            staging.close()
+            slot.close()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    nbytes = sum(nb for _, _, nb in reads)
+    how = (f"{'O_DIRECT' if direct else 'buffered'} reads of {nbytes / 1e6:.0f} MB of expert matrices by "
+           f"{IO_WORKERS} threads with a copy into a slot each (the RAM tier's read path): {cpu:.2f} CPU seconds "
+           f"(user + system); a CPU share whose threads use every core loses it all, as ggml's threads meet at a "
+           f"barrier after every op")
+    return cpu / max(nbytes, 1), how
+
+
+def _io_read_bytes() -> int:
+    """``read_bytes`` of /proc/self/io: what this process had the block layer read (read-ahead included)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise OSError("/proc/self/io has no read_bytes")
+
+
+def _mmap_read_around(reads: list, threads: int) -> tuple[float, float, str]:
+    """(bytes read per byte faulted, bytes read per major fault, how) of faulting ``reads`` (cold expert matrices)
+    in through a mapping of their file, as upstream llama.cpp's mmap does when a routed expert is not in the page
+    cache: ``threads`` threads copy a contiguous share of each matrix at once (the compute threads reading its
+    rows). Both figures 0 where /proc/self/io cannot be read.
+    """
+    import ctypes
+
+    import numpy as np
+
+    try:
+        _io_read_bytes()
+    except OSError:
+        return 0.0, 0.0, ""
+    largest = max(nb for _, _, nb in reads)
+    dst = np.empty(largest, dtype=np.uint8)
+    maps = {}
+    touched = read = faults = 0
+    try:
+        for p in sorted({p for p, _, _ in reads}):
+            drop_from_page_cache(p)
+            with open(p, "rb") as f:
+                maps[p] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        base = {p: np.frombuffer(m, dtype=np.uint8).ctypes.data for p, m in maps.items()}
+
+        def part(args):
+            src, off, n = args
+            ctypes.memmove(dst.ctypes.data + off, src + off, n)  # ctypes releases the GIL: the faults overlap
+
+        with ThreadPoolExecutor(max_workers=threads) as ex:
+            r0, f0 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            for path, off, nb in reads:
+                step = (nb + threads - 1) // threads
+                list(ex.map(part, [(base[path] + off, k, min(step, nb - k)) for k in range(0, nb, step)]))
+                touched += nb
+            read = _io_read_bytes() - r0
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
+    finally:
+        for m in maps.values():
+            try:
+                m.close()
+            except BufferError:  # a numpy view still refers to it: closed when collected
+                pass
+    if faults <= 0 or touched <= 0:
+        return 0.0, 0.0, ""
+    how = (f"{len(reads)} cold expert matrices ({touched / 1e6:.0f} MB) faulted in through a mapping of the file, "
+           f"{threads} threads copying a share of each at once: {read / 1e6:.0f} MB read in {faults} major faults "
+           f"(/proc/self/io read_bytes, getrusage)")
+    return max(1.0, read / touched), max(4096.0, read / faults), how
+
+
 def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20, seed: int = 0) -> DiskMeasurement:
     """Measures the disk under ``model_path`` (a GGUF MoE model; a split model's shards too) with cold reads of its
     expert matrices: ``bytes_per_depth`` bytes for each number of reads in flight in ``depths`` (an equal share of
@@ -187,8 +340,25 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
     finally:
         for fd in fds.values():
             os.close(fd)
+    # this machine's costs around the reads, on experts no pass above read (the same ones again where the model
+    # has too few)
+    rest = reads[pos:] if len(reads) - pos >= 2 * IO_WORKERS else reads
+    cpu_reads, nbytes = [], 0
+    for r in rest:
+        if nbytes >= CPU_PROBE_BYTES:
+            break
+        cpu_reads.append(r)
+        nbytes += r[2]
+    cpu_per_byte, cpu_how = _read_cpu(cpu_reads)
+    mm_reads = rest[len(cpu_reads):len(cpu_reads) + MMAP_PROBE_MATRICES] or rest[:MMAP_PROBE_MATRICES]
+    around, fault_bytes, mm_how = _mmap_read_around(mm_reads, threads=min(2, os.cpu_count() or 1))
     latency = statistics.median(lat) if lat else 1.0 / best * 4096
     return DiskMeasurement(read_bandwidth_Bps=best, read_latency_s=max(latency, 1e-9), queue_depth=qd,
                            per_depth_Bps=per, warm_Bps=warm,
                            read_bytes=int(statistics.median(r[2] for r in reads)), bytes_read=used,
-                           files=files, host_cache_suspected=warm < HOST_CACHE_RATIO * best)
+                           files=files, host_cache_suspected=warm < HOST_CACHE_RATIO * best,
+                           read_cpu_s_per_byte=cpu_per_byte, read_cpu_source=f"measured by hybrimoe calibrate "
+                           f"--disk on {time.strftime('%Y-%m-%d')}: {cpu_how}",
+                           mmap_read_around=around, mmap_fault_bytes=fault_bytes,
+                           mmap_source=f"measured by hybrimoe calibrate --disk on {time.strftime('%Y-%m-%d')}: "
+                           f"{mm_how}" if mm_how else "")

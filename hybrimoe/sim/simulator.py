@@ -273,13 +273,26 @@ class Setup:
     def build_ram(self, ram: str):
         """(RAM cache, RamTierConfig) of a RAM-tier preset (:func:`hybrimoe.policy.presets.build_ram_tier`) over
         this setup's RAM budget, starting with the profile's hot set (a clairvoyant one with
-        :meth:`first_use_keys`). ValueError without a RAM budget or on an unknown preset."""
+        :meth:`first_use_keys`). The disk file's measured facts (:data:`hybrimoe.policy.hardware.DISK_OPTIONAL_FACTS`)
+        set the faulting presets' read-around and fault size and the queued presets' CPU cost per byte read.
+        ValueError without a RAM budget or on an unknown preset."""
         if self.ram_budget is None:
             raise ValueError("this setup has no RAM tier: give ram_cache (simulate --moe-ram-cache)")
-        clair = ram_preset(ram)["cache"] == "belady"
-        return build_ram_tier(ram, self.expert_bytes, self.trace.num_experts, self.ram_budget,
-                              hot_keys=self.first_use_keys() if clair else self.hot_keys,
-                              profile=self.profile.ravel(), recall=self.recall)
+        comp = ram_preset(ram)
+        clair = comp["cache"] == "belady"
+        facts = self.disk.facts
+        faulting = comp["reads"] == "faulting"
+        cache, cfg = build_ram_tier(ram, self.expert_bytes, self.trace.num_experts, self.ram_budget,
+                                    hot_keys=self.first_use_keys() if clair else self.hot_keys,
+                                    profile=self.profile.ravel(), recall=self.recall)
+        if faulting:
+            # a fault reads its neighbours' pages too (RamTierConfig.read_around)
+            cfg.read_around = facts.get("mmap_read_around", 1.0)
+            cfg.fault_bytes = facts.get("mmap_fault_bytes", cfg.fault_bytes)
+        else:
+            cfg.read_cpu_s_per_byte = facts.get("read_cpu_s_per_byte", 0.0)
+        cfg.validate()
+        return cache, cfg
 
     def run(self, name: str, cache=None, sched=None, pre=None, cfg=None, *, enough_s: Optional[float] = None,
             ram: Optional[str] = None) -> dict:

@@ -85,6 +85,13 @@ void RamTierConfig::validate() const {
     if (!(fault_bytes >= 4096.0) || !std::isfinite(fault_bytes)) {
         throw std::invalid_argument("RamTierConfig.fault_bytes must be a finite number >= 4096 (one page)");
     }
+    if (!(read_around >= 1.0) || !std::isfinite(read_around)) {
+        throw std::invalid_argument("RamTierConfig.read_around must be a finite number >= 1 (bytes read per byte "
+                                    "faulted)");
+    }
+    if (!(read_cpu_s_per_byte >= 0.0) || !std::isfinite(read_cpu_s_per_byte)) {
+        throw std::invalid_argument("RamTierConfig.read_cpu_s_per_byte must be a finite number >= 0");
+    }
 }
 
 TracePredictor::TracePredictor(std::vector<double> recall, uint64_t seed) : recall_(std::move(recall)), rng_(seed) {
@@ -320,7 +327,9 @@ private:
     /// A queued read of expert e's `bytes` issued at t on the true disk; returns its end.
     double disk_read(double bytes, double t, int e);
     /// Seconds a faulting read of `bytes` takes on the touching thread (every fault pays the latency).
-    double fault_s(double bytes);
+    double fault_s(int l, int e, double bytes);
+    /// Admits the neighbours the last fault_s read (its read-around) into the RAM cache, ready at `end`.
+    void keep_fault_neighbours(int l, double end);
     /// When (l, e)'s weights are in RAM for a use now: resident (or read for this layer) -> its read end; else, with
     /// queued reads, a read is issued at t and kept; -1: faulting reads, the user must fault it in (fault_in).
     double ram_ready(int l, int e, double t);
@@ -370,6 +379,8 @@ private:
     // the RAM tier
     TracePredictor ram_predictor_;
     bool faulting_ = false;
+    std::vector<int32_t> fault_nbrs_;        // the last fault's read-around neighbours not in RAM
+    double read_cpu_debt_s_ = 0.0;           // CPU seconds of queued reads not yet charged (read_cpu_s_per_byte)
     std::vector<double> disk_places_;        // when each of the disk's queue places frees (true)
     double disk_bytes_free_at_ = 0.0;        // the true disk has moved the bytes of every read issued by then
     double disk_est_free_at_ = 0.0;          // the planner's estimate of the same
@@ -396,12 +407,15 @@ double SimRun::load(int layer, int e, Kind kind) {
     if (ram_) {
         ready = kind == kDemand ? ram_use(layer, e, t_moe_) : ram_ready(layer, e, t_moe_);
         if (ready < 0.0) {
-            fault = fault_s(bytes);
+            fault = fault_s(layer, e, bytes);
             ready = 0.0;
         }
     }
     const double start = std::max(std::max(true_pcie_free_at_, t_moe_), ready);
-    if (fault > 0.0) ram_keep(layer, e, start + fault, kind != kDemand);
+    if (fault > 0.0) {
+        ram_keep(layer, e, start + fault, kind != kDemand);
+        keep_fault_neighbours(layer, start + fault);
+    }
     const double end =
         start + fault + truth_cost_.h2d(bytes) * truth_.h2d_scale * noise_.factor(truth_.h2d_noise);
     res_.link_busy_s += end - start;
@@ -491,7 +505,10 @@ double SimRun::charge_gpu(int64_t si, int l, int n) {
 }
 
 double SimRun::charge_cpu(int64_t si, int l) {
-    if (cpu_order_.empty()) return t_moe_;
+    if (cpu_order_.empty()) {
+        read_cpu_debt_s_ = 0.0;  // the cores were free for the reads' CPU work
+        return t_moe_;
+    }
     const LayerInput & din = decider_.input();
     // the layer's loads, queued before its CPU share runs, delay it on a host that pays for copies
     double tc = t_moe_ + truth_cost_.cpu_copy_blocking(layer_copy_s_) + truth_cost_.cpu_startup_s +
@@ -499,14 +516,19 @@ double SimRun::charge_cpu(int64_t si, int l) {
     for (size_t i = 0; i < cpu_order_.size(); ++i) {
         const int32_t e = cpu_order_[i];
         if (ram_) {
-            // its weights in RAM first: wait for the read, or fault them in on this thread
+            // its weights in RAM first: wait for the read, or fault them in on this thread (unless an earlier
+            // fault's read-around brought them: the lookup counted a miss, the pages are there now)
+            if (cpu_ready_[i] < 0.0 && ram_->resident(l, e)) cpu_ready_[i] = ram_->ready_s(l, e);
             if (cpu_ready_[i] < 0.0) {
-                const double f = fault_s(trace_.expert_bytes[(size_t) l]);
+                const double f = fault_s(l, e, trace_.expert_bytes[(size_t) l]);
                 record(si, l, 0, e, 6, tc, tc + f);
                 tc += f;
                 ram_keep(l, e, tc, false);
-            } else {
-                tc = std::max(tc, cpu_ready_[i]);
+                keep_fault_neighbours(l, tc);
+            } else if (cpu_ready_[i] > tc) {
+                // the reads' CPU work runs while the share waits for them
+                read_cpu_debt_s_ = std::max(0.0, read_cpu_debt_s_ - (cpu_ready_[i] - tc));
+                tc = cpu_ready_[i];
             }
         }
         double dur = truth_cost_.cpu(din.loads[pos_[e]]) * truth_.cpu_scale * noise_.factor(truth_.cpu_noise);
@@ -520,6 +542,9 @@ double SimRun::charge_cpu(int64_t si, int l) {
         record(si, l, 0, e, 0, tc, tc + dur);
         tc += dur;
     }
+    // what the waits did not absorb took the compute threads' cores
+    tc += read_cpu_debt_s_;
+    read_cpu_debt_s_ = 0.0;
     res_.cpu_busy_s += tc - t_moe_;
     return tc;
 }
@@ -599,6 +624,7 @@ double SimRun::disk_read(double bytes, double t, int e) {
     *place = end;
     disk_bytes_free_at_ = end;
     disk_est_free_at_ = std::max(disk_est_free_at_, t) + bytes / planner_.disk_bandwidth_Bps;
+    read_cpu_debt_s_ += bytes * cfg_.ram.read_cpu_s_per_byte;
     res_.bytes_disk += bytes;
     res_.disk_busy_s += move;
     ++res_.disk_reads;
@@ -606,14 +632,40 @@ double SimRun::disk_read(double bytes, double t, int e) {
     return end;
 }
 
-double SimRun::fault_s(double bytes) {
-    const double faults = std::ceil(bytes / cfg_.ram.fault_bytes);
-    const double move = bytes / truth_cost_.disk_bandwidth_Bps;
+double SimRun::fault_s(int l, int e, double bytes) {
+    // The read-around: a window of read_around x the expert's bytes, centred on it, over its neighbours in the
+    // file (the experts next to it in each ffn_*_exps tensor). The neighbours wholly inside it that are not in RAM
+    // are read and enter the page cache (keep_fault_neighbours); the window's part-experts are read as waste.
+    fault_nbrs_.clear();
+    const double side = 0.5 * (cfg_.ram.read_around - 1.0);
+    const int whole = static_cast<int>(std::lround(side));  // a neighbour mostly inside the window is read whole
+    double read = bytes * std::max(0.0, 1.0 + 2.0 * (side - whole));
+    for (int d = 1; d <= whole; ++d) {
+        for (int n : {e - d, e + d}) {
+            if (n < 0 || n >= E_) {
+                read += bytes;  // the window runs into the next tensor's bytes
+            } else if (!ram_->resident(l, n) && transient_tick_[(size_t) l * E_ + n] != tick()) {
+                read += bytes;
+                fault_nbrs_.push_back(n);
+            }
+        }
+    }
+    const double faults = std::ceil(read / cfg_.ram.fault_bytes);
+    const double move = read / truth_cost_.disk_bandwidth_Bps;
     res_.page_faults += static_cast<int64_t>(faults);
-    res_.bytes_disk += bytes;
+    res_.bytes_disk += read;
     res_.disk_busy_s += move;
     ++res_.disk_reads;
     return faults * truth_cost_.disk_latency_s + move;
+}
+
+void SimRun::keep_fault_neighbours(int l, double end) {
+    // read ahead of any use, as the kernel's read-around pages are: the policy may refuse them (then they are
+    // waste), and they count as prefetches, a hit where a later use finds them
+    for (int32_t n : fault_nbrs_) {
+        if (cfg_.ram.keep && ram_->admit(l, n, end, true)) ram_->set_ready(l, n, end);
+    }
+    fault_nbrs_.clear();
 }
 
 double SimRun::ram_ready(int l, int e, double t) {

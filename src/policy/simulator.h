@@ -87,6 +87,17 @@ struct RamTierConfig {
     /// false: the plan's order, waiting for each.
     bool ready_first = false;
     double fault_bytes = 131072.0;   ///< bytes one page fault reads: Linux's default read_ahead_kb, 128 KiB
+    /// Faulting reads only: bytes the kernel reads from the disk per byte of an expert faulted in (>= 1), its
+    /// read-around: a window of that many experts' bytes centred on the expert. The neighbours (experts e +- 1,
+    /// ..., adjacent in the ffn_*_exps tensors) wholly inside it that are not in RAM are read too and offered to
+    /// the RAM cache as read ahead of use (a prefill that uses them hits; in decode they mostly take the place of
+    /// what would have been used); the window's partial experts are read as waste. 1: only the expert's bytes.
+    double read_around = 1.0;
+    /// Queued reads only: wall seconds by which each byte read delays the CPU share that runs beside it (the I/O
+    /// workers' copies and system calls on the cores the compute threads use; 0: spare cores absorb them). A
+    /// read's cost is first absorbed by the CPU share's waits for reads, the rest delays it; a layer whose CPU
+    /// share is empty absorbs it all.
+    double read_cpu_s_per_byte = 0.0;
     /// look-ahead predictor recall per distance 1..lookahead (an assumption to report, as SimConfig::recall)
     std::vector<double> recall{kDefaultPredictorRecall.begin(), kDefaultPredictorRecall.end()};
     /// Throws std::invalid_argument naming the bad field.

@@ -50,6 +50,12 @@ def test_the_written_file_is_a_disk_the_simulator_takes(model, tmp_path):
     doc = json.loads(out.read_text())
     assert disk.facts["read_bandwidth_Bps"] == doc["facts"]["read_bandwidth_Bps"]["value"] > 0
     assert "cold buffered preads" in disk.sources["read_latency_s"]
+    # this machine's costs around the reads: the tier's reads take CPU time (at least the copy into the slot), and
+    # a fault through the mapping reads at least the bytes it faults in
+    assert 0 < disk.facts["read_cpu_s_per_byte"] < 1e-6
+    assert "the RAM tier's read path" in disk.sources["read_cpu_s_per_byte"]
+    assert disk.facts["mmap_read_around"] >= 1 and disk.facts["mmap_fault_bytes"] >= 4096
+    assert "major faults" in disk.sources["mmap_read_around"]
     trace = tmp_path / "t.npz"
     r = subprocess.run([sys.executable, "-m", "hybrimoe", "trace", "-m", str(model), "-p", "hello world", "-n", "16",
                         "-o", str(trace)], capture_output=True, text=True, timeout=300)

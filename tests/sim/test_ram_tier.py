@@ -102,6 +102,83 @@ def test_reads_are_charged_by_bandwidth_latency_and_queue_depth():
     assert slow > run(tr, 0.0, ram_cfg()).total_s
 
 
+def test_a_fault_s_read_around_reads_its_window_and_keeps_the_neighbours_it_holds():
+    """Without RAM every use faults its expert in. A read-around of 1.8 holds no neighbour mostly: each fault reads
+    1.8 times the expert's bytes, in as many faults of fault_bytes as those need, all waste. A read-around of 5
+    holds the neighbours e +- 1 and e +- 2: in a prefill, whose ubatches use most experts of a layer, they are kept
+    and used (prefetch hits), so it reads far less than 5 times what a read-around of 1 reads."""
+    rt = synthetic()
+    tr = rt.to_core()
+    one = run(tr, 0.0, ram_cfg("faulting"))
+    r = ram_cfg("faulting")
+    r.read_around = 1.8
+    waste = run(tr, 0.0, r)
+    n = activations(rt)
+    assert waste.bytes_disk == pytest.approx(1.8 * one.bytes_disk) == pytest.approx(1.8 * n * 2 * MB)
+    assert waste.disk_busy_s == pytest.approx(1.8 * one.disk_busy_s)
+    assert waste.page_faults == n * math.ceil(1.8 * 2 * MB / 131072)
+    assert waste.total_s > one.total_s and waste.ram_cache.prefetch_hits == 0
+    budget = N_LAYERS * N_EXP * 2 * MB / 2
+    plain = run(tr, budget, ram_cfg("faulting"), stage="prefill")
+    r.read_around, r.fault_bytes = 5.0, 4 * 1024 * 1024
+    wide = run(tr, budget, r, stage="prefill")
+    assert wide.ram_cache.prefetch_hits > 0 and plain.ram_cache.prefetch_hits == 0
+    assert plain.bytes_disk < wide.bytes_disk < 5 * plain.bytes_disk / 2
+
+
+@pytest.mark.parametrize("stage", ["decode", "prefill"])
+def test_the_reads_cpu_time_delays_the_cpu_share_by_at_most_its_total(stage):
+    """Queued reads that cost the CPU share c seconds per byte: the run is slower than with free reads, by at most
+    c x the bytes read (the share's waits for its reads absorb some of it); with every expert in RAM nothing is
+    read and nothing changes."""
+    rt = synthetic()
+    tr = rt.to_core()
+    c = disk_costs(bw=4e9)
+    c.cpu_a_s = 3e-3  # the CPU share computes longer than the disk reads: read ahead runs beside it
+    free = run(tr, 10 * 2 * MB, ram_cfg(lookahead=2, ready_first=True), c=c, policy=_core.MRSPolicy(), stage=stage)
+    r = ram_cfg(lookahead=2, ready_first=True)
+    r.read_cpu_s_per_byte = 1e-9
+    paid = run(tr, 10 * 2 * MB, r, c=c, policy=_core.MRSPolicy(), stage=stage)
+    assert paid.bytes_disk == free.bytes_disk > 0
+    assert free.total_s < paid.total_s <= free.total_s + 1e-9 * paid.bytes_disk * (1 + 1e-9)
+    assert paid.cpu_busy_s > free.cpu_busy_s
+    every = [layer * N_EXP + e for layer in range(N_LAYERS) for e in range(N_EXP)]
+    full_free = run(tr, N_LAYERS * N_EXP * 2 * MB, ram_cfg(), c=c, fill=every, stage=stage)
+    full_paid = run(tr, N_LAYERS * N_EXP * 2 * MB, r, c=c, fill=every, stage=stage)
+    assert full_paid.bytes_disk == 0 and full_paid.total_s == full_free.total_s
+
+
+def test_a_disk_file_s_measured_facts_reach_the_ram_tier(tmp_path):
+    """A disk file with calibrate --disk's measured facts: the faulting presets fault with its read-around and
+    fault size; the queued ones pay its CPU time per byte."""
+    base = json.loads((pol.hardware.DISK_DIR / "pcie4-nvme.json").read_text())
+    doc = dict(base, facts=dict(base["facts"], **{
+        "read_cpu_s_per_byte": {"value": 2e-10, "source": "test"},
+        "mmap_read_around": {"value": 4.0, "source": "test"},
+        "mmap_fault_bytes": {"value": 8 * 2**20, "source": "test"}}))
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(doc))
+    tr = synthetic_trace("qwen3-30b-a3b", 200, locality="high", seed=0)
+    s = Setup(tr, pol.load_hardware("rtx4090-desktop"), "0", "decode", max_tokens=50, ram_cache="25%",
+              disk=str(path))
+    cache, cfg_m = s.build_ram("mmap")
+    assert cfg_m.read_around == 4.0 and cfg_m.fault_bytes == 8 * 2**20 and cfg_m.read_cpu_s_per_byte == 0.0
+    assert cache.budget_bytes == pytest.approx(s.ram_budget)
+    cache, cfg_h = s.build_ram("hybrimoe")
+    assert cfg_h.read_cpu_s_per_byte == 2e-10 and cfg_h.read_around == 1.0
+    assert cache.budget_bytes == pytest.approx(s.ram_budget)
+    plain = Setup(tr, pol.load_hardware("rtx4090-desktop"), "0", "decode", max_tokens=50, ram_cache="25%")
+    _, cfg_p = plain.build_ram("mmap")
+    assert cfg_p.read_around == 1.0 and cfg_p.fault_bytes == 131072.0
+    with_facts = s.run("hybrimoe", ram="mmap")
+    without = plain.run("hybrimoe", ram="mmap")
+    assert with_facts["bytes_disk"] > without["bytes_disk"]
+    doc["facts"]["mmap_read_around"]["value"] = 0.5
+    path.write_text(json.dumps(doc))
+    with pytest.raises(pol.CostModelError, match="mmap_read_around"):
+        pol.hardware.load_disk(str(path))
+
+
 def test_a_static_set_keeps_nothing_it_reads_and_a_cache_keeps_what_fits():
     rt = synthetic()
     tr = rt.to_core()
@@ -134,7 +211,9 @@ def test_the_lookahead_reads_ahead_and_is_used():
 def test_bad_ram_tier_inputs():
     tr = synthetic().to_core()
     for field, value, word in (("reads", "mmap", "reads"), ("lookahead", -1, "lookahead"),
-                               ("fault_bytes", 100.0, "fault_bytes")):
+                               ("fault_bytes", 100.0, "fault_bytes"), ("read_around", 0.5, "read_around"),
+                               ("read_cpu_s_per_byte", -1e-9, "read_cpu_s_per_byte"),
+                               ("read_cpu_s_per_byte", float("nan"), "read_cpu_s_per_byte")):
         r = ram_cfg()
         setattr(r, field, value)
         with pytest.raises(ValueError, match=word):
