@@ -6,8 +6,10 @@ import math
 import re
 from typing import Union
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "kib": 1024.0,
-          "mib": 1024.0 ** 2, "gib": 1024.0 ** 3}
+# SI (k, M, G, T: powers of 1000) and binary (KiB, MiB, GiB, TiB: powers of 1024) units: a model larger than RAM
+# can need a TB-sized budget (Kimi-K2's routed experts are about 0.5 TB at 4 bits)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 1024.0, "mib": 1024.0 ** 2, "gib": 1024.0 ** 3, "tib": 1024.0 ** 4}
 
 
 def parse_budget(spec: Union[str, float, int], total_expert_bytes: float, expert_bytes: float,

@@ -186,6 +186,12 @@ class Llama(llama_cpp.Llama):
                                    moe_ram_cache=moe_ram_cache, moe_ram_policy=moe_ram_policy,
                                    n_ubatch=int(kwargs.get("n_ubatch") or 512))
         if setup is not None:
+            if cpu_moe or n_cpu_moe:
+                # upstream's placement flags: the engine keeps every routed expert in host memory already
+                flag = "cpu_moe (--cpu-moe)" if cpu_moe else f"n_cpu_moe={n_cpu_moe} (--n-cpu-moe)"
+                warnings.warn(f"{flag} has no effect with the MoE engine (moe_cache / moe_ram_cache): it keeps "
+                              "every layer's routed experts in host memory and decides itself which run on the "
+                              "GPU", stacklevel=2)
             setup = calibration.with_stored_cost(setup, model_path)
             if setup.ram_tier:
                 lazy_experts = True  # the RAM tier reads the experts itself: the loader leaves them unread

@@ -82,6 +82,28 @@ def test_cpu_moe_with_n_cpu_moe_says_the_second_adds_nothing(tiny_model):
     llm.close()
 
 
+@pytest.mark.parametrize("flag", [{"cpu_moe": True}, {"n_cpu_moe": 2}])
+def test_upstream_placement_flags_with_the_engine_say_they_do_nothing(tiny_model, flag):
+    """With the MoE engine on (here the RAM tier, CPU only) every routed expert stays in host memory whatever
+    --cpu-moe / --n-cpu-moe say: they are accepted (as upstream's scripts pass them) with a warning naming the flag,
+    and the run gives the same tokens as without them."""
+    from hybrimoe import Llama
+
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    name = next(iter(flag))
+    with pytest.warns(UserWarning, match=f"{name}.* has no effect with the MoE engine"):
+        llm = Llama(path, verbose=False, moe_ram_cache="100%", **flag)
+    try:
+        got = llm("hello", max_tokens=6, temperature=0.0)["choices"][0]["text"]
+    finally:
+        llm.close()
+    ref = Llama(path, verbose=False, moe_ram_cache="100%")
+    try:
+        assert got == ref("hello", max_tokens=6, temperature=0.0)["choices"][0]["text"]
+    finally:
+        ref.close()
+
+
 def test_rpc_server_not_there(tiny_model, tmp_path):
     """A server that is not there: a clear error, in a child process so that an abort could not take pytest."""
     from hybrimoe.runtime.rpc import free_port

@@ -247,6 +247,8 @@ def test_budgets():
     assert pol.parse_budget("0", total, one) == 0.0
     assert pol.parse_budget("0%", total, one) == 0.0
     assert pol.parse_budget("1GiB", total, one) == 1024 ** 3
+    assert pol.parse_budget("1.5TB", total, one) == 1.5e12 and pol.parse_budget("1TiB", total, one) == 1024 ** 4
+    assert pol.parse_budget("2t", total, one) == 2e12
     assert pol.parse_budget(7e6, total, one) == 7e6
     with pytest.raises(ValueError, match="negative"):
         pol.parse_budget(-1, total, one)
