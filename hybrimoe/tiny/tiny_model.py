@@ -107,6 +107,36 @@ def _normal(rng, shape, std):
     return (rng.standard_normal(shape) * std).astype(np.float32)
 
 
+class _Draws:
+    """The values of a tiny model's tensors, float32 arrays in numpy's shape order, drawn from ``rng`` in the
+    order asked for. :func:`_attention` and :func:`_moe_ffn` take their values from such an object, so that the
+    full-size writer (:mod:`hybrimoe.tiny.synthetic`) can list the same tensors with another one that records
+    shapes and scales instead of drawing floats."""
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def normal(self, shape, std):
+        """N(0, std^2) values of ``shape``."""
+        return _normal(self.rng, shape, std)
+
+    def uniform(self, n, lo, hi):
+        """``n`` values uniform in [lo, hi)."""
+        return self.rng.uniform(lo, hi, n).astype(np.float32)
+
+    def ones(self, n):
+        """``n`` ones (norm weights)."""
+        return np.ones(n, np.float32)
+
+    def zeros(self, n):
+        """``n`` zeros (biases)."""
+        return np.zeros(n, np.float32)
+
+    def full(self, n, value):
+        """``n`` copies of ``value``."""
+        return np.full(n, value, np.float32)
+
+
 def make_tiny_model(path, arch: str = "qwen3moe", *, seed: int = 0, n_layer: int | None = None,
                     n_embd: int | None = None,
                     n_expert: int | None = None, n_expert_used: int | None = None, n_ff_exp: int | None = None,
@@ -287,8 +317,11 @@ def _is_lite(sh: _Shape) -> bool:
     return sh.arch == "deepseek2" and sh.L in (26, 27)
 
 
-def _write_metadata(w, sh: _Shape) -> None:
-    """The architecture's metadata keys (the tokenizer's are written before)."""
+def _write_metadata(w, sh: _Shape, file_type=gguf.LlamaFileType.ALL_F32) -> None:
+    """The architecture's metadata keys (the tokenizer's are written before); ``general.file_type`` is
+    ``file_type``. Heads of another width than ``D / n_head`` (``sh.hd``, as the full-size shapes of
+    :mod:`hybrimoe.tiny.synthetic` have) get ``attention.key_length`` and ``value_length``; llama.cpp takes
+    ``D / n_head`` without them."""
     arch, variant = sh.arch, sh.variant
     if sh.chat_template is not None:
         w.add_chat_template(sh.chat_template)
@@ -300,7 +333,7 @@ def _write_metadata(w, sh: _Shape) -> None:
     w.add_rope_freq_base(10000.0)
     w.add_expert_count(sh.E)
     w.add_expert_used_count(sh.k)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(file_type)
     if arch in ("llama", "olmoe"):
         w.add_feed_forward_length(sh.F)
     else:
@@ -331,6 +364,9 @@ def _write_metadata(w, sh: _Shape) -> None:
     else:
         w.add_head_count_kv(sh.n_head_kv)
         w.add_rope_dimension_count(sh.hd)
+        if sh.hd * sh.n_head != sh.D:
+            w.add_key_length(sh.hd)
+            w.add_value_length(sh.hd)
     if arch == "gpt-oss":
         w.add_sliding_window(64)
         w.add_expert_weights_scale(1.0)
@@ -347,77 +383,79 @@ def _write_metadata(w, sh: _Shape) -> None:
         w.add_attn_output_scale(1.0)
 
 
-def _attention(t: dict, p: str, sh: _Shape, rng) -> None:
-    """Block ``p``'s attention tensors and the norms around it (weights drawn from ``rng`` in a fixed order)."""
+def _attention(t: dict, p: str, sh: _Shape, v) -> None:
+    """Block ``p``'s attention tensors and the norms around it, made by ``v`` (a :class:`_Draws`, or another
+    object with its methods) in a fixed order."""
     D, n_head, hd, s = sh.D, sh.n_head, sh.hd, sh.s
-    t[p + "attn_norm.weight"] = np.ones(D, np.float32)
+    t[p + "attn_norm.weight"] = v.ones(D)
     if sh.arch == "deepseek2":
         m = _MLA
         qk = m["nope"] + m["rope"]
-        t[p + "attn_kv_a_norm.weight"] = np.ones(m["kv_lora"], np.float32)
+        t[p + "attn_kv_a_norm.weight"] = v.ones(m["kv_lora"])
         if _is_lite(sh):
-            t[p + "attn_q.weight"] = _normal(rng, (n_head * qk, D), 1 / np.sqrt(D))
+            t[p + "attn_q.weight"] = v.normal((n_head * qk, D), 1 / np.sqrt(D))
         else:
-            t[p + "attn_q_a_norm.weight"] = np.ones(m["q_lora"], np.float32)
-            t[p + "attn_q_a.weight"] = _normal(rng, (m["q_lora"], D), 1 / np.sqrt(D))
-            t[p + "attn_q_b.weight"] = _normal(rng, (n_head * qk, m["q_lora"]), 1 / np.sqrt(m["q_lora"]))
-        t[p + "attn_kv_a_mqa.weight"] = _normal(rng, (m["kv_lora"] + m["rope"], D), 1 / np.sqrt(D))
-        t[p + "attn_k_b.weight"] = _normal(rng, (n_head, m["kv_lora"], m["nope"]), 1 / np.sqrt(m["nope"]))
-        t[p + "attn_v_b.weight"] = _normal(rng, (n_head, m["v"], m["kv_lora"]), 1 / np.sqrt(m["kv_lora"]))
-        t[p + "attn_output.weight"] = _normal(rng, (D, n_head * m["v"]), s / np.sqrt(n_head * m["v"]))
+            t[p + "attn_q_a_norm.weight"] = v.ones(m["q_lora"])
+            t[p + "attn_q_a.weight"] = v.normal((m["q_lora"], D), 1 / np.sqrt(D))
+            t[p + "attn_q_b.weight"] = v.normal((n_head * qk, m["q_lora"]), 1 / np.sqrt(m["q_lora"]))
+        t[p + "attn_kv_a_mqa.weight"] = v.normal((m["kv_lora"] + m["rope"], D), 1 / np.sqrt(D))
+        t[p + "attn_k_b.weight"] = v.normal((n_head, m["kv_lora"], m["nope"]), 1 / np.sqrt(m["nope"]))
+        t[p + "attn_v_b.weight"] = v.normal((n_head, m["v"], m["kv_lora"]), 1 / np.sqrt(m["kv_lora"]))
+        t[p + "attn_output.weight"] = v.normal((D, n_head * m["v"]), s / np.sqrt(n_head * m["v"]))
     else:
-        t[p + "attn_q.weight"] = _normal(rng, (n_head * hd, D), 1 / np.sqrt(D))
-        t[p + "attn_k.weight"] = _normal(rng, (sh.n_head_kv * hd, D), 1 / np.sqrt(D))
-        t[p + "attn_v.weight"] = _normal(rng, (sh.n_head_kv * hd, D), 1 / np.sqrt(D))
-        t[p + "attn_output.weight"] = _normal(rng, (D, n_head * hd), s / np.sqrt(n_head * hd))
+        t[p + "attn_q.weight"] = v.normal((n_head * hd, D), 1 / np.sqrt(D))
+        t[p + "attn_k.weight"] = v.normal((sh.n_head_kv * hd, D), 1 / np.sqrt(D))
+        t[p + "attn_v.weight"] = v.normal((sh.n_head_kv * hd, D), 1 / np.sqrt(D))
+        t[p + "attn_output.weight"] = v.normal((D, n_head * hd), s / np.sqrt(n_head * hd))
         if sh.arch == "qwen3moe":
-            t[p + "attn_q_norm.weight"] = np.ones(hd, np.float32)
-            t[p + "attn_k_norm.weight"] = np.ones(hd, np.float32)
+            t[p + "attn_q_norm.weight"] = v.ones(hd)
+            t[p + "attn_k_norm.weight"] = v.ones(hd)
         elif sh.arch == "olmoe":
-            t[p + "attn_q_norm.weight"] = np.ones(D, np.float32)
-            t[p + "attn_k_norm.weight"] = np.ones(D, np.float32)
+            t[p + "attn_q_norm.weight"] = v.ones(D)
+            t[p + "attn_k_norm.weight"] = v.ones(D)
         elif sh.arch == "gpt-oss":
-            t[p + "attn_output.bias"] = np.zeros(D, np.float32)
-            t[p + "attn_sinks.weight"] = _normal(rng, (n_head,), 0.5)
+            t[p + "attn_output.bias"] = v.zeros(D)
+            t[p + "attn_sinks.weight"] = v.normal((n_head,), 0.5)
     if sh.arch == "gpt-oss":
-        t[p + "post_attention_norm.weight"] = np.ones(D, np.float32)
+        t[p + "post_attention_norm.weight"] = v.ones(D)
     elif sh.arch == "grok":
         # grok RMS-normalises the attention and FFN outputs: their weights set what each adds to the residual
-        t[p + "attn_output_norm.weight"] = np.full(D, s, np.float32)
-        t[p + "ffn_norm.weight"] = np.ones(D, np.float32)
-        t[p + "layer_output_norm.weight"] = np.full(D, s, np.float32)
+        t[p + "attn_output_norm.weight"] = v.full(D, s)
+        t[p + "ffn_norm.weight"] = v.ones(D)
+        t[p + "layer_output_norm.weight"] = v.full(D, s)
     else:
-        t[p + "ffn_norm.weight"] = np.ones(D, np.float32)
+        t[p + "ffn_norm.weight"] = v.ones(D)
 
 
-def _moe_ffn(t: dict, p: str, sh: _Shape, rng, router) -> None:
-    """Block ``p``'s router, routed experts (and their variant's tensors) and shared experts."""
+def _moe_ffn(t: dict, p: str, sh: _Shape, v, router) -> None:
+    """Block ``p``'s router, routed experts (and their variant's tensors) and shared experts, made by ``v`` as
+    in :func:`_attention`."""
     D, F, E, s, variant = sh.D, sh.F, sh.E, sh.s, sh.variant
     t[p + "ffn_gate_inp.weight"] = router
-    gate = _normal(rng, (E, F, D), 1 / np.sqrt(D))
-    up = _normal(rng, (E, F, D), 1 / np.sqrt(D))
+    gate = v.normal((E, F, D), 1 / np.sqrt(D))
+    up = v.normal((E, F, D), 1 / np.sqrt(D))
     if variant.get("fused_gate_up"):
         t[p + "ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)  # {D, 2F, E}: gate rows first
     else:
         if variant.get("gated_experts", True):
             t[p + "ffn_gate_exps.weight"] = gate
         t[p + "ffn_up_exps.weight"] = up
-    t[p + "ffn_down_exps.weight"] = _normal(rng, (E, D, F), 2 * s / np.sqrt(F))
+    t[p + "ffn_down_exps.weight"] = v.normal((E, D, F), 2 * s / np.sqrt(F))
     if variant.get("expert_scales"):
         for kind in ("gate", "up", "down"):
-            t[p + f"ffn_{kind}_exps.scale"] = rng.uniform(0.5, 1.5, E).astype(np.float32)
+            t[p + f"ffn_{kind}_exps.scale"] = v.uniform(E, 0.5, 1.5)
     if sh.arch == "gpt-oss":
-        t[p + "ffn_gate_inp.bias"] = np.zeros(E, np.float32)
-        t[p + "ffn_gate_exps.bias"] = _normal(rng, (E, F), 0.05)
-        t[p + "ffn_up_exps.bias"] = _normal(rng, (E, F), 0.05)
-        t[p + "ffn_down_exps.bias"] = _normal(rng, (E, D), 0.05 * s)
+        t[p + "ffn_gate_inp.bias"] = v.zeros(E)
+        t[p + "ffn_gate_exps.bias"] = v.normal((E, F), 0.05)
+        t[p + "ffn_up_exps.bias"] = v.normal((E, F), 0.05)
+        t[p + "ffn_down_exps.bias"] = v.normal((E, D), 0.05 * s)
     if sh.arch in ("qwen2moe", "deepseek2", "llama4", "step35"):
         fs = sh.ns * F
         if sh.arch == "qwen2moe":
-            t[p + "ffn_gate_inp_shexp.weight"] = _normal(rng, (D,), 1 / np.sqrt(D))
-        t[p + "ffn_gate_shexp.weight"] = _normal(rng, (fs, D), 1 / np.sqrt(D))
-        t[p + "ffn_up_shexp.weight"] = _normal(rng, (fs, D), 1 / np.sqrt(D))
-        t[p + "ffn_down_shexp.weight"] = _normal(rng, (D, fs), 2 * s / np.sqrt(fs))
+            t[p + "ffn_gate_inp_shexp.weight"] = v.normal((D,), 1 / np.sqrt(D))
+        t[p + "ffn_gate_shexp.weight"] = v.normal((fs, D), 1 / np.sqrt(D))
+        t[p + "ffn_up_shexp.weight"] = v.normal((fs, D), 1 / np.sqrt(D))
+        t[p + "ffn_down_shexp.weight"] = v.normal((D, fs), 2 * s / np.sqrt(fs))
 
 
 def _write(path: Path, sh: _Shape, rng) -> None:
@@ -436,15 +474,16 @@ def _write(path: Path, sh: _Shape, rng) -> None:
     # output head: rows of byte, control and unused tokens are zero (logit 0), so greedy decoding emits
     # text pieces (a lone byte token is invalid UTF-8 and llama-cpp-python then never stops generating)
     t["output.weight"] = _normal(rng, (n_vocab, D), 1.0 / np.sqrt(D)) * normal[:, None].astype(np.float32)
+    draws = _Draws(rng)
     for il in range(sh.L):
         p = f"blk.{il}."
-        _attention(t, p, sh, rng)
+        _attention(t, p, sh, draws)
         if il < sh.n_dense:
             t[p + "ffn_gate.weight"] = _normal(rng, (sh.n_ff_d, D), 1 / np.sqrt(D))
             t[p + "ffn_up.weight"] = _normal(rng, (sh.n_ff_d, D), 1 / np.sqrt(D))
             t[p + "ffn_down.weight"] = _normal(rng, (D, sh.n_ff_d), 2 * sh.s / np.sqrt(sh.n_ff_d))
         else:
-            _moe_ffn(t, p, sh, rng, routers[il - sh.n_dense])
+            _moe_ffn(t, p, sh, draws, routers[il - sh.n_dense])
     for name, arr in t.items():
         w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
     w.write_header_to_file()
