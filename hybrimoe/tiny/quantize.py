@@ -4,7 +4,8 @@ A ``quant`` argument of ``make_tiny_model`` is one of:
 
 - ``None`` or ``"F32"``: the model is written as F32 directly, nothing is quantized;
 - a llama.cpp file type name (``"F16"``, ``"Q8_0"``, ``"Q4_0"``, ``"Q4_K_M"``, ``"Q6_K"``, ...; the keys of
-  ``FTYPES``), applied to every tensor llama.cpp quantizes;
+  ``FTYPES``), applied to every tensor llama.cpp quantizes (``"MXFP4_MOE"``: 3-D expert tensors MXFP4, the
+  others Q8_0);
 - the preset ``"mix"`` (``MIX_PRESETS``: base Q8_0 with ``ffn_gate_exps`` Q4_K, ``ffn_up_exps`` Q8_0,
   ``ffn_down_exps`` Q6_K);
 - a dict mapping tensor-name patterns (regular expressions searched in the tensor name, e.g.
@@ -36,10 +37,12 @@ FTYPES = {
     "Q5_1": "MOSTLY_Q5_1", "Q2_K": "MOSTLY_Q2_K", "Q3_K_S": "MOSTLY_Q3_K_S", "Q3_K_M": "MOSTLY_Q3_K_M",
     "Q3_K_L": "MOSTLY_Q3_K_L", "Q4_K_S": "MOSTLY_Q4_K_S", "Q4_K_M": "MOSTLY_Q4_K_M",
     "Q5_K_S": "MOSTLY_Q5_K_S", "Q5_K_M": "MOSTLY_Q5_K_M", "Q6_K": "MOSTLY_Q6_K",
+    "MXFP4_MOE": "MOSTLY_MXFP4_MOE",
 }
 # block width (elements) of the ggml types each file type may produce for the (large, 2-D/3-D) weights, used for
 # the row-size check; file types not listed (the K-quant mixes) produce 256-wide blocks
-_FTYPE_BLOCK = {"F32": 1, "F16": 1, "BF16": 1, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32}
+_FTYPE_BLOCK = {"F32": 1, "F16": 1, "BF16": 1, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32,
+                "MXFP4_MOE": 32}
 MIX_PRESETS = {
     "mix": {"base": "Q8_0", "ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q8_0", "ffn_down_exps": "Q6_K"},
 }
@@ -251,33 +254,49 @@ class _captured_output:
 _FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
+def fallback_type(type_name: str, ne0: int) -> str:
+    """The type upstream's quantizer writes instead of ``type_name`` for rows of ``ne0`` elements
+    (``tensor_type_fallback`` in llama-quant.cpp): ``type_name`` itself when its block width divides ``ne0``;
+    else the 32-wide type that replaces a 256-wide one (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0) when 32
+    divides ``ne0``; else F16. Only the types that :func:`q4_k_m_type` and the synthetic writer use have a
+    restated fallback (a 256-wide type not in that list raises ``KeyError``)."""
+    if ne0 % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0] == 0:
+        return type_name
+    t = _FALLBACK[type_name] if gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0] > 32 else type_name
+    return t if ne0 % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]][0] == 0 else "F16"
+
+
+def _use_more_bits(il: int, n_layer: int) -> bool:
+    """Upstream's ``use_more_bits``: the blocks whose ``ffn_down`` (and ``attn_v``) Q4_K_M writes with Q6_K."""
+    n8 = n_layer // 8
+    return il < n8 or il >= 7 * n_layer // 8 or (il - n8) % 3 == 2
+
+
 def q4_k_m_type(name: str, ne0: int, n_layer: int) -> str:
     """The ggml type upstream's ``Q4_K_M`` file type gives tensor ``name`` (row length ``ne0`` elements) of a
-    deepseek2 model with ``n_layer`` blocks; the rules of llama.cpp's ``llama_tensor_get_type`` that apply to
-    that architecture, restated:
+    deepseek2, qwen3moe or gpt-oss model with ``n_layer`` blocks; the rules of llama.cpp's
+    ``llama_tensor_get_type`` that apply to those architectures, restated:
 
-    - not quantized (F32): 1-D tensors, ``*_norm.weight``, the router ``ffn_gate_inp``;
+    - not quantized (F32): 1-D tensors (the caller's to check: the name does not tell), ``*_norm.weight``, the
+      router ``ffn_gate_inp``, tensors not named ``*.weight`` (biases);
     - ``output.weight``: Q6_K; every other tensor Q4_K, except
-    - ``ffn_down*`` (dense, ``_exps`` and ``_shexp``) of the layers where ``use_more_bits(il, n_layer)`` holds
-      (``il < n/8``, ``il >= 7n/8`` or ``(il - n/8) % 3 == 2``): Q6_K;
-    - then the row-length fallback: a 256-wide type on rows that are not a multiple of 256 becomes Q4_K -> Q5_0,
-      Q6_K -> Q8_0 (DeepSeek-V2-Lite's ``ffn_down_exps``, rows of 1408), and F16 if even 32 does not divide.
+    - ``ffn_down*`` (dense, ``_exps`` and ``_shexp``) and ``attn_v`` of the blocks where
+      ``use_more_bits(il, n_layer)`` holds (``il < n/8``, ``il >= 7n/8`` or ``(il - n/8) % 3 == 2``): Q6_K
+      (upstream counts ``attn_v`` tensors, one per block here, so the count is the block index);
+    - then the row-length fallback (:func:`fallback_type`): a 256-wide type on rows that are not a multiple of
+      256 becomes Q4_K -> Q5_0, Q6_K -> Q8_0 (DeepSeek-V2-Lite's ``ffn_down_exps``, rows of 1408; gpt-oss-20b's
+      rows of 2880), and F16 if even 32 does not divide.
 
-    Not restated: upstream's special case for models with exactly 8 experts (``attn_output`` Q5_K);
-    ``make_synthetic_model`` refuses ``n_expert == 8`` with Q4_K_M.
+    Not restated: upstream's special case for models with exactly 8 experts (``attn_k``/``attn_v`` Q8_0,
+    ``attn_output`` Q5_K), and the rules of fused ``attn_qkv``/``attn_kv_b`` tensors; ``make_synthetic_model``
+    refuses ``n_expert == 8`` with Q4_K_M and writes neither.
     """
     if name.endswith("_norm.weight") or "ffn_gate_inp" in name or not name.endswith(".weight"):
         return "F32"
     if name == "output.weight":
         t = "Q6_K"
-    elif "ffn_down" in name:
-        il = int(name.split(".")[1])
-        n8 = n_layer // 8
-        t = "Q6_K" if (il < n8 or il >= 7 * n_layer // 8 or (il - n8) % 3 == 2) else "Q4_K"
+    elif "ffn_down" in name or name.endswith(".attn_v.weight"):
+        t = "Q6_K" if _use_more_bits(int(name.split(".")[1]), n_layer) else "Q4_K"
     else:
         t = "Q4_K"
-    if ne0 % 256:
-        t = _FALLBACK.get(t, t)
-        if ne0 % 32:
-            t = "F16"
-    return t
+    return fallback_type(t, ne0)
