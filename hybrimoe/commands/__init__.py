@@ -16,7 +16,7 @@ import sys
 import warnings
 
 from hybrimoe._lazy import lazy_submodules
-from hybrimoe.commands.args import HelpFormatter
+from hybrimoe.commands.args import HelpFormatter, closest, unrecognized
 from hybrimoe.commands.llama_args import one_line_warning
 
 #: the subcommands, in the order ``--help`` lists them
@@ -30,11 +30,31 @@ def command_module(name: str):
     return importlib.import_module(f"hybrimoe.commands.{name.replace('-', '_')}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """The ``hybrimoe`` parser. argparse leaves a flag that the chosen command does not know to the top level, which
+    reports it with the top level's usage; here the command's own parser reports it, with the command's usage and
+    the closest flag. A mistyped command name gets the closest command."""
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's ``parse_args`` with those two messages; exits with status 2 after printing them."""
+        argv = sys.argv[1:] if args is None else list(args)
+        commands = next(a for a in self._actions if isinstance(a, argparse._SubParsersAction))
+        word = next((a for a in argv if not a.startswith("-")), None)
+        match = closest(word, commands.choices) if word is not None and word not in commands.choices else None
+        if match:
+            self.error(f"argument command: invalid choice: {word!r}; did you mean {match!r}? (choose from "
+                       f"{', '.join(map(repr, commands.choices))})")
+        parsed, extras = self.parse_known_args(argv, namespace)
+        if extras:
+            sub = commands.choices[parsed.command]
+            sub.error(unrecognized(sub, extras))
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hybrimoe`` parser with every subcommand (``args.func`` is the chosen command's ``run``)."""
-    parser = argparse.ArgumentParser(prog="hybrimoe", description=__doc__.splitlines()[0],
-                                     formatter_class=HelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="hybrimoe", description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=argparse.ArgumentParser)
     for name in COMMANDS:
         mod = command_module(name)
         p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),

@@ -8,6 +8,7 @@ be >= 1, got 0``) and exit status 2, before anything is loaded.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 from typing import Callable, Optional
 
@@ -87,3 +88,39 @@ class HelpFormatter(argparse.HelpFormatter):
         if action.option_strings:
             text += " (default: %(default)s)"
         return text
+
+
+def closest(word: str, known) -> Optional[str]:
+    """The entry of ``known`` closest to ``word`` (difflib's ratio, at least 0.6: the rule ``hybrimoe.Llama`` uses for
+    an unknown keyword), or None when none is close."""
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return close[0] if close else None
+
+
+def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's "unrecognized arguments" message for ``extras`` (what ``parser`` did not take), with the closest
+    flag of ``parser`` for each one that looks like a mistyped flag: ``unrecognized arguments: --moe-cahce 25% (did
+    you mean --moe-cache?)``."""
+    flags = [s for a in parser._actions for s in a.option_strings]
+    hints = []
+    for token in extras:
+        if not token.startswith("-") or token == "-" or _is_number(token):
+            continue
+        name = token.split("=", 1)[0]
+        match = closest(name, [f for f in flags if f.startswith("--") == name.startswith("--")])
+        if match and (match, name) not in hints:
+            hints.append((match, name))
+    text = f"unrecognized arguments: {' '.join(extras)}"
+    if len(hints) == 1:
+        text += f" (did you mean {hints[0][0]}?)"
+    elif hints:
+        text += f" (did you mean {', '.join(f'{m} for {n}' for m, n in hints)}?)"
+    return text
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True

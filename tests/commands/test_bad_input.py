@@ -180,3 +180,58 @@ def test_top_level_help_is_a_whole_sentence(tmp_path):
     assert r.returncode == 0
     desc = r.stdout.split("\n\n")[1].strip()
     assert desc.endswith("bench.") and "``" not in desc, desc
+
+
+def _required(parser) -> list[str]:
+    """A value for each positional argument and required flag of a subcommand's parser (a file name: nothing is read
+    before the flags are parsed)."""
+    out = []
+    for a in parser._actions:
+        if not a.option_strings:
+            out.append("x.gguf")
+        elif a.required:
+            out += [a.option_strings[0], "x.gguf"]
+    return out
+
+
+def _typo(flag: str) -> str:
+    """``flag`` with the two letters after its dashes swapped (--moe-cache: --moe-cahce is another slip)."""
+    return flag[:2] + flag[3] + flag[2] + flag[4:]
+
+
+@pytest.mark.parametrize("argv, hint", [(["run", "-p", "Hi", "-n", "8", "--moe-cahce", "25%"], "--moe-cache"),
+                                        (["run", "--tmep", "0"], "--temp"),
+                                        (["serve", "--prot", "8080"], "--port")])
+def test_a_mistyped_flag_gets_the_closest_and_the_commands_usage(argv, hint, capsys):
+    from hybrimoe import commands
+
+    assert commands.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: hybrimoe {argv[0]} "), err
+    assert f"hybrimoe {argv[0]}: error: unrecognized arguments:" in err and f"(did you mean {hint}?)" in err, err
+
+
+def test_every_command_suggests_its_own_flags(capsys):
+    """The rule holds in every subcommand: its longest flag, mistyped, is named back with that command's usage."""
+    import argparse
+
+    from hybrimoe import commands
+
+    parser = commands.build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(subs) == set(commands.COMMANDS)
+    for name, sub in subs.items():
+        flag = max((s for a in sub._actions for s in a.option_strings if s.startswith("--")), key=len)
+        assert commands.main([name, *_required(sub), _typo(flag)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"usage: hybrimoe {name} ") and f"(did you mean {flag}?)" in err, (name, err)
+
+
+def test_a_mistyped_command_gets_the_closest(capsys):
+    from hybrimoe import commands
+
+    assert commands.main(["rnu", "-p", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'rnu'; did you mean 'run'?" in err, err
+    assert commands.main(["zzzz"]) == 2  # nothing close: argparse's own message
+    assert "invalid choice: 'zzzz'" in capsys.readouterr().err
