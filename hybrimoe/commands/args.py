@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
 from typing import Callable, Optional
 
 #: the largest seed llama.cpp's samplers take (uint32_t)
@@ -77,17 +78,26 @@ TOP_P = float_in(0.0, 1.0, lo_open=True)
 FRACTION = float_in(0.0, 1.0, hi_open=True)
 
 
+def llama_threads_default() -> str:
+    """What ``-t`` left out means, in words: llama-cpp-python's thread counts (half the cores for generation, all of
+    them for prompt processing), with this machine's numbers."""
+    n = os.cpu_count() or 1
+    return f"llama-cpp-python's: {max(n // 2, 1)} for generation, {n} for prompt processing, of {n} cores here"
+
+
 class HelpFormatter(argparse.HelpFormatter):
-    """argparse's formatter that appends ``(default: X)`` to a flag's help when it has a default worth showing and
-    its help does not already say it."""
+    """argparse's formatter that appends ``(default: X)`` to the help of every flag that takes a value, unless the
+    help already says its default: ``(default: none)`` for a flag whose absence adds nothing (no value, an empty
+    list). A switch (no value) and a required flag show none."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS) or action.nargs == 0:
+        if ("default" in text or not action.option_strings or action.nargs == 0 or action.required
+                or action.default is argparse.SUPPRESS):
             return text
-        if action.option_strings:
-            text += " (default: %(default)s)"
-        return text
+        if action.default is None or action.default == []:
+            return f"{text} (default: none)".lstrip()
+        return f"{text} (default: %(default)s)".lstrip()
 
 
 def closest(word: str, known) -> Optional[str]:

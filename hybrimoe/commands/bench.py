@@ -73,7 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--n-prompt", type=POSITIVE, default=512, help="prompt tokens (pp; default %(default)s)")
     p.add_argument("-n", "--n-gen", type=POSITIVE, default=128, help="generated tokens (tg; default %(default)s)")
     p.add_argument("-r", "--repetitions", type=POSITIVE, default=3, help="repetitions per mode (default %(default)s)")
-    p.add_argument("-t", "--threads", type=THREADS, default=None, help="CPU threads (default: llama-cpp-python's)")
+    p.add_argument("-t", "--threads", type=THREADS, default=None,
+                   help=f"CPU threads of every mode (default: all {os.cpu_count() or 1} cores here; the --stand-in "
+                        "server's: 1)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int_in(0, also=(-1,)), default=None,
                    help="layers on the GPU for the non-partial "
                    "modes (default 99)")
@@ -87,7 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="profile of expert frequencies for every hybrimoe mode: a routing trace (hybrimoe trace) of "
                         "this model; hot-set needs it")
     p.add_argument("--upstream", default=None, help="upstream modes to run: exps, ncmoe, ngl (default all three)")
-    p.add_argument("--moe-cost-model", default=None, help="planner cost model for hybrimoe (preset or JSON)")
+    p.add_argument("--moe-cost-model", default=None,
+                   help="planner cost model for hybrimoe (preset or JSON; default: as run's --moe-cost-model, the "
+                        "model's stored calibration on this device, else one measured on first use)")
     p.add_argument("--replay-trace", default=None, metavar="TRACE.npz", help="route every mode by a trace")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     p.add_argument("--csv", default=None, metavar="FILE", help="write the table as CSV")

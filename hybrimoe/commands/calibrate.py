@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybrimoe.commands.args import POSITIVE, THREADS, int_in
+from hybrimoe.commands.args import POSITIVE, THREADS, int_in, llama_threads_default
 from hybrimoe.outputs import check_output
 from hybrimoe.policy.cost_model import COST_FIELDS
 
@@ -21,13 +21,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc", default=None, metavar="HOST:PORT", help="ggml RPC server to calibrate as the GPU")
     p.add_argument("-ngl", "--n-gpu-layers", type=int_in(0, also=(-1,)), default=99,
                    help="layers on the GPU (default %(default)s)")
-    p.add_argument("-t", "--threads", type=THREADS, default=None, help="CPU threads")
+    p.add_argument("-t", "--threads", type=THREADS, default=None,
+                   help=f"CPU threads (default: {llama_threads_default()})")
     p.add_argument("--quick", action="store_true", help="fewer ubatch sizes and repetitions")
     p.add_argument("-r", "--reps", type=POSITIVE, default=None,
                    help="measured runs per ubatch size (default 2, 1 with --quick); more: steadier figures")
     p.add_argument("-o", "--output", default=None,
-                   help="write here instead of the calibration store (calibration/ in hybrimoe's cache directory: "
-                        "$HYBRIMOE_CACHE_DIR, else $XDG_CACHE_HOME/hybrimoe, else ~/.cache/hybrimoe)")
+                   help="write here instead of the calibration store (default: the store, calibration/ in "
+                        "hybrimoe's cache directory: $HYBRIMOE_CACHE_DIR, else $XDG_CACHE_HOME/hybrimoe, else "
+                        "~/.cache/hybrimoe)")
     p.add_argument("--disk", action="store_true",
                    help="measure the disk the model is read from instead (cold reads of its experts: bandwidth, "
                         "latency, useful reads in flight), written as a disk file for simulate --disk")

@@ -10,7 +10,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hybrimoe.commands.args import COUNT, POSITIVE, SAMPLING_SEED, TEMPERATURE, THREADS, TOP_P, int_in
+from hybrimoe.commands.args import (
+    COUNT,
+    POSITIVE,
+    SAMPLING_SEED,
+    TEMPERATURE,
+    THREADS,
+    TOP_P,
+    int_in,
+    llama_threads_default,
+)
 from hybrimoe.envs import AUTO_CALIBRATE_ENV, DEFAULT_COST_HARDWARE, PREFETCH_LAYERS, progress_on
 from hybrimoe.policy.hardware import hardware_names
 from hybrimoe.policy.presets import DEFAULT_PRESET, ENGINE_PRESETS
@@ -20,7 +29,8 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
     """Adds the shared flags to ``p``. ``sampling=False`` leaves out ``--temp``, ``--top-k`` and ``--top-p``
     (``serve``: each request brings its own)."""
     p.add_argument("-m", "--model", help="GGUF model (default: a tiny qwen3moe model, created on first use)")
-    p.add_argument("-t", "--threads", type=THREADS, default=None, help="CPU threads (default: llama-cpp-python's)")
+    p.add_argument("-t", "--threads", type=THREADS, default=None,
+                   help=f"CPU threads for generation and prompt processing (default: {llama_threads_default()})")
     p.add_argument("-c", "--ctx-size", type=COUNT, default=512, help="context size in tokens (0: the model's)")
     p.add_argument("-b", "--batch-size", type=POSITIVE, default=512, help="logical batch size in tokens")
     p.add_argument("-ub", "--ubatch-size", type=POSITIVE, default=512, help="physical batch (ubatch) size in tokens")
@@ -42,12 +52,14 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
     p.add_argument("--moe-cache", default=None, metavar="SIZE",
                    help="turn on the hybrid CPU+GPU engine with a GPU expert cache of SIZE: 25%% (of all routed "
                         "experts), 3GiB, 512MB or bytes; auto = as much as the device has left after the model "
-                        "(like upstream's --fit); 0 = every expert on the CPU through the engine")
+                        "(like upstream's --fit); 0 = every expert on the CPU through the engine (default: off: "
+                        "upstream's MoE path)")
     p.add_argument("--moe-ram-cache", default=None, metavar="SIZE",
                    help="for a model larger than RAM: keep SIZE of the routed experts in RAM (40%% of their bytes, "
                         "12GiB, bytes, or auto = what the memory left after the load holds) and read the others from "
                         "the GGUF file when needed or ahead by the router look-ahead; the loader leaves them unread. "
-                        "Turns the engine on with --moe-cache 0 (every expert on the CPU)")
+                        "Turns the engine on with --moe-cache 0 (every expert on the CPU) (default: off: every "
+                        "expert read at load, as upstream)")
     p.add_argument("--moe-ram-policy", default=None, metavar="NAME",
                    help="the RAM tier's cache policy: mrs (default), lru, lfu (needs --moe-ram-cache)")
     p.add_argument("--moe-policy", default=None,

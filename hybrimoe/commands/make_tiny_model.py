@@ -16,18 +16,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``make-tiny-model`` arguments to ``parser``."""
     parser.add_argument("out", metavar="OUT.gguf", help="output GGUF file")
     parser.add_argument("--arch", default="qwen3moe", help=f"architecture: {', '.join(ARCHS)}")
-    parser.add_argument("--seed", type=SEED, default=0)
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the random weights")
     parser.add_argument("--layers", type=POSITIVE, default=None, help="transformer blocks (default 2; llama4 4)")
     # widths left out (None) are chosen by make_tiny_model to fit the quant's blocks (default_widths)
     parser.add_argument("--n-embd", type=POSITIVE, default=None,
                         help=f"hidden size (default {DEFAULT_N_EMBD}; 256 with K-quants and mix, whose blocks "
                              "are 256 wide)")
-    parser.add_argument("--n-expert", type=POSITIVE, default=None, help="routed experts per MoE layer")
-    parser.add_argument("--n-expert-used", type=POSITIVE, default=None, help="experts per token (top-k)")
+    parser.add_argument("--n-expert", type=POSITIVE, default=None, help="routed experts per MoE layer (default 8)")
+    parser.add_argument("--n-expert-used", type=POSITIVE, default=None,
+                        help="experts per token, top-k (default 2; llama4 1)")
     parser.add_argument("--n-ff-exp", type=POSITIVE, default=None,
                         help=f"expert FFN width (default {DEFAULT_N_FF_EXP}; 256 with K-quants and mix)")
     parser.add_argument("--n-shared", type=COUNT, default=None,
-                        help="shared experts (qwen2moe, deepseek2; llama4 and step35 have one)")
+                        help="shared experts (qwen2moe, deepseek2; llama4 and step35 have one; default: 1 in "
+                             "those four, 0 in the others)")
     parser.add_argument("--n-head", type=POSITIVE, default=4)
     parser.add_argument("--n-dense-lead", type=COUNT, default=1, help="deepseek2: leading dense layers")
     parser.add_argument("--quant", default=None,

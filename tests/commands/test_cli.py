@@ -81,6 +81,31 @@ def test_help_shows_the_defaults(capsys):
         assert f"(default: {ctx})" in out.split("--ctx-size", 1)[1].split("-b,", 1)[0], (name, out)
 
 
+def test_every_flag_that_takes_a_value_shows_its_default():
+    """README: ``hybrimoe COMMAND --help`` lists every flag with its default. A flag that takes a value and is not
+    required says it, in argparse's words or its own (a default of 0 included)."""
+    missing = []
+    for name, p in _subparsers().items():
+        formatter = p._get_formatter()
+        for a in p._actions:
+            if a.option_strings and a.nargs != 0 and not a.required:
+                if "default" not in formatter._get_help_string(a):
+                    missing.append(f"{name} {'/'.join(a.option_strings)}")
+    assert missing == []
+
+
+def test_run_help_shows_the_offload_and_thread_defaults(capsys):
+    import os
+
+    assert commands.main(["run", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0)" in out.split("--n-gpu-layers", 1)[1].split("--seed", 1)[0], out
+    n = os.cpu_count() or 1
+    assert f"{max(n // 2, 1)} for generation, {n} for prompt processing" in out.split("--threads", 1)[1].split(
+        "-c,", 1)[0], out
+    assert "(default: none)" in out.split("--override-tensor", 1)[1].split("-cmoe", 1)[0], out
+
+
 def test_an_import_error_inside_a_command_is_not_hidden(monkeypatch):
     """A built-in command whose module fails to import is a bug: it propagates (no "unavailable" entry)."""
     monkeypatch.setitem(sys.modules, "hybrimoe.commands.info", None)  # importing it now raises ImportError
