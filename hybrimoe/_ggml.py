@@ -214,6 +214,11 @@ def local_gpus() -> list[int]:
     return [d["ptr"] for d in devices(memory=False) if d["type"] in (DEV_GPU, DEV_IGPU) and d["ptr"] not in rpc]
 
 
+#: what :func:`accelerator` finds, in words, for the messages that find none: any GPU ggml has a back end for (the
+#: ones README documents a build for named)
+ACCELERATOR_KINDS = 'a CUDA or Vulkan GPU (llama-cpp-python built with that back end: README "GPU back ends")'
+
+
 def accelerator(rpc_devs: list[int]) -> int | None:
     """The device the MoE engine caches experts on: the first of ``rpc_devs`` (an instance's own RPC servers),
     else this machine's first GPU, else None."""

@@ -342,8 +342,8 @@ def run(args: argparse.Namespace) -> int:
         gpu = _ggml.accelerator([])
         device = _ggml.device_label(gpu) if gpu else None
         if not device:
-            print("hybrimoe bench: error: no GPU found: give --rpc HOST:PORT (a ggml-rpc-server) or --stand-in",
-                  file=sys.stderr)
+            print(f"hybrimoe bench: error: no GPU found ({_ggml.ACCELERATOR_KINDS}): give --rpc HOST:PORT (a "
+                  "ggml-rpc-server) or --stand-in", file=sys.stderr)
             return 1
     common = dict(rpc_servers=endpoint, moe_replay=routing_table, threads=args.threads or os.cpu_count() or 1)
     modes = _modes(args, facts, pols, up, budget)

@@ -28,8 +28,9 @@ from hybrimoe.runtime.engine_facts import EngineFacts, engine_facts, engine_modu
 from hybrimoe.traces.format import load_trace
 
 #: what a cache with slots needs, said once for the set-up's early check and the engine's own
-_NO_ACCELERATOR = ("needs an accelerator (a CUDA device, or an RPC server via rpc_servers, --rpc); none was found. "
-                   "Use moe_cache=0 (--moe-cache 0) to run every expert on the CPU")
+_NO_ACCELERATOR = (f"needs an accelerator ({_ggml.ACCELERATOR_KINDS}, or a ggml RPC server via rpc_servers, --rpc); "
+                   "none was found. Without one the engine runs every expert on the CPU: moe_cache=0 (--moe-cache 0), "
+                   "or moe_ram_cache alone (--moe-ram-cache) for a model larger than RAM")
 
 
 def require_accelerator(device: Optional[int], n_slots: Optional[int], what: str = "moe_cache (--moe-cache)") -> None:

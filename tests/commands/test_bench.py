@@ -120,7 +120,8 @@ def test_bench_without_a_gpu(tiny_model, capsys, monkeypatch):
     cpu_only = [d for d in _ggml.devices() if d["type"] == _ggml.DEV_CPU]
     monkeypatch.setattr(_ggml, "devices", lambda memory=True: cpu_only)  # as on a machine without a GPU
     assert _bench(["-m", tiny_model("qwen3moe", "Q8_0")]) == 1
-    assert "no GPU found" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no GPU found" in err and "CUDA or Vulkan" in err and "--stand-in" in err, err
 
 
 def _min_ram_budget(path) -> int:

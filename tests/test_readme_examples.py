@@ -1,0 +1,49 @@
+"""README's Python examples run as written: "From Python" on this machine (its GPU example, on a machine without an
+accelerator, fails with the error the README promises; its CPU-only example runs)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout these tests belong to
+README = ROOT / "README.md"
+pytestmark = pytest.mark.skipif(not README.is_file(), reason="no checkout beside the package")
+
+
+def python_blocks(section: str | None = None) -> list[str]:
+    """The ```python blocks of README.md, of the section titled ``section`` only when given."""
+    text = README.read_text()
+    if section is not None:
+        text = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def _run(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_the_from_python_examples_run_as_written(tiny_model, tmp_path):
+    """The GPU example runs where there is an accelerator; without one it fails with a ValueError that names the
+    back ends and the CPU-only options, which the next example shows; that one runs here."""
+    from hybrimoe import _ggml
+
+    model = repr(str(tiny_model("qwen3moe", "Q8_0")))
+    gpu, cpu = python_blocks("From Python")[:2]
+    r = _run(gpu.replace('"model.gguf"', model), tmp_path)
+    if _ggml.local_gpus():
+        assert r.returncode == 0 and "hit_rate" in r.stdout, r.stderr
+    else:
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode != 0 and last.startswith("ValueError: moe_cache='25%'"), r.stderr
+        for named in ("CUDA", "Vulkan", "rpc_servers", "moe_cache=0", "moe_ram_cache"):
+            assert named in last, (named, last)
+    code = ("from hybrimoe import Llama\n" + cpu.replace('"model.gguf"', model) +
+            "print(llm('Once upon a time', max_tokens=4, temperature=0)['choices'][0]['text'])\n"
+            "print(llm.moe_stats()['engine']['cpu_experts'])\n")
+    r = _run(code, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.split()[-1]) > 0  # the engine ran the experts on the CPU
