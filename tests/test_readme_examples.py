@@ -1,5 +1,6 @@
 """README's Python examples run as written: "From Python" on this machine (its GPU example, on a machine without an
-accelerator, fails with the error the README promises; its CPU-only example runs)."""
+accelerator, fails with the error the README promises; its CPU-only example runs), quietly (``verbose=False``, so
+that llama.cpp's log stays off stderr), and every ``Llama(...)`` example says how verbose it is."""
 from __future__ import annotations
 
 import re
@@ -22,13 +23,33 @@ def python_blocks(section: str | None = None) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
+def _llama_calls(code: str) -> list[str]:
+    """The text of each ``Llama(...)`` call in ``code``, parentheses balanced."""
+    calls = []
+    for m in re.finditer(r"\bLlama\(", code):
+        depth, i = 0, m.end() - 1
+        for i in range(m.end() - 1, len(code)):
+            depth += {"(": 1, ")": -1}.get(code[i], 0)
+            if depth == 0:
+                break
+        calls.append(code[m.start():i + 1])
+    return calls
+
+
 def _run(code: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+def test_every_llama_example_says_how_verbose_it_is():
+    calls = [c for block in python_blocks() for c in _llama_calls(block)]
+    assert len(calls) >= 4, calls  # the scan finds the examples
+    assert [c for c in calls if "verbose=" not in c] == []
+
+
 def test_the_from_python_examples_run_as_written(tiny_model, tmp_path):
     """The GPU example runs where there is an accelerator; without one it fails with a ValueError that names the
-    back ends and the CPU-only options, which the next example shows; that one runs here."""
+    back ends and the CPU-only options, which the next example shows; that one runs here. Neither writes more than
+    a line or two to stderr."""
     from hybrimoe import _ggml
 
     model = repr(str(tiny_model("qwen3moe", "Q8_0")))
@@ -47,3 +68,4 @@ def test_the_from_python_examples_run_as_written(tiny_model, tmp_path):
     r = _run(code, tmp_path)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout.split()[-1]) > 0  # the engine ran the experts on the CPU
+    assert len(r.stderr.splitlines()) <= 2, r.stderr
