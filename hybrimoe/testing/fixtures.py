@@ -21,14 +21,20 @@ ENGINE_ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama", "deepseek2")
 ENGINE_QUANTS = ("Q8_0", "Q4_K_M")
 
 
+def start_dir(config: pytest.Config) -> Path:
+    """The folder pytest started in: paths the user means relative to where they ran pytest are resolved against
+    it, never against the working directory (:func:`_cwd_outside_checkout` moves that out of the checkout)."""
+    return Path(config.invocation_params.dir)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _cwd_outside_checkout(tmp_path_factory):
+def _cwd_outside_checkout(tmp_path_factory, request):
     """Every test runs with its working directory outside the checkout, so that a ``python -m hybrimoe`` subprocess
     imports the installed package (with its compiled ``_core``), not the source tree that the cwd would put first on
     ``sys.path``. The development trace, when found from the directory pytest started in, is passed on to
     subprocesses through ``HYBRIMOE_TRACE``."""
     old = os.getcwd()
-    trace = default_trace_path()  # found from the directory pytest started in (its parents hold shared/)
+    trace = default_trace_path(start_dir(request.config))
     if TRACE_ENV not in os.environ and trace.is_file():
         os.environ[TRACE_ENV] = str(trace.resolve())
     os.chdir(tmp_path_factory.mktemp("cwd"))
@@ -39,13 +45,19 @@ def _cwd_outside_checkout(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def dev_trace() -> Path:
+def dev_trace_path(request) -> Path:
+    """Where the DeepSeek-V2-Lite development trace is, or would be (``../shared/traces/`` beside the folder pytest
+    started in, or ``$HYBRIMOE_TRACE``), whether or not it is there."""
+    return default_trace_path(start_dir(request.config))
+
+
+@pytest.fixture(scope="session")
+def dev_trace(dev_trace_path) -> Path:
     """The DeepSeek-V2-Lite development trace; the test is skipped (with the reason) where it is absent, as on a
     fresh clone without ``../shared``."""
-    path = default_trace_path()
-    if not path.is_file():
-        pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
-    return path
+    if not dev_trace_path.is_file():
+        pytest.skip(f"routing trace not present at {dev_trace_path} (set HYBRIMOE_TRACE)")
+    return dev_trace_path
 
 
 @pytest.fixture(scope="session")

@@ -309,21 +309,22 @@ def _write_atomically(path: Path, arrays: dict) -> None:
         np.savez_compressed(fh, **arrays)
 
 
-def default_trace_path() -> Path:
+def default_trace_path(start: Optional[Path] = None) -> Path:
     """Where the DeepSeek-V2-Lite development trace is (docs/design.md §12): ``$HYBRIMOE_TRACE``, else the
-    default relative path ``shared/traces/dsv2lite_dev.npz``, looked up beside the source tree and in the current
-    directory and its parents (an installed package is not in the checkout). Returns the first that exists, or the
-    one beside the current directory."""
+    default relative path ``shared/traces/dsv2lite_dev.npz``, looked up beside the source tree and in ``start``
+    and its parents (an installed package is not in the checkout). Returns the first that exists, or the one beside
+    ``start``. ``start``: the folder to look from (default: the current directory; the test suite gives the
+    folder pytest started in, since its fixtures move the working directory out of the checkout)."""
     env = trace_override()
     if env is not None:
         return env
     rel = DEFAULT_TRACE
-    cwd = Path.cwd()
-    candidates = [REPO_ROOT.parent / rel] + [d / rel for d in (cwd, *cwd.parents)]
+    start = Path.cwd() if start is None else Path(start).resolve()
+    candidates = [REPO_ROOT.parent / rel] + [d / rel for d in (start, *start.parents)]
     for c in candidates:
         if c.is_file():
             return c
-    return cwd.parent / rel
+    return start.parent / rel
 
 
 def _guess_model(num_experts: int, top_k: int, n_layers: int) -> str:

@@ -54,15 +54,11 @@ TRACES = [("dsv2lite", None)] + [(shape, loc) for shape in ("mixtral-8x7b", "qwe
                                                             "gpt-oss-120b") for loc in ("low", "high")]
 
 
-def _trace(shape, locality, seed):
-    """The trace spec (hybrimoe.testing.tables) of one table: the shared trace, or a synthetic one of the shape."""
+def _trace(shape, locality, seed, request):
+    """The trace spec (hybrimoe.testing.tables) of one table: the shared trace (the ``dev_trace`` fixture, which
+    skips without it), or a synthetic one of the shape."""
     if locality is None:
-        from hybrimoe.traces.format import default_trace_path
-
-        path = default_trace_path()
-        if not path.exists():
-            pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
-        return ("file", str(path))
+        return ("file", str(request.getfixturevalue("dev_trace")))
     # enough prompts after the simulator's 20% profile for 2,000 evaluated tokens
     return ("synthetic", shape, TOKENS * 5 // 4 + 200, locality, seed)
 
@@ -90,12 +86,12 @@ CONFIGS = [(hw, cache, stage) for hw in HARDWARE for cache in CACHES for stage i
 
 
 @pytest.mark.parametrize("shape,locality", TRACES, ids=[f"{s}-{loc or 'real'}" for s, loc in TRACES])
-def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(tables, shape, locality):
+def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(tables, shape, locality, request):
     assert len(STATIC) >= 2, STATIC
     worse, unbounded = [], []
     keys, jobs = [], []
     for seed in SEEDS:
-        tr = _trace(shape, locality, seed)
+        tr = _trace(shape, locality, seed, request)
         names = ("hybrimoe",) + STATIC + (("oracle",) if seed == 0 else ())
         for hw_name, cache, stage in CONFIGS:
             keys.append((seed, hw_name, cache, stage))
@@ -119,11 +115,11 @@ def test_hybrimoe_never_slower_than_static_and_the_oracle_bounds(tables, shape, 
 @pytest.mark.parametrize("scale", [0.5, 1.5])
 @pytest.mark.parametrize("shape,locality", [("dsv2lite", None), ("mixtral-8x7b", "low"), ("mixtral-8x7b", "high")],
                          ids=["dsv2lite-real", "mixtral-8x7b-low", "mixtral-8x7b-high"])
-def test_never_slower_when_the_truth_contention_differs_from_the_planners(tables, shape, locality, scale):
+def test_never_slower_when_the_truth_contention_differs_from_the_planners(tables, shape, locality, scale, request):
     """The planner charges a fixed share of each copy to the CPU share (cost_model_from_hardware's
     cpu_copy_overlap); the truth charges contention per overlapped second. With the truth's contention at 0.5x and
     1.5x the preset's value hybrimoe still stays within 1.01 x the best static placement (seed 0)."""
-    tr = _trace(shape, locality, 0)
+    tr = _trace(shape, locality, 0, request)
     assert all(pol.truth_model_for(pol.load_hardware(hw), 1).contention > 0 for hw in HARDWARE)
     worse = []
     jobs = [(tr, hw, cache, stage, ("hybrimoe",) + STATIC, dict(seed=1, contention_scale=scale))
@@ -147,10 +143,10 @@ RAM_TRACES = [("dsv2lite", None)] + [(shape, loc) for shape in ("mixtral-8x7b", 
 
 
 @pytest.mark.parametrize("shape,locality", RAM_TRACES, ids=[f"{s}-{loc or 'real'}" for s, loc in RAM_TRACES])
-def test_the_ram_tier_is_never_slower_than_mmap_a_hot_set_or_reads_at_use(tables, shape, locality):
+def test_the_ram_tier_is_never_slower_than_mmap_a_hot_set_or_reads_at_use(tables, shape, locality, request):
     baselines = pol.RAM_BASELINES
     assert set(baselines) == {"mmap", "hot-set", "prefetch-at-use"}
-    tr = _trace(shape, locality, 0)
+    tr = _trace(shape, locality, 0, request)
     configs = [(ram, stage) for ram in RAM_CACHES for stage in ("decode", "prefill")]
     jobs = [(tr, RAM_HARDWARE, "0", stage, ("hybrimoe",) + baselines + ("oracle",),
              dict(seed=1, ram_cache=ram, disk=RAM_DISK, bound_tolerance=RAM_BOUND_TOLERANCE))

@@ -12,7 +12,7 @@ from hybrimoe import policy as pol
 from hybrimoe.commands import simulate as simulate_command
 from hybrimoe.model.facts import MODEL_FACTS
 from hybrimoe.sim.simulator import Setup, stage_core_trace, total_times
-from hybrimoe.traces.format import RoutingTrace, default_trace_path
+from hybrimoe.traces.format import RoutingTrace
 
 MB = 1e6
 
@@ -232,10 +232,8 @@ def test_a_missing_default_trace_names_the_flag_and_the_variable(tmp_path, monke
     assert str(missing) in err and "--trace" in err and "HYBRIMOE_TRACE" in err, err
 
 
-def test_command_on_the_dsv2lite_trace(tmp_path, capsys):
-    path = default_trace_path()
-    if not path.is_file():
-        pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
+def test_command_on_the_dsv2lite_trace(dev_trace, tmp_path, capsys):
+    path = dev_trace
     out = tmp_path / "r.json"
     rc = simulate_command.run(_args(trace=path, stage="prefill", policies="hybrimoe,ktransformers", max_tokens=3000,
                             json=out, no_progress=True))
@@ -248,12 +246,10 @@ def test_command_on_the_dsv2lite_trace(tmp_path, capsys):
     assert "| hybrimoe |" in capsys.readouterr().out
 
 
-def test_progress_bar_only_on_a_terminal_or_when_asked(tmp_path, capsys, monkeypatch):
+def test_progress_bar_only_on_a_terminal_or_when_asked(dev_trace, tmp_path, capsys, monkeypatch):
     """Without --no-progress, simulate draws its bar on a terminal only: into a redirected stderr (pytest's capture
     here) nothing but its lines, with HYBRIMOE_PROGRESS=1 the bar too (hybrimoe.envs.progress_on)."""
-    path = default_trace_path()
-    if not path.is_file():
-        pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
+    path = dev_trace
     monkeypatch.delenv("HYBRIMOE_PROGRESS", raising=False)
     kw = dict(trace=path, stage="prefill", policies="ktransformers", max_tokens=500)
     assert simulate_command.run(_args(**kw)) == 0
@@ -431,10 +427,8 @@ def test_drop_incomplete(tiny_model, tmp_path, capsys):
     assert rec["assumptions"]["partial_trace"].startswith("yes")
 
 
-def test_model_facts_by_name_on_the_dsv2lite_trace(tmp_path, capsys):
-    path = default_trace_path()
-    if not path.is_file():
-        pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
+def test_model_facts_by_name_on_the_dsv2lite_trace(dev_trace, tmp_path, capsys):
+    path = dev_trace
     out_json = tmp_path / "r.json"
     rc, _, err = _run(capsys, trace=path, model_facts="deepseek-v2-lite", max_tokens=500, json=out_json)
     assert rc == 0, err

@@ -7,7 +7,7 @@ import pytest
 from hybrimoe import _core
 from hybrimoe.model.facts import MODEL_FACTS, ModelFacts, facts_from_gguf, selection_bias_from_gguf
 from hybrimoe.tiny import make_tiny_model
-from hybrimoe.traces.format import FORMAT_VERSION, RoutingTrace, default_trace_path, load_trace
+from hybrimoe.traces.format import FORMAT_VERSION, RoutingTrace, load_trace
 
 
 def make(n_tok=10, n_layers=3, k=2, n_exp=8, seed=0):
@@ -216,10 +216,28 @@ def test_dsv2lite_facts_match_hybrimoe_md():
     assert 5.2e6 <= f.expert_bytes <= 6.32e6
 
 
-def test_load_dsv2lite_trace():
-    path = default_trace_path()
-    if not path.is_file():
-        pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
+def test_default_trace_path_looks_from_the_given_folder(tmp_path, monkeypatch):
+    """Looked up from ``start`` and its parents, else beside ``start``; the working directory plays no part."""
+    from hybrimoe.traces.format import default_trace_path
+
+    monkeypatch.delenv("HYBRIMOE_TRACE", raising=False)
+    start = tmp_path / "work" / "checkout"
+    start.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere" / "deeper"
+    elsewhere.mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)
+    assert default_trace_path(start) == tmp_path / "work" / "shared" / "traces" / "dsv2lite_dev.npz"
+    found = tmp_path / "shared" / "traces" / "dsv2lite_dev.npz"
+    found.parent.mkdir(parents=True)
+    found.write_bytes(b"")
+    assert default_trace_path(start) == found
+    assert default_trace_path() == found  # from the working directory by default: elsewhere's parent holds it
+    monkeypatch.setenv("HYBRIMOE_TRACE", str(tmp_path / "mine.npz"))
+    assert default_trace_path(start) == tmp_path / "mine.npz"
+
+
+def test_load_dsv2lite_trace(dev_trace):
+    path = dev_trace
     tr = load_trace(path)
     assert tr.model == "deepseek-v2-lite" and tr.format_version == 0
     assert (tr.n_layers, tr.num_experts, tr.top_k, tr.n_dense_layers) == (26, 64, 6, 1)

@@ -12,13 +12,8 @@ TRACE_KNOBS = dict(n_layer=27, n_expert=64, n_expert_used=6, n_shared=2)  # Deep
 
 
 @pytest.fixture(scope="module")
-def trace_path():
-    from hybrimoe.traces.format import default_trace_path
-
-    p = default_trace_path()
-    if not p.is_file():
-        pytest.skip(f"the shared trace {p} is not present")
-    return p
+def trace_path(dev_trace):
+    return dev_trace
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from hybrimoe.commands import main as hybrimoe_main
 from hybrimoe.model.facts import MODEL_FACTS, ModelFacts, bits_per_weight
-from hybrimoe.traces.format import RoutingTrace, default_trace_path, load_trace
+from hybrimoe.traces.format import RoutingTrace, load_trace
 from hybrimoe.traces.stats import routing_stats
 from hybrimoe.traces.synthetic import FITTED_DSV2_LITE, LOCALITY, SHAPES, fit_synthetic, synthetic_trace
 
@@ -212,10 +212,8 @@ def test_synth_command_feeds_simulate(tmp_path, capsys):
 
 # ---- the fit on the real trace (only where it is present) ---------------------------------------------------------
 
-def test_fit_reproduces_the_dsv2lite_trace():
-    path = default_trace_path()
-    if not path.is_file():
-        pytest.skip(f"routing trace not present at {path} (set HYBRIMOE_TRACE)")
+def test_fit_reproduces_the_dsv2lite_trace(dev_trace):
+    path = dev_trace
     real = load_trace(path)
     knobs = fit_synthetic(real)
     for name in KNOBS:   # the stored constants are this fit
