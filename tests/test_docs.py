@@ -75,3 +75,41 @@ def test_moved_names_resolve_with_a_warning_naming_the_new_place():
         assert hybrimoe.policy.build_preset.__module__ == "hybrimoe.policy.presets"
     with pytest.raises(AttributeError):
         old_engine.no_such_name
+
+
+#: a reference to a README section from another file: README, its title in quotes (a comma or 's between)
+README_SECTION_REF = re.compile(r"""README(?:'s|\.md)?,?\s+["']([^"']{1,60})["']""")
+#: README's references to its own sections: a title in quotes, then below or above; as in, then a title in quotes
+README_SELF_REF = re.compile(r'''"([^"]{1,60})"\s(?:below|above)|as\sin\s"([^"]{1,60})"''')
+#: the files that may point at README's sections (vendor/ and build outputs are not ours)
+REFERRING = ("hybrimoe", "tests", "scripts", "docs", "bench", ".ci")
+
+
+def readme_sections(text: str) -> set:
+    """The titles of README's headings (``#`` lines outside fenced code)."""
+    titles, fenced = set(), False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            titles.add(line.lstrip("#").strip())
+    return titles
+
+
+@pytest.mark.skipif(not (ROOT / "README.md").is_file(), reason="no checkout beside the package")
+def test_every_reference_to_a_readme_section_names_one():
+    readme = (ROOT / "README.md").read_text()
+    sections = readme_sections(readme)
+    assert {"Quick start", "GPU back ends"} <= sections, sections  # the scan sees the headings
+    refs = [("README.md", " ".join((a or b).split())) for a, b in README_SELF_REF.findall(readme)]
+    files = [ROOT / "CHANGELOG.md"] + [p for top in REFERRING for p in sorted((ROOT / top).rglob("*"))
+                                       if p.is_file() and p.suffix in ("", ".py", ".md", ".sh", ".cmake")]
+    for path in files:
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        refs += [(str(path.relative_to(ROOT)), " ".join(title.split())) for title in README_SECTION_REF.findall(text)]
+    assert len(refs) >= 3, refs  # the scan finds the references
+    assert [f"{where}: {title!r}" for where, title in refs if title not in sections] == []
+

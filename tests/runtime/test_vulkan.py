@@ -9,7 +9,7 @@ upstream runs the CPU's). Cases are pairwise over model (qwen3moe, deepseek2) x 
 buffers. Each model's cases run in one process of their own (tests/runtime/_vulkan_cases.py), since the Vulkan device is
 made visible by an environment variable read at start-up and each cold process compiles shader pipelines.
 
-Skipped unless llama-cpp-python was built with Vulkan (``CMAKE_ARGS="-DGGML_VULKAN=on"``, README "Vulkan");
+Skipped unless llama-cpp-python was built with Vulkan (``CMAKE_ARGS="-DGGML_VULKAN=on"``, README "GPU back ends");
 ``HYBRIMOE_REQUIRE_VULKAN=1`` (CI's Vulkan stage) turns that skip, and a missing Vulkan device, into failures.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _vulkan_build() -> str:
         return str(e)
     if not any(lib.glob("libggml-vulkan*")):
         return (f"llama-cpp-python in {lib} was built without Vulkan (build it with CMAKE_ARGS=\"-DGGML_VULKAN=on\" "
-                "--no-cache-dir: README, 'Vulkan (AMD, Intel, others)')")
+                "--no-cache-dir: README, 'GPU back ends')")
     return ""
 
 
