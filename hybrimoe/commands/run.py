@@ -69,6 +69,8 @@ def timing_lines(gen, stats: dict) -> list[str]:
             lines.append(f"hybrimoe: engine hit rate {e['hit_rate']:.3f} ({e['cache']['hits']} of "
                          f"{e['cache']['accesses']} activated experts resident), {e['bytes_copied'] / 2**20:.1f} MiB "
                          "copied to the device")
+            if e.get("all_cpu_reason"):
+                lines.append(f"hybrimoe: {e['all_cpu_reason']}")
         r = e.get("ram") or {}
         if r:
             lines.append(f"hybrimoe: RAM tier hit rate {r['hit_rate']:.3f} ({r['hits']} of {r['accesses']}; "

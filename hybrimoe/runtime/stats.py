@@ -45,10 +45,31 @@ def engine_stats(engine, setup) -> dict:
         **{k: tot[k] for k in ("cpu_experts", "gpu_experts", "bytes_demand", "bytes_prefetch", "bytes_fill",
                                "bytes_copied")},
         "layer_s": tot["layer_s"] / tot["runs"] if tot["runs"] else 0.0,
+        "all_cpu_reason": all_cpu_reason(engine.n_slots, tot, setup),
         "failed": engine.failed,
         "layers": layers,
         "ram": ram_stats(engine, setup),
     }
+
+
+def all_cpu_reason(n_slots: int, totals: dict, setup) -> str:
+    """Why a GPU cache held nothing: "" unless the engine has slots (``n_slots``), ran experts (``totals``, the summed
+    layer counters) and put none of them on the device, and the planner's cost model (``setup.cost``) prices an
+    expert copied to the device and computed there above the same expert on the CPU. Then one sentence with those
+    figures (one token, an expert of the model's mean size), e.g. on the RPC stand-in, whose copies cross a socket.
+    """
+    cost = setup.cost
+    if n_slots <= 0 or totals.get("gpu_experts", 0) > 0 or totals.get("cpu_experts", 0) <= 0 or cost is None:
+        return ""
+    facts = setup.facts
+    n = facts.n_expert * len(facts.moe_layers)
+    expert = facts.total_expert_bytes / n if n else 0.0
+    cpu, copy, gpu = cost.cpu(1), cost.h2d(expert), cost.gpu(1)
+    if copy + gpu <= cpu:
+        return ""
+    return (f"the planner put every expert on the CPU: by its cost model the device takes {copy * 1e6:.0f} us to "
+            f"copy an expert of {expert / 2**10:.1f} KiB in and {gpu * 1e6:.0f} us to compute it, the CPU "
+            f"{cpu * 1e6:.0f} us; a GPU cache pays off where copies are faster (--moe-cost-model names other costs)")
 
 
 def ram_stats(engine, setup) -> dict:

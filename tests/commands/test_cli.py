@@ -4,6 +4,7 @@ line (a closed pipe quiet), and ``run`` says when the context stopped it and pri
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -158,6 +159,30 @@ def test_run_prints_the_engines_hit_rate(tiny_model, rpc_server, split_cost_mode
              cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "engine hit rate" in r.stderr and "activated experts resident" in r.stderr
+    assert "put every expert on the CPU" not in r.stderr  # the split cost model puts some on the GPU
+
+
+def test_run_says_why_no_expert_ran_on_the_gpu(tiny_model, rpc_server, tmp_path):
+    """With a cost model whose copies cost more than the CPU's compute, the planner keeps every expert on the CPU
+    and run says so, with the cost model's figures for one expert of the model."""
+    from hybrimoe.policy.cost_model import load_cost_model
+    from hybrimoe.runtime.engine_facts import engine_facts
+    from hybrimoe.testing.upstream import SPLIT_COST
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    slow = tmp_path / "slow-copies.json"
+    slow.write_text(json.dumps(dict(SPLIT_COST, cpu_a_s=1e-6, cpu_b_s=1e-7, h2d_bandwidth_Bps=1e7,
+                                    h2d_latency_s=1e-3)))
+    r = _cli(["run", "-m", str(path), "-n", "8", "--temp", "0", "--rpc", rpc_server.endpoint, "-ngl", "99",
+              "--moe-cache", "50%", "--moe-cost-model", str(slow), "--moe-stats"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "/ GPU 0," in r.stderr, r.stderr
+    cost, f = load_cost_model(slow), engine_facts(path)
+    expert = f.total_expert_bytes / (f.n_expert * len(f.moe_layers))
+    why = [line for line in r.stderr.splitlines() if "the planner put every expert on the CPU" in line]
+    assert len(why) == 1, r.stderr
+    assert f"{cost.h2d(expert) * 1e6:.0f} us to copy an expert" in why[0] and f"the CPU {cost.cpu(1) * 1e6:.0f} us" \
+        in why[0], why
 
 
 def test_run_without_a_gpu_cache_prints_no_gpu_line(tiny_model, tmp_path):
