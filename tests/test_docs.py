@@ -113,3 +113,35 @@ def test_every_reference_to_a_readme_section_names_one():
     assert len(refs) >= 3, refs  # the scan finds the references
     assert [f"{where}: {title!r}" for where, title in refs if title not in sections] == []
 
+
+#: a claim about README's numbered commands (the sh blocks of its "Quick start", in order): README's command N, then
+#: the code it is said to run in backticks, in parentheses or after 's
+README_COMMAND_CLAIM = re.compile(r"README(?:'s|,)\s+command\s+(\d+)(?:'s\s+`([^`]+)`|\s*\(([^)]*)\))")
+#: a line of code that says it is one of README's commands: CODE  # README's command N
+README_COMMAND_LINE = re.compile(r"^[ \t]*([^\s#][^\n#]*?)[ \t]+#[ \t]*README(?:'s|,)\s+command\s+(\d+)\b", re.M)
+
+
+def readme_commands(text: str) -> list[str]:
+    """README's numbered commands: the sh blocks of its "Quick start" section, in order, one line each."""
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return [" ".join(block.split()) for block in re.findall(r"```sh\n(.*?)```", section, re.S)]
+
+
+@pytest.mark.skipif(not (ROOT / "README.md").is_file(), reason="no checkout beside the package")
+def test_what_is_said_to_be_a_readme_command_is_in_it():
+    """Where the docs or CI say what README's command N runs, the code they quote is part of that command."""
+    commands = readme_commands((ROOT / "README.md").read_text())
+    assert len(commands) == 2 and commands[0].startswith("pip install . &&"), commands
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted(p for p in (ROOT / ".ci").rglob("*") if p.is_file() and p.suffix in ("", ".sh", ".md"))]
+    claims = []
+    for path in files:
+        text = path.read_text()
+        for n, after, paren in README_COMMAND_CLAIM.findall(text):
+            quoted = [after] if after else re.findall(r"`([^`]+)`", paren)
+            claims += [(path.name, int(n), code) for code in quoted]
+        claims += [(path.name, int(n), code) for code, n in README_COMMAND_LINE.findall(text)]
+    assert len(claims) >= 3, claims  # the scan finds docs/testing.md's and .ci/run's
+    bad = [f"{where}: {code!r} is not in README's command {n}" for where, n, code in claims
+           if not 1 <= n <= len(commands) or " ".join(code.split()) not in commands[n - 1]]
+    assert bad == []
