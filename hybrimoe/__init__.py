@@ -46,12 +46,9 @@ __all__ = ["Llama", "HybrimoeImportError", "make_tiny_model", "CachePolicy", "Sc
 #: the public names and where they live
 _PUBLIC = {"Llama": "hybrimoe.runtime.llama", "CachePolicy": "hybrimoe.policy", "SchedulePolicy": "hybrimoe.policy",
            "PrefetchPolicy": "hybrimoe.policy", "make_tiny_model": "hybrimoe.tiny"}
-#: submodules reachable as attributes after a plain ``import hybrimoe`` (documented names work as written); the
-#: alias modules of 0.1's names among them (hybrimoe._moved)
+#: submodules reachable as attributes after a plain ``import hybrimoe`` (documented names work as written)
 _SUBMODULES = ("commands", "envs", "model", "policy", "runtime", "server", "sim", "testing", "tiny", "traces",
-               "outputs", "_core", "_engine", "_ggml", "_lib", "_lazy", "_moved", "_version", "calibrate",
-               "calibration", "defaults", "engine", "facts", "info", "llama", "replay", "rpc", "simulate", "synth",
-               "trace")
+               "outputs", "_core", "_engine", "_ggml", "_lib", "_lazy", "_version")
 
 
 def __getattr__(name: str):

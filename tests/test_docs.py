@@ -1,18 +1,15 @@
 """Documented names work as written: every ``hybrimoe.x.y`` dotted name in README.md, CHANGELOG.md and docs/*.md
-resolves after a plain ``import hybrimoe`` (in a fresh process), and the names that moved in 0.2 still resolve through
-their alias modules, with a DeprecationWarning that says where they live now."""
+resolves after a plain ``import hybrimoe`` (in a fresh process), but the old names of CHANGELOG.md's table of moves,
+which are gone."""
 from __future__ import annotations
 
 import json
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
-
-import hybrimoe
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout these tests belong to
 DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -21,9 +18,21 @@ DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob(
 DOTTED = re.compile(r"(?<![\w./-])(hybrimoe(?:\.[A-Za-z_][A-Za-z0-9_]*)+)(?![\w/])")
 
 
+def moved_names(changelog: str) -> set:
+    """The old names of CHANGELOG.md's tables of moves (the first column of each table under a "### Moved" heading):
+    history, no longer importable."""
+    old = set()
+    for section in changelog.split("\n### Moved")[1:]:
+        section = section.split("\n#", 1)[0]
+        for line in section.splitlines():
+            if line.startswith("| ") and not line.startswith("| old "):
+                old |= set(DOTTED.findall(line.split("|")[1]))
+    return old
+
+
 def documented_names() -> list[str]:
-    """The dotted names of the docs; of CHANGELOG.md's, those not in its list of names that have no alias any more
-    (history: they no longer exist)."""
+    """The dotted names of the docs; of CHANGELOG.md's, those that are not, and are not under, an old name of its
+    tables of moves."""
     names = set()
     for doc in DOCS:
         if not doc.is_file():
@@ -31,7 +40,7 @@ def documented_names() -> list[str]:
         text = doc.read_text()
         found = set(DOTTED.findall(text))
         if doc.name == "CHANGELOG.md":
-            gone = set(DOTTED.findall(text.split("No alias", 1)[1].split("\n\n", 1)[0])) if "No alias" in text else set()
+            gone = moved_names(text)
             found = {n for n in found if not any(n == g or n.startswith(g + ".") for g in gone)}
         names.update(found)
     return sorted(names)
@@ -60,21 +69,30 @@ print(json.dumps(bad))
     assert json.loads(r.stdout) == []
 
 
-def test_moved_names_resolve_with_a_warning_naming_the_new_place():
-    import hybrimoe.engine as old_engine
-    from hybrimoe.runtime.engine_facts import slot_bytes
-    from hybrimoe.traces.synthetic import synthetic_trace
-
-    with pytest.warns(DeprecationWarning, match=r"hybrimoe\.engine\.slot_bytes moved to "
-                                                r"hybrimoe\.runtime\.engine_facts\.slot_bytes"):
-        assert old_engine.slot_bytes is slot_bytes
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert hybrimoe.trace.synthetic_trace is synthetic_trace
-        assert hybrimoe.simulate.replay_engine_log.__module__ == "hybrimoe.runtime.decision_replay"
-        assert hybrimoe.policy.build_preset.__module__ == "hybrimoe.policy.presets"
-    with pytest.raises(AttributeError):
-        old_engine.no_such_name
+@pytest.mark.skipif(not (ROOT / "CHANGELOG.md").is_file(), reason="no checkout beside the package")
+def test_the_old_names_of_the_moves_are_gone():
+    """The old module paths of CHANGELOG.md's table of moves import no more, as it says (the new ones are
+    documented names: the test above resolves them)."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    old = moved_names(text)
+    assert {"hybrimoe.engine", "hybrimoe.trace", "hybrimoe.simulate"} <= old  # the scan reads the table
+    code = """
+import importlib, json, sys
+import hybrimoe
+alive = []
+for name in json.loads(sys.argv[1]):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        continue
+    alive.append(name)
+print(json.dumps(alive))
+"""
+    modules = sorted({".".join(n.split(".")[:2]) for n in old} - {"hybrimoe.policy", "hybrimoe.tiny"})
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(modules)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == []
 
 
 #: a reference to a README section from another file: README, its title in quotes (a comma or 's between)

@@ -147,9 +147,19 @@ def test_nothing_imports_the_commands_or_the_server_but_the_commands(edges):
 
 def test_nothing_imports_the_package_root(edges):
     """The root's lazy re-exports point down into everything; nothing points back up to them (``from hybrimoe import
-    Llama`` inside the package would make the root a hub of cycles). ``__main__`` and alias modules included."""
+    Llama`` inside the package would make the root a hub of cycles). ``__main__`` included."""
     bad = [f"{m}:{line}" for m, targets in edges.items() for t, line in targets if t == "hybrimoe"]
     assert bad == []
+
+
+def test_the_package_root_holds_only_the_shared_modules():
+    """The root is not flat again: besides ``__init__`` and ``__main__`` its modules are the shared private ones
+    (native loading, the environment table, output files), and every submodule the root's ``__getattr__`` offers
+    exists (no leftover name of a module that is gone)."""
+    root = {m for m, (path, is_pkg) in modules().items() if not is_pkg and m.count(".") == 1}
+    assert root - SHARED - {"hybrimoe.__main__"} == set()
+    offered = [f"hybrimoe.{name}" for name in hybrimoe._SUBMODULES]
+    assert [m for m in offered if m not in modules() and m not in NATIVE] == []
 
 
 def test_one_import_style(edges):

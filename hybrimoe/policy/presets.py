@@ -19,7 +19,7 @@ from hybrimoe import _core
 #: experts enter the cache on probation (:meth:`hybrimoe._core.ExpertCache.set_streaming_demand`; LIP insertion,
 #: Qureshi et al., ISCA 2007): in a large prefill ubatch every resident is needed again at its layer's next visit,
 #: so a demand load should reuse the slot of the previous one instead of evicting a resident. A decode token
-#: activates top_k of the experts (at most a quarter in the shapes of hybrimoe.facts), so it never streams.
+#: activates top_k of the experts (at most a quarter in the shapes of hybrimoe.model.facts), so it never streams.
 STREAMING_FRACTION = 0.5
 SYSTEM_PRESETS = {
     "hybrimoe": dict(scheduler="hybrimoe", cache="mrs", prefetch="impact", fill=True, true_routing=False,
