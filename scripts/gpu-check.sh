@@ -114,7 +114,9 @@ prepare() {
     mv "$tmp/manifest.txt" "$carry/manifest.txt"
     local tree_kib carry_kib
     carry_kib=$(du -sk "$carry" | cut -f1)
-    tree_kib=$(cd "$here" && git ls-files -z -co --exclude-standard | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+    # (a tracked file deleted in the working tree makes du fail on its name; the total of the others stands)
+    tree_kib=$(cd "$here" && git ls-files -z -co --exclude-standard | du -ck --files0-from=- 2>/dev/null | tail -1 \
+        | cut -f1 || true)
     note "carry folder $carry: $((carry_kib / 1024)) MiB ($carry_kib KiB); working tree that travels: $((tree_kib / 1024)) MiB ($tree_kib KiB)"
     (( carry_kib + tree_kib < 48 * 1024 )) \
         || note "WARNING: tree + carry is $(((carry_kib + tree_kib) / 1024)) MiB, near the device tool's 64 MiB"
