@@ -4,19 +4,23 @@
 #   scripts/gpu-check.sh prepare        HERE (network, the repo's Python): fill the carry folder .gpucheck/
 #   scripts/gpu-check.sh run [DIR]      THERE (no network): build, check, bench; results under $OUT (else DIR)
 #
-# prepare packs what the GPU machine cannot fetch into .gpucheck/ (git-ignored, ~5 MiB):
+# prepare packs what the GPU machine cannot fetch into .gpucheck/ (git-ignored, ~33 MiB):
 #   llama_cpp_python-<v>-trimmed.tar.gz  llama-cpp-python's Python package + CMake files + a trimmed
 #                                        vendor/llama.cpp (scripts/pack-llama-source.sh; CUDA sources kept)
-#   wheels/       gguf and diskcache, pure-Python wheels (absent from the GPU machine's Python 3.12)
+#   requirements.txt  the runtime requirements: hybrimoe's (pyproject.toml's dependencies) and llama-cpp-python's,
+#                 less llama-cpp-python itself (built there) and numpy (the helper needs it before anything else)
+#   wheels/       wheels of those requirements and of theirs, for the GPU machine's CPython 3.12 on x86-64 Linux
+#                 (pure-Python ones install on any Python); run installs from them what the machine lacks
 #   trace.npz     the first prompts (GPUCHECK_TRACE_TOKENS, default 16384 tokens) of the DeepSeek-V2-Lite
 #                 development trace (GPUCHECK_TRACE, else $HYBRIMOE_TRACE, else the default path in prepare)
 # Nothing in it is ever committed (upstream source, wheels, trace).
 #
 # run, one step after another, each under a time budget (a failed or timed-out step is recorded and the next
 # ones still run; the whole run ends within GPUCHECK_TIME_S, default 540 s on a GPU):
-#   build        llama-cpp-python with CUDA for sm_90 only (-DGGML_CUDA_FA=OFF and fewer variants, see
-#                cuda_cmake_args) and hybrimoe (HYBRIMOE_LLAMA_SRC = the trimmed tree), both wheels built at once,
-#                offline, installed into $GPUCHECK_WORK/site; each part timed
+#   build        the requirements the machine's Python lacks, from the carry's wheels (in both modes; a missing
+#                one is named at once); llama-cpp-python with CUDA for sm_90 only (-DGGML_CUDA_FA=OFF and fewer
+#                variants, see cuda_cmake_args) and hybrimoe (HYBRIMOE_LLAMA_SRC = the trimmed tree), both wheels
+#                built at once, offline, installed into $GPUCHECK_WORK/site; each part timed
 #   correctness  tiny models (hybrimoe.tiny.fixture_set; gpt-oss with MXFP4 experts and biases), hybrimoe
 #                (moe_cache 25/50/100%, policy hybrimoe)
 #                against upstream with the same placement: same greedy tokens, logits NMSE <= 1e-3
@@ -52,7 +56,7 @@
 # lib/libcublas.so*, found in the CUDA toolkit or Python's nvidia packages otherwise);
 # GPUCHECK_BUDGET_BUILD / _CORRECTNESS / _MODEL / _CALIBRATE / _BENCH (seconds per step).
 # prepare: GPUCHECK_SDIST (the llama-cpp-python sdist; fetched with pip otherwise), GPUCHECK_TRACE,
-# GPUCHECK_TRACE_TOKENS, GPUCHECK_GGUF_VERSION, GPUCHECK_DISKCACHE_VERSION.
+# GPUCHECK_TRACE_TOKENS, GPUCHECK_PYTHON_VERSION (the GPU machine's Python for the wheels, default 3.12).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -90,21 +94,28 @@ prepare() {
         || die "$sdist does not match pin.json's sha256 $sha (llama-cpp-python $version)"
 
     mkdir -p "$carry/wheels"
-    rm -f "$carry"/llama_cpp_python-*-trimmed.tar.gz "$carry/trace.npz" "$carry/manifest.txt"
+    rm -f "$carry"/llama_cpp_python-*-trimmed.tar.gz "$carry/trace.npz" "$carry/manifest.txt" \
+        "$carry/requirements.txt"
     "$here/scripts/pack-llama-source.sh" "$tmp/llama.cpp.tar.gz" "$sdist" >&2
     "$PY" "$helper" pack-lcp --sdist "$sdist" --llama-tgz "$tmp/llama.cpp.tar.gz" \
         --out "$carry/llama_cpp_python-$version-trimmed.tar.gz"
 
-    # pure-Python wheels the GPU machine lacks (its Python is 3.12; any pure wheel installs there)
-    local gguf_v dc_v
-    gguf_v=${GPUCHECK_GGUF_VERSION:-0.19.0}
-    dc_v=${GPUCHECK_DISKCACHE_VERSION:-5.6.3}
-    if ! "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation py \
-            -d "$carry/wheels" "gguf==$gguf_v" "diskcache==$dc_v" >&2; then
-        ls "$carry"/wheels/gguf-*.whl "$carry"/wheels/diskcache-*.whl >/dev/null 2>&1 \
-            || die "could not download the gguf and diskcache wheels"
-        note "pip download failed; keeping the wheels already in $carry/wheels"
+    # wheels of every runtime requirement and of theirs, for the GPU machine's Python (its image may lack any of
+    # them; run installs only what it lacks); numpy is left out (see requirements.txt above)
+    "$PY" "$helper" requirements --pyproject "$here/pyproject.toml" --lcp-source "$sdist" > "$tmp/requirements.txt"
+    local pyv=${GPUCHECK_PYTHON_VERSION:-3.12}
+    rm -rf "$tmp/wheels"
+    if "$PY" -m pip download -q --only-binary=:all: --python-version "$pyv" --implementation cp \
+            --abi "cp${pyv/./}" --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux2014_x86_64 -d "$tmp/wheels" -r "$tmp/requirements.txt" >&2; then
+        rm -f "$tmp"/wheels/numpy-*.whl "$carry"/wheels/*.whl
+        mv "$tmp"/wheels/*.whl "$carry/wheels/"
+    else
+        ls "$carry"/wheels/*.whl >/dev/null 2>&1 \
+            || die "could not download the wheels of $(paste -sd' ' "$tmp/requirements.txt")"
+        note "pip download failed; keeping the wheels already in $carry/wheels (run names any requirement they lack)"
     fi
+    mv "$tmp/requirements.txt" "$carry/requirements.txt"
 
     trace=${GPUCHECK_TRACE:-${HYBRIMOE_TRACE:-$here/../shared/traces/dsv2lite_dev.npz}}
     [ -f "$trace" ] || die "routing trace $trace not found (set GPUCHECK_TRACE)"
@@ -225,7 +236,7 @@ build() {
     local work=$GPUCHECK_WORK lcp_tgz src lcp_dir site=$GPUCHECK_WORK/site jobs=${GPUCHECK_JOBS:-$(nproc)}
     lcp_tgz=$(ls "$carry"/llama_cpp_python-*-trimmed.tar.gz 2>/dev/null | head -1)
     [ -n "$lcp_tgz" ] || die "no llama_cpp_python-*-trimmed.tar.gz in $carry: run 'scripts/gpu-check.sh prepare' first"
-    ls "$carry"/wheels/*.whl >/dev/null 2>&1 || die "no wheels in $carry/wheels: run prepare first"
+    [ -f "$carry/requirements.txt" ] || die "no requirements.txt in $carry: run 'scripts/gpu-check.sh prepare' again"
     local t
     t=$(now)
     src=$work/src
@@ -234,8 +245,14 @@ build() {
     tar -xzf "$lcp_tgz" -C "$src"
     lcp_dir=$(ls -d "$src"/llama_cpp_python-*/ | head -1)
     tar -czf "$src/llama.cpp.tar.gz" -C "$lcp_dir/vendor" llama.cpp  # HYBRIMOE_LLAMA_SRC (prepare_source.py patches it)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$carry"/wheels/*.whl
-    record build-unpack ok 0 "$(since "$t")" 0 "sources unpacked, gguf/diskcache wheels installed"
+    record build-unpack ok 0 "$(since "$t")" 0 "sources unpacked"
+    # the runtime requirements the machine lacks, from the carry (a missing one is named now, not after the build)
+    local rc_d=0
+    t=$(now)
+    "$PY" "$helper" install-deps --requirements "$carry/requirements.txt" --wheels "$carry/wheels" \
+        --target "$site" || rc_d=$?
+    record build-deps "$([ $rc_d = 0 ] && echo ok || echo failed)" $rc_d "$(since "$t")" 0 \
+        "$([ $rc_d = 0 ] && echo "requirements.txt satisfied" || echo "a requirement is missing: see gpu-check.log")"
 
     local lcp_args="$COMMON_CMAKE" nice_cmd=() cuda_note="CPU only"
     if [ "$GPUCHECK_MODE" = cuda ]; then
@@ -281,7 +298,7 @@ EOF
     record build-hybrimoe "$([ "$rc_h" = 0 ] && echo ok || echo failed)" "$rc_h" \
         "$(cat "$work/build-hybrimoe.s" 2>/dev/null || echo 0)" 0 "ran alongside llama-cpp-python's build"
     (( rc_h == 0 )) || { note "hybrimoe build failed; its log ends:"; tail -40 "$work/build-hybrimoe.log" >&2; }
-    (( rc_l == 0 && rc_h == 0 )) || return 1
+    (( rc_l == 0 && rc_h == 0 && rc_d == 0 )) || return 1
 
     t=$(now)
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$work"/wheels/*.whl

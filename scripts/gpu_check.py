@@ -12,6 +12,9 @@ Subcommands (each prints what it did; run ``gpu_check.py SUBCOMMAND --help``):
                   logits NMSE), on CUDA or on the RPC stand-in; one JSON file, rewritten after every case
 ``summary``       ``gpu-check.json`` from the steps' records, the correctness and bench results, and a short
                   summary on stdout
+``requirements``  the runtime requirements the carry folder's wheels must cover: hybrimoe's (``pyproject.toml``)
+                  and llama-cpp-python's (its source), one a line
+``install-deps``  installs the requirements the running Python lacks from the carry folder's wheels (offline)
 
 ``correctness``, ``bench-model`` and ``summary`` import the installed hybrimoe (``PYTHONPATH`` set by the shell
 script); the others need only numpy.
@@ -24,11 +27,13 @@ import io
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tarfile
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import numpy as np
 
@@ -476,6 +481,104 @@ def cmd_summary(args) -> int:
     return 0
 
 
+# ---- requirements, install-deps ------------------------------------------------------------------------------
+
+#: what the run builds itself (not a wheel in the carry), and what it takes as given on the machine: numpy, which
+#: this helper imports for every other verb (and, as a wheel, would be a third of the carry folder)
+BUILT_HERE = ("llama-cpp-python",)
+PRECONDITIONS = ("numpy",)
+
+
+def _dist_name(requirement: str) -> str:
+    """The normalised distribution name of a requirement string (PEP 503: lower case, runs of -_. as one -)."""
+    name = re.split(r"[\s\[<>=!~;@(]", requirement.strip(), maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _toml_dependencies(text: str, where: str) -> list[str]:
+    """``[project].dependencies`` of a pyproject.toml's text; ValueError naming ``where`` when it has none."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pip's own copy of tomli
+        from pip._vendor import tomli as tomllib
+    deps = tomllib.loads(text).get("project", {}).get("dependencies")
+    if not isinstance(deps, list):
+        raise ValueError(f"{where} has no [project].dependencies list")
+    return [str(d) for d in deps]
+
+
+def runtime_requirements(pyproject: Path, lcp_source: Path | None = None) -> list[str]:
+    """The requirements a built hybrimoe needs at run time, as the carry folder must cover them: ``pyproject``'s
+    dependencies and, with ``lcp_source`` (llama-cpp-python's sdist or the carry's trimmed tarball of it, each with
+    ``<top>/pyproject.toml``), llama-cpp-python's; without the ones in :data:`BUILT_HERE` and
+    :data:`PRECONDITIONS`, each distribution once (the first time it is named)."""
+    reqs = _toml_dependencies(pyproject.read_text(), str(pyproject))
+    if lcp_source is not None:
+        with tarfile.open(lcp_source) as tf:
+            member = next((m for m in tf.getmembers() if m.name.count("/") == 1
+                           and m.name.endswith("/pyproject.toml")), None)
+            if member is None:
+                raise ValueError(f"{lcp_source} has no <top>/pyproject.toml")
+            reqs += _toml_dependencies(tf.extractfile(member).read().decode(), f"{lcp_source}:{member.name}")
+    out, seen = [], set(BUILT_HERE) | set(PRECONDITIONS)
+    for r in reqs:
+        name = _dist_name(r)
+        if name not in seen:
+            seen.add(name)
+            out.append(r.strip())
+    return out
+
+
+def cmd_requirements(args) -> int:
+    """Prints the runtime requirements (pyproject.toml's dependencies and llama-cpp-python's, without
+    llama-cpp-python itself and numpy), one a line: what ``prepare`` downloads wheels for."""
+    try:
+        reqs = runtime_requirements(Path(args.pyproject), Path(args.lcp_source) if args.lcp_source else None)
+    except (OSError, ValueError, tarfile.TarError) as e:
+        _log(f"error: {e}")
+        return 2
+    print("\n".join(reqs))
+    return 0
+
+
+def cmd_install_deps(args) -> int:
+    """Installs into ``--target`` what the running Python lacks of ``--requirements`` (and of their own
+    requirements), from the wheels in ``--wheels`` only (no index): pip resolves them against the machine's
+    installed packages first (a dry run), so that only the missing ones are installed. Exits 1, naming what is
+    missing, when the wheels lack something the machine has not got either."""
+    reqs = [line.strip() for line in Path(args.requirements).read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+    target = Path(args.target)
+    if not reqs:
+        _log("install-deps: no requirements")
+        return 0
+    report = target.parent / f"{target.name}.deps-report.json"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "install", "--no-index", "--find-links",
+           str(args.wheels)]
+    r = subprocess.run(pip + ["--dry-run", "--quiet", "--report", str(report), *reqs], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        _log(f"install-deps: error: the machine lacks requirements that {args.wheels} does not carry either "
+             f"(run 'scripts/gpu-check.sh prepare' again, or install them):")
+        sys.stderr.write(r.stderr)
+        return 1
+    wanted = json.loads(report.read_text()).get("install", [])
+    report.unlink()
+    if not wanted:
+        _log(f"install-deps: the machine has every requirement ({', '.join(_dist_name(q) for q in reqs)})")
+        return 0
+    files = [unquote(urlparse(w["download_info"]["url"]).path) for w in wanted]
+    names = [f"{w['metadata']['name']} {w['metadata']['version']}" for w in wanted]
+    r = subprocess.run(pip + ["--no-deps", "--no-compile", "--quiet", "--target", str(target), *files],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        _log(f"install-deps: error: installing {', '.join(names)} into {target} failed:")
+        sys.stderr.write(r.stderr)
+        return 1
+    _log(f"install-deps: installed {', '.join(names)} into {target} from {args.wheels}")
+    return 0
+
+
 # ---- CLI -----------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -528,6 +631,18 @@ def main(argv=None) -> int:
     p.add_argument("--started", default="")
     p.add_argument("--t0", default="", help="start time, seconds since the epoch")
     p.set_defaults(fn=cmd_summary)
+
+    p = sub.add_parser("requirements", help=cmd_requirements.__doc__.splitlines()[0])
+    p.add_argument("--pyproject", required=True, help="hybrimoe's pyproject.toml")
+    p.add_argument("--lcp-source", default=None,
+                   help="llama-cpp-python's sdist or trimmed tarball (its dependencies are added)")
+    p.set_defaults(fn=cmd_requirements)
+
+    p = sub.add_parser("install-deps", help=cmd_install_deps.__doc__.splitlines()[0])
+    p.add_argument("--requirements", required=True, help="file of requirements, one a line")
+    p.add_argument("--wheels", required=True, help="folder of wheels (the carry folder's)")
+    p.add_argument("--target", required=True, help="folder to install into (PYTHONPATH of the run)")
+    p.set_defaults(fn=cmd_install_deps)
 
     args = ap.parse_args(argv)
     return args.fn(args)
