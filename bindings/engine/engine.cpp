@@ -63,11 +63,13 @@ Args:
     cache: hybrimoe._core.ExpertCache sized in slots (every layer's expert_bytes = slot_bytes).
     scheduler, prefetcher: hybrimoe._core.SchedulePolicy / PrefetchPolicy.
     ram_slots: RAM expert slots of the RAM tier (0: none; src/runtime/ram_tier.h): routed experts read from the
-        model's files into host slots, the CPU share computed over them; needs n_slots 0 for now.
-    ram_files, ram_file_sizes, ram_file_mtimes_ns: the model's GGUF files (every shard) with the size (bytes) and
-        modification time (ns) each had at load (checked when the tier opens them).
-    ram_file_of, ram_offset_of: per MoE layer and matrix (gate or gate_up, up, down): file index (-1: none) and byte
-        offset of expert 0's matrix (hybrimoe.runtime.ram_tier.expert_file_ranges).
+        model's files into host slots, the CPU share computed over them.
+    files, file_sizes, file_mtimes_ns: the model's GGUF files (every shard) with the size (bytes) and modification
+        time (ns) each had at load (checked when they are opened). Needed by the RAM tier, which reads the experts
+        from them, and by GPU copies of experts whose host tensor is repacked (CPU_REPACK), which read the file's
+        bytes of the expert through a mapping of them.
+    file_of, offset_of: per MoE layer and matrix (gate or gate_up, up, down): file index (-1: none) and byte offset
+        of expert 0's matrix (hybrimoe.runtime.ram_tier.expert_file_ranges).
     ram_io_threads: I/O workers; ram_cache: the RAM tier's ExpertCache (sized in RAM slots of slot_bytes);
     ram_drop_after_read: POSIX_FADV_DONTNEED on what a buffered read read (the page cache keeps no second copy);
     ram_direct_io: O_DIRECT reads through an aligned staging buffer (buffered where the file system refuses them).
@@ -87,9 +89,9 @@ Raises:
                          std::shared_ptr<hybrimoe::PrefetchPolicy> prefetcher, int64_t max_buffer_bytes,
                          std::vector<std::array<int64_t, 3>> bias_bytes,
                          std::vector<std::array<int64_t, 3>> scale_bytes, int64_t ram_slots,
-                         std::vector<std::string> ram_files, std::vector<int64_t> ram_file_sizes,
-                         std::vector<int64_t> ram_file_mtimes_ns, std::vector<std::array<int32_t, 3>> ram_file_of,
-                         std::vector<std::array<int64_t, 3>> ram_offset_of, int ram_io_threads,
+                         std::vector<std::string> files, std::vector<int64_t> file_sizes,
+                         std::vector<int64_t> file_mtimes_ns, std::vector<std::array<int32_t, 3>> file_of,
+                         std::vector<std::array<int64_t, 3>> offset_of, int ram_io_threads,
                          std::shared_ptr<hybrimoe::ExpertCache> ram_cache, bool ram_drop_after_read,
                          bool ram_direct_io) {
                  EngineConfig c;
@@ -114,11 +116,11 @@ Raises:
                  if (ram_slots < 0) throw py::value_error("ram_slots must be >= 0");
                  if (ram_slots > 0 && !ram_cache) throw py::value_error("ram_slots > 0 needs ram_cache");
                  c.ram.n_slots = ram_slots;
-                 c.ram.files = std::move(ram_files);
-                 c.ram.file_sizes = std::move(ram_file_sizes);
-                 c.ram.file_mtimes_ns = std::move(ram_file_mtimes_ns);
-                 c.ram.file_of = std::move(ram_file_of);
-                 c.ram.offset_of = std::move(ram_offset_of);
+                 c.where.files = std::move(files);
+                 c.where.file_sizes = std::move(file_sizes);
+                 c.where.file_mtimes_ns = std::move(file_mtimes_ns);
+                 c.where.file_of = std::move(file_of);
+                 c.where.offset_of = std::move(offset_of);
                  c.ram.io_threads = ram_io_threads;
                  c.ram.drop_after_read = ram_drop_after_read;
                  c.ram.direct_io = ram_direct_io;
@@ -134,10 +136,10 @@ Raises:
              py::arg("sigmoid_gating"), py::arg("cache"), py::arg("scheduler"), py::arg("prefetcher"),
              py::arg("max_buffer_bytes") = 0, py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
              py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{}, py::arg("ram_slots") = 0,
-             py::arg("ram_files") = std::vector<std::string>{}, py::arg("ram_file_sizes") = std::vector<int64_t>{},
-             py::arg("ram_file_mtimes_ns") = std::vector<int64_t>{},
-             py::arg("ram_file_of") = std::vector<std::array<int32_t, 3>>{},
-             py::arg("ram_offset_of") = std::vector<std::array<int64_t, 3>>{}, py::arg("ram_io_threads") = 4,
+             py::arg("files") = std::vector<std::string>{}, py::arg("file_sizes") = std::vector<int64_t>{},
+             py::arg("file_mtimes_ns") = std::vector<int64_t>{},
+             py::arg("file_of") = std::vector<std::array<int32_t, 3>>{},
+             py::arg("offset_of") = std::vector<std::array<int64_t, 3>>{}, py::arg("ram_io_threads") = 4,
              py::arg("ram_cache") = std::shared_ptr<hybrimoe::ExpertCache>(), py::arg("ram_drop_after_read") = true,
              py::arg("ram_direct_io") = true)
         .def_static("slot_bytes_for", &SlotPool::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
@@ -181,6 +183,12 @@ Raises:
         .def("set_wrong_bias_rows", &Engine::set_wrong_bias_rows, py::arg("on"),
              "Negative control for tests: later copies into the slot pool take each expert's bias rows from "
              "the next expert ((e + 1) mod n_expert).")
+        .def("set_repacked_copies", &Engine::set_repacked_copies, py::arg("on"),
+             "Negative control for tests: later copies of repacked experts into the slot pool take the repacked "
+             "host bytes instead of the file's.")
+        .def("repacked", &Engine::repacked,
+             "Per MoE layer: whether its (gate or gate_up, up, down) matrices are read repacked by the CPU share "
+             "(upstream's CPU_REPACK layout; all False until the layer's graph is built).")
         .def("pinned_count", &Engine::pinned_count, "(layer, expert) keys pinned now.")
         .def_property_readonly("ram_slots", [](const Engine & e) { return e.ram() ? e.ram()->n_slots() : 0; },
                                "RAM expert slots of the RAM tier (0: no RAM tier).")
@@ -249,6 +257,13 @@ Raises:
           "patch 0005); the engine refuses to run otherwise.");
     m.def("cpu_backend_problem", &hybrimoe::cpu_backend_problem,
           "'' when cpu_backend_skips_negative_ids(), else why the engine cannot run (the message it raises).");
+    m.def("cpu_repacks", [](int type, int64_t ne0, int64_t ne1) {
+              if (type < 0 || type >= GGML_TYPE_COUNT) throw py::value_error("unknown ggml type id " + std::to_string(type));
+              return hybrimoe::cpu_repacks((ggml_type) type, ne0, ne1);
+          }, py::arg("type"), py::arg("ne0"), py::arg("ne1"),
+          "Whether ggml-cpu here repacks a weight matrix of ggml type id `type` ([ne0, ne1]: ne1 rows of ne0 values) "
+          "placed in its CPU_REPACK buffer, as upstream does with CPU weights by default (asks the buffer type; "
+          "depends on the type, the row count and this CPU's features). ValueError for an unknown type id.");
 }
 
 }  // namespace hybrimoe_bind

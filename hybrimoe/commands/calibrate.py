@@ -23,6 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layers on the GPU (default %(default)s)")
     p.add_argument("-t", "--threads", type=THREADS, default=None,
                    help=f"CPU threads (default: {llama_threads_default()})")
+    p.add_argument("-nr", "--no-repack", action="store_true",
+                   help="measure the CPU share on the file's layout, for runs with --no-repack (default: as llama.cpp "
+                        "places CPU weights, repacked where ggml-cpu can)")
+    p.add_argument("--no-host", action="store_true",
+                   help="measure with CPU weights out of the GPU's pinned host buffer, for runs with --no-host")
     p.add_argument("--quick", action="store_true", help="fewer ubatch sizes and repetitions")
     p.add_argument("-r", "--reps", type=POSITIVE, default=None,
                    help="measured runs per ubatch size (default 2, 1 with --quick); more: steadier figures")
@@ -40,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``hybrimoe calibrate``: 0 ok (the figures and the file written are printed), 1 on any failure."""
     from hybrimoe.runtime.calibrate_model import calibrate_model
     from hybrimoe.runtime.calibration import calibration_path, save
+    from hybrimoe.runtime.setup import cpu_weights_option
 
     if args.disk:
         return _run_disk(args)
@@ -47,14 +53,18 @@ def run(args: argparse.Namespace) -> int:
         if args.output:
             check_output(args.output, "-o", force=args.force, inputs=[("-m", args.model)])
         cm, sources, device = calibrate_model(args.model, rpc_servers=args.rpc, n_gpu_layers=args.n_gpu_layers,
-                                              threads=args.threads, quick=args.quick, reps=args.reps)
-        out = save(cm, sources, Path(args.output) if args.output else calibration_path(args.model, device))
+                                              threads=args.threads, quick=args.quick, reps=args.reps,
+                                              no_repack=args.no_repack, no_host=args.no_host)
+        tag = cpu_weights_option(args.no_repack, args.no_host)
+        out = save(cm, sources, Path(args.output) if args.output else calibration_path(args.model, device, tag))
     except (OSError, ValueError, RuntimeError) as e:
         print(f"hybrimoe calibrate: error: {e}", file=sys.stderr)
         return 1
     doc = json.loads(out.read_text())
     for f in COST_FIELDS:
         print(f"{f:18s} {doc[f]:.6g}   ({sources.get(f, '')})")
+    if "cpu_weights" in sources:
+        print(sources["cpu_weights"])
     print(f"hybrimoe calibrate: wrote {out}")
     return 0
 

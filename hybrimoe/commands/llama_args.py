@@ -80,6 +80,9 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
                         f"{AUTO_CALIBRATE_ENV}=0: {DEFAULT_COST_HARDWARE} instead; --moe-stats names the one used)")
     p.add_argument("-nr", "--no-repack", action="store_true",
                    help="keep CPU weights in the file's layout (upstream --no-repack)")
+    p.add_argument("--no-host", action="store_true",
+                   help="keep CPU weights out of the GPU's pinned host buffer, so that they may be repacked "
+                        "(upstream --no-host)")
     p.add_argument("--lazy-experts", action="store_true",
                    help="leave the routed experts unread at load: their pages are read from the file when first "
                         "used (for a model larger than RAM)")
@@ -126,7 +129,7 @@ def load_llama(args: argparse.Namespace, model: Path, prog: str, *, llama_class=
             seed=args.seed if args.seed >= 0 else 0xFFFFFFFF, verbose=args.verbose,
             rpc_servers=args.rpc, tensor_buft_overrides=args.override_tensor or None,
             cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook, no_repack=args.no_repack,
-            lazy_experts=args.lazy_experts,
+            no_host=args.no_host, lazy_experts=args.lazy_experts,
             moe_cache=args.moe_cache, moe_policy=args.moe_policy, moe_prefetch_layers=args.moe_prefetch_layers,
             moe_cost_model=args.moe_cost_model, moe_profile=args.moe_profile, moe_ram_cache=args.moe_ram_cache,
             moe_ram_policy=args.moe_ram_policy, load_progress=progress, **extra)

@@ -14,10 +14,13 @@ from hybrimoe.runtime.setup import auto_slots
 
 def calibrate_model(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: Optional[int] = None,
                     quick: bool = False, progress: bool = True, desc: str = "calibrating",
-                    reps: Optional[int] = None) -> tuple["_core.CostModel", dict, str]:
+                    reps: Optional[int] = None, no_repack: bool = False,
+                    no_host: bool = False) -> tuple["_core.CostModel", dict, str]:
     """Measures the cost model of ``model_path`` on this machine (``hybrimoe calibrate``): loads it once with the
     engine's hook (``moe_cache=0``, the user's devices) and runs :func:`hybrimoe.runtime.calibration.measure` with GPU
     slots for every expert when they fit the device's free memory, else as many as ``moe_cache="auto"`` would take.
+    ``no_repack``, ``no_host``: the CPU-weight options of the runs it is for (the CPU share's kernels depend on them;
+    ``sources["cpu_weights"]`` says which ran).
 
     Returns ``(cost model, sources {field: how it was measured}, device name)``. Without an accelerator (no GPU, no
     ``rpc_servers``) the GPU and copy fields stay at the default hardware's values (marked so).
@@ -28,7 +31,7 @@ def calibrate_model(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, thr
     facts = engine_facts(model_path)
     top = max(QUICK_SIZES if quick else SIZES)
     kw = dict(n_ctx=top + 64, n_batch=top, n_ubatch=top, verbose=False, rpc_servers=rpc_servers,
-              n_gpu_layers=n_gpu_layers)
+              n_gpu_layers=n_gpu_layers, no_repack=no_repack, no_host=no_host)
     if threads:
         kw.update(n_threads=threads, n_threads_batch=threads)
     # an explicit cost model: no first-use calibration inside the calibration

@@ -69,16 +69,17 @@ def model_key(model_path) -> str:
     return f"{p.stem}-{p.stat().st_size}-{h.hexdigest()[:12]}"
 
 
-def calibration_path(model_path, device: str) -> Path:
-    """Where the calibration of ``model_path`` on ``device`` (a ggml device description or endpoint, or "cpu") is
-    stored."""
+def calibration_path(model_path, device: str, cpu_weights: str = "repack") -> Path:
+    """Where the calibration of ``model_path`` on ``device`` (a ggml device description or endpoint, or "cpu") with
+    the CPU-weight option ``cpu_weights`` (:func:`hybrimoe.runtime.setup.cpu_weights_option`: the CPU share's
+    kernels, repacked or not, depend on it) is stored."""
     dev = re.sub(r"[^A-Za-z0-9._-]+", "_", device or "cpu")
-    return _store_dir() / f"{model_key(model_path)}--{dev}.json"
+    return _store_dir() / f"{model_key(model_path)}--{dev}--cpu-{cpu_weights}.json"
 
 
-def stored(model_path, device: str) -> Optional[Path]:
-    """The stored calibration for this model and device, or None."""
-    p = calibration_path(model_path, device)
+def stored(model_path, device: str, cpu_weights: str = "repack") -> Optional[Path]:
+    """The stored calibration for this model, device and CPU-weight option, or None."""
+    p = calibration_path(model_path, device, cpu_weights)
     return p if p.is_file() else None
 
 
@@ -185,6 +186,26 @@ def _runs(llm, engine, prompt: list[int], sizes: Sequence[int], reps: int, k: in
     return feats, ys, layer_rows, used
 
 
+def cpu_weights_note(repacked: Sequence, facts) -> str:
+    """How the CPU share read the routed experts in a measurement, for a cost model's ``sources["cpu_weights"]``:
+    which matrices (by quant type) were repacked (upstream's CPU_REPACK layout and kernels) and which kept the
+    file's layout. ``repacked``: per MoE layer, (gate or gate_up, up, down) flags (``Engine.repacked()``)."""
+    import gguf
+
+    names = ("gate", "up", "down")
+    kinds: dict[bool, set] = {True: set(), False: set()}
+    for flags, types, sizes in zip(repacked, facts.expert_types, facts.expert_bytes):
+        for r in range(3):
+            if sizes[r]:
+                kinds[bool(flags[r])].add(f"{names[r]} {gguf.GGMLQuantizationType(int(types[r])).name}")
+    parts = []
+    if kinds[True]:
+        parts.append("repacked (upstream's CPU_REPACK kernels): " + ", ".join(sorted(kinds[True])))
+    if kinds[False]:
+        parts.append("file layout (plain kernels): " + ", ".join(sorted(kinds[False])))
+    return "CPU share on " + "; ".join(parts) if parts else "no MoE layer measured"
+
+
 class _Measurement:
     """One calibration of :func:`measure` on a loaded Llama: the cost model being filled in, where each field came
     from, and the progress bar."""
@@ -217,6 +238,8 @@ class _Measurement:
             # the CPU on varied routing; the GPU on one prompt whose experts the warm-up made resident
             feats, ys, rows, used = _runs(llm, eng, self.prompt, run_sizes, self.reps, facts.top_k,
                                           lambda: self.bar.update(1), vary=n == 0)
+            if n == 0:
+                self.sources["cpu_weights"] = cpu_weights_note(eng.repacked(), facts)
         finally:
             self.hook.set_engine(self.before)
             eng.release()
@@ -377,7 +400,7 @@ def on_first_use(llm, *, device: int, n_slots: int, threads: Optional[int] = Non
                                        desc="hybrimoe: calibrating (first use)")
     for f in sources:
         sources[f] = f"first-use calibration (quick): {sources[f]}"
-    out = calibration_path(model_path, measured_on)
+    out = calibration_path(model_path, measured_on, llm.moe_setup.cpu_weights)
     try:
         return save(cm, sources, out)
     except (OSError, CostModelError) as e:
@@ -394,7 +417,7 @@ def with_stored_cost(setup, model_path):
     warning, and the set-up is returned unchanged: the first use measures a new one."""
     if setup.cost is not None:
         return setup
-    found = stored(model_path, setup.device_label)
+    found = stored(model_path, setup.device_label, setup.cpu_weights)
     if found is None:
         return setup
     try:

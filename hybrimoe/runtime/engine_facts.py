@@ -25,6 +25,21 @@ def engine_module():
     return importlib.import_module("hybrimoe._engine")
 
 
+#: quant types that ggml-cpu's repack.cpp has repacked kernels for on some CPU (which ones a machine gets depends on
+#: its features: :func:`cpu_repacked_types`)
+REPACK_CANDIDATES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "IQ4_NL", "MXFP4", "Q8_0")
+
+
+def cpu_repacked_types() -> list[str]:
+    """The quant types (ggml names, of :data:`REPACK_CANDIDATES`) whose weight matrices upstream llama.cpp repacks on
+    this CPU when they are CPU weights (its default; ``no_repack`` turns it off), asked of ggml-cpu's CPU_REPACK
+    buffer type for a matrix of 8 rows of 256 values (``hybrimoe._engine.cpu_repacks``: a matrix needs a row count
+    that is a multiple of its kernel's interleave, 4 or 8). The engine's CPU share computes those experts from the
+    repacked tensors with upstream's repacked kernels."""
+    m = engine_module()
+    return [name for name in REPACK_CANDIDATES if m.cpu_repacks(int(gguf.GGMLQuantizationType[name]), 256, 8)]
+
+
 @dataclass
 class EngineFacts:
     """What the engine needs to know about a GGUF MoE model.

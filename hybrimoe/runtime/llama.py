@@ -78,7 +78,10 @@ class Llama(llama_cpp.Llama):
         n_cpu_moe: keep the routed experts of the first N layers in host memory (upstream ``--n-cpu-moe``).
         n_seq_max: sequences the context can hold at once (upstream ``-np/--parallel``; llama-cpp-python: 1).
         no_repack: do not put CPU weights into repacked (interleaved) buffers (upstream ``--no-repack``); implied
-            for the routed experts by ``moe_cache``.
+            by ``moe_ram_cache`` (the RAM tier's slots hold the file's layout).
+        no_host: keep CPU weights out of the GPU's host (pinned) buffer type (upstream ``--no-host``): with a GPU
+            that has one (CUDA, Vulkan), llama.cpp puts CPU weights there and never repacks them; with ``no_host``
+            they may be repacked as on a machine without a GPU.
         lazy_experts: leave the routed experts' weights (``ffn_*_exps``) unread at load time: they stay mapped
             from the file (advised random access, never pre-read nor mlocked, on the CPU whatever the offload
             options) and their pages are read when first used, as upstream's mmap reads a page it has not
@@ -98,7 +101,9 @@ class Llama(llama_cpp.Llama):
             (``hybrimoe.runtime.engine_facts.slot_bytes(model_path)``); 0 runs every expert on the CPU through the
             engine; ``"auto"``: as many slots as fit the device's memory left once the model is loaded
             (``hybrimoe.runtime.setup.auto_slots``; ``moe_stats()["engine"]["moe_cache"]`` says what it chose and why).
-            Routed experts then stay in host memory (pinned when the device offers it), unrepacked. The GPU is the first
+            Routed experts then stay in host memory where llama.cpp puts CPU weights: the device's pinned host
+            buffer when it has one, else upstream's repacked layout where ggml-cpu has kernels for it (the CPU share
+            runs upstream's repacked kernels; GPU copies read the file's bytes through a mapping). The GPU is the first
             RPC server of ``rpc_servers``, else the first GPU device. The set-up is ``moe_setup``.
         moe_policy: {presets} (default ``"{default_preset}"``), a ``hybrimoe.SchedulePolicy`` / ``CachePolicy`` /
             ``PrefetchPolicy`` object (replaces that part of ``"{default_preset}"``), or a dict (see
@@ -150,7 +155,8 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *, rpc_servers: str | Sequence[str] | None = None,
                  tensor_buft_overrides: str | Sequence[str] | None = None, cpu_moe: bool = False,
-                 n_cpu_moe: int | None = None, no_repack: bool = False, lazy_experts: bool = False,
+                 n_cpu_moe: int | None = None, no_repack: bool = False, no_host: bool = False,
+                 lazy_experts: bool = False,
                  n_seq_max: int | None = None,
                  moe_hook: bool = False, moe_replay: np.ndarray | None = None,
                  moe_cache=None, moe_policy=None, moe_prefetch_layers: int | None = None, moe_cost_model=None,
@@ -184,7 +190,8 @@ class Llama(llama_cpp.Llama):
                                    moe_profile=moe_profile, kv_overrides=kwargs.get("kv_overrides"),
                                    rpc_devices=rpc_devs, tensor_overrides=overrides,
                                    moe_ram_cache=moe_ram_cache, moe_ram_policy=moe_ram_policy,
-                                   n_ubatch=int(kwargs.get("n_ubatch") or 512))
+                                   n_ubatch=int(kwargs.get("n_ubatch") or 512), no_repack=no_repack,
+                                   no_host=no_host)
         if setup is not None:
             if cpu_moe or n_cpu_moe:
                 # upstream's placement flags: the engine keeps every routed expert in host memory already
@@ -204,8 +211,11 @@ class Llama(llama_cpp.Llama):
             self._recorder = engine_module().RoutingRecorder()
         # devices: ours from rpc_servers, plus real accelerators; never another instance's RPC servers
         devices = rpc_devs + _ggml.local_gpus() if _ggml.rpc_device_ptrs() else None
+        # the engine's CPU share runs on repacked experts where upstream repacks them; the RAM tier's slots hold
+        # the file's layout
+        no_repack = no_repack or (setup is not None and setup.ram_tier)
         self._native = NativeParams(
-            overrides, devices=devices, load_progress=load_progress, no_repack=no_repack or setup is not None,
+            overrides, devices=devices, load_progress=load_progress, no_repack=no_repack, no_host=no_host,
             lazy_experts=lazy_experts, n_seq_max=n_seq_max, eval_callback=None if self._recorder is None else
             (engine_module().RoutingRecorder.callback_address, self._recorder.address))
         with self._native.patched():

@@ -117,7 +117,7 @@ def register_rpc_servers(endpoints: Sequence[str], verbose: bool) -> list[int]:
 LAZY_MODE_EXPERTS = 3
 
 #: hybrimoe.Llama's own keywords (besides llama-cpp-python's)
-OWN_KEYWORDS = ("rpc_servers", "tensor_buft_overrides", "cpu_moe", "n_cpu_moe", "no_repack", "lazy_experts",
+OWN_KEYWORDS = ("rpc_servers", "tensor_buft_overrides", "cpu_moe", "n_cpu_moe", "no_repack", "no_host", "lazy_experts",
                 "n_seq_max", "moe_hook", "moe_replay", "moe_cache", "moe_policy", "moe_prefetch_layers",
                 "moe_cost_model", "moe_profile", "moe_ram_cache", "moe_ram_policy", "load_progress", "record_routing")
 
@@ -164,6 +164,8 @@ class NativeParams:
         devices: device pointers the model may use (None: llama.cpp's default, every device).
         load_progress: called with the load's fraction done (0..1), or None.
         no_repack: no repacked CPU weight layouts (``use_extra_bufts = False``, upstream ``--no-repack``).
+        no_host: CPU weights skip the device's host (pinned) buffer type, so that they may be repacked
+            (``no_host = True``, upstream ``--no-host``).
         lazy_experts: the routed experts' weights stay unread at load (``lazy_mode = LLAMA_LAZY_MODE_EXPERTS``,
             patch 0007).
         n_seq_max: sequences the context holds (None: llama-cpp-python's default).
@@ -175,7 +177,7 @@ class NativeParams:
 
     def __init__(self, overrides: Sequence[tuple[str, str]] = (), devices: Optional[Sequence[int]] = None,
                  load_progress: Optional[Callable[[float], None]] = None, no_repack: bool = False,
-                 lazy_experts: bool = False,
+                 no_host: bool = False, lazy_experts: bool = False,
                  n_seq_max: Optional[int] = None, eval_callback: Optional[tuple[int, int]] = None):
         self.model: dict = {}
         self.context: dict = {}
@@ -203,7 +205,9 @@ class NativeParams:
             self._keep.append(cb)
             self.model["progress_callback"] = cb
         if no_repack:
-            self.model["use_extra_bufts"] = False  # no repacked CPU layouts: the engine copies experts as stored
+            self.model["use_extra_bufts"] = False  # no repacked CPU layouts
+        if no_host:
+            self.model["no_host"] = True  # llama.cpp's make_cpu_buft_list then offers the repacked layouts first
         if lazy_experts:
             self.model["lazy_mode"] = LAZY_MODE_EXPERTS
         if n_seq_max is not None:

@@ -208,6 +208,15 @@ def ram_cache_policy(spec) -> "_core.CachePolicy":
                      f"{type(spec).__name__}")
 
 
+def cpu_weights_option(no_repack: bool, no_host: bool) -> str:
+    """The CPU-weight layout option the routed experts load with, as upstream's flags set it: ``"plain"``
+    (``no_repack``, or the RAM tier: the file's layout), ``"repack-nohost"`` (``no_host``: repacked where ggml-cpu has
+    kernels for the type, even with a GPU whose pinned host buffer would otherwise hold them) or ``"repack"``
+    (llama.cpp's default: the GPU's pinned host buffer when it has one, else repacked where ggml-cpu can). Part of a
+    calibration's store key: the CPU share's cost depends on it."""
+    return "plain" if no_repack else "repack-nohost" if no_host else "repack"
+
+
 def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], policies: PolicySet,
                 cost: "_core.CostModel", prefetch_layers: int, ram: Optional[dict] = None):
     """Builds the ``hybrimoe._engine.Engine``. The slot pool is split over as many device buffers as the device's
@@ -231,14 +240,19 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
             raise ValueError(f"moe_cache needs {need} bytes ({n_slots} expert slots + 1 of {facts.slot_bytes} bytes), "
                              f"more than the {free} bytes free on the device (of {total})")
     extra = {}
+    # where the experts lie in the files: the RAM tier reads them there, and GPU copies of experts that ggml-cpu
+    # keeps repacked take the file's bytes from there
+    from hybrimoe.runtime.ram_tier import expert_file_ranges
+
+    rg = ram["ranges"] if ram else expert_file_ranges(facts) if n_slots > 0 else None
+    if rg is not None:
+        extra = dict(files=rg["files"], file_sizes=rg["sizes"], file_mtimes_ns=rg["mtimes_ns"], file_of=rg["file_of"],
+                     offset_of=rg["offset_of"])
     if ram:
         sb = facts.slot_bytes
         rc = _core.ExpertCache([float(sb)] * len(facts.moe_layers), facts.n_expert, float(ram["slots"] * sb),
                                ram["policy"])
-        rg = ram["ranges"]
-        extra = dict(ram_slots=int(ram["slots"]), ram_files=rg["files"], ram_file_sizes=rg["sizes"],
-                     ram_file_mtimes_ns=rg["mtimes_ns"], ram_file_of=rg["file_of"], ram_offset_of=rg["offset_of"],
-                     ram_io_threads=int(ram.get("io_threads", 4)), ram_cache=rc,
+        extra.update(ram_slots=int(ram["slots"]), ram_io_threads=int(ram.get("io_threads", 4)), ram_cache=rc,
                      ram_direct_io=bool(ram.get("direct_io", ram_direct_io())))
     return _engine.Engine(
         n_layer=facts.n_layer, n_expert=facts.n_expert, top_k=facts.top_k, n_embd=facts.n_embd,
@@ -317,7 +331,8 @@ class EngineSetup:
     to be measured), ``cost_source`` (where it came from), ``device`` (ggml device pointer of the accelerator, or
     ``None``), ``device_label``, ``host_buffer_type`` (the device's pinned host buffer type, where the routed
     experts are kept; ``None``: plain host memory), ``profile`` (float64 counts ``[MoE layers, experts]`` from
-    ``moe_profile``, :func:`load_profile`; ``None``: none given) and ``profile_source`` (where they came from).
+    ``moe_profile``, :func:`load_profile`; ``None``: none given), ``profile_source`` (where they came from) and
+    ``cpu_weights``, the CPU-weight layout option the routed experts load with (:func:`cpu_weights_option`).
     """
 
     facts: EngineFacts
@@ -339,6 +354,7 @@ class EngineSetup:
     ram_note: str = ""
     ram_policy: object = field(default=None, compare=False)
     ram_ranges: Optional[dict] = field(default=None, compare=False)
+    cpu_weights: str = "repack"
 
     @property
     def ram_tier(self) -> bool:
@@ -349,7 +365,7 @@ class EngineSetup:
     def create(cls, model_path, *, moe_cache, moe_policy=None, moe_prefetch_layers=None, moe_cost_model=None,
                moe_profile=None, kv_overrides: Optional[dict] = None, rpc_devices: Sequence[int] = (),
                tensor_overrides: Sequence[tuple] = (), moe_ram_cache=None, moe_ram_policy=None,
-               n_ubatch: int = 512) -> Optional["EngineSetup"]:
+               n_ubatch: int = 512, no_repack: bool = False, no_host: bool = False) -> Optional["EngineSetup"]:
         """The set-up for these options, or None when the engine is off (``moe_cache`` None).
 
         ``moe_profile``: a routing trace file or counts ``[MoE layers, experts]`` (:func:`load_profile`): the
@@ -359,7 +375,8 @@ class EngineSetup:
         routed experts on a device: the engine keeps them in host memory). ``moe_ram_cache``: the RAM tier's
         budget (:mod:`hybrimoe.runtime.ram_tier`; turns the engine on with ``moe_cache=0`` when that is not given;
         with a GPU cache too, every GPU load copies from a RAM slot), ``moe_ram_policy`` its cache policy
-        (:func:`ram_cache_policy`), ``n_ubatch`` the context's ubatch (the smallest RAM budget).
+        (:func:`ram_cache_policy`), ``n_ubatch`` the context's ubatch (the smallest RAM budget); ``no_repack``
+        and ``no_host`` the Llama's options of those names (:func:`cpu_weights_option`).
 
         Raises:
             ValueError: a ``moe_*`` option without ``moe_cache``; a bad budget, policy, prefetch depth, cost model,
@@ -423,12 +440,15 @@ class EngineSetup:
                        ram_policy=ram_cache_policy(moe_ram_policy), ram_ranges=ram_tier.expert_file_ranges(facts))
         return cls(facts=facts, cache_spec=moe_cache, n_slots=n_slots, slots_note=note, policy_spec=policy_spec,
                    policies=policies, prefetch_layers=prefetch, cost=cost, cost_source=source, device=device,
-                   device_label=label, host_buffer_type=host, profile=profile, profile_source=profile_source, **ram)
+                   device_label=label, host_buffer_type=host, profile=profile, profile_source=profile_source,
+                   cpu_weights=cpu_weights_option(no_repack or moe_ram_cache is not None, no_host), **ram)
 
     def expert_override(self) -> tuple:
-        """The tensor override that keeps the routed experts in host memory, in the file's layout: the device's
-        pinned host buffer type when it has one (``(pattern, buffer type name)``)."""
-        return (EXPS_REGEX, self.host_buffer_type or "CPU")
+        """The tensor override that keeps the routed experts in host memory (``(pattern, buffer type name)``): the
+        device's pinned host buffer type when it has one (in the file's layout), else llama.cpp's choice among the CPU
+        buffer types (repacked where ggml-cpu can, unless ``no_repack``), also with ``no_host``."""
+        host = None if self.cpu_weights == "repack-nohost" else self.host_buffer_type
+        return (EXPS_REGEX, host or "CPU")
 
     def with_auto_ram_slots(self, n_ubatch: int) -> "EngineSetup":
         """For ``moe_ram_cache="auto"``, once the model is loaded: the set-up with the RAM slots that fit the memory

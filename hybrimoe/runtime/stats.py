@@ -47,6 +47,8 @@ def engine_stats(engine, setup) -> dict:
         "layer_s": tot["layer_s"] / tot["runs"] if tot["runs"] else 0.0,
         "all_cpu_reason": all_cpu_reason(engine.n_slots, tot, setup),
         "failed": engine.failed,
+        # per MoE layer, whether the CPU share reads its (gate or gate_up, up, down) matrices repacked
+        "repacked": [list(r) for r in engine.repacked()],
         "layers": layers,
         "ram": ram_stats(engine, setup),
     }

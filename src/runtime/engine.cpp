@@ -121,6 +121,50 @@ bool cpu_backend_skips_negative_ids() {
     return fn && fn() >= 1;
 }
 
+bool cpu_backend_skips_negative_ids_repacked() {
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+    if (!reg) return false;
+    auto fn = (int (*)(void)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_skips_negative_expert_ids");
+    return fn && fn() >= 2;
+}
+
+bool cpu_repacks(ggml_type type, int64_t ne0, int64_t ne1) {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (!cpu || ne0 % ggml_blck_size(type) != 0) return false;
+    auto get_extra = (ggml_backend_buffer_type_t * (*)(ggml_backend_dev_t)) ggml_backend_reg_get_proc_address(
+        ggml_backend_dev_backend_reg(cpu), "ggml_backend_dev_get_extra_bufts");
+    ggml_backend_buffer_type_t repack = nullptr;
+    for (ggml_backend_buffer_type_t * b = get_extra ? get_extra(cpu) : nullptr; b && *b; ++b) {
+        if (std::strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) repack = *b;
+    }
+    if (!repack) return false;
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(repack, 64);
+    if (!buf) return false;
+    // a tensor of that shape placed in the buffer: the buffer type's init_tensor gives it repack traits or none
+    // (nothing is written: the tensor's data is never touched)
+    ggml_tensor t{};
+    t.type = type;
+    t.ne[0] = ne0;
+    t.ne[1] = ne1;
+    t.ne[2] = t.ne[3] = 1;
+    t.nb[0] = ggml_type_size(type);
+    t.nb[1] = ggml_row_size(type, ne0);
+    t.nb[2] = t.nb[3] = t.nb[1] * (size_t) ne1;
+    t.buffer = buf;
+    t.data = ggml_backend_buffer_get_base(buf);
+    const bool ok = ggml_backend_buffer_init_tensor(buf, &t) == GGML_STATUS_SUCCESS && t.extra != nullptr;
+    ggml_backend_buffer_free(buf);
+    return ok;
+}
+
+bool is_repacked(const ggml_tensor * t) {
+    // the repack buffer type gives a tensor its traits (tensor->extra) only when ggml-cpu has kernels for its type and
+    // row count on this CPU (ggml_repack_get_optimal_repack_type); its buffers are not host buffers
+    if (!t || !t->buffer || t->extra == nullptr || ggml_backend_buffer_is_host(t->buffer)) return false;
+    const char * name = ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer));
+    return name && std::strcmp(name, "CPU_REPACK") == 0;
+}
+
 std::string cpu_backend_problem() {
     if (cpu_backend_skips_negative_ids()) return "";
     return "the CPU backend in this process is not hybrimoe's ggml-cpu (hybrimoe/lib/libggml-cpu.so.0, which skips "
@@ -211,8 +255,9 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
                                         std::to_string(kMaxRamBuffers) + " (raise HYBRIMOE_MAX_BUFFER_BYTES)");
         }
         ram_.reset(new RamTier(L, cfg_.n_expert, cfg_.expert_bytes, cfg_.expert_types, cfg_.bias_bytes,
-                               cfg_.scale_bytes, cfg_.ram, std::move(ram_cache), host));
+                               cfg_.scale_bytes, cfg_.where, cfg_.ram, std::move(ram_cache), host));
     }
+    repacked_.assign((size_t) L, {false, false, false});
 }
 
 Engine::~Engine() {
@@ -318,13 +363,27 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
         const int64_t has_s = scales[i] ? (int64_t) sizeof(float) : 0;
         if (told_s != has_s || (scales[i] && scales[i]->type != GGML_TYPE_F32)) return nullptr;
     }
-    for (const auto & part : {mats, biases, scales}) {
-        for (ggml_tensor * t : part) {
-            // the engine copies experts from host memory in the file's layout: no device or repacked buffers
-            if (!t) continue;
+    // the CPU share reads the matrices where llama put them: host memory in the file's layout, or upstream's
+    // repacked CPU buffer (its repacked mul_mat_id skips the GPU's pairs only with patch 0005 version 2; the GPU
+    // copies then take the file's bytes, mapped, and a RAM tier reads the file into slots of its own); biases and
+    // scales are read as they are
+    std::array<bool, 3> repacked{false, false, false};
+    for (size_t i = 0; i < 3; ++i) repacked[i] = !ram_ && is_repacked(mats[i]);
+    const bool any_repacked = repacked[0] || repacked[1] || repacked[2];
+    if (any_repacked && !cpu_backend_skips_negative_ids_repacked()) return nullptr;
+    if (any_repacked && cfg_.n_slots > 0 && !originals_) {
+        if (cfg_.where.empty()) return nullptr;  // no way to the file's layout for the GPU copies
+        originals_.reset(new MappedExperts(cfg_.where, cfg_.expert_bytes, cfg_.n_expert));
+    }
+    const std::array<std::array<ggml_tensor *, 3>, 3> parts = {mats, biases, scales};
+    for (size_t p = 0; p < parts.size(); ++p) {
+        for (size_t i = 0; i < 3; ++i) {
+            const ggml_tensor * t = parts[p][i];
+            if (!t || (p == 0 && repacked[i])) continue;
             if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || t->extra != nullptr) return nullptr;
         }
     }
+    repacked_[(size_t) ml] = repacked;
     tensors_[(size_t) ml] = m;
     LayerRun & run = *runs_[(size_t) ml];
     run.counters = counters;
@@ -437,7 +496,21 @@ double Engine::Placement::load(int layer, int expert, Kind kind) {
     const int bias_expert = en.controls_.bias_expert(expert, en.cfg_.n_expert);
     double bytes = 0.0;
     if (!en.ram_) {
-        bytes = en.pool_.copy(layer, expert, lt, bias_expert);
+        // a repacked matrix is copied from the file's bytes (a device kernel reads the file's layout)
+        const auto & rp = en.repacked_[(size_t) layer];
+        if ((rp[0] || rp[1] || rp[2]) && !en.controls_.repacked_copies) {
+            const auto mats = lt.slot_matrices();
+            std::array<const uint8_t *, 3> src{};
+            for (int i = 0; i < 3; ++i) {
+                src[(size_t) i] = !mats[(size_t) i] ? nullptr
+                                  : rp[(size_t) i]  ? en.originals_->matrix(layer, i, expert)
+                                                    : (const uint8_t *) mats[(size_t) i]->data +
+                                                          (size_t) expert * mats[(size_t) i]->nb[2];
+            }
+            bytes = en.pool_.copy(layer, expert, lt, bias_expert, &src);
+        } else {
+            bytes = en.pool_.copy(layer, expert, lt, bias_expert);
+        }
     } else if (en.pool_.loaded((int64_t) layer * en.cfg_.n_expert + expert)) {
         return 0.0;
     } else if (en.ram_->ready(layer, expert)) {

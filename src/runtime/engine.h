@@ -60,6 +60,16 @@ namespace hybrimoe {
 bool cpu_backend_skips_negative_ids();
 /// "" when cpu_backend_skips_negative_ids(), else why the engine cannot run and what to do (one sentence or two).
 std::string cpu_backend_problem();
+/// Whether ggml-cpu's repacked mul_mat_id (upstream's CPU_REPACK buffer type) skips negative expert ids too (patch
+/// 0005, version 2): the engine's CPU share may then run on repacked experts.
+bool cpu_backend_skips_negative_ids_repacked();
+/// Whether `t` lives in upstream's CPU_REPACK buffer with a repacked layout (ggml-cpu/repack.cpp gave it its
+/// tensor traits: its rows interleaved for the repacked gemv/gemm kernels, not the file's layout).
+bool is_repacked(const ggml_tensor * t);
+/// Whether ggml-cpu in this process repacks a weight matrix of `type` with rows of `ne0` values and `ne1` rows when
+/// llama.cpp puts it in the CPU_REPACK buffer (asks the buffer type itself, ggml_backend_buffer_init_tensor: its
+/// kernels depend on the type, the row count and this CPU's features). False when there is no such buffer type.
+bool cpu_repacks(ggml_type type, int64_t ne0, int64_t ne1);
 
 /// Facts and settings the engine is built from (Python fills them from the GGUF and the user's options).
 struct EngineConfig {
@@ -93,6 +103,9 @@ struct EngineConfig {
     /// per MoE layer: selection bias added to sigmoid scores (DeepSeek-V3 exp_probs_b) or empty
     std::vector<std::vector<float>> router_bias;
     bool sigmoid_gating = false;           ///< router probabilities by sigmoid (else softmax)
+    /// where the routed experts lie in the model's files: the RAM tier reads them from there, and the GPU copies of
+    /// experts whose host tensor is repacked take the file's bytes from there (empty: neither is possible)
+    ExpertFiles where;
     /// the RAM expert tier (ram.n_slots > 0: routed experts read from the file into host slots; ram_tier.h)
     RamTierConfig ram;
 };
@@ -171,6 +184,10 @@ public:
     void set_negative_control(const std::string & what) { controls_.set_variant(what); }
     void set_drop_gpu_share(bool on) { controls_.drop_gpu_share = on; }
     void set_wrong_bias_rows(bool on) { controls_.wrong_bias_rows = on; }
+    void set_repacked_copies(bool on) { controls_.repacked_copies = on; }
+    /// Per MoE layer whose graph was built: which of its matrices (gate or gate_up, up, down) the CPU share reads
+    /// repacked (upstream's CPU_REPACK layout).
+    std::vector<std::array<bool, 3>> repacked() const { return repacked_; }
     /// (layer, expert) keys pinned now; 0 between decodes unless prefetched experts wait for their layer.
     int pinned_count() const;
 
@@ -201,6 +218,10 @@ private:
     SlotPool pool_;
     std::unique_ptr<GpuShare> gpu_;
     std::unique_ptr<RamTier> ram_;
+    /// the experts' file bytes, for GPU copies of repacked experts (mapped at the first build that needs them)
+    std::unique_ptr<MappedExperts> originals_;
+    /// per MoE layer: which matrix regions (gate or gate_up, up, down) are repacked on the host
+    std::vector<std::array<bool, 3>> repacked_;
     /// The plan's output when the engine cannot plan (an error, a warm-up graph): every pair to the CPU share with
     /// upstream's ids, or, with the RAM tier (whose CPU share indexes RAM slots), no pair computed at all.
     void write_fallback(ggml_tensor * dst);

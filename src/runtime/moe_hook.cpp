@@ -203,8 +203,9 @@ ggml_tensor * MoeHook::build(const llama_moe_hook_args & a) {
         bool known = false;
         for (const auto & u : engine_skipped_) known = known || u.first == a.il;
         if (!known) {
-            engine_skipped_.emplace_back(a.il, "expert tensors are not in plain host memory (repacked or on a "
-                                               "device) or differ from the facts the engine was given");
+            engine_skipped_.emplace_back(a.il, "expert tensors are neither in host memory nor in upstream's "
+                                               "repacked CPU buffer (or repacked where the engine cannot use it), "
+                                               "or differ from the facts the engine was given");
         }
     }
 

@@ -25,6 +25,9 @@ struct NegativeControls {
     /// Copies into the slot pool take each bias row and scale from the next expert ((expert + 1) mod n_expert);
     /// takes effect for copies made after it is set.
     bool wrong_bias_rows = false;
+    /// Copies of repacked experts into the slot pool take the repacked host bytes instead of the file's (the layout
+    /// the device kernels do not read); takes effect for copies made after it is set.
+    bool repacked_copies = false;
 
     /// Sets `variant` by name ("" for none). Throws std::invalid_argument for another name (the message lists them).
     void set_variant(const std::string & name);

@@ -51,52 +51,26 @@ int64_t advise_mappings_random(dev_t dev, ino_t ino) {
     return advised;
 }
 
-int64_t mtime_ns(const struct stat & st) {
-    return (int64_t) st.st_mtim.tv_sec * 1000000000LL + (int64_t) st.st_mtim.tv_nsec;
-}
-
 }  // namespace
 
 RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_t, 3>> & expert_bytes,
                  const std::vector<std::array<int32_t, 3>> & expert_types,
                  const std::vector<std::array<int64_t, 3>> & bias_bytes,
-                 const std::vector<std::array<int64_t, 3>> & scale_bytes, RamTierConfig cfg,
-                 std::shared_ptr<ExpertCache> cache, ggml_backend_buffer_type_t buft)
-    : n_layers_(n_layers), n_expert_(n_expert), expert_bytes_(expert_bytes), cfg_(std::move(cfg)),
+                 const std::vector<std::array<int64_t, 3>> & scale_bytes, const ExpertFiles & where,
+                 RamTierConfig cfg, std::shared_ptr<ExpertCache> cache, ggml_backend_buffer_type_t buft)
+    : n_layers_(n_layers), n_expert_(n_expert), expert_bytes_(expert_bytes), where_(where), cfg_(std::move(cfg)),
       cache_(std::move(cache)), pool_(n_layers, n_expert, expert_bytes, expert_types, bias_bytes, scale_bytes) {
     const size_t L = (size_t) n_layers_;
     if (cfg_.n_slots < 1) throw std::invalid_argument("RAM tier: at least one RAM expert slot is needed");
     if (!cache_ || cache_->n_layers() != n_layers_ || cache_->n_experts() != n_expert_) {
         throw std::invalid_argument("RAM tier: the RAM cache must have the model's MoE layers and experts");
     }
-    if (cfg_.file_of.size() != L || cfg_.offset_of.size() != L) {
-        throw std::invalid_argument("RAM tier: one file index and offset per MoE layer and matrix");
-    }
-    if (cfg_.files.empty() || cfg_.file_sizes.size() != cfg_.files.size() ||
-        cfg_.file_mtimes_ns.size() != cfg_.files.size()) {
-        throw std::invalid_argument("RAM tier: one size and modification time per model file");
-    }
+    where_.validate(expert_bytes_, n_expert_, "RAM tier");
     if (cfg_.io_threads < 1 || cfg_.io_threads > 256) {
         throw std::invalid_argument("RAM tier: io_threads must be in 1..256, got " + std::to_string(cfg_.io_threads));
     }
-    for (size_t l = 0; l < L; ++l) {
-        for (int i = 0; i < 3; ++i) {
-            const int32_t f = cfg_.file_of[l][(size_t) i];
-            if (f < -1 || f >= (int32_t) cfg_.files.size()) throw std::invalid_argument("RAM tier: bad file index");
-            if ((f >= 0) != (expert_bytes_[l][(size_t) i] > 0) || (f >= 0 && cfg_.offset_of[l][(size_t) i] < 0)) {
-                throw std::invalid_argument("RAM tier: MoE layer " + std::to_string(l) +
-                                            " has a matrix without a file range, or a range without a matrix");
-            }
-            const int64_t end = cfg_.offset_of[l][(size_t) i] + expert_bytes_[l][(size_t) i] * n_expert_;
-            if (f >= 0 && end > cfg_.file_sizes[(size_t) f]) {
-                throw std::invalid_argument("RAM tier: MoE layer " + std::to_string(l) + "'s experts end at byte " +
-                                            std::to_string(end) + ", past the end of " + cfg_.files[(size_t) f] +
-                                            " (" + std::to_string(cfg_.file_sizes[(size_t) f]) + " bytes)");
-            }
-        }
-    }
-    for (size_t f = 0; f < cfg_.files.size(); ++f) {
-        const std::string & path = cfg_.files[f];
+    for (size_t f = 0; f < where_.files.size(); ++f) {
+        const std::string & path = where_.files[f];
         const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
         if (fd < 0) {
             const int err = errno;
@@ -105,7 +79,7 @@ RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_
         }
         fds_.push_back(fd);
         struct stat st {};
-        const std::string changed = file_change(f, st);
+        const std::string changed = where_.change(f, fds_[f], st);
         if (!changed.empty()) {
             close_files();
             throw std::runtime_error("RAM tier: " + path + " changed: " + changed + "; load the model again");
@@ -148,9 +122,9 @@ void RamTier::drop_expert_pages() {
     // fault-around, stay: the first ubatch drops them again (acquire).
     for (size_t l = 0; l < (size_t) n_layers_; ++l) {
         for (int i = 0; i < 3; ++i) {
-            const int32_t f = cfg_.file_of[l][(size_t) i];
+            const int32_t f = where_.file_of[l][(size_t) i];
             if (f < 0) continue;
-            posix_fadvise(fds_[(size_t) f], (off_t) cfg_.offset_of[l][(size_t) i],
+            posix_fadvise(fds_[(size_t) f], (off_t) where_.offset_of[l][(size_t) i],
                           (off_t) (expert_bytes_[l][(size_t) i] * n_expert_), POSIX_FADV_DONTNEED);
         }
     }
@@ -360,10 +334,10 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging) {
     }
     uint64_t calls = 0, n_direct = 0;
     for (int i = 0; i < 3; ++i) {
-        const int32_t f = cfg_.file_of[(size_t) layer][(size_t) i];
+        const int32_t f = where_.file_of[(size_t) layer][(size_t) i];
         if (f < 0) continue;
         const int64_t n = expert_bytes_[(size_t) layer][(size_t) i];
-        const int64_t off = cfg_.offset_of[(size_t) layer][(size_t) i] + n * expert;
+        const int64_t off = where_.offset_of[(size_t) layer][(size_t) i] + n * expert;
         uint8_t * dst = pool_.slot_data(j.slot, i);
         bool direct = false;
         const int64_t got = fault ? -fault : read_range(f, dst, n, off, staging, calls, direct);
@@ -375,7 +349,7 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging) {
             stats_.preads += calls;
             return "reading " + std::to_string(n) + " bytes of MoE layer " + std::to_string(layer) + " expert " +
                    std::to_string(expert) + " at offset " + std::to_string(off + std::max<int64_t>(0, got)) + " of " +
-                   cfg_.files[(size_t) f] + ": " + why;
+                   where_.files[(size_t) f] + ": " + why;
         }
         n_direct += direct ? 1 : 0;
         // Not after direct reads: they bypass the page cache (a file system that serves O_DIRECT through its page
@@ -385,7 +359,7 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging) {
             // folios wholly inside its range: the range is rounded out to 2 MiB, within this tensor's bytes (the
             // kernel rounds its ends in to pages), so that the neighbouring experts' parts of a folio go too (they
             // are not meant to be in RAM through the page cache) and no weight outside the experts does.
-            const int64_t t_lo = cfg_.offset_of[(size_t) layer][(size_t) i], t_hi = t_lo + n * n_expert_;
+            const int64_t t_lo = where_.offset_of[(size_t) layer][(size_t) i], t_hi = t_lo + n * n_expert_;
             const int64_t lo = std::max(t_lo, off / kDropGranule * kDropGranule);
             const int64_t hi = std::min(t_hi, (off + n + kDropGranule - 1) / kDropGranule * kDropGranule);
             posix_fadvise(fds_[(size_t) f], (off_t) lo, (off_t) (hi - lo), POSIX_FADV_DONTNEED);
@@ -432,24 +406,12 @@ void RamTier::acquire(int layer, const std::vector<int32_t> & experts, const std
     acquire(obs, experts, now_s);
 }
 
-std::string RamTier::file_change(size_t f, struct stat & st) const {
-    if (fstat(fds_[f], &st) != 0) return std::string("cannot stat it: ") + std::strerror(errno);
-    if ((int64_t) st.st_size != cfg_.file_sizes[f]) {
-        return "it has " + std::to_string((int64_t) st.st_size) + " bytes, " + std::to_string(cfg_.file_sizes[f]) +
-               " when the model was loaded";
-    }
-    if (cfg_.file_mtimes_ns[f] != 0 && mtime_ns(st) != cfg_.file_mtimes_ns[f]) {
-        return "it was modified after the model was loaded";
-    }
-    return "";
-}
-
 void RamTier::check_files() const {
     for (size_t f = 0; f < fds_.size(); ++f) {
         struct stat st {};
-        const std::string changed = file_change(f, st);
+        const std::string changed = where_.change(f, fds_[f], st);
         if (!changed.empty()) {
-            throw std::runtime_error("RAM tier: " + cfg_.files[f] + " changed while the model runs: " + changed +
+            throw std::runtime_error("RAM tier: " + where_.files[f] + " changed while the model runs: " + changed +
                                      "; its experts can no longer be read as loaded (load the model again)");
         }
     }

@@ -21,6 +21,7 @@
 #include "policy/expert_cache.h"
 #include "policy/prefetcher.h"
 #include "runtime/expert_ffn.h"
+#include "runtime/expert_files.h"
 #include "runtime/slot_pool.h"
 
 #include <array>
@@ -37,17 +38,9 @@
 
 namespace hybrimoe {
 
-/// Where the RAM tier reads the routed experts from, and how (Python fills it from the GGUF's tensor offsets).
+/// How the RAM tier reads the routed experts (where from: ExpertFiles).
 struct RamTierConfig {
     int64_t n_slots = 0;                        ///< RAM expert slots (0: no RAM tier)
-    std::vector<std::string> files;             ///< the model's GGUF files (one, or every shard of a split model)
-    std::vector<int64_t> file_sizes;            ///< bytes each file had when the model was loaded (checked at open)
-    std::vector<int64_t> file_mtimes_ns;        ///< and its modification time (ns since the epoch)
-    /// per MoE layer, per matrix region (0 gate or fused gate_up, 1 up, 2 down): the file index (-1: the layer has
-    /// no such matrix) and the byte offset of expert 0's matrix in it; expert e's lies EngineConfig::expert_bytes
-    /// further per expert (the tensor's ggml nb[2])
-    std::vector<std::array<int32_t, 3>> file_of;
-    std::vector<std::array<int64_t, 3>> offset_of;
     int io_threads = 4;                         ///< I/O workers (reads in flight at most)
     bool drop_after_read = true;                ///< POSIX_FADV_DONTNEED on each range read (buffered reads)
     /// O_DIRECT reads (aligned over-reads into a worker's staging buffer, then a copy into the slot); where the
@@ -85,7 +78,7 @@ public:
     RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_t, 3>> & expert_bytes,
             const std::vector<std::array<int32_t, 3>> & expert_types,
             const std::vector<std::array<int64_t, 3>> & bias_bytes,
-            const std::vector<std::array<int64_t, 3>> & scale_bytes, RamTierConfig cfg,
+            const std::vector<std::array<int64_t, 3>> & scale_bytes, const ExpertFiles & where, RamTierConfig cfg,
             std::shared_ptr<ExpertCache> cache, ggml_backend_buffer_type_t buft);
     /// Drops the queued reads, waits for the ones in flight (each is one pread) and closes the files.
     ~RamTier();
@@ -192,9 +185,6 @@ private:
     /// Throws std::runtime_error naming the file when one of the files no longer has the size or modification time
     /// it had at load.
     void check_files() const;
-    /// Why file f (fds_[f], fstat into `st`) is not the file loaded: "" when its size and modification time are
-    /// the load's.
-    std::string file_change(size_t f, struct stat & st) const;
     /// Counts a small-ubatch read ahead at `distance` (1..3) as used at its layer or not (under mu_).
     void judge(uint8_t distance, bool used);
     static constexpr int64_t kDirectAlign = 4096;  // O_DIRECT: offset, length and buffer (4 KiB covers 512 B too)
@@ -215,6 +205,7 @@ private:
 
     int n_layers_, n_expert_;
     std::vector<std::array<int64_t, 3>> expert_bytes_;
+    ExpertFiles where_;
     RamTierConfig cfg_;
     std::shared_ptr<ExpertCache> cache_;
     SlotPool pool_;

@@ -30,7 +30,11 @@ def test_calibrate_writes_a_cost_model_the_engine_uses(tiny_model, rpc_server, t
     assert stored is not None and stored.parent == tmp_path / "cache" / "calibration"
     cm = policy.load_cost_model(stored)  # schema-checked by hybrimoe.policy's reader
     doc = json.loads(stored.read_text())
-    assert doc["schema"] == policy.COST_MODEL_SCHEMA and set(doc["sources"]) == set(policy.COST_FIELDS)
+    # every field has a source, and "cpu_weights" says which kernels the CPU share was measured on (Q8_0 has no
+    # repacked kernels on x86)
+    assert doc["schema"] == policy.COST_MODEL_SCHEMA
+    assert set(doc["sources"]) == set(policy.COST_FIELDS) | {"cpu_weights"}
+    assert "Q8_0" in doc["sources"]["cpu_weights"]
     assert all(doc[f] == getattr(cm, f) for f in policy.COST_FIELDS)  # the numbers as written, exactly
     assert "fit over" in doc["sources"]["cpu_a_s"] and "timed copies" in doc["sources"]["h2d_bandwidth_Bps"]
     assert cm.h2d_bandwidth_Bps > 0 and cm.cpu_a_s + cm.cpu_b_s + cm.cpu_startup_s > 0
@@ -41,6 +45,29 @@ def test_calibrate_writes_a_cost_model_the_engine_uses(tiny_model, rpc_server, t
         assert llm.moe_stats()["engine"]["cost_model"] == str(stored)
     finally:
         llm.close()
+
+
+def test_calibrations_are_kept_per_cpu_weight_option(tiny_model, rpc_server, tmp_path, monkeypatch):
+    """The CPU share's kernels depend on the layout of the CPU weights: a calibration with --no-repack is stored
+    apart from the default one, each records which kernels it measured, and each is found only for its option."""
+    from hybrimoe.runtime import calibration
+    from hybrimoe.runtime.engine_facts import cpu_repacked_types
+
+    monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tiny_model("qwen3moe", "Q4_K_M")  # gate and up Q4_K
+    label = _label(rpc_server)
+    for flags, option in (([], "repack"), (["--no-repack"], "plain")):
+        assert calibration.stored(path, label, option) is None
+        assert hybrimoe_main(["calibrate", "-m", str(path), "--rpc", rpc_server.endpoint, "--quick", *flags]) == 0
+        found = calibration.stored(path, label, option)
+        assert found is not None and found.name.endswith(f"--cpu-{option}.json")
+        note = json.loads(found.read_text())["sources"]["cpu_weights"]
+        repacked = option == "repack" and "Q4_K" in cpu_repacked_types()
+        parts = dict(part.strip().split(": ", 1) for part in note.removeprefix("CPU share on ").split(";"))
+        on_repacked = parts.get("repacked (upstream's CPU_REPACK kernels)", "")
+        assert ("gate Q4_K" in on_repacked and "up Q4_K" in on_repacked) == repacked, note
+        assert repacked or "gate Q4_K" in parts["file layout (plain kernels)"], note
+    assert calibration.stored(path, label, "repack-nohost") is None
 
 
 def test_first_use_runs_a_short_calibration_once(tiny_model, rpc_server, tmp_path, monkeypatch, capfd):

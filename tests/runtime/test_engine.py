@@ -18,9 +18,12 @@ from hybrimoe.testing.fixtures import ENGINE_ARCHS
 ARCHS = list(ENGINE_ARCHS)
 
 
+# both sides in the file's layout (no_repack): the stand-in computes the GPU share with the plain CPU kernels, and
+# upstream's repacked ones may round differently (tests/runtime/test_engine_repack.py covers repacked weights)
 def _common(rpc_server, **kw):
     d = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=512, n_batch=512, n_ubatch=32, seed=0,
-             verbose=False)
+             verbose=False,
+             no_repack=True)
     d.update(kw)
     return d
 
@@ -28,7 +31,7 @@ def _common(rpc_server, **kw):
 def _reference(path, rpc_server, tokens, n=32, **kw):
     from hybrimoe import Llama
 
-    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **_common(rpc_server, **kw))
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", **_common(rpc_server, **kw))
     try:
         return greedy_with_logits(ref, tokens, n)
     finally:
@@ -158,11 +161,12 @@ def test_big_prefill_ubatch_loads_by_cost(costs, tiny_model, rpc_server, split_c
 
 
 def test_engine_nothing_cached_equals_upstream_cpu_only(tiny_model):
-    """moe_cache=0 without any device: every expert on the CPU through the engine == upstream CPU-only."""
+    """moe_cache=0 without any device: every expert on the CPU through the engine == upstream CPU-only, both with
+    upstream's default CPU weights (the Q4_K experts repacked where this CPU repacks them)."""
     from hybrimoe import Llama
 
     path = tiny_model("deepseek2", "Q4_K_M")
-    kw = dict(n_ctx=256, n_batch=256, n_ubatch=16, seed=0, verbose=False, no_repack=True)
+    kw = dict(n_ctx=256, n_batch=256, n_ubatch=16, seed=0, verbose=False)
     llm = Llama(str(path), moe_cache=0, **kw)
     try:
         tokens = prompt_tokens(llm, 37)
@@ -280,7 +284,7 @@ def test_two_turn_chat_reusing_the_kv_cache(tiny_model, rpc_server, split_cost_m
         assert before > 0
     finally:
         llm.close()
-    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **_common(rpc_server))
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", **_common(rpc_server))
     try:
         _, ref_out2, ref_lg2, _ = two_turns(ref)
     finally:
@@ -564,7 +568,7 @@ def test_many_ubatch_sizes_keep_upstreams_numbers(tiny_model, rpc_server):
 
     path = tiny_model("qwen3moe", "Q8_0")
     kw = _common(rpc_server, n_ubatch=64)
-    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **kw)
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", **kw)
     llm = Llama(str(path), moe_cache=_slots(path, 5), moe_policy="gpu-on-demand", **kw)
     try:
         tokens = prompt_tokens(llm, 64)

@@ -46,9 +46,12 @@ QUANT_MIXES = [
 ]
 
 
+# both sides in the file's layout (no_repack): the stand-in computes the GPU share with the plain CPU kernels, and
+# upstream's repacked ones may round differently (tests/runtime/test_engine_repack.py covers repacked weights)
 def _common(rpc_server, **kw):
     d = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=256, n_batch=512, n_ubatch=8, seed=0,
-             verbose=False)
+             verbose=False,
+             no_repack=True)
     d.update(kw)
     return d
 
@@ -85,7 +88,7 @@ def _engine_run(path, rpc_server, split_cost_model, cache="50%", ub=8, control="
 def _reference(path, rpc_server, tokens, ub=8):
     from hybrimoe import Llama
 
-    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **_common(rpc_server, n_ubatch=ub))
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", **_common(rpc_server, n_ubatch=ub))
     try:
         return greedy_with_logits(ref, tokens, N_GEN)
     finally:

@@ -16,9 +16,12 @@ from hybrimoe.testing.upstream import greedy_with_logits, nmse, prompt_tokens, r
 N_GEN = 16
 
 
+# both sides in the file's layout (no_repack): the stand-in computes the GPU share with the plain CPU kernels, and
+# upstream's repacked ones may round differently (tests/runtime/test_engine_repack.py covers repacked weights)
 def _common(rpc_server, **kw):
     d = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=256, n_batch=512, n_ubatch=32, seed=0,
-             verbose=False)
+             verbose=False,
+             no_repack=True)
     d.update(kw)
     return d
 
@@ -42,7 +45,7 @@ def mxfp4_model(tmp_path_factory):
 def _reference(path, rpc_server, tokens, **kw):
     from hybrimoe import Llama
 
-    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **_common(rpc_server, **kw))
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", **_common(rpc_server, **kw))
     try:
         return greedy_with_logits(ref, tokens, N_GEN)
     finally:
@@ -126,7 +129,7 @@ def test_wrong_bias_rows_on_the_gpu_change_the_logits(tiny_model, rpc_server, sp
         gpu_experts = llm.moe_stats()["engine"]["gpu_experts"]
     finally:
         llm.close()
-    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **_common(rpc_server))
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", **_common(rpc_server))
     try:
         _, ref_lg = greedy_with_logits(ref, tokens, 1)
     finally:

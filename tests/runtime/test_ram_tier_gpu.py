@@ -21,9 +21,12 @@ GPU_CACHES = ("k", "half")
 POLICIES = ("hybrimoe", "gpu-on-demand")
 
 
+# both sides in the file's layout (no_repack): the stand-in computes the GPU share with the plain CPU kernels, and
+# upstream's repacked ones may round differently (tests/runtime/test_engine_repack.py covers repacked weights)
 def _common(rpc_server, ub, **kw):
     d = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=512, n_batch=64, n_ubatch=ub, seed=0,
-             verbose=False)
+             verbose=False,
+             no_repack=True)
     d.update(kw)
     return d
 
@@ -41,7 +44,7 @@ def _budgets(path, ub, gpu_cache):
 def _reference(path, rpc_server, ub, n_prompt, **kw):
     from hybrimoe import Llama
 
-    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **_common(rpc_server, ub, **kw))
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", **_common(rpc_server, ub, **kw))
     try:
         tokens = prompt_tokens(ref, n_prompt)
         return (tokens,) + greedy_with_logits(ref, tokens, N_GEN)
@@ -131,7 +134,7 @@ def test_two_sequences_over_both_tiers_match_upstream(tiny_model, rpc_server, sp
     from hybrimoe import Llama
 
     path = tiny_model("qwen3moe", "Q4_K_M")
-    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, n_seq_max=2,
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", n_seq_max=2,
                 **_common(rpc_server, 7))
     try:
         prompts = [prompt_tokens(ref, 9), prompt_tokens(ref, 13)[2:]]

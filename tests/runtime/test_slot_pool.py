@@ -10,9 +10,12 @@ import pytest
 from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
 
 
+# both sides in the file's layout (no_repack): the stand-in computes the GPU share with the plain CPU kernels, and
+# upstream's repacked ones may round differently (tests/runtime/test_engine_repack.py covers repacked weights)
 def _common(rpc_server, **kw):
     d = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=256, n_batch=256, n_ubatch=16, seed=0,
-             verbose=False)
+             verbose=False,
+             no_repack=True)
     d.update(kw)
     return d
 
@@ -38,7 +41,7 @@ def test_pool_over_several_buffers_keeps_upstreams_numbers(tiny_model, rpc_serve
     finally:
         llm.close()
     monkeypatch.delenv("HYBRIMOE_MAX_BUFFER_BYTES")
-    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **_common(rpc_server))
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", **_common(rpc_server))
     try:
         ref_out, ref_lg = greedy_with_logits(ref, tokens)
     finally:

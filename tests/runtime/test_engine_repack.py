@@ -1,0 +1,252 @@
+"""The engine's CPU share on upstream's repacked CPU weights (docs/design.md §8, "Repacked CPU weights").
+
+Upstream llama.cpp puts CPU weights into its CPU_REPACK buffer by default (ggml-cpu/repack.cpp interleaves the rows
+of the types it has kernels for on this CPU) and runs mul_mat_id on them with its repacked kernels. The engine
+computes its CPU share from those same tensors, and copies the file's bytes (not the repacked ones) to the GPU.
+
+Oracle: upstream with the same placement and its default repacking. On the RPC stand-in, ``-ngl 99 -ot exps=CPU``
+for a CPU-only share (``moe_cache=0``) and for mixed splits; for a GPU share of whole layers (the
+``upstream-ncmoe`` preset) upstream with those layers' experts on the stand-in and the others repacked on the CPU,
+which is the same placement exactly: same greedy tokens and bit-identical logits. A mixed split inside a layer has
+no upstream placement (upstream computes a layer's experts on one device): its GPU pairs get the stand-in's plain
+kernels, its CPU pairs the repacked ones. Where those two kernels round alike on this CPU (checked here by
+comparing upstream's repacked and ``--no-repack`` runs), the mixed split is bit-identical to upstream's repacked
+run too; where they differ (IQ4_NL on x86) its oracle is the same greedy tokens and an NMSE below that of upstream's
+own repacked-against-plain difference times 4 (the GPU pairs' share of it).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybrimoe.testing.fixtures import ENGINE_ARCHS
+from hybrimoe._lib import llama_cpp_module
+from hybrimoe.testing.upstream import decode_together, greedy_with_logits, last_logits, nmse, prompt_tokens
+
+#: expert quant types of the matrix: the file types and per-tensor mixes whose experts this CPU may repack
+QUANTS = {
+    "Q4_0": "Q4_0",
+    "Q4_K_M": "Q4_K_M",
+    "IQ4_NL": {"base": "Q8_0", "ffn_.*_exps": "IQ4_NL"},
+    "MXFP4": {"base": "Q8_0", "ffn_.*_exps": "MXFP4"},
+}
+UBATCHES = [1, 7, 64]
+SHARES = ["cpu", "layers", "mixed"]
+
+
+@pytest.fixture(scope="module")
+def quant_model(tmp_path_factory):
+    """``quant_model(arch, quant) -> Path``: the engine matrix's K-quant-shaped tiny model of ``arch`` (rows of
+    256: every type fits) with ``QUANTS[quant]``, written once per module."""
+    from hybrimoe.tiny import fixture_set, make_tiny_model
+
+    folder = tmp_path_factory.mktemp("repack-models")
+    made = {}
+
+    def make(arch: str, quant: str):
+        if (arch, quant) not in made:
+            kw = dict(fixture_set()[(arch, "Q4_K_M")], quant=QUANTS[quant])
+            made[(arch, quant)] = make_tiny_model(folder / f"{arch}-{quant}.gguf", **kw)
+        return str(made[(arch, quant)])
+
+    return make
+
+
+def _common(rpc_server, n_prompt: int, ub: int) -> dict:
+    return dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=n_prompt + 64, n_batch=512, n_ubatch=ub,
+                seed=0, verbose=False)
+
+
+def _greedy(path: str, tokens, n: int, **kw):
+    from hybrimoe import Llama
+
+    llm = Llama(path, **kw)
+    try:
+        out, lg = greedy_with_logits(llm, tokens, n)
+        stats = llm.moe_stats()
+    finally:
+        llm.close()
+    return out, lg, stats
+
+
+def last_logits_of_prompt(path: str, tokens, common: dict) -> np.ndarray:
+    """Upstream's logits of the last prompt token with every expert on the stand-in (``-ngl 99``, no override)."""
+    from hybrimoe import Llama
+
+    llm = Llama(path, **common)
+    try:
+        llm.eval(tokens)
+        return last_logits(llm)
+    finally:
+        llm.close()
+
+
+def _cases():
+    from allpairspy import AllPairs
+
+    return [pytest.param(*c, id="-".join(str(x) for x in c))
+            for c in AllPairs([list(ENGINE_ARCHS), list(QUANTS), UBATCHES, SHARES])]
+
+
+def test_this_cpu_repacks_what_upstream_lists():
+    """The types listed as repacked here are the ones ggml-cpu's repack buffer gives kernels to; on x86 with AVX2
+    upstream's rules (ggml_repack_get_optimal_repack_type) give Q4_0, Q4_K, IQ4_NL and MXFP4, not Q8_0."""
+    from hybrimoe._lib import llama_cpp_module
+    from hybrimoe.runtime.engine_facts import cpu_repacked_types, engine_module
+
+    llama_cpp_module()
+    m = engine_module()
+    got = cpu_repacked_types()
+    assert set(got) <= {"Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "IQ4_NL", "MXFP4", "Q8_0"}
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if "avx2" in flags:
+        assert {"Q4_0", "Q4_K", "IQ4_NL", "MXFP4"} <= set(got) and "Q8_0" not in got, got
+    # a row count that no interleave divides is never repacked
+    import gguf
+
+    assert not m.cpu_repacks(int(gguf.GGMLQuantizationType.Q4_0), 256, 3)
+    with pytest.raises(ValueError, match="unknown ggml type"):
+        m.cpu_repacks(9999, 256, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, quant, ub, share", _cases())
+def test_engine_on_repacked_experts(arch, quant, ub, share, quant_model, rpc_server, split_cost_model):
+    from hybrimoe import Llama
+    from hybrimoe.runtime.engine_facts import cpu_repacked_types, engine_facts
+
+    path = quant_model(arch, quant)
+    facts = engine_facts(path)
+    n_prompt = 3 * ub + 7
+    common = _common(rpc_server, n_prompt, ub)
+    probe = Llama(path, **common, tensor_buft_overrides="exps=CPU")
+    try:
+        tokens = prompt_tokens(probe, n_prompt)
+    finally:
+        probe.close()
+    if share == "cpu":
+        engine = dict(moe_cache=0)
+    elif share == "layers":
+        # the last MoE layers' experts resident and computed on the stand-in, the first layer's on the CPU
+        n_gpu_layers = max(1, len(facts.moe_layers) - 1)
+        engine = dict(moe_cache=n_gpu_layers * facts.n_expert * facts.slot_bytes, moe_policy="upstream-ncmoe")
+    else:
+        engine = dict(moe_cache="50%", moe_cost_model=split_cost_model)
+    out, lg, st = _greedy(path, tokens, 24, **common, **engine)
+    e = st["engine"]
+    layers = e["layers"]
+    # the CPU share really ran on repacked experts wherever this CPU repacks the expert types
+    types = {t for row in facts.expert_types for t in row}
+    import gguf
+
+    repackable = {int(gguf.GGMLQuantizationType[n]) for n in cpu_repacked_types()}
+    assert any(any(r) for r in e["repacked"]) == bool(types & repackable), (e["repacked"], types)
+
+    if share == "layers":
+        gpu_layers = [facts.moe_layers[i] for i, ls in enumerate(layers) if ls["gpu_pairs"] > 0]
+        assert gpu_layers and all(layers[i]["cpu_pairs"] == 0 for i, ls in enumerate(layers) if ls["gpu_pairs"]), \
+            layers
+        dev = f"RPC0[{rpc_server.endpoint}]"
+        placement = [rf"blk\.{il}\.ffn_.*_exps={dev}" for il in gpu_layers] + ["exps=CPU"]
+        ref_out, ref_lg, _ = _greedy(path, tokens, 24, **common, tensor_buft_overrides=placement)
+        assert out == ref_out and np.array_equal(lg, ref_lg), nmse(lg, ref_lg)
+        return
+    ref_out, ref_lg, _ = _greedy(path, tokens, 24, **common, tensor_buft_overrides="exps=CPU")
+    assert out == ref_out
+    if share == "cpu" or e["gpu_experts"] == 0:
+        assert e["gpu_experts"] == 0
+        assert np.array_equal(lg, ref_lg), nmse(lg, ref_lg)
+        return
+    # a mixed split: bit-exact where upstream's repacked and plain kernels round alike on this CPU
+    _, plain_lg, _ = _greedy(path, tokens, 24, **common, tensor_buft_overrides="exps=CPU", no_repack=True)
+    if np.array_equal(plain_lg, ref_lg):
+        assert np.array_equal(lg, ref_lg), nmse(lg, ref_lg)
+    else:
+        assert nmse(lg, ref_lg) <= 4 * nmse(plain_lg, ref_lg), (nmse(lg, ref_lg), nmse(plain_lg, ref_lg))
+
+
+@pytest.mark.parametrize("quant", list(QUANTS))
+def test_gpu_copies_take_the_file_layout(quant, quant_model, rpc_server):
+    """Every expert computed on the stand-in from slots copied from the file's bytes: upstream's numbers with every
+    expert on the stand-in (``-ngl 99``, no override: the same kernels on the same bytes); the negative control
+    copies the repacked host bytes instead, and the logits then differ."""
+    from hybrimoe import Llama
+
+    path = quant_model("qwen3moe", quant)
+    common = _common(rpc_server, 40, 64)
+    kw = dict(moe_cache="100%", moe_policy="gpu-on-demand")
+    probe = Llama(path, **common)
+    try:
+        tokens = prompt_tokens(probe, 40)
+        ref_out, ref_lg = greedy_with_logits(probe, tokens, 8)
+    finally:
+        probe.close()
+    out, lg, st = _greedy(path, tokens, 8, **common, **kw)
+    assert st["engine"]["cpu_experts"] == 0 and st["engine"]["gpu_experts"] > 0
+    assert any(any(r) for r in st["engine"]["repacked"])
+    assert out == ref_out and np.array_equal(lg, ref_lg), nmse(lg, ref_lg)
+    llm = Llama(path, **common, **kw)
+    try:
+        llm.moe_engine.set_repacked_copies(True)
+        llm.eval(tokens)
+        bad = np.ctypeslib.as_array(llama_cpp_module().llama_cpp.llama_get_logits(llm.ctx), shape=(llm.n_vocab(),))
+        # the repacked blocks read in the file's layout: wrong numbers, often not finite
+        assert not np.isfinite(bad).all() or nmse(bad, last_logits_of_prompt(path, tokens, common)) > 1e-3
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("share", ["cpu", "layers"])
+def test_two_sequences_in_one_batch(share, quant_model, rpc_server):
+    """Two sequences decoded together (n_seq 2): each one's logits equal upstream's same batch with the same
+    placement, repacked (the CPU share alone; the last MoE layer's experts on the stand-in)."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = quant_model("qwen2moe", "Q4_0")
+    facts = engine_facts(path)
+    common = dict(_common(rpc_server, 64, 16), n_seq_max=2)
+    dev = f"RPC0[{rpc_server.endpoint}]"
+    if share == "cpu":
+        kw, placement = dict(moe_cache=0), ["exps=CPU"]
+    else:
+        kw = dict(moe_cache=facts.n_expert * facts.slot_bytes, moe_policy="upstream-ncmoe")
+        placement = [rf"blk\.{facts.moe_layers[-1]}\.ffn_.*_exps={dev}", "exps=CPU"]
+    ref = Llama(path, **common, tensor_buft_overrides=placement)
+    try:
+        a = prompt_tokens(ref, 21)
+        prompts = [a, a[3:] + a[:3]]
+        want = decode_together(ref, prompts, 6)
+    finally:
+        ref.close()
+    llm = Llama(path, **common, **kw)
+    try:
+        have = decode_together(llm, prompts, 6)
+        st = llm.moe_stats()["engine"]
+    finally:
+        llm.close()
+    assert any(any(r) for r in st["repacked"])
+    assert (st["gpu_experts"] > 0) == (share == "layers")
+    for step_want, step_have in zip(want, have):
+        for w, h in zip(step_want, step_have):
+            assert np.array_equal(w, h), nmse(h, w)
+
+
+def test_ram_tier_keeps_the_file_layout(quant_model):
+    """The RAM tier's slots hold the file's bytes: its Llama loads unrepacked (``no_repack`` implied) and its CPU
+    share reads no repacked matrix."""
+    from hybrimoe import Llama
+
+    path = quant_model("qwen3moe", "Q4_0")
+    llm = Llama(path, n_ctx=128, moe_ram_cache="100%", verbose=False)
+    try:
+        llm("Hello", max_tokens=2, temperature=0)
+        st = llm.moe_stats()["engine"]
+    finally:
+        llm.close()
+    assert st["cpu_experts"] > 0 and not any(any(r) for r in st["repacked"])
