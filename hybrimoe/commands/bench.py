@@ -67,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a model larger than RAM: upstream's mmap (CPU only, --no-repack) against hybrimoe's RAM tier "
                         "with this much RAM for routed experts ('40%%', '12GiB', bytes, 'auto'), CPU only (no GPU "
                         "needed); the figures add disk bytes and major page faults per token")
+    p.add_argument("--cpu-only", action="store_true",
+                   help="no GPU: compare the CPU paths, interleaved: upstream as users run it (CPU weights repacked "
+                        "where ggml-cpu can), upstream --no-repack, and hybrimoe's engine with every expert on the "
+                        "CPU on either layout (medians and ranges, the load average before each run)")
     p.add_argument("--ram-policies", default=None,
                    help="with --moe-ram-cache: the RAM tier's cache policies to run (moe_ram_policy: mrs, lru, lfu; "
                         "default mrs,lru)")
@@ -320,8 +324,47 @@ def _write_outputs(args, doc: dict, rows: list) -> None:
         _plot(rows, args)
 
 
+def _run_cpu_only(args: argparse.Namespace) -> int:
+    """``hybrimoe bench --cpu-only``: :data:`hybrimoe.runtime.benchmark.CPU_MODES`, interleaved
+    (:func:`hybrimoe.runtime.benchmark.interleaved_runs`). 0 when every mode ran, 1 otherwise (or on bad input)."""
+    from hybrimoe.runtime.benchmark import CPU_MODES, cpu_table, interleaved_runs
+
+    try:
+        _check_outputs(args)
+        given = [flag for flag, v in (("--moe-ram-cache", args.moe_ram_cache), ("--rpc", args.rpc),
+                                      ("--policies", args.policies), ("--upstream", args.upstream),
+                                      ("-ngl", args.n_gpu_layers), ("--replay-trace", args.replay_trace),
+                                      ("--moe-profile", args.moe_profile), ("--ram-policies", args.ram_policies))
+                 if v is not None] + (["--stand-in"] if args.stand_in else [])
+        if args.moe_cache not in (None, "0"):
+            given.append("--moe-cache")
+        if given:
+            raise ValueError(f"{', '.join(given)} do(es) not apply with --cpu-only (CPU paths only, no GPU, no "
+                             "routing replay)")
+        facts = engine_facts(args.model)
+    except (OSError, ValueError) as e:
+        print(f"hybrimoe bench: error: {e}", file=sys.stderr)
+        return 1
+    modes = [(label, dict(kw, moe_cost_model=args.moe_cost_model) if "moe_cache" in kw else kw)
+             for label, kw in CPU_MODES]
+    threads = args.threads or os.cpu_count() or 1
+    bar = tqdm(total=len(modes) * (args.repetitions + 1), desc="bench", unit="run", file=sys.stderr,
+               disable=not progress_on())
+    try:
+        rows = interleaved_runs(args.model, modes, args.repetitions, args.n_prompt, args.n_gen, threads,
+                                tick=lambda: bar.update(1))
+    finally:
+        bar.close()
+    print(cpu_table(rows, args.n_prompt, args.n_gen))
+    _write_outputs(args, dict(model=os.fspath(args.model), device="CPU", threads=threads, arch=facts.arch,
+                              rows=rows), rows)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs ``hybrimoe bench``: 0 when every mode ran, 1 otherwise (or on bad input)."""
+    if getattr(args, "cpu_only", False):
+        return _run_cpu_only(args)
     try:
         facts, pols, up, n_slots, budget, routing_table = _inputs(args)
     except (OSError, ValueError) as e:
@@ -343,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
         device = _ggml.device_label(gpu) if gpu else None
         if not device:
             print(f"hybrimoe bench: error: no GPU found ({_ggml.ACCELERATOR_KINDS}): give --rpc HOST:PORT (a "
-                  "ggml-rpc-server) or --stand-in", file=sys.stderr)
+                  "ggml-rpc-server) or --stand-in, or --cpu-only to compare the CPU paths", file=sys.stderr)
             return 1
     common = dict(rpc_servers=endpoint, moe_replay=routing_table, threads=args.threads or os.cpu_count() or 1)
     modes = _modes(args, facts, pols, up, budget)
@@ -420,7 +463,13 @@ def _plot(rows: Sequence[dict], args) -> None:
     ok = [r for r in rows if "error" not in r]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * len(ok) + 2))
     for ax, key, title in ((axes[0], "pp_tps", f"pp{args.n_prompt}"), (axes[1], "tg_tps", f"tg{args.n_gen}")):
-        ax.barh([r["mode"] for r in ok], [r[key] for r in ok], xerr=[r[key + "_sd"] for r in ok])
+        if ok and key.replace("_tps", "_median") in ok[0]:  # --cpu-only: medians, the bars span min..max
+            k = key.replace("_tps", "")
+            mid = [r[k + "_median"] for r in ok]
+            err = [[m - r[k + "_min"] for m, r in zip(mid, ok)], [r[k + "_max"] - m for m, r in zip(mid, ok)]]
+            ax.barh([r["mode"] for r in ok], mid, xerr=err)
+        else:
+            ax.barh([r["mode"] for r in ok], [r[key] for r in ok], xerr=[r[key + "_sd"] for r in ok])
         ax.set_xlabel("tokens/s")
         ax.set_title(title)
         ax.invert_yaxis()

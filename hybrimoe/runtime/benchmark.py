@@ -272,3 +272,111 @@ def noise_warnings(rows: Sequence[dict], limit: float = NOISY_CV) -> list[str]:
                        f"{100 * limit:.0f}%) across {r.get('repetitions', '?')} repetitions: rerun on an idle "
                        "machine or with more -r before reading speed-ups from it")
     return out
+
+
+#: the CPU paths of a machine without a GPU (``hybrimoe bench --cpu-only``, bench/bench_cpu_kernels.py): upstream
+#: as users run it (CPU weights in llama.cpp's default buffers: repacked where ggml-cpu has kernels for the type),
+#: upstream ``--no-repack`` (an exactness oracle, not a speed baseline), and hybrimoe's engine with every routed
+#: expert in its CPU share (``moe_cache=0``) on the file's layout and on the repacked one; (label, Llama keywords)
+CPU_MODES = (
+    ("upstream (default: repacked)", dict(n_gpu_layers=0)),
+    ("upstream --no-repack", dict(n_gpu_layers=0, no_repack=True)),
+    ("hybrimoe CPU share, --no-repack", dict(n_gpu_layers=0, moe_cache=0, no_repack=True)),
+    ("hybrimoe CPU share (repacked)", dict(n_gpu_layers=0, moe_cache=0)),
+)
+
+
+def interleaved_runs(path, modes: Sequence[tuple[str, dict]], reps: int, n_prompt: int, n_gen: int, threads: int,
+                     tick=None, external: Sequence[tuple[str, object]] = ()) -> list[dict]:
+    """Every mode loaded once (all at the same time), one warm-up each, then ``reps`` repetitions; in each, every
+    mode in turn (the order rotates by one mode per repetition) evaluates that repetition's prompt of ``n_prompt``
+    tokens in one ubatch (pp) and then decodes ``n_gen`` greedy tokens (tg). The 1-minute load average is read
+    before each run. Timings: llama.cpp's context timer (:class:`Config`). ``external``: more modes run by another
+    program, ``(label, run)`` where ``run()`` does one pp and one tg run of the same sizes and returns their
+    ``(pp tokens/s, tg tokens/s)`` (another llama.cpp build's llama-bench, say); they take their turns in the same
+    rotation, their warm-up included.
+
+    Returns one row per mode (``modes``, then ``external``): ``mode``, ``pp_tps`` and ``tg_tps`` (lists of tokens/s
+    per repetition), ``pp_median``, ``pp_min``, ``pp_max`` and the same for ``tg``, ``loadavg`` (the load averages
+    before its runs), ``tokens`` (the greedy tokens per repetition; none for an external mode) and
+    ``same_tokens_as_first`` (repetitions whose tokens equal the first mode's), or ``mode`` and ``error`` for a mode
+    that could not load or run. ``tick()`` is called after each run.
+    """
+    import os
+
+    configs, rows, turns = [], [], []
+    for label, kw in modes:
+        try:
+            cfg = Config(label, Path(path), n_ctx=n_prompt + n_gen + 8, threads=threads, **kw)
+        except (ValueError, RuntimeError, OSError) as e:
+            rows.append(dict(mode=label, error=str(e)))
+            continue
+        configs.append(cfg)
+        rows.append(dict(mode=label, pp_tps=[], tg_tps=[], loadavg=[], tokens=[]))
+        turns.append((cfg, rows[-1]))
+    for label, run in external:
+        rows.append(dict(mode=label, pp_tps=[], tg_tps=[], loadavg=[], tokens=[]))
+        turns.append((run, rows[-1]))
+    try:
+        if not turns:
+            return rows
+        ps = prompts(configs[0].llm, reps + 1, n_prompt) if configs else []
+        for i in range(-1, reps):
+            k = i % len(turns)
+            for who, row in turns[k:] + turns[:k]:
+                if "error" in row:
+                    continue
+                load = os.getloadavg()[0]
+                if isinstance(who, Config):
+                    who.start(ps[i])
+                    for _ in range(n_gen if i >= 0 else min(8, n_gen)):
+                        who.step()
+                    rec = who.finish(keep=i >= 0)
+                    pp, tg = rec["n_prompt"] / rec["prompt_perf_s"], rec["n_decode"] / rec["decode_perf_s"]
+                    if i >= 0:
+                        row["tokens"].append(rec["tokens"])
+                else:
+                    try:
+                        pp, tg = who()
+                    except (OSError, RuntimeError, ValueError) as e:
+                        label = row["mode"]
+                        row.clear()
+                        row.update(mode=label, error=str(e))
+                        continue
+                if i >= 0:
+                    row["loadavg"].append(load)
+                    row["pp_tps"].append(pp)
+                    row["tg_tps"].append(tg)
+                if tick:
+                    tick()
+    finally:
+        for cfg in configs:
+            cfg.close()
+    first = next((row["tokens"] for _, row in turns if row.get("tokens")), [])
+    for _, row in turns:
+        if "error" in row:
+            continue
+        for key in ("pp", "tg"):
+            xs = row[key + "_tps"]
+            row.update({key + "_median": statistics.median(xs), key + "_min": min(xs), key + "_max": max(xs)})
+        row["same_tokens_as_first"] = sum(a == b for a, b in zip(row["tokens"], first))
+    return rows
+
+
+def cpu_table(rows: Sequence[dict], n_prompt: int, n_gen: int) -> str:
+    """Markdown table of :func:`interleaved_runs`' rows: per mode the median and range of pp and tg tokens/s, each
+    median against the first mode's (upstream as users run it), the repetitions whose greedy tokens equal the first
+    mode's ("-" for an external mode) and the range of the load averages before its runs."""
+    out = [f"| mode | pp{n_prompt} t/s median (min..max) | tg{n_gen} t/s median (min..max) | vs first pp, tg | "
+           "same tokens | load avg before runs |", "|" + "---|" * 6]
+    base = next((r for r in rows if "error" not in r), None)
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['mode']} | error: {r['error'][:300]} | | | | |")
+            continue
+        same = f"{r['same_tokens_as_first']}/{len(r['tokens'])}" if r["tokens"] else "-"
+        out.append(f"| {r['mode']} | {r['pp_median']:.1f} ({r['pp_min']:.1f}..{r['pp_max']:.1f}) | "
+                   f"{r['tg_median']:.2f} ({r['tg_min']:.2f}..{r['tg_max']:.2f}) | "
+                   f"{r['pp_median'] / base['pp_median']:.2f}x, {r['tg_median'] / base['tg_median']:.2f}x | {same} | "
+                   f"{min(r['loadavg']):.2f}..{max(r['loadavg']):.2f} |")
+    return "\n".join(out)

@@ -228,3 +228,28 @@ def test_bench_ram_budget_errors_name_the_flag_once(tiny_model, capsys):
     err = capsys.readouterr().err
     assert f"--moe-ram-cache: moe_ram_cache='{two}' holds 2 experts" in err and "moe_ram_cache: " not in err, err
     assert "n_ubatch" not in err, err
+
+
+def test_bench_cpu_only_compares_the_cpu_paths(tiny_model, tmp_path, capsys):
+    """No GPU needed: upstream's default CPU path, upstream --no-repack and the engine's CPU share on both layouts,
+    interleaved; every mode gives the same greedy tokens (the engine's CPU share is upstream's numbers)."""
+    path = tiny_model("qwen3moe", "Q4_K_M")
+    out_json, out_png = tmp_path / "c.json", tmp_path / "c.png"
+    assert _bench(["-m", path, "--cpu-only", "-p", 16, "-n", 4, "-r", 2, "-t", 1, "--json", out_json,
+                   "--plot", out_png]) == 0
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["upstream (default: repacked)", "upstream --no-repack",
+                                         "hybrimoe CPU share, --no-repack", "hybrimoe CPU share (repacked)"]
+    for r in rows:
+        assert len(r["pp_tps"]) == len(r["tg_tps"]) == len(r["loadavg"]) == 2 and r["pp_min"] <= r["pp_median"], r
+    # the engine's CPU share on each layout gives that layout's upstream tokens
+    assert rows[3]["tokens"] == rows[0]["tokens"] and rows[2]["tokens"] == rows[1]["tokens"]
+    table = capsys.readouterr().out
+    assert "pp16 t/s median (min..max)" in table and "vs first pp, tg" in table
+    assert out_png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("flags", [["--rpc", "127.0.0.1:1"], ["--moe-cache", "25%"], ["--policies", "hybrimoe"]])
+def test_bench_cpu_only_refuses_gpu_flags(flags, tiny_model, capsys):
+    assert _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--cpu-only", *flags]) == 1
+    assert "do(es) not apply with --cpu-only" in capsys.readouterr().err
