@@ -16,7 +16,8 @@ the load average is read before each run), CPU only, ``-t`` threads:
 - ``upstream (default: repacked)``: llama.cpp with its default CPU buffers (the baseline);
 - ``upstream --no-repack``: the file's layout (an exactness oracle, not a speed baseline);
 - ``hybrimoe CPU share, --no-repack`` and ``hybrimoe CPU share (repacked)``: the engine with every routed expert in
-  its CPU share (``moe_cache=0``);
+  its CPU share (``moe_cache=0``); ``hybrimoe fused CPU share`` the same as one op per layer (``moe_cpu_fused``,
+  upstream's numbers) and ``hybrimoe fused, fast`` with every repacked gemm kernel (not bit for bit);
 - with ``--ik-bench PATH`` (ik_llama.cpp's llama-bench, built CPU-only outside this repository): ``ik_llama.cpp``
   with ``-fmoe 0 -rtr 0`` and ``-fmoe 1 -rtr 1`` (fused MoE, run-time repacking), one ``-r 1`` run per turn; its
   pp and tg are llama-bench's own (random prompt tokens, a fresh context per test, flash attention on by its

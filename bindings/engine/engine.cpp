@@ -73,6 +73,9 @@ Args:
     ram_io_threads: I/O workers; ram_cache: the RAM tier's ExpertCache (sized in RAM slots of slot_bytes);
     ram_drop_after_read: POSIX_FADV_DONTNEED on what a buffered read read (the page cache keeps no second copy);
     ram_direct_io: O_DIRECT reads through an aligned staging buffer (buffered where the file system refuses them).
+    fused_cpu: compute each layer's CPU share as one fused op where it can (src/runtime/fused_moe.h), else with
+        upstream's ops: 0 off, 1 with upstream's kernels and numbers, 2 also with repacked gemm kernels that round
+        differently from upstream's gemv (faster prefill of Q4_K experts on x86).
 Raises:
     ValueError: inconsistent facts or cost model. RuntimeError: the device cannot hold the slot pool; a model file
     cannot be opened or changed since the load; the RAM slots cannot be allocated.
@@ -93,7 +96,7 @@ Raises:
                          std::vector<int64_t> file_mtimes_ns, std::vector<std::array<int32_t, 3>> file_of,
                          std::vector<std::array<int64_t, 3>> offset_of, int ram_io_threads,
                          std::shared_ptr<hybrimoe::ExpertCache> ram_cache, bool ram_drop_after_read,
-                         bool ram_direct_io) {
+                         bool ram_direct_io, int fused_cpu) {
                  EngineConfig c;
                  c.n_layer = n_layer;
                  c.n_expert = n_expert;
@@ -124,6 +127,7 @@ Raises:
                  c.ram.io_threads = ram_io_threads;
                  c.ram.drop_after_read = ram_drop_after_read;
                  c.ram.direct_io = ram_direct_io;
+                 c.fused_cpu = fused_cpu;
                  // The arguments keep the policies (and a Python subclass's object) alive while the GIL is
                  // released: nothing Python is freed without it.
                  py::gil_scoped_release nogil;
@@ -141,7 +145,7 @@ Raises:
              py::arg("file_of") = std::vector<std::array<int32_t, 3>>{},
              py::arg("offset_of") = std::vector<std::array<int64_t, 3>>{}, py::arg("ram_io_threads") = 4,
              py::arg("ram_cache") = std::shared_ptr<hybrimoe::ExpertCache>(), py::arg("ram_drop_after_read") = true,
-             py::arg("ram_direct_io") = true)
+             py::arg("ram_direct_io") = true, py::arg("fused_cpu") = 0)
         .def_static("slot_bytes_for", &SlotPool::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
                     py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
                     py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{},
@@ -183,12 +187,17 @@ Raises:
         .def("set_wrong_bias_rows", &Engine::set_wrong_bias_rows, py::arg("on"),
              "Negative control for tests: later copies into the slot pool take each expert's bias rows from "
              "the next expert ((e + 1) mod n_expert).")
+        .def("set_fused_swap", &Engine::set_fused_swap, py::arg("on"),
+             "Negative control for tests: the fused CPU share computes silu(up) * gate instead of silu(gate) * up.")
         .def("set_repacked_copies", &Engine::set_repacked_copies, py::arg("on"),
              "Negative control for tests: later copies of repacked experts into the slot pool take the repacked "
              "host bytes instead of the file's.")
         .def("repacked", &Engine::repacked,
              "Per MoE layer: whether its (gate or gate_up, up, down) matrices are read repacked by the CPU share "
              "(upstream's CPU_REPACK layout; all False until the layer's graph is built).")
+        .def("fused_max_tokens", &Engine::fused_max_tokens,
+             "Per MoE layer: the largest ubatch (tokens) whose CPU share runs as one fused op, -1 where none does "
+             "(fused_cpu off, or experts of a kind it does not compute); set as the layer's graph is built.")
         .def("pinned_count", &Engine::pinned_count, "(layer, expert) keys pinned now.")
         .def_property_readonly("ram_slots", [](const Engine & e) { return e.ram() ? e.ram()->n_slots() : 0; },
                                "RAM expert slots of the RAM tier (0: no RAM tier).")

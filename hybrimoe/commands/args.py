@@ -76,6 +76,8 @@ PORT = int_in(0, 65535)
 TEMPERATURE = float_in(0.0)
 TOP_P = float_in(0.0, 1.0, lo_open=True)
 FRACTION = float_in(0.0, 1.0, hi_open=True)
+#: ``--moe-cpu-fused``'s values as ``hybrimoe.Llama``'s ``moe_cpu_fused``
+FUSED_FLAG = {"off": False, "on": True, "fast": "fast"}
 
 
 def llama_threads_default() -> str:

@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-only", action="store_true",
                    help="no GPU: compare the CPU paths, interleaved: upstream as users run it (CPU weights repacked "
                         "where ggml-cpu can), upstream --no-repack, and hybrimoe's engine with every expert on the "
-                        "CPU on either layout (medians and ranges, the load average before each run)")
+                        "CPU on either layout and fused (medians and ranges, the load average before each run)")
     p.add_argument("--ram-policies", default=None,
                    help="with --moe-ram-cache: the RAM tier's cache policies to run (moe_ram_policy: mrs, lru, lfu; "
                         "default mrs,lru)")

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybrimoe.commands.args import POSITIVE, THREADS, int_in, llama_threads_default
+from hybrimoe.commands.args import FUSED_FLAG, POSITIVE, THREADS, int_in, llama_threads_default
 from hybrimoe.outputs import check_output
 from hybrimoe.policy.cost_model import COST_FIELDS
 
@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "places CPU weights, repacked where ggml-cpu can)")
     p.add_argument("--no-host", action="store_true",
                    help="measure with CPU weights out of the GPU's pinned host buffer, for runs with --no-host")
+    p.add_argument("--moe-cpu-fused", nargs="?", const="on", default="off", choices=("on", "fast", "off"),
+                   help="measure the fused CPU share, for runs with --moe-cpu-fused (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="fewer ubatch sizes and repetitions")
     p.add_argument("-r", "--reps", type=POSITIVE, default=None,
                    help="measured runs per ubatch size (default 2, 1 with --quick); more: steadier figures")
@@ -54,8 +56,10 @@ def run(args: argparse.Namespace) -> int:
             check_output(args.output, "-o", force=args.force, inputs=[("-m", args.model)])
         cm, sources, device = calibrate_model(args.model, rpc_servers=args.rpc, n_gpu_layers=args.n_gpu_layers,
                                               threads=args.threads, quick=args.quick, reps=args.reps,
-                                              no_repack=args.no_repack, no_host=args.no_host)
-        tag = cpu_weights_option(args.no_repack, args.no_host)
+                                              no_repack=args.no_repack, no_host=args.no_host,
+                                              moe_cpu_fused=FUSED_FLAG[args.moe_cpu_fused])
+        tag = cpu_weights_option(args.no_repack, args.no_host) + {"on": "-fused", "fast": "-fused-fast"}.get(
+            args.moe_cpu_fused, "")
         out = save(cm, sources, Path(args.output) if args.output else calibration_path(args.model, device, tag))
     except (OSError, ValueError, RuntimeError) as e:
         print(f"hybrimoe calibrate: error: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from hybrimoe.commands.args import (
     COUNT,
+    FUSED_FLAG,
     POSITIVE,
     SAMPLING_SEED,
     TEMPERATURE,
@@ -78,6 +79,10 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
                         "file (default: this model's stored calibration on this device, see hybrimoe calibrate; "
                         "without one, a short calibration runs on first use and is stored; "
                         f"{AUTO_CALIBRATE_ENV}=0: {DEFAULT_COST_HARDWARE} instead; --moe-stats names the one used)")
+    p.add_argument("--moe-cpu-fused", nargs="?", const="on", default="off", choices=("on", "fast", "off"),
+                   help="each MoE layer's CPU share as one fused op: 'on' (the flag alone) with upstream's kernels and "
+                        "numbers; 'fast' also with repacked gemm kernels that round differently (faster Q4_K "
+                        "prefill); needs --moe-cache or --moe-ram-cache (default: %(default)s)")
     p.add_argument("-nr", "--no-repack", action="store_true",
                    help="keep CPU weights in the file's layout (upstream --no-repack)")
     p.add_argument("--no-host", action="store_true",
@@ -132,7 +137,8 @@ def load_llama(args: argparse.Namespace, model: Path, prog: str, *, llama_class=
             no_host=args.no_host, lazy_experts=args.lazy_experts,
             moe_cache=args.moe_cache, moe_policy=args.moe_policy, moe_prefetch_layers=args.moe_prefetch_layers,
             moe_cost_model=args.moe_cost_model, moe_profile=args.moe_profile, moe_ram_cache=args.moe_ram_cache,
-            moe_ram_policy=args.moe_ram_policy, load_progress=progress, **extra)
+            moe_ram_policy=args.moe_ram_policy, moe_cpu_fused=FUSED_FLAG[args.moe_cpu_fused], load_progress=progress,
+            **extra)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return None

@@ -277,12 +277,15 @@ def noise_warnings(rows: Sequence[dict], limit: float = NOISY_CV) -> list[str]:
 #: the CPU paths of a machine without a GPU (``hybrimoe bench --cpu-only``, bench/bench_cpu_kernels.py): upstream
 #: as users run it (CPU weights in llama.cpp's default buffers: repacked where ggml-cpu has kernels for the type),
 #: upstream ``--no-repack`` (an exactness oracle, not a speed baseline), and hybrimoe's engine with every routed
-#: expert in its CPU share (``moe_cache=0``) on the file's layout and on the repacked one; (label, Llama keywords)
+#: expert in its CPU share (``moe_cache=0``) on the file's layout, on the repacked one, fused (``moe_cpu_fused``:
+#: upstream's numbers) and fused with every repacked gemm (``"fast"``: not bit for bit); (label, Llama keywords)
 CPU_MODES = (
     ("upstream (default: repacked)", dict(n_gpu_layers=0)),
     ("upstream --no-repack", dict(n_gpu_layers=0, no_repack=True)),
     ("hybrimoe CPU share, --no-repack", dict(n_gpu_layers=0, moe_cache=0, no_repack=True)),
     ("hybrimoe CPU share (repacked)", dict(n_gpu_layers=0, moe_cache=0)),
+    ("hybrimoe fused CPU share", dict(n_gpu_layers=0, moe_cache=0, moe_cpu_fused=True)),
+    ("hybrimoe fused, fast", dict(n_gpu_layers=0, moe_cache=0, moe_cpu_fused="fast")),
 )
 
 

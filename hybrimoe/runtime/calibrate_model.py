@@ -15,12 +15,12 @@ from hybrimoe.runtime.setup import auto_slots
 def calibrate_model(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, threads: Optional[int] = None,
                     quick: bool = False, progress: bool = True, desc: str = "calibrating",
                     reps: Optional[int] = None, no_repack: bool = False,
-                    no_host: bool = False) -> tuple["_core.CostModel", dict, str]:
+                    no_host: bool = False, moe_cpu_fused=False) -> tuple["_core.CostModel", dict, str]:
     """Measures the cost model of ``model_path`` on this machine (``hybrimoe calibrate``): loads it once with the
     engine's hook (``moe_cache=0``, the user's devices) and runs :func:`hybrimoe.runtime.calibration.measure` with GPU
     slots for every expert when they fit the device's free memory, else as many as ``moe_cache="auto"`` would take.
-    ``no_repack``, ``no_host``: the CPU-weight options of the runs it is for (the CPU share's kernels depend on them;
-    ``sources["cpu_weights"]`` says which ran).
+    ``no_repack``, ``no_host``, ``moe_cpu_fused``: the options of the runs it is for (the CPU share's kernels depend
+    on them; ``sources["cpu_weights"]`` says which ran).
 
     Returns ``(cost model, sources {field: how it was measured}, device name)``. Without an accelerator (no GPU, no
     ``rpc_servers``) the GPU and copy fields stay at the default hardware's values (marked so).
@@ -35,7 +35,8 @@ def calibrate_model(model_path, *, rpc_servers=None, n_gpu_layers: int = 99, thr
     if threads:
         kw.update(n_threads=threads, n_threads_batch=threads)
     # an explicit cost model: no first-use calibration inside the calibration
-    llm = Llama(str(model_path), moe_cache=0, moe_cost_model=resolve_cost_model(None, facts.model), **kw)
+    llm = Llama(str(model_path), moe_cache=0, moe_cost_model=resolve_cost_model(None, facts.model),
+                moe_cpu_fused=moe_cpu_fused, **kw)
     try:
         dev = llm.moe_setup.device
         n_slots = 0

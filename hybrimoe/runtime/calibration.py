@@ -69,17 +69,17 @@ def model_key(model_path) -> str:
     return f"{p.stem}-{p.stat().st_size}-{h.hexdigest()[:12]}"
 
 
-def calibration_path(model_path, device: str, cpu_weights: str = "repack") -> Path:
+def calibration_path(model_path, device: str, cpu_path: str = "repack") -> Path:
     """Where the calibration of ``model_path`` on ``device`` (a ggml device description or endpoint, or "cpu") with
-    the CPU-weight option ``cpu_weights`` (:func:`hybrimoe.runtime.setup.cpu_weights_option`: the CPU share's
-    kernels, repacked or not, depend on it) is stored."""
+    the CPU share's path ``cpu_path`` (:attr:`hybrimoe.runtime.setup.EngineSetup.cpu_path`: the CPU weights'
+    layout option and whether the share runs fused; its kernels and so its cost depend on them) is stored."""
     dev = re.sub(r"[^A-Za-z0-9._-]+", "_", device or "cpu")
-    return _store_dir() / f"{model_key(model_path)}--{dev}--cpu-{cpu_weights}.json"
+    return _store_dir() / f"{model_key(model_path)}--{dev}--cpu-{cpu_path}.json"
 
 
-def stored(model_path, device: str, cpu_weights: str = "repack") -> Optional[Path]:
-    """The stored calibration for this model, device and CPU-weight option, or None."""
-    p = calibration_path(model_path, device, cpu_weights)
+def stored(model_path, device: str, cpu_path: str = "repack") -> Optional[Path]:
+    """The stored calibration for this model, device and CPU path, or None."""
+    p = calibration_path(model_path, device, cpu_path)
     return p if p.is_file() else None
 
 
@@ -186,10 +186,12 @@ def _runs(llm, engine, prompt: list[int], sizes: Sequence[int], reps: int, k: in
     return feats, ys, layer_rows, used
 
 
-def cpu_weights_note(repacked: Sequence, facts) -> str:
+def cpu_weights_note(repacked: Sequence, facts, fused: Sequence = ()) -> str:
     """How the CPU share read the routed experts in a measurement, for a cost model's ``sources["cpu_weights"]``:
     which matrices (by quant type) were repacked (upstream's CPU_REPACK layout and kernels) and which kept the
-    file's layout. ``repacked``: per MoE layer, (gate or gate_up, up, down) flags (``Engine.repacked()``)."""
+    file's layout, and how many MoE layers ran fused. ``repacked``: per MoE layer, (gate or gate_up, up, down) flags
+    (``Engine.repacked()``); ``fused``: per MoE layer, the largest ubatch run fused, -1 none
+    (``Engine.fused_max_tokens()``)."""
     import gguf
 
     names = ("gate", "up", "down")
@@ -203,6 +205,9 @@ def cpu_weights_note(repacked: Sequence, facts) -> str:
         parts.append("repacked (upstream's CPU_REPACK kernels): " + ", ".join(sorted(kinds[True])))
     if kinds[False]:
         parts.append("file layout (plain kernels): " + ", ".join(sorted(kinds[False])))
+    n_fused = sum(1 for f in fused if f >= 0)
+    if n_fused:
+        parts.append(f"fused (one op per layer) in {n_fused} of {len(fused)} MoE layers")
     return "CPU share on " + "; ".join(parts) if parts else "no MoE layer measured"
 
 
@@ -229,7 +234,7 @@ class _Measurement:
         CPU's or the GPU's share). Returns the runs' (tokens, non-expert s) rows and the experts used per size."""
         facts, llm = self.facts, self.llm
         eng = make_engine(facts, n, self.device if n > 0 else None, build_policies(policy, facts, n, 0), self.preset,
-                          0)
+                          0, fused_cpu=llm.moe_setup.cpu_fused)
         self.hook.set_engine(eng)
         try:
             if n > 0:
@@ -239,7 +244,7 @@ class _Measurement:
             feats, ys, rows, used = _runs(llm, eng, self.prompt, run_sizes, self.reps, facts.top_k,
                                           lambda: self.bar.update(1), vary=n == 0)
             if n == 0:
-                self.sources["cpu_weights"] = cpu_weights_note(eng.repacked(), facts)
+                self.sources["cpu_weights"] = cpu_weights_note(eng.repacked(), facts, eng.fused_max_tokens())
         finally:
             self.hook.set_engine(self.before)
             eng.release()
@@ -400,7 +405,7 @@ def on_first_use(llm, *, device: int, n_slots: int, threads: Optional[int] = Non
                                        desc="hybrimoe: calibrating (first use)")
     for f in sources:
         sources[f] = f"first-use calibration (quick): {sources[f]}"
-    out = calibration_path(model_path, measured_on, llm.moe_setup.cpu_weights)
+    out = calibration_path(model_path, measured_on, llm.moe_setup.cpu_path)
     try:
         return save(cm, sources, out)
     except (OSError, CostModelError) as e:
@@ -417,7 +422,7 @@ def with_stored_cost(setup, model_path):
     warning, and the set-up is returned unchanged: the first use measures a new one."""
     if setup.cost is not None:
         return setup
-    found = stored(model_path, setup.device_label, setup.cpu_weights)
+    found = stored(model_path, setup.device_label, setup.cpu_path)
     if found is None:
         return setup
     try:

@@ -122,6 +122,13 @@ class Llama(llama_cpp.Llama):
             minute; a progress bar on a terminal) and is stored (``hybrimoe.runtime.calibration.on_first_use``); with
             ``{auto_env}=0`` the ``{cost_preset}`` hardware's instead. ``moe_stats()["engine"]["cost_model"]`` says
             which.
+        moe_cpu_fused: compute each MoE layer's CPU share as one fused op (gate and up in one pass over activations
+            quantized once, the SwiGLU and down; its threads synchronised between phases only) with upstream's own
+            kernels, so with upstream's numbers; where it cannot (other activations, expert biases or scales, plain
+            K-quant experts in ubatches of 8 tokens or more), upstream's ops. ``moe_stats()["engine"]["fused"]``
+            gives per MoE layer the largest ubatch that runs fused (-1: none). Off by default. ``"fast"``: also the
+            repacked layouts' gemm kernels where they round differently from the gemv kernel upstream's mul_mat_id
+            runs (Q4_K on x86 AVX2): faster prefill, logits no longer upstream's bit for bit.
 
         moe_ram_cache: the RAM expert tier, for a model larger than RAM: the routed experts stay unread at load
             (as ``lazy_experts``), the engine keeps this many of them in RAM (``"40%"`` of their bytes, ``"12GiB"``,
@@ -160,7 +167,8 @@ class Llama(llama_cpp.Llama):
                  n_seq_max: int | None = None,
                  moe_hook: bool = False, moe_replay: np.ndarray | None = None,
                  moe_cache=None, moe_policy=None, moe_prefetch_layers: int | None = None, moe_cost_model=None,
-                 moe_profile=None, moe_ram_cache=None, moe_ram_policy=None, load_progress=None,
+                 moe_profile=None, moe_ram_cache=None, moe_ram_policy=None, moe_cpu_fused: bool = False,
+                 load_progress=None,
                  record_routing: bool = False, **kwargs):
         self._moe = _MoeParts()
         self._recorder = None
@@ -191,7 +199,7 @@ class Llama(llama_cpp.Llama):
                                    rpc_devices=rpc_devs, tensor_overrides=overrides,
                                    moe_ram_cache=moe_ram_cache, moe_ram_policy=moe_ram_policy,
                                    n_ubatch=int(kwargs.get("n_ubatch") or 512), no_repack=no_repack,
-                                   no_host=no_host)
+                                   no_host=no_host, moe_cpu_fused=moe_cpu_fused)
         if setup is not None:
             if cpu_moe or n_cpu_moe:
                 # upstream's placement flags: the engine keeps every routed expert in host memory already

@@ -208,6 +208,23 @@ def ram_cache_policy(spec) -> "_core.CachePolicy":
                      f"{type(spec).__name__}")
 
 
+def fused_mode(spec) -> int:
+    """``moe_cpu_fused`` as the engine's ``fused_cpu``: False 0 (upstream's ops), True 1 (one fused op per layer
+    with upstream's kernels and numbers), ``"fast"`` 2 (also the repacked gemm kernels that round differently from
+    upstream's gemv: faster prefill of Q4_K experts on x86, numbers within a stated NMSE of upstream's).
+
+    Raises:
+        ValueError: any other value.
+    """
+    if spec is False or spec is None:
+        return 0
+    if spec is True:
+        return 1
+    if isinstance(spec, str) and spec.strip().lower() == "fast":
+        return 2
+    raise ValueError(f"moe_cpu_fused must be True, False or 'fast', got {spec!r}")
+
+
 def cpu_weights_option(no_repack: bool, no_host: bool) -> str:
     """The CPU-weight layout option the routed experts load with, as upstream's flags set it: ``"plain"``
     (``no_repack``, or the RAM tier: the file's layout), ``"repack-nohost"`` (``no_host``: repacked where ggml-cpu has
@@ -218,13 +235,14 @@ def cpu_weights_option(no_repack: bool, no_host: bool) -> str:
 
 
 def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], policies: PolicySet,
-                cost: "_core.CostModel", prefetch_layers: int, ram: Optional[dict] = None):
+                cost: "_core.CostModel", prefetch_layers: int, ram: Optional[dict] = None, fused_cpu: int = 0):
     """Builds the ``hybrimoe._engine.Engine``. The slot pool is split over as many device buffers as the device's
     max buffer size needs (``Engine.slot_buffers``); ``$HYBRIMOE_MAX_BUFFER_BYTES`` (bytes, > 0) caps one buffer
     lower still, to exercise the split on a device without a cap (the RPC stand-in, CUDA).
 
     ``ram``: the RAM tier (``slots``, ``policy`` (a CachePolicy), ``ranges`` of
-    :func:`hybrimoe.runtime.ram_tier.expert_file_ranges`), or None without one.
+    :func:`hybrimoe.runtime.ram_tier.expert_file_ranges`), or None without one. ``fused_cpu``: each layer's CPU
+    share as one fused op where it can be (src/runtime/fused_moe.h; :func:`fused_mode`), 0 off.
 
     Raises:
         ValueError: the slot pool does not fit in the device's free memory, or no device for a non-empty cache.
@@ -262,7 +280,8 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         prefetch_layers=int(prefetch_layers), fill_on_miss=policies.fill_on_miss, routers=facts.routers,
         router_bias=facts.router_bias, sigmoid_gating=facts.sigmoid_gating, cache=policies.cache,
         scheduler=policies.scheduler, prefetcher=policies.prefetcher, max_buffer_bytes=max_buffer_bytes(),
-        bias_bytes=[tuple(b) for b in facts.bias_bytes], scale_bytes=[tuple(b) for b in facts.scale_bytes], **extra)
+        bias_bytes=[tuple(b) for b in facts.bias_bytes], scale_bytes=[tuple(b) for b in facts.scale_bytes],
+        fused_cpu=int(fused_cpu), **extra)
 
 
 def gpu_work_bytes(facts: EngineFacts, n_ubatch: int) -> int:
@@ -332,7 +351,8 @@ class EngineSetup:
     ``None``), ``device_label``, ``host_buffer_type`` (the device's pinned host buffer type, where the routed
     experts are kept; ``None``: plain host memory), ``profile`` (float64 counts ``[MoE layers, experts]`` from
     ``moe_profile``, :func:`load_profile`; ``None``: none given), ``profile_source`` (where they came from) and
-    ``cpu_weights``, the CPU-weight layout option the routed experts load with (:func:`cpu_weights_option`).
+    ``cpu_weights``, the CPU-weight layout option the routed experts load with (:func:`cpu_weights_option`), and
+    ``cpu_fused`` (``moe_cpu_fused`` as :func:`fused_mode` gives it: 0 off).
     """
 
     facts: EngineFacts
@@ -355,6 +375,7 @@ class EngineSetup:
     ram_policy: object = field(default=None, compare=False)
     ram_ranges: Optional[dict] = field(default=None, compare=False)
     cpu_weights: str = "repack"
+    cpu_fused: int = 0
 
     @property
     def ram_tier(self) -> bool:
@@ -365,7 +386,8 @@ class EngineSetup:
     def create(cls, model_path, *, moe_cache, moe_policy=None, moe_prefetch_layers=None, moe_cost_model=None,
                moe_profile=None, kv_overrides: Optional[dict] = None, rpc_devices: Sequence[int] = (),
                tensor_overrides: Sequence[tuple] = (), moe_ram_cache=None, moe_ram_policy=None,
-               n_ubatch: int = 512, no_repack: bool = False, no_host: bool = False) -> Optional["EngineSetup"]:
+               n_ubatch: int = 512, no_repack: bool = False, no_host: bool = False,
+               moe_cpu_fused: bool = False) -> Optional["EngineSetup"]:
         """The set-up for these options, or None when the engine is off (``moe_cache`` None).
 
         ``moe_profile``: a routing trace file or counts ``[MoE layers, experts]`` (:func:`load_profile`): the
@@ -376,7 +398,8 @@ class EngineSetup:
         budget (:mod:`hybrimoe.runtime.ram_tier`; turns the engine on with ``moe_cache=0`` when that is not given;
         with a GPU cache too, every GPU load copies from a RAM slot), ``moe_ram_policy`` its cache policy
         (:func:`ram_cache_policy`), ``n_ubatch`` the context's ubatch (the smallest RAM budget); ``no_repack``
-        and ``no_host`` the Llama's options of those names (:func:`cpu_weights_option`).
+        and ``no_host`` the Llama's options of those names (:func:`cpu_weights_option`); ``moe_cpu_fused`` the fused
+        CPU share (src/runtime/fused_moe.h).
 
         Raises:
             ValueError: a ``moe_*`` option without ``moe_cache``; a bad budget, policy, prefetch depth, cost model,
@@ -391,7 +414,7 @@ class EngineSetup:
         if moe_cache is None:
             given = [n for n, v in (("moe_policy", moe_policy), ("moe_prefetch_layers", moe_prefetch_layers),
                                     ("moe_cost_model", moe_cost_model), ("moe_profile", moe_profile))
-                     if v is not None]
+                     if v is not None] + (["moe_cpu_fused"] if moe_cpu_fused else [])
             if given:
                 raise ValueError(f"{', '.join(given)} set without moe_cache: the MoE engine is off; give moe_cache "
                                  "(e.g. '25%', 'auto', or 0 for no GPU cache) to turn it on")
@@ -441,7 +464,14 @@ class EngineSetup:
         return cls(facts=facts, cache_spec=moe_cache, n_slots=n_slots, slots_note=note, policy_spec=policy_spec,
                    policies=policies, prefetch_layers=prefetch, cost=cost, cost_source=source, device=device,
                    device_label=label, host_buffer_type=host, profile=profile, profile_source=profile_source,
-                   cpu_weights=cpu_weights_option(no_repack or moe_ram_cache is not None, no_host), **ram)
+                   cpu_weights=cpu_weights_option(no_repack or moe_ram_cache is not None, no_host),
+                   cpu_fused=fused_mode(moe_cpu_fused), **ram)
+
+    @property
+    def cpu_path(self) -> str:
+        """The CPU share's path as a calibration's store key names it: the CPU-weight option (``cpu_weights``), then
+        ``-fused`` or ``-fused-fast`` when it runs fused (``cpu_fused`` 1 or 2)."""
+        return self.cpu_weights + {0: "", 1: "-fused", 2: "-fused-fast"}[self.cpu_fused]
 
     def expert_override(self) -> tuple:
         """The tensor override that keeps the routed experts in host memory (``(pattern, buffer type name)``): the
@@ -496,4 +526,4 @@ class EngineSetup:
             ram = {"slots": self.ram_slots, "policy": self.ram_policy, "ranges": self.ram_ranges,
                    "io_threads": IO_THREADS}
         return make_engine(self.facts, self.n_slots, self.device, self.policies, self.cost, self.prefetch_layers,
-                           ram)
+                           ram, fused_cpu=self.cpu_fused)

@@ -49,6 +49,8 @@ def engine_stats(engine, setup) -> dict:
         "failed": engine.failed,
         # per MoE layer, whether the CPU share reads its (gate or gate_up, up, down) matrices repacked
         "repacked": [list(r) for r in engine.repacked()],
+        # per MoE layer, the largest ubatch whose CPU share runs as one fused op (-1: none)
+        "fused": list(engine.fused_max_tokens()),
         "layers": layers,
         "ram": ram_stats(engine, setup),
     }

@@ -56,6 +56,10 @@ void plan_trampoline(ggml_tensor * dst, int ith, int nth, void * ud) {
     if (ith == 0) run_of(ud)->engine->op_plan(dst, *run_of(ud));
 }
 
+void fused_trampoline(ggml_tensor * dst, int ith, int nth, void * ud) {
+    run_of(ud)->engine->op_fused(dst, *run_of(ud), ith, nth);
+}
+
 void wait_trampoline(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith == 0) run_of(ud)->engine->op_wait(dst, *run_of(ud));
@@ -258,6 +262,9 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
                                cfg_.scale_bytes, cfg_.where, cfg_.ram, std::move(ram_cache), host));
     }
     repacked_.assign((size_t) L, {false, false, false});
+    fused_max_T_.assign((size_t) L, -1);
+    if (cfg_.fused_cpu < 0 || cfg_.fused_cpu > 2) throw std::invalid_argument("engine: fused_cpu must be 0, 1 or 2");
+    if (cfg_.fused_cpu > 0) fused_.reset(new FusedCpuShare(cfg_.fused_cpu == 2));
 }
 
 Engine::~Engine() {
@@ -418,8 +425,25 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     for (int b = 0; b < n_ram_bufs; ++b) {
         ggml_tensor * cpu_ids = ggml_view_2d(ctx, plan, k, T, plan->nb[1], (size_t) (b == 0 ? 0 : 1 + b) * plan->nb[2]);
         const ExpertMatrices cpu_m = ram_ ? ram_->views(ctx, m, b) : m;
-        shares[b] = build_expert_ffn(ctx, cpu_m, x, cpu_ids, m.weight_before ? a.weights : nullptr,
-                                     b == 0 ? "hybrimoe_cpu" : "hybrimoe_cpu_b", a.il, a.selected_experts);
+        shares[b] = nullptr;
+        if (fused_ && !ram_ && FusedCpuShare::unsupported(cpu_m, T) == nullptr) {
+            try {
+                fused_->prepare(ml, cpu_m, n_embd, k, T);
+                // the plan op's predicate at every ubatch size: unsupported() depends on the ubatch only from 8
+                // tokens on (upstream's tiled kernel)
+                fused_max_T_[(size_t) ml] = FusedCpuShare::unsupported(cpu_m, 8) ? 7 : INT64_MAX;
+                ggml_tensor * fsrc[2] = {x, cpu_ids};
+                shares[b] = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, k, T, 1, fsrc, 2, fused_trampoline,
+                                           GGML_N_TASKS_MAX, &run);
+                ggml_format_name(shares[b], "hybrimoe_cpu_fused-%d", a.il);
+            } catch (const std::exception &) {
+                fused_max_T_[(size_t) ml] = -1;  // upstream's ops for this layer
+            }
+        }
+        if (!shares[b]) {
+            shares[b] = build_expert_ffn(ctx, cpu_m, x, cpu_ids, m.weight_before ? a.weights : nullptr,
+                                         b == 0 ? "hybrimoe_cpu" : "hybrimoe_cpu_b", a.il, a.selected_experts);
+        }
     }
     ggml_tensor * experts = shares[0];
 
@@ -601,6 +625,23 @@ void Engine::launch_gpu_share(ggml_tensor * dst, LayerRun & run, const std::vect
 }
 
 void Engine::op_plan(ggml_tensor * dst, LayerRun & run) {
+    plan_layer(dst, run);
+    const int64_t T = dst->ne[1];
+    if (fused_ && T > 0 && fused_max_T_[(size_t) run.ml] >= T && fused_->prepared(run.ml)) {
+        // the fused CPU share's part (counted in the CPU share's time): its pairs from plane 0 as written, a
+        // decode's activations quantized
+        const ggml_tensor * x = dst->src[1];
+        fused_->plan(run.ml, (const int32_t *) dst->data, dst->nb[1], dst->ne[0], T, (const float *) x->data,
+                     x->nb[2]);
+    }
+}
+
+void Engine::op_fused(ggml_tensor * dst, LayerRun & run, int ith, int nth) {
+    const ggml_tensor * x = dst->src[0];  // F32 [n_embd, 1, T]
+    fused_->run(run.ml, dst, (const float *) x->data, x->nb[2], ith, nth);
+}
+
+void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
     const double t_start = now();
     run.t_start = t_start;
     run.plan_s = 0.0;

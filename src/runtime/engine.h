@@ -37,6 +37,7 @@
 #include "policy/router_predictor.h"
 #include "policy/scheduler.h"
 #include "runtime/expert_ffn.h"
+#include "runtime/fused_moe.h"
 #include "runtime/gpu_share.h"
 #include "runtime/negative_controls.h"
 #include "runtime/ram_tier.h"
@@ -108,6 +109,9 @@ struct EngineConfig {
     ExpertFiles where;
     /// the RAM expert tier (ram.n_slots > 0: routed experts read from the file into host slots; ram_tier.h)
     RamTierConfig ram;
+    /// the CPU share as one fused op per layer (fused_moe.h) where it can be, else upstream's ops: 0 off, 1 with
+    /// upstream's numbers, 2 also with the repacked gemm kernels that round differently (FusedCpuShare's any_gemm)
+    int fused_cpu = 0;
 };
 
 /// Per MoE layer counters (read between decodes).
@@ -185,9 +189,16 @@ public:
     void set_drop_gpu_share(bool on) { controls_.drop_gpu_share = on; }
     void set_wrong_bias_rows(bool on) { controls_.wrong_bias_rows = on; }
     void set_repacked_copies(bool on) { controls_.repacked_copies = on; }
+    void set_fused_swap(bool on) {
+        controls_.fused_swap = on;
+        if (fused_) fused_->set_swap(on);
+    }
     /// Per MoE layer whose graph was built: which of its matrices (gate or gate_up, up, down) the CPU share reads
     /// repacked (upstream's CPU_REPACK layout).
     std::vector<std::array<bool, 3>> repacked() const { return repacked_; }
+    /// Per MoE layer: the largest ubatch (tokens) whose CPU share runs fused (fused_moe.h), -1 where none does
+    /// (not asked for, or the layer's experts are of a kind it does not compute).
+    std::vector<int64_t> fused_max_tokens() const { return fused_max_T_; }
     /// (layer, expert) keys pinned now; 0 between decodes unless prefetched experts wait for their layer.
     int pinned_count() const;
 
@@ -195,6 +206,7 @@ public:
     struct LayerRun;
     void op_plan(ggml_tensor * dst, LayerRun & run);
     void op_wait(ggml_tensor * dst, LayerRun & run);
+    void op_fused(ggml_tensor * dst, LayerRun & run, int ith, int nth);
 
 private:
     /// Stages and launches the GPU share of the split just decided (plane 0/1 of the plan's output written).
@@ -222,6 +234,11 @@ private:
     std::unique_ptr<MappedExperts> originals_;
     /// per MoE layer: which matrix regions (gate or gate_up, up, down) are repacked on the host
     std::vector<std::array<bool, 3>> repacked_;
+    /// the fused CPU share (cfg_.fused_cpu), and per MoE layer the largest ubatch it runs fused (-1: none)
+    std::unique_ptr<FusedCpuShare> fused_;
+    std::vector<int64_t> fused_max_T_;
+    /// The plan op's work (op_plan adds the fused CPU share's part after it).
+    void plan_layer(ggml_tensor * dst, LayerRun & run);
     /// The plan's output when the engine cannot plan (an error, a warm-up graph): every pair to the CPU share with
     /// upstream's ids, or, with the RAM tier (whose CPU share indexes RAM slots), no pair computed at all.
     void write_fallback(ggml_tensor * dst);

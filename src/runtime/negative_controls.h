@@ -28,6 +28,8 @@ struct NegativeControls {
     /// Copies of repacked experts into the slot pool take the repacked host bytes instead of the file's (the layout
     /// the device kernels do not read); takes effect for copies made after it is set.
     bool repacked_copies = false;
+    /// The fused CPU share computes silu(up) * gate instead of silu(gate) * up.
+    bool fused_swap = false;
 
     /// Sets `variant` by name ("" for none). Throws std::invalid_argument for another name (the message lists them).
     void set_variant(const std::string & name);

@@ -239,11 +239,12 @@ def test_bench_cpu_only_compares_the_cpu_paths(tiny_model, tmp_path, capsys):
                    "--plot", out_png]) == 0
     rows = json.loads(out_json.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["upstream (default: repacked)", "upstream --no-repack",
-                                         "hybrimoe CPU share, --no-repack", "hybrimoe CPU share (repacked)"]
+                                         "hybrimoe CPU share, --no-repack", "hybrimoe CPU share (repacked)",
+                                         "hybrimoe fused CPU share", "hybrimoe fused, fast"]
     for r in rows:
         assert len(r["pp_tps"]) == len(r["tg_tps"]) == len(r["loadavg"]) == 2 and r["pp_min"] <= r["pp_median"], r
     # the engine's CPU share on each layout gives that layout's upstream tokens
-    assert rows[3]["tokens"] == rows[0]["tokens"] and rows[2]["tokens"] == rows[1]["tokens"]
+    assert rows[3]["tokens"] == rows[0]["tokens"] == rows[4]["tokens"] and rows[2]["tokens"] == rows[1]["tokens"]
     table = capsys.readouterr().out
     assert "pp16 t/s median (min..max)" in table and "vs first pp, tg" in table
     assert out_png.stat().st_size > 0

@@ -48,25 +48,28 @@ def test_calibrate_writes_a_cost_model_the_engine_uses(tiny_model, rpc_server, t
 
 
 def test_calibrations_are_kept_per_cpu_weight_option(tiny_model, rpc_server, tmp_path, monkeypatch):
-    """The CPU share's kernels depend on the layout of the CPU weights: a calibration with --no-repack is stored
-    apart from the default one, each records which kernels it measured, and each is found only for its option."""
+    """The CPU share's kernels depend on the layout of the CPU weights and on the fused path: a calibration with
+    --no-repack or --moe-cpu-fused is stored apart from the default one, each records which kernels it measured, and
+    each is found only for its option."""
     from hybrimoe.runtime import calibration
     from hybrimoe.runtime.engine_facts import cpu_repacked_types
 
     monkeypatch.setenv("HYBRIMOE_CACHE_DIR", str(tmp_path / "cache"))
     path = tiny_model("qwen3moe", "Q4_K_M")  # gate and up Q4_K
     label = _label(rpc_server)
-    for flags, option in (([], "repack"), (["--no-repack"], "plain")):
+    for flags, option in (([], "repack"), (["--no-repack"], "plain"), (["--moe-cpu-fused"], "repack-fused")):
         assert calibration.stored(path, label, option) is None
         assert hybrimoe_main(["calibrate", "-m", str(path), "--rpc", rpc_server.endpoint, "--quick", *flags]) == 0
         found = calibration.stored(path, label, option)
         assert found is not None and found.name.endswith(f"--cpu-{option}.json")
         note = json.loads(found.read_text())["sources"]["cpu_weights"]
-        repacked = option == "repack" and "Q4_K" in cpu_repacked_types()
-        parts = dict(part.strip().split(": ", 1) for part in note.removeprefix("CPU share on ").split(";"))
+        repacked = option != "plain" and "Q4_K" in cpu_repacked_types()
+        parts = dict(part.strip().split(": ", 1) for part in note.removeprefix("CPU share on ").split(";")
+                     if ": " in part)
         on_repacked = parts.get("repacked (upstream's CPU_REPACK kernels)", "")
         assert ("gate Q4_K" in on_repacked and "up Q4_K" in on_repacked) == repacked, note
         assert repacked or "gate Q4_K" in parts["file layout (plain kernels)"], note
+        assert ("fused (one op per layer)" in note) == option.endswith("-fused"), note
     assert calibration.stored(path, label, "repack-nohost") is None
 
 
