@@ -33,7 +33,8 @@ class Engine:
                  file_sizes: list[int] = ..., file_mtimes_ns: list[int] = ...,
                  file_of: list[tuple[int, int, int]] = ..., offset_of: list[tuple[int, int, int]] = ...,
                  ram_io_threads: int = 4, ram_cache: ExpertCache | None = None,
-                 ram_drop_after_read: bool = True, ram_direct_io: bool = True, fused_cpu: int = 0) -> None: ...
+                 ram_drop_after_read: bool = True, ram_direct_io: bool = True, fused_cpu: int = 0,
+                 ram_repack: bool = False) -> None: ...
     @staticmethod
     def slot_bytes_for(expert_bytes: list[tuple[int, int, int]], expert_types: list[tuple[int, int, int]],
                        bias_bytes: list[tuple[int, int, int]] = ...,

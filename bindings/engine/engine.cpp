@@ -73,6 +73,8 @@ Args:
     ram_io_threads: I/O workers; ram_cache: the RAM tier's ExpertCache (sized in RAM slots of slot_bytes);
     ram_drop_after_read: POSIX_FADV_DONTNEED on what a buffered read read (the page cache keeps no second copy);
     ram_direct_io: O_DIRECT reads through an aligned staging buffer (buffered where the file system refuses them).
+    ram_repack: repack each expert matrix after its read where ggml-cpu repacks CPU weights (upstream's default);
+        ignored with n_slots > 0 (GPU copies read the RAM slots, in the file's layout).
     fused_cpu: compute each layer's CPU share as one fused op where it can (src/runtime/fused_moe.h), else with
         upstream's ops: 0 off, 1 with upstream's kernels and numbers, 2 also with repacked gemm kernels that round
         differently from upstream's gemv (faster prefill of Q4_K experts on x86).
@@ -96,7 +98,7 @@ Raises:
                          std::vector<int64_t> file_mtimes_ns, std::vector<std::array<int32_t, 3>> file_of,
                          std::vector<std::array<int64_t, 3>> offset_of, int ram_io_threads,
                          std::shared_ptr<hybrimoe::ExpertCache> ram_cache, bool ram_drop_after_read,
-                         bool ram_direct_io, int fused_cpu) {
+                         bool ram_direct_io, int fused_cpu, bool ram_repack) {
                  EngineConfig c;
                  c.n_layer = n_layer;
                  c.n_expert = n_expert;
@@ -128,6 +130,7 @@ Raises:
                  c.ram.drop_after_read = ram_drop_after_read;
                  c.ram.direct_io = ram_direct_io;
                  c.fused_cpu = fused_cpu;
+                 c.ram.repack = ram_repack;
                  // The arguments keep the policies (and a Python subclass's object) alive while the GIL is
                  // released: nothing Python is freed without it.
                  py::gil_scoped_release nogil;
@@ -145,7 +148,7 @@ Raises:
              py::arg("file_of") = std::vector<std::array<int32_t, 3>>{},
              py::arg("offset_of") = std::vector<std::array<int64_t, 3>>{}, py::arg("ram_io_threads") = 4,
              py::arg("ram_cache") = std::shared_ptr<hybrimoe::ExpertCache>(), py::arg("ram_drop_after_read") = true,
-             py::arg("ram_direct_io") = true, py::arg("fused_cpu") = 0)
+             py::arg("ram_direct_io") = true, py::arg("fused_cpu") = 0, py::arg("ram_repack") = false)
         .def_static("slot_bytes_for", &SlotPool::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
                     py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
                     py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{},

@@ -77,8 +77,8 @@ class Llama(llama_cpp.Llama):
         cpu_moe: keep every routed-expert tensor in host memory (upstream ``--cpu-moe``).
         n_cpu_moe: keep the routed experts of the first N layers in host memory (upstream ``--n-cpu-moe``).
         n_seq_max: sequences the context can hold at once (upstream ``-np/--parallel``; llama-cpp-python: 1).
-        no_repack: do not put CPU weights into repacked (interleaved) buffers (upstream ``--no-repack``); implied
-            by ``moe_ram_cache`` (the RAM tier's slots hold the file's layout).
+        no_repack: do not put CPU weights into repacked (interleaved) buffers (upstream ``--no-repack``); the RAM
+            tier's slots then keep the file's layout too.
         no_host: keep CPU weights out of the GPU's host (pinned) buffer type (upstream ``--no-host``): with a GPU
             that has one (CUDA, Vulkan), llama.cpp puts CPU weights there and never repacks them; with ``no_host``
             they may be repacked as on a machine without a GPU.
@@ -219,9 +219,8 @@ class Llama(llama_cpp.Llama):
             self._recorder = engine_module().RoutingRecorder()
         # devices: ours from rpc_servers, plus real accelerators; never another instance's RPC servers
         devices = rpc_devs + _ggml.local_gpus() if _ggml.rpc_device_ptrs() else None
-        # the engine's CPU share runs on repacked experts where upstream repacks them; the RAM tier's slots hold
-        # the file's layout
-        no_repack = no_repack or (setup is not None and setup.ram_tier)
+        # the engine's CPU share runs on repacked experts where upstream repacks them (the RAM tier's slots too,
+        # repacked after each read, unless a GPU cache above it copies from them)
         self._native = NativeParams(
             overrides, devices=devices, load_progress=load_progress, no_repack=no_repack, no_host=no_host,
             lazy_experts=lazy_experts, n_seq_max=n_seq_max, eval_callback=None if self._recorder is None else

@@ -227,7 +227,7 @@ def fused_mode(spec) -> int:
 
 def cpu_weights_option(no_repack: bool, no_host: bool) -> str:
     """The CPU-weight layout option the routed experts load with, as upstream's flags set it: ``"plain"``
-    (``no_repack``, or the RAM tier: the file's layout), ``"repack-nohost"`` (``no_host``: repacked where ggml-cpu has
+    (``no_repack``: the file's layout), ``"repack-nohost"`` (``no_host``: repacked where ggml-cpu has
     kernels for the type, even with a GPU whose pinned host buffer would otherwise hold them) or ``"repack"``
     (llama.cpp's default: the GPU's pinned host buffer when it has one, else repacked where ggml-cpu can). Part of a
     calibration's store key: the CPU share's cost depends on it."""
@@ -271,7 +271,8 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         rc = _core.ExpertCache([float(sb)] * len(facts.moe_layers), facts.n_expert, float(ram["slots"] * sb),
                                ram["policy"])
         extra.update(ram_slots=int(ram["slots"]), ram_io_threads=int(ram.get("io_threads", 4)), ram_cache=rc,
-                     ram_direct_io=bool(ram.get("direct_io", ram_direct_io())))
+                     ram_direct_io=bool(ram.get("direct_io", ram_direct_io())),
+                     ram_repack=bool(ram.get("repack", False)))
     return _engine.Engine(
         n_layer=facts.n_layer, n_expert=facts.n_expert, top_k=facts.top_k, n_embd=facts.n_embd,
         moe_layers=list(facts.moe_layers), expert_bytes=[tuple(b) for b in facts.expert_bytes],
@@ -464,7 +465,7 @@ class EngineSetup:
         return cls(facts=facts, cache_spec=moe_cache, n_slots=n_slots, slots_note=note, policy_spec=policy_spec,
                    policies=policies, prefetch_layers=prefetch, cost=cost, cost_source=source, device=device,
                    device_label=label, host_buffer_type=host, profile=profile, profile_source=profile_source,
-                   cpu_weights=cpu_weights_option(no_repack or moe_ram_cache is not None, no_host),
+                   cpu_weights=cpu_weights_option(no_repack, no_host),
                    cpu_fused=fused_mode(moe_cpu_fused), **ram)
 
     @property
@@ -523,7 +524,9 @@ class EngineSetup:
             if self.ram_slots is None:
                 raise ValueError("EngineSetup.make_engine: the set-up lacks its RAM slots (with_auto_ram_slots)")
             from hybrimoe.runtime.ram_tier import IO_THREADS
+            # the slots repacked after each read where upstream repacks CPU weights (not under a GPU cache: the
+            # engine keeps the file's layout there for the copies)
             ram = {"slots": self.ram_slots, "policy": self.ram_policy, "ranges": self.ram_ranges,
-                   "io_threads": IO_THREADS}
+                   "io_threads": IO_THREADS, "repack": self.cpu_weights != "plain"}
         return make_engine(self.facts, self.n_slots, self.device, self.policies, self.cost, self.prefetch_layers,
                            ram, fused_cpu=self.cpu_fused)

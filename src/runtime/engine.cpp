@@ -132,43 +132,6 @@ bool cpu_backend_skips_negative_ids_repacked() {
     return fn && fn() >= 2;
 }
 
-bool cpu_repacks(ggml_type type, int64_t ne0, int64_t ne1) {
-    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-    if (!cpu || ne0 % ggml_blck_size(type) != 0) return false;
-    auto get_extra = (ggml_backend_buffer_type_t * (*)(ggml_backend_dev_t)) ggml_backend_reg_get_proc_address(
-        ggml_backend_dev_backend_reg(cpu), "ggml_backend_dev_get_extra_bufts");
-    ggml_backend_buffer_type_t repack = nullptr;
-    for (ggml_backend_buffer_type_t * b = get_extra ? get_extra(cpu) : nullptr; b && *b; ++b) {
-        if (std::strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) repack = *b;
-    }
-    if (!repack) return false;
-    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(repack, 64);
-    if (!buf) return false;
-    // a tensor of that shape placed in the buffer: the buffer type's init_tensor gives it repack traits or none
-    // (nothing is written: the tensor's data is never touched)
-    ggml_tensor t{};
-    t.type = type;
-    t.ne[0] = ne0;
-    t.ne[1] = ne1;
-    t.ne[2] = t.ne[3] = 1;
-    t.nb[0] = ggml_type_size(type);
-    t.nb[1] = ggml_row_size(type, ne0);
-    t.nb[2] = t.nb[3] = t.nb[1] * (size_t) ne1;
-    t.buffer = buf;
-    t.data = ggml_backend_buffer_get_base(buf);
-    const bool ok = ggml_backend_buffer_init_tensor(buf, &t) == GGML_STATUS_SUCCESS && t.extra != nullptr;
-    ggml_backend_buffer_free(buf);
-    return ok;
-}
-
-bool is_repacked(const ggml_tensor * t) {
-    // the repack buffer type gives a tensor its traits (tensor->extra) only when ggml-cpu has kernels for its type and
-    // row count on this CPU (ggml_repack_get_optimal_repack_type); its buffers are not host buffers
-    if (!t || !t->buffer || t->extra == nullptr || ggml_backend_buffer_is_host(t->buffer)) return false;
-    const char * name = ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer));
-    return name && std::strcmp(name, "CPU_REPACK") == 0;
-}
-
 std::string cpu_backend_problem() {
     if (cpu_backend_skips_negative_ids()) return "";
     return "the CPU backend in this process is not hybrimoe's ggml-cpu (hybrimoe/lib/libggml-cpu.so.0, which skips "
@@ -240,6 +203,7 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
             if (!pool_.assign((int) (key / cfg_.n_expert), (int) (key % cfg_.n_expert))) break;
         }
     }
+    if (cfg_.n_slots > 0) cfg_.ram.repack = false;  // GPU copies read the RAM slots: the file's layout there
     if (cfg_.ram.n_slots > 0) {
         // GPU loads copy from the RAM slots: pinned host memory (the device's host buffer type) makes them DMA
         // copies; where that type caps a buffer (Vulkan), the slots are split over several, and the CPU share runs
@@ -420,11 +384,14 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     // the CPU share, unweighted (the combine weights each CPU pair) unless weighted before the FFN (Llama 4); scales
     // are gathered by the routing's own ids (ggml_get_rows has no "skip" for the GPU pairs' -1: it would abort)
     // with the RAM tier the CPU share reads the RAM slots (its planes then hold slot numbers), else the file's tensors
-    if (ram_) ram_->set_layer(ml, m);
+    if (ram_) {
+        ram_->set_layer(ml, m);
+        for (int i = 0; i < 3; ++i) repacked_[(size_t) ml][(size_t) i] = ram_->repacked(ml, i);  // the slots' layout
+    }
     ggml_tensor * shares[GGML_MAX_SRC];
     for (int b = 0; b < n_ram_bufs; ++b) {
         ggml_tensor * cpu_ids = ggml_view_2d(ctx, plan, k, T, plan->nb[1], (size_t) (b == 0 ? 0 : 1 + b) * plan->nb[2]);
-        const ExpertMatrices cpu_m = ram_ ? ram_->views(ctx, m, b) : m;
+        const ExpertMatrices cpu_m = ram_ ? ram_->views(ctx, ml, m, b) : m;
         shares[b] = nullptr;
         if (fused_ && !ram_ && FusedCpuShare::unsupported(cpu_m, T) == nullptr) {
             try {

@@ -36,6 +36,7 @@
 #include "policy/prefetcher.h"
 #include "policy/router_predictor.h"
 #include "policy/scheduler.h"
+#include "runtime/cpu_layout.h"
 #include "runtime/expert_ffn.h"
 #include "runtime/fused_moe.h"
 #include "runtime/gpu_share.h"
@@ -64,13 +65,7 @@ std::string cpu_backend_problem();
 /// Whether ggml-cpu's repacked mul_mat_id (upstream's CPU_REPACK buffer type) skips negative expert ids too (patch
 /// 0005, version 2): the engine's CPU share may then run on repacked experts.
 bool cpu_backend_skips_negative_ids_repacked();
-/// Whether `t` lives in upstream's CPU_REPACK buffer with a repacked layout (ggml-cpu/repack.cpp gave it its
-/// tensor traits: its rows interleaved for the repacked gemv/gemm kernels, not the file's layout).
-bool is_repacked(const ggml_tensor * t);
-/// Whether ggml-cpu in this process repacks a weight matrix of `type` with rows of `ne0` values and `ne1` rows when
-/// llama.cpp puts it in the CPU_REPACK buffer (asks the buffer type itself, ggml_backend_buffer_init_tensor: its
-/// kernels depend on the type, the row count and this CPU's features). False when there is no such buffer type.
-bool cpu_repacks(ggml_type type, int64_t ne0, int64_t ne1);
+
 
 /// Facts and settings the engine is built from (Python fills them from the GGUF and the user's options).
 struct EngineConfig {

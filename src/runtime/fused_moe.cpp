@@ -1,5 +1,7 @@
 #include "runtime/fused_moe.h"
 
+#include "runtime/cpu_layout.h"
+
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
@@ -43,18 +45,6 @@ bool tiled_type(ggml_type t) {
         default:
             return false;
     }
-}
-
-// ggml-cpu's CPU_REPACK buffer type, or nullptr
-ggml_backend_buffer_type_t repack_buffer_type() {
-    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-    if (!cpu) return nullptr;
-    auto get_extra = (ggml_backend_buffer_type_t * (*)(ggml_backend_dev_t)) ggml_backend_reg_get_proc_address(
-        ggml_backend_dev_backend_reg(cpu), "ggml_backend_dev_get_extra_bufts");
-    for (ggml_backend_buffer_type_t * b = get_extra ? get_extra(cpu) : nullptr; b && *b; ++b) {
-        if (std::strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) return *b;
-    }
-    return nullptr;
 }
 
 // Whether a repacked layout's gemm gives its gemv's numbers on this CPU, checked once per kernel (a structural

@@ -1,5 +1,7 @@
 #include "runtime/ram_tier.h"
 
+#include "runtime/cpu_layout.h"
+
 #include "ggml-cpu.h"
 
 #include <algorithm>
@@ -106,6 +108,8 @@ RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_
     prefetched_.assign(keys, 0);
     pin_count_.assign(keys, 0);
     layers_.resize(L);
+    repack_.assign(L, {false, false, false});
+    if (cfg_.repack) repack_marker_ = new_repack_marker();  // none: nothing is repacked (no CPU_REPACK here)
     pins_.resize(L);
     prefetch_pins_.resize(L);
     cache_->set_record_evicted(true);
@@ -133,6 +137,7 @@ void RamTier::drop_expert_pages() {
 RamTier::~RamTier() {
     stop_io();
     close_files();
+    if (repack_marker_) ggml_backend_buffer_free(repack_marker_);
 }
 
 void RamTier::close_files() {
@@ -163,12 +168,23 @@ void RamTier::stop_io() {
     cv_done_.notify_all();
 }
 
-ExpertMatrices RamTier::views(ggml_context * ctx, const ExpertMatrices & m, int b) const {
+ExpertMatrices RamTier::views(ggml_context * ctx, int layer, const ExpertMatrices & m, int b) const {
     ExpertMatrices v = m;
     ggml_tensor ** mats[3] = {m.gate_up ? &v.gate_up : &v.gate, &v.up, &v.down};
     ggml_tensor ** biases[3] = {m.gate_up ? &v.gate_up_b : &v.gate_b, &v.up_b, &v.down_b};
     for (int i = 0; i < 3; ++i) {
-        if (*mats[i]) *mats[i] = pool_.region_view(ctx, *mats[i], i, b);
+        if (*mats[i]) {
+            *mats[i] = pool_.region_view(ctx, *mats[i], i, b);
+            if (repacked(layer, i)) {
+                // the slots hold this region repacked: the view names the marker buffer and gets its traits, so
+                // mul_mat_id runs repack.cpp's kernels on the slot's bytes
+                (*mats[i])->buffer = repack_marker_;
+                if (ggml_backend_buffer_init_tensor(repack_marker_, *mats[i]) != GGML_STATUS_SUCCESS ||
+                    (*mats[i])->extra == nullptr) {
+                    throw std::runtime_error("RAM tier: ggml-cpu did not take a repacked view of its slots");
+                }
+            }
+        }
         if (*biases[i]) *biases[i] = pool_.bias_view(ctx, *biases[i], i, b);
     }
     return v;
@@ -242,6 +258,13 @@ void RamTier::worker() {
         void * p = nullptr;
         if (posix_memalign(&p, (size_t) kDirectAlign, (size_t) staging_bytes_) == 0) staging.reset((uint8_t *) p);
     }
+    // where a matrix to repack is read before it is repacked into its slot (the largest matrix's bytes)
+    std::vector<uint8_t> tmp;
+    if (repack_marker_) {
+        int64_t most = 0;
+        for (const auto & eb : expert_bytes_) most = std::max({most, eb[0], eb[1], eb[2]});
+        tmp.resize((size_t) most);
+    }
     for (;;) {
         Job j{};
         int conc = 1;
@@ -254,7 +277,7 @@ void RamTier::worker() {
             conc = ++in_flight_;
         }
         const auto t0 = std::chrono::steady_clock::now();
-        std::string err = read_expert(j, staging.get());
+        std::string err = read_expert(j, staging.get(), tmp.empty() ? nullptr : tmp.data());
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         {
             std::lock_guard<std::mutex> lock(mu_);
@@ -320,13 +343,15 @@ int64_t RamTier::read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, ui
     return got;
 }
 
-std::string RamTier::read_expert(const Job & j, uint8_t * staging) {
+std::string RamTier::read_expert(const Job & j, uint8_t * staging, uint8_t * tmp) {
     const int layer = (int) (j.key / n_expert_), expert = (int) (j.key % n_expert_);
     ExpertMatrices host;
+    std::array<bool, 3> rp{false, false, false};
     int fault = 0;
     {
         std::lock_guard<std::mutex> lock(mu_);
         host = layers_[(size_t) layer];
+        rp = repack_[(size_t) layer];
         if (fault_count_ > 0) {
             --fault_count_;
             fault = fault_errno_;
@@ -338,7 +363,9 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging) {
         if (f < 0) continue;
         const int64_t n = expert_bytes_[(size_t) layer][(size_t) i];
         const int64_t off = where_.offset_of[(size_t) layer][(size_t) i] + n * expert;
-        uint8_t * dst = pool_.slot_data(j.slot, i);
+        uint8_t * slot = pool_.slot_data(j.slot, i);
+        const bool repack = rp[(size_t) i] && tmp != nullptr;
+        uint8_t * dst = repack ? tmp : slot;  // a repacked matrix is read into the worker's buffer first
         bool direct = false;
         const int64_t got = fault ? -fault : read_range(f, dst, n, off, staging, calls, direct);
         if (fault) ++calls;
@@ -352,6 +379,13 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging) {
                    where_.files[(size_t) f] + ": " + why;
         }
         n_direct += direct ? 1 : 0;
+        if (repack) {
+            const ggml_tensor * w = host.slot_matrices()[(size_t) i];
+            if (!repack_matrix(repack_marker_, w->type, w->ne[0], w->ne[1], tmp, slot)) {
+                return "repacking MoE layer " + std::to_string(layer) + " expert " + std::to_string(expert) +
+                       ": ggml-cpu has no repacked layout for it";
+            }
+        }
         // Not after direct reads: they bypass the page cache (a file system that serves O_DIRECT through its page
         // cache instead: HYBRIMOE_RAM_DIRECT_IO=0, buffered reads and these drops)
         if (!direct && cfg_.drop_after_read) {
@@ -680,8 +714,21 @@ void RamTier::inject_read_error(int err, int count) {
 }
 
 void RamTier::set_layer(int layer, const ExpertMatrices & m) {
+    std::array<bool, 3> rp{false, false, false};
+    if (repack_marker_) {
+        const auto mats = m.slot_matrices();
+        for (size_t i = 0; i < 3; ++i) {
+            rp[i] = mats[i] && cpu_repacks(mats[i]->type, mats[i]->ne[0], mats[i]->ne[1]);
+        }
+    }
     std::lock_guard<std::mutex> lock(mu_);
     layers_[(size_t) layer] = m;
+    repack_[(size_t) layer] = rp;
+}
+
+bool RamTier::repacked(int layer, int region) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return repack_[(size_t) layer][(size_t) region];
 }
 
 }  // namespace hybrimoe

@@ -42,6 +42,10 @@ namespace hybrimoe {
 struct RamTierConfig {
     int64_t n_slots = 0;                        ///< RAM expert slots (0: no RAM tier)
     int io_threads = 4;                         ///< I/O workers (reads in flight at most)
+    /// repack each matrix after its read where ggml-cpu repacks CPU weights (upstream's default, cpu_layout.h): the
+    /// CPU share then runs upstream's repacked kernels on the slots. Not with a GPU cache above the tier (its copies
+    /// read the slots and need the file's layout).
+    bool repack = false;
     bool drop_after_read = true;                ///< POSIX_FADV_DONTNEED on each range read (buffered reads)
     /// O_DIRECT reads (aligned over-reads into a worker's staging buffer, then a copy into the slot); where the
     /// file system refuses O_DIRECT, buffered reads
@@ -90,10 +94,14 @@ public:
 
     /// The layer's host expert tensors (biases are copied from them into the slots); set once its graph is built.
     void set_layer(int layer, const ExpertMatrices & m);
-    /// `m` with its matrices and bias rows replaced by views of slot buffer `b` of the pool, built in `ctx`
+    /// Whether the slots hold layer `layer`'s matrix `region` (0 gate or gate_up, 1 up, 2 down) repacked (known once
+    /// set_layer ran).
+    bool repacked(int layer, int region) const;
+    /// Layer `layer`'s `m` with its matrices and bias rows replaced by views of slot buffer `b` of the pool, built in `ctx`
     /// (no_alloc): indexed by the buffer's local slot (SlotPool::local_slot of slot_of) instead of expert id.
-    /// Scales stay the file's (gathered by expert id).
-    ExpertMatrices views(ggml_context * ctx, const ExpertMatrices & m, int b = 0) const;
+    /// Scales stay the file's (gathered by expert id). A repacked region's view names the CPU_REPACK marker buffer
+    /// (and carries its traits), so that mul_mat_id runs the repacked kernels on it.
+    ExpertMatrices views(ggml_context * ctx, int layer, const ExpertMatrices & m, int b = 0) const;
 
     /// Makes the experts `experts` of MoE layer `layer` resident, reading the missing ones (demand reads, issued
     /// before any prefetch still queued), waits for every one of their reads, and pins them until release(layer).
@@ -172,7 +180,8 @@ private:
     void worker();
     /// Reads one expert into its slot; "" or the error (file, offset, cause). `staging`: the worker's aligned
     /// buffer for direct reads (kDirectAlign-aligned, staging_bytes_).
-    std::string read_expert(const Job & j, uint8_t * staging);
+    /// `tmp`: a worker buffer of the largest matrix's bytes when the tier repacks (the read lands there first).
+    std::string read_expert(const Job & j, uint8_t * staging, uint8_t * tmp);
     /// Reads bytes [off, off + n) of file f into dst, directly (through `staging`) where the file allows it: the
     /// bytes got (n unless the file ends first), or -errno.
     int64_t read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, uint8_t * staging, uint64_t & calls,
@@ -213,6 +222,8 @@ private:
     std::vector<int> direct_fds_;           // the same files opened O_DIRECT (-1: refused, or direct_io off)
     int64_t staging_bytes_ = 0;
     std::vector<ExpertMatrices> layers_;
+    std::vector<std::array<bool, 3>> repack_;   // per layer and region: repacked after the read (set_layer)
+    ggml_backend_buffer_t repack_marker_ = nullptr;
     // key state: 0 not resident, 1 read queued or in flight, 2 in the slot; written under mu_
     std::vector<uint8_t> state_;
     std::vector<std::string> key_error_;    // a failed read's message (state back to 0 at harvest)

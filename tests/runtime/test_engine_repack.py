@@ -237,16 +237,17 @@ def test_two_sequences_in_one_batch(share, quant_model, rpc_server):
             assert np.array_equal(w, h), nmse(h, w)
 
 
-def test_ram_tier_keeps_the_file_layout(quant_model):
-    """The RAM tier's slots hold the file's bytes: its Llama loads unrepacked (``no_repack`` implied) and its CPU
-    share reads no repacked matrix."""
+def test_ram_tier_under_a_gpu_cache_keeps_the_file_layout(quant_model, rpc_server):
+    """The RAM slots repack after each read (tests/runtime/test_ram_tier.py) unless a GPU cache above them copies
+    from them: then they keep the file's layout, and the CPU share reads no repacked matrix."""
     from hybrimoe import Llama
 
     path = quant_model("qwen3moe", "Q4_0")
-    llm = Llama(path, n_ctx=128, moe_ram_cache="100%", verbose=False)
+    llm = Llama(path, n_ctx=128, moe_ram_cache="100%", moe_cache="50%", rpc_servers=rpc_server.endpoint,
+                n_gpu_layers=-1, moe_cost_model="rtx4090-desktop", verbose=False)
     try:
         llm("Hello", max_tokens=2, temperature=0)
         st = llm.moe_stats()["engine"]
     finally:
         llm.close()
-    assert st["cpu_experts"] > 0 and not any(any(r) for r in st["repacked"])
+    assert st["repacked"] and not any(any(r) for r in st["repacked"])

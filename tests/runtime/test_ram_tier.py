@@ -1,9 +1,10 @@
 """The RAM expert tier (``Llama(moe_ram_cache=...)``): routed experts read from the GGUF file into RAM slots, the CPU
 share computed over them.
 
-Oracle: upstream llama.cpp on the CPU with the file's layout (``no_repack``), the same tokens: same greedy tokens and
-bit-identical logits, at the smallest budget the tier takes (every layer's experts evict another layer's, so experts
-are read from the file every token). Residency: mincore(2) on the model's mapping (hybrimoe.testing.residency)."""
+Oracle: upstream llama.cpp on the CPU as users run it (CPU weights repacked where this CPU repacks them; the tier
+repacks each expert after its read), the same tokens: same greedy tokens and bit-identical logits, at the smallest
+budget the tier takes (every layer's experts evict another layer's, so experts are read from the file every token);
+with ``no_repack`` on both sides, the file's layout. Residency: mincore(2) on the model's mapping (hybrimoe.testing.residency)."""
 from __future__ import annotations
 
 import errno
@@ -42,7 +43,7 @@ def _min_budget(path, ub) -> int:
 def _reference(path, tokens, ub, **kw):
     from hybrimoe import Llama
 
-    ref = Llama(str(path), no_repack=True, **_kw(ub, **kw))
+    ref = Llama(str(path), **_kw(ub, **kw))
     try:
         return greedy_with_logits(ref, tokens, N_GEN)
     finally:
@@ -92,6 +93,24 @@ def test_reads_every_token_and_matches_upstream(arch, quant, ub, tiny_model):
     assert ram["demand_reads"] + ram["prefetch_reads"] >= N_GEN and ram["evictions"] > 0, ram
     assert ram["reads_in_flight"] == 0
     assert st["gpu_experts"] == 0
+
+
+@pytest.mark.parametrize("no_repack", [False, True])
+@pytest.mark.parametrize("quant", ["Q4_0", "Q4_K_M"])
+def test_slots_are_repacked_as_upstream_repacks(quant, no_repack, tiny_model):
+    """The tier repacks each expert after its read where upstream's load repacks CPU weights, and its CPU share runs
+    the repacked kernels on the slots: upstream's numbers with its default; with no_repack on both sides, the file's
+    layout and plain kernels."""
+    from hybrimoe.runtime.engine_facts import cpu_repacked_types
+
+    path = tiny_model("qwen3moe", quant)
+    tokens = _tokens(path, 19)
+    ref_out, ref_lg = _reference(path, tokens, 7, no_repack=no_repack)
+    out, lg, st = _ram_run(path, tokens, 7, no_repack=no_repack)
+    assert out == ref_out and np.array_equal(lg, ref_lg)
+    want = not no_repack and bool({"Q4_0", "Q4_K"} & set(cpu_repacked_types()))
+    assert any(any(r) for r in st["repacked"]) == want, st["repacked"]
+    assert st["ram"]["demand_reads"] + st["ram"]["prefetch_reads"] > 0  # experts went through the reads
 
 
 @pytest.mark.parametrize("quant", ["Q8_0", "MXFP4"])
@@ -150,7 +169,7 @@ def test_two_sequences_in_one_batch_match_upstream(tiny_model):
 
     path = tiny_model("qwen3moe", "Q8_0")
     prompts = [_tokens(path, 9), _tokens(path, 13)[2:]]
-    ref = Llama(str(path), no_repack=True, n_seq_max=2, **_kw(7))
+    ref = Llama(str(path), n_seq_max=2, **_kw(7))
     try:
         want = decode_together(ref, prompts, 6)
     finally:
