@@ -375,7 +375,8 @@ def cpu_table(rows: Sequence[dict], n_prompt: int, n_gen: int) -> str:
     base = next((r for r in rows if "error" not in r), None)
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['mode']} | error: {r['error'][:300]} | | | | |")
+            err = " ".join(r["error"].split())  # one table cell
+            out.append(f"| {r['mode']} | error: {err[-300:]} | | | | |")
             continue
         same = f"{r['same_tokens_as_first']}/{len(r['tokens'])}" if r["tokens"] else "-"
         out.append(f"| {r['mode']} | {r['pp_median']:.1f} ({r['pp_min']:.1f}..{r['pp_max']:.1f}) | "
