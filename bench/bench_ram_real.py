@@ -5,7 +5,8 @@ Model: a synthetic DeepSeek-V2-Lite-shaped GGUF (``hybrimoe.tiny.make_synthetic_
 weights) with enough layers to be ``--size-factor`` x this machine's RAM on disk (MemTotal; 1.5 by default), written
 once to ``$HYBRIMOE_CACHE_DIR/models``. Routing: replayed (``moe_replay``) from a synthetic trace of the model's own
 shape (``hybrimoe.traces.synthetic.synthetic_trace``, ``--locality``), so both sides route alike whatever the random
-router says; the text is meaningless.
+router says, with the trace's router scores (``moe_replay_scores``) for hybrimoe's cache policies; the text is
+meaningless.
 
 Same memory: every run is a child process in a memory cgroup of its own (cgroup v1 or v2, made under this process's
 one) whose limit (``--limit``) covers everything the process holds, page cache included: upstream's mmap keeps in the
@@ -16,10 +17,19 @@ file is dropped from the page cache (fsync, POSIX_FADV_DONTNEED).
 Per run: prefill tokens/s (one ``--pp``-token prompt, ubatch 512) and decode tokens/s (``--tg`` tokens after it),
 bytes read from the disk per token (``/proc/self/io`` read_bytes: what reached the block device, read-ahead
 included) and major page faults per token (getrusage), the read bandwidth that gives, and for hybrimoe the RAM
-tier's counters. Modes: upstream (mmap, ``--no-repack``), hybrimoe (MRS, prefetch by the router look-ahead),
-hybrimoe without prefetch, hybrimoe with LRU. Prints a markdown table; ``--json`` writes the rows.
+tier's counters. Modes (``--modes``): upstream (mmap, ``--no-repack``: with its default repacking the load would
+read every expert into RAM, which a model larger than RAM does not allow), hybrimoe (as users run it: MRS, prefetch
+by the router look-ahead, slots repacked where upstream repacks), hybrimoe with LRU, and hybrimoe without prefetch.
 
-    python3 bench/bench_ram_real.py --json ram_real.json
+Read-ahead: the block device's ``read_ahead_kb`` decides how much upstream's mmap reads per fault (Linux gives an
+NVMe drive 128 KiB; this project's disk has 8 MiB), so every mode runs at each ``--read-ahead`` value (default
+128, 512, 2048 and 8192), set through sysfs where the process may (``hybrimoe.runtime.readahead``; put back at the
+end; the value in force is recorded either way). ``-r`` interleaved repetitions: per repetition every read-ahead,
+and at each every mode in a rotating order, the load average read before each run. Prints per (mode, read-ahead) the
+median (min..max) of each figure, then hybrimoe against upstream at 128 KiB and against upstream at its best
+read-ahead per stage; ``--json`` writes every run, the summary and the read-ahead attempts.
+
+    python3 bench/bench_ram_real.py --limit 3GiB --json ram_real.json
 """
 from __future__ import annotations
 
@@ -112,14 +122,17 @@ def child(args) -> dict:
     from hybrimoe.traces.synthetic import synthetic_trace
 
     kw = json.loads(args.child_kw)
+    # a synthetic trace with router scores: the engine's MRS ranks by the replayed routing's scores, as it would on
+    # the model's own routing (the random router's would not match the replayed ids)
     tr = synthetic_trace(facts_from_gguf(args.model), args.pp + args.tg + 8, locality=args.locality, seed=0,
-                         scores=False, n_prompts=1)
-    table = routing_replay_table(tr, args.model)
+                         scores=True, n_prompts=1)
+    table, scores = routing_replay_table(tr, args.model, scores=True)
     del tr
     drop_from_page_cache(args.model)
     t_load = time.perf_counter()
     llm = Llama(str(args.model), n_ctx=args.pp + args.tg + 16, n_batch=512, n_ubatch=512, n_threads=args.threads,
-                n_threads_batch=args.threads, n_gpu_layers=0, verbose=False, no_repack=True, moe_replay=table,
+                n_threads_batch=args.threads, n_gpu_layers=0, verbose=False, no_repack=not kw, moe_replay=table,
+                moe_replay_scores=scores,
                 **({"moe_cost_model": "rtx4090-desktop"} if kw else {}), **kw)
     load_s = time.perf_counter() - t_load
     mem = machine_memory()
@@ -148,12 +161,69 @@ def child(args) -> dict:
     return row
 
 
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (mode, read-ahead asked): the median and range over the repetitions of each figure."""
+    import statistics
+
+    out = []
+    keys = sorted({(r["mode"], r["asked_kb"]) for r in rows}, key=lambda k: (list(MODES).index(k[0]), k[1]))
+    for mode, kb in keys:
+        runs = [r for r in rows if r["mode"] == mode and r["asked_kb"] == kb]
+        ok = [r for r in runs if "error" not in r]
+        s = {"mode": mode, "asked_kb": kb, "runs": len(runs), "errors": [r["error"] for r in runs if "error" in r],
+             "in_force_kb": sorted({r["read_ahead_kb"] for r in runs}), "loadavg": [r["loadavg"] for r in runs]}
+        for f in ("pp_tps", "tg_tps", "pp_read_per_token", "tg_read_per_token", "pp_majflt_per_token",
+                  "tg_majflt_per_token"):
+            xs = [r[f] for r in ok]
+            if xs:
+                s[f] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+        hits = [r["ram_decode"]["hit_rate"] for r in ok if "ram_decode" in r]
+        if hits:
+            s["ram_hit_rate"] = {"median": statistics.median(hits), "min": min(hits), "max": max(hits)}
+        out.append(s)
+    return out
+
+
+def _fig(s: dict, key: str, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    v = s.get(key)
+    if not v:
+        return "-"
+    return f"{fmt.format(v['median'] / scale)} ({fmt.format(v['min'] / scale)}..{fmt.format(v['max'] / scale)})"
+
+
+def headline(summary: list[dict]) -> list[str]:
+    """hybrimoe against upstream at 128 KiB (the usual read-ahead) and against upstream at its best read-ahead per
+    stage: the lines that say so."""
+    up = [s for s in summary if s["mode"] == "upstream-mmap" and "pp_tps" in s]
+    hy = [s for s in summary if s["mode"] == "hybrimoe" and "pp_tps" in s]
+    lines = []
+    if not up or not hy:
+        return lines
+    for stage in ("pp_tps", "tg_tps"):
+        best_up = max(up, key=lambda s: s[stage]["median"])
+        best_hy = max(hy, key=lambda s: s[stage]["median"])
+        at128 = [(u, h) for u in up for h in hy if u["asked_kb"] == h["asked_kb"] == 128]
+        what = "prefill" if stage == "pp_tps" else "decode"
+        if at128:
+            u, h = at128[0]
+            hm, um = h[stage]["median"], u[stage]["median"]
+            lines.append(f"{what}: hybrimoe {hm:.3f} t/s = {hm / um:.2f}x upstream's {um:.3f} at read_ahead_kb 128")
+        hm, um = best_hy[stage]["median"], best_up[stage]["median"]
+        lines.append(f"{what}: hybrimoe's best {hm:.3f} t/s (read_ahead_kb {best_hy['asked_kb']}) = {hm / um:.2f}x "
+                     f"upstream's best {um:.3f} (read_ahead_kb {best_up['asked_kb']})")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF to run (default: the synthetic benchmark model)")
     ap.add_argument("--size-factor", type=float, default=1.5, help="model size over MemTotal (default 1.5)")
     ap.add_argument("--limit", default="8GiB", help="memory cgroup limit of each run (default 8GiB)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"modes to run, comma-separated ({', '.join(MODES)})")
+    ap.add_argument("--modes", default="upstream-mmap,hybrimoe,hybrimoe-lru",
+                    help=f"modes to run, comma-separated ({', '.join(MODES)}; default %(default)s)")
+    ap.add_argument("--read-ahead", default="128,512,2048,8192",
+                    help="read_ahead_kb values of the model's block device to run every mode at (default %(default)s)")
+    ap.add_argument("-r", "--reps", type=int, default=3, help="interleaved repetitions (default 3)")
     ap.add_argument("--locality", default="high", help="synthetic routing locality preset (high, low)")
     ap.add_argument("--pp", type=int, default=256, help="prompt tokens (default 256)")
     ap.add_argument("--tg", type=int, default=32, help="decode tokens (default 32)")
@@ -165,47 +235,72 @@ def main() -> int:
         print("ROW " + json.dumps(child(args)), flush=True)
         return 0
     from hybrimoe.policy.budget import parse_budget
+    from hybrimoe.runtime.readahead import ReadAhead
 
     args.model = Path(args.model) if args.model else model_path(args.size_factor)
     limit = int(parse_budget(args.limit, 1.0, 0.0))
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for name in modes:
+        if name not in MODES:
+            print(f"unknown mode {name!r} (known: {', '.join(MODES)})", file=sys.stderr)
+            return 2
+    asked = [int(x) for x in args.read_ahead.split(",") if x.strip()]
     cg = MemoryCgroup(limit)
     rows = []
+    ra = ReadAhead(args.model)
     try:
-        for name in [m.strip() for m in args.modes.split(",") if m.strip()]:
-            if name not in MODES:
-                print(f"unknown mode {name!r} (known: {', '.join(MODES)})", file=sys.stderr)
-                return 2
-            cmd = [sys.executable, __file__, "--model", str(args.model), "--pp", str(args.pp), "--tg", str(args.tg),
-                   "--threads", str(args.threads), "--locality", args.locality, "--child-kw", json.dumps(MODES[name])]
-            print(f"{name}...", file=sys.stderr, flush=True)
-            p = subprocess.run(cmd, preexec_fn=cg.enter, capture_output=True, text=True)
-            got = [ln[4:] for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
-            row = json.loads(got[0]) if got else {
-                "error": f"exit status {p.returncode}" + (" (killed: out of memory?)" if p.returncode < 0 else "") +
-                         ": " + (p.stderr or p.stdout)[-2000:]}
-            row["mode"] = name
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if not k.startswith("ram_")}), file=sys.stderr, flush=True)
+        for rep in range(args.reps):
+            for kb in asked:
+                in_force = ra.set(kb)
+                if not ra.log[-1]["set"]:
+                    print(f"read_ahead_kb {kb}: could not set it ({ra.log[-1]['why']}); {in_force} in force",
+                          file=sys.stderr, flush=True)
+                k = rep % len(modes)
+                for name in modes[k:] + modes[:k]:
+                    cmd = [sys.executable, __file__, "--model", str(args.model), "--pp", str(args.pp), "--tg",
+                           str(args.tg), "--threads", str(args.threads), "--locality", args.locality, "--child-kw",
+                           json.dumps(MODES[name])]
+                    load = os.getloadavg()[0]
+                    print(f"{name} at read_ahead_kb {in_force} (repetition {rep + 1}, load average {load:.2f})...",
+                          file=sys.stderr, flush=True)
+                    p = subprocess.run(cmd, preexec_fn=cg.enter, capture_output=True, text=True)
+                    got = [ln[4:] for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
+                    row = json.loads(got[0]) if got else {
+                        "error": f"exit status {p.returncode}" + (" (killed: out of memory?)" if p.returncode < 0 else
+                                                                 "") + ": " + (p.stderr or p.stdout)[-2000:]}
+                    row.update(mode=name, rep=rep, asked_kb=kb, read_ahead_kb=in_force, loadavg=load)
+                    rows.append(row)
+                    print(json.dumps({k2: v for k2, v in row.items() if not k2.startswith("ram_")}), file=sys.stderr,
+                          flush=True)
     finally:
+        ra.close()
         cg.close()
+    summary = summarize(rows)
     size = args.model.stat().st_size
     print(f"model {args.model.name}: {size / 2**30:.1f} GiB on disk; memory cgroup limit {limit / 2**30:.1f} GiB; "
-          f"{args.threads} threads, CPU only; routing replayed ({args.locality} locality)")
-    print(f"| mode | pp{args.pp} t/s | tg{args.tg} t/s | MB read/token (pp, tg) | major faults/token (pp, tg) | "
-          "read MB/s (pp, tg) | RAM hit rate (tg) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['mode']} | error: {r['error'].splitlines()[-1] if r['error'] else '?'} |")
+          f"{args.threads} threads, CPU only; routing replayed ({args.locality} locality); {args.reps} interleaved "
+          f"repetitions, median (min..max); read_ahead_kb found {ra.original}, put back after")
+    print(f"| mode | read_ahead_kb | pp{args.pp} t/s | tg{args.tg} t/s | MB read/token pp | MB read/token tg | "
+          "major faults/token pp | major faults/token tg | RAM hit rate (tg) | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for s in summary:
+        if "pp_tps" not in s:
+            err = s["errors"][-1].splitlines()[-1] if s["errors"] else "?"
+            print(f"| {s['mode']} | {s['asked_kb']} | error: {err} |")
             continue
-        hit = f"{r['ram_decode']['hit_rate']:.3f}" if "ram_decode" in r else "-"
-        print(f"| {r['mode']} | {r['pp_tps']:.2f} | {r['tg_tps']:.3f} | {r['pp_read_per_token'] / 1e6:.1f}, "
-              f"{r['tg_read_per_token'] / 1e6:.1f} | {r['pp_majflt_per_token']:.0f}, {r['tg_majflt_per_token']:.0f} | "
-              f"{r['pp_read_bw'] / 1e6:.0f}, {r['tg_read_bw'] / 1e6:.0f} | {hit} |")
+        kb = ",".join(str(x) for x in s["in_force_kb"])
+        print(f"| {s['mode']} | {kb} | {_fig(s, 'pp_tps')} | {_fig(s, 'tg_tps', fmt='{:.3f}')} | "
+              f"{_fig(s, 'pp_read_per_token', 1e6, '{:.0f}')} | {_fig(s, 'tg_read_per_token', 1e6, '{:.0f}')} | "
+              f"{_fig(s, 'pp_majflt_per_token', 1, '{:.0f}')} | {_fig(s, 'tg_majflt_per_token', 1, '{:.0f}')} | "
+              f"{_fig(s, 'ram_hit_rate', fmt='{:.3f}')} | {min(s['loadavg']):.2f}..{max(s['loadavg']):.2f} |")
+    for line in headline(summary):
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(args.model), "model_bytes": size, "limit": limit,
                                                "threads": args.threads, "pp": args.pp, "tg": args.tg,
-                                               "locality": args.locality, "rows": rows}, indent=2))
+                                               "locality": args.locality, "reps": args.reps,
+                                               "read_ahead": {"found_kb": ra.original, "attempts": ra.log},
+                                               "summary": summary, "rows": rows}, indent=2))
     return 0 if all("error" not in r for r in rows) else 1
 
 

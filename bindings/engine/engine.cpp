@@ -192,6 +192,10 @@ Raises:
              "the next expert ((e + 1) mod n_expert).")
         .def("set_fused_swap", &Engine::set_fused_swap, py::arg("on"),
              "Negative control for tests: the fused CPU share computes silu(up) * gate instead of silu(gate) * up.")
+        .def("set_routing_replay", [](Engine & e, std::shared_ptr<hybrimoe::RoutingReplay> r) {
+                 e.set_routing_replay(std::move(r)); }, py::arg("replay"),
+             "The context's RoutingReplay (or None): where it has router scores, the cache policies see those for "
+             "the rows it replays instead of the model's own router's.")
         .def("set_repacked_copies", &Engine::set_repacked_copies, py::arg("on"),
              "Negative control for tests: later copies of repacked experts into the slot pool take the repacked "
              "host bytes instead of the file's.")

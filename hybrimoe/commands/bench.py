@@ -51,6 +51,7 @@ from hybrimoe.policy.presets import ENGINE_PRESETS, PROFILE_PRESETS
 from hybrimoe.runtime.benchmark import Config, io_counters, mean_sd, noise_warnings, prompts, upstream_modes
 from hybrimoe.runtime.disk_calibration import drop_from_page_cache
 from hybrimoe.runtime.engine_facts import engine_facts
+from hybrimoe.runtime.readahead import ReadAhead
 from hybrimoe.runtime.rpc import RPCServer
 from hybrimoe.runtime.setup import cache_slots, load_profile
 from hybrimoe.traces.routing_replay import routing_replay_table
@@ -71,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no GPU: compare the CPU paths, interleaved: upstream as users run it (CPU weights repacked "
                         "where ggml-cpu can), upstream --no-repack, and hybrimoe's engine with every expert on the "
                         "CPU on either layout and fused (medians and ranges, the load average before each run)")
+    p.add_argument("--read-ahead", default=None, metavar="KB[,KB...]",
+                   help="with --moe-ram-cache: run every mode at each of these read_ahead_kb values of the model's "
+                        "block device (set through sysfs where the process may, put back after; the value in force "
+                        "is in each row), e.g. 128,512,2048,8192 (default: leave it as it is)")
     p.add_argument("--ram-policies", default=None,
                    help="with --moe-ram-cache: the RAM tier's cache policies to run (moe_ram_policy: mrs, lru, lfu; "
                         "default mrs,lru)")
@@ -212,11 +217,16 @@ def _inputs(args) -> tuple:
                          "mmap against the RAM tier) and has no GPU mode; a GPU cache above the RAM tier runs with "
                          "`hybrimoe run`/`serve` (--moe-cache with --moe-ram-cache); here leave --moe-cache out or "
                          "give 0")
-    routing_table = None
+    routing_table = routing_scores = None
     if args.replay_trace:
         # a recorded trace (with phases): prefill routing for the prompt, decode routing for the generated tokens
-        routing_table = routing_replay_table(args.replay_trace, args.model, layout=(args.n_prompt, args.n_gen))
-    return facts, pols, up, n_slots, n_slots * facts.slot_bytes, routing_table
+        # with the trace's router scores where it has them (the engine's cache policies rank by them)
+        routing_table, routing_scores = routing_replay_table(args.replay_trace, args.model,
+                                                             layout=(args.n_prompt, args.n_gen), scores=True)
+    if args.read_ahead is not None and args.moe_ram_cache is None:
+        raise ValueError("--read-ahead sets how much a page fault reads from the disk: it applies with "
+                         "--moe-ram-cache (a model larger than RAM)")
+    return facts, pols, up, n_slots, n_slots * facts.slot_bytes, (routing_table, routing_scores)
 
 
 def _modes(args, facts, pols: list, up: set, budget: int) -> list[tuple[str, dict, int]]:
@@ -334,7 +344,8 @@ def _run_cpu_only(args: argparse.Namespace) -> int:
         given = [flag for flag, v in (("--moe-ram-cache", args.moe_ram_cache), ("--rpc", args.rpc),
                                       ("--policies", args.policies), ("--upstream", args.upstream),
                                       ("-ngl", args.n_gpu_layers), ("--replay-trace", args.replay_trace),
-                                      ("--moe-profile", args.moe_profile), ("--ram-policies", args.ram_policies))
+                                      ("--moe-profile", args.moe_profile), ("--ram-policies", args.ram_policies),
+                                      ("--read-ahead", args.read_ahead))
                  if v is not None] + (["--stand-in"] if args.stand_in else [])
         if args.moe_cache not in (None, "0"):
             given.append("--moe-cache")
@@ -366,7 +377,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "cpu_only", False):
         return _run_cpu_only(args)
     try:
-        facts, pols, up, n_slots, budget, routing_table = _inputs(args)
+        facts, pols, up, n_slots, budget, (routing_table, routing_scores) = _inputs(args)
+        read_aheads = [int(x) for x in args.read_ahead.split(",") if x.strip()] if args.read_ahead else [None]
     except (OSError, ValueError) as e:
         print(f"hybrimoe bench: error: {e}", file=sys.stderr)
         return 1
@@ -388,15 +400,32 @@ def run(args: argparse.Namespace) -> int:
             print(f"hybrimoe bench: error: no GPU found ({_ggml.ACCELERATOR_KINDS}): give --rpc HOST:PORT (a "
                   "ggml-rpc-server) or --stand-in, or --cpu-only to compare the CPU paths", file=sys.stderr)
             return 1
-    common = dict(rpc_servers=endpoint, moe_replay=routing_table, threads=args.threads or os.cpu_count() or 1)
+    common = dict(rpc_servers=endpoint, moe_replay=routing_table, moe_replay_scores=routing_scores,
+                  threads=args.threads or os.cpu_count() or 1)
     modes = _modes(args, facts, pols, up, budget)
-    bar = tqdm(total=len(modes) * (args.repetitions + 1), desc="bench", unit="run", file=sys.stderr,
-               disable=not progress_on())
+    bar = tqdm(total=len(read_aheads) * len(modes) * (args.repetitions + 1), desc="bench", unit="run",
+               file=sys.stderr, disable=not progress_on())
     ref: list = []
+    ra = ReadAhead(args.model) if read_aheads != [None] else None
+    rows = []
     try:
-        rows = [_measure_mode(args, label, kw, gpu_bytes, common, bar, ref) for label, kw, gpu_bytes in modes]
+        for kb in read_aheads:
+            suffix = ""
+            if ra is not None:
+                in_force = ra.set(kb)
+                suffix = f" @ read_ahead_kb {in_force}"
+                if not ra.log[-1]["set"]:
+                    print(f"hybrimoe bench: read_ahead_kb {kb}: could not set it ({ra.log[-1]['why']}); "
+                          f"{in_force} in force", file=sys.stderr)
+            for label, kw, gpu_bytes in modes:
+                row = _measure_mode(args, label + suffix, kw, gpu_bytes, common, bar, ref)
+                if ra is not None:
+                    row.update(read_ahead_kb=ra.log[-1]["in_force_kb"], read_ahead_asked_kb=kb)
+                rows.append(row)
     finally:
         bar.close()
+        if ra is not None:
+            ra.close()
         if server is not None:
             server.stop()
     print(format_table(rows, args))
@@ -410,6 +439,7 @@ def run(args: argparse.Namespace) -> int:
     _write_outputs(args, dict(model=os.fspath(args.model), moe_cache=gpu_budget_spec(args),
                               moe_ram_cache=args.moe_ram_cache, budget_bytes=budget,
                               slot_bytes=facts.slot_bytes, n_slots=n_slots, device=device, stand_in=bool(server),
+                              read_ahead=None if ra is None else {"found_kb": ra.original, "attempts": ra.log},
                               replay_trace=args.replay_trace, moe_profile=args.moe_profile, rows=rows), rows)
     return 0 if all("error" not in r for r in rows) else 1
 

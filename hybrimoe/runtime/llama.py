@@ -91,6 +91,10 @@ class Llama(llama_cpp.Llama):
             refused with ``use_mlock`` (llama.cpp locks the mapping from its start, expert pages included).
         moe_hook: install hybrimoe's MoE hook (``hybrimoe._engine.MoeHook``); its statistics are in
             ``moe_stats()``.
+        moe_replay_scores: float array ``[n_rows, n_layer, n_expert]``, with ``moe_replay``: the replayed rows'
+            router scores (a trace's, ``hybrimoe.traces.routing_replay.routing_replay_table(..., scores=True)``): the
+            engine's cache policies rank by them instead of the model's own router's (MRS then sees what it would
+            on the model's own routing); the routing weights stay the model's.
         moe_replay: int array ``[n_rows, n_layer, k]``: force every MoE layer's routed expert ids; the token at
             position p gets row ``p % n_rows`` (benchmarks replay real routing; outputs become meaningless).
         record_routing: record every MoE layer's routed ids and router scores as llama.cpp computes them, with
@@ -135,7 +139,8 @@ class Llama(llama_cpp.Llama):
             bytes, or ``"auto"``: what the memory available after the load holds, less the other weights and a
             margin) and reads the others from the GGUF file (every shard of a split model) when their layer needs
             them or ahead of it by the router look-ahead (``moe_prefetch_layers``), dropping them from the page
-            cache once read, so the process uses about the budget (``hybrimoe.runtime.ram_tier``). Turns the engine
+            cache once read, so the process uses about the budget (``hybrimoe.runtime.ram_tier``); the weights outside
+            the experts are read into RAM at load (``use_mmap`` defaults to False with it). Turns the engine
             on with ``moe_cache=0`` (a GPU cache with it is not implemented yet). The smallest budget holds every
             expert one ubatch can route to in a layer (``min(n_expert, n_ubatch * top_k)`` experts); a budget above
             the machine's memory is refused; ``use_mlock`` is refused with it. ``moe_stats()["engine"]["ram"]``
@@ -166,6 +171,7 @@ class Llama(llama_cpp.Llama):
                  lazy_experts: bool = False,
                  n_seq_max: int | None = None,
                  moe_hook: bool = False, moe_replay: np.ndarray | None = None,
+                 moe_replay_scores: np.ndarray | None = None,
                  moe_cache=None, moe_policy=None, moe_prefetch_layers: int | None = None, moe_cost_model=None,
                  moe_profile=None, moe_ram_cache=None, moe_ram_policy=None, moe_cpu_fused: bool = False,
                  load_progress=None,
@@ -210,6 +216,10 @@ class Llama(llama_cpp.Llama):
             setup = calibration.with_stored_cost(setup, model_path)
             if setup.ram_tier:
                 lazy_experts = True  # the RAM tier reads the experts itself: the loader leaves them unread
+                # the weights outside the experts read into RAM at load (anonymous memory), not left in the
+                # mapping: under memory pressure the page cache would drop them and every ubatch would fault them
+                # back in, page by page, while the RAM slots keep the room (the user may still ask for the mapping)
+                kwargs.setdefault("use_mmap", False)
             # routed experts in host memory: with lazy experts the loader skips the override for the weights
             # (they stay in the mapping) and applies it to their biases and scales, which the engine copies too
             overrides.append(setup.expert_override())
@@ -233,7 +243,7 @@ class Llama(llama_cpp.Llama):
         self._moe.ctx = self._ctx
         self._stack.callback(self._moe.close)
         try:
-            self._attach_moe(moe_replay, moe_hook, kwargs.get("n_threads"))
+            self._attach_moe(moe_replay, moe_hook, kwargs.get("n_threads"), moe_replay_scores)
         except BaseException:
             self.close()
             raise
@@ -250,10 +260,12 @@ class Llama(llama_cpp.Llama):
             if getattr(self, "_logits_all", False) and self.scores.shape[0] < n_real:
                 self.scores = np.zeros((n_real, self.scores.shape[1]), dtype=self.scores.dtype)
 
-    def _attach_moe(self, moe_replay, moe_hook: bool, n_threads) -> None:
+    def _attach_moe(self, moe_replay, moe_hook: bool, n_threads, moe_replay_scores=None) -> None:
         """Attaches the routing replay, the hook and the engine to the new context."""
+        if moe_replay is None and moe_replay_scores is not None:
+            raise ValueError("moe_replay_scores set without moe_replay: they are the replayed rows' router scores")
         if moe_replay is not None:
-            self._attach_routing_replay(np.asarray(moe_replay))
+            self._attach_routing_replay(np.asarray(moe_replay), moe_replay_scores)
         setup = self._moe_setup
         if not moe_hook and setup is None:
             return
@@ -261,16 +273,33 @@ class Llama(llama_cpp.Llama):
         self._moe.hook.attach(self._ctx_ptr())
         if setup is None:
             return
+        if setup.ram_tier and not self.uses_mmap:
+            # the weights outside the experts are in the process's memory now: their pages in the page cache are a
+            # second copy, and the loader's read-ahead brought expert pages in beside them; drop the files' pages
+            # (before "auto" measures the memory available)
+            from hybrimoe.model.reader import open_gguf
+            from hybrimoe.runtime.disk_calibration import drop_from_page_cache
+
+            for f in open_gguf(setup.facts.path).files:
+                drop_from_page_cache(f)
         # known only now: the device memory left ("auto") and the loaded model to calibrate on
         setup = setup.with_auto_slots(self.context_params.n_ubatch)
-        setup = setup.with_auto_ram_slots(self.context_params.n_ubatch)
+        setup = setup.with_auto_ram_slots(self.context_params.n_ubatch, other_in_ram=not self.uses_mmap)
         setup = calibration.with_first_use_cost(self, setup, n_threads)
         self._moe.hook.reset_counters()  # the user's statistics start with the user's first eval
         # (_moe_warned is kept: a first-use calibration that already warned about layers left to upstream's
         # path warned about the same layers the user's evals will see, and once is enough)
         self._moe_setup = setup
         self._moe.engine = setup.make_engine()
+        if self._moe.routing_replay is not None:
+            self._moe.engine.set_routing_replay(self._moe.routing_replay)  # its scores, where it has them
         self._moe.hook.set_engine(self._moe.engine)
+
+    @property
+    def uses_mmap(self) -> bool:
+        """Whether the model's weights are mapped from the file (llama.cpp's load mode: mmap, or mmap and mlock)
+        rather than read into the process's memory."""
+        return int(self.model_params.load_mode) in (int(_lc.LLAMA_LOAD_MODE_MMAP), int(_lc.LLAMA_LOAD_MODE_MMAP_MLOCK))
 
     @property
     def moe_setup(self) -> "EngineSetup | None":
@@ -305,12 +334,19 @@ class Llama(llama_cpp.Llama):
         ctx = self._ctx.ctx
         return int(ctx.value if hasattr(ctx, "value") else ctx)
 
-    def _attach_routing_replay(self, ids: np.ndarray) -> None:
+    def _attach_routing_replay(self, ids: np.ndarray, scores=None) -> None:
         # the same checks as --replay-trace's (hybrimoe.traces.routing_replay), against the loaded model's layers
         _, n_expert, top_k, moe_layers = model_routing_shape(self.model_path)
         n_layer = int(_lc.llama_model_n_layer(self.model))
         ids = check_routing_replay_table(ids, n_layer, n_expert, top_k, moe_layers)
-        self._moe.routing_replay = engine_module().RoutingReplay(ids, n_expert)
+        if scores is not None:
+            scores = np.asarray(scores, dtype=np.float32)
+            if scores.shape != (ids.shape[0], n_layer, n_expert):
+                raise ValueError(f"moe_replay_scores must have shape [n_rows, n_layer, n_expert] = "
+                                 f"{(ids.shape[0], n_layer, n_expert)}, got {scores.shape}")
+            if not np.isfinite(scores).all():
+                raise ValueError("moe_replay_scores holds values that are not finite")
+        self._moe.routing_replay = engine_module().RoutingReplay(ids, n_expert, scores)
         self._moe.routing_replay.attach(self._ctx_ptr())
 
     def eval(self, tokens, *, logits_all: bool = False):

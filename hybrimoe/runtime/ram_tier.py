@@ -10,10 +10,11 @@ Rules: the budget is for the routed experts only (``"40%"`` of their bytes, ``"1
 prefill ubatch can route to every expert of a layer, and a layer's experts must all be in RAM while it computes, so
 the smallest budget is ``min(n_expert, n_ubatch * top_k)`` slots (refused below, with the number); a budget above
 the machine's memory (or the process's memory cgroup limit) is refused with both numbers. ``use_mlock`` is refused
-(it would lock every expert page of the mapping); ``use_mmap=False`` is allowed (the weights outside the experts are
-then read into RAM; the experts' mapping is never touched). CPU weights are placed as upstream places them (repacked
-where ggml-cpu has kernels for their type, unless ``no_repack``), the RAM slots included: each expert matrix is
-repacked after its read, so the CPU share runs upstream's repacked kernels; under a GPU cache the slots keep the
+(it would lock every expert page of the mapping). The weights outside the experts are read into RAM at load
+(``use_mmap=False`` is the tier's default; the experts' mapping is never touched): left in the page cache, memory
+pressure would evict them and every ubatch would fault them back in. CPU weights are placed as upstream places them
+(repacked where ggml-cpu has kernels for their type, unless ``no_repack``), the RAM slots included: each expert matrix
+is repacked after its read, so the CPU share runs upstream's repacked kernels; under a GPU cache the slots keep the
 file's layout (the GPU copies read them).
 """
 from __future__ import annotations

@@ -481,9 +481,12 @@ class EngineSetup:
         host = None if self.cpu_weights == "repack-nohost" else self.host_buffer_type
         return (EXPS_REGEX, host or "CPU")
 
-    def with_auto_ram_slots(self, n_ubatch: int) -> "EngineSetup":
+    def with_auto_ram_slots(self, n_ubatch: int, other_in_ram: bool = False) -> "EngineSetup":
         """For ``moe_ram_cache="auto"``, once the model is loaded: the set-up with the RAM slots that fit the memory
         available now (:func:`hybrimoe.runtime.ram_tier.auto_ram_slots`); other set-ups are returned unchanged.
+        ``other_in_ram``: the weights outside the routed experts were read into the process's memory at load
+        (``use_mmap=False``), so the memory available now excludes them already; else they are in the page cache,
+        which the available memory counts as free, and are set aside.
 
         Raises:
             ValueError: too little memory for a layer's experts.
@@ -492,7 +495,7 @@ class EngineSetup:
             return self
         from hybrimoe.model.reader import open_gguf
         from hybrimoe.runtime import ram_tier
-        other = max(0, int(open_gguf(self.facts.path).size) - int(self.facts.total_expert_bytes))
+        other = 0 if other_in_ram else max(0, int(open_gguf(self.facts.path).size) - int(self.facts.total_expert_bytes))
         n, why = ram_tier.auto_ram_slots(self.facts, n_ubatch, other)
         return dataclasses.replace(self, ram_slots=n, ram_note=why)
 

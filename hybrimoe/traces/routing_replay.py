@@ -72,7 +72,7 @@ def check_routing_replay_table(ids, n_layer: int, n_expert: int, top_k: int, moe
 
 
 def routing_replay_table(trace: Union[RoutingTrace, str, os.PathLike], model_path: Union[str, os.PathLike], *,
-                 prompt: Optional[int] = None, layout: Optional[tuple] = None) -> np.ndarray:
+                 prompt: Optional[int] = None, layout: Optional[tuple] = None, scores: bool = False):
     """The ``moe_replay`` table of a trace for a model: int32 ``[n_rows, n_layer, k]`` (model layers; rows of
     dense layers are 0 and unused), one row per trace token.
 
@@ -83,6 +83,9 @@ def routing_replay_table(trace: Union[RoutingTrace, str, os.PathLike], model_pat
     prefill tokens and the next n_decode rows from its decode tokens (each cycled from its start), so that a
     benchmark's prompt (pp) replays prefill routing and its generated tokens (tg) decode routing; a trace without
     phases, or without tokens of a phase, keeps its rows in order.
+
+    ``scores=True`` returns ``(table, scores)``: the same rows' router scores, float32 ``[n_rows, n_layer, E]``
+    (``moe_replay_scores``: the engine's cache policies rank by them), or None when the trace has none.
 
     Raises:
         FileNotFoundError / ValueError: unreadable trace (see :func:`hybrimoe.traces.format.load_trace`); a trace whose
@@ -120,4 +123,11 @@ def routing_replay_table(trace: Union[RoutingTrace, str, os.PathLike], model_pat
         raise ValueError(f"{where}: no rows to replay")
     table = np.zeros((len(rows), n_layer, tr.top_k), dtype=np.int32)
     table[:, moe_layers, :] = tr.expert_ids[rows].astype(np.int32)
-    return check_routing_replay_table(table, n_layer, n_expert, top_k, moe_layers, where)
+    table = check_routing_replay_table(table, n_layer, n_expert, top_k, moe_layers, where)
+    if not scores:
+        return table
+    if not tr.has_scores:
+        return table, None
+    sc = np.zeros((len(rows), n_layer, n_expert), dtype=np.float32)
+    sc[:, moe_layers, :] = tr.router_scores[rows].astype(np.float32)
+    return table, sc

@@ -665,8 +665,12 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
         const auto & eb = cfg_.expert_bytes[(size_t) ml];
         const double expert_bytes = (double) (eb[0] + eb[1] + eb[2]);
         scores_.resize((size_t) (T * E));
+        // replayed routing with the trace's scores: the policies rank by those, as on the model's own routing
+        const float * replayed = replay_ ? replay_->current_scores(run.il, (int) T) : nullptr;
         for (int64_t t = 0; t < T; ++t) {
-            for (int e = 0; e < E; ++e) scores_[(size_t) (t * E + e)] = routing.prob(e, t);
+            for (int e = 0; e < E; ++e) {
+                scores_[(size_t) (t * E + e)] = replayed ? replayed[t * E + e] : routing.prob(e, t);
+            }
         }
         for (int32_t id : ids_) {
             if (id < 0 || id >= E) throw std::invalid_argument("routing id " + std::to_string(id) + " out of range");

@@ -42,6 +42,7 @@
 #include "runtime/gpu_share.h"
 #include "runtime/negative_controls.h"
 #include "runtime/ram_tier.h"
+#include "runtime/routing_replay.h"
 #include "runtime/slot_pool.h"
 
 #include <array>
@@ -184,6 +185,9 @@ public:
     void set_drop_gpu_share(bool on) { controls_.drop_gpu_share = on; }
     void set_wrong_bias_rows(bool on) { controls_.wrong_bias_rows = on; }
     void set_repacked_copies(bool on) { controls_.repacked_copies = on; }
+    /// The routing replay of the context, whose router scores (when it has them) the cache policies see instead
+    /// of the model's own router's for the layers it replays (nullptr: none).
+    void set_routing_replay(std::shared_ptr<const RoutingReplay> replay) { replay_ = std::move(replay); }
     void set_fused_swap(bool on) {
         controls_.fused_swap = on;
         if (fused_) fused_->set_swap(on);
@@ -231,6 +235,7 @@ private:
     std::vector<std::array<bool, 3>> repacked_;
     /// the fused CPU share (cfg_.fused_cpu), and per MoE layer the largest ubatch it runs fused (-1: none)
     std::unique_ptr<FusedCpuShare> fused_;
+    std::shared_ptr<const RoutingReplay> replay_;
     std::vector<int64_t> fused_max_T_;
     /// The plan op's work (op_plan adds the fused CPU share's part after it).
     void plan_layer(ggml_tensor * dst, LayerRun & run);

@@ -1,5 +1,6 @@
 #include "runtime/routing_replay.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -21,6 +22,20 @@ RoutingReplay::RoutingReplay(std::vector<int32_t> ids, int n_rows, int n_layers,
         }
     }
     for (int i = 0; i < n_layers; ++i) calls_[(size_t) i] = 0;
+}
+
+void RoutingReplay::set_scores(std::vector<float> scores) {
+    if (scores.size() != (size_t) n_rows_ * n_layers_ * n_expert_) {
+        throw std::invalid_argument("routing scores size does not match [n_rows, n_layers, n_expert]");
+    }
+    scores_ = std::move(scores);
+    current_.assign((size_t) n_layers_, {});
+}
+
+const float * RoutingReplay::current_scores(int il, int n_tokens) const {
+    if (scores_.empty() || il < 0 || il >= n_layers_) return nullptr;
+    const auto & c = current_[(size_t) il];
+    return c.size() == (size_t) n_tokens * n_expert_ ? c.data() : nullptr;
 }
 
 void RoutingReplay::attach(llama_context * ctx) {
@@ -52,6 +67,18 @@ void RoutingReplay::callback(int32_t il, int32_t n_tokens, int32_t n_expert_used
     }
     if (il >= 0 && il < self->n_layers_) {
         self->calls_[(size_t) il].fetch_add(1, std::memory_order_relaxed);
+        if (!self->scores_.empty() && n_expert == self->n_expert_) {
+            // this ubatch's rows of the scores, for the engine's plan op of this layer (which runs after every
+            // input of the graph was set)
+            auto & cur = self->current_[(size_t) il];
+            cur.resize((size_t) n_tokens * n_expert);
+            for (int32_t t = 0; t < n_tokens; ++t) {
+                const int64_t p = pos ? (int64_t) pos[t] : (int64_t) t;
+                const int64_t row = ((p % self->n_rows_) + self->n_rows_) % self->n_rows_;
+                const float * src = self->scores_.data() + ((size_t) row * self->n_layers_ + il) * n_expert;
+                std::copy(src, src + n_expert, cur.begin() + (size_t) t * n_expert);
+            }
+        }
     }
 }
 

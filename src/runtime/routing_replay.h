@@ -20,6 +20,14 @@ public:
     /// Throws std::invalid_argument on an empty table or ids outside [0, n_expert).
     RoutingReplay(std::vector<int32_t> ids, int n_rows, int n_layers, int k, int n_expert);
 
+    /// Router scores of the replayed rows: [n_rows, n_layers, n_expert] float, row-major (the trace's own, so
+    /// that score-based cache policies rank as on the model's own routing). Throws std::invalid_argument on a
+    /// size that does not match.
+    void set_scores(std::vector<float> scores);
+    /// The scores of the rows the last ubatch replayed in model layer il, [n_tokens, n_expert] row-major, or
+    /// nullptr (no scores, or that layer's last ubatch had another row count).
+    const float * current_scores(int il, int n_tokens) const;
+
     void attach(llama_context * ctx);
     void detach();
 
@@ -31,6 +39,8 @@ public:
 
 private:
     std::vector<int32_t> ids_;
+    std::vector<float> scores_;                  // [n_rows, n_layers, n_expert] or empty
+    std::vector<std::vector<float>> current_;    // per layer: the last ubatch's rows of scores_
     int n_rows_, n_layers_, k_, n_expert_;
     std::unique_ptr<std::atomic<uint64_t>[]> calls_;
     llama_context * ctx_ = nullptr;

@@ -175,6 +175,37 @@ def test_bench_ram_tier_bad_input(extra, match, tiny_model, capsys):
     assert match in capsys.readouterr().err
 
 
+def test_bench_ram_tier_at_each_read_ahead(tiny_model, tmp_path, monkeypatch):
+    """--read-ahead: every mode runs at each read_ahead_kb of the model's block device (set where the process may),
+    each row says the value in force, and the value found is put back afterwards."""
+    import os
+
+    from hybrimoe import _ggml
+    from hybrimoe.runtime.readahead import read_ahead_file, read_ahead_kb
+
+    cpu_only = [d for d in _ggml.devices() if d["type"] == _ggml.DEV_CPU]
+    monkeypatch.setattr(_ggml, "devices", lambda memory=True: cpu_only)
+    path = tiny_model("qwen3moe", "Q8_0")
+    before = read_ahead_kb(path)
+    out = tmp_path / "b.json"
+    assert _bench(["-m", path, "--moe-ram-cache", _min_ram_budget(path), "-p", 8, "-n", 2, "-r", 1,
+                   "--ram-policies", "mrs", "--read-ahead", "128,256", "--json", out]) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["mode"].split(" @ ")[0], r["read_ahead_asked_kb"]) for r in doc["rows"]] == [
+        ("upstream mmap (CPU, --no-repack)", 128), ("hybrimoe RAM mrs", 128),
+        ("upstream mmap (CPU, --no-repack)", 256), ("hybrimoe RAM mrs", 256)]
+    assert doc["read_ahead"]["found_kb"] == before and read_ahead_kb(path) == before
+    knob = read_ahead_file(path)
+    if knob is not None and os.access(knob, os.W_OK):
+        assert [r["read_ahead_kb"] for r in doc["rows"]] == [128, 128, 256, 256]
+        assert all(" @ read_ahead_kb " in r["mode"] for r in doc["rows"])
+
+
+def test_read_ahead_needs_the_ram_tier(tiny_model, capsys):
+    assert _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--stand-in", "--read-ahead", "128"]) == 1
+    assert "--read-ahead sets how much a page fault reads" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("budget, match", [("100000GiB", "more than the"), ("20%", "a ubatch of 512 tokens"),
                                            ("lots", "cannot parse")])
 def test_bench_ram_budget_checked_before_loading(budget, match, tiny_model, capsys):

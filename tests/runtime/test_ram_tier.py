@@ -113,6 +113,33 @@ def test_slots_are_repacked_as_upstream_repacks(quant, no_repack, tiny_model):
     assert st["ram"]["demand_reads"] + st["ram"]["prefetch_reads"] > 0  # experts went through the reads
 
 
+def test_weights_outside_the_experts_never_fault(tiny_model):
+    """With the RAM tier the weights outside the routed experts are read into RAM at load (``use_mmap`` defaults to
+    False): once the file has left the page cache, prefill and decode take no major page fault (the experts come
+    through the tier's reads). Negative control: with the mapping kept (``use_mmap=True``), the same run faults
+    those weights back in."""
+    import resource
+
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q4_K_M")
+    tokens = _tokens(path, 40)
+    faults = {}
+    for use_mmap in (None, True):
+        kw = {} if use_mmap is None else {"use_mmap": True}
+        llm = Llama(str(path), moe_ram_cache="100%", moe_cost_model="rtx4090-desktop", **_kw(64, **kw))
+        try:
+            assert llm.uses_mmap == (use_mmap is True)
+            drop_from_page_cache(path)
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            greedy_with_logits(llm, tokens, 8)
+            faults[use_mmap] = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - before
+        finally:
+            llm.close()
+    assert faults[None] == 0, faults
+    assert faults[True] > 0, faults
+
+
 @pytest.mark.parametrize("quant", ["Q8_0", "MXFP4"])
 def test_gpt_oss_biases_come_with_the_slot(quant, tmp_path_factory, tiny_model):
     """gpt-oss: expert biases (ggml_add_id, indexed by RAM slot) and SwiGLU-OAI, Q8_0 or MXFP4 matrices."""

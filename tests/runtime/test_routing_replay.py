@@ -124,3 +124,54 @@ def test_replay_rejects_wrong_k_duplicates_and_floats(tiny_model):
         Llama(path, n_ctx=64, verbose=False, moe_replay=good.astype(np.float64))
     llm = Llama(path, n_ctx=64, verbose=False, moe_replay=good.astype(np.int64))  # any integer dtype is fine
     llm.close()
+
+
+def test_replayed_scores_reach_the_cache_policies(tiny_model):
+    """With ``moe_replay_scores`` the engine's policies see the replayed rows' scores (its decision records hold the
+    scores it planned with); without them, the model's own router's, which are not the table's."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    f = engine_facts(path)
+    kw = dict(n_ctx=128, n_batch=64, n_ubatch=64, verbose=False, moe_cache=0)
+    probe = Llama(path, vocab_only=True, verbose=False)
+    tokens = probe.tokenize(PROMPT.encode(), add_bos=True, special=False)
+    probe.close()
+    rng = np.random.default_rng(0)
+    n = len(tokens)
+    ids = np.zeros((n, f.n_layer, f.top_k), dtype=np.int32)
+    scores = np.zeros((n, f.n_layer, f.n_expert), dtype=np.float32)
+    for il in f.moe_layers:
+        for t in range(n):
+            ids[t, il] = rng.choice(f.n_expert, f.top_k, replace=False)
+        s = rng.random((n, f.n_expert)).astype(np.float32)
+        scores[:, il] = s / s.sum(axis=1, keepdims=True)
+    seen = {}
+    for given in (True, False):
+        llm = Llama(path, moe_replay=ids, moe_replay_scores=scores if given else None, **kw)
+        try:
+            llm.moe_log(True)
+            llm.eval(tokens)
+            seen[given] = {f.moe_layers[r["layer"]]: np.asarray(r["scores"]) for r in llm.moe_take_log()}
+        finally:
+            llm.close()
+    for il in f.moe_layers:
+        got = seen[True][il]  # the last layer keeps only the rows whose outputs are wanted: the last token
+        np.testing.assert_array_equal(got, scores[n - len(got):, il])
+        assert not np.array_equal(seen[False][il], scores[n - len(got):, il])
+
+
+@pytest.mark.parametrize("kw, match", [(dict(moe_replay_scores=np.zeros((1, 1, 1))), "without moe_replay"),
+                                       (dict(scores_shape=(3, 2, 2)), "must have shape")])
+def test_bad_replay_scores(kw, match, tiny_model):
+    from hybrimoe import Llama
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    f = engine_facts(path)
+    ids = np.tile(np.arange(f.top_k, dtype=np.int32), (4, f.n_layer, 1))
+    if "scores_shape" in kw:
+        kw = dict(moe_replay=ids, moe_replay_scores=np.zeros(kw["scores_shape"], dtype=np.float32))
+    with pytest.raises(ValueError, match=match):
+        Llama(path, n_ctx=64, verbose=False, moe_cache=0, **kw)
