@@ -147,6 +147,12 @@ void bind_expert_cache(py::module_ & m) {
              py::arg("by_prefetch") = false, py::arg("demand") = false,
              "Makes (layer, expert) resident, evicting the lowest priorities; False when refused. demand: a load "
              "the scheduler runs on the GPU now, which a bypass policy (Belady) does not refuse.")
+        .def("admit_read_ahead", &ExpertCache::admit_read_ahead, py::arg("layer"), py::arg("expert"),
+             py::arg("ready_s") = 0.0,
+             "admit(by_prefetch=True) ranked as the most recently used, as the kernel's page cache adds a read "
+             "ahead of use at its LRU head (folio_add_lru); False when refused.")
+        .def("found_read_ahead", &ExpertCache::found_read_ahead, py::arg("layer"), py::arg("expert"),
+             "Recounts the miss of a lookup as a prefetch hit: a read ahead brought the expert in by its use.")
         .def("admit_batch", &ExpertCache::admit_batch, py::arg("layer"), py::arg("experts"),
              py::arg("ready_s") = std::vector<double>{}, py::arg("by_prefetch") = false,
              "Admits several experts of one layer, highest priority first, as sequential admits with the newcomers "

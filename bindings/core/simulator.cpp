@@ -80,7 +80,8 @@ void bind_simulator(py::module_ & m) {
                               "How the RAM tier reads experts from the model file: reads ('queued' or 'faulting'), "
                               "keep (offer read experts to the RAM cache), lookahead (MoE layers read ahead), "
                               "ready_first (the CPU runs resident experts first), fault_bytes, read_around (bytes a "
-                              "fault reads per byte faulted), read_cpu_s_per_byte (CPU-share delay per byte "
+                              "fault reads per byte faulted), other_bytes (bytes per MoE layer outside the routed "
+                              "experts, in the same page cache), read_cpu_s_per_byte (CPU-share delay per byte "
                               "read), recall.")
         .def(py::init<>())
         .def_readwrite("reads", &RamTierConfig::reads)
@@ -89,6 +90,7 @@ void bind_simulator(py::module_ & m) {
         .def_readwrite("ready_first", &RamTierConfig::ready_first)
         .def_readwrite("fault_bytes", &RamTierConfig::fault_bytes)
         .def_readwrite("read_around", &RamTierConfig::read_around)
+        .def_readwrite("other_bytes", &RamTierConfig::other_bytes)
         .def_readwrite("read_cpu_s_per_byte", &RamTierConfig::read_cpu_s_per_byte)
         .def_readwrite("recall", &RamTierConfig::recall)
         .def("validate", &RamTierConfig::validate);

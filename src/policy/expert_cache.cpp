@@ -607,11 +607,33 @@ bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch,
     }
     if (ok) {
         en.probation = demand && stream_now_;
+        if (read_ahead_now_) en.last_use = ++clock_;  // newly read: the most recent, whatever its earlier uses
         admit_key(key, p, ready_s, by_prefetch);
     }
     tree_valid_ = false;
     if (!ok) ++stats_.declined;
     return ok;
+}
+
+bool ExpertCache::admit_read_ahead(int layer, int expert, double ready_s) {
+    read_ahead_now_ = true;
+    bool ok = false;
+    try {
+        ok = admit(layer, expert, ready_s, true);
+    } catch (...) {
+        read_ahead_now_ = false;
+        throw;
+    }
+    read_ahead_now_ = false;
+    return ok;
+}
+
+void ExpertCache::found_read_ahead(int layer, int expert) {
+    Entry & en = entry(layer, expert);
+    if (!en.resident || !en.prefetched_unused || stats_.misses == 0) return;
+    en.prefetched_unused = false;
+    --stats_.misses;
+    ++stats_.prefetch_hits;
 }
 
 int ExpertCache::admit_batch(int layer, const std::vector<int32_t> & experts, const std::vector<double> & ready_s,

@@ -272,6 +272,14 @@ public:
     /// which in a large ubatch costs far more than the copy (a clairvoyant bound must not be slower than the
     /// policies it bounds).
     bool admit(int layer, int expert, double ready_s, bool by_prefetch, bool demand = false);
+    /// admit() of a prefetch read ahead of use, ranked as the most recently used: the kernel adds newly read pages
+    /// (its read-around and read-ahead included) at the head of its LRU (folio_add_lru, Linux mm/swap.c), so they
+    /// age from their read, whatever earlier uses of the same expert left behind.
+    bool admit_read_ahead(int layer, int expert, double ready_s);
+    /// A lookup of (layer, expert) counted a miss, and by the expert's use a read ahead of it (admit_read_ahead:
+    /// the read-around of another expert's fault in the same layer) has brought it in: recounts that miss as a
+    /// prefetch hit. Does nothing unless the expert is resident and unused since its prefetch.
+    void found_read_ahead(int layer, int expert);
     /// Admits several experts of one layer at once, most valuable (highest priority) first, with one scan for
     /// victims instead of one per expert; same decisions as calling `admit` in that order when the newcomers are
     /// pinned. ready_s: one per expert or empty (all 0). Returns how many were admitted (already resident not
@@ -356,6 +364,7 @@ private:
     std::vector<Entry> entries_;
     std::vector<int64_t> resident_;
     std::vector<int64_t> evicted_;
+    bool read_ahead_now_ = false;  // inside admit_read_ahead
     // Eviction order, per layer: the layer's unpinned residents ascending by (priority, last_use, slot), i.e. the
     // victim first (members_ holds all its residents). The slot (position in resident_) breaks full ties exactly
     // as a scan of resident_ in slot order keeping the first strict minimum would. A stale layer's order is

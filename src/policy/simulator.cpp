@@ -85,6 +85,9 @@ void RamTierConfig::validate() const {
     if (!(fault_bytes >= 4096.0) || !std::isfinite(fault_bytes)) {
         throw std::invalid_argument("RamTierConfig.fault_bytes must be a finite number >= 4096 (one page)");
     }
+    if (!(other_bytes >= 0.0) || !std::isfinite(other_bytes)) {
+        throw std::invalid_argument("RamTierConfig.other_bytes must be a finite number >= 0 (bytes per MoE layer)");
+    }
     if (!(read_around >= 1.0) || !std::isfinite(read_around)) {
         throw std::invalid_argument("RamTierConfig.read_around must be a finite number >= 1 (bytes read per byte "
                                     "faulted)");
@@ -281,6 +284,7 @@ public:
         res_.layer_moe_s.assign(L_, 0.0);
         if (ram_) {
             faulting_ = cfg.ram.reads == "faulting";
+            other_touch_.assign((size_t) L_, 0.0);  // in RAM at the start (the loader read them)
             disk_places_.assign((size_t) std::max(1.0, std::floor(truth_cost.disk_queue_depth)), 0.0);
             transient_tick_.assign((size_t) L_ * E_, -1);
             transient_ready_.assign((size_t) L_ * E_, 0.0);
@@ -324,12 +328,19 @@ private:
 
     // ---- the RAM tier (ram_ not null) ----
     int64_t tick() const { return cur_step_ * L_ + cur_layer_; }
+    /// `bytes` issued at t on the true disk (expert e, -1: not an expert's): returns its end; counts the bytes.
+    double disk_move(double bytes, double t, int e);
     /// A queued read of expert e's `bytes` issued at t on the true disk; returns its end.
     double disk_read(double bytes, double t, int e);
-    /// Seconds a faulting read of `bytes` takes on the touching thread (every fault pays the latency).
-    double fault_s(int l, int e, double bytes);
-    /// Admits the neighbours the last fault_s read (its read-around) into the RAM cache, ready at `end`.
-    void keep_fault_neighbours(int l, double end);
+    /// Faulting reads: (l, e) touched at t through the mapping, not in RAM. Its read-around window is read on the
+    /// disk and its neighbours join the RAM cache as read-ahead; returns when e's own pages are in.
+    double fault_in(int l, int e, double t);
+    /// Faulting reads: the first use of a read-ahead expert (l, n) at t starts the kernel's asynchronous
+    /// read-ahead of the next window.
+    void read_ahead_after(int l, int n, double t);
+    /// Faulting reads: when layer l's weights outside the routed experts (RamTierConfig.other_bytes) are in RAM
+    /// for the layer starting at t (faulted in again if the page cache dropped them since its last run).
+    double other_in(int l, double t);
     /// When (l, e)'s weights are in RAM for a use now: resident (or read for this layer) -> its read end; else, with
     /// queued reads, a read is issued at t and kept; -1: faulting reads, the user must fault it in (fault_in).
     double ram_ready(int l, int e, double t);
@@ -379,7 +390,9 @@ private:
     // the RAM tier
     TracePredictor ram_predictor_;
     bool faulting_ = false;
-    std::vector<int32_t> fault_nbrs_;        // the last fault's read-around neighbours not in RAM
+    int last_ram_access_ = 0;                // ExpertCache::access's answer to the last ram_use
+    std::vector<uint8_t> cpu_ahead_;         // per cpu_order_ entry: its lookup found a read-ahead expert
+    std::vector<double> other_touch_;        // per MoE layer: res_.bytes_disk when its other weights last ran
     double read_cpu_debt_s_ = 0.0;           // CPU seconds of queued reads not yet charged (read_cpu_s_per_byte)
     std::vector<double> disk_places_;        // when each of the disk's queue places frees (true)
     double disk_bytes_free_at_ = 0.0;        // the true disk has moved the bytes of every read issued by then
@@ -403,21 +416,21 @@ double SimRun::load(int layer, int e, Kind kind) {
     const double bytes = trace_.expert_bytes[(size_t) layer];
     // with a RAM tier the copy reads the expert from RAM: it starts after the expert's read, or (faulting reads)
     // the copy's own touch faults it in first
-    double ready = 0.0, fault = 0.0;
+    double ready = 0.0;
+    bool fault = false;
     if (ram_) {
         ready = kind == kDemand ? ram_use(layer, e, t_moe_) : ram_ready(layer, e, t_moe_);
-        if (ready < 0.0) {
-            fault = fault_s(layer, e, bytes);
-            ready = 0.0;
-        }
+        fault = ready < 0.0;
+        if (fault) ready = 0.0;
     }
-    const double start = std::max(std::max(true_pcie_free_at_, t_moe_), ready);
-    if (fault > 0.0) {
-        ram_keep(layer, e, start + fault, kind != kDemand);
-        keep_fault_neighbours(layer, start + fault);
+    double start = std::max(std::max(true_pcie_free_at_, t_moe_), ready);
+    if (fault) {
+        start = fault_in(layer, e, start);
+        ram_keep(layer, e, start, kind != kDemand);
+    } else if (ram_ && faulting_ && kind == kDemand && (last_ram_access_ == 2 || last_ram_access_ == 3)) {
+        read_ahead_after(layer, e, start);
     }
-    const double end =
-        start + fault + truth_cost_.h2d(bytes) * truth_.h2d_scale * noise_.factor(truth_.h2d_noise);
+    const double end = start + truth_cost_.h2d(bytes) * truth_.h2d_scale * noise_.factor(truth_.h2d_noise);
     res_.link_busy_s += end - start;
     layer_copy_s_ += end - start;
     true_pcie_free_at_ = end;
@@ -464,10 +477,19 @@ double SimRun::decide(int64_t si, const Step & st, int l, int n) {
     gpu_order_.clear();
     cpu_order_.assign(plan.cpu_experts.begin(), plan.cpu_experts.end());
     for (int32_t e : plan.gpu_experts) (on_gpu[pos_[e]] ? gpu_order_ : cpu_order_).push_back(e);
+    if (ram_ && faulting_) {
+        // upstream's CPU share (ggml_compute_forward_mul_mat_id) runs its experts in index order: a prefill's
+        // share sweeps each ffn_*_exps tensor, which the kernel's read-ahead follows
+        std::sort(cpu_order_.begin(), cpu_order_.end());
+    }
     if (ram_) {
         // the CPU share's experts must be in RAM: queued reads are issued now, in execution order
         cpu_ready_.resize(cpu_order_.size());
-        for (size_t i = 0; i < cpu_order_.size(); ++i) cpu_ready_[i] = ram_use(l, cpu_order_[i], t_moe_);
+        cpu_ahead_.assign(cpu_order_.size(), 0);
+        for (size_t i = 0; i < cpu_order_.size(); ++i) {
+            cpu_ready_[i] = ram_use(l, cpu_order_[i], t_moe_);
+            cpu_ahead_[i] = faulting_ && (last_ram_access_ == 2 || last_ram_access_ == 3);  // a read-ahead hit
+        }
         layer_disk_est_ = disk_est_free_at_;
         if (cfg_.ram.ready_first && !faulting_) {
             ram_order_.resize(cpu_order_.size());
@@ -517,18 +539,24 @@ double SimRun::charge_cpu(int64_t si, int l) {
         const int32_t e = cpu_order_[i];
         if (ram_) {
             // its weights in RAM first: wait for the read, or fault them in on this thread (unless an earlier
-            // fault's read-around brought them: the lookup counted a miss, the pages are there now)
-            if (cpu_ready_[i] < 0.0 && ram_->resident(l, e)) cpu_ready_[i] = ram_->ready_s(l, e);
+            // fault's read-around brought them: the lookup counted a miss, the pages are there now, a prefetch hit)
+            if (cpu_ready_[i] < 0.0 && ram_->resident(l, e)) {
+                cpu_ready_[i] = ram_->ready_s(l, e);
+                cpu_ahead_[i] = 1;
+                ram_->found_read_ahead(l, e);
+            }
             if (cpu_ready_[i] < 0.0) {
-                const double f = fault_s(l, e, trace_.expert_bytes[(size_t) l]);
-                record(si, l, 0, e, 6, tc, tc + f);
-                tc += f;
+                const double f_end = fault_in(l, e, tc);
+                record(si, l, 0, e, 6, tc, f_end);
+                tc = f_end;
                 ram_keep(l, e, tc, false);
-                keep_fault_neighbours(l, tc);
-            } else if (cpu_ready_[i] > tc) {
-                // the reads' CPU work runs while the share waits for them
-                read_cpu_debt_s_ = std::max(0.0, read_cpu_debt_s_ - (cpu_ready_[i] - tc));
-                tc = cpu_ready_[i];
+            } else {
+                if (faulting_ && cpu_ahead_[i]) read_ahead_after(l, e, tc);
+                if (cpu_ready_[i] > tc) {
+                    // the reads' CPU work runs while the share waits for them
+                    read_cpu_debt_s_ = std::max(0.0, read_cpu_debt_s_ - (cpu_ready_[i] - tc));
+                    tc = cpu_ready_[i];
+                }
             }
         }
         double dur = truth_cost_.cpu(din.loads[pos_[e]]) * truth_.cpu_scale * noise_.factor(truth_.cpu_noise);
@@ -573,6 +601,9 @@ void SimRun::prefetch_and_fill(const Step & st, int l, int n, double predicted_s
 void SimRun::run_layer(int64_t si, const Step & st, int l) {
     const int n = static_cast<int>(st.end - st.begin);
     const double t_layer0 = t_;
+    cur_step_ = si;
+    cur_layer_ = l;
+    if (ram_ && faulting_ && cfg_.ram.other_bytes > 0.0) t_ = other_in(l, t_);
     const double ne = truth_cost_.layer(n) * truth_.gpu_scale * noise_.factor(truth_.layer_noise);
     res_.gpu_busy_s += ne;
     record(si, l, 1, -1, 4, t_, t_ + ne);
@@ -615,7 +646,7 @@ void SimRun::run_layer(int64_t si, const Step & st, int l) {
     ++layers_run_;
 }
 
-double SimRun::disk_read(double bytes, double t, int e) {
+double SimRun::disk_move(double bytes, double t, int e) {
     // a free queue place (the earliest to free), the latency, then the bytes after every earlier read's bytes
     auto place = std::min_element(disk_places_.begin(), disk_places_.end());
     const double start = std::max(t, *place);
@@ -624,48 +655,85 @@ double SimRun::disk_read(double bytes, double t, int e) {
     *place = end;
     disk_bytes_free_at_ = end;
     disk_est_free_at_ = std::max(disk_est_free_at_, t) + bytes / planner_.disk_bandwidth_Bps;
-    read_cpu_debt_s_ += bytes * cfg_.ram.read_cpu_s_per_byte;
     res_.bytes_disk += bytes;
     res_.disk_busy_s += move;
-    ++res_.disk_reads;
     record(cur_step_, cur_layer_, 3, e, 6, start, end);
     return end;
 }
 
-double SimRun::fault_s(int l, int e, double bytes) {
-    // The read-around: a window of read_around x the expert's bytes, centred on it, over its neighbours in the
-    // file (the experts next to it in each ffn_*_exps tensor). The neighbours wholly inside it that are not in RAM
-    // are read and enter the page cache (keep_fault_neighbours); the window's part-experts are read as waste.
-    fault_nbrs_.clear();
-    const double side = 0.5 * (cfg_.ram.read_around - 1.0);
-    const int whole = static_cast<int>(std::lround(side));  // a neighbour mostly inside the window is read whole
-    double read = bytes * std::max(0.0, 1.0 + 2.0 * (side - whole));
-    for (int d = 1; d <= whole; ++d) {
-        for (int n : {e - d, e + d}) {
-            if (n < 0 || n >= E_) {
-                read += bytes;  // the window runs into the next tensor's bytes
-            } else if (!ram_->resident(l, n) && transient_tick_[(size_t) l * E_ + n] != tick()) {
-                read += bytes;
-                fault_nbrs_.push_back(n);
-            }
-        }
-    }
-    const double faults = std::ceil(read / cfg_.ram.fault_bytes);
-    const double move = read / truth_cost_.disk_bandwidth_Bps;
-    res_.page_faults += static_cast<int64_t>(faults);
-    res_.bytes_disk += read;
-    res_.disk_busy_s += move;
+double SimRun::disk_read(double bytes, double t, int e) {
+    const double end = disk_move(bytes, t, e);
+    read_cpu_debt_s_ += bytes * cfg_.ram.read_cpu_s_per_byte;
     ++res_.disk_reads;
-    return faults * truth_cost_.disk_latency_s + move;
+    return end;
 }
 
-void SimRun::keep_fault_neighbours(int l, double end) {
-    // read ahead of any use, as the kernel's read-around pages are: the policy may refuse them (then they are
-    // waste), and they count as prefetches, a hit where a later use finds them
-    for (int32_t n : fault_nbrs_) {
-        if (cfg_.ram.keep && ram_->admit(l, n, end, true)) ram_->set_ready(l, n, end);
+double SimRun::fault_in(int l, int e, double t) {
+    // The read-around of a fault (filemap_fault, Linux mm/filemap.c): one request for a window of read_around x
+    // the expert's bytes centred on it, over its neighbours in the file (the experts next to it in each
+    // ffn_*_exps tensor), read in file order. The touching thread waits for its own expert's pages only, one
+    // fault of fault_bytes after another (each paying the latency); the rest of the window arrives on the disk's
+    // timeline. The neighbours mostly inside the window that are not in RAM join the page cache as read-ahead;
+    // the window's part-experts, and what runs past the tensor's ends, are waste.
+    const double bytes = trace_.expert_bytes[(size_t) l];
+    const double side = 0.5 * (cfg_.ram.read_around - 1.0);
+    const int whole = static_cast<int>(std::lround(side));  // a neighbour mostly inside the window is read whole
+    const double own = bytes * std::max(0.0, 1.0 + 2.0 * (side - whole));
+    double window = 0.0, own_end = t;
+    for (int n = e - whole; n <= e + whole; ++n) {
+        if (n == e) {
+            own_end = disk_move(own, t, e);
+            window += own;
+        } else if (n < 0 || n >= E_) {
+            disk_move(bytes, t, -1);  // the window runs into the next tensor's bytes
+            window += bytes;
+        } else if (!ram_->resident(l, n) && transient_tick_[(size_t) l * E_ + n] != tick()) {
+            const double end = disk_move(bytes, t, n);
+            window += bytes;
+            if (cfg_.ram.keep) ram_->admit_read_ahead(l, n, end);
+        }
     }
-    fault_nbrs_.clear();
+    const double own_faults = std::max(1.0, std::ceil(bytes / cfg_.ram.fault_bytes));
+    res_.page_faults += static_cast<int64_t>(std::max(own_faults, std::ceil(window / cfg_.ram.fault_bytes)));
+    ++res_.disk_reads;
+    return own_end + (own_faults - 1.0) * truth_cost_.disk_latency_s;
+}
+
+void SimRun::read_ahead_after(int l, int n, double t) {
+    // The kernel's asynchronous read-ahead (page_cache_async_ra, Linux mm/readahead.c): touching a page that an
+    // earlier read brought ahead of use reads the next window after it, and nobody waits for it. Here the window
+    // of read_around experts after the run of RAM-resident experts that follows n, when that run is shorter than
+    // a window (beyond, the marked page is not reached yet). A sweep through a tensor (a prefill's CPU share)
+    // keeps the disk reading ahead of the compute; in decode it mostly reads experts no token uses.
+    if (!cfg_.ram.keep) return;
+    const int win = 2 * static_cast<int>(std::lround(0.5 * (cfg_.ram.read_around - 1.0))) + 1;
+    if (win <= 1) return;
+    int j = n + 1;
+    while (j < E_ && j - n <= win && ram_->resident(l, j)) ++j;
+    if (j >= E_ || j - n > win) return;
+    const double bytes = trace_.expert_bytes[(size_t) l];
+    bool read = false;
+    for (int k = j; k < std::min(E_, j + win); ++k) {
+        if (ram_->resident(l, k) || transient_tick_[(size_t) l * E_ + k] == tick()) continue;
+        ram_->admit_read_ahead(l, k, disk_move(bytes, t, k));
+        read = true;
+    }
+    if (read) ++res_.disk_reads;
+}
+
+double SimRun::other_in(int l, double t) {
+    // An LRU page cache still holds the layer's other weights while fewer bytes entered it since the layer last
+    // ran than it holds (their reuse distance); else they are read again, sequentially, before the layer runs.
+    const double other = cfg_.ram.other_bytes;
+    double & last = other_touch_[(size_t) l];
+    double ready = t;
+    if (res_.bytes_disk - last > ram_->budget_bytes() + static_cast<double>(L_) * other) {
+        ready = disk_move(other, t, -1);
+        res_.page_faults += static_cast<int64_t>(std::ceil(other / cfg_.ram.fault_bytes));
+        ++res_.disk_reads;
+    }
+    last = res_.bytes_disk;
+    return ready;
 }
 
 double SimRun::ram_ready(int l, int e, double t) {
@@ -679,7 +747,7 @@ double SimRun::ram_ready(int l, int e, double t) {
 }
 
 double SimRun::ram_use(int l, int e, double t) {
-    ram_->access(l, e, t);
+    last_ram_access_ = ram_->access(l, e, t);
     const double ready = ram_ready(l, e, t);
     if (ram_->resident(l, e)) {
         ram_->pin(l, e);

@@ -93,6 +93,12 @@ struct RamTierConfig {
     /// the RAM cache as read ahead of use (a prefill that uses them hits; in decode they mostly take the place of
     /// what would have been used); the window's partial experts are read as waste. 1: only the expert's bytes.
     double read_around = 1.0;
+    /// Faulting reads only: bytes per MoE layer of the weights outside the routed experts (attention, router,
+    /// shared experts, norms), mapped from the same file and so held by the same page cache. An LRU page cache
+    /// keeps a layer's share while fewer bytes entered it since the layer last ran than it holds (the RAM cache's
+    /// budget plus every layer's share: its reuse distance); otherwise the layer faults the share in again before
+    /// it runs, the kernel reading it sequentially. 0: they stay in RAM.
+    double other_bytes = 0.0;
     /// Queued reads only: wall seconds by which each byte read delays the CPU share that runs beside it (the I/O
     /// workers' copies and system calls on the cores the compute threads use; 0: spare cores absorb them). A
     /// read's cost is first absorbed by the CPU share's waits for reads, the rest delays it; a layer whose CPU

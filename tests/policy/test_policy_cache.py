@@ -115,6 +115,43 @@ def test_prefetch_hits_counted_apart():
     assert (s.misses, s.late, s.demand_hits, s.prefetch_hits) == (2, 1, 3, 1)
 
 
+def test_a_read_ahead_ranks_as_the_newest_page_whatever_its_earlier_uses():
+    """The page cache's LRU (folio_add_lru): an expert read ahead of use is the most recent entry, where a plain
+    prefetch of an expert used long ago keeps that old use. LRU of 2: use 0, use 1, drop 0, use 2 (evicts 1);
+    read 0 ahead again: with admit_read_ahead the next admission evicts 2, with admit it evicts 0."""
+    def victim_after(read_ahead):
+        c = _core.ExpertCache([1 * MB], 4, 2 * MB, _core.LRUPolicy())
+        c.set_record_evicted(True)
+        for e in (0, 1):
+            c.access(0, e)
+            c.admit(0, e)
+        c.evict(0, 0)
+        c.access(0, 2)
+        c.admit(0, 2)  # evicts 1, the least recent
+        assert (c.admit_read_ahead(0, 0) if read_ahead else c.admit(0, 0, 0.0, True))
+        c.take_evicted()
+        c.access(0, 3)
+        c.admit(0, 3)
+        return c.take_evicted()
+    assert victim_after(True) == [2] and victim_after(False) == [0]
+
+
+def test_a_miss_found_read_ahead_by_its_use_is_recounted_a_prefetch_hit():
+    """The lookup missed; a read-ahead brought the expert in before its use: one prefetch hit, one miss fewer,
+    once; an expert that was not prefetched, or is not resident, changes nothing."""
+    c = _core.ExpertCache([1 * MB], 4, 2 * MB, _core.LRUPolicy())
+    assert c.access(0, 1) == 0 and c.access(0, 2) == 0 and c.access(0, 3) == 0
+    c.admit_read_ahead(0, 1)
+    c.admit(0, 2)
+    for _ in range(2):
+        c.found_read_ahead(0, 1)
+    c.found_read_ahead(0, 2)
+    c.found_read_ahead(0, 3)
+    s = c.stats
+    assert (s.misses, s.prefetch_hits, s.accesses) == (2, 1, 3)
+    assert c.access(0, 1) == 1  # its first use was the one recounted: a demand hit from now on
+
+
 @pytest.mark.parametrize("budget,msg", [(-1.0, "budget must be finite and >= 0"),
                                         (0.5 * MB, "smaller than one expert")])
 def test_bad_budgets(budget, msg):

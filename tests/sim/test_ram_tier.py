@@ -126,6 +126,50 @@ def test_a_fault_s_read_around_reads_its_window_and_keeps_the_neighbours_it_hold
     assert plain.bytes_disk < wide.bytes_disk < 5 * plain.bytes_disk / 2
 
 
+def test_a_faulting_sweep_reads_ahead_while_the_cpu_computes():
+    """A prefill's CPU share runs its experts in index order, and the first use of a page read ahead starts the
+    kernel's asynchronous read of the next window: the disk reads while the CPU computes, so the run takes less
+    than computing from RAM plus the disk's time, and no less than either. Without read-around each expert's
+    faults wait for its whole read: computing plus the disk's time."""
+    rt = synthetic()
+    tr = rt.to_core()
+    c = disk_costs()
+    c.cpu_a_s = 1e-3  # an expert computes about as long as its read (2 MB at 2 GB/s)
+    every = [layer * N_EXP + e for layer in range(N_LAYERS) for e in range(N_EXP)]
+    budget = N_LAYERS * N_EXP * 2 * MB
+    in_ram = run(tr, budget, ram_cfg("faulting"), c=c, fill=every, stage="prefill")
+    one = run(tr, budget, ram_cfg("faulting"), c=c, stage="prefill")
+    r = ram_cfg("faulting")
+    r.read_around, r.fault_bytes = 5.0, 4 * 1024 * 1024
+    wide = run(tr, budget, r, c=c, stage="prefill")
+    assert in_ram.bytes_disk == 0 and one.bytes_disk > 0 and wide.bytes_disk > 0
+    assert one.total_s == pytest.approx(in_ram.total_s + one.disk_busy_s + one.page_faults * c.disk_latency_s,
+                                        rel=0.05)
+    assert max(in_ram.total_s, wide.disk_busy_s) <= wide.total_s < in_ram.total_s + wide.disk_busy_s
+    assert wide.total_s < one.total_s and wide.ram_cache.prefetch_hits > 0
+
+
+def test_the_page_cache_drops_the_weights_outside_the_experts_only_when_it_must():
+    """Faulting reads with other_bytes: where the RAM budget holds every expert nothing is read again; where a
+    token's reads exceed what the page cache holds, a layer's other weights are faulted in again before it runs:
+    more bytes and faults, a slower run, and at most once per layer and token."""
+    rt = synthetic()
+    tr = rt.to_core()
+    every = [layer * N_EXP + e for layer in range(N_LAYERS) for e in range(N_EXP)]
+    r = ram_cfg("faulting")
+    r.other_bytes = 1 * MB
+    fits = run(tr, N_LAYERS * N_EXP * 2 * MB, r, fill=every)
+    assert fits.bytes_disk == 0 and fits.page_faults == 0
+    small = 2 * 2 * MB
+    without = run(tr, small, ram_cfg("faulting"))
+    with_other = run(tr, small, r)
+    extra = with_other.bytes_disk - without.bytes_disk
+    n_tok = rt.expert_ids.shape[0]
+    assert with_other.ram_cache.misses == without.ram_cache.misses  # the same experts read, plus whole shares
+    assert 0 < extra <= n_tok * N_LAYERS * 1 * MB and extra == pytest.approx(round(extra / MB) * MB)
+    assert with_other.page_faults > without.page_faults and with_other.total_s > without.total_s
+
+
 @pytest.mark.parametrize("stage", ["decode", "prefill"])
 def test_the_reads_cpu_time_delays_the_cpu_share_by_at_most_its_total(stage):
     """Queued reads that cost the CPU share c seconds per byte: the run is slower than with free reads, by at most
@@ -163,9 +207,10 @@ def test_a_disk_file_s_measured_facts_reach_the_ram_tier(tmp_path):
               disk=str(path))
     cache, cfg_m = s.build_ram("mmap")
     assert cfg_m.read_around == 4.0 and cfg_m.fault_bytes == 8 * 2**20 and cfg_m.read_cpu_s_per_byte == 0.0
+    assert cfg_m.other_bytes == pytest.approx(s.facts.moe_layer_other_bytes()) and cfg_m.other_bytes > 0
     assert cache.budget_bytes == pytest.approx(s.ram_budget)
     cache, cfg_h = s.build_ram("hybrimoe")
-    assert cfg_h.read_cpu_s_per_byte == 2e-10 and cfg_h.read_around == 1.0
+    assert cfg_h.read_cpu_s_per_byte == 2e-10 and cfg_h.read_around == 1.0 and cfg_h.other_bytes == 0.0
     assert cache.budget_bytes == pytest.approx(s.ram_budget)
     plain = Setup(tr, pol.load_hardware("rtx4090-desktop"), "0", "decode", max_tokens=50, ram_cache="25%")
     _, cfg_p = plain.build_ram("mmap")
@@ -213,7 +258,8 @@ def test_bad_ram_tier_inputs():
     for field, value, word in (("reads", "mmap", "reads"), ("lookahead", -1, "lookahead"),
                                ("fault_bytes", 100.0, "fault_bytes"), ("read_around", 0.5, "read_around"),
                                ("read_cpu_s_per_byte", -1e-9, "read_cpu_s_per_byte"),
-                               ("read_cpu_s_per_byte", float("nan"), "read_cpu_s_per_byte")):
+                               ("read_cpu_s_per_byte", float("nan"), "read_cpu_s_per_byte"),
+                               ("other_bytes", -1.0, "other_bytes"), ("other_bytes", float("inf"), "other_bytes")):
         r = ram_cfg()
         setattr(r, field, value)
         with pytest.raises(ValueError, match=word):
