@@ -49,17 +49,23 @@ MODES = {
 }
 
 
-def model_path(size_factor: float) -> Path:
-    """The benchmark model (written when absent): DeepSeek-V2-Lite's shape with as many layers as make it
-    ``size_factor`` x MemTotal."""
+def model_path(size_factor: float, layers: int | None = None) -> Path:
+    """The benchmark model (written when absent): DeepSeek-V2-Lite's shape with ``layers`` blocks, or as many as make
+    it ``size_factor`` x MemTotal."""
     from hybrimoe.runtime.ram_tier import machine_memory
     from hybrimoe.tiny.synthetic import make_synthetic_model
 
+    root = Path(os.environ.get("HYBRIMOE_CACHE_DIR", Path.home() / ".cache" / "hybrimoe")) / "models"
+    if layers:
+        path = root / f"ram-bench-{layers}.gguf"
+        if not path.exists():
+            print(f"writing {path} ({layers} layers)...", file=sys.stderr)
+            make_synthetic_model(path, n_layer=layers)
+        return path
     total = machine_memory()["total"]
     # one MoE layer of this shape is 384.6 MB on disk (364 MB of experts), the rest about 190 MB: a layer is added
     # so the file is not under the factor
     n_layer = int((size_factor * total - 190e6) / 384e6) + 2
-    root = Path(os.environ.get("HYBRIMOE_CACHE_DIR", Path.home() / ".cache" / "hybrimoe")) / "models"
     # one written before with at least as many layers does (tens of GB: not written twice)
     for old in sorted(root.glob("ram-bench-*.gguf")):
         if old.stat().st_size >= size_factor * total:
@@ -218,6 +224,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF to run (default: the synthetic benchmark model)")
     ap.add_argument("--size-factor", type=float, default=1.5, help="model size over MemTotal (default 1.5)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="blocks of the synthetic model instead (26: DeepSeek-V2-Lite's 9.1 GiB, 3x a 3 GiB --limit)")
     ap.add_argument("--limit", default="8GiB", help="memory cgroup limit of each run (default 8GiB)")
     ap.add_argument("--modes", default="upstream-mmap,hybrimoe,hybrimoe-lru",
                     help=f"modes to run, comma-separated ({', '.join(MODES)}; default %(default)s)")
@@ -237,7 +245,7 @@ def main() -> int:
     from hybrimoe.policy.budget import parse_budget
     from hybrimoe.runtime.readahead import ReadAhead
 
-    args.model = Path(args.model) if args.model else model_path(args.size_factor)
+    args.model = Path(args.model) if args.model else model_path(args.size_factor, args.layers)
     limit = int(parse_budget(args.limit, 1.0, 0.0))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for name in modes:

@@ -9,6 +9,7 @@
 ``calibration``    the cost model measured on a loaded model; the first-use calibration and its store
 ``calibrate_model`` the full calibration of a model file (``hybrimoe calibrate``)
 ``disk_calibration`` the disk under a model file, measured with cold reads (``hybrimoe calibrate --disk``)
+``readahead``      the read-ahead of the block device under a model file, set and put back by the RAM benchmarks
 ``generate``       the token loop (``hybrimoe run``), the default tiny model
 ``decision_replay`` the engine-log replay through the simulator's rules
 ``recording``      routing recording into traces (``hybrimoe trace``)
@@ -21,5 +22,5 @@
 from hybrimoe._lazy import lazy_submodules
 
 __getattr__ = lazy_submodules(__name__, ("llama", "params", "engine_facts", "setup", "calibration", "calibrate_model",
-                                         "disk_calibration", "generate", "decision_replay", "recording", "benchmark",
-                                         "stats", "errors", "rpc"))
+                                         "disk_calibration", "readahead", "generate", "decision_replay", "recording",
+                                         "benchmark", "stats", "errors", "rpc"))

@@ -87,6 +87,32 @@ def tiny_model(model_dir):
     return make
 
 
+#: expert quant types of the repacked-weight and fused-share tests: file types, or per-tensor mixes with the routed
+#: experts of one type (the types ggml-cpu may repack: tests/runtime/test_engine_repack.py, test_fused_cpu.py)
+EXPERT_QUANTS = {
+    "Q4_0": "Q4_0",
+    "Q4_K_M": "Q4_K_M",
+    "IQ4_NL": {"base": "Q8_0", "ffn_.*_exps": "IQ4_NL"},
+    "MXFP4": {"base": "Q8_0", "ffn_.*_exps": "MXFP4"},
+    "Q8_0": "Q8_0",
+}
+
+
+@pytest.fixture(scope="session")
+def expert_quant_model(model_dir):
+    """``expert_quant_model(arch, quant) -> str``: the K-quant-shaped tiny fixture of ``arch`` (rows of 256: every
+    type fits) with :data:`EXPERT_QUANTS` ``[quant]``, written once per session."""
+    made: dict = {}
+
+    def make(arch: str, quant: str) -> str:
+        if (arch, quant) not in made:
+            kw = dict(fixture_set()[(arch, "Q4_K_M")], quant=EXPERT_QUANTS[quant])
+            made[(arch, quant)] = str(make_tiny_model(model_dir / f"{arch}-experts-{quant}.gguf", **kw))
+        return made[(arch, quant)]
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def rpc_server():
     """A ``ggml-rpc-server --device CPU`` on 127.0.0.1 for this test process (it serves one client at a time)."""

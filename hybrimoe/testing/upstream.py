@@ -75,6 +75,19 @@ def decode_together(llm, prompts: list[list[int]], steps: int) -> list[list[np.n
     return got
 
 
+def greedy_run(path, tokens: list[int], n: int, **kw) -> tuple[list[int], np.ndarray, dict]:
+    """A :class:`hybrimoe.Llama` of ``path`` with keywords ``kw``: the greedy continuation of ``tokens`` (``n`` tokens
+    at most), the last logits and ``moe_stats()``; the Llama is closed in every case."""
+    from hybrimoe.runtime.llama import Llama
+
+    llm = Llama(str(path), **kw)
+    try:
+        out, lg = greedy_with_logits(llm, tokens, n)
+        return out, lg, llm.moe_stats()
+    finally:
+        llm.close()
+
+
 def greedy_text(llm, prompt: str, n: int) -> list[int]:
     """Greedy continuation of the text ``prompt`` (BOS first; ``n`` tokens at most, stops at end of generation)."""
     toks = llm.tokenize(prompt.encode(), add_bos=True, special=False)

@@ -19,54 +19,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybrimoe.testing.fixtures import ENGINE_ARCHS
 from hybrimoe._lib import llama_cpp_module
-from hybrimoe.testing.upstream import decode_together, greedy_with_logits, last_logits, nmse, prompt_tokens
+from hybrimoe.testing.fixtures import ENGINE_ARCHS
+from hybrimoe.testing.upstream import decode_together, greedy_run, greedy_with_logits, last_logits, nmse, prompt_tokens
 
-#: expert quant types of the matrix: the file types and per-tensor mixes whose experts this CPU may repack
-QUANTS = {
-    "Q4_0": "Q4_0",
-    "Q4_K_M": "Q4_K_M",
-    "IQ4_NL": {"base": "Q8_0", "ffn_.*_exps": "IQ4_NL"},
-    "MXFP4": {"base": "Q8_0", "ffn_.*_exps": "MXFP4"},
-}
+QUANTS = ["Q4_0", "Q4_K_M", "IQ4_NL", "MXFP4"]
 UBATCHES = [1, 7, 64]
 SHARES = ["cpu", "layers", "mixed"]
-
-
-@pytest.fixture(scope="module")
-def quant_model(tmp_path_factory):
-    """``quant_model(arch, quant) -> Path``: the engine matrix's K-quant-shaped tiny model of ``arch`` (rows of
-    256: every type fits) with ``QUANTS[quant]``, written once per module."""
-    from hybrimoe.tiny import fixture_set, make_tiny_model
-
-    folder = tmp_path_factory.mktemp("repack-models")
-    made = {}
-
-    def make(arch: str, quant: str):
-        if (arch, quant) not in made:
-            kw = dict(fixture_set()[(arch, "Q4_K_M")], quant=QUANTS[quant])
-            made[(arch, quant)] = make_tiny_model(folder / f"{arch}-{quant}.gguf", **kw)
-        return str(made[(arch, quant)])
-
-    return make
 
 
 def _common(rpc_server, n_prompt: int, ub: int) -> dict:
     return dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=n_prompt + 64, n_batch=512, n_ubatch=ub,
                 seed=0, verbose=False)
-
-
-def _greedy(path: str, tokens, n: int, **kw):
-    from hybrimoe import Llama
-
-    llm = Llama(path, **kw)
-    try:
-        out, lg = greedy_with_logits(llm, tokens, n)
-        stats = llm.moe_stats()
-    finally:
-        llm.close()
-    return out, lg, stats
 
 
 def last_logits_of_prompt(path: str, tokens, common: dict) -> np.ndarray:
@@ -85,7 +49,7 @@ def _cases():
     from allpairspy import AllPairs
 
     return [pytest.param(*c, id="-".join(str(x) for x in c))
-            for c in AllPairs([list(ENGINE_ARCHS), list(QUANTS), UBATCHES, SHARES])]
+            for c in AllPairs([list(ENGINE_ARCHS), QUANTS, UBATCHES, SHARES])]
 
 
 def test_this_cpu_repacks_what_upstream_lists():
@@ -116,11 +80,11 @@ def test_this_cpu_repacks_what_upstream_lists():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, quant, ub, share", _cases())
-def test_engine_on_repacked_experts(arch, quant, ub, share, quant_model, rpc_server, split_cost_model):
+def test_engine_on_repacked_experts(arch, quant, ub, share, expert_quant_model, rpc_server, split_cost_model):
     from hybrimoe import Llama
     from hybrimoe.runtime.engine_facts import cpu_repacked_types, engine_facts
 
-    path = quant_model(arch, quant)
+    path = expert_quant_model(arch, quant)
     facts = engine_facts(path)
     n_prompt = 3 * ub + 7
     common = _common(rpc_server, n_prompt, ub)
@@ -137,7 +101,7 @@ def test_engine_on_repacked_experts(arch, quant, ub, share, quant_model, rpc_ser
         engine = dict(moe_cache=n_gpu_layers * facts.n_expert * facts.slot_bytes, moe_policy="upstream-ncmoe")
     else:
         engine = dict(moe_cache="50%", moe_cost_model=split_cost_model)
-    out, lg, st = _greedy(path, tokens, 24, **common, **engine)
+    out, lg, st = greedy_run(path, tokens, 24, **common, **engine)
     e = st["engine"]
     layers = e["layers"]
     # the CPU share really ran on repacked experts wherever this CPU repacks the expert types
@@ -153,31 +117,31 @@ def test_engine_on_repacked_experts(arch, quant, ub, share, quant_model, rpc_ser
             layers
         dev = f"RPC0[{rpc_server.endpoint}]"
         placement = [rf"blk\.{il}\.ffn_.*_exps={dev}" for il in gpu_layers] + ["exps=CPU"]
-        ref_out, ref_lg, _ = _greedy(path, tokens, 24, **common, tensor_buft_overrides=placement)
+        ref_out, ref_lg, _ = greedy_run(path, tokens, 24, **common, tensor_buft_overrides=placement)
         assert out == ref_out and np.array_equal(lg, ref_lg), nmse(lg, ref_lg)
         return
-    ref_out, ref_lg, _ = _greedy(path, tokens, 24, **common, tensor_buft_overrides="exps=CPU")
+    ref_out, ref_lg, _ = greedy_run(path, tokens, 24, **common, tensor_buft_overrides="exps=CPU")
     assert out == ref_out
     if share == "cpu" or e["gpu_experts"] == 0:
         assert e["gpu_experts"] == 0
         assert np.array_equal(lg, ref_lg), nmse(lg, ref_lg)
         return
     # a mixed split: bit-exact where upstream's repacked and plain kernels round alike on this CPU
-    _, plain_lg, _ = _greedy(path, tokens, 24, **common, tensor_buft_overrides="exps=CPU", no_repack=True)
+    _, plain_lg, _ = greedy_run(path, tokens, 24, **common, tensor_buft_overrides="exps=CPU", no_repack=True)
     if np.array_equal(plain_lg, ref_lg):
         assert np.array_equal(lg, ref_lg), nmse(lg, ref_lg)
     else:
         assert nmse(lg, ref_lg) <= 4 * nmse(plain_lg, ref_lg), (nmse(lg, ref_lg), nmse(plain_lg, ref_lg))
 
 
-@pytest.mark.parametrize("quant", list(QUANTS))
-def test_gpu_copies_take_the_file_layout(quant, quant_model, rpc_server):
+@pytest.mark.parametrize("quant", QUANTS)
+def test_gpu_copies_take_the_file_layout(quant, expert_quant_model, rpc_server):
     """Every expert computed on the stand-in from slots copied from the file's bytes: upstream's numbers with every
     expert on the stand-in (``-ngl 99``, no override: the same kernels on the same bytes); the negative control
     copies the repacked host bytes instead, and the logits then differ."""
     from hybrimoe import Llama
 
-    path = quant_model("qwen3moe", quant)
+    path = expert_quant_model("qwen3moe", quant)
     common = _common(rpc_server, 40, 64)
     kw = dict(moe_cache="100%", moe_policy="gpu-on-demand")
     probe = Llama(path, **common)
@@ -186,7 +150,7 @@ def test_gpu_copies_take_the_file_layout(quant, quant_model, rpc_server):
         ref_out, ref_lg = greedy_with_logits(probe, tokens, 8)
     finally:
         probe.close()
-    out, lg, st = _greedy(path, tokens, 8, **common, **kw)
+    out, lg, st = greedy_run(path, tokens, 8, **common, **kw)
     assert st["engine"]["cpu_experts"] == 0 and st["engine"]["gpu_experts"] > 0
     assert any(any(r) for r in st["engine"]["repacked"])
     assert out == ref_out and np.array_equal(lg, ref_lg), nmse(lg, ref_lg)
@@ -202,13 +166,13 @@ def test_gpu_copies_take_the_file_layout(quant, quant_model, rpc_server):
 
 
 @pytest.mark.parametrize("share", ["cpu", "layers"])
-def test_two_sequences_in_one_batch(share, quant_model, rpc_server):
+def test_two_sequences_in_one_batch(share, expert_quant_model, rpc_server):
     """Two sequences decoded together (n_seq 2): each one's logits equal upstream's same batch with the same
     placement, repacked (the CPU share alone; the last MoE layer's experts on the stand-in)."""
     from hybrimoe import Llama
     from hybrimoe.runtime.engine_facts import engine_facts
 
-    path = quant_model("qwen2moe", "Q4_0")
+    path = expert_quant_model("qwen2moe", "Q4_0")
     facts = engine_facts(path)
     common = dict(_common(rpc_server, 64, 16), n_seq_max=2)
     dev = f"RPC0[{rpc_server.endpoint}]"
@@ -237,12 +201,12 @@ def test_two_sequences_in_one_batch(share, quant_model, rpc_server):
             assert np.array_equal(w, h), nmse(h, w)
 
 
-def test_ram_tier_under_a_gpu_cache_keeps_the_file_layout(quant_model, rpc_server):
+def test_ram_tier_under_a_gpu_cache_keeps_the_file_layout(expert_quant_model, rpc_server):
     """The RAM slots repack after each read (tests/runtime/test_ram_tier.py) unless a GPU cache above them copies
     from them: then they keep the file's layout, and the CPU share reads no repacked matrix."""
     from hybrimoe import Llama
 
-    path = quant_model("qwen3moe", "Q4_0")
+    path = expert_quant_model("qwen3moe", "Q4_0")
     llm = Llama(path, n_ctx=128, moe_ram_cache="100%", moe_cache="50%", rpc_servers=rpc_server.endpoint,
                 n_gpu_layers=-1, moe_cost_model="rtx4090-desktop", verbose=False)
     try:

@@ -13,58 +13,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybrimoe.testing.fixtures import ENGINE_ARCHS
-from hybrimoe.testing.upstream import greedy_with_logits, nmse, prompt_tokens
-
-QUANTS = {
-    "Q4_0": "Q4_0",
-    "Q4_K_M": "Q4_K_M",
-    "IQ4_NL": {"base": "Q8_0", "ffn_.*_exps": "IQ4_NL"},
-    "MXFP4": {"base": "Q8_0", "ffn_.*_exps": "MXFP4"},
-    "Q8_0": "Q8_0",
-}
-
-
-@pytest.fixture(scope="module")
-def quant_model(tmp_path_factory):
-    """``quant_model(arch, quant) -> str``: the K-quant-shaped tiny fixture of ``arch`` with ``QUANTS[quant]``."""
-    from hybrimoe.tiny import fixture_set, make_tiny_model
-
-    folder = tmp_path_factory.mktemp("fused-models")
-    made = {}
-
-    def make(arch: str, quant: str) -> str:
-        if (arch, quant) not in made:
-            kw = dict(fixture_set()[(arch, "Q4_K_M")], quant=QUANTS[quant])
-            made[(arch, quant)] = str(make_tiny_model(folder / f"{arch}-{quant}.gguf", **kw))
-        return made[(arch, quant)]
-
-    return make
-
-
-def _run(path: str, tokens, n: int, **kw):
-    from hybrimoe import Llama
-
-    llm = Llama(path, **kw)
-    try:
-        out, lg = greedy_with_logits(llm, tokens, n)
-        st = llm.moe_stats()
-    finally:
-        llm.close()
-    return out, lg, st
+from hybrimoe.testing.fixtures import ENGINE_ARCHS, EXPERT_QUANTS
+from hybrimoe.testing.upstream import greedy_run, greedy_with_logits, nmse, prompt_tokens
 
 
 def _cases():
     from allpairspy import AllPairs
 
     return [pytest.param(*c, id="-".join(str(x) for x in c))
-            for c in AllPairs([list(ENGINE_ARCHS), list(QUANTS), [1, 7, 64], [1, 2, 3]])]
+            for c in AllPairs([list(ENGINE_ARCHS), list(EXPERT_QUANTS), [1, 7, 64], [1, 2, 3]])]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, quant, ub, threads", _cases())
-def test_fused_cpu_share_is_upstreams(arch, quant, ub, threads, quant_model):
-    path = quant_model(arch, quant)
+def test_fused_cpu_share_is_upstreams(arch, quant, ub, threads, expert_quant_model):
+    path = expert_quant_model(arch, quant)
     n_prompt = 3 * ub + 5
     common = dict(n_ctx=n_prompt + 64, n_batch=512, n_ubatch=ub, seed=0, verbose=False, n_threads=threads,
                   n_threads_batch=threads, n_gpu_layers=0)
@@ -76,18 +39,18 @@ def test_fused_cpu_share_is_upstreams(arch, quant, ub, threads, quant_model):
         ref_out, ref_lg = greedy_with_logits(ref, tokens, 16)
     finally:
         ref.close()
-    out, lg, st = _run(path, tokens, 16, moe_cache=0, moe_cpu_fused=True, **common)
+    out, lg, st = greedy_run(path, tokens, 16, moe_cache=0, moe_cpu_fused=True, **common)
     fused = st["engine"]["fused"]
     assert all(f >= ub for f in fused) or (any(f >= 0 for f in fused) and ub >= 8), fused  # it ran fused
     assert out == ref_out and np.array_equal(lg, ref_lg), nmse(lg, ref_lg)
 
 
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_K_M"])
-def test_fused_with_a_gpu_share_of_whole_layers(quant, quant_model, rpc_server):
+def test_fused_with_a_gpu_share_of_whole_layers(quant, expert_quant_model, rpc_server):
     """The last MoE layer's experts on the stand-in, the first's fused on the CPU: upstream with that placement."""
     from hybrimoe.runtime.engine_facts import engine_facts
 
-    path = quant_model("qwen3moe", quant)
+    path = expert_quant_model("qwen3moe", quant)
     facts = engine_facts(path)
     common = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=128, n_batch=512, n_ubatch=32, seed=0,
                   verbose=False)
@@ -101,7 +64,7 @@ def test_fused_with_a_gpu_share_of_whole_layers(quant, quant_model, rpc_server):
         ref_out, ref_lg = greedy_with_logits(ref, tokens, 12)
     finally:
         ref.close()
-    out, lg, st = _run(path, tokens, 12, moe_cache=facts.n_expert * facts.slot_bytes, moe_policy="upstream-ncmoe",
+    out, lg, st = greedy_run(path, tokens, 12, moe_cache=facts.n_expert * facts.slot_bytes, moe_policy="upstream-ncmoe",
                        moe_cpu_fused=True, **common)
     e = st["engine"]
     assert e["gpu_experts"] > 0 and e["fused"][0] >= 0
@@ -109,10 +72,10 @@ def test_fused_with_a_gpu_share_of_whole_layers(quant, quant_model, rpc_server):
 
 
 @pytest.mark.parametrize("ub", [1, 32])
-def test_fused_with_a_mixed_split(ub, quant_model, rpc_server, split_cost_model):
+def test_fused_with_a_mixed_split(ub, expert_quant_model, rpc_server, split_cost_model):
     """A split inside each layer (the GPU's pairs -1 in the fused op's ids), both sides in the file's layout (the
     stand-in's plain kernels then match upstream's CPU ones): upstream's numbers."""
-    path = quant_model("qwen2moe", "Q4_0")
+    path = expert_quant_model("qwen2moe", "Q4_0")
     common = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=128, n_batch=512, n_ubatch=ub, seed=0,
                   verbose=False, no_repack=True)
     from hybrimoe import Llama
@@ -123,7 +86,7 @@ def test_fused_with_a_mixed_split(ub, quant_model, rpc_server, split_cost_model)
         ref_out, ref_lg = greedy_with_logits(ref, tokens, 12)
     finally:
         ref.close()
-    out, lg, st = _run(path, tokens, 12, moe_cache="50%", moe_cost_model=split_cost_model, moe_cpu_fused=True,
+    out, lg, st = greedy_run(path, tokens, 12, moe_cache="50%", moe_cost_model=split_cost_model, moe_cpu_fused=True,
                        **common)
     e = st["engine"]
     assert e["gpu_experts"] > 0 and e["cpu_experts"] > 0 and all(f >= ub for f in e["fused"]), e
@@ -156,7 +119,7 @@ def test_negative_control_and_fast_mode(tmp_path):
     finally:
         llm.close()
     assert nmse(bad, ref_lg) > 1e-4
-    out, lg, st = _run(path, tokens, 8, moe_cache=0, moe_cpu_fused="fast", **common)
+    out, lg, st = greedy_run(path, tokens, 8, moe_cache=0, moe_cpu_fused="fast", **common)
     assert st["engine"]["fused"][0] > 0
     assert out == ref_out and nmse(lg, ref_lg) <= 1e-6, nmse(lg, ref_lg)
 
@@ -174,7 +137,7 @@ def test_unsupported_experts_keep_upstreams_ops(tiny_model):
         ref_out, ref_lg = greedy_with_logits(ref, tokens, 8)
     finally:
         ref.close()
-    out, lg, st = _run(path, tokens, 8, moe_cache=0, moe_cpu_fused=True, **common)
+    out, lg, st = greedy_run(path, tokens, 8, moe_cache=0, moe_cpu_fused=True, **common)
     assert st["engine"]["fused"] and all(f == -1 for f in st["engine"]["fused"])
     assert out == ref_out and np.array_equal(lg, ref_lg)
 
