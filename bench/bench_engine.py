@@ -4,7 +4,7 @@
    attached with nothing cached (``moe_cache=0``: every routed expert still runs on ggml's CPU kernels, through
    the engine's plan / wait / combine ops), same threads, same model. Figures: prompt tokens/s (one ubatch of
    ``--prompt`` tokens) and decode tokens/s (``--decode`` greedy tokens after it). Target: overhead < 5 %.
-2. Per-layer plumbing cost with the RPC "GPU" stand-in (``hybrimoe.rpc.RPCServer``: a ggml-rpc-server on
+2. Per-layer plumbing cost with the RPC "GPU" stand-in (``hybrimoe.runtime.rpc.RPCServer``: a ggml-rpc-server on
    127.0.0.1 whose memory is reached only through RPC; ``n_gpu_layers=-1``). Upstream ``-ot exps=CPU``
    (attention on the device, experts in host memory, ``no_repack``) against the engine with
    (a) ``moe_cache=0``, (b) ``moe_cache="25%"`` with ``moe_policy="hybrimoe"``, (c) ``moe_cache="25%"`` with
