@@ -1,8 +1,8 @@
 """The never-worse table (simulation): hybrimoe against the best static placement and the oracle bound.
 
 For each trace (the shared DeepSeek-V2-Lite routing, and synthetic traces of the shapes of Mixtral-8x7B,
-Qwen3-30B-A3B, DeepSeek-V3 and gpt-oss-120b at low and high temporal locality: hybrimoe.traces.synthetic), hardware preset,
-cache size, stage and seed, on the first 2,000 tokens: tokens/s of hybrimoe, of each static placement
+Qwen3-30B-A3B, DeepSeek-V3 and gpt-oss-120b at low and high temporal locality: hybrimoe.traces.synthetic), hardware
+preset, cache size, stage and seed, on the first 2,000 tokens: tokens/s of hybrimoe, of each static placement
 (ktransformers, hot-set, upstream-ncmoe) and of the oracle, hybrimoe / best static, and flags where hybrimoe is more
 than 1% slower than the best static placement or the oracle is not the fastest. Prints a markdown table; --json
 writes the rows. The synthetic traces' router scores are an assumption (hybrimoe.traces.synthetic).
