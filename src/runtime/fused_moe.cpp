@@ -223,7 +223,8 @@ void FusedCpuShare::plan(int ml, const int32_t * ids, size_t ids_nb1, int64_t k,
     k_ = k;
     // the CPU pairs grouped by expert, in (token, rank) order within an expert (upstream's grouping order)
     const int64_t n_ids = L.down.w->ne[2];
-    std::vector<int32_t> count((size_t) n_ids, 0);
+    std::vector<int32_t> & count = count_;  // members: no allocation per layer once grown
+    count.assign((size_t) n_ids, 0);
     tok_needed_.assign((size_t) T, 0);
     for (int64_t t = 0; t < T; ++t) {
         const int32_t * row = (const int32_t *) ((const char *) ids + (size_t) t * ids_nb1);
@@ -236,7 +237,8 @@ void FusedCpuShare::plan(int ml, const int32_t * ids, size_t ids_nb1, int64_t k,
     }
     group_expert_.clear();
     group_start_.assign(1, 0);
-    std::vector<int32_t> slot((size_t) n_ids, -1);
+    std::vector<int32_t> & slot = next_pos_;
+    slot.assign((size_t) n_ids, -1);
     for (int64_t e = 0; e < n_ids; ++e) {
         if (count[(size_t) e] == 0) continue;
         slot[(size_t) e] = group_start_.back();

@@ -133,6 +133,7 @@ private:
     // the plan's grouping: CPU pairs ordered by expert; group g covers pairs [group_start[g], group_start[g + 1])
     std::vector<int32_t> pair_tok_, pair_rank_, group_expert_, group_start_;
     std::vector<uint8_t> tok_needed_;
+    std::vector<int32_t> count_, next_pos_;     // plan(): pairs per expert, next position of each expert's pairs
     int64_t T_ = 0, k_ = 0;
     bool x_ready_ = false;              ///< the plan op quantized the activations already
 
