@@ -223,6 +223,11 @@ def _inputs(args) -> tuple:
         # with the trace's router scores where it has them (the engine's cache policies rank by them)
         routing_table, routing_scores = routing_replay_table(args.replay_trace, args.model,
                                                              layout=(args.n_prompt, args.n_gen), scores=True)
+    if args.read_ahead is not None:
+        parts = [x.strip() for x in args.read_ahead.split(",") if x.strip()]
+        if not parts or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise ValueError(f"--read-ahead {args.read_ahead}: give read_ahead_kb values, whole numbers > 0 "
+                             "separated by commas (e.g. 128,512,2048,8192)")
     if args.read_ahead is not None and args.moe_ram_cache is None:
         raise ValueError("--read-ahead sets how much a page fault reads from the disk: it applies with "
                          "--moe-ram-cache (a model larger than RAM)")
@@ -233,13 +238,15 @@ def _modes(args, facts, pols: list, up: set, budget: int) -> list[tuple[str, dic
     """(label, Llama keywords, GPU expert bytes) of every mode to run: the upstream ones asked for, then hybrimoe's."""
     modes = []
     if args.moe_ram_cache is not None:
-        # CPU only, upstream's numbers on both sides: upstream reads the experts through its mapping (--no-repack,
-        # as the RAM tier computes from the file's bytes unrepacked), hybrimoe through its RAM tier
+        # CPU only: upstream reads the experts through its mapping (--no-repack: its default repacking would read
+        # every expert into RAM at load, which a model larger than RAM does not allow), hybrimoe through its RAM
+        # tier, also in the file's layout, so that both compute with the same kernels and give the same tokens
+        # (the comparison is of the disk tier; the kernels are bench --cpu-only's)
         modes.append(("upstream mmap (CPU, --no-repack)", dict(n_gpu_layers=0, no_repack=True), 0))
         for pol in pols:
             modes.append((f"hybrimoe RAM {pol}", dict(n_gpu_layers=0, moe_ram_cache=args.moe_ram_cache,
                                                       moe_ram_policy=pol, moe_cost_model=args.moe_cost_model,
-                                                      moe_profile=args.moe_profile), 0))
+                                                      moe_profile=args.moe_profile, no_repack=True), 0))
         return modes
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else 99
     for label, kw, gpu_bytes in upstream_modes(args.model, budget, facts.n_layer):

@@ -130,7 +130,8 @@ class Llama(llama_cpp.Llama):
             quantized once, the SwiGLU and down; its threads synchronised between phases only) with upstream's own
             kernels, so with upstream's numbers; where it cannot (other activations, expert biases or scales, plain
             K-quant experts in ubatches of 8 tokens or more), upstream's ops. ``moe_stats()["engine"]["fused"]``
-            gives per MoE layer the largest ubatch that runs fused (-1: none). Off by default. ``"fast"``: also the
+            gives per MoE layer the largest ubatch that runs fused (``"any"``: every size; None: none), and
+            ``["fused_mode"]`` the mode ("off", "exact", "fast"). Off by default. ``"fast"``: also the
             repacked layouts' gemm kernels where they round differently from the gemv kernel upstream's mul_mat_id
             runs (Q4_K on x86 AVX2): faster prefill, logits no longer upstream's bit for bit.
 
@@ -141,7 +142,7 @@ class Llama(llama_cpp.Llama):
             them or ahead of it by the router look-ahead (``moe_prefetch_layers``), dropping them from the page
             cache once read, so the process uses about the budget (``hybrimoe.runtime.ram_tier``); the weights outside
             the experts are read into RAM at load (``use_mmap`` defaults to False with it). Turns the engine
-            on with ``moe_cache=0`` (a GPU cache with it is not implemented yet). The smallest budget holds every
+            on with ``moe_cache=0`` (a GPU cache above it: ``moe_cache`` too). The smallest budget holds every
             expert one ubatch can route to in a layer (``min(n_expert, n_ubatch * top_k)`` experts); a budget above
             the machine's memory is refused; ``use_mlock`` is refused with it. ``moe_stats()["engine"]["ram"]``
             reports the tier.

@@ -220,9 +220,10 @@ def fused_mode(spec) -> int:
         return 0
     if spec is True:
         return 1
-    if isinstance(spec, str) and spec.strip().lower() == "fast":
-        return 2
-    raise ValueError(f"moe_cpu_fused must be True, False or 'fast', got {spec!r}")
+    word = spec.strip().lower() if isinstance(spec, str) else None
+    if word in ("off", "on", "fast"):  # the CLI's words too
+        return {"off": 0, "on": 1, "fast": 2}[word]
+    raise ValueError(f"moe_cpu_fused must be True, False, 'fast' (or 'on', 'off'), got {spec!r}")
 
 
 def cpu_weights_option(no_repack: bool, no_host: bool) -> str:

@@ -49,8 +49,10 @@ def engine_stats(engine, setup) -> dict:
         "failed": engine.failed,
         # per MoE layer, whether the CPU share reads its (gate or gate_up, up, down) matrices repacked
         "repacked": [list(r) for r in engine.repacked()],
-        # per MoE layer, the largest ubatch whose CPU share runs as one fused op (-1: none)
-        "fused": list(engine.fused_max_tokens()),
+        # per MoE layer: the largest ubatch whose CPU share runs as one fused op, "any" for every size, None where
+        # it does not (moe_cpu_fused off, or experts it does not fuse)
+        "fused": [None if n < 0 else "any" if n >= 2 ** 62 else int(n) for n in engine.fused_max_tokens()],
+        "fused_mode": {0: "off", 1: "exact", 2: "fast"}[setup.cpu_fused],
         "layers": layers,
         "ram": ram_stats(engine, setup),
     }

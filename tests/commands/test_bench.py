@@ -201,6 +201,13 @@ def test_bench_ram_tier_at_each_read_ahead(tiny_model, tmp_path, monkeypatch):
         assert all(" @ read_ahead_kb " in r["mode"] for r in doc["rows"])
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "128,,x"])
+def test_read_ahead_values_are_checked(value, tiny_model, capsys):
+    path = tiny_model("qwen3moe", "Q8_0")
+    assert _bench(["-m", path, "--moe-ram-cache", _min_ram_budget(path), "--read-ahead", value]) == 1
+    assert f"--read-ahead {value}: give read_ahead_kb values" in capsys.readouterr().err
+
+
 def test_read_ahead_needs_the_ram_tier(tiny_model, capsys):
     assert _bench(["-m", tiny_model("qwen3moe", "Q8_0"), "--stand-in", "--read-ahead", "128"]) == 1
     assert "--read-ahead sets how much a page fault reads" in capsys.readouterr().err
