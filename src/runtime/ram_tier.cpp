@@ -303,7 +303,7 @@ void RamTier::worker() {
 }
 
 int64_t RamTier::read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, uint8_t * staging, uint64_t & calls,
-                            bool & direct) {
+                            bool & direct, const uint8_t ** in_staging) {
     const int dfd = direct_fds_[(size_t) f];
     if (dfd >= 0 && staging != nullptr) {
         // O_DIRECT: the aligned range around the bytes into the staging buffer (DMA, no page cache), then a copy
@@ -327,7 +327,11 @@ int64_t RamTier::read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, ui
         if (!refused) {
             direct = true;
             const int64_t have = std::max<int64_t>(0, std::min<int64_t>(lo + got - off, n));
-            std::memcpy(dst, staging + (off - lo), (size_t) have);
+            if (in_staging) {
+                *in_staging = staging + (off - lo);  // the caller takes the bytes from the staging buffer
+            } else {
+                std::memcpy(dst, staging + (off - lo), (size_t) have);
+            }
             return have;
         }
     }
@@ -365,9 +369,13 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging, uint8_t * tmp
         const int64_t off = where_.offset_of[(size_t) layer][(size_t) i] + n * expert;
         uint8_t * slot = pool_.slot_data(j.slot, i);
         const bool repack = rp[(size_t) i] && tmp != nullptr;
-        uint8_t * dst = repack ? tmp : slot;  // a repacked matrix is read into the worker's buffer first
+        // a matrix to repack is read into the worker's buffer first, or repacked from the staging buffer of a
+        // direct read (one copy fewer)
+        uint8_t * dst = repack ? tmp : slot;
+        const uint8_t * src = dst;
         bool direct = false;
-        const int64_t got = fault ? -fault : read_range(f, dst, n, off, staging, calls, direct);
+        const int64_t got =
+            fault ? -fault : read_range(f, dst, n, off, staging, calls, direct, repack ? &src : nullptr);
         if (fault) ++calls;
         if (got < n) {
             const std::string why = got < 0 ? std::strerror((int) -got)
@@ -381,7 +389,7 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging, uint8_t * tmp
         n_direct += direct ? 1 : 0;
         if (repack) {
             const ggml_tensor * w = host.slot_matrices()[(size_t) i];
-            if (!repack_matrix(repack_marker_, w->type, w->ne[0], w->ne[1], tmp, slot)) {
+            if (!repack_matrix(repack_marker_, w->type, w->ne[0], w->ne[1], src, slot)) {
                 return "repacking MoE layer " + std::to_string(layer) + " expert " + std::to_string(expert) +
                        ": ggml-cpu has no repacked layout for it";
             }
@@ -609,7 +617,7 @@ void RamTier::judge(uint8_t distance, bool used) {
     const size_t d = (size_t) distance - 1;
     ahead_judged_[d] += 1;
     ahead_used_[d] += used ? 1 : 0;
-    if (ahead_judged_[d] >= 4 * kMinOutcomes) {  // halved: the share follows the recent reads
+    if (ahead_judged_[d] >= kWindowOutcomes) {  // halved: the share follows the recent reads
         ahead_judged_[d] /= 2;
         ahead_used_[d] /= 2;
     }
@@ -629,12 +637,11 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
     // the chance that a ubatch of n_tokens tokens uses a given expert under uniform routing
     const double prior = 1.0 - std::pow(1.0 - std::min(1.0, (double) top_k / n_expert_), (double) n_tokens);
     const bool small = prior < cfg_.min_prefetch_confidence;
-    std::array<double, 3> measured{-1.0, -1.0, -1.0};
+    std::array<uint64_t, 3> judged{}, used{};
     {
         std::lock_guard<std::mutex> lock(mu_);
-        for (size_t d = 0; d < 3; ++d) {
-            if (ahead_judged_[d] >= kMinOutcomes) measured[d] = (double) ahead_used_[d] / (double) ahead_judged_[d];
-        }
+        judged = ahead_judged_;
+        used = ahead_used_;
     }
     std::vector<Cand> cands;
     std::vector<uint8_t> seen((size_t) n_expert_);
@@ -643,18 +650,27 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
         const int d = std::max(1, p.distance);
         const size_t di = (size_t) std::min(d, 3) - 1;  // distances beyond 3 are judged with distance 3
         double conf = p.confidence;
-        if (small && measured[di] >= 0.0) {
-            conf = measured[di];
-            // a probe now and then, so that a share measured low can be measured again (the routing may change)
-            if (conf < cfg_.min_prefetch_confidence && ++probe_calls_[di] % kProbeEvery == 0) {
+        size_t first = 0, last = p.experts.size();  // the predicted experts read ahead: [first, last)
+        if (small) {
+            // the share used so far, the assumed confidence counted as kPriorOutcomes outcomes
+            conf = ((double) used[di] + (double) kPriorOutcomes * std::min(1.0, std::max(0.0, conf))) /
+                   (double) (judged[di] + kPriorOutcomes);
+            // a probe now and then, so that a share measured low can be measured again (the routing may change):
+            // one expert of the prediction (the most tokens predicted), so that a look-ahead that misses costs one
+            // read per probe, not top_k
+            if (conf < cfg_.min_prefetch_confidence && ++probe_calls_[di] % kProbeEvery == 0 && last > 0) {
                 conf = cfg_.min_prefetch_confidence;
+                for (size_t i = 1; i < p.loads.size() && i < last; ++i) {
+                    if (p.loads[i] > p.loads[first]) first = i;
+                }
+                last = first + 1;
             }
         }
         conf = std::max(conf, prior);
         const uint8_t tag = small ? (uint8_t) (di + 1) : kUncounted;
         std::fill(seen.begin(), seen.end(), 0);
         if (conf >= cfg_.min_prefetch_confidence) {
-            for (size_t i = 0; i < p.experts.size(); ++i) {
+            for (size_t i = first; i < last; ++i) {
                 cands.push_back({conf, d, i < p.loads.size() ? p.loads[i] : 1, p.layer, p.experts[i], tag});
                 seen[(size_t) p.experts[i]] = 1;
             }

@@ -143,15 +143,18 @@ public:
     /// How likely a predicted expert is used: a ubatch of `n_tokens` tokens picking `top_k` of n_expert each leaves
     /// an expert unused with probability (1 - top_k / n_expert)^n_tokens under uniform routing, so in a large
     /// ubatch (prefill) every expert of the next layers is read ahead, the sampled predictions first, the others
-    /// at that prior. For the sampled predictions of small ubatches (decode), once kMinOutcomes of them have been
-    /// judged at a distance (used at their layer, or not by the time it ran: release), the share used replaces the
-    /// prediction's assumed confidence (the counts are halved at 4 x kMinOutcomes, so the share follows the recent
-    /// reads): where the router look-ahead does not predict the routing, nothing is read ahead for it but one
-    /// prediction in kProbeEvery, which keeps the share measured.
+    /// at that prior. For the sampled predictions of small ubatches (decode), the confidence is the share of the
+    /// reads ahead at that distance used at their layer (judged there: used, or not by the time it ran, release),
+    /// with the prediction's assumed confidence counted as kPriorOutcomes outcomes (a Beta prior: a look-ahead that
+    /// misses stops being read ahead after a few misses, not after tens of wasted reads); the counts are halved at
+    /// kWindowOutcomes, so the share follows the recent reads. Where the router look-ahead does not predict the
+    /// routing, nothing is read ahead for it but one expert (the most tokens predicted) of one prediction in
+    /// kProbeEvery, which keeps the share measured.
     int prefetch(const std::vector<Prediction> & predictions, int64_t keep_free, double now_s, int n_tokens,
                  int top_k);
-    static constexpr uint64_t kMinOutcomes = 64;
-    static constexpr uint64_t kProbeEvery = 8;
+    static constexpr uint64_t kPriorOutcomes = 8;
+    static constexpr uint64_t kWindowOutcomes = 256;
+    static constexpr uint64_t kProbeEvery = 16;
 
     int64_t n_slots() const { return pool_.n_slots(); }
     /// RAM slots pinned now (being read, used by a layer, read ahead for one, or held for a GPU copy); reads that
@@ -183,9 +186,10 @@ private:
     /// `tmp`: a worker buffer of the largest matrix's bytes when the tier repacks (the read lands there first).
     std::string read_expert(const Job & j, uint8_t * staging, uint8_t * tmp);
     /// Reads bytes [off, off + n) of file f into dst, directly (through `staging`) where the file allows it: the
-    /// bytes got (n unless the file ends first), or -errno.
+    /// bytes got (n unless the file ends first), or -errno. With `in_staging`, a direct read leaves the bytes in the
+    /// staging buffer and points *in_staging at them instead of copying them to dst.
     int64_t read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, uint8_t * staging, uint64_t & calls,
-                       bool & direct);
+                       bool & direct, const uint8_t ** in_staging = nullptr);
     void close_files();
     /// POSIX_FADV_DONTNEED over every expert range (drop_after_read only): at open, and once more at the first
     /// ubatch.
