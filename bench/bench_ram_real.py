@@ -16,10 +16,12 @@ file is dropped from the page cache (fsync, POSIX_FADV_DONTNEED).
 
 Per run: prefill tokens/s (one ``--pp``-token prompt, ubatch 512) and decode tokens/s (``--tg`` tokens after it),
 bytes read from the disk per token (``/proc/self/io`` read_bytes: what reached the block device, read-ahead
-included) and major page faults per token (getrusage), the read bandwidth that gives, and for hybrimoe the RAM
-tier's counters. Modes (``--modes``): upstream (mmap, ``--no-repack``: with its default repacking the load would
-read every expert into RAM, which a model larger than RAM does not allow), hybrimoe (as users run it: MRS, prefetch
-by the router look-ahead, slots repacked where upstream repacks), hybrimoe with LRU, and hybrimoe without prefetch.
+included) and major page faults per token (getrusage), the read bandwidth that gives, the share of the stage the
+disk was busy (its ``io_ticks``: near 1, the stage waited for the disk), and for hybrimoe the RAM tier's counters.
+Modes (``--modes``): upstream (mmap, ``--no-repack``: with its default repacking the load would read every expert
+into RAM, which a model larger than RAM does not allow), hybrimoe (as users run it: MRS, prefetch by the router
+look-ahead, slots repacked where upstream repacks), hybrimoe with LRU, hybrimoe without prefetch, and hybrimoe with
+its slots in the file's layout (``no_repack``, upstream's kernels as its mmap run uses them).
 
 Read-ahead: the block device's ``read_ahead_kb`` decides how much upstream's mmap reads per fault (Linux gives an
 NVMe drive 128 KiB; this project's disk has 8 MiB), so every mode runs at each ``--read-ahead`` value (default
@@ -46,6 +48,7 @@ MODES = {
     "hybrimoe": {"moe_ram_cache": "auto"},
     "hybrimoe-no-prefetch": {"moe_ram_cache": "auto", "moe_prefetch_layers": 0},
     "hybrimoe-lru": {"moe_ram_cache": "auto", "moe_ram_policy": "lru"},
+    "hybrimoe-no-repack": {"moe_ram_cache": "auto", "no_repack": True},
 }
 
 
@@ -124,6 +127,7 @@ def child(args) -> dict:
     from hybrimoe.runtime.disk_calibration import drop_from_page_cache
     from hybrimoe.runtime.benchmark import io_counters
     from hybrimoe.runtime.ram_tier import machine_memory
+    from hybrimoe.runtime.readahead import disk_busy_ms
     from hybrimoe.traces.routing_replay import routing_replay_table
     from hybrimoe.traces.synthetic import synthetic_trace
 
@@ -136,17 +140,18 @@ def child(args) -> dict:
     del tr
     drop_from_page_cache(args.model)
     t_load = time.perf_counter()
+    no_repack = kw.pop("no_repack", not kw)  # upstream's mmap runs --no-repack (see the module's docstring)
     llm = Llama(str(args.model), n_ctx=args.pp + args.tg + 16, n_batch=512, n_ubatch=512, n_threads=args.threads,
-                n_threads_batch=args.threads, n_gpu_layers=0, verbose=False, no_repack=not kw, moe_replay=table,
+                n_threads_batch=args.threads, n_gpu_layers=0, verbose=False, no_repack=no_repack, moe_replay=table,
                 moe_replay_scores=scores,
                 **({"moe_cost_model": "rtx4090-desktop"} if kw else {}), **kw)
     load_s = time.perf_counter() - t_load
     mem = machine_memory()
     row = {"load_s": load_s, "cgroup_total": mem["total"], "memory_source": mem["source"]}
     toks = list(np.random.default_rng(0).integers(5, 500, size=args.pp))
-    (io0, f0), t0 = io_counters(), time.perf_counter()
+    (io0, f0), t0, b0 = io_counters(), time.perf_counter(), disk_busy_ms(args.model)
     llm.eval(toks)
-    (io1, f1), t1 = io_counters(), time.perf_counter()
+    (io1, f1), t1, b1 = io_counters(), time.perf_counter(), disk_busy_ms(args.model)
     if llm.moe_engine is not None:
         row["ram_prefill"] = llm.moe_stats()["engine"]["ram"]
         llm.moe_engine.reset_stats()
@@ -154,11 +159,13 @@ def child(args) -> dict:
     for _ in range(args.tg):
         llm.eval([tok])
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    (io2, f2), t2 = io_counters(), time.perf_counter()
+    (io2, f2), t2, b2 = io_counters(), time.perf_counter(), disk_busy_ms(args.model)
     row.update(pp_tps=args.pp / (t1 - t0), tg_tps=args.tg / (t2 - t1),
                pp_read_per_token=(io1 - io0) / args.pp, tg_read_per_token=(io2 - io1) / args.tg,
                pp_majflt_per_token=(f1 - f0) / args.pp, tg_majflt_per_token=(f2 - f1) / args.tg,
                pp_read_bw=(io1 - io0) / (t1 - t0), tg_read_bw=(io2 - io1) / (t2 - t1))
+    if b0 is not None and b2 is not None:  # the share of each stage the disk had reads in flight
+        row.update(pp_disk_busy=(b1 - b0) / 1e3 / (t1 - t0), tg_disk_busy=(b2 - b1) / 1e3 / (t2 - t1))
     if llm.moe_engine is not None:
         ram = llm.moe_stats()["engine"]["ram"]
         row["ram_decode"] = ram
@@ -179,8 +186,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         s = {"mode": mode, "asked_kb": kb, "runs": len(runs), "errors": [r["error"] for r in runs if "error" in r],
              "in_force_kb": sorted({r["read_ahead_kb"] for r in runs}), "loadavg": [r["loadavg"] for r in runs]}
         for f in ("pp_tps", "tg_tps", "pp_read_per_token", "tg_read_per_token", "pp_majflt_per_token",
-                  "tg_majflt_per_token"):
-            xs = [r[f] for r in ok]
+                  "tg_majflt_per_token", "pp_disk_busy", "tg_disk_busy"):
+            xs = [r[f] for r in ok if f in r]
             if xs:
                 s[f] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
         hits = [r["ram_decode"]["hit_rate"] for r in ok if "ram_decode" in r]
@@ -289,8 +296,9 @@ def main() -> int:
           f"{args.threads} threads, CPU only; routing replayed ({args.locality} locality); {args.reps} interleaved "
           f"repetitions, median (min..max); read_ahead_kb found {ra.original}, put back after")
     print(f"| mode | read_ahead_kb | pp{args.pp} t/s | tg{args.tg} t/s | MB read/token pp | MB read/token tg | "
-          "major faults/token pp | major faults/token tg | RAM hit rate (tg) | load avg |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "major faults/token pp | major faults/token tg | disk busy pp | disk busy tg | RAM hit rate (tg) | "
+          "load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
         if "pp_tps" not in s:
             err = s["errors"][-1].splitlines()[-1] if s["errors"] else "?"
@@ -300,7 +308,7 @@ def main() -> int:
         print(f"| {s['mode']} | {kb} | {_fig(s, 'pp_tps')} | {_fig(s, 'tg_tps', fmt='{:.3f}')} | "
               f"{_fig(s, 'pp_read_per_token', 1e6, '{:.0f}')} | {_fig(s, 'tg_read_per_token', 1e6, '{:.0f}')} | "
               f"{_fig(s, 'pp_majflt_per_token', 1, '{:.0f}')} | {_fig(s, 'tg_majflt_per_token', 1, '{:.0f}')} | "
-              f"{_fig(s, 'ram_hit_rate', fmt='{:.3f}')} | {min(s['loadavg']):.2f}..{max(s['loadavg']):.2f} |")
+              f"{_fig(s, 'pp_disk_busy')} | {_fig(s, 'tg_disk_busy')} | {_fig(s, 'ram_hit_rate', fmt='{:.3f}')} | {min(s['loadavg']):.2f}..{max(s['loadavg']):.2f} |")
     for line in headline(summary):
         print(line)
     if args.json:

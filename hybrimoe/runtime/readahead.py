@@ -26,6 +26,17 @@ def read_ahead_file(path) -> Optional[Path]:
     return None
 
 
+def disk_busy_ms(path) -> Optional[int]:
+    """Milliseconds the block device under ``path`` has had I/O in flight since boot (``io_ticks``, the tenth field
+    of its sysfs ``stat``; Documentation/block/stat.rst), or None where it cannot be read. Two readings a time apart
+    give the share of that time the disk was busy: near 1 means the run waited for the disk."""
+    knob = read_ahead_file(path)
+    try:
+        return int((knob.parent.parent / "stat").read_text().split()[9]) if knob else None
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def read_ahead_kb(path) -> Optional[int]:
     """The read-ahead (KiB) in force for ``path``'s block device, or None where it cannot be read."""
     knob = read_ahead_file(path)
