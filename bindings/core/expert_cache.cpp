@@ -151,6 +151,10 @@ void bind_expert_cache(py::module_ & m) {
              py::arg("ready_s") = 0.0,
              "admit(by_prefetch=True) ranked as the most recently used, as the kernel's page cache adds a read "
              "ahead of use at its LRU head (folio_add_lru); False when refused.")
+        .def("admit_demoted", &ExpertCache::admit_demoted, py::arg("layer"), py::arg("expert"),
+             py::arg("ready_s") = 0.0,
+             "admit(by_prefetch=True) of an expert a faster tier gave up, only over residents that rank below it "
+             "(exclusive tiers); False when refused.")
         .def("found_read_ahead", &ExpertCache::found_read_ahead, py::arg("layer"), py::arg("expert"),
              "Recounts the miss of a lookup as a prefetch hit: a read ahead brought the expert in by its use.")
         .def("admit_batch", &ExpertCache::admit_batch, py::arg("layer"), py::arg("experts"),

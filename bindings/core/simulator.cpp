@@ -79,15 +79,17 @@ void bind_simulator(py::module_ & m) {
     py::class_<RamTierConfig>(m, "RamTierConfig",
                               "How the RAM tier reads experts from the model file: reads ('queued' or 'faulting'), "
                               "keep (offer read experts to the RAM cache), lookahead (MoE layers read ahead), "
-                              "ready_first (the CPU runs resident experts first), fault_bytes, read_around (bytes a "
-                              "fault reads per byte faulted), other_bytes (bytes per MoE layer outside the routed "
-                              "experts, in the same page cache), read_cpu_s_per_byte (CPU-share delay per byte "
-                              "read), recall.")
+                              "ready_first (the CPU runs resident experts first), exclusive (GPU and RAM hold "
+                              "different experts; evicted GPU experts are copied back), fault_bytes, read_around "
+                              "(bytes a fault reads per byte faulted), other_bytes (bytes per MoE layer outside the "
+                              "routed experts, in the same page cache), read_cpu_s_per_byte (CPU-share delay per "
+                              "byte read), recall.")
         .def(py::init<>())
         .def_readwrite("reads", &RamTierConfig::reads)
         .def_readwrite("keep", &RamTierConfig::keep)
         .def_readwrite("lookahead", &RamTierConfig::lookahead)
         .def_readwrite("ready_first", &RamTierConfig::ready_first)
+        .def_readwrite("exclusive", &RamTierConfig::exclusive)
         .def_readwrite("fault_bytes", &RamTierConfig::fault_bytes)
         .def_readwrite("read_around", &RamTierConfig::read_around)
         .def_readwrite("other_bytes", &RamTierConfig::other_bytes)
@@ -147,6 +149,8 @@ void bind_simulator(py::module_ & m) {
         .def_readonly("disk_reads", &SimResult::disk_reads)
         .def_readonly("page_faults", &SimResult::page_faults)
         .def_readonly("ram_prefetch_issued", &SimResult::ram_prefetch_issued)
+        .def_readonly("demotions", &SimResult::demotions)
+        .def_readonly("bytes_demoted", &SimResult::bytes_demoted)
         .def_readonly("disk_busy_s", &SimResult::disk_busy_s)
         .def_readonly("decision_us_mean", &SimResult::decision_us_mean)
         .def_readonly("prefetch_us_mean", &SimResult::prefetch_us_mean)

@@ -215,6 +215,7 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
 #: ``queued`` pread reads that the work needing an expert waits for, or ``faulting`` mmap page faults on the thread
 #: that touches the expert; ``keep``: read experts are offered to the RAM cache; ``lookahead``: MoE layers whose
 #: predicted experts are read ahead; ``ready_first``: the CPU share runs the experts already in RAM first;
+#: ``exclusive``: the GPU and RAM tiers hold different experts (demotion of the GPU's evictions);
 #: ``streaming``: as the GPU presets', for reads; ``true_routing``: the look-ahead sees the true routing, a bound;
 #: ``also``: a bound's alternative plans, the fastest kept). :class:`hybrimoe._core.RamTierConfig` holds
 #: the same fields for the simulator. ``baseline``: a system users run today, which hybrimoe must not be slower than.
@@ -227,6 +228,14 @@ RAM_PRESETS = {
                            "first",
                      source="HybriMoE's cache (§IV.D) and impact-driven prefetch (§IV.C) applied to the tier below "
                             "the GPU (docs/design.md §17)"),
+    "hybrimoe-exclusive": dict(cache="mrs", reads="queued", keep=True, lookahead=3, ready_first=True,
+                               true_routing=False, baseline=False, streaming=STREAMING_FRACTION, exclusive=True,
+                               about="hybrimoe's RAM tier with exclusive tiers: an expert loaded to the GPU gives up "
+                                     "its RAM slot, and one the GPU cache evicts is copied back into RAM (device to "
+                                     "host) when it ranks at least as high as the RAM tier's victim; simulated only, "
+                                     "the engine's tiers are inclusive",
+                               source="exclusive caching in multi-level hierarchies (demotion: Wong and Wilkes, "
+                                      "USENIX ATC 2002), applied to the GPU and RAM tiers (docs/design.md §17)"),
     "mmap": dict(cache="lru", reads="faulting", keep=True, lookahead=0, ready_first=False, true_routing=False,
                  baseline=True,
                  about="upstream llama.cpp's mmap: the kernel's page cache of the same RAM (LRU), a routed expert "
@@ -304,6 +313,7 @@ def build_ram_tier(name: str, expert_bytes: Sequence[float], n_experts: int, bud
     cfg.keep = bool(comp["keep"])
     cfg.lookahead = int(comp["lookahead"] if lookahead is None else lookahead)
     cfg.ready_first = bool(comp["ready_first"])
+    cfg.exclusive = bool(comp.get("exclusive", False))
     if comp["true_routing"]:
         cfg.recall = [1.0] * max(1, cfg.lookahead)
     elif recall is not None:

@@ -297,6 +297,18 @@ class Setup:
         cfg.validate()
         return cache, cfg
 
+    def _start_exclusive(self, cache, ram_cache, ram: str) -> None:
+        """Exclusive tiers start exclusive: the RAM tier's initial fill (the hot set, :meth:`build_ram`) gives up
+        what the GPU cache starts with, and the next hottest experts take the room."""
+        L, E = self.trace.n_layers, self.trace.num_experts
+        on_gpu = [k for k in range(L * E) if cache.resident(k // E, k % E)]
+        for k in on_gpu:
+            if ram_cache.resident(k // E, k % E):
+                ram_cache.evict(k // E, k % E)
+        hot = self.first_use_keys() if ram_preset(ram)["cache"] == "belady" else self.hot_keys
+        if hot is not None:
+            ram_cache.fill([int(k) for k in hot if not cache.resident(int(k) // E, int(k) % E)])
+
     def run(self, name: str, cache=None, sched=None, pre=None, cfg=None, *, enough_s: Optional[float] = None,
             ram: Optional[str] = None) -> dict:
         """Simulates one system preset (or the given components) and returns its JSON record.
@@ -330,6 +342,8 @@ class Setup:
         ram_cache = None
         if ram is not None:
             ram_cache, cfg.ram = self.build_ram(ram)
+            if cfg.ram.exclusive:
+                self._start_exclusive(cache, ram_cache, ram)
         res = _core.simulate(self.core_trace, cache, sched, pre, planner, self.truth_cost, self.truth, cfg,
                              self.first, self.end, ram_cache)
         rec, plan = record(name, res, self, ram), name
@@ -463,6 +477,8 @@ def record(name: str, res, setup: Setup, ram: Optional[str] = None) -> dict:
             "page_faults": res.page_faults,
             "page_faults_per_token": res.page_faults / tokens,
             "ram_prefetch_issued": res.ram_prefetch_issued,
+            "demotions": res.demotions,
+            "bytes_demoted": res.bytes_demoted,
             "disk_busy_frac": res.disk_busy_s / tot,
         })
         if name in SYSTEM_PRESETS:

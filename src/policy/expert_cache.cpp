@@ -510,7 +510,8 @@ bool ExpertCache::choose_victims(double need, double incoming, bool & refreshed,
     touched_.clear();
     while (used_ - freed + need > budget_ * (1.0 + 1e-12)) {
         const int32_t l = tree_[1];
-        if (l < 0 || (bypass && incoming <= order_[l][cursor_[l]].p)) {
+        if (l < 0 || (bypass && incoming <= order_[l][cursor_[l]].p) ||
+            (compete_now_ && incoming < order_[l][cursor_[l]].p)) {
             ok = false;
             break;
         }
@@ -598,7 +599,7 @@ bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch,
     // Victims: lowest priority, ties least recently used, then first in resident order; the newcomer's priority
     // is read only when it has to compete (bypass) or enter an ordered layer.
     const bool full = used_ + need > budget_ * (1.0 + 1e-12);
-    const double p = (full || tracks_) ? policy_->priority(layer, expert) : 0.0;
+    const double p = (full || tracks_ || compete_now_) ? policy_->priority(layer, expert) : 0.0;
     bool refreshed = false;
     bool ok = choose_victims(need, p, refreshed, !demand);
     // frequency admission: a prefetch or fill does not displace a more frequently used expert
@@ -625,6 +626,19 @@ bool ExpertCache::admit_read_ahead(int layer, int expert, double ready_s) {
         throw;
     }
     read_ahead_now_ = false;
+    return ok;
+}
+
+bool ExpertCache::admit_demoted(int layer, int expert, double ready_s) {
+    compete_now_ = true;
+    bool ok = false;
+    try {
+        ok = admit(layer, expert, ready_s, true);
+    } catch (...) {
+        compete_now_ = false;
+        throw;
+    }
+    compete_now_ = false;
     return ok;
 }
 

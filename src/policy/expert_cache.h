@@ -276,6 +276,11 @@ public:
     /// (its read-around and read-ahead included) at the head of its LRU (folio_add_lru, Linux mm/swap.c), so they
     /// age from their read, whatever earlier uses of the same expert left behind.
     bool admit_read_ahead(int layer, int expert, double ready_s);
+    /// admit() of an expert a faster tier gave up (its GPU copy evicted, copied back into this RAM tier: exclusive
+    /// tiers, docs/design.md §17): as a prefetch, usable from ready_s, and only by displacing residents that rank
+    /// below it (its priority under the policy at least the victim's: a tie enters, as a recency order would
+    /// admit the expert used last); it never bypasses the ranking as a demand would.
+    bool admit_demoted(int layer, int expert, double ready_s);
     /// A lookup of (layer, expert) counted a miss, and by the expert's use a read ahead of it (admit_read_ahead:
     /// the read-around of another expert's fault in the same layer) has brought it in: recounts that miss as a
     /// prefetch hit. Does nothing unless the expert is resident and unused since its prefetch.
@@ -365,6 +370,7 @@ private:
     std::vector<int64_t> resident_;
     std::vector<int64_t> evicted_;
     bool read_ahead_now_ = false;  // inside admit_read_ahead
+    bool compete_now_ = false;     // inside admit_demoted: victims must rank below the newcomer
     // Eviction order, per layer: the layer's unpinned residents ascending by (priority, last_use, slot), i.e. the
     // victim first (members_ holds all its residents). The slot (position in resident_) breaks full ties exactly
     // as a scan of resident_ in slot order keeping the first strict minimum would. A stale layer's order is

@@ -72,6 +72,10 @@ void RamTierConfig::validate() const {
         throw std::invalid_argument("RamTierConfig.reads must be 'queued' or 'faulting', got '" + reads + "'");
     }
     if (lookahead < 0) throw std::invalid_argument("RamTierConfig.lookahead must be >= 0");
+    if (exclusive && reads != "queued") {
+        throw std::invalid_argument("RamTierConfig.exclusive needs queued reads (a page cache is not told what the "
+                                    "GPU holds)");
+    }
     if (lookahead > 0 && reads != "queued") {
         throw std::invalid_argument("RamTierConfig.lookahead needs queued reads (a faulting read happens at use)");
     }
@@ -289,6 +293,10 @@ public:
             transient_tick_.assign((size_t) L_ * E_, -1);
             transient_ready_.assign((size_t) L_ * E_, 0.0);
             ram_unpin_.assign((size_t) L_, {});
+            if (cfg.ram.exclusive) {  // the GPU cache's evictions reach evicted(): demotions
+                cache_.set_record_evicted(true);
+                cache_.take_evicted();
+            }
         }
     }
 
@@ -298,6 +306,8 @@ public:
     // ExpertPlacement: the decision rules queued a copy of (layer, expert); charge it on the true link.
     double load(int layer, int expert, Kind kind) override;
     bool holds(int) const override { return true; }
+    // ExpertPlacement: the GPU cache evicted these keys; with exclusive tiers each is offered back to the RAM tier.
+    void evicted(const std::vector<int64_t> & keys) override;
 
 private:
     static DeciderConfig decider_config(const ExpertCache & cache, const SimConfig & cfg) {
@@ -390,6 +400,7 @@ private:
     // the RAM tier
     TracePredictor ram_predictor_;
     bool faulting_ = false;
+    double d2h_free_at_ = 0.0;                // exclusive tiers: the link's device-to-host direction
     int last_ram_access_ = 0;                // ExpertCache::access's answer to the last ram_use
     std::vector<uint8_t> cpu_ahead_;         // per cpu_order_ entry: its lookup found a read-ahead expert
     std::vector<double> other_touch_;        // per MoE layer: res_.bytes_disk when its other weights last ran
@@ -436,6 +447,9 @@ double SimRun::load(int layer, int e, Kind kind) {
     true_pcie_free_at_ = end;
     link_busy_.emplace_back(start, end);
     truth_ready_[(size_t) layer * E_ + e] = end;
+    // exclusive tiers: the expert now lives on the GPU; its RAM slot goes (a slot this layer's lookups pinned goes
+    // at ram_release)
+    if (ram_ && cfg_.ram.exclusive && ram_->resident(layer, e) && !ram_->pinned(layer, e)) ram_->evict(layer, e);
     int tl_kind = 1;
     if (kind == kDemand) {
         res_.bytes_demand += bytes;
@@ -803,9 +817,34 @@ void SimRun::ram_lookahead(const Step & st, int l, int n, double predicted_s) {
 
 void SimRun::ram_release(int l) {
     for (int32_t e : ram_pinned_) ram_->unpin(l, e);
-    ram_pinned_.clear();
     for (int32_t e : ram_unpin_[(size_t) l]) ram_->unpin(l, e);
+    if (cfg_.ram.exclusive) {  // what the GPU holds now gives up its RAM slot (exclusive tiers)
+        for (const auto * list : {&ram_pinned_, &ram_unpin_[(size_t) l]}) {
+            for (int32_t e : *list) {
+                if (cache_.resident(l, e) && ram_->resident(l, e) && !ram_->pinned(l, e)) ram_->evict(l, e);
+            }
+        }
+    }
+    ram_pinned_.clear();
     ram_unpin_[(size_t) l].clear();
+}
+
+void SimRun::evicted(const std::vector<int64_t> & keys) {
+    if (!ram_ || !cfg_.ram.exclusive) return;
+    for (int64_t key : keys) {
+        const int l = static_cast<int>(key / E_), e = static_cast<int>(key % E_);
+        if (ram_->resident(l, e)) continue;
+        // demotion: the copy back runs on the link's device-to-host direction, its own queue (PCIe is full
+        // duplex; a GPU with two copy engines copies both ways at once), from the layer's start
+        const double bytes = trace_.expert_bytes[(size_t) l];
+        const double start = std::max(d2h_free_at_, t_moe_);
+        const double end = start + truth_cost_.h2d(bytes) * truth_.h2d_scale;
+        if (!ram_->admit_demoted(l, e, end)) continue;  // ranks below the RAM tier's victim: dropped
+        d2h_free_at_ = end;
+        res_.bytes_demoted += bytes;
+        ++res_.demotions;
+        record(cur_step_, cur_layer_, 2, e, 7, start, end);
+    }
 }
 
 void SimRun::run_step(int64_t si, const Step & st) {

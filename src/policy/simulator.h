@@ -86,6 +86,14 @@ struct RamTierConfig {
     /// The CPU share runs its experts in the order their weights are in RAM (resident first, then by read end);
     /// false: the plan's order, waiting for each.
     bool ready_first = false;
+    /// Queued reads only: exclusive tiers. The GPU cache and the RAM tier hold different experts, so that together
+    /// they hold their two budgets' worth: an expert loaded to the GPU gives up its RAM slot (at once, or once its
+    /// layer ran when the layer's lookups pinned it there), and an expert the GPU cache evicts is copied back into
+    /// RAM (demotion: device to host over the link's other direction, PCIe being full duplex, at the H2D figures)
+    /// when it ranks at least as high as the RAM tier's victim (ExpertCache::admit_demoted), instead of being read
+    /// from the disk at its next use. false: inclusive (an expert on the GPU keeps its RAM copy if the RAM cache
+    /// keeps it).
+    bool exclusive = false;
     double fault_bytes = 131072.0;   ///< bytes one page fault reads: Linux's default read_ahead_kb, 128 KiB
     /// Faulting reads only: bytes the kernel reads from the disk per byte of an expert faulted in (>= 1), its
     /// read-around: a window of that many experts' bytes centred on the expert. The neighbours (experts e +- 1,
@@ -134,7 +142,8 @@ struct TimelineEvent {
     int resource = 0;    ///< 0 CPU, 1 GPU, 2 PCIe, 3 disk
     int expert = -1;     ///< -1: non-expert work / activation transfer
     int kind = 0;        ///< 0 compute, 1 demand copy, 2 prefetch copy, 3 fill copy, 4 non-expert, 5 activations,
-                         ///< 6 disk read (a queued read on the disk, a faulting read on the CPU)
+                         ///< 6 disk read (a queued read on the disk, a faulting read on the CPU),
+                         ///< 7 demotion copy (device to host, exclusive tiers)
     double start_s = 0.0;
     double end_s = 0.0;
 };
@@ -161,6 +170,8 @@ struct SimResult {
     int64_t disk_reads = 0;        ///< reads of whole experts (queued or faulting)
     int64_t page_faults = 0;       ///< faulting reads: faults of fault_bytes each
     int64_t ram_prefetch_issued = 0;
+    int64_t demotions = 0;         ///< exclusive tiers: experts the GPU evicted copied back into RAM
+    double bytes_demoted = 0.0;    ///< and their bytes (device to host)
     double disk_busy_s = 0.0;      ///< seconds the disk moved bytes (bandwidth time, latency not counted)
     double decision_us_mean = 0.0;  ///< wall-clock per layer of split + cache update (instrumented)
     double prefetch_us_mean = 0.0;  ///< wall-clock per layer of prefetch planning

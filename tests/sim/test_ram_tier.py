@@ -323,3 +323,62 @@ def test_simulate_command_with_a_ram_tier(tmp_path, capsys):
     for alone in (dict(disk="pcie4-nvme"), dict(ram_policies="mmap")):
         assert simulate_command.run(_args(trace=path, no_progress=True, **alone)) == 2
         assert "needs --moe-ram-cache" in capsys.readouterr().err
+
+
+def _two_tier_run(s, ram):
+    """(GPU cache, RAM cache, result) of hybrimoe's GPU tier over RAM preset ``ram`` on Setup ``s``, the caches
+    kept to be looked at after the run."""
+    cache, sched, pre, conf = s.build("hybrimoe")
+    ram_cache, conf.ram = s.build_ram(ram)
+    if conf.ram.exclusive:
+        s._start_exclusive(cache, ram_cache, ram)
+    res = _core.simulate(s.core_trace, cache, sched, pre, s.planner, s.truth_cost, s.truth, conf, s.first, s.end,
+                         ram_cache)
+    return cache, ram_cache, res
+
+
+def _both(s, gpu, ram):
+    L, E = s.trace.n_layers, s.trace.num_experts
+    return sum(1 for k in range(L * E) if gpu.resident(k // E, k % E) and ram.resident(k // E, k % E))
+
+
+def test_exclusive_tiers_hold_each_expert_once_and_copy_the_gpu_s_evictions_back():
+    """Exclusive tiers (RamTierConfig.exclusive, the hybrimoe-exclusive preset): after the run no expert is in both
+    the GPU cache and the RAM tier, the GPU's evictions came back to RAM (demotions, their bytes one expert each),
+    and with the two budgets no longer overlapping fewer bytes are read from the disk than with inclusive tiers,
+    which (the control) end with experts in both."""
+    tr = synthetic_trace("qwen3-30b-a3b", 500, locality="high", seed=0)
+    s = Setup(tr, pol.load_hardware("rtx4090-desktop"), "15%", "decode", max_tokens=300, ram_cache="30%")
+    gpu_x, ram_x, ex = _two_tier_run(s, "hybrimoe-exclusive")
+    gpu_i, ram_i, inc = _two_tier_run(s, "hybrimoe")
+    assert _both(s, gpu_x, ram_x) == 0
+    assert _both(s, gpu_i, ram_i) > 0
+    eb = np.asarray(s.expert_bytes)
+    assert ex.demotions > 0 and ex.demotions * eb.min() <= ex.bytes_demoted <= ex.demotions * eb.max()
+    assert inc.demotions == 0 and inc.bytes_demoted == 0
+    assert ex.bytes_disk < inc.bytes_disk
+    rec = s.run("hybrimoe", ram="hybrimoe-exclusive")
+    assert rec["demotions"] == ex.demotions and rec["ram_policy"] == "hybrimoe-exclusive"
+
+
+def test_a_demoted_expert_enters_ram_only_over_lower_ranked_residents():
+    """ExpertCache.admit_demoted: into a full RAM cache it displaces only a resident ranked below it (MRS scores
+    set by hand), never one ranked above; with room it always enters."""
+    c = _core.ExpertCache([1.0] * 2, 4, 2.0, _core.MRSPolicy())
+    pol_ = c.policy
+    assert c.admit_demoted(0, 0, 0.0) and c.admit_demoted(0, 1, 0.0)  # room for two
+    pol_.set_score(0, 0, 0.9)
+    pol_.set_score(0, 1, 0.5)
+    pol_.set_score(0, 2, 0.1)
+    pol_.set_score(0, 3, 0.7)
+    assert not c.admit_demoted(0, 2, 0.0)  # below both residents: refused, nothing evicted
+    assert c.resident(0, 0) and c.resident(0, 1) and not c.resident(0, 2)
+    assert c.admit_demoted(0, 3, 0.0)  # above the lowest (0.5): it goes
+    assert c.resident(0, 3) and c.resident(0, 0) and not c.resident(0, 1)
+
+
+def test_exclusive_tiers_need_queued_reads():
+    r = ram_cfg(reads="faulting")
+    r.exclusive = True
+    with pytest.raises(ValueError, match="exclusive needs queued reads"):
+        r.validate()
