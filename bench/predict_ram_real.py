@@ -2,14 +2,16 @@
 simulator (docs/design.md §17) against a real device.
 
 Inputs: the measured rows (``bench_ram_real.py --json``) and a disk file of the model's own disk (``hybrimoe
-calibrate --disk -m MODEL -o DISK.json``: cold reads of its experts). The CPU's figures are fitted here, on this
-machine, from two in-RAM models of the benchmark model's shape (``--fit-layers``, written once like the benchmark
-model) run by upstream llama.cpp (CPU only, the measured runs' threads; the least of 3 repetitions): the difference of their per-token times is the cost of
-the MoE layers they differ by, with nothing read from the disk. Decode (one token) gives the effective memory
-bandwidth (a decode-time layer reads its weights once: the other weights and top-k experts); prefill (one
-prompt-length ubatch) then gives the effective compute throughput. They are written as a hardware file whose "GPU"
-facts are the CPU's too: with no GPU cache every expert runs on the CPU, and the non-expert work the simulator places
-on the GPU runs on the same CPU, one after the other, as it does here.
+calibrate --disk -m MODEL -o DISK.json``: cold reads of its experts, and faults through a mapping of the file at the
+``read_ahead_kb`` in force), one per read-ahead the runs used (``--disk 128=DISK128.json,8192=DISK8192.json``), so
+that upstream's mmap is predicted with the faults of each. The CPU's figures are fitted here, on this machine, from
+two in-RAM models of the benchmark model's shape (``--fit-layers``, written once like the benchmark model) run by
+upstream llama.cpp (CPU only, the measured runs' threads; the least of 3 repetitions): the difference of their
+per-token times is the cost of the MoE layers they differ by, with nothing read from the disk. Decode (one token)
+gives the effective memory bandwidth (a decode-time layer reads its weights once: the other weights and top-k
+experts); prefill (one prompt-length ubatch) then gives the effective compute throughput. They are written as a
+hardware file whose "GPU" facts are the CPU's too: with no GPU cache every expert runs on the CPU, and the
+non-expert work the simulator places on the GPU runs on the same CPU, one after the other, as it does here.
 
 The runs simulated are the measured ones: the same synthetic trace (shape, locality, seed), the RAM budget the
 engine had (its ``n_slots x slot_bytes``; upstream's page cache gets the same), the prefill as one ubatch of the
@@ -21,7 +23,7 @@ file's ``read_cpu_s_per_byte``),
 hybrimoe-no-prefetch the same without look-ahead, hybrimoe-lru with an LRU RAM cache. Prints a markdown table of
 measured, predicted and error; ``--json`` writes it.
 
-    python3 bench/predict_ram_real.py --measured ram_real.json --disk disk.json
+    python3 bench/predict_ram_real.py --measured ram_real.json --disk 128=disk128.json,8192=disk8192.json
 """
 from __future__ import annotations
 
@@ -37,7 +39,26 @@ MODES = {  # measured mode -> (simulator RAM preset, overrides of its components
     "hybrimoe": ("hybrimoe", {}),
     "hybrimoe-no-prefetch": ("hybrimoe", {"lookahead": 0}),
     "hybrimoe-lru": ("hybrimoe", {"cache": "lru"}),
+    "hybrimoe-no-repack": ("hybrimoe", {}),  # the simulator's CPU figures are the fitted upstream's (plain) kernels
 }
+
+
+def disk_files(spec: str) -> dict:
+    """``--disk``: one disk file for every read-ahead (``FILE``), or one per read-ahead (``KB=FILE,KB=FILE``:
+    ``calibrate --disk`` run at each ``read_ahead_kb``, whose mmap faults it measures). Returns {kb or None: FILE}.
+
+    Raises:
+        SystemExit: a part that is not KB=FILE among several, or a file that does not exist.
+    """
+    out = {}
+    for part in spec.split(","):
+        kb, _, f = part.rpartition("=")
+        if not kb and len(spec.split(",")) > 1:
+            raise SystemExit(f"--disk {spec!r}: give KB=FILE for each read-ahead, or one FILE")
+        if not Path(f).is_file():
+            raise SystemExit(f"--disk: {f} does not exist (hybrimoe calibrate --disk -m MODEL -o {f})")
+        out[int(kb) if kb else None] = f
+    return out
 
 
 def read_ahead_bytes(path: Path) -> int:
@@ -154,7 +175,8 @@ def simulate(trace, hw, disk: str, stage: str, budget: float, preset: str, over:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--measured", required=True, help="bench_ram_real.py --json output")
-    ap.add_argument("--disk", required=True, help="disk file (hybrimoe calibrate --disk -o FILE)")
+    ap.add_argument("--disk", required=True,
+                    help="disk file (hybrimoe calibrate --disk -o FILE), or KB=FILE,... one per read_ahead_kb")
     ap.add_argument("--hardware", default=None, help="a hardware file instead of fitting this CPU")
     ap.add_argument("--fit-layers", default="4,12", help="layers of the two in-RAM fit models (default 4,12)")
     ap.add_argument("--json", default=None)
@@ -187,47 +209,67 @@ def main() -> int:
     first = lambda k: full.select_tokens(np.arange(n) < k)  # noqa: E731
     from hybrimoe.policy.hardware import load_disk
 
-    dfacts = load_disk(args.disk).facts
-    # upstream's faults: as calibrate --disk measured them (read-around and bytes per fault), else one fault reads
-    # read_ahead_kb with no read-around waste
-    ra = 0 if "mmap_fault_bytes" in dfacts else read_ahead_bytes(model)
-    faults = (f"upstream's faults as measured: {dfacts['mmap_read_around']:.2f} bytes read per byte faulted, "
-              f"{dfacts['mmap_fault_bytes'] / 2**20:.1f} MiB per fault" if not ra else
-              f"upstream's faults read {ra // 1024} KiB (read_ahead_kb)")
-    cpu = f"; reads cost the CPU share {1e9 * dfacts.get('read_cpu_s_per_byte', 0.0):.2f} s per GB"
+    disks = disk_files(args.disk)
     hyb = next((r for r in meas["rows"] if r.get("mode") == "hybrimoe" and "ram_decode" in r), None)
     if hyb is None:
         print(f"{args.measured}: no successful 'hybrimoe' row: its RAM budget is every mode's here", file=sys.stderr)
         return 1
     budget = float(hyb["ram_decode"]["n_slots"] * hyb["ram_decode"]["slot_bytes"])
-    out = []
-    print(f"model {model.name}; RAM for experts {budget / 2**30:.2f} GiB (hybrimoe's auto budget, every mode); disk "
-          f"{args.disk}; {faults}{cpu}; CPU {hw_path}")
-    print(f"| mode | pp{args.pp} t/s measured | predicted | error | tg{args.tg} t/s measured | predicted | error | "
-          "MB read/token pp measured | predicted | MB read/token tg measured | predicted |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in meas["rows"]:
-        if "error" in r or r["mode"] not in MODES:
+    # the measured figures per (mode, read-ahead): the summary's medians and ranges (older files: each row alone)
+    summary = meas.get("summary") or [
+        {"mode": r["mode"], "asked_kb": r.get("read_ahead_kb"), "in_force_kb": [r.get("read_ahead_kb")],
+         **{k: {"median": r[k], "min": r[k], "max": r[k]} for k in ("pp_tps", "tg_tps", "pp_read_per_token",
+                                                                    "tg_read_per_token")}}
+        for r in meas["rows"] if "error" not in r]
+    out, done = [], {}
+    print(f"model {model.name}; RAM for experts {budget / 2**30:.2f} GiB (hybrimoe's auto budget, every mode); "
+          f"CPU {hw_path}; measured: median (min..max) of {meas.get('reps', 1)} runs")
+    print(f"| mode | read_ahead_kb | pp{args.pp} t/s measured | predicted | error | tg{args.tg} t/s measured | "
+          "predicted | error | MB read/token pp measured | predicted | MB read/token tg measured | predicted | disk |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for m in summary:
+        if m["mode"] not in MODES or "pp_tps" not in m:
             continue
-        preset, over = MODES[r["mode"]]
-        pre = simulate(first(args.pp), hw, args.disk, "prefill", budget, preset, over, ra)
-        d0 = simulate(first(args.pp), hw, args.disk, "decode", budget, preset, over, ra)
-        d1 = simulate(first(args.pp + args.tg), hw, args.disk, "decode", budget, preset, over, ra)
-        pp_tps = args.pp / pre["total_s"]
-        tg_tps = args.tg / (d1["total_s"] - d0["total_s"])
-        tg_bytes = (d1["bytes_disk"] - d0["bytes_disk"]) / args.tg
-        row = dict(mode=r["mode"], pp_measured=r["pp_tps"], pp_predicted=pp_tps, tg_measured=r["tg_tps"],
-                   tg_predicted=tg_tps, tg_bytes_measured=r["tg_read_per_token"], tg_bytes_predicted=tg_bytes,
-                   pp_bytes_measured=r["pp_read_per_token"], pp_bytes_predicted=pre["bytes_disk"] / args.pp,
-                   pp_error=pp_tps / r["pp_tps"] - 1, tg_error=tg_tps / r["tg_tps"] - 1)
+        kb = (m.get("in_force_kb") or [None])[0]
+        disk = disks.get(kb, disks.get(None))
+        if disk is None:
+            print(f"| {m['mode']} | {kb} | no disk file for this read-ahead (--disk {kb}=FILE) |")
+            continue
+        dfacts = load_disk(disk).facts
+        # upstream's faults: as calibrate --disk measured them at this read-ahead (read-around and bytes per
+        # fault), else one fault reads read_ahead_kb with no read-around waste
+        ra = 0 if "mmap_fault_bytes" in dfacts else (kb * 1024 if kb else read_ahead_bytes(model))
+        preset, over = MODES[m["mode"]]
+        key = (preset, json.dumps(over, sort_keys=True), disk, ra if preset == "mmap" else 0)
+        if key not in done:
+            pre = simulate(first(args.pp), hw, disk, "prefill", budget, preset, over, ra)
+            d0 = simulate(first(args.pp), hw, disk, "decode", budget, preset, over, ra)
+            d1 = simulate(first(args.pp + args.tg), hw, disk, "decode", budget, preset, over, ra)
+            done[key] = (args.pp / pre["total_s"], args.tg / (d1["total_s"] - d0["total_s"]),
+                         pre["bytes_disk"] / args.pp, (d1["bytes_disk"] - d0["bytes_disk"]) / args.tg)
+        pp_tps, tg_tps, pp_bytes, tg_bytes = done[key]
+        med = {k: m[k]["median"] for k in ("pp_tps", "tg_tps", "pp_read_per_token", "tg_read_per_token")}
+        faults = (f"faults {dfacts['mmap_read_around']:.2f} bytes read per byte, "
+                  f"{dfacts['mmap_fault_bytes'] / 2**20:.2f} MiB each" if "mmap_fault_bytes" in dfacts else
+                  f"faults of {ra // 1024} KiB (read_ahead_kb)")
+        row = dict(mode=m["mode"], read_ahead_kb=kb, disk=disk, pp_measured=med["pp_tps"], pp_predicted=pp_tps,
+                   tg_measured=med["tg_tps"], tg_predicted=tg_tps, tg_bytes_measured=med["tg_read_per_token"],
+                   tg_bytes_predicted=tg_bytes, pp_bytes_measured=med["pp_read_per_token"],
+                   pp_bytes_predicted=pp_bytes, pp_error=pp_tps / med["pp_tps"] - 1,
+                   tg_error=tg_tps / med["tg_tps"] - 1,
+                   pp_range=[m["pp_tps"]["min"], m["pp_tps"]["max"]],
+                   tg_range=[m["tg_tps"]["min"], m["tg_tps"]["max"]])
         out.append(row)
-        print(f"| {r['mode']} | {r['pp_tps']:.2f} | {pp_tps:.2f} | {100 * row['pp_error']:+.0f}% | {r['tg_tps']:.3f} | "
-              f"{tg_tps:.3f} | {100 * row['tg_error']:+.0f}% | {r['pp_read_per_token'] / 1e6:.0f} | "
-              f"{row['pp_bytes_predicted'] / 1e6:.0f} | {r['tg_read_per_token'] / 1e6:.0f} | "
-              f"{tg_bytes / 1e6:.0f} |", flush=True)
+        rng = lambda k, f: (f"{f.format(m[k]['median'])} "  # noqa: E731
+                            f"({f.format(m[k]['min'])}..{f.format(m[k]['max'])})")
+        print(f"| {m['mode']} | {kb} | {rng('pp_tps', '{:.2f}')} | {pp_tps:.2f} | {100 * row['pp_error']:+.0f}% | "
+              f"{rng('tg_tps', '{:.3f}')} | {tg_tps:.3f} | {100 * row['tg_error']:+.0f}% | "
+              f"{med['pp_read_per_token'] / 1e6:.0f} | {pp_bytes / 1e6:.0f} | {med['tg_read_per_token'] / 1e6:.0f} | "
+              f"{tg_bytes / 1e6:.0f} | {Path(disk).name}: {faults}; reads cost "
+              f"{1e9 * dfacts.get('read_cpu_s_per_byte', 0.0):.2f} CPU s/GB |", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"budget_bytes": budget, "disk": args.disk, "hardware": hw_path,
-                                               "read_ahead_bytes": ra, "fit": fit, "rows": out}, indent=2))
+        Path(args.json).write_text(json.dumps({"budget_bytes": budget, "disks": disks, "hardware": hw_path,
+                                               "fit": fit, "rows": out}, indent=2))
     return 0
 
 

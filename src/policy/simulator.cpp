@@ -308,6 +308,12 @@ public:
     bool holds(int) const override { return true; }
     // ExpertPlacement: the GPU cache evicted these keys; with exclusive tiers each is offered back to the RAM tier.
     void evicted(const std::vector<int64_t> & keys) override;
+    /// Exclusive tiers: whether (l, e), in both tiers, gives up its RAM slot: the GPU cache keeps it, not on
+    /// probation (a streamed demand load of a large ubatch enters the GPU cache at the lowest rank and leaves it at
+    /// the next load: its RAM slot stays, so that the stream does not churn the RAM tier).
+    bool gives_up_ram(int l, int e) const {
+        return cache_.resident(l, e) && !cache_.on_probation(l, e) && ram_->resident(l, e);
+    }
 
 private:
     static DeciderConfig decider_config(const ExpertCache & cache, const SimConfig & cfg) {
@@ -449,7 +455,7 @@ double SimRun::load(int layer, int e, Kind kind) {
     truth_ready_[(size_t) layer * E_ + e] = end;
     // exclusive tiers: the expert now lives on the GPU; its RAM slot goes (a slot this layer's lookups pinned goes
     // at ram_release)
-    if (ram_ && cfg_.ram.exclusive && ram_->resident(layer, e) && !ram_->pinned(layer, e)) ram_->evict(layer, e);
+    if (ram_ && cfg_.ram.exclusive && gives_up_ram(layer, e) && !ram_->pinned(layer, e)) ram_->evict(layer, e);
     int tl_kind = 1;
     if (kind == kDemand) {
         res_.bytes_demand += bytes;
@@ -821,7 +827,7 @@ void SimRun::ram_release(int l) {
     if (cfg_.ram.exclusive) {  // what the GPU holds now gives up its RAM slot (exclusive tiers)
         for (const auto * list : {&ram_pinned_, &ram_unpin_[(size_t) l]}) {
             for (int32_t e : *list) {
-                if (cache_.resident(l, e) && ram_->resident(l, e) && !ram_->pinned(l, e)) ram_->evict(l, e);
+                if (gives_up_ram(l, e) && !ram_->pinned(l, e)) ram_->evict(l, e);
             }
         }
     }
