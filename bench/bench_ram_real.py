@@ -170,6 +170,10 @@ def child(args) -> dict:
         ram = llm.moe_stats()["engine"]["ram"]
         row["ram_decode"] = ram
         row["ram_budget"] = ram["moe_ram_cache"]
+    # the process's peak resident memory (VmHWM): what the cgroup's limit had to hold besides the page cache
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            row["rss_peak"] = int(line.split()[1]) * 1024
     llm.close()
     return row
 
