@@ -75,6 +75,8 @@ Args:
     ram_direct_io: O_DIRECT reads through an aligned staging buffer (buffered where the file system refuses them).
     ram_repack: repack each expert matrix after its read where ggml-cpu repacks CPU weights (upstream's default);
         ignored with n_slots > 0 (GPU copies read the RAM slots, in the file's layout).
+    ram_exclusive: with n_slots > 0, exclusive tiers: an expert on the GPU gives up its RAM slot, and one the GPU
+        cache evicts is copied back into RAM when it ranks at least as high as the RAM cache's victim.
     fused_cpu: compute each layer's CPU share as one fused op where it can (src/runtime/fused_moe.h), else with
         upstream's ops: 0 off, 1 with upstream's kernels and numbers, 2 also with repacked gemm kernels that round
         differently from upstream's gemv (faster prefill of Q4_K experts on x86).
@@ -98,7 +100,7 @@ Raises:
                          std::vector<int64_t> file_mtimes_ns, std::vector<std::array<int32_t, 3>> file_of,
                          std::vector<std::array<int64_t, 3>> offset_of, int ram_io_threads,
                          std::shared_ptr<hybrimoe::ExpertCache> ram_cache, bool ram_drop_after_read,
-                         bool ram_direct_io, int fused_cpu, bool ram_repack) {
+                         bool ram_direct_io, int fused_cpu, bool ram_repack, bool ram_exclusive) {
                  EngineConfig c;
                  c.n_layer = n_layer;
                  c.n_expert = n_expert;
@@ -131,6 +133,7 @@ Raises:
                  c.ram.direct_io = ram_direct_io;
                  c.fused_cpu = fused_cpu;
                  c.ram.repack = ram_repack;
+                 c.ram.exclusive = ram_exclusive;
                  // The arguments keep the policies (and a Python subclass's object) alive while the GIL is
                  // released: nothing Python is freed without it.
                  py::gil_scoped_release nogil;
@@ -148,7 +151,8 @@ Raises:
              py::arg("file_of") = std::vector<std::array<int32_t, 3>>{},
              py::arg("offset_of") = std::vector<std::array<int64_t, 3>>{}, py::arg("ram_io_threads") = 4,
              py::arg("ram_cache") = std::shared_ptr<hybrimoe::ExpertCache>(), py::arg("ram_drop_after_read") = true,
-             py::arg("ram_direct_io") = true, py::arg("fused_cpu") = 0, py::arg("ram_repack") = false)
+             py::arg("ram_direct_io") = true, py::arg("fused_cpu") = 0, py::arg("ram_repack") = false,
+             py::arg("ram_exclusive") = false)
         .def_static("slot_bytes_for", &SlotPool::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
                     py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
                     py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{},
@@ -213,6 +217,9 @@ Raises:
         .def("ram_slot_of", [](const Engine & e, int layer, int expert) {
                  return e.ram() ? e.ram()->slot_of(layer, expert) : -1; },
              py::arg("layer"), py::arg("expert"), "RAM slot of (MoE layer, expert), or -1.")
+        .def("in_both_tiers", &Engine::in_both_tiers,
+             "Experts whose weights are in a GPU slot (copied there, not a streamed load on probation) and in a RAM "
+             "slot too: 0 between ubatches with moe_ram_exclusive.")
         .def("ram_resident_keys", [](const Engine & e) {
                  return e.ram() ? e.ram()->cache().resident_keys() : std::vector<int64_t>{}; },
              "Keys (layer * n_expert + expert) the RAM tier holds or is reading.")
@@ -224,6 +231,7 @@ Raises:
                 d["demand_reads"] = s.demand_reads; d["prefetch_reads"] = s.prefetch_reads;
                 d["prefetch_used"] = s.prefetch_used; d["preads"] = s.preads; d["evictions"] = s.evictions;
                 d["direct_matrices"] = s.direct_matrices;
+                d["given_up"] = s.given_up; d["demotions"] = s.demotions;
                 d["bytes_demand"] = s.bytes_demand; d["bytes_prefetch"] = s.bytes_prefetch; d["wait_s"] = s.wait_s;
                 d["reads_in_flight"] = e.ram()->reads_in_flight();
                 d["pinned"] = e.ram()->pinned();
@@ -232,7 +240,9 @@ Raises:
              "RAM tier counters since the last reset_stats(): accesses, hits, misses, late (hits still being read), "
              "demand_reads / prefetch_reads (experts read from the file) and their bytes (bytes_demand, "
              "bytes_prefetch), prefetch_used (prefetched experts used at their layer), preads (system calls), "
-             "direct_matrices (expert matrices read with O_DIRECT), evictions, wait_s (seconds the plan waited for reads), reads_in_flight and pinned (RAM slots in use by a read, a "
+             "direct_matrices (expert matrices read with O_DIRECT), evictions, given_up and demotions (exclusive "
+             "tiers: RAM slots given up by experts on the GPU, GPU evictions copied back into RAM), wait_s (seconds "
+             "the plan waited for reads), reads_in_flight and pinned (RAM slots in use by a read, a "
              "layer, a read ahead or a GPU copy) now; buffers (host buffers the slots lie in); {} without a RAM tier.")
         .def("ram_inject_read_error", [](Engine & e, int err, int count) {
                  if (!e.ram()) throw py::value_error("no RAM tier");

@@ -63,6 +63,10 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
                         "expert read at load, as upstream)")
     p.add_argument("--moe-ram-policy", default=None, metavar="NAME",
                    help="the RAM tier's cache policy: mrs (default), lru, lfu (needs --moe-ram-cache)")
+    p.add_argument("--moe-ram-exclusive", action="store_true",
+                   help="with --moe-cache and --moe-ram-cache: exclusive tiers (an expert on the GPU gives up its RAM "
+                        "slot; one the GPU evicts is copied back into RAM when it ranks high enough) (default: off, "
+                        "inclusive)")
     p.add_argument("--moe-policy", default=None,
                    help=f"engine policy: {', '.join(ENGINE_PRESETS)} (default: {DEFAULT_PRESET}; needs --moe-cache; "
                         "hot-set needs --moe-profile; what each does: hybrimoe.policy.presets.SYSTEM_PRESETS)")
@@ -138,7 +142,7 @@ def load_llama(args: argparse.Namespace, model: Path, prog: str, *, llama_class=
             moe_cache=args.moe_cache, moe_policy=args.moe_policy, moe_prefetch_layers=args.moe_prefetch_layers,
             moe_cost_model=args.moe_cost_model, moe_profile=args.moe_profile, moe_ram_cache=args.moe_ram_cache,
             moe_ram_policy=args.moe_ram_policy, moe_cpu_fused=FUSED_FLAG[args.moe_cpu_fused], load_progress=progress,
-            **extra)
+            moe_ram_exclusive=args.moe_ram_exclusive, **extra)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return None

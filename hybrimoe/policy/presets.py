@@ -232,8 +232,8 @@ RAM_PRESETS = {
                                true_routing=False, baseline=False, streaming=STREAMING_FRACTION, exclusive=True,
                                about="hybrimoe's RAM tier with exclusive tiers: an expert loaded to the GPU gives up "
                                      "its RAM slot, and one the GPU cache evicts is copied back into RAM (device to "
-                                     "host) when it ranks at least as high as the RAM tier's victim; simulated only, "
-                                     "the engine's tiers are inclusive",
+                                     "host) when it ranks at least as high as the RAM tier's victim (the engine's "
+                                     "moe_ram_exclusive)",
                                source="exclusive caching in multi-level hierarchies (demotion: Wong and Wilkes, "
                                       "USENIX ATC 2002), applied to the GPU and RAM tiers (docs/design.md §17)"),
     "mmap": dict(cache="lru", reads="faulting", keep=True, lookahead=0, ready_first=False, true_routing=False,

@@ -148,6 +148,10 @@ class Llama(llama_cpp.Llama):
             reports the tier.
         moe_ram_policy: the RAM tier's cache policy: ``"mrs"`` (default), ``"lru"``, ``"lfu"`` or a
             ``hybrimoe.CachePolicy`` object (``hybrimoe.runtime.setup.ram_cache_policy``).
+        moe_ram_exclusive: with a GPU cache above the RAM tier, exclusive tiers: an expert on the GPU gives up its
+            RAM slot, and one the GPU cache evicts is copied back into RAM (device to host) when it ranks at least
+            as high as the RAM tier's victim, so that the two budgets hold different experts (docs/design.md §17).
+            Off by default (inclusive tiers: every GPU expert keeps its RAM copy while the RAM cache ranks it high).
 
         draft_model: as llama-cpp-python's (speculative decoding); hybrimoe turns ``logits_all`` on for it (the
             verification batches need every token's logits).
@@ -175,7 +179,7 @@ class Llama(llama_cpp.Llama):
                  moe_replay_scores: np.ndarray | None = None,
                  moe_cache=None, moe_policy=None, moe_prefetch_layers: int | None = None, moe_cost_model=None,
                  moe_profile=None, moe_ram_cache=None, moe_ram_policy=None, moe_cpu_fused: bool = False,
-                 load_progress=None,
+                 moe_ram_exclusive: bool = False, load_progress=None,
                  record_routing: bool = False, **kwargs):
         self._moe = _MoeParts()
         self._recorder = None
@@ -206,7 +210,8 @@ class Llama(llama_cpp.Llama):
                                    rpc_devices=rpc_devs, tensor_overrides=overrides,
                                    moe_ram_cache=moe_ram_cache, moe_ram_policy=moe_ram_policy,
                                    n_ubatch=int(kwargs.get("n_ubatch") or 512), no_repack=no_repack,
-                                   no_host=no_host, moe_cpu_fused=moe_cpu_fused)
+                                   no_host=no_host, moe_cpu_fused=moe_cpu_fused,
+                                   moe_ram_exclusive=moe_ram_exclusive)
         if setup is not None:
             if cpu_moe or n_cpu_moe:
                 # upstream's placement flags: the engine keeps every routed expert in host memory already

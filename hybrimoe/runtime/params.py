@@ -120,7 +120,7 @@ LAZY_MODE_EXPERTS = 3
 OWN_KEYWORDS = ("rpc_servers", "tensor_buft_overrides", "cpu_moe", "n_cpu_moe", "no_repack", "no_host",
                 "lazy_experts", "n_seq_max", "moe_hook", "moe_replay", "moe_cache", "moe_policy",
                 "moe_prefetch_layers", "moe_cost_model", "moe_profile", "moe_ram_cache", "moe_ram_policy",
-                "moe_cpu_fused", "moe_replay_scores", "load_progress", "record_routing")
+                "moe_cpu_fused", "moe_ram_exclusive", "moe_replay_scores", "load_progress", "record_routing")
 
 
 def upstream_keywords() -> tuple[str, ...]:

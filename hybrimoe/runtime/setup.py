@@ -273,7 +273,7 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
                                ram["policy"])
         extra.update(ram_slots=int(ram["slots"]), ram_io_threads=int(ram.get("io_threads", 4)), ram_cache=rc,
                      ram_direct_io=bool(ram.get("direct_io", ram_direct_io())),
-                     ram_repack=bool(ram.get("repack", False)))
+                     ram_repack=bool(ram.get("repack", False)), ram_exclusive=bool(ram.get("exclusive", False)))
     return _engine.Engine(
         n_layer=facts.n_layer, n_expert=facts.n_expert, top_k=facts.top_k, n_embd=facts.n_embd,
         moe_layers=list(facts.moe_layers), expert_bytes=[tuple(b) for b in facts.expert_bytes],
@@ -376,6 +376,7 @@ class EngineSetup:
     ram_note: str = ""
     ram_policy: object = field(default=None, compare=False)
     ram_ranges: Optional[dict] = field(default=None, compare=False)
+    ram_exclusive: bool = False
     cpu_weights: str = "repack"
     cpu_fused: int = 0
 
@@ -389,7 +390,7 @@ class EngineSetup:
                moe_profile=None, kv_overrides: Optional[dict] = None, rpc_devices: Sequence[int] = (),
                tensor_overrides: Sequence[tuple] = (), moe_ram_cache=None, moe_ram_policy=None,
                n_ubatch: int = 512, no_repack: bool = False, no_host: bool = False,
-               moe_cpu_fused: bool = False) -> Optional["EngineSetup"]:
+               moe_cpu_fused: bool = False, moe_ram_exclusive: bool = False) -> Optional["EngineSetup"]:
         """The set-up for these options, or None when the engine is off (``moe_cache`` None).
 
         ``moe_profile``: a routing trace file or counts ``[MoE layers, experts]`` (:func:`load_profile`): the
@@ -411,6 +412,8 @@ class EngineSetup:
         """
         if moe_ram_cache is None and moe_ram_policy is not None:
             raise ValueError("moe_ram_policy set without moe_ram_cache: there is no RAM tier to apply it to")
+        if moe_ram_exclusive and moe_ram_cache is None:
+            raise ValueError("moe_ram_exclusive set without moe_ram_cache: there is no RAM tier under the GPU cache")
         if moe_ram_cache is not None and moe_cache is None:
             moe_cache = 0  # the RAM tier runs in the engine: on, with no GPU cache
         if moe_cache is None:
@@ -462,7 +465,8 @@ class EngineSetup:
             ram_auto = isinstance(moe_ram_cache, str) and moe_ram_cache.strip().lower() == "auto"
             ram_n, ram_note = (None, "") if ram_auto else ram_tier.ram_slots(moe_ram_cache, facts, n_ubatch)
             ram = dict(ram_spec=moe_ram_cache, ram_slots=ram_n, ram_note=ram_note,
-                       ram_policy=ram_cache_policy(moe_ram_policy), ram_ranges=ram_tier.expert_file_ranges(facts))
+                       ram_policy=ram_cache_policy(moe_ram_policy), ram_ranges=ram_tier.expert_file_ranges(facts),
+                       ram_exclusive=bool(moe_ram_exclusive))
         return cls(facts=facts, cache_spec=moe_cache, n_slots=n_slots, slots_note=note, policy_spec=policy_spec,
                    policies=policies, prefetch_layers=prefetch, cost=cost, cost_source=source, device=device,
                    device_label=label, host_buffer_type=host, profile=profile, profile_source=profile_source,
@@ -531,6 +535,6 @@ class EngineSetup:
             # the slots repacked after each read where upstream repacks CPU weights (not under a GPU cache: the
             # engine keeps the file's layout there for the copies)
             ram = {"slots": self.ram_slots, "policy": self.ram_policy, "ranges": self.ram_ranges,
-                   "io_threads": IO_THREADS, "repack": self.cpu_weights != "plain"}
+                   "io_threads": IO_THREADS, "repack": self.cpu_weights != "plain", "exclusive": self.ram_exclusive}
         return make_engine(self.facts, self.n_slots, self.device, self.policies, self.cost, self.prefetch_layers,
                            ram, fused_cpu=self.cpu_fused)

@@ -87,7 +87,9 @@ def ram_stats(engine, setup) -> dict:
     layer over those read ahead), ``reads_in_flight`` and ``pinned`` (RAM slots a read, a layer, a read ahead or a GPU
     copy holds; both now), ``buffers`` (host buffers the RAM slots are split over: the host buffer type's cap, or
     ``$HYBRIMOE_MAX_BUFFER_BYTES``), ``preads`` (system calls), ``direct_matrices`` (expert
-    matrices read with O_DIRECT; the others were buffered reads), ``evictions``, ``wait_s`` (seconds the engine waited
+    matrices read with O_DIRECT; the others were buffered reads), ``evictions``, ``given_up`` and ``demotions``
+    (``moe_ram_exclusive``: RAM slots given up by experts on the GPU, and GPU evictions copied back into RAM),
+    ``wait_s`` (seconds the engine waited
     for reads), ``policy`` (the RAM cache policy's name)."""
     st = engine.ram_stats()
     if not st:
@@ -101,7 +103,7 @@ def ram_stats(engine, setup) -> dict:
         "hit_rate": st["hits"] / acc if acc else 0.0,
         **{k: st[k] for k in ("accesses", "hits", "misses", "late", "demand_reads", "prefetch_reads", "bytes_demand",
                               "bytes_prefetch", "reads_in_flight", "pinned", "buffers", "preads", "direct_matrices",
-                              "evictions", "wait_s")},
+                              "evictions", "wait_s", "given_up", "demotions")},
         "bytes_read": st["bytes_demand"] + st["bytes_prefetch"],
         "prefetch_accuracy": st["prefetch_used"] / st["prefetch_reads"] if st["prefetch_reads"] else 0.0,
     }

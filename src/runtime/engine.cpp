@@ -429,7 +429,43 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
 }
 
 void Engine::Placement::evicted(const std::vector<int64_t> & keys) {
-    for (int64_t key : keys) engine->pool_.evict(key);
+    for (int64_t key : keys) {
+        if (engine->ram_ && engine->cfg_.ram.exclusive) engine->demote(key);
+        engine->pool_.evict(key);
+    }
+}
+
+void Engine::demote(int64_t key) {
+    const int l = (int) (key / cfg_.n_expert), e = (int) (key % cfg_.n_expert);
+    if (!pool_.loaded(key)) return;  // never copied to its GPU slot (an initial fill not used yet)
+    const std::array<uint8_t *, 3> dst = ram_->demote(l, e, now());
+    if (!dst[0] && !dst[1] && !dst[2]) return;  // in RAM already, or ranked below the RAM tier's victim
+    pool_.copy_out(l, e, ram_->expert_bytes(l), dst);
+    ram_->demoted(l, e);
+}
+
+int64_t Engine::in_both_tiers() const {
+    if (!ram_) return 0;
+    int64_t n = 0;
+    for (int l = 0; l < (int) tensors_.size(); ++l) {
+        for (int e = 0; e < cfg_.n_expert; ++e) {
+            const int64_t key = (int64_t) l * cfg_.n_expert + e;
+            n += pool_.slot_of_key(key) >= 0 && pool_.loaded(key) && !cache_->on_probation(l, e) &&
+                 ram_->slot_of(l, e) >= 0;
+        }
+    }
+    return n;
+}
+
+void Engine::give_up_ram(int ml) {
+    for (int e = 0; e < cfg_.n_expert; ++e) {
+        const int64_t key = (int64_t) ml * cfg_.n_expert + e;
+        // not a streamed load on probation (it leaves the GPU at the next load: its RAM slot stays)
+        if (pool_.slot_of_key(key) >= 0 && pool_.loaded(key) && !cache_->on_probation(ml, e) &&
+            ram_->slot_of(ml, e) >= 0) {
+            ram_->give_up(ml, e);
+        }
+    }
 }
 
 bool Engine::Placement::holds(int layer) const {
@@ -847,6 +883,14 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
                 }
             }
             ram_->release(run.ml);
+            if (cfg_.ram.exclusive && cfg_.n_slots > 0) {
+                // what the GPU holds leaves RAM; at the ubatch's last MoE layer every hold has ended: all layers
+                if (run.ml + 1 == (int) tensors_.size()) {
+                    for (int l = 0; l < (int) tensors_.size(); ++l) give_up_ram(l);
+                } else {
+                    give_up_ram(run.ml);
+                }
+            }
         }
         decider_->release(run.ml);
     } catch (const std::exception & e) {

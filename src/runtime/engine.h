@@ -155,6 +155,9 @@ public:
     int64_t n_slots() const { return cfg_.n_slots; }
     /// The RAM tier, or nullptr without one (and after release()).
     RamTier * ram() const { return ram_.get(); }
+    /// Experts whose weights are in a GPU slot (copied, not a streamed load on probation) and in a RAM slot too:
+    /// what exclusive tiers give back between ubatches (0 then). Between decodes only.
+    int64_t in_both_tiers() const;
     const EngineConfig & config() const { return cfg_; }
     /// Host buffers the RAM slots may be split over: the combine op takes one CPU share per buffer as a source,
     /// beside the GPU rows, the plan and the routing (GGML_MAX_SRC in all).
@@ -218,6 +221,12 @@ private:
     /// Drops the RAM holds of GPU copies that ended (sequence number <= copies_done_); all of them with `all`,
     /// after waiting for the copy queue.
     void release_ram_holds(bool all);
+    /// Exclusive tiers (cfg.ram.exclusive): the GPU cache evicts `key`; its GPU copy goes back into a RAM slot
+    /// when the RAM tier takes it (RamTier::demote), before the GPU slot is reused.
+    void demote(int64_t key);
+    /// Exclusive tiers: MoE layer `ml`'s experts whose weights are on the GPU give up their RAM slots (those that
+    /// no layer pins and no copy holds any more; not a streamed load on probation, which leaves at the next load).
+    void give_up_ram(int ml);
 
     EngineConfig cfg_;
     std::shared_ptr<ExpertCache> cache_;

@@ -347,6 +347,76 @@ int64_t RamTier::read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, ui
     return got;
 }
 
+void RamTier::copy_extras(int32_t slot, int layer, int expert, const ExpertMatrices & host) {
+    (void) layer;
+    // biases and scales load with the model (host tensors): copied into the slot as the GPU pool copies them
+    const auto biases = host.slot_biases(), scales = host.slot_scales();
+    for (int i = 0; i < 3; ++i) {
+        if (biases[i]) {
+            std::memcpy(pool_.slot_data(slot, 3 + i),
+                        (const char *) biases[i]->data + (size_t) expert * biases[i]->nb[1],
+                        (size_t) biases[i]->ne[0] * sizeof(float));
+        }
+        if (scales[i]) {
+            std::memcpy(pool_.slot_data(slot, 6 + i),
+                        (const char *) scales[i]->data + (size_t) expert * scales[i]->nb[0], sizeof(float));
+        }
+    }
+}
+
+bool RamTier::give_up(int layer, int expert) {
+    const int64_t key = (int64_t) layer * n_expert_ + expert;
+    if (!cache_->resident(layer, expert) || pin_count_[(size_t) key] > 0) return false;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (state_[(size_t) key] != 2) return false;  // being read: its read's own pin would say so too
+        state_[(size_t) key] = 0;
+        prefetched_[(size_t) key] = 0;
+    }
+    cache_->evict(layer, expert);  // records no eviction: the slot is given back here
+    pool_.evict(key);
+    std::lock_guard<std::mutex> slock(stats_mu_);
+    stats_.given_up += 1;
+    return true;
+}
+
+std::array<uint8_t *, 3> RamTier::demote(int layer, int expert, double now_s) {
+    std::array<uint8_t *, 3> none{nullptr, nullptr, nullptr};
+    if (cache_->resident(layer, expert) || workers_.empty()) return none;
+    for (int i = 0; i < 3; ++i) {
+        if (repack_[(size_t) layer][(size_t) i]) return none;  // the GPU holds the file's layout, the slots not
+    }
+    if (!cache_->admit_demoted(layer, expert, now_s)) return none;
+    drop_evicted();
+    if (!pool_.assign(layer, expert)) {
+        throw std::logic_error("RAM tier: the cache admitted MoE layer " + std::to_string(layer) + " expert " +
+                               std::to_string(expert) + " back from the GPU but no RAM slot is free");
+    }
+    const int32_t slot = pool_.slot_of(layer, expert);
+    std::array<uint8_t *, 3> out = none;
+    for (int i = 0; i < 3; ++i) {
+        if (expert_bytes_[(size_t) layer][(size_t) i] > 0) out[(size_t) i] = pool_.slot_data(slot, i);
+    }
+    return out;
+}
+
+void RamTier::demoted(int layer, int expert) {
+    const int64_t key = (int64_t) layer * n_expert_ + expert;
+    ExpertMatrices host;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        host = layers_[(size_t) layer];
+    }
+    copy_extras(pool_.slot_of(layer, expert), layer, expert, host);
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        state_[(size_t) key] = 2;
+        prefetched_[(size_t) key] = 0;
+    }
+    std::lock_guard<std::mutex> slock(stats_mu_);
+    stats_.demotions += 1;
+}
+
 std::string RamTier::read_expert(const Job & j, uint8_t * staging, uint8_t * tmp) {
     const int layer = (int) (j.key / n_expert_), expert = (int) (j.key % n_expert_);
     ExpertMatrices host;
@@ -407,18 +477,7 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging, uint8_t * tmp
             posix_fadvise(fds_[(size_t) f], (off_t) lo, (off_t) (hi - lo), POSIX_FADV_DONTNEED);
         }
     }
-    // biases and scales load with the model (host tensors): copied into the slot as the GPU pool copies them
-    const auto biases = host.slot_biases(), scales = host.slot_scales();
-    for (int i = 0; i < 3; ++i) {
-        if (biases[i]) {
-            std::memcpy(pool_.slot_data(j.slot, 3 + i), (const char *) biases[i]->data + (size_t) expert * biases[i]->nb[1],
-                        (size_t) biases[i]->ne[0] * sizeof(float));
-        }
-        if (scales[i]) {
-            std::memcpy(pool_.slot_data(j.slot, 6 + i), (const char *) scales[i]->data + (size_t) expert * scales[i]->nb[0],
-                        sizeof(float));
-        }
-    }
+    copy_extras(j.slot, layer, expert, host);
     std::lock_guard<std::mutex> slock(stats_mu_);
     stats_.preads += calls;
     stats_.direct_matrices += n_direct;

@@ -57,6 +57,10 @@ struct RamTierConfig {
     /// bytes one RAM slot buffer may hold at most, below the host buffer type's own cap (0: that cap only); the CPU
     /// share then runs once per buffer (Engine::build)
     int64_t max_buffer_bytes = 0;
+    /// exclusive tiers (with a GPU cache above the tier): an expert on the GPU gives up its RAM slot (give_up), and
+    /// one the GPU cache evicts comes back into RAM from the GPU's copy (demote) when it ranks at least as high as
+    /// the RAM cache's victim, instead of being read from the file at its next use (docs/design.md §17)
+    bool exclusive = false;
 };
 
 /// RAM tier counters (read between decodes; byte counts are file bytes read).
@@ -68,6 +72,8 @@ struct RamTierStats {
     uint64_t preads = 0;                ///< read system calls
     uint64_t direct_matrices = 0;       ///< expert matrices read with O_DIRECT (the others: buffered)
     uint64_t evictions = 0;
+    uint64_t given_up = 0;              ///< exclusive tiers: RAM slots given up by experts on the GPU
+    uint64_t demotions = 0;             ///< exclusive tiers: experts the GPU evicted copied back into RAM
     double bytes_demand = 0, bytes_prefetch = 0;
     double wait_s = 0;                  ///< seconds the plan op waited for reads
 };
@@ -119,6 +125,17 @@ public:
     void wait_rest();
     /// A read ahead of (layer, expert) was used other than through acquire (copied to the GPU): counted as used.
     void note_used(int layer, int expert);
+    /// Exclusive tiers: (layer, expert) is on the GPU; its RAM slot goes unless it is pinned, held or being read.
+    /// Returns whether it went.
+    bool give_up(int layer, int expert);
+    /// Exclusive tiers: the GPU cache evicts (layer, expert). A RAM slot for it, when it is not in RAM and ranks at
+    /// least as high as the RAM cache's victim (ExpertCache::admit_demoted): the host addresses of its gate (or
+    /// gate_up), up and down matrices there, which the caller fills with the GPU's bytes (the file's layout) before
+    /// calling demoted(); nullptrs when refused (or when the slots hold that layer repacked).
+    std::array<uint8_t *, 3> demote(int layer, int expert, double now_s);
+    /// demote()'s matrices are filled: the bias rows and scales are copied from the host tensors, and the expert is
+    /// in its RAM slot.
+    void demoted(int layer, int expert);
     /// Whether this tier holds a pin on (layer, expert) now.
     bool is_pinned(int layer, int expert) const { return pin_count_[(size_t) layer * n_expert_ + expert] > 0; }
     /// RAM slot of (layer, expert), or -1.
@@ -157,6 +174,8 @@ public:
     static constexpr uint64_t kProbeEvery = 16;
 
     int64_t n_slots() const { return pool_.n_slots(); }
+    /// Bytes of one expert's gate (gate_up), up and down matrices in MoE layer `layer`.
+    const std::array<int64_t, 3> & expert_bytes(int layer) const { return expert_bytes_[(size_t) layer]; }
     /// RAM slots pinned now (being read, used by a layer, read ahead for one, or held for a GPU copy); reads that
     /// ended since the last harvest give their own pins back first (a read ahead can end after its last lookup).
     /// Engine's thread, or between decodes.
@@ -181,6 +200,9 @@ private:
         bool prefetch;
     };
     void worker();
+    /// Copies (layer, expert)'s bias rows and scales from the host tensors into slot `slot` (they load with the
+    /// model).
+    void copy_extras(int32_t slot, int layer, int expert, const ExpertMatrices & host);
     /// Reads one expert into its slot; "" or the error (file, offset, cause). `staging`: the worker's aligned
     /// buffer for direct reads (kDirectAlign-aligned, staging_bytes_).
     /// `tmp`: a worker buffer of the largest matrix's bytes when the tier repacks (the read lands there first).

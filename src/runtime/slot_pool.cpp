@@ -392,6 +392,24 @@ double SlotPool::copy(int layer, int expert, const ExpertMatrices & m, int bias_
     return bytes;
 }
 
+double SlotPool::copy_out(int layer, int expert, const std::array<int64_t, 3> & bytes,
+                          const std::array<uint8_t *, 3> & dst) {
+    const size_t key = (size_t) layer * n_expert_ + expert;
+    const int32_t s = key_slot_[key];
+    if (s < 0 || !key_loaded_[key] || bufs_.empty()) return 0.0;
+    sync_copies();  // the slot's own copy may still be in flight
+    const int b = buffer_of(s);
+    const int64_t n_b = buffer_slots(b), ls = local_slot(s);
+    double got = 0.0;
+    for (int i = 0; i < 3; ++i) {
+        if (bytes[(size_t) i] <= 0 || dst[(size_t) i] == nullptr) continue;
+        const size_t off = (size_t) (region_base(i, n_b) + ls * strides_[(size_t) i]);
+        ggml_backend_tensor_get(bufs_[(size_t) b], dst[(size_t) i], off, (size_t) bytes[(size_t) i]);
+        got += (double) bytes[(size_t) i];
+    }
+    return got;
+}
+
 uint64_t SlotPool::sync_copies() {
     if (copy_) ggml_backend_synchronize(copy_);
     return copy_seq_;

@@ -135,6 +135,11 @@ public:
                 const std::array<const uint8_t *, 3> * matrices = nullptr);
     /// Whether copies are queued (the device has events) rather than blocking until they end.
     bool async_copies() const { return !events_.empty(); }
+    /// Reads (layer, expert)'s matrices (regions 0-2, `bytes` each; 0: none) from its slot into dst (exclusive
+    /// tiers: an evicted GPU expert copied back to RAM), after the copies queued so far ended. Returns the bytes
+    /// read; 0 when the key has no slot or its weights were never copied there.
+    double copy_out(int layer, int expert, const std::array<int64_t, 3> & bytes,
+                    const std::array<uint8_t *, 3> & dst);
     /// Sequence number of the last copy of `key` (0: none).
     uint64_t copy_seq(int64_t key) const { return key_copy_seq_[(size_t) key]; }
     /// Makes the compute queue wait until the copy with sequence number `seq` ended (0: nothing to wait for).

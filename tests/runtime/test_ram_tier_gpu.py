@@ -319,3 +319,39 @@ def test_too_many_ram_buffers_are_refused_with_the_numbers(tiny_model, monkeypat
     monkeypatch.setenv("HYBRIMOE_MAX_BUFFER_BYTES", str(2 * f.slot_bytes))
     with pytest.raises(Exception, match=r"would need \d+ buffers of at most \d+ bytes; at most 6"):
         Llama(str(path), moe_ram_cache="100%", moe_cost_model="rtx4090-desktop", n_ctx=256, n_ubatch=7, verbose=False)
+
+
+@pytest.mark.parametrize("arch, quant", [("qwen3moe", "Q8_0"), ("deepseek2", "mix"), ("gpt-oss", "Q8_0")])
+def test_exclusive_tiers_match_upstream_and_hold_each_expert_once(arch, quant, tiny_model, rpc_server,
+                                                                    split_cost_model):
+    """``moe_ram_exclusive=True``: upstream's tokens and logits bit for bit (a demoted expert's RAM slot gets the
+    GPU slot's bytes, the file's); experts on the GPU gave up their RAM slots and GPU evictions came back into RAM;
+    between decodes no expert is in both tiers, where the inclusive run (the control) has some."""
+    path = tiny_model(arch, quant)
+    tokens, ref_out, ref_lg = _reference(path, rpc_server, 1, 9)
+    ram, gpu = _budgets(path, 1, "k")
+    got = {}
+    for exclusive in (True, False):
+        from hybrimoe import Llama
+
+        llm = Llama(str(path), moe_cache=gpu, moe_ram_cache=4 * ram, moe_cost_model=split_cost_model,
+                    moe_ram_exclusive=exclusive, **_common(rpc_server, 1))
+        try:
+            out, lg = greedy_with_logits(llm, tokens, N_GEN)
+            got[exclusive] = (out, lg, llm.moe_stats()["engine"], llm.moe_engine.in_both_tiers())
+        finally:
+            llm.close()
+    for exclusive, (out, lg, st, both) in got.items():
+        assert out == ref_out and np.array_equal(lg, ref_lg), exclusive
+        assert st["gpu_experts"] > 0, st
+    _, _, st, both = got[True]
+    assert both == 0 and st["ram"]["given_up"] > 0 and st["ram"]["demotions"] > 0, (both, st["ram"])
+    _, _, st_inc, both_inc = got[False]
+    assert both_inc > 0 and st_inc["ram"]["given_up"] == 0 and st_inc["ram"]["demotions"] == 0, st_inc["ram"]
+
+
+def test_exclusive_tiers_need_a_ram_tier(tiny_model):
+    from hybrimoe import Llama
+
+    with pytest.raises(ValueError, match="moe_ram_exclusive set without moe_ram_cache"):
+        Llama(str(tiny_model("qwen3moe", "Q8_0")), moe_cache="25%", moe_ram_exclusive=True, verbose=False)
