@@ -407,6 +407,7 @@ private:
     TracePredictor ram_predictor_;
     bool faulting_ = false;
     double d2h_free_at_ = 0.0;                // exclusive tiers: the link's device-to-host direction
+    bool large_ubatch_ = false;               // this step likely uses every expert of a layer (exclusive tiers idle)
     int last_ram_access_ = 0;                // ExpertCache::access's answer to the last ram_use
     std::vector<uint8_t> cpu_ahead_;         // per cpu_order_ entry: its lookup found a read-ahead expert
     std::vector<double> other_touch_;        // per MoE layer: res_.bytes_disk when its other weights last ran
@@ -455,7 +456,9 @@ double SimRun::load(int layer, int e, Kind kind) {
     truth_ready_[(size_t) layer * E_ + e] = end;
     // exclusive tiers: the expert now lives on the GPU; its RAM slot goes (a slot this layer's lookups pinned goes
     // at ram_release)
-    if (ram_ && cfg_.ram.exclusive && gives_up_ram(layer, e) && !ram_->pinned(layer, e)) ram_->evict(layer, e);
+    if (ram_ && cfg_.ram.exclusive && !large_ubatch_ && gives_up_ram(layer, e) && !ram_->pinned(layer, e)) {
+        ram_->evict(layer, e);
+    }
     int tl_kind = 1;
     if (kind == kDemand) {
         res_.bytes_demand += bytes;
@@ -824,7 +827,7 @@ void SimRun::ram_lookahead(const Step & st, int l, int n, double predicted_s) {
 void SimRun::ram_release(int l) {
     for (int32_t e : ram_pinned_) ram_->unpin(l, e);
     for (int32_t e : ram_unpin_[(size_t) l]) ram_->unpin(l, e);
-    if (cfg_.ram.exclusive) {  // what the GPU holds now gives up its RAM slot (exclusive tiers)
+    if (cfg_.ram.exclusive && !large_ubatch_) {  // what the GPU holds now gives up its RAM slot (exclusive tiers)
         for (const auto * list : {&ram_pinned_, &ram_unpin_[(size_t) l]}) {
             for (int32_t e : *list) {
                 if (gives_up_ram(l, e) && !ram_->pinned(l, e)) ram_->evict(l, e);
@@ -836,7 +839,7 @@ void SimRun::ram_release(int l) {
 }
 
 void SimRun::evicted(const std::vector<int64_t> & keys) {
-    if (!ram_ || !cfg_.ram.exclusive) return;
+    if (!ram_ || !cfg_.ram.exclusive || large_ubatch_) return;
     for (int64_t key : keys) {
         const int l = static_cast<int>(key / E_), e = static_cast<int>(key % E_);
         if (ram_->resident(l, e)) continue;
@@ -855,6 +858,8 @@ void SimRun::evicted(const std::vector<int64_t> & keys) {
 
 void SimRun::run_step(int64_t si, const Step & st) {
     const int n = static_cast<int>(st.end - st.begin);
+    // a large ubatch (prefill): every expert of a layer likely used, under uniform routing 1 - (1 - k/E)^n >= 1/2
+    large_ubatch_ = 1.0 - std::pow(1.0 - std::min(1.0, (double) K_ / E_), (double) n) >= 0.5;
     if (st.prompt != current_prompt_) {
         if (current_prompt_ >= 0) ttft_sum_ += t_ - prompt_start_;
         current_prompt_ = st.prompt;

@@ -89,7 +89,8 @@ struct RamTierConfig {
     /// Queued reads only: exclusive tiers. The GPU cache and the RAM tier hold different experts, so that together
     /// they hold their two budgets' worth: an expert loaded to the GPU gives up its RAM slot (at once, or once its
     /// layer ran when the layer's lookups pinned it there; not a streamed load on probation, which leaves the GPU
-    /// at the next load), and an expert the GPU cache evicts is copied back into
+    /// at the next load; in a step that likely uses every expert of a layer, 1 - (1 - k/E)^n >= 1/2, a prefill
+    /// ubatch, the tiers are left as they are: its loads stream through), and an expert the GPU cache evicts is copied back into
     /// RAM (demotion: device to host over the link's other direction, PCIe being full duplex, at the H2D figures)
     /// when it ranks at least as high as the RAM tier's victim (ExpertCache::admit_demoted), instead of being read
     /// from the disk at its next use. false: inclusive (an expert on the GPU keeps its RAM copy if the RAM cache

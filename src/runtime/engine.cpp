@@ -4,6 +4,7 @@
 #include "runtime/moe_hook.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <ctime>
 #include <stdexcept>
@@ -430,7 +431,7 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
 
 void Engine::Placement::evicted(const std::vector<int64_t> & keys) {
     for (int64_t key : keys) {
-        if (engine->ram_ && engine->cfg_.ram.exclusive) engine->demote(key);
+        if (engine->ram_ && engine->cfg_.ram.exclusive && !engine->large_ubatch_) engine->demote(key);
         engine->pool_.evict(key);
     }
 }
@@ -656,6 +657,8 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
     const int64_t T = dst->ne[1];
     const int ml = run.ml;
     const int E = cfg_.n_expert;
+    // a large ubatch (prefill): every expert of a layer likely used, under uniform routing 1 - (1 - k/E)^T >= 1/2
+    large_ubatch_ = 1.0 - std::pow(1.0 - std::min(1.0, (double) k / E), (double) T) >= 0.5;
 
     ids_.resize((size_t) (k * T));
     weights_.resize((size_t) (k * T));
@@ -883,7 +886,7 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
                 }
             }
             ram_->release(run.ml);
-            if (cfg_.ram.exclusive && cfg_.n_slots > 0) {
+            if (cfg_.ram.exclusive && cfg_.n_slots > 0 && !large_ubatch_) {
                 // what the GPU holds leaves RAM; at the ubatch's last MoE layer every hold has ended: all layers
                 if (run.ml + 1 == (int) tensors_.size()) {
                     for (int l = 0; l < (int) tensors_.size(); ++l) give_up_ram(l);

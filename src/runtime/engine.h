@@ -222,7 +222,7 @@ private:
     /// after waiting for the copy queue.
     void release_ram_holds(bool all);
     /// Exclusive tiers (cfg.ram.exclusive): the GPU cache evicts `key`; its GPU copy goes back into a RAM slot
-    /// when the RAM tier takes it (RamTier::demote), before the GPU slot is reused.
+    /// when the RAM tier takes it (RamTier::demote), before the GPU slot is reused. Not in a large ubatch.
     void demote(int64_t key);
     /// Exclusive tiers: MoE layer `ml`'s experts whose weights are on the GPU give up their RAM slots (those that
     /// no layer pins and no copy holds any more; not a streamed load on probation, which leaves at the next load).
@@ -297,6 +297,9 @@ private:
     std::vector<std::pair<int64_t, int>> deferred_;
     std::vector<int32_t> ram_hits_;         // this plan's GPU loads copied from RAM at once (looked up with the rest)
     std::vector<std::pair<int64_t, uint64_t>> ram_holds_;
+    /// this ubatch likely uses every expert of a layer (prefill): exclusive tiers leave the tiers as they are then
+    /// (the GPU's loads stream through, and moving each between the tiers would churn the RAM tier)
+    bool large_ubatch_ = false;
     uint64_t copies_done_ = 0;              // every GPU copy up to this sequence number has ended
 };
 
