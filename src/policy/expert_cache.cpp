@@ -616,30 +616,23 @@ bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch,
     return ok;
 }
 
+namespace {
+// Sets a flag for the length of a scope (an exception included).
+struct FlagScope {
+    bool & flag;
+    explicit FlagScope(bool & f) : flag(f) { flag = true; }
+    ~FlagScope() { flag = false; }
+};
+}  // namespace
+
 bool ExpertCache::admit_read_ahead(int layer, int expert, double ready_s) {
-    read_ahead_now_ = true;
-    bool ok = false;
-    try {
-        ok = admit(layer, expert, ready_s, true);
-    } catch (...) {
-        read_ahead_now_ = false;
-        throw;
-    }
-    read_ahead_now_ = false;
-    return ok;
+    FlagScope on(read_ahead_now_);
+    return admit(layer, expert, ready_s, true);
 }
 
 bool ExpertCache::admit_demoted(int layer, int expert, double ready_s) {
-    compete_now_ = true;
-    bool ok = false;
-    try {
-        ok = admit(layer, expert, ready_s, true);
-    } catch (...) {
-        compete_now_ = false;
-        throw;
-    }
-    compete_now_ = false;
-    return ok;
+    FlagScope on(compete_now_);
+    return admit(layer, expert, ready_s, true);
 }
 
 void ExpertCache::found_read_ahead(int layer, int expert) {
