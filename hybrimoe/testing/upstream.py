@@ -88,6 +88,20 @@ def greedy_run(path, tokens: list[int], n: int, **kw) -> tuple[list[int], np.nda
         llm.close()
 
 
+def greedy_reference(path, n_prompt: int, n: int, **kw) -> tuple[list[int], list[int], np.ndarray]:
+    """A :class:`hybrimoe.Llama` of ``path`` with keywords ``kw`` (the oracle's placement): ``n_prompt`` prompt tokens
+    (:func:`prompt_tokens`), their greedy continuation (``n`` tokens at most) and the last logits; the Llama is closed
+    in every case."""
+    from hybrimoe.runtime.llama import Llama
+
+    llm = Llama(str(path), **kw)
+    try:
+        tokens = prompt_tokens(llm, n_prompt)
+        return (tokens,) + greedy_with_logits(llm, tokens, n)
+    finally:
+        llm.close()
+
+
 def greedy_text(llm, prompt: str, n: int) -> list[int]:
     """Greedy continuation of the text ``prompt`` (BOS first; ``n`` tokens at most, stops at end of generation)."""
     toks = llm.tokenize(prompt.encode(), add_bos=True, special=False)

@@ -347,8 +347,7 @@ int64_t RamTier::read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, ui
     return got;
 }
 
-void RamTier::copy_extras(int32_t slot, int layer, int expert, const ExpertMatrices & host) {
-    (void) layer;
+void RamTier::copy_extras(int32_t slot, int expert, const ExpertMatrices & host) {
     // biases and scales load with the model (host tensors): copied into the slot as the GPU pool copies them
     const auto biases = host.slot_biases(), scales = host.slot_scales();
     for (int i = 0; i < 3; ++i) {
@@ -407,7 +406,7 @@ void RamTier::demoted(int layer, int expert) {
         std::lock_guard<std::mutex> lock(mu_);
         host = layers_[(size_t) layer];
     }
-    copy_extras(pool_.slot_of(layer, expert), layer, expert, host);
+    copy_extras(pool_.slot_of(layer, expert), expert, host);
     {
         std::lock_guard<std::mutex> lock(mu_);
         state_[(size_t) key] = 2;
@@ -477,7 +476,7 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging, uint8_t * tmp
             posix_fadvise(fds_[(size_t) f], (off_t) lo, (off_t) (hi - lo), POSIX_FADV_DONTNEED);
         }
     }
-    copy_extras(j.slot, layer, expert, host);
+    copy_extras(j.slot, expert, host);
     std::lock_guard<std::mutex> slock(stats_mu_);
     stats_.preads += calls;
     stats_.direct_matrices += n_direct;

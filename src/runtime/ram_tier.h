@@ -200,9 +200,9 @@ private:
         bool prefetch;
     };
     void worker();
-    /// Copies (layer, expert)'s bias rows and scales from the host tensors into slot `slot` (they load with the
-    /// model).
-    void copy_extras(int32_t slot, int layer, int expert, const ExpertMatrices & host);
+    /// Copies expert `expert`'s bias rows and scales from its layer's host tensors `host` into slot `slot` (they
+    /// load with the model).
+    void copy_extras(int32_t slot, int expert, const ExpertMatrices & host);
     /// Reads one expert into its slot; "" or the error (file, offset, cause). `staging`: the worker's aligned
     /// buffer for direct reads (kDirectAlign-aligned, staging_bytes_).
     /// `tmp`: a worker buffer of the largest matrix's bytes when the tier repacks (the read lands there first).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybrimoe.testing.upstream import greedy_with_logits, nmse, prompt_tokens
+from hybrimoe.testing.upstream import greedy_reference, greedy_with_logits, nmse
 from hybrimoe.testing.fixtures import ENGINE_ARCHS
 
 ARCHS = list(ENGINE_ARCHS)
@@ -66,12 +66,7 @@ def test_engine_matrix(arch, quant, cache, policy, ub, length, tiny_model, rpc_s
     n_slots = _slots(cache, facts)
     common = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=n_prompt + 64, n_batch=512,
                   n_ubatch=ub, seed=0, verbose=False, no_repack=True)
-    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", **common)
-    try:
-        tokens = prompt_tokens(ref, n_prompt)
-        ref_out, ref_lg = greedy_with_logits(ref, tokens, 32)
-    finally:
-        ref.close()
+    tokens, ref_out, ref_lg = greedy_reference(str(path), n_prompt, 32, tensor_buft_overrides="exps=CPU", **common)
     from hybrimoe.policy import PROFILE_PRESETS
 
     # hot-set's profile: seeded random counts per (MoE layer, expert)

@@ -21,7 +21,8 @@ import pytest
 
 from hybrimoe._lib import llama_cpp_module
 from hybrimoe.testing.fixtures import ENGINE_ARCHS
-from hybrimoe.testing.upstream import decode_together, greedy_run, greedy_with_logits, last_logits, nmse, prompt_tokens
+from hybrimoe.testing.upstream import (decode_together, greedy_reference, greedy_run, last_logits,
+                                       nmse, prompt_tokens)
 
 QUANTS = ["Q4_0", "Q4_K_M", "IQ4_NL", "MXFP4"]
 UBATCHES = [1, 7, 64]
@@ -144,12 +145,7 @@ def test_gpu_copies_take_the_file_layout(quant, expert_quant_model, rpc_server):
     path = expert_quant_model("qwen3moe", quant)
     common = _common(rpc_server, 40, 64)
     kw = dict(moe_cache="100%", moe_policy="gpu-on-demand")
-    probe = Llama(path, **common)
-    try:
-        tokens = prompt_tokens(probe, 40)
-        ref_out, ref_lg = greedy_with_logits(probe, tokens, 8)
-    finally:
-        probe.close()
+    tokens, ref_out, ref_lg = greedy_reference(path, 40, 8, **common)
     out, lg, st = greedy_run(path, tokens, 8, **common, **kw)
     assert st["engine"]["cpu_experts"] == 0 and st["engine"]["gpu_experts"] > 0
     assert any(any(r) for r in st["engine"]["repacked"])

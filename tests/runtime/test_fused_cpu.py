@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hybrimoe.testing.fixtures import ENGINE_ARCHS, EXPERT_QUANTS
-from hybrimoe.testing.upstream import greedy_run, greedy_with_logits, nmse, prompt_tokens
+from hybrimoe.testing.upstream import greedy_reference, greedy_run, nmse
 
 
 def _cases():
@@ -31,14 +31,8 @@ def test_fused_cpu_share_is_upstreams(arch, quant, ub, threads, expert_quant_mod
     n_prompt = 3 * ub + 5
     common = dict(n_ctx=n_prompt + 64, n_batch=512, n_ubatch=ub, seed=0, verbose=False, n_threads=threads,
                   n_threads_batch=threads, n_gpu_layers=0)
-    from hybrimoe import Llama
 
-    ref = Llama(path, **common)
-    try:
-        tokens = prompt_tokens(ref, n_prompt)
-        ref_out, ref_lg = greedy_with_logits(ref, tokens, 16)
-    finally:
-        ref.close()
+    tokens, ref_out, ref_lg = greedy_reference(path, n_prompt, 16, **common)
     out, lg, st = greedy_run(path, tokens, 16, moe_cache=0, moe_cpu_fused=True, **common)
     fused = st["engine"]["fused"]
     assert st["engine"]["fused_mode"] == "exact"
@@ -58,14 +52,8 @@ def test_fused_with_a_gpu_share_of_whole_layers(quant, expert_quant_model, rpc_s
                   verbose=False)
     dev = f"RPC0[{rpc_server.endpoint}]"
     placement = [rf"blk\.{facts.moe_layers[-1]}\.ffn_.*_exps={dev}", "exps=CPU"]
-    from hybrimoe import Llama
 
-    ref = Llama(path, **common, tensor_buft_overrides=placement)
-    try:
-        tokens = prompt_tokens(ref, 40)
-        ref_out, ref_lg = greedy_with_logits(ref, tokens, 12)
-    finally:
-        ref.close()
+    tokens, ref_out, ref_lg = greedy_reference(path, 40, 12, **common, tensor_buft_overrides=placement)
     out, lg, st = greedy_run(path, tokens, 12, moe_cache=facts.n_expert * facts.slot_bytes, moe_policy="upstream-ncmoe",
                        moe_cpu_fused=True, **common)
     e = st["engine"]
@@ -80,14 +68,8 @@ def test_fused_with_a_mixed_split(ub, expert_quant_model, rpc_server, split_cost
     path = expert_quant_model("qwen2moe", "Q4_0")
     common = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=128, n_batch=512, n_ubatch=ub, seed=0,
                   verbose=False, no_repack=True)
-    from hybrimoe import Llama
 
-    ref = Llama(path, **common, tensor_buft_overrides="exps=CPU")
-    try:
-        tokens = prompt_tokens(ref, 40)
-        ref_out, ref_lg = greedy_with_logits(ref, tokens, 12)
-    finally:
-        ref.close()
+    tokens, ref_out, ref_lg = greedy_reference(path, 40, 12, **common, tensor_buft_overrides="exps=CPU")
     out, lg, st = greedy_run(path, tokens, 12, moe_cache="50%", moe_cost_model=split_cost_model, moe_cpu_fused=True,
                        **common)
     e = st["engine"]
@@ -107,12 +89,7 @@ def test_negative_control_and_fast_mode(tmp_path):
     kw = dict(fixture_set()[("qwen3moe", "Q4_K_M")], n_embd=2048, n_ff_exp=512)
     path = str(make_tiny_model(tmp_path / "wide.gguf", **kw))
     common = dict(n_ctx=256, n_batch=512, n_ubatch=64, seed=0, verbose=False, n_gpu_layers=0)
-    ref = Llama(path, **common)
-    try:
-        tokens = prompt_tokens(ref, 100)
-        ref_out, ref_lg = greedy_with_logits(ref, tokens, 8)
-    finally:
-        ref.close()
+    tokens, ref_out, ref_lg = greedy_reference(path, 100, 8, **common)
     llm = Llama(path, moe_cache=0, moe_cpu_fused=True, **common)
     try:
         llm.moe_engine.set_fused_swap(True)
@@ -131,14 +108,8 @@ def test_unsupported_experts_keep_upstreams_ops(tiny_model):
     upstream's."""
     path = str(tiny_model("gpt-oss", "Q8_0"))
     common = dict(n_ctx=128, n_batch=64, n_ubatch=16, seed=0, verbose=False, n_gpu_layers=0)
-    from hybrimoe import Llama
 
-    ref = Llama(path, **common)
-    try:
-        tokens = prompt_tokens(ref, 20)
-        ref_out, ref_lg = greedy_with_logits(ref, tokens, 8)
-    finally:
-        ref.close()
+    tokens, ref_out, ref_lg = greedy_reference(path, 20, 8, **common)
     out, lg, st = greedy_run(path, tokens, 8, moe_cache=0, moe_cpu_fused=True, **common)
     assert st["engine"]["fused"] and all(f is None for f in st["engine"]["fused"])
     assert out == ref_out and np.array_equal(lg, ref_lg)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hybrimoe.testing.fixtures import ENGINE_ARCHS
-from hybrimoe.testing.upstream import decode_together, greedy_with_logits, prompt_tokens
+from hybrimoe.testing.upstream import decode_together, greedy_reference, greedy_with_logits, prompt_tokens
 
 N_GEN = 12
 QUANTS = ("Q8_0", "Q4_K_M", "mix")
@@ -42,14 +42,7 @@ def _budgets(path, ub, gpu_cache):
 
 
 def _reference(path, rpc_server, ub, n_prompt, **kw):
-    from hybrimoe import Llama
-
-    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", **_common(rpc_server, ub, **kw))
-    try:
-        tokens = prompt_tokens(ref, n_prompt)
-        return (tokens,) + greedy_with_logits(ref, tokens, N_GEN)
-    finally:
-        ref.close()
+    return greedy_reference(path, n_prompt, N_GEN, tensor_buft_overrides="exps=CPU", **_common(rpc_server, ub, **kw))
 
 
 def _run(path, rpc_server, ub, tokens, gpu_cache, policy, cost, **kw):
