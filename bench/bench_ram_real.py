@@ -256,14 +256,23 @@ def main() -> int:
     from hybrimoe.policy.budget import parse_budget
     from hybrimoe.runtime.readahead import ReadAhead
 
-    args.model = Path(args.model) if args.model else model_path(args.size_factor, args.layers)
     limit = int(parse_budget(args.limit, 1.0, 0.0))
+    if limit < 256 << 20:  # a share ("50%") of 1 byte, or a typo: every child would be killed at once
+        print(f"--limit {args.limit!r}: give the cgroup's limit in bytes (e.g. 3GiB), at least 256 MiB",
+              file=sys.stderr)
+        return 2
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for name in modes:
         if name not in MODES:
             print(f"unknown mode {name!r} (known: {', '.join(MODES)})", file=sys.stderr)
             return 2
-    asked = [int(x) for x in args.read_ahead.split(",") if x.strip()]
+    try:
+        asked = [int(x) for x in args.read_ahead.split(",") if x.strip()]
+    except ValueError:
+        print(f"--read-ahead {args.read_ahead!r}: give read_ahead_kb values in KiB, e.g. 128,8192", file=sys.stderr)
+        return 2
+    # the flags are checked before the model, which may have to be written (tens of GB)
+    args.model = Path(args.model) if args.model else model_path(args.size_factor, args.layers)
     cg = MemoryCgroup(limit)
     rows = []
     ra = ReadAhead(args.model)

@@ -53,8 +53,9 @@ def disk_files(spec: str) -> dict:
     out = {}
     for part in spec.split(","):
         kb, _, f = part.rpartition("=")
-        if not kb and len(spec.split(",")) > 1:
-            raise SystemExit(f"--disk {spec!r}: give KB=FILE for each read-ahead, or one FILE")
+        if (not kb and len(spec.split(",")) > 1) or (kb and not kb.isdigit()):
+            raise SystemExit(f"--disk {spec!r}: give KB=FILE for each read-ahead (KB a read_ahead_kb value, e.g. "
+                             "128=disk128.json), or one FILE")
         if not Path(f).is_file():
             raise SystemExit(f"--disk: {f} does not exist (hybrimoe calibrate --disk -m MODEL -o {f})")
         out[int(kb) if kb else None] = f
@@ -186,6 +187,9 @@ def main() -> int:
     from hybrimoe.policy.hardware import load_hardware
     from hybrimoe.traces.synthetic import synthetic_trace
 
+    disks = disk_files(args.disk)  # checked before the CPU fit, which writes and times two models
+    if not Path(args.measured).is_file():
+        raise SystemExit(f"--measured: {args.measured} does not exist (bench/bench_ram_real.py --json FILE writes it)")
     meas = json.loads(Path(args.measured).read_text())
     model = Path(meas["model"])
     threads = int(meas["threads"])
@@ -209,7 +213,6 @@ def main() -> int:
     first = lambda k: full.select_tokens(np.arange(n) < k)  # noqa: E731
     from hybrimoe.policy.hardware import load_disk
 
-    disks = disk_files(args.disk)
     hyb = next((r for r in meas["rows"] if r.get("mode") == "hybrimoe" and "ram_decode" in r), None)
     if hyb is None:
         print(f"{args.measured}: no successful 'hybrimoe' row: its RAM budget is every mode's here", file=sys.stderr)

@@ -412,8 +412,14 @@ class EngineSetup:
         """
         if moe_ram_cache is None and moe_ram_policy is not None:
             raise ValueError("moe_ram_policy set without moe_ram_cache: there is no RAM tier to apply it to")
+        if not isinstance(moe_ram_exclusive, bool):
+            raise ValueError(f"moe_ram_exclusive must be True or False, got {moe_ram_exclusive!r}")
         if moe_ram_exclusive and moe_ram_cache is None:
-            raise ValueError("moe_ram_exclusive set without moe_ram_cache: there is no RAM tier under the GPU cache")
+            raise ValueError("moe_ram_exclusive (--moe-ram-exclusive) needs a RAM tier, moe_ram_cache "
+                             "(--moe-ram-cache), and a GPU cache above it, moe_cache (--moe-cache)")
+        if moe_ram_exclusive and moe_cache is None:
+            raise ValueError("moe_ram_exclusive (--moe-ram-exclusive) needs a GPU cache above the RAM tier, moe_cache "
+                             "(--moe-cache): without one the RAM tier is the only tier")
         if moe_ram_cache is not None and moe_cache is None:
             moe_cache = 0  # the RAM tier runs in the engine: on, with no GPU cache
         if moe_cache is None:
@@ -441,6 +447,10 @@ class EngineSetup:
             facts = dataclasses.replace(facts, top_k=int(k_over))
         auto = isinstance(moe_cache, str) and moe_cache.strip().lower() == "auto"
         n_slots = None if auto else cache_slots(moe_cache, facts)
+        if moe_ram_exclusive and n_slots == 0:
+            raise ValueError(f"moe_ram_exclusive (--moe-ram-exclusive) needs a GPU cache above the RAM tier, moe_cache "
+                             f"(--moe-cache) of at least one expert slot, got {moe_cache!r}: without one the RAM tier "
+                             "is the only tier")
         profile, profile_source = load_profile(moe_profile, facts)
         # an unknown or clairvoyant policy, or hot-set without a profile, fails now, not after the model loaded
         policies = build_policies(policy_spec, facts, 0 if auto else n_slots, prefetch, profile)

@@ -89,7 +89,7 @@ def ram_stats(engine, setup) -> dict:
     ``$HYBRIMOE_MAX_BUFFER_BYTES``), ``preads`` (system calls), ``direct_matrices`` (expert
     matrices read with O_DIRECT; the others were buffered reads), ``evictions``, ``given_up`` and ``demotions``
     (``moe_ram_exclusive``: RAM slots given up by experts on the GPU, and GPU evictions copied back into RAM),
-    ``wait_s`` (seconds the engine waited
+    ``exclusive`` (whether the tiers are exclusive), ``wait_s`` (seconds the engine waited
     for reads), ``policy`` (the RAM cache policy's name)."""
     st = engine.ram_stats()
     if not st:
@@ -104,6 +104,7 @@ def ram_stats(engine, setup) -> dict:
         **{k: st[k] for k in ("accesses", "hits", "misses", "late", "demand_reads", "prefetch_reads", "bytes_demand",
                               "bytes_prefetch", "reads_in_flight", "pinned", "buffers", "preads", "direct_matrices",
                               "evictions", "wait_s", "given_up", "demotions")},
+        "exclusive": bool(getattr(setup, "ram_exclusive", False)),
         "bytes_read": st["bytes_demand"] + st["bytes_prefetch"],
         "prefetch_accuracy": st["prefetch_used"] / st["prefetch_reads"] if st["prefetch_reads"] else 0.0,
     }

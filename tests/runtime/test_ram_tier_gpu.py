@@ -249,7 +249,8 @@ def test_close_with_reads_and_copies_queued_returns(tiny_model, rpc_server, spli
 
 def test_run_command_takes_both_tiers(tiny_model, rpc_server, split_cost_model, tmp_path):
     """``hybrimoe run --rpc ... -ngl 99 --moe-cache X --moe-ram-cache Y``: upstream's tokens with the same placement
-    (``-ot exps=CPU --no-repack``), and both tiers' lines in the stats."""
+    (``-ot exps=CPU --no-repack``), and both tiers' lines in the stats; with ``--moe-ram-exclusive`` the same tokens
+    and a line for the exclusive tiers."""
     import json
     import subprocess
     import sys
@@ -270,6 +271,11 @@ def test_run_command_takes_both_tiers(tiny_model, rpc_server, split_cost_model, 
                     split_cost_model)
     assert have == want
     assert "RAM tier hit rate" in err and "hit rate" in err.replace("RAM tier hit rate", ""), err
+    assert "exclusive tiers" not in err
+    have, err = run("--moe-cache", str(gpu), "--moe-ram-cache", str(4 * ram), "--moe-stats", "--moe-cost-model",
+                    split_cost_model, "--moe-ram-exclusive")
+    assert have == want
+    assert "exclusive tiers:" in err and "RAM slots given up" in err, err
 
 
 @pytest.mark.parametrize("gpu_cache", [None, "k"], ids=["cpu-only", "gpu-cache-above"])
@@ -343,8 +349,42 @@ def test_exclusive_tiers_match_upstream_and_hold_each_expert_once(arch, quant, t
     assert both_inc > 0 and st_inc["ram"]["given_up"] == 0 and st_inc["ram"]["demotions"] == 0, st_inc["ram"]
 
 
-def test_exclusive_tiers_need_a_ram_tier(tiny_model):
+def test_exclusive_tiers_read_each_expert_about_once_when_both_tiers_hold_all(tiny_model, rpc_server,
+                                                                             split_cost_model):
+    """GPU and RAM budgets of half the routed experts each: with exclusive tiers both together hold every expert, so
+    the decode reads each expert from the file about once (at most 1.25x all the experts' bytes), and no more than
+    the inclusive tiers read (here about 5x as much); the router look-ahead does not read back into RAM what the GPU
+    holds."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    f = engine_facts(path)
+    half = len(f.moe_layers) * f.n_expert // 2 * f.slot_bytes
+    read = {}
+    for exclusive in (True, False):
+        llm = Llama(str(path), moe_cache=half, moe_ram_cache=half, moe_cost_model=split_cost_model,
+                    moe_ram_exclusive=exclusive, **_common(rpc_server, 1))
+        try:
+            greedy_with_logits(llm, prompt_tokens(llm, 9), 48)
+            read[exclusive] = llm.moe_stats()["engine"]["ram"]["bytes_read"]
+        finally:
+            llm.close()
+    every = len(f.moe_layers) * f.n_expert * sum(f.expert_bytes[0])
+    assert read[True] <= 1.25 * every and read[True] <= read[False], (read, every)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(moe_cache="25%"), "needs a RAM tier"),
+    (dict(moe_ram_cache="50%"), "needs a GPU cache above the RAM tier"),
+    (dict(moe_cache=0, moe_ram_cache="50%"), "at least one expert slot"),
+    (dict(moe_cache="25%", moe_ram_cache="50%", moe_ram_exclusive="no"), "must be True or False"),
+])
+def test_exclusive_tiers_need_both_tiers(kw, match, tiny_model):
+    """``moe_ram_exclusive`` without a RAM tier, or without a GPU cache above it (where it would do nothing), or not
+    a bool, is refused with a message naming the options, before the model loads."""
     from hybrimoe import Llama
 
-    with pytest.raises(ValueError, match="moe_ram_exclusive set without moe_ram_cache"):
-        Llama(str(tiny_model("qwen3moe", "Q8_0")), moe_cache="25%", moe_ram_exclusive=True, verbose=False)
+    kw = dict(dict(moe_ram_exclusive=True), **kw)
+    with pytest.raises(ValueError, match=match):
+        Llama(str(tiny_model("qwen3moe", "Q8_0")), verbose=False, **kw)
