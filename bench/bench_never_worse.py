@@ -53,7 +53,8 @@ def three_tier(args, static: list) -> int:
     gpu_cache = args.caches.split(",")[0]
     rows = []
     print(f"GPU cache {gpu_cache}, disk {args.disk}; seconds of the first {args.tokens} tokens per GPU preset / RAM "
-          "preset; 'best other' is the fastest combination but hybrimoe's own two")
+          "preset; 'best other' is the fastest combination other than hybrimoe's own two; 'exclusive over best "
+          "other' above 1: hybrimoe (exclusive) is faster; flagged: more than 1% slower")
     print("| trace | seed | stage | hardware | RAM | hybrimoe / hybrimoe-exclusive | hybrimoe / hybrimoe (inclusive) | "
           "best other | its time | upstream-ncmoe / mmap | exclusive over best other | flags |")
     print("|" + "---|" * 12)
@@ -92,19 +93,29 @@ def three_tier(args, static: list) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", default=os.environ.get("HYBRIMOE_TRACE", "../shared/traces/dsv2lite_dev.npz"))
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--hardware", default="paper-a6000,rtx4090-desktop,h200")
-    ap.add_argument("--caches", default="10%,25%,50%,75%")
-    ap.add_argument("--stages", default="decode,prefill")
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--tokens", type=int, default=2000)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--trace", default=None,
+                    help="the real routing trace (.npz); given, it must exist (default: $HYBRIMOE_TRACE or "
+                         "../shared/traces/dsv2lite_dev.npz, left out with a note when absent)")
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help="synthetic trace shapes, each at low and high locality (default %(default)s)")
+    ap.add_argument("--hardware", default="paper-a6000,rtx4090-desktop,h200",
+                    help="hardware presets (default %(default)s)")
+    ap.add_argument("--caches", default="10%,25%,50%,75%",
+                    help="GPU cache budgets; with --ram-caches the first only (default %(default)s)")
+    ap.add_argument("--stages", default="decode,prefill", help="decode, prefill or both (default %(default)s)")
+    ap.add_argument("--seeds", default="0,1,2", help="seeds of the synthetic traces (default %(default)s)")
+    ap.add_argument("--tokens", type=int, default=2000, help="tokens simulated per run (default %(default)s)")
+    ap.add_argument("--json", default=None, help="write every row to this file")
     ap.add_argument("--ram-caches", default=None,
                     help="three-tier rows instead: RAM budgets (e.g. 25%%,50%%,75%%) under the first --caches GPU "
                          "budget")
     ap.add_argument("--disk", default="pcie4-nvme", help="the disk under the RAM tier (with --ram-caches)")
     args = ap.parse_args()
+    if args.trace is None:
+        args.trace = os.environ.get("HYBRIMOE_TRACE", "../shared/traces/dsv2lite_dev.npz")
+    elif not Path(args.trace).is_file():
+        print(f"--trace {args.trace}: no such file", file=sys.stderr)
+        return 2
     static = list(pol.STATIC_PRESETS)
     if args.ram_caches:
         return three_tier(args, static)
