@@ -80,44 +80,6 @@ def model_path(size_factor: float, layers: int | None = None) -> Path:
     return path
 
 
-class MemoryCgroup:
-    """A memory cgroup under this process's own (v2 ``memory.max``, else v1 ``memory.limit_in_bytes``) with a limit
-    in bytes; ``enter()`` moves the calling process into it (a child's preexec_fn)."""
-
-    def __init__(self, limit: int):
-        rel_v1 = rel_v2 = None
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            hier, ctrls, rel = line.split(":", 2)
-            if hier == "0":
-                rel_v2 = rel
-            elif "memory" in ctrls.split(","):
-                rel_v1 = rel
-        if rel_v1 is not None and Path(f"/sys/fs/cgroup/memory{rel_v1}").is_dir():
-            self.dir, knob = Path(f"/sys/fs/cgroup/memory{rel_v1}") / f"hybrimoe-bench-{os.getpid()}", \
-                "memory.limit_in_bytes"
-        elif rel_v2 is not None:
-            # v2: the limit file exists only where the parent enables the memory controller for its children
-            self.dir, knob = Path(f"/sys/fs/cgroup{rel_v2}") / f"hybrimoe-bench-{os.getpid()}", "memory.max"
-        else:
-            raise OSError("no memory cgroup to make a child of")
-        self.dir.mkdir()
-        try:
-            (self.dir / knob).write_text(str(limit))
-        except OSError:
-            self.close()  # no limit could be set: leave no empty cgroup behind
-            raise
-        self.limit = limit
-
-    def enter(self) -> None:
-        (self.dir / "cgroup.procs").write_text(str(os.getpid()))
-
-    def close(self) -> None:
-        try:
-            self.dir.rmdir()
-        except OSError:
-            pass
-
-
 def child(args) -> dict:
     """One mode in this (cgroup-limited) process: the figures as a dict."""
     import numpy as np
@@ -255,6 +217,7 @@ def main() -> int:
         return 0
     from hybrimoe.policy.budget import parse_budget
     from hybrimoe.runtime.readahead import ReadAhead
+    from hybrimoe.testing.cgroup import MemoryCgroup
 
     limit = int(parse_budget(args.limit, 1.0, 0.0))
     if limit < 256 << 20:  # a share ("50%") of 1 byte, or a typo: every child would be killed at once

@@ -140,6 +140,58 @@ def test_weights_outside_the_experts_never_fault(tiny_model):
     assert faults[True] > 0, faults
 
 
+_CGROUP_CHILD = """
+import json, resource, sys
+from hybrimoe import Llama
+from hybrimoe.runtime.disk_calibration import drop_from_page_cache
+from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
+path, mmap = sys.argv[1], sys.argv[2] == "1"
+llm = Llama(path, moe_ram_cache="auto", moe_cost_model="rtx4090-desktop", n_ctx=512, n_batch=64, n_ubatch=64,
+            seed=0, verbose=False, **({"use_mmap": True} if mmap else {}))
+tokens = prompt_tokens(llm, 40)
+drop_from_page_cache(path)
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+out, _ = greedy_with_logits(llm, tokens, 8)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
+ram = llm.moe_stats()["engine"]["ram"]
+llm.close()
+print("ROW " + json.dumps({"faults": faults, "out": out, "budget": ram["moe_ram_cache"], "misses": ram["misses"]}))
+"""
+
+
+def test_weights_outside_the_experts_never_fault_under_a_memory_cgroup(tiny_model):
+    """The same under a memory cgroup (hybrimoe.testing.cgroup.MemoryCgroup, 1 GiB, which counts the page cache
+    too), with ``moe_ram_cache="auto"``: the budget comes from the cgroup (its message says so), prefill and decode
+    take no major page fault (every one would be a weight outside the experts: the tier's reads are O_DIRECT), and
+    the greedy tokens are those of the run with the mapping kept, the negative control, which faults. Skipped where
+    this process may not make a memory cgroup."""
+    import json
+    import subprocess
+    import sys
+
+    from hybrimoe.testing.cgroup import MemoryCgroup
+
+    path = tiny_model("qwen3moe", "Q4_K_M")
+    try:
+        cg = MemoryCgroup(1 << 30)
+    except OSError as e:
+        pytest.skip(f"no memory cgroup here: {e}")
+    rows = {}
+    try:
+        for mmap in ("0", "1"):
+            r = subprocess.run([sys.executable, "-c", _CGROUP_CHILD, str(path), mmap], preexec_fn=cg.enter,
+                               capture_output=True, text=True, timeout=300)
+            got = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
+            assert r.returncode == 0 and got, r.stderr[-2000:]
+            rows[mmap] = json.loads(got[0])
+    finally:
+        cg.close()
+    assert "cgroup" in rows["0"]["budget"], rows["0"]["budget"]
+    assert rows["0"]["faults"] == 0, rows
+    assert rows["1"]["faults"] > 0, rows
+    assert rows["0"]["out"] == rows["1"]["out"]
+
+
 @pytest.mark.parametrize("quant", ["Q8_0", "MXFP4"])
 def test_gpt_oss_biases_come_with_the_slot(quant, tmp_path_factory, tiny_model):
     """gpt-oss: expert biases (ggml_add_id, indexed by RAM slot) and SwiGLU-OAI, Q8_0 or MXFP4 matrices."""
