@@ -784,25 +784,11 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
                 predictor_->predict(ml, cfg_.prefetch_layers, (int) T, (const float *) x->data, x->nb[2],
                                     run_plan.makespan_s, layer_est_, cfg_.cost.layer((int) T), predictions_);
                 // queued behind this layer's demand reads: the disk stays busy while they end
-                if (cfg_.ram.exclusive && cfg_.n_slots > 0 && !large_ubatch_) {
-                    // exclusive tiers: what the GPU holds gave up its RAM slot, and the GPU serves it; reading it
-                    // back into RAM ahead of use would be a wasted read
-                    ram_preds_ = predictions_;
-                    for (Prediction & p : ram_preds_) {
-                        size_t kept = 0;
-                        for (size_t i = 0; i < p.experts.size(); ++i) {
-                            if (pool_.slot_of(p.layer, p.experts[i]) >= 0) continue;
-                            p.experts[kept] = p.experts[i];
-                            if (i < p.loads.size()) p.loads[kept] = p.loads[i];
-                            ++kept;
-                        }
-                        p.experts.resize(kept);
-                        if (p.loads.size() > kept) p.loads.resize(kept);
-                    }
-                    ram_->prefetch(ram_preds_, std::min<int64_t>(E, T * k), now(), (int) T, (int) k);
-                } else {
-                    ram_->prefetch(predictions_, std::min<int64_t>(E, T * k), now(), (int) T, (int) k);
-                }
+                // exclusive tiers: what the GPU holds gave up its RAM slot, and the GPU serves it; reading it back
+                // into RAM ahead of use would be a wasted read
+                const bool skip_gpu = cfg_.ram.exclusive && cfg_.n_slots > 0 && !large_ubatch_;
+                ram_->prefetch(predictions_, std::min<int64_t>(E, T * k), now(), (int) T, (int) k,
+                               skip_gpu ? &pool_ : nullptr);
             }
             ram_->wait_rest();
         }

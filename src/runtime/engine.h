@@ -300,7 +300,6 @@ private:
     /// this ubatch likely uses every expert of a layer (prefill): exclusive tiers leave the tiers as they are then
     /// (the GPU's loads stream through, and moving each between the tiers would churn the RAM tier)
     bool large_ubatch_ = false;
-    std::vector<Prediction> ram_preds_;     // exclusive tiers: the look-ahead's predictions less what the GPU holds
     uint64_t copies_done_ = 0;              // every GPU copy up to this sequence number has ended
 };
 
