@@ -1,6 +1,8 @@
 // Inter-layer expert prefetching (HybriMoE §IV.C; docs/design.md §3).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -15,6 +17,13 @@ namespace hybrimoe {
 
 /// Predicted routing of one upcoming MoE layer. In the engine it comes from that layer's router applied to the
 /// current hidden state; in the simulator from the trace through an imperfect predictor (simulator.h).
+/// The chance that a ubatch of `n_tokens` tokens, each picking `top_k` of `n_expert` experts, uses a given expert
+/// under uniform routing: 1 - (1 - top_k / n_expert)^n_tokens. At 1/2 or above (a prefill ubatch) every expert of a
+/// layer is likely used: the RAM tier reads them all ahead, and exclusive tiers leave the tiers as they are.
+inline double expert_use_prior(int top_k, int n_expert, int64_t n_tokens) {
+    return 1.0 - std::pow(1.0 - std::min(1.0, (double) top_k / n_expert), (double) n_tokens);
+}
+
 struct Prediction {
     int layer = 0;                 ///< MoE layer predicted
     int distance = 1;              ///< layer - current layer (>= 1)

@@ -858,8 +858,7 @@ void SimRun::evicted(const std::vector<int64_t> & keys) {
 
 void SimRun::run_step(int64_t si, const Step & st) {
     const int n = static_cast<int>(st.end - st.begin);
-    // a large ubatch (prefill): every expert of a layer likely used, under uniform routing 1 - (1 - k/E)^n >= 1/2
-    large_ubatch_ = 1.0 - std::pow(1.0 - std::min(1.0, (double) K_ / E_), (double) n) >= 0.5;
+    large_ubatch_ = expert_use_prior(K_, E_, n) >= 0.5;  // a prefill ubatch: every expert likely used
     if (st.prompt != current_prompt_) {
         if (current_prompt_ >= 0) ttft_sum_ += t_ - prompt_start_;
         current_prompt_ = st.prompt;

@@ -445,14 +445,19 @@ void Engine::demote(int64_t key) {
     ram_->demoted(l, e);
 }
 
+bool Engine::kept_on_gpu(int l, int e) const {
+    const int64_t key = (int64_t) l * cfg_.n_expert + e;
+    // not a streamed load on probation: it leaves the GPU at the next load (its RAM slot stays)
+    return pool_.slot_of_key(key) >= 0 && pool_.loaded(key) && !cache_->on_probation(l, e);
+}
+
 int64_t Engine::in_both_tiers() const {
     if (!ram_) return 0;
     int64_t n = 0;
     for (int l = 0; l < (int) tensors_.size(); ++l) {
         for (int e = 0; e < cfg_.n_expert; ++e) {
             const int64_t key = (int64_t) l * cfg_.n_expert + e;
-            n += pool_.slot_of_key(key) >= 0 && pool_.loaded(key) && !cache_->on_probation(l, e) &&
-                 ram_->slot_of(l, e) >= 0;
+            n += kept_on_gpu(l, e) && ram_->slot_of(l, e) >= 0;
         }
     }
     return n;
@@ -460,12 +465,7 @@ int64_t Engine::in_both_tiers() const {
 
 void Engine::give_up_ram(int ml) {
     for (int e = 0; e < cfg_.n_expert; ++e) {
-        const int64_t key = (int64_t) ml * cfg_.n_expert + e;
-        // not a streamed load on probation (it leaves the GPU at the next load: its RAM slot stays)
-        if (pool_.slot_of_key(key) >= 0 && pool_.loaded(key) && !cache_->on_probation(ml, e) &&
-            ram_->slot_of(ml, e) >= 0) {
-            ram_->give_up(ml, e);
-        }
+        if (kept_on_gpu(ml, e) && ram_->slot_of(ml, e) >= 0) ram_->give_up(ml, e);
     }
 }
 
@@ -657,8 +657,7 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
     const int64_t T = dst->ne[1];
     const int ml = run.ml;
     const int E = cfg_.n_expert;
-    // a large ubatch (prefill): every expert of a layer likely used, under uniform routing 1 - (1 - k/E)^T >= 1/2
-    large_ubatch_ = 1.0 - std::pow(1.0 - std::min(1.0, (double) k / E), (double) T) >= 0.5;
+    large_ubatch_ = expert_use_prior((int) k, E, T) >= 0.5;  // a prefill ubatch: every expert likely used
 
     ids_.resize((size_t) (k * T));
     weights_.resize((size_t) (k * T));

@@ -227,6 +227,9 @@ private:
     /// Exclusive tiers: MoE layer `ml`'s experts whose weights are on the GPU give up their RAM slots (those that
     /// no layer pins and no copy holds any more; not a streamed load on probation, which leaves at the next load).
     void give_up_ram(int ml);
+    /// Whether (l, e)'s weights are in a GPU slot (copied there) that the GPU cache keeps (not a streamed load on
+    /// probation).
+    bool kept_on_gpu(int l, int e) const;
 
     EngineConfig cfg_;
     std::shared_ptr<ExpertCache> cache_;

@@ -692,8 +692,7 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
         int32_t expert;
         uint8_t tag;
     };
-    // the chance that a ubatch of n_tokens tokens uses a given expert under uniform routing
-    const double prior = 1.0 - std::pow(1.0 - std::min(1.0, (double) top_k / n_expert_), (double) n_tokens);
+    const double prior = expert_use_prior(top_k, n_expert_, n_tokens);
     const bool small = prior < cfg_.min_prefetch_confidence;
     std::array<uint64_t, 3> judged{}, used{};
     {
