@@ -21,7 +21,8 @@ disk was busy (its ``io_ticks``: near 1, the stage waited for the disk), and for
 Modes (``--modes``): upstream (mmap, ``--no-repack``: with its default repacking the load would read every expert
 into RAM, which a model larger than RAM does not allow), hybrimoe (as users run it: MRS, prefetch by the router
 look-ahead, slots repacked where upstream repacks), hybrimoe with LRU, hybrimoe without prefetch, and hybrimoe with
-its slots in the file's layout (``no_repack``, upstream's kernels as its mmap run uses them).
+its slots in the file's layout (``no_repack``, upstream's kernels as its mmap run uses them), and hybrimoe with its
+CPU share in one pass per layer after every read (``HYBRIMOE_RAM_TWO_PASS=0``, as before the two passes).
 
 Read-ahead: the block device's ``read_ahead_kb`` decides how much upstream's mmap reads per fault (Linux gives an
 NVMe drive 128 KiB; this project's disk has 8 MiB), so every mode runs at each ``--read-ahead`` value (default
@@ -49,6 +50,7 @@ MODES = {
     "hybrimoe-no-prefetch": {"moe_ram_cache": "auto", "moe_prefetch_layers": 0},
     "hybrimoe-lru": {"moe_ram_cache": "auto", "moe_ram_policy": "lru"},
     "hybrimoe-no-repack": {"moe_ram_cache": "auto", "no_repack": True},
+    "hybrimoe-one-pass": {"moe_ram_cache": "auto", "_env": {"HYBRIMOE_RAM_TWO_PASS": "0"}},
 }
 
 
@@ -94,6 +96,7 @@ def child(args) -> dict:
     from hybrimoe.traces.synthetic import synthetic_trace
 
     kw = json.loads(args.child_kw)
+    os.environ.update(kw.pop("_env", {}))  # a mode's environment (read when the engine is made)
     # a synthetic trace with router scores: the engine's MRS ranks by the replayed routing's scores, as it would on
     # the model's own routing (the random router's would not match the replayed ids)
     tr = synthetic_trace(facts_from_gguf(args.model), args.pp + args.tg + 8, locality=args.locality, seed=0,

@@ -101,6 +101,8 @@ TRACE_ENV = "HYBRIMOE_TRACE"
 RPC_TIMEOUT_ENV = "HYBRIMOE_RPC_TIMEOUT_S"
 MAX_BUFFER_ENV = "HYBRIMOE_MAX_BUFFER_BYTES"
 RAM_DIRECT_IO_ENV = "HYBRIMOE_RAM_DIRECT_IO"
+#: the RAM tier's CPU share in two passes per layer (on unless set to 0, no, false or off): ram_two_pass()
+RAM_TWO_PASS_ENV = "HYBRIMOE_RAM_TWO_PASS"
 RPC_STATS_ENV = "HYBRIMOE_RPC_STATS"
 RPC_MEMORY_ENV = "HYBRIMOE_RPC_MEMORY"
 
@@ -129,6 +131,14 @@ def ram_direct_io() -> bool:
     CPU a copy out of the page cache and the page cache's bookkeeping (about 1-1.5 s of system time per GB read on
     this project's 2-core machine, against 0.2 s direct: docs/benchmarks.md)."""
     return os.environ.get(RAM_DIRECT_IO_ENV, "1").strip().lower() not in ("0", "no", "false", "off")
+
+
+def ram_two_pass() -> bool:
+    """Whether the RAM tier's CPU share runs in two passes per MoE layer (the default): the experts already in RAM
+    slots at the layer's plan while the reads of the others end, then those, so that the CPU computes while the disk
+    reads. ``HYBRIMOE_RAM_TWO_PASS`` set to ``0``, ``no``, ``false`` or ``off`` waits for every read first (one
+    pass), for comparisons (bench/bench_ram_real.py's ``hybrimoe-one-pass``). The numbers are the same either way."""
+    return os.environ.get(RAM_TWO_PASS_ENV, "1").strip().lower() not in ("0", "no", "false", "off")
 
 
 def progress_on() -> bool:

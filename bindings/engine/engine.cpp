@@ -77,6 +77,8 @@ Args:
         ignored with n_slots > 0 (GPU copies read the RAM slots, in the file's layout).
     ram_exclusive: with n_slots > 0, exclusive tiers: an expert on the GPU gives up its RAM slot, and one the GPU
         cache evicts is copied back into RAM when it ranks at least as high as the RAM cache's victim.
+    ram_two_pass: the CPU share over the RAM slots in two passes per layer: the experts in RAM at the plan while the
+        others are read, then those (off: all of them once every read ended).
     fused_cpu: compute each layer's CPU share as one fused op where it can (src/runtime/fused_moe.h), else with
         upstream's ops: 0 off, 1 with upstream's kernels and numbers, 2 also with repacked gemm kernels that round
         differently from upstream's gemv (faster prefill of Q4_K experts on x86).
@@ -100,7 +102,8 @@ Raises:
                          std::vector<int64_t> file_mtimes_ns, std::vector<std::array<int32_t, 3>> file_of,
                          std::vector<std::array<int64_t, 3>> offset_of, int ram_io_threads,
                          std::shared_ptr<hybrimoe::ExpertCache> ram_cache, bool ram_drop_after_read,
-                         bool ram_direct_io, int fused_cpu, bool ram_repack, bool ram_exclusive) {
+                         bool ram_direct_io, int fused_cpu, bool ram_repack, bool ram_exclusive,
+                         bool ram_two_pass) {
                  EngineConfig c;
                  c.n_layer = n_layer;
                  c.n_expert = n_expert;
@@ -134,6 +137,7 @@ Raises:
                  c.fused_cpu = fused_cpu;
                  c.ram.repack = ram_repack;
                  c.ram.exclusive = ram_exclusive;
+                 c.ram.two_pass = ram_two_pass;
                  // The arguments keep the policies (and a Python subclass's object) alive while the GIL is
                  // released: nothing Python is freed without it.
                  py::gil_scoped_release nogil;
@@ -152,7 +156,7 @@ Raises:
              py::arg("offset_of") = std::vector<std::array<int64_t, 3>>{}, py::arg("ram_io_threads") = 4,
              py::arg("ram_cache") = std::shared_ptr<hybrimoe::ExpertCache>(), py::arg("ram_drop_after_read") = true,
              py::arg("ram_direct_io") = true, py::arg("fused_cpu") = 0, py::arg("ram_repack") = false,
-             py::arg("ram_exclusive") = false)
+             py::arg("ram_exclusive") = false, py::arg("ram_two_pass") = true)
         .def_static("slot_bytes_for", &SlotPool::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
                     py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
                     py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{},
@@ -261,6 +265,7 @@ Raises:
                     py::dict d;
                     d["runs"] = s.runs; d["tokens"] = s.tokens;
                     d["cpu_experts"] = s.cpu_experts; d["gpu_experts"] = s.gpu_experts;
+                    d["cpu_late_experts"] = s.cpu_late_experts;
                     d["cpu_pairs"] = s.cpu_pairs; d["gpu_pairs"] = s.gpu_pairs;
                     d["demand_copies"] = s.demand_copies; d["prefetch_copies"] = s.prefetch_copies;
                     d["fill_copies"] = s.fill_copies; d["declined_loads"] = s.declined_loads;

@@ -450,11 +450,12 @@ class Llama(llama_cpp.Llama):
         without one), ``n_slots``, ``slot_bytes`` (bytes), ``hit_rate``
         (activated experts resident when their layer ran / all activated experts), ``cache`` (accesses, hits,
         misses, admissions, evictions), ``cpu_experts`` / ``gpu_experts`` (distinct experts per layer and ubatch,
-        summed), ``bytes_copied`` and its parts ``bytes_demand`` / ``bytes_prefetch`` / ``bytes_fill`` (H2D
-        bytes), ``layer_s`` (mean seconds per MoE layer run, plan start to GPU share done), ``all_cpu_reason``
-        (why the planner put no expert on the GPU, from its cost model, when it did so; "" otherwise:
-        :func:`hybrimoe.runtime.stats.all_cpu_reason`) and ``layers`` (per MoE layer counters, see
-        ``hybrimoe._engine.Engine.layer_stats``).
+        summed), ``cpu_late_experts`` (of the CPU's, those the RAM tier was still reading at the layer's plan: the
+        CPU share computes them in a second pass, after the others), ``bytes_copied`` and its parts
+        ``bytes_demand`` / ``bytes_prefetch`` / ``bytes_fill`` (H2D bytes), ``layer_s`` (mean seconds per MoE layer
+        run, plan start to GPU share done), ``all_cpu_reason`` (why the planner put no expert on the GPU, from its
+        cost model, when it did so; "" otherwise: :func:`hybrimoe.runtime.stats.all_cpu_reason`) and ``layers``
+        (per MoE layer counters, see ``hybrimoe._engine.Engine.layer_stats``).
         """
         if self._moe.hook is None:
             return {}

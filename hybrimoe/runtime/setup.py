@@ -18,7 +18,14 @@ from typing import Optional, Sequence
 import numpy as np
 
 from hybrimoe import _core, _ggml
-from hybrimoe.envs import AUTO_MARGIN_FRACTION, AUTO_MARGIN_MIN_BYTES, PREFETCH_LAYERS, max_buffer_bytes, ram_direct_io
+from hybrimoe.envs import (
+    AUTO_MARGIN_FRACTION,
+    AUTO_MARGIN_MIN_BYTES,
+    PREFETCH_LAYERS,
+    max_buffer_bytes,
+    ram_direct_io,
+    ram_two_pass,
+)
 from hybrimoe.model.tables import EXPS_REGEX
 from hybrimoe.policy.budget import parse_budget
 from hybrimoe.policy.hardware import resolve_cost_model
@@ -273,7 +280,8 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
                                ram["policy"])
         extra.update(ram_slots=int(ram["slots"]), ram_io_threads=int(ram.get("io_threads", 4)), ram_cache=rc,
                      ram_direct_io=bool(ram.get("direct_io", ram_direct_io())),
-                     ram_repack=bool(ram.get("repack", False)), ram_exclusive=bool(ram.get("exclusive", False)))
+                     ram_repack=bool(ram.get("repack", False)), ram_exclusive=bool(ram.get("exclusive", False)),
+                     ram_two_pass=bool(ram.get("two_pass", ram_two_pass())))
     return _engine.Engine(
         n_layer=facts.n_layer, n_expert=facts.n_expert, top_k=facts.top_k, n_embd=facts.n_embd,
         moe_layers=list(facts.moe_layers), expert_bytes=[tuple(b) for b in facts.expert_bytes],

@@ -61,6 +61,11 @@ void fused_trampoline(ggml_tensor * dst, int ith, int nth, void * ud) {
     run_of(ud)->engine->op_fused(dst, *run_of(ud), ith, nth);
 }
 
+void late_trampoline(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith == 0) run_of(ud)->engine->op_late(dst, *run_of(ud));
+}
+
 void wait_trampoline(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith == 0) run_of(ud)->engine->op_wait(dst, *run_of(ud));
@@ -76,7 +81,9 @@ void combine_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     const RoutingView routing{dst->src[3], plan->ne[0]};
     const int64_t n_embd = dst->ne[0];
     const int64_t T = dst->ne[1];
-    const int64_t n_planes = plan->ne[2];  // 2, or 1 + RAM slot buffers (one CPU share each: src[0], src[4..])
+    // 2, or 1 + the RAM tier's CPU shares (one per slot buffer, and per pass: src[0], src[4..]); plane p >= 2 is
+    // the pairs of the share at src[2 + p]
+    const int64_t n_planes = plan->ne[2];
     for (int64_t t = ith; t < T; t += nth) {
         float * out = (float *) ((char *) dst->data + t * dst->nb[1]);
         const int32_t * gpu_row = (const int32_t *) ((const char *) plan->data + t * plan->nb[1] + plan->nb[2]);
@@ -371,6 +378,12 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     // with a RAM tier over several slot buffers, one CPU share per buffer: plane 0 the ids of buffer 0's pairs,
     // plane 1 the GPU rows, plane 1 + b those of buffer b >= 1 (local slots; -1 where another computes the pair)
     const int n_ram_bufs = ram_ ? std::max(1, ram_->pool().n_buffers()) : 1;  // at most kMaxRamBuffers
+    // with the RAM tier the CPU share runs in two passes where the sources allow (up to kMaxLateBuffers slot
+    // buffers): the experts already in RAM at the plan while the reads of the others end, then those (op_late);
+    // planes 2 + n_ram_bufs - 1 .. 2 * n_ram_bufs hold the second pass's pairs, per buffer
+    const bool late = ram_ && cfg_.ram.two_pass && n_ram_bufs <= kMaxLateBuffers;
+    run.late_pass = late;
+    const int n_shares = n_ram_bufs * (late ? 2 : 1);
     ggml_tensor * ids_f = ggml_cast(ctx, a.selected_experts, GGML_TYPE_F32);  // [k, T], exact below 2^24
     ggml_tensor * w = ggml_is_contiguous(a.weights) ? a.weights : ggml_cont(ctx, a.weights);
     ggml_tensor * routing = ggml_concat(ctx, ggml_concat(ctx, ids_f, ggml_reshape_2d(ctx, w, k, T), 0), a.probs, 0);
@@ -378,7 +391,7 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     // the hidden state goes in as the same reshaped view the CPU share reads, so the scheduler copies it once
     ggml_tensor * x = ggml_reshape_3d(ctx, a.cur, n_embd, 1, T);
     ggml_tensor * psrc[2] = {routing, x};
-    ggml_tensor * plan = ggml_custom_4d(ctx, GGML_TYPE_I32, k, T, 1 + n_ram_bufs, 1, psrc, 2, plan_trampoline, 1,
+    ggml_tensor * plan = ggml_custom_4d(ctx, GGML_TYPE_I32, k, T, 1 + n_shares, 1, psrc, 2, plan_trampoline, 1,
                                         &run);
     ggml_format_name(plan, "hybrimoe_plan-%d", a.il);
 
@@ -390,9 +403,11 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
         for (int i = 0; i < 3; ++i) repacked_[(size_t) ml][(size_t) i] = ram_->repacked(ml, i);  // the slots' layout
     }
     ggml_tensor * shares[GGML_MAX_SRC];
+    std::vector<ExpertMatrices> buf_m;
     for (int b = 0; b < n_ram_bufs; ++b) {
         ggml_tensor * cpu_ids = ggml_view_2d(ctx, plan, k, T, plan->nb[1], (size_t) (b == 0 ? 0 : 1 + b) * plan->nb[2]);
-        const ExpertMatrices cpu_m = ram_ ? ram_->views(ctx, ml, m, b) : m;
+        buf_m.push_back(ram_ ? ram_->views(ctx, ml, m, b) : m);
+        const ExpertMatrices & cpu_m = buf_m.back();
         shares[b] = nullptr;
         if (fused_ && !ram_ && FusedCpuShare::unsupported(cpu_m, T) == nullptr) {
             try {
@@ -413,17 +428,32 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
                                          b == 0 ? "hybrimoe_cpu" : "hybrimoe_cpu_b", a.il, a.selected_experts);
         }
     }
+    if (late) {
+        // the second pass's ids come out of op_late, which runs after the first pass (its sources) and waits for
+        // the reads: the second pass cannot start before them
+        ggml_tensor * lsrc[GGML_MAX_SRC] = {plan};
+        for (int b = 0; b < n_ram_bufs; ++b) lsrc[1 + b] = shares[b];
+        ggml_tensor * late_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, k, T, n_ram_bufs, 1, lsrc, 1 + n_ram_bufs,
+                                                late_trampoline, 1, &run);
+        ggml_format_name(late_ids, "hybrimoe_late-%d", a.il);
+        for (int b = 0; b < n_ram_bufs; ++b) {
+            ggml_tensor * ids_b = ggml_view_2d(ctx, late_ids, k, T, late_ids->nb[1], (size_t) b * late_ids->nb[2]);
+            shares[n_ram_bufs + b] = build_expert_ffn(ctx, buf_m[(size_t) b], x, ids_b,
+                                                      m.weight_before ? a.weights : nullptr, "hybrimoe_cpu_late", a.il,
+                                                      a.selected_experts);
+        }
+    }
     ggml_tensor * experts = shares[0];
 
     ggml_tensor * wsrc[GGML_MAX_SRC] = {plan};  // the CPU shares: only to run after them
-    for (int b = 0; b < n_ram_bufs; ++b) wsrc[1 + b] = shares[b];
-    ggml_tensor * gpu = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, k * T, 1, 1, wsrc, 1 + n_ram_bufs, wait_trampoline,
+    for (int b = 0; b < n_shares; ++b) wsrc[1 + b] = shares[b];
+    ggml_tensor * gpu = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, k * T, 1, 1, wsrc, 1 + n_shares, wait_trampoline,
                                        1, &run);
     ggml_format_name(gpu, "hybrimoe_wait-%d", a.il);
 
     ggml_tensor * csrc[GGML_MAX_SRC] = {experts, gpu, plan, routing};
-    for (int b = 1; b < n_ram_bufs; ++b) csrc[3 + b] = shares[b];
-    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, T, 1, 1, csrc, 3 + n_ram_bufs, combine_op,
+    for (int b = 1; b < n_shares; ++b) csrc[3 + b] = shares[b];
+    ggml_tensor * out = ggml_custom_4d(ctx, GGML_TYPE_F32, n_embd, T, 1, 1, csrc, 3 + n_shares, combine_op,
                                        GGML_N_TASKS_MAX, &run);
     ggml_format_name(out, "hybrimoe_combine-%d", a.il);
     return out;
@@ -766,16 +796,27 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
         if (n_gpu > 0) launch_gpu_share(dst, run, on_gpu, k, T, x, launches);
 
         // ---- the CPU share's ids remapped to RAM slots; read-ahead; the CPU share's reads waited for ----
+        uint64_t n_late = 0;
         if (ram_) {
             const SlotPool & rp = ram_->pool();
+            // two passes (run.late_pass): an expert whose read has not ended goes to the second, with all of its
+            // pairs (each expert's rows then run through the same kernels as in one pass: the same numbers)
+            const int n_bufs = (int) (dst->ne[2] - 1) / (run.late_pass ? 2 : 1);
+            late_of_.assign((size_t) E, -1);
             for (int64_t t = 0; t < T; ++t) {
                 int32_t * cpu = plane(dst, 0, t);
                 for (int64_t j = 0; j < k; ++j) {
                     if (cpu[j] < 0) continue;
+                    int8_t & is_late = late_of_[(size_t) cpu[j]];
+                    if (is_late < 0) {
+                        is_late = run.late_pass && !ram_->ready(ml, cpu[j]) ? 1 : 0;
+                        n_late += (uint64_t) is_late;
+                    }
                     const int32_t slot = ram_->slot_of(ml, cpu[j]);
                     const int b = rp.buffer_of(slot);
-                    cpu[j] = b == 0 ? rp.local_slot(slot) : -1;
-                    if (b > 0) plane(dst, 1 + b, t)[j] = rp.local_slot(slot);
+                    const int p = is_late ? 1 + n_bufs + b : (b == 0 ? 0 : 1 + b);
+                    cpu[j] = -1;
+                    plane(dst, p, t)[j] = rp.local_slot(slot);
                 }
             }
             if (cfg_.prefetch_layers > 0) {
@@ -789,7 +830,7 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
                 ram_->prefetch(predictions_, std::min<int64_t>(E, T * k), now(), (int) T, (int) k,
                                skip_gpu ? &pool_ : nullptr);
             }
-            ram_->wait_rest();
+            if (!run.late_pass) ram_->wait_rest();  // else op_late waits, after the first pass
         }
 
         // ---- prefetch for the next layers, then fills ----
@@ -832,6 +873,7 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
         s.tokens += (uint64_t) T;
         s.gpu_experts += n_gpu;
         s.cpu_experts += in.size() - n_gpu;
+        s.cpu_late_experts += n_late;
         s.gpu_pairs += gpu_pairs;
         s.cpu_pairs += (uint64_t) (k * T) - gpu_pairs;
         s.gpu_runs += launches > 0 ? 1 : 0;
@@ -853,6 +895,28 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
     } catch (...) {
         write_fallback(dst);
         fail(std::string("MoE layer ") + std::to_string(run.il) + ": unknown error");
+    }
+}
+
+void Engine::op_late(ggml_tensor * dst, LayerRun & run) {
+    // dst [k, T, buffers]: the plan's second-pass planes, once their reads ended; on a failed read nothing more is
+    // computed (the decode reports the error)
+    const ggml_tensor * plan = dst->src[0];
+    const int64_t n_bufs = dst->ne[2];
+    bool ok = true;
+    try {
+        if (ram_) ram_->wait_rest();
+    } catch (const std::exception & e) {
+        ok = false;
+        fail(std::string("MoE layer ") + std::to_string(run.il) + ": " + e.what());
+    }
+    for (int64_t b = 0; b < n_bufs; ++b) {
+        for (int64_t t = 0; t < dst->ne[1]; ++t) {
+            const int32_t * src = (const int32_t *) ((const char *) plan->data + t * plan->nb[1] +
+                                                     (1 + n_bufs + b) * plan->nb[2]);
+            int32_t * out = (int32_t *) ((char *) dst->data + t * dst->nb[1] + b * dst->nb[2]);
+            for (int64_t j = 0; j < dst->ne[0]; ++j) out[j] = ok ? src[j] : -1;
+        }
     }
 }
 

@@ -114,6 +114,8 @@ struct EngineConfig {
 struct EngineLayerStats {
     uint64_t runs = 0, tokens = 0;
     uint64_t cpu_experts = 0, gpu_experts = 0;       ///< distinct experts per run, summed
+    uint64_t cpu_late_experts = 0;                   ///< of the CPU's: computed in the second pass (RAM tier: read
+                                                     ///< for this layer, not in RAM at its plan)
     uint64_t cpu_pairs = 0, gpu_pairs = 0;           ///< (token, rank) pairs computed on each side, summed
     uint64_t demand_copies = 0, prefetch_copies = 0, fill_copies = 0;
     uint64_t declined_loads = 0;                     ///< planned loads the cache refused (ran on the CPU)
@@ -162,6 +164,9 @@ public:
     /// Host buffers the RAM slots may be split over: the combine op takes one CPU share per buffer as a source,
     /// beside the GPU rows, the plan and the routing (GGML_MAX_SRC in all).
     static constexpr int kMaxRamBuffers = GGML_MAX_SRC - 4;
+    /// Slot buffers up to which the CPU share runs in two passes (the experts in RAM at the plan, then the ones
+    /// read for this layer): two shares per buffer among the combine op's sources.
+    static constexpr int kMaxLateBuffers = (GGML_MAX_SRC - 3) / 2;
 
     /// Builds the layer's replacement subgraph (called by MoeHook::build for supported layers), or nullptr when
     /// this layer's tensors are not the ones the engine was given (upstream's path then). `counters` receives run
@@ -208,6 +213,7 @@ public:
     struct LayerRun;
     void op_plan(ggml_tensor * dst, LayerRun & run);
     void op_wait(ggml_tensor * dst, LayerRun & run);
+    void op_late(ggml_tensor * dst, LayerRun & run);
     void op_fused(ggml_tensor * dst, LayerRun & run, int ith, int nth);
 
 private:
@@ -275,6 +281,7 @@ private:
     std::vector<int32_t> ids_;               // [T, k] routed ids
     std::vector<int32_t> expert_pos_;        // expert -> index in the decider's activated experts
     std::vector<int32_t> token_row_;         // token -> staged row of the launch being filled (-1: none)
+    std::vector<int8_t> late_of_;            // expert -> in the CPU share's second pass (1), first (0), unseen (-1)
     std::array<uint64_t, 4> copies_{};       // copies queued by the plan being made, per ExpertPlacement::Kind
     std::array<double, 4> copy_bytes_{};
 
@@ -313,6 +320,8 @@ struct Engine::LayerRun {
     int il = -1;                 ///< model layer index
     int64_t k_sum = 0;           ///< ranks summed into the output (the layer's top-k, also in warm-up graphs)
     bool weight_before = false;  ///< the CPU share's rows are weighted already (Llama 4: weights before the FFN)
+    /// the RAM tier's CPU share runs in two passes: the experts in RAM at the plan, then the others once read
+    bool late_pass = false;
     void * counters = nullptr;   ///< hook counters (LayerCounters)
     /// the launches of this run, in the order of their output rows: part 0 (experts resident and, by the
     /// estimate, copied before this layer), then part 1 (this layer's demand loads and experts whose copy is still

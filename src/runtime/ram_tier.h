@@ -7,8 +7,8 @@
 // §IV.D applied to this tier), and a pool of I/O workers reads the others from the file: one buffered pread per
 // matrix of the expert (one expert is 1-3 reads; its F32 bias rows, which load with the model, are copied from
 // host memory), then POSIX_FADV_DONTNEED on the range read, so the page cache does not keep a second copy and the
-// RAM budget holds. Reads come from the plan op (demand: the layer's CPU experts not in RAM, waited for before the
-// CPU share runs) and from the router look-ahead (prefetch: the next layers' predicted experts, HybriMoE §IV.C,
+// RAM budget holds. Reads come from the plan op (demand: the layer's CPU experts not in RAM, computed in the CPU
+// share's second pass once read, while the first computes the resident ones) and from the router look-ahead (prefetch: the next layers' predicted experts, HybriMoE §IV.C,
 // read while this layer computes). The CPU share then computes over views of the pool's regions with the routing
 // ids remapped to RAM slots: upstream's kernels on upstream's bytes, so the results are upstream's bit for bit.
 //
@@ -61,6 +61,9 @@ struct RamTierConfig {
     /// one the GPU cache evicts comes back into RAM from the GPU's copy (demote) when it ranks at least as high as
     /// the RAM cache's victim, instead of being read from the file at its next use (docs/design.md §17)
     bool exclusive = false;
+    /// the CPU share over the slots in two passes per layer (Engine::build): the experts in RAM at the plan while
+    /// the others are read, then those; off: all of them once every read ended
+    bool two_pass = true;
 };
 
 /// RAM tier counters (read between decodes; byte counts are file bytes read).

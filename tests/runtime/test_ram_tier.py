@@ -82,7 +82,8 @@ def _cases():
 @pytest.mark.parametrize("arch, quant, ub", _cases())
 def test_reads_every_token_and_matches_upstream(arch, quant, ub, tiny_model):
     """At the smallest budget: upstream's greedy tokens and logits bit for bit, while experts are read from the
-    file during the decode (at least one read per generated token, and evictions)."""
+    file during the decode (at least one read per generated token, and evictions; those run in the CPU share's
+    second pass)."""
     path = tiny_model(arch, quant)
     tokens = _tokens(path, 2 * ub + 3)
     ref_out, ref_lg = _reference(path, tokens, ub)
@@ -93,6 +94,7 @@ def test_reads_every_token_and_matches_upstream(arch, quant, ub, tiny_model):
     assert ram["demand_reads"] + ram["prefetch_reads"] >= N_GEN and ram["evictions"] > 0, ram
     assert ram["reads_in_flight"] == 0
     assert st["gpu_experts"] == 0
+    assert st["cpu_late_experts"] > 0, st
 
 
 @pytest.mark.parametrize("no_repack", [False, True])
@@ -225,6 +227,34 @@ def test_expert_variants_match_upstream(variant, tmp_path):
     assert out == ref_out
     assert np.array_equal(lg, ref_lg)
     assert st["ram"]["misses"] > 0
+
+
+@pytest.mark.parametrize("arch, ub", [("qwen3moe", 1), ("deepseek2", 7), ("gpt-oss", 1)])
+def test_two_passes_over_one_layer_match_upstream(arch, ub, tiny_model):
+    """With half the experts in RAM a layer's CPU share runs in two passes: the experts in RAM at its plan while the
+    others are read, then those. Upstream's tokens and logits bit for bit, with both passes computing experts in
+    the same layers (the RAM tier both hit and missed)."""
+    path = tiny_model(arch, "Q4_K_M")
+    tokens = _tokens(path, 2 * ub + 5)
+    ref_out, ref_lg = _reference(path, tokens, ub)
+    out, lg, st = _ram_run(path, tokens, ub, budget="50%")
+    assert out == ref_out
+    assert np.array_equal(lg, ref_lg)
+    assert 0 < st["ram"]["hit_rate"] < 1, st["ram"]
+    both = [s for s in st["layers"] if 0 < s["cpu_late_experts"] < s["cpu_experts"]]
+    assert both, [(s["cpu_late_experts"], s["cpu_experts"]) for s in st["layers"]]
+
+
+def test_one_pass_when_asked(tiny_model, monkeypatch):
+    """HYBRIMOE_RAM_TWO_PASS=0 (the comparison bench/bench_ram_real.py runs): every CPU expert in one pass after its
+    reads, the same numbers."""
+    monkeypatch.setenv("HYBRIMOE_RAM_TWO_PASS", "0")
+    path = tiny_model("qwen3moe", "Q4_K_M")
+    tokens = _tokens(path, 7)
+    ref_out, ref_lg = _reference(path, tokens, 1)
+    out, lg, st = _ram_run(path, tokens, 1, budget="50%")
+    assert out == ref_out and np.array_equal(lg, ref_lg)
+    assert st["ram"]["demand_reads"] > 0 and st["cpu_late_experts"] == 0, st["ram"]
 
 
 @pytest.mark.parametrize("policy, prefetch", [("lru", 3), ("mrs", 0), ("lfu", 1)])
