@@ -22,7 +22,8 @@ Modes (``--modes``): upstream (mmap, ``--no-repack``: with its default repacking
 into RAM, which a model larger than RAM does not allow), hybrimoe (as users run it: MRS, prefetch by the router
 look-ahead, slots repacked where upstream repacks), hybrimoe with LRU, hybrimoe without prefetch, and hybrimoe with
 its slots in the file's layout (``no_repack``, upstream's kernels as its mmap run uses them), and hybrimoe with its
-CPU share in one pass per layer after every read (``HYBRIMOE_RAM_TWO_PASS=0``, as before the two passes).
+CPU share in one pass per layer after every read or in two passes, resident experts first (``HYBRIMOE_RAM_TWO_PASS``
+0 or 1; by default two passes only where a core is left over for the reads: ``hybrimoe.envs.ram_two_pass``).
 
 Read-ahead: the block device's ``read_ahead_kb`` decides how much upstream's mmap reads per fault (Linux gives an
 NVMe drive 128 KiB; this project's disk has 8 MiB), so every mode runs at each ``--read-ahead`` value (default
@@ -51,6 +52,7 @@ MODES = {
     "hybrimoe-lru": {"moe_ram_cache": "auto", "moe_ram_policy": "lru"},
     "hybrimoe-no-repack": {"moe_ram_cache": "auto", "no_repack": True},
     "hybrimoe-one-pass": {"moe_ram_cache": "auto", "_env": {"HYBRIMOE_RAM_TWO_PASS": "0"}},
+    "hybrimoe-two-pass": {"moe_ram_cache": "auto", "_env": {"HYBRIMOE_RAM_TWO_PASS": "1"}},
 }
 
 
