@@ -175,10 +175,11 @@ def ram_slots(spec, facts: EngineFacts, n_ubatch: int, memory: Optional[dict] = 
 
 
 def staging_bytes(facts: EngineFacts, io_threads: int = IO_THREADS) -> int:
-    """Bytes of the I/O workers' O_DIRECT staging buffers (src/runtime/ram_tier.cpp): one per worker, the largest
-    expert matrix rounded out to 4 KiB at both ends."""
+    """Bytes of the I/O workers' O_DIRECT staging buffers (src/runtime/ram_tier.cpp's StagingBuffer): one per
+    worker, the largest expert matrix rounded out to 4 KiB at both ends, in whole 2 MiB huge pages."""
     largest = max((int(b) for eb in facts.expert_bytes for b in eb), default=0)
-    return int(io_threads) * (largest + 2 * 4096)
+    huge = 2 << 20
+    return int(io_threads) * ((largest + 2 * 4096 + huge - 1) // huge * huge)
 
 
 def auto_ram_slots(facts: EngineFacts, n_ubatch: int, other_bytes: int, memory: Optional[dict] = None
