@@ -23,7 +23,7 @@ into RAM, which a model larger than RAM does not allow), hybrimoe (as users run 
 look-ahead, slots repacked where upstream repacks), hybrimoe with LRU, hybrimoe without prefetch, and hybrimoe with
 its slots in the file's layout (``no_repack``, upstream's kernels as its mmap run uses them), and hybrimoe with its
 CPU share in one pass per layer after every read or in two passes, resident experts first (``HYBRIMOE_RAM_TWO_PASS``
-0 or 1; by default two passes only where a core is left over for the reads: ``hybrimoe.envs.ram_two_pass``).
+0 or 1; two passes by default: ``hybrimoe.envs.ram_two_pass``).
 
 Read-ahead: the block device's ``read_ahead_kb`` decides how much upstream's mmap reads per fault (Linux gives an
 NVMe drive 128 KiB; this project's disk has 8 MiB), so every mode runs at each ``--read-ahead`` value (default

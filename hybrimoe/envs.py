@@ -101,7 +101,7 @@ TRACE_ENV = "HYBRIMOE_TRACE"
 RPC_TIMEOUT_ENV = "HYBRIMOE_RPC_TIMEOUT_S"
 MAX_BUFFER_ENV = "HYBRIMOE_MAX_BUFFER_BYTES"
 RAM_DIRECT_IO_ENV = "HYBRIMOE_RAM_DIRECT_IO"
-#: the RAM tier's CPU share in two passes per layer: auto (a core left over), 1 or 0 (ram_two_pass())
+#: the RAM tier's CPU share in two passes per layer: 1 (the default) or 0 (ram_two_pass())
 RAM_TWO_PASS_ENV = "HYBRIMOE_RAM_TWO_PASS"
 RPC_STATS_ENV = "HYBRIMOE_RPC_STATS"
 RPC_MEMORY_ENV = "HYBRIMOE_RPC_MEMORY"
@@ -133,34 +133,22 @@ def ram_direct_io() -> bool:
     return os.environ.get(RAM_DIRECT_IO_ENV, "1").strip().lower() not in ("0", "no", "false", "off")
 
 
-def ram_two_pass(n_threads: int) -> bool:
-    """Whether the RAM tier's CPU share runs in two passes per MoE layer: the experts already in RAM slots at the
-    layer's plan while the reads of the others end, then those, so that the CPU computes while the disk reads.
-
-    The reads take CPU time too (system calls, completions, the I/O workers' copies and repacking out of the
-    staging buffer): with a compute thread on every core the workers wait for a core and the disk's throughput
-    falls. On this project's 2-core machine, 2 compute threads, the one-pass runs read 1.0-1.3 GB/s in 8 of 12
-    runs and the two-pass runs in 3 of 12 (bench/bench_ram_real.py, docs/benchmarks.md). So by default (``auto``)
-    two passes only where a core is left over: more CPUs in the process's affinity mask than ``n_threads`` (the
-    larger of the decode and batch thread counts). ``HYBRIMOE_RAM_TWO_PASS`` set to ``1`` / ``on`` or ``0`` /
-    ``off`` decides instead (bench/bench_ram_real.py's ``hybrimoe-one-pass`` and ``hybrimoe-two-pass`` modes).
-    The numbers are the same either way.
+def ram_two_pass() -> bool:
+    """Whether the RAM tier's CPU share runs in two passes per MoE layer (the default): the experts already in RAM
+    slots at the layer's plan while the reads of the others end, then those, so that the CPU computes while the disk
+    reads. ``HYBRIMOE_RAM_TWO_PASS`` set to ``0`` / ``off`` waits for every read first (one pass), for comparisons
+    (bench/bench_ram_real.py's ``hybrimoe-one-pass``); ``1`` / ``on`` is the default. The numbers are the same either
+    way.
 
     Raises:
         ValueError: the variable is set to something else.
     """
-    raw = os.environ.get(RAM_TWO_PASS_ENV, "auto").strip().lower()
-    if raw in ("1", "yes", "true", "on"):
+    raw = os.environ.get(RAM_TWO_PASS_ENV, "1").strip().lower()
+    if raw in ("", "1", "yes", "true", "on"):
         return True
     if raw in ("0", "no", "false", "off"):
         return False
-    if raw not in ("", "auto"):
-        raise ValueError(f"{RAM_TWO_PASS_ENV}={raw!r}: give auto, 1 (on) or 0 (off)")
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return cores > max(1, int(n_threads))
+    raise ValueError(f"{RAM_TWO_PASS_ENV}={raw!r}: give 1 (on, the default) or 0 (off)")
 
 
 def progress_on() -> bool:

@@ -9,7 +9,6 @@ that llama-cpp-python lacks, under upstream's names (common/arg.cpp): ``rpc_serv
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from typing import Sequence
@@ -18,7 +17,7 @@ import numpy as np
 
 from hybrimoe import _ggml
 from hybrimoe._lib import llama_cpp_module
-from hybrimoe.envs import AUTO_CALIBRATE_ENV, DEFAULT_COST_HARDWARE, PREFETCH_LAYERS, ram_two_pass
+from hybrimoe.envs import AUTO_CALIBRATE_ENV, DEFAULT_COST_HARDWARE, PREFETCH_LAYERS
 from hybrimoe.model.reader import check_gguf
 from hybrimoe.policy.presets import DEFAULT_PRESET, ENGINE_PRESETS
 from hybrimoe.runtime import calibration
@@ -293,10 +292,6 @@ class Llama(llama_cpp.Llama):
         setup = setup.with_auto_slots(self.context_params.n_ubatch)
         setup = setup.with_auto_ram_slots(self.context_params.n_ubatch, other_in_ram=not self.uses_mmap)
         setup = calibration.with_first_use_cost(self, setup, n_threads)
-        if setup.ram_tier:
-            # two passes over the RAM slots where a core is left for the reads (hybrimoe.envs.ram_two_pass)
-            cp = self.context_params
-            setup = dataclasses.replace(setup, ram_two_pass=ram_two_pass(max(cp.n_threads, cp.n_threads_batch)))
         self._moe.hook.reset_counters()  # the user's statistics start with the user's first eval
         # (_moe_warned is kept: a first-use calibration that already warned about layers left to upstream's
         # path warned about the same layers the user's evals will see, and once is enough)

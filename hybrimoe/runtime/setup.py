@@ -362,9 +362,7 @@ class EngineSetup:
     experts are kept; ``None``: plain host memory), ``profile`` (float64 counts ``[MoE layers, experts]`` from
     ``moe_profile``, :func:`load_profile`; ``None``: none given), ``profile_source`` (where they came from) and
     ``cpu_weights``, the CPU-weight layout option the routed experts load with (:func:`cpu_weights_option`), and
-    ``cpu_fused`` (``moe_cpu_fused`` as :func:`fused_mode` gives it: 0 off); with a RAM tier, ``ram_two_pass``
-    (its CPU share in two passes per layer, :func:`hybrimoe.envs.ram_two_pass`; ``None``: decided at
-    :meth:`make_engine` as for one thread per core).
+    ``cpu_fused`` (``moe_cpu_fused`` as :func:`fused_mode` gives it: 0 off).
     """
 
     facts: EngineFacts
@@ -387,9 +385,6 @@ class EngineSetup:
     ram_policy: object = field(default=None, compare=False)
     ram_ranges: Optional[dict] = field(default=None, compare=False)
     ram_exclusive: bool = False
-    #: the RAM tier's CPU share in two passes per layer (hybrimoe.envs.ram_two_pass; None: decided at make_engine
-    #: for one thread per core)
-    ram_two_pass: Optional[bool] = None
     cpu_weights: str = "repack"
     cpu_fused: int = 0
 
@@ -559,6 +554,6 @@ class EngineSetup:
             # engine keeps the file's layout there for the copies)
             ram = {"slots": self.ram_slots, "policy": self.ram_policy, "ranges": self.ram_ranges,
                    "io_threads": IO_THREADS, "repack": self.cpu_weights != "plain", "exclusive": self.ram_exclusive,
-                   "two_pass": ram_two_pass(os.cpu_count() or 1) if self.ram_two_pass is None else self.ram_two_pass}
+                   "two_pass": ram_two_pass()}
         return make_engine(self.facts, self.n_slots, self.device, self.policies, self.cost, self.prefetch_layers,
                            ram, fused_cpu=self.cpu_fused)
