@@ -8,7 +8,9 @@ page fault through the file's mapping reads (upstream llama.cpp's mmap: the kern
 Every read is cold: the model's files are dropped from the page cache first (POSIX_FADV_DONTNEED, which drops the
 clean pages no process maps) and no byte is read twice, so the figures are the device's, not the page cache's. The
 reads are the RAM tier's own: whole experts' matrices (one ``ffn_*_exps`` expert slice, ggml ``nb[2]`` bytes, at a
-random expert of a random MoE layer), by ``depth`` threads at once with ``os.pread`` (buffered). A virtual disk can
+random expert of a random MoE layer), by ``depth`` threads at once, read as the RAM tier reads them: O_DIRECT into
+a 2 MiB-aligned staging buffer on transparent huge pages per thread (buffered ``os.pread`` where O_DIRECT is off or
+refused). A virtual disk can
 still be served from the host's cache, which this process cannot drop: the result then says so when cold reads run
 about as fast as warm ones.
 """
@@ -19,6 +21,7 @@ import os
 import random
 import resource
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,13 +58,16 @@ class DiskMeasurement:
     mmap_read_around: float = 0.0                        # bytes read per byte faulted through a mapping (0: none)
     mmap_fault_bytes: float = 0.0                        # bytes read per major fault
     mmap_source: str = ""
+    direct: bool = False                                 # the cold passes read O_DIRECT (the RAM tier's way)
 
     def to_disk_file(self, name: str) -> dict:
         """A ``hybrimoe.disk/1`` document (``hybrimoe simulate --disk FILE`` reads it), sources naming the run."""
         when = time.strftime("%Y-%m-%d")
         where = ", ".join(str(f) for f in self.files)
-        base = (f"measured by hybrimoe calibrate --disk on {when}: cold buffered preads of {self.read_bytes} B "
-                f"expert matrices of {where}")
+        how = ("cold O_DIRECT reads into 2 MiB-aligned huge-page staging buffers (the RAM tier's reads)" if
+               self.direct else "cold buffered preads")
+        base = (f"measured by hybrimoe calibrate --disk on {when}: {how} of {self.read_bytes} B expert matrices of "
+                f"{where}")
         note = (" (cold reads ran at nearly page-cache speed: probably served from a cache below this machine)"
                 if self.host_cache_suspected else "")
         depths = ", ".join(f"{d}: {v / 1e9:.3g} GB/s" for d, v in sorted(self.per_depth_Bps.items()))
@@ -129,23 +135,80 @@ def drop_from_page_cache(path) -> None:
         os.close(fd)
 
 
-def _timed_reads(fds: dict, reads: list, depth: int) -> float:
-    """Seconds to pread every (file, offset, bytes) of ``reads`` with ``depth`` threads. Raises OSError on a short
-    read (the file changed under us) naming the file and offset."""
+#: the RAM tier's O_DIRECT staging buffers lie on 2 MiB transparent huge pages (src/runtime/ram_tier.cpp)
+HUGE_PAGE = 2 << 20
+
+
+class _StagingBuffers:
+    """One O_DIRECT staging buffer per thread as the RAM tier's workers have them: ``span`` bytes aligned to a 2 MiB
+    huge page and advised MADV_HUGEPAGE (a direct read is one scatter-gather segment per physically contiguous run of
+    its pages, so 4 KiB pages scattered in memory split a 2 MiB read into several requests)."""
+
+    def __init__(self, n: int, span: int):
+        import ctypes
+
+        want = (span + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+        self._maps, self._free, self.views = [], [], []
+        for _ in range(n):
+            m = mmap.mmap(-1, want + HUGE_PAGE)
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+            start = (-addr) % HUGE_PAGE
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                m.madvise(mmap.MADV_HUGEPAGE, start, want)
+            view = memoryview(m)[start:start + want]
+            view[:] = bytes(want)  # fault the pages in before any read is timed
+            self._maps.append(m)
+            self.views.append(view)
+
+    def close(self) -> None:
+        for v in self.views:
+            v.release()
+        for m in self._maps:
+            m.close()
+
+
+def _timed_reads(fds: dict, reads: list, depth: int, direct: bool = False) -> float:
+    """Seconds to pread every (file, offset, bytes) of ``reads`` with ``depth`` threads: buffered, or with
+    ``direct`` (``fds`` opened O_DIRECT) the page-aligned span around each into the thread's huge-page staging
+    buffer, as the RAM tier reads. Raises OSError on a short read (the file changed under us) naming the file and
+    offset."""
+    page = mmap.PAGESIZE
+    bufs = None
+    if direct:
+        span = max(((off % page) + nb + page - 1) // page * page for _, off, nb in reads)
+        bufs = _StagingBuffers(depth, span)
+    mine = threading.local()  # each thread's staging buffer
+    taken = [0]
+    lock = threading.Lock()
+
     def one(r):
         path, off, nb = r
-        data = os.pread(fds[path], nb, off)
-        if len(data) != nb:
-            raise OSError(f"{path}: short read at offset {off}: {len(data)} of {nb} bytes")
+        if bufs is None:
+            got = len(os.pread(fds[path], nb, off))
+            head = 0
+        else:
+            if not hasattr(mine, "i"):
+                with lock:
+                    mine.i = taken[0]
+                    taken[0] += 1
+            head = off % page
+            n = (head + nb + page - 1) // page * page
+            got = os.preadv(fds[path], [bufs.views[mine.i][:n]], off - head)
+        if got < head + nb:
+            raise OSError(f"{path}: short read at offset {off}: {max(0, got - head)} of {nb} bytes")
 
-    t0 = time.perf_counter()
-    if depth == 1:
-        for r in reads:
-            one(r)
-    else:
-        with ThreadPoolExecutor(max_workers=depth) as ex:
-            list(ex.map(one, reads))
-    return time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        if depth == 1:
+            for r in reads:
+                one(r)
+        else:
+            with ThreadPoolExecutor(max_workers=depth) as ex:
+                list(ex.map(one, reads))
+        return time.perf_counter() - t0
+    finally:
+        if bufs is not None:
+            bufs.close()
 
 
 #: the RAM tier's I/O workers (src/runtime/ram_tier.h RamTierFacts::io_threads)
@@ -314,6 +377,20 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
     random.Random(seed).shuffle(reads)
     files = sorted({p for p, _, _ in reads})
     fds = {p: os.open(p, os.O_RDONLY) for p in files}
+    # the cold passes read the RAM tier's way: O_DIRECT where it reads so (buffered where the file system refuses)
+    from hybrimoe.envs import ram_direct_io
+
+    dfds = {}
+    if ram_direct_io() and hasattr(os, "O_DIRECT"):
+        try:
+            for p in files:
+                dfds[p] = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            for fd in dfds.values():
+                os.close(fd)
+            dfds = {}
+    direct = bool(dfds)
+    cold = dfds if direct else fds
     try:
         # latency first: single 4 KiB reads, page-aligned inside experts, from the end of the shuffled list
         lat_reads = [(p, (off + 4095) // 4096 * 4096, 4096) for p, off, nb in reads[-LATENCY_READS:] if nb >= 8192]
@@ -322,7 +399,7 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
             drop_from_page_cache(p)
         lat = []
         for r in lat_reads:
-            lat.append(_timed_reads(fds, [r], 1))
+            lat.append(_timed_reads(cold, [r], 1, direct))
         # throughput per depth, each over experts no earlier pass read (a small file: an equal share each)
         bytes_per_depth = min(bytes_per_depth, sum(r[2] for r in reads) // len(depths))
         per, used, pos, last = {}, 0, 0, []
@@ -336,17 +413,20 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
                 break
             for p in files:
                 drop_from_page_cache(p)
-            per[d] = nbytes / max(_timed_reads(fds, batch, d), 1e-9)
+            per[d] = nbytes / max(_timed_reads(cold, batch, d, direct), 1e-9)
             used += nbytes
             last = batch
         if not per:
             raise ValueError(f"{model_path}: too few experts to measure")
         best = max(per.values())
         qd = min(d for d, v in per.items() if v >= SATURATION * best)
-        # the last pass's reads again, now in the page cache, at the best depth: what a page-cache hit costs
+        # the last pass's reads again, in the page cache (read once more buffered first where the passes were
+        # direct), at the best depth: what a page-cache hit costs
+        if direct:
+            _timed_reads(fds, last, max(per, key=per.get))
         warm = sum(r[2] for r in last) / max(_timed_reads(fds, last, max(per, key=per.get)), 1e-9)
     finally:
-        for fd in fds.values():
+        for fd in list(fds.values()) + list(dfds.values()):
             os.close(fd)
     # this machine's costs around the reads, on experts no pass above read (the same ones again where the model
     # has too few)
@@ -364,7 +444,7 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
     return DiskMeasurement(read_bandwidth_Bps=best, read_latency_s=max(latency, 1e-9), queue_depth=qd,
                            per_depth_Bps=per, warm_Bps=warm,
                            read_bytes=int(statistics.median(r[2] for r in reads)), bytes_read=used,
-                           files=files, host_cache_suspected=warm < HOST_CACHE_RATIO * best,
+                           files=files, host_cache_suspected=warm < HOST_CACHE_RATIO * best, direct=direct,
                            read_cpu_s_per_byte=cpu_per_byte, read_cpu_source=f"measured by hybrimoe calibrate "
                            f"--disk on {time.strftime('%Y-%m-%d')}: {cpu_how}",
                            mmap_read_around=around, mmap_fault_bytes=fault_bytes,

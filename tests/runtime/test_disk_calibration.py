@@ -3,6 +3,7 @@ simulator takes (hybrimoe.runtime.disk_calibration)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -49,7 +50,13 @@ def test_the_written_file_is_a_disk_the_simulator_takes(model, tmp_path):
     disk = load_disk(str(out))
     doc = json.loads(out.read_text())
     assert disk.facts["read_bandwidth_Bps"] == doc["facts"]["read_bandwidth_Bps"]["value"] > 0
-    assert "cold buffered preads" in disk.sources["read_latency_s"]
+    assert "cold O_DIRECT reads into 2 MiB-aligned huge-page staging buffers" in disk.sources["read_latency_s"]
+    # with the RAM tier's reads buffered, the calibration's are too
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "calibrate", "--disk", "-m", str(model), "-o", str(out),
+                        "--force"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HYBRIMOE_RAM_DIRECT_IO": "0"})
+    assert r.returncode == 0, r.stderr
+    assert "cold buffered preads" in load_disk(str(out)).sources["read_latency_s"]
     # this machine's costs around the reads: the tier's reads take CPU time (at least the copy into the slot), and
     # a fault through the mapping reads at least the bytes it faults in
     assert 0 < disk.facts["read_cpu_s_per_byte"] < 1e-6
@@ -82,3 +89,24 @@ def test_a_file_that_is_not_a_gguf_model_is_refused(tmp_path):
     bad.write_bytes(b"nope" * 100)
     with pytest.raises(ValueError, match="not a GGUF file"):
         dc.measure_disk(bad)
+
+
+def test_direct_reads_go_through_huge_page_aligned_staging(model):
+    """The cold passes read as the RAM tier does: O_DIRECT into per-thread staging buffers aligned to 2 MiB (where
+    transparent huge pages apply); every matrix of the model read that way, at two depths."""
+    import ctypes
+    import os
+
+    bufs = dc._StagingBuffers(2, 3 << 20)
+    try:
+        for v in bufs.views:
+            assert ctypes.addressof(ctypes.c_char.from_buffer(v)) % dc.HUGE_PAGE == 0 and len(v) == 4 << 20
+    finally:
+        bufs.close()
+    reads = dc._expert_reads(model)
+    fd = os.open(model, os.O_RDONLY | os.O_DIRECT)
+    try:
+        for depth in (1, 3):
+            assert dc._timed_reads({reads[0][0]: fd}, reads, depth, direct=True) > 0
+    finally:
+        os.close(fd)
