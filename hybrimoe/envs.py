@@ -17,6 +17,7 @@ variable                            read by  meaning (default)
 ``HYBRIMOE_RPC_TIMEOUT_S``          package  seconds for the RPC handshake with a server (5)
 ``HYBRIMOE_MAX_BUFFER_BYTES``       package  caps one slot-pool device buffer (bytes; unset: the device's cap)
 ``HYBRIMOE_RAM_DIRECT_IO``          package  ``0``: the RAM tier reads the model with buffered reads, not O_DIRECT
+``HYBRIMOE_RAM_TWO_PASS``           package  ``0``: the RAM tier's CPU share in one pass per layer, after every read
 ``HYBRIMOE_RPC_STATS``              server   set by :class:`hybrimoe.runtime.rpc.RPCServer`: the patched server
                                              tallies the commands it serves into this file
 ``HYBRIMOE_RPC_MEMORY``             server   set by ``RPCServer``: the device memory (bytes) the server reports
@@ -60,6 +61,7 @@ VARIABLES = {v.name: v for v in (
     EnvVar("HYBRIMOE_RPC_TIMEOUT_S", "package", "5", "seconds for the RPC handshake with a server"),
     EnvVar("HYBRIMOE_MAX_BUFFER_BYTES", "package", "", "bytes: caps one slot-pool device buffer"),
     EnvVar("HYBRIMOE_RAM_DIRECT_IO", "package", "1", "0: the RAM tier's reads are buffered, not O_DIRECT"),
+    EnvVar("HYBRIMOE_RAM_TWO_PASS", "package", "1", "0: the RAM tier's CPU share in one pass, after every read"),
     EnvVar("HYBRIMOE_RPC_STATS", "server", "", "file the patched ggml-rpc-server tallies its commands into"),
     EnvVar("HYBRIMOE_RPC_MEMORY", "server", "", "bytes of device memory the patched ggml-rpc-server reports"),
     EnvVar("HYBRIMOE_RPC_IO_TIMEOUT_S", "backend", "", "seconds the patched RPC client waits for a reply"),
