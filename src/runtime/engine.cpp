@@ -380,7 +380,7 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     const int n_ram_bufs = ram_ ? std::max(1, ram_->pool().n_buffers()) : 1;  // at most kMaxRamBuffers
     // with the RAM tier the CPU share runs in two passes where the sources allow (up to kMaxLateBuffers slot
     // buffers): the experts already in RAM at the plan while the reads of the others end, then those (op_late);
-    // planes 2 + n_ram_bufs - 1 .. 2 * n_ram_bufs hold the second pass's pairs, per buffer
+    // planes n_ram_bufs + 1 .. 2 * n_ram_bufs hold the second pass's pairs, per buffer
     const bool late = ram_ && cfg_.ram.two_pass && n_ram_bufs <= kMaxLateBuffers;
     run.late_pass = late;
     const int n_shares = n_ram_bufs * (late ? 2 : 1);

@@ -278,12 +278,14 @@ def test_run_command_takes_both_tiers(tiny_model, rpc_server, split_cost_model, 
     assert "exclusive tiers:" in err and "RAM slots given up" in err, err
 
 
-@pytest.mark.parametrize("gpu_cache", [None, "k"], ids=["cpu-only", "gpu-cache-above"])
-def test_ram_slots_over_several_buffers_match_upstream(gpu_cache, tiny_model, rpc_server, split_cost_model,
+@pytest.mark.parametrize("gpu_cache, parts", [(None, 3), ("k", 3), (None, 2)],
+                         ids=["cpu-only", "gpu-cache-above", "two-buffers-two-passes"])
+def test_ram_slots_over_several_buffers_match_upstream(gpu_cache, parts, tiny_model, rpc_server, split_cost_model,
                                                        monkeypatch):
     """A host buffer type that caps one buffer (Vulkan's pinned memory; here $HYBRIMOE_MAX_BUFFER_BYTES): the RAM
     slots lie in several buffers and the CPU share runs once per buffer, each pair in the share of its expert's
-    buffer. Upstream's tokens and logits bit for bit, with or without a GPU cache above."""
+    buffer; up to three buffers in two passes (a second share per buffer), with more in one. Upstream's tokens and
+    logits bit for bit, with or without a GPU cache above."""
     from hybrimoe import Llama
     from hybrimoe.runtime.engine_facts import engine_facts
     from hybrimoe.runtime.ram_tier import min_ram_slots
@@ -291,7 +293,7 @@ def test_ram_slots_over_several_buffers_match_upstream(gpu_cache, tiny_model, rp
     path = tiny_model("qwen3moe", "Q4_K_M")
     f = engine_facts(path)
     n = min_ram_slots(f, 7)
-    monkeypatch.setenv("HYBRIMOE_MAX_BUFFER_BYTES", str((n // 3 + 2) * f.slot_bytes))
+    monkeypatch.setenv("HYBRIMOE_MAX_BUFFER_BYTES", str((n // parts + 2) * f.slot_bytes))
     tokens, ref_out, ref_lg = _reference(path, rpc_server, 7, 17)
     extra = dict(moe_cache=f.top_k * f.slot_bytes, moe_policy="gpu-on-demand") if gpu_cache else {}
     llm = Llama(str(path), moe_ram_cache=n * f.slot_bytes, moe_cost_model=split_cost_model, **extra,
@@ -305,6 +307,7 @@ def test_ram_slots_over_several_buffers_match_upstream(gpu_cache, tiny_model, rp
     assert out == ref_out and np.array_equal(lg, ref_lg)
     assert 2 <= st["ram"]["buffers"] <= 6 and st["ram"]["misses"] > 0, st["ram"]
     assert st["cpu_experts"] > 0 and not stats["unsupported"] and not stats["engine_skipped"], stats
+    assert (st["cpu_late_experts"] > 0) == (st["ram"]["buffers"] <= 3), (st["ram"]["buffers"], st["cpu_late_experts"])
     if gpu_cache:
         assert st["gpu_experts"] > 0
 
