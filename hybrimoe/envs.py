@@ -127,12 +127,31 @@ def auto_calibrate() -> bool:
     return os.environ.get(AUTO_CALIBRATE_ENV, "1").strip().lower() not in ("0", "no", "false", "off")
 
 
+def _switch(name: str) -> bool:
+    """An on/off variable that is on by default: unset, empty, ``1``, ``yes``, ``true`` or ``on`` (any case, spaces
+    around) is on; ``0``, ``no``, ``false`` or ``off`` is off.
+
+    Raises:
+        ValueError: anything else, naming the variable (a typo must not leave a switch as it was silently).
+    """
+    raw = os.environ.get(name, "1").strip().lower()
+    if raw in ("", "1", "yes", "true", "on"):
+        return True
+    if raw in ("0", "no", "false", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: give 1 (on, the default) or 0 (off)")
+
+
 def ram_direct_io() -> bool:
     """Whether the RAM tier reads the model's experts with O_DIRECT (the default; buffered where the file system
     refuses it): unless ``HYBRIMOE_RAM_DIRECT_IO`` is ``0``, ``no``, ``false`` or ``off``. Buffered reads cost the
     CPU a copy out of the page cache and the page cache's bookkeeping (about 1-1.5 s of system time per GB read on
-    this project's 2-core machine, against 0.2 s direct: docs/benchmarks.md)."""
-    return os.environ.get(RAM_DIRECT_IO_ENV, "1").strip().lower() not in ("0", "no", "false", "off")
+    this project's 2-core machine, against 0.2 s direct: docs/benchmarks.md).
+
+    Raises:
+        ValueError: the variable is set to something else.
+    """
+    return _switch(RAM_DIRECT_IO_ENV)
 
 
 def ram_two_pass() -> bool:
@@ -145,12 +164,7 @@ def ram_two_pass() -> bool:
     Raises:
         ValueError: the variable is set to something else.
     """
-    raw = os.environ.get(RAM_TWO_PASS_ENV, "1").strip().lower()
-    if raw in ("", "1", "yes", "true", "on"):
-        return True
-    if raw in ("0", "no", "false", "off"):
-        return False
-    raise ValueError(f"{RAM_TWO_PASS_ENV}={raw!r}: give 1 (on, the default) or 0 (off)")
+    return _switch(RAM_TWO_PASS_ENV)
 
 
 def progress_on() -> bool:

@@ -101,3 +101,22 @@ def test_readers(monkeypatch, tmp_path):
         monkeypatch.setenv("HYBRIMOE_MAX_BUFFER_BYTES", bad)
         with pytest.raises(ValueError, match="HYBRIMOE_MAX_BUFFER_BYTES must be a positive number of bytes"):
             envs.max_buffer_bytes()
+
+
+@pytest.mark.parametrize("reader, name", [(envs.ram_direct_io, "HYBRIMOE_RAM_DIRECT_IO"),
+                                          (envs.ram_two_pass, "HYBRIMOE_RAM_TWO_PASS")])
+def test_switches_take_on_and_off_and_refuse_typos(reader, name, monkeypatch):
+    """The RAM tier's on/off switches: on when unset or 1/yes/true/on, off for 0/no/false/off (any case, spaces
+    around); a typo is refused naming the variable, not read as on."""
+    monkeypatch.delenv(name, raising=False)
+    assert reader() is True
+    for on in ("1", " ON ", "yes", "True", ""):
+        monkeypatch.setenv(name, on)
+        assert reader() is True, on
+    for off in ("0", " off ", "No", "FALSE"):
+        monkeypatch.setenv(name, off)
+        assert reader() is False, off
+    for bad in ("maybe", "2", "of"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            reader()

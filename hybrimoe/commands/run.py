@@ -76,7 +76,9 @@ def timing_lines(gen, stats: dict) -> list[str]:
             lines.append(f"hybrimoe: RAM tier hit rate {r['hit_rate']:.3f} ({r['hits']} of {r['accesses']}; "
                          f"{r['n_slots']} slots of {r['slot_bytes']} B), {r['bytes_read'] / 2**20:.1f} MiB read from "
                          f"the file ({r['bytes_prefetch'] / 2**20:.1f} ahead, prefetch accuracy "
-                         f"{r['prefetch_accuracy']:.2f}), {1e3 * r['wait_s']:.1f} ms waiting for reads")
+                         f"{r['prefetch_accuracy']:.2f}), {1e3 * r['wait_s']:.1f} ms waiting for reads; "
+                         f"{e.get('cpu_late_experts', 0)} of {e['cpu_experts']} CPU experts computed in the second "
+                         "pass, after their reads")
             if r.get("exclusive"):
                 lines.append(f"hybrimoe: exclusive tiers: {r['given_up']} RAM slots given up by experts on the GPU, "
                              f"{r['demotions']} GPU evictions copied back into RAM")

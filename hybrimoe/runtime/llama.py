@@ -446,12 +446,14 @@ class Llama(llama_cpp.Llama):
         (graph builds); layers left on upstream's path (``unsupported``) or on the CPU-only path
         (``engine_skipped``) with the reason. Empty without either option.
 
-        Engine (``moe_cache``), under ``"engine"``: ``policy``, ``profile`` (where ``moe_profile`` came from, ''
-        without one), ``n_slots``, ``slot_bytes`` (bytes), ``hit_rate``
+        Engine (``moe_cache`` or ``moe_ram_cache``), under ``"engine"``: ``policy``, ``profile`` (where
+        ``moe_profile`` came from, '' without one), ``n_slots``, ``slot_bytes`` (bytes), ``hit_rate``
         (activated experts resident when their layer ran / all activated experts), ``cache`` (accesses, hits,
         misses, admissions, evictions), ``cpu_experts`` / ``gpu_experts`` (distinct experts per layer and ubatch,
-        summed), ``cpu_late_experts`` (of the CPU's, those the RAM tier was still reading at the layer's plan: the
-        CPU share computes them in a second pass, after the others), ``bytes_copied`` and its parts
+        summed), ``cpu_late_experts`` (of the CPU's, those the RAM tier was still reading at the layer's plan,
+        which the CPU share computes in a second pass after the others; 0 with ``HYBRIMOE_RAM_TWO_PASS=0``, where
+        it runs one pass after every read), ``ram`` (the RAM tier's counters, ``moe_ram_cache``; see
+        :func:`hybrimoe.runtime.stats.ram_stats`), ``bytes_copied`` and its parts
         ``bytes_demand`` / ``bytes_prefetch`` / ``bytes_fill`` (H2D bytes), ``layer_s`` (mean seconds per MoE layer
         run, plan start to GPU share done), ``all_cpu_reason`` (why the planner put no expert on the GPU, from its
         cost model, when it did so; "" otherwise: :func:`hybrimoe.runtime.stats.all_cpu_reason`) and ``layers``

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import threading
 
@@ -600,6 +601,8 @@ def test_run_command_takes_the_flag(tiny_model, tmp_path):
                     "rtx4090-desktop")
     assert have == want
     assert "RAM tier hit rate" in err, err
+    # the second pass's count: some experts were read during the decode at this budget, and computed after
+    assert re.search(r"; [1-9]\d* of \d+ CPU experts computed in the second pass", err), err
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
