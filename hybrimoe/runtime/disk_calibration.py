@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from hybrimoe.model.reader import open_gguf
 from hybrimoe.model.tables import EXPERT_TENSOR_RE
@@ -256,17 +257,22 @@ def _read_cpu(reads: list) -> tuple[float, str]:
             for p, fd in list(fds.items()):
                 os.close(fd)
                 fds[p] = os.open(p, os.O_RDONLY)
-        bufs = [(mmap.mmap(-1, span), mmap.mmap(-1, largest)) for _ in range(IO_WORKERS)]
+        # the workers' staging buffers as the tier has them (huge pages), and a slot each, faulted in beforehand
+        stage = _StagingBuffers(IO_WORKERS, span)
+        slots = [mmap.mmap(-1, largest) for _ in range(IO_WORKERS)]
+        for m in slots:
+            m.write(bytes(largest))
+        bufs = list(zip(stage.views, (memoryview(m) for m in slots)))
 
         def one(i_r):
             i, (path, off, nb) = i_r
             staging, slot = bufs[i % IO_WORKERS]
             head = off % page if direct else 0
             n = (head + nb + page - 1) // page * page if direct else nb
-            got = os.preadv(fds[path], [memoryview(staging)[:n]], off - head)
+            got = os.preadv(fds[path], [staging[:n]], off - head)
             if got < head + nb:
                 raise OSError(f"{path}: short read at offset {off}: {max(0, got - head)} of {nb} bytes")
-            slot[:nb] = staging[head:head + nb]
+            slot[:nb] = staging[head:head + nb]  # one copy, view to view, as the tier's memcpy
             if not direct:
                 os.posix_fadvise(fds[path], off, nb, os.POSIX_FADV_DONTNEED)
 
@@ -278,9 +284,11 @@ def _read_cpu(reads: list) -> tuple[float, str]:
             for k in range(0, len(reads), IO_WORKERS):
                 list(ex.map(one, enumerate(reads[k:k + IO_WORKERS])))
         cpu = _cpu_seconds() - c0
-        for staging, slot in bufs:
-            staging.close()
-            slot.close()
+        for _, slot in bufs:
+            slot.release()
+        for m in slots:
+            m.close()
+        stage.close()
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -357,11 +365,14 @@ def _mmap_read_around(reads: list, threads: int) -> tuple[float, float, str]:
     return max(1.0, read / touched), max(4096.0, read / faults), how
 
 
-def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20, seed: int = 0) -> DiskMeasurement:
+def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
+                 seed: Optional[int] = None) -> DiskMeasurement:
     """Measures the disk under ``model_path`` (a GGUF MoE model; a split model's shards too) with cold reads of its
     expert matrices: ``bytes_per_depth`` bytes for each number of reads in flight in ``depths`` (an equal share of
     the experts each when the model has fewer), and :data:`LATENCY_READS` 4 KiB reads for the latency. Distinct
-    experts throughout, in a random order (``seed``), each file dropped from the page cache before each pass.
+    experts throughout, in a random order (``seed``; None: a fresh one per call, so that calibrations run one after
+    another do not read the same experts, which a cache below a virtual machine may still hold), each file dropped
+    from the page cache before each pass.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`hybrimoe.model.reader.open_gguf`; not a MoE model; ``depths`` empty
