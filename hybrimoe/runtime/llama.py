@@ -446,8 +446,9 @@ class Llama(llama_cpp.Llama):
         (graph builds); layers left on upstream's path (``unsupported``) or on the CPU-only path
         (``engine_skipped``) with the reason. Empty without either option.
 
-        Engine (``moe_cache`` or ``moe_ram_cache``), under ``"engine"``: ``policy``, ``profile`` (where
-        ``moe_profile`` came from, '' without one), ``n_slots``, ``slot_bytes`` (bytes), ``hit_rate``
+        Engine (``moe_cache`` or ``moe_ram_cache``), under ``"engine"``: ``policy``, ``cost_model`` (where the
+        planner's cost model came from), ``moe_cache`` (how the GPU slots were sized), ``profile`` (where
+        ``moe_profile`` came from, '' without one), ``n_slots``, ``slot_bytes`` (bytes), ``slot_buffers``, ``hit_rate``
         (activated experts resident when their layer ran / all activated experts), ``cache`` (accesses, hits,
         misses, admissions, evictions), ``cpu_experts`` / ``gpu_experts`` (distinct experts per layer and ubatch,
         summed), ``cpu_late_experts`` (of the CPU's, those the RAM tier was still reading at the layer's plan,
@@ -456,8 +457,11 @@ class Llama(llama_cpp.Llama):
         :func:`hybrimoe.runtime.stats.ram_stats`), ``bytes_copied`` and its parts
         ``bytes_demand`` / ``bytes_prefetch`` / ``bytes_fill`` (H2D bytes), ``layer_s`` (mean seconds per MoE layer
         run, plan start to GPU share done), ``all_cpu_reason`` (why the planner put no expert on the GPU, from its
-        cost model, when it did so; "" otherwise: :func:`hybrimoe.runtime.stats.all_cpu_reason`) and ``layers``
-        (per MoE layer counters, see ``hybrimoe._engine.Engine.layer_stats``).
+        cost model, when it did so; "" otherwise: :func:`hybrimoe.runtime.stats.all_cpu_reason`), ``failed``
+        (the engine fell back to upstream's path after an error), ``repacked`` (per MoE layer, whether the CPU share
+        reads its gate, up and down matrices repacked), ``fused`` / ``fused_mode`` (``moe_cpu_fused``: the largest
+        ubatch each layer's CPU share runs fused, and the mode) and ``layers`` (per MoE layer counters, see
+        ``hybrimoe._engine.Engine.layer_stats``).
         """
         if self._moe.hook is None:
             return {}
