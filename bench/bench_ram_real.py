@@ -52,7 +52,6 @@ MODES = {
     "hybrimoe-lru": {"moe_ram_cache": "auto", "moe_ram_policy": "lru"},
     "hybrimoe-no-repack": {"moe_ram_cache": "auto", "no_repack": True},
     "hybrimoe-one-pass": {"moe_ram_cache": "auto", "_env": {"HYBRIMOE_RAM_TWO_PASS": "0"}},
-    "hybrimoe-two-pass": {"moe_ram_cache": "auto", "_env": {"HYBRIMOE_RAM_TWO_PASS": "1"}},
 }
 
 

@@ -149,7 +149,7 @@ class _StagingBuffers:
         import ctypes
 
         want = (span + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-        self._maps, self._free, self.views = [], [], []
+        self._maps, self.views = [], []
         for _ in range(n):
             m = mmap.mmap(-1, want + HUGE_PAGE)
             addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
@@ -166,6 +166,40 @@ class _StagingBuffers:
             v.release()
         for m in self._maps:
             m.close()
+
+
+def _open_cold(files) -> tuple[dict, bool]:
+    """The files opened for cold reads the RAM tier's way: ``({path: fd}, direct)``, O_DIRECT unless
+    ``HYBRIMOE_RAM_DIRECT_IO`` is off or a file refuses it (then every file buffered: one mode for all)."""
+    from hybrimoe.envs import ram_direct_io
+
+    fds = {}
+    if ram_direct_io() and hasattr(os, "O_DIRECT"):
+        try:
+            for p in files:
+                fds[p] = os.open(p, os.O_RDONLY | os.O_DIRECT)
+            return fds, True
+        except OSError:
+            for fd in fds.values():
+                os.close(fd)
+            fds = {}
+    return {p: os.open(p, os.O_RDONLY) for p in files}, False
+
+
+def _read_span(fd: int, buf: memoryview, path, off: int, nb: int, direct: bool) -> int:
+    """Reads bytes [off, off + nb) of ``path`` (open as ``fd``) into ``buf``: with ``direct`` the page-aligned span
+    around them (O_DIRECT's rule), else the bytes alone. Returns where they start in ``buf``.
+
+    Raises:
+        OSError: a short read (the file changed under us), naming the file and offset.
+    """
+    page = mmap.PAGESIZE
+    head = off % page if direct else 0
+    n = (head + nb + page - 1) // page * page if direct else nb
+    got = os.preadv(fd, [buf[:n]], off - head)
+    if got < head + nb:
+        raise OSError(f"{path}: short read at offset {off}: {max(0, got - head)} of {nb} bytes")
+    return head
 
 
 def _timed_reads(fds: dict, reads: list, depth: int, direct: bool = False) -> float:
@@ -186,17 +220,14 @@ def _timed_reads(fds: dict, reads: list, depth: int, direct: bool = False) -> fl
         path, off, nb = r
         if bufs is None:
             got = len(os.pread(fds[path], nb, off))
-            head = 0
-        else:
-            if not hasattr(mine, "i"):
-                with lock:
-                    mine.i = taken[0]
-                    taken[0] += 1
-            head = off % page
-            n = (head + nb + page - 1) // page * page
-            got = os.preadv(fds[path], [bufs.views[mine.i][:n]], off - head)
-        if got < head + nb:
-            raise OSError(f"{path}: short read at offset {off}: {max(0, got - head)} of {nb} bytes")
+            if got != nb:
+                raise OSError(f"{path}: short read at offset {off}: {got} of {nb} bytes")
+            return
+        if not hasattr(mine, "i"):
+            with lock:
+                mine.i = taken[0]
+                taken[0] += 1
+        _read_span(fds[path], bufs.views[mine.i], path, off, nb, True)
 
     try:
         t0 = time.perf_counter()
@@ -237,26 +268,11 @@ def _read_cpu(reads: list) -> tuple[float, str]:
     Raises:
         OSError: a read failed or came back short (the message names the file and offset).
     """
-    from hybrimoe.envs import ram_direct_io
-
     page = mmap.PAGESIZE
     largest = max(nb for _, _, nb in reads)
     span = (largest + 2 * page - 1) // page * page
-    direct = ram_direct_io() and hasattr(os, "O_DIRECT")
-    fds = {}
+    fds, direct = _open_cold(sorted({p for p, _, _ in reads}))
     try:
-        for p in sorted({p for p, _, _ in reads}):
-            fd = -1
-            if direct:
-                try:
-                    fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
-                except OSError:
-                    direct = False
-            fds[p] = fd if fd >= 0 else os.open(p, os.O_RDONLY)
-        if not direct:  # one mode for all: reopen what was opened for direct reads
-            for p, fd in list(fds.items()):
-                os.close(fd)
-                fds[p] = os.open(p, os.O_RDONLY)
         # the workers' staging buffers as the tier has them (huge pages), and a slot each, faulted in beforehand
         stage = _StagingBuffers(IO_WORKERS, span)
         slots = [mmap.mmap(-1, largest) for _ in range(IO_WORKERS)]
@@ -267,11 +283,7 @@ def _read_cpu(reads: list) -> tuple[float, str]:
         def one(i_r):
             i, (path, off, nb) = i_r
             staging, slot = bufs[i % IO_WORKERS]
-            head = off % page if direct else 0
-            n = (head + nb + page - 1) // page * page if direct else nb
-            got = os.preadv(fds[path], [staging[:n]], off - head)
-            if got < head + nb:
-                raise OSError(f"{path}: short read at offset {off}: {max(0, got - head)} of {nb} bytes")
+            head = _read_span(fds[path], staging, path, off, nb, direct)
             slot[:nb] = staging[head:head + nb]  # one copy, view to view, as the tier's memcpy
             if not direct:
                 os.posix_fadvise(fds[path], off, nb, os.POSIX_FADV_DONTNEED)
@@ -389,19 +401,7 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
     files = sorted({p for p, _, _ in reads})
     fds = {p: os.open(p, os.O_RDONLY) for p in files}
     # the cold passes read the RAM tier's way: O_DIRECT where it reads so (buffered where the file system refuses)
-    from hybrimoe.envs import ram_direct_io
-
-    dfds = {}
-    if ram_direct_io() and hasattr(os, "O_DIRECT"):
-        try:
-            for p in files:
-                dfds[p] = os.open(p, os.O_RDONLY | os.O_DIRECT)
-        except OSError:
-            for fd in dfds.values():
-                os.close(fd)
-            dfds = {}
-    direct = bool(dfds)
-    cold = dfds if direct else fds
+    cold, direct = _open_cold(files)
     try:
         # latency first: single 4 KiB reads, page-aligned inside experts, from the end of the shuffled list
         lat_reads = [(p, (off + 4095) // 4096 * 4096, 4096) for p, off, nb in reads[-LATENCY_READS:] if nb >= 8192]
@@ -437,7 +437,7 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
             _timed_reads(fds, last, max(per, key=per.get))
         warm = sum(r[2] for r in last) / max(_timed_reads(fds, last, max(per, key=per.get)), 1e-9)
     finally:
-        for fd in list(fds.values()) + list(dfds.values()):
+        for fd in list(fds.values()) + list(cold.values()):
             os.close(fd)
     # this machine's costs around the reads, on experts no pass above read (the same ones again where the model
     # has too few)
