@@ -20,10 +20,11 @@ included) and major page faults per token (getrusage), the read bandwidth that g
 disk was busy (its ``io_ticks``: near 1, the stage waited for the disk), and for hybrimoe the RAM tier's counters.
 Modes (``--modes``): upstream (mmap, ``--no-repack``: with its default repacking the load would read every expert
 into RAM, which a model larger than RAM does not allow), hybrimoe (as users run it: MRS, prefetch by the router
-look-ahead, slots repacked where upstream repacks), hybrimoe with LRU, hybrimoe without prefetch, and hybrimoe with
-its slots in the file's layout (``no_repack``, upstream's kernels as its mmap run uses them), and hybrimoe with its
-CPU share in one pass per layer after every read or in two passes, resident experts first (``HYBRIMOE_RAM_TWO_PASS``
-0 or 1; two passes by default: ``hybrimoe.envs.ram_two_pass``).
+look-ahead, slots in the file's layout, the other CPU weights repacked where upstream repacks them), hybrimoe with
+LRU, hybrimoe without prefetch, hybrimoe with every CPU weight in the file's layout (``no_repack``, as upstream's mmap
+run), hybrimoe with its slots repacked after each read (``HYBRIMOE_RAM_REPACK=1``: ``hybrimoe.envs.ram_repack``), and
+hybrimoe with its CPU share in one pass per layer after every read (``HYBRIMOE_RAM_TWO_PASS=0``; two passes, resident
+experts first, by default: ``hybrimoe.envs.ram_two_pass``).
 
 Read-ahead: the block device's ``read_ahead_kb`` decides how much upstream's mmap reads per fault (Linux gives an
 NVMe drive 128 KiB; this project's disk has 8 MiB), so every mode runs at each ``--read-ahead`` value (default
@@ -52,6 +53,7 @@ MODES = {
     "hybrimoe-lru": {"moe_ram_cache": "auto", "moe_ram_policy": "lru"},
     "hybrimoe-no-repack": {"moe_ram_cache": "auto", "no_repack": True},
     "hybrimoe-one-pass": {"moe_ram_cache": "auto", "_env": {"HYBRIMOE_RAM_TWO_PASS": "0"}},
+    "hybrimoe-repack": {"moe_ram_cache": "auto", "_env": {"HYBRIMOE_RAM_REPACK": "1"}},
 }
 
 

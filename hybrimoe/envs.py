@@ -18,6 +18,7 @@ variable                            read by  meaning (default)
 ``HYBRIMOE_MAX_BUFFER_BYTES``       package  caps one slot-pool device buffer (bytes; unset: the device's cap)
 ``HYBRIMOE_RAM_DIRECT_IO``          package  ``0``: the RAM tier reads the model with buffered reads, not O_DIRECT
 ``HYBRIMOE_RAM_TWO_PASS``           package  ``0``: the RAM tier's CPU share in one pass per layer, after every read
+``HYBRIMOE_RAM_REPACK``             package  ``1``: the RAM tier repacks each expert after its read (off)
 ``HYBRIMOE_RPC_STATS``              server   set by :class:`hybrimoe.runtime.rpc.RPCServer`: the patched server
                                              tallies the commands it serves into this file
 ``HYBRIMOE_RPC_MEMORY``             server   set by ``RPCServer``: the device memory (bytes) the server reports
@@ -62,6 +63,8 @@ VARIABLES = {v.name: v for v in (
     EnvVar("HYBRIMOE_MAX_BUFFER_BYTES", "package", "", "bytes: caps one slot-pool device buffer"),
     EnvVar("HYBRIMOE_RAM_DIRECT_IO", "package", "1", "0: the RAM tier's reads are buffered, not O_DIRECT"),
     EnvVar("HYBRIMOE_RAM_TWO_PASS", "package", "1", "0: the RAM tier's CPU share in one pass, after every read"),
+    EnvVar("HYBRIMOE_RAM_REPACK", "package", "0", "1: the RAM tier repacks each expert after its read (upstream's "
+           "CPU_REPACK kernels on its slots)"),
     EnvVar("HYBRIMOE_RPC_STATS", "server", "", "file the patched ggml-rpc-server tallies its commands into"),
     EnvVar("HYBRIMOE_RPC_MEMORY", "server", "", "bytes of device memory the patched ggml-rpc-server reports"),
     EnvVar("HYBRIMOE_RPC_IO_TIMEOUT_S", "backend", "", "seconds the patched RPC client waits for a reply"),
@@ -105,6 +108,8 @@ MAX_BUFFER_ENV = "HYBRIMOE_MAX_BUFFER_BYTES"
 RAM_DIRECT_IO_ENV = "HYBRIMOE_RAM_DIRECT_IO"
 #: the RAM tier's CPU share in two passes per layer: 1 (the default) or 0 (ram_two_pass())
 RAM_TWO_PASS_ENV = "HYBRIMOE_RAM_TWO_PASS"
+#: the RAM tier repacks its slots after each read: 0 (the default) or 1 (ram_repack())
+RAM_REPACK_ENV = "HYBRIMOE_RAM_REPACK"
 RPC_STATS_ENV = "HYBRIMOE_RPC_STATS"
 RPC_MEMORY_ENV = "HYBRIMOE_RPC_MEMORY"
 
@@ -127,19 +132,22 @@ def auto_calibrate() -> bool:
     return os.environ.get(AUTO_CALIBRATE_ENV, "1").strip().lower() not in ("0", "no", "false", "off")
 
 
-def _switch(name: str) -> bool:
-    """An on/off variable that is on by default: unset, empty, ``1``, ``yes``, ``true`` or ``on`` (any case, spaces
+def _switch(name: str, default: bool = True) -> bool:
+    """An on/off variable: unset or empty is ``default``; ``1``, ``yes``, ``true`` or ``on`` (any case, spaces
     around) is on; ``0``, ``no``, ``false`` or ``off`` is off.
 
     Raises:
         ValueError: anything else, naming the variable (a typo must not leave a switch as it was silently).
     """
-    raw = os.environ.get(name, "1").strip().lower()
-    if raw in ("", "1", "yes", "true", "on"):
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "yes", "true", "on"):
         return True
     if raw in ("0", "no", "false", "off"):
         return False
-    raise ValueError(f"{name}={raw!r}: give 1 (on, the default) or 0 (off)")
+    on, off = ("1 (on, the default)", "0 (off)") if default else ("1 (on)", "0 (off, the default)")
+    raise ValueError(f"{name}={raw!r}: give {on} or {off}")
 
 
 def ram_direct_io() -> bool:
@@ -165,6 +173,20 @@ def ram_two_pass() -> bool:
         ValueError: the variable is set to something else.
     """
     return _switch(RAM_TWO_PASS_ENV)
+
+
+def ram_repack() -> bool:
+    """Whether the RAM tier repacks each expert matrix after its read into upstream's CPU_REPACK layout (where
+    llama.cpp would repack that CPU weight), so that its CPU share runs the repacked kernels. Off by default: a RAM
+    slot's expert serves a few tokens before it is evicted, and the repack (a pass over the matrix on the I/O
+    thread, which shares the cores with the CPU share) costs more than the repacked kernels save: on this project's
+    2-core machine, prefill 13.2 against 15.8 tokens/s and decode 2.9 against 3.9 with it (docs/benchmarks.md).
+    ``HYBRIMOE_RAM_REPACK`` set to ``1`` / ``on`` turns it on.
+
+    Raises:
+        ValueError: the variable is set to something else.
+    """
+    return _switch(RAM_REPACK_ENV, default=False)
 
 
 def progress_on() -> bool:

@@ -77,8 +77,8 @@ class Llama(llama_cpp.Llama):
         cpu_moe: keep every routed-expert tensor in host memory (upstream ``--cpu-moe``).
         n_cpu_moe: keep the routed experts of the first N layers in host memory (upstream ``--n-cpu-moe``).
         n_seq_max: sequences the context can hold at once (upstream ``-np/--parallel``; llama-cpp-python: 1).
-        no_repack: do not put CPU weights into repacked (interleaved) buffers (upstream ``--no-repack``); the RAM
-            tier's slots then keep the file's layout too.
+        no_repack: do not put CPU weights into repacked (interleaved) buffers (upstream ``--no-repack``). The RAM
+            tier's slots keep the file's layout either way (``HYBRIMOE_RAM_REPACK=1`` repacks them after each read).
         no_host: keep CPU weights out of the GPU's host (pinned) buffer type (upstream ``--no-host``): with a GPU
             that has one (CUDA, Vulkan), llama.cpp puts CPU weights there and never repacks them; with ``no_host``
             they may be repacked as on a machine without a GPU.
@@ -141,7 +141,10 @@ class Llama(llama_cpp.Llama):
             margin) and reads the others from the GGUF file (every shard of a split model) when their layer needs
             them or ahead of it by the router look-ahead (``moe_prefetch_layers``), dropping them from the page
             cache once read, so the process uses about the budget (``hybrimoe.runtime.ram_tier``); the weights outside
-            the experts are read into RAM at load (``use_mmap`` defaults to False with it). Turns the engine
+            the experts are read into RAM at load (``use_mmap`` defaults to False with it). The slots keep the
+            file's layout (the CPU share's kernels for it: upstream's numbers with ``lazy_experts``, whose experts
+            stay in the mapping unrepacked); ``HYBRIMOE_RAM_REPACK=1`` repacks each expert after its read (upstream's
+            default layout and numbers; slower here: docs/benchmarks.md). Turns the engine
             on with ``moe_cache=0`` (a GPU cache above it: ``moe_cache`` too). The smallest budget holds every
             expert one ubatch can route to in a layer (``min(n_expert, n_ubatch * top_k)`` experts); a budget above
             the machine's memory is refused; ``use_mlock`` is refused with it. ``moe_stats()["engine"]["ram"]``
@@ -235,8 +238,8 @@ class Llama(llama_cpp.Llama):
             self._recorder = engine_module().RoutingRecorder()
         # devices: ours from rpc_servers, plus real accelerators; never another instance's RPC servers
         devices = rpc_devs + _ggml.local_gpus() if _ggml.rpc_device_ptrs() else None
-        # the engine's CPU share runs on repacked experts where upstream repacks them (the RAM tier's slots too,
-        # repacked after each read, unless a GPU cache above it copies from them)
+        # the engine's CPU share runs on repacked experts where upstream repacks them (the RAM tier's slots keep
+        # the file's layout unless HYBRIMOE_RAM_REPACK asks for them repacked after each read)
         self._native = NativeParams(
             overrides, devices=devices, load_progress=load_progress, no_repack=no_repack, no_host=no_host,
             lazy_experts=lazy_experts, n_seq_max=n_seq_max, eval_callback=None if self._recorder is None else

@@ -24,6 +24,7 @@ from hybrimoe.envs import (
     PREFETCH_LAYERS,
     max_buffer_bytes,
     ram_direct_io,
+    ram_repack,
     ram_two_pass,
 )
 from hybrimoe.model.tables import EXPS_REGEX
@@ -550,10 +551,10 @@ class EngineSetup:
             if self.ram_slots is None:
                 raise ValueError("EngineSetup.make_engine: the set-up lacks its RAM slots (with_auto_ram_slots)")
             from hybrimoe.runtime.ram_tier import IO_THREADS
-            # the slots repacked after each read where upstream repacks CPU weights (not under a GPU cache: the
-            # engine keeps the file's layout there for the copies)
+            # the slots keep the file's layout unless HYBRIMOE_RAM_REPACK asks for upstream's repacked one where
+            # upstream repacks CPU weights (never under a GPU cache: the engine keeps the file's layout for copies)
             ram = {"slots": self.ram_slots, "policy": self.ram_policy, "ranges": self.ram_ranges,
-                   "io_threads": IO_THREADS, "repack": self.cpu_weights != "plain", "exclusive": self.ram_exclusive,
+                   "io_threads": IO_THREADS, "repack": self.cpu_weights != "plain" and ram_repack(), "exclusive": self.ram_exclusive,
                    "two_pass": ram_two_pass()}
         return make_engine(self.facts, self.n_slots, self.device, self.policies, self.cost, self.prefetch_layers,
                            ram, fused_cpu=self.cpu_fused)

@@ -1,10 +1,13 @@
 """The RAM expert tier (``Llama(moe_ram_cache=...)``): routed experts read from the GGUF file into RAM slots, the CPU
 share computed over them.
 
-Oracle: upstream llama.cpp on the CPU as users run it (CPU weights repacked where this CPU repacks them; the tier
-repacks each expert after its read), the same tokens: same greedy tokens and bit-identical logits, at the smallest
-budget the tier takes (every layer's experts evict another layer's, so experts are read from the file every token);
-with ``no_repack`` on both sides, the file's layout. Residency: mincore(2) on the model's mapping (hybrimoe.testing.residency)."""
+Oracle: upstream llama.cpp on the CPU with the tier's placement: the routed experts in the file's layout, as the
+tier's slots keep them (``lazy_experts=True``, patch 0007: they stay in the model's mapping, which llama.cpp never
+repacks; ``-ot exps=CPU`` would not do: upstream's loader takes the CPU's repacked buffer type for an override to
+the CPU), the other CPU weights as users run them (repacked where this CPU repacks them), the same tokens: same greedy tokens and bit-identical logits, at the smallest budget the
+tier takes (every layer's experts evict another layer's, so experts are read from the file every token). With
+``HYBRIMOE_RAM_REPACK=1`` the tier repacks each expert after its read: upstream's default placement is the oracle;
+with ``no_repack`` on both sides, the file's layout everywhere. Residency: mincore(2) on the model's mapping (hybrimoe.testing.residency)."""
 from __future__ import annotations
 
 import errno
@@ -41,9 +44,13 @@ def _min_budget(path, ub) -> int:
     return min_ram_slots(f, ub) * f.slot_bytes
 
 
-def _reference(path, tokens, ub, **kw):
+def _reference(path, tokens, ub, repacked_experts=False, **kw):
+    """Upstream's greedy tokens and logits with the tier's placement: the experts in the file's layout (left in the
+    mapping), unless ``repacked_experts`` (upstream's default: repacked where ggml-cpu repacks them)."""
     from hybrimoe import Llama
 
+    if not repacked_experts:
+        kw.setdefault("lazy_experts", True)
     ref = Llama(str(path), **_kw(ub, **kw))
     try:
         return greedy_with_logits(ref, tokens, N_GEN)
@@ -96,20 +103,22 @@ def test_reads_every_token_and_matches_upstream(arch, quant, ub, tiny_model):
     assert st["gpu_experts"] == 0
 
 
-@pytest.mark.parametrize("no_repack", [False, True])
+@pytest.mark.parametrize("repack_env, no_repack", [("", False), ("1", False), ("1", True), ("0", True)])
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_K_M"])
-def test_slots_are_repacked_as_upstream_repacks(quant, no_repack, tiny_model):
-    """The tier repacks each expert after its read where upstream's load repacks CPU weights, and its CPU share runs
-    the repacked kernels on the slots: upstream's numbers with its default; with no_repack on both sides, the file's
-    layout and plain kernels."""
+def test_slots_are_repacked_only_when_asked(quant, repack_env, no_repack, tiny_model, monkeypatch):
+    """By default the slots keep the file's layout and the CPU share runs the plain kernels on them: upstream's
+    numbers with the experts in plain CPU buffers. With ``HYBRIMOE_RAM_REPACK=1`` the tier repacks each expert after
+    its read where upstream's load repacks CPU weights, and runs the repacked kernels: upstream's numbers with its
+    default placement. With no_repack on both sides, the file's layout and plain kernels whatever the variable."""
     from hybrimoe.runtime.engine_facts import cpu_repacked_types
 
+    monkeypatch.setenv("HYBRIMOE_RAM_REPACK", repack_env)
     path = tiny_model("qwen3moe", quant)
     tokens = _tokens(path, 19)
-    ref_out, ref_lg = _reference(path, tokens, 7, no_repack=no_repack)
+    want = repack_env == "1" and not no_repack and bool({"Q4_0", "Q4_K"} & set(cpu_repacked_types()))
+    ref_out, ref_lg = _reference(path, tokens, 7, repacked_experts=repack_env == "1", no_repack=no_repack)
     out, lg, st = _ram_run(path, tokens, 7, no_repack=no_repack)
     assert out == ref_out and np.array_equal(lg, ref_lg)
-    want = not no_repack and bool({"Q4_0", "Q4_K"} & set(cpu_repacked_types()))
     assert any(any(r) for r in st["repacked"]) == want, st["repacked"]
     assert st["ram"]["demand_reads"] + st["ram"]["prefetch_reads"] > 0  # experts went through the reads
 
