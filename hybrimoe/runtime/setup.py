@@ -554,7 +554,7 @@ class EngineSetup:
             # the slots keep the file's layout unless HYBRIMOE_RAM_REPACK asks for upstream's repacked one where
             # upstream repacks CPU weights (never under a GPU cache: the engine keeps the file's layout for copies)
             ram = {"slots": self.ram_slots, "policy": self.ram_policy, "ranges": self.ram_ranges,
-                   "io_threads": IO_THREADS, "repack": self.cpu_weights != "plain" and ram_repack(), "exclusive": self.ram_exclusive,
-                   "two_pass": ram_two_pass()}
+                   "io_threads": IO_THREADS, "repack": self.cpu_weights != "plain" and ram_repack(),
+                   "exclusive": self.ram_exclusive, "two_pass": ram_two_pass()}
         return make_engine(self.facts, self.n_slots, self.device, self.policies, self.cost, self.prefetch_layers,
                            ram, fused_cpu=self.cpu_fused)
