@@ -159,16 +159,21 @@ Raises:
              py::arg("ram_exclusive") = false, py::arg("ram_two_pass") = true)
         .def_static("slot_bytes_for", &SlotPool::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
                     py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
-                    py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{},
+                    py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{}, py::arg("direct_align") = 0,
                     "Bytes of one GPU slot for these per-layer (gate, up, down) expert sizes and ggml types and "
                     "(optional) F32 bias row and scale sizes: per kind the largest matrix, rounded up to a multiple "
                     "of 16 and of the kind's block sizes, plus per kind the largest bias row rounded up to 16, plus "
-                    "4 bytes per kind some layer scales.")
+                    "4 bytes per kind some layer scales. direct_align > 0 (a RAM slot: ram_direct_align): per kind "
+                    "the largest matrix plus direct_align, rounded up to a multiple of it, instead.")
+        .def_property_readonly_static("ram_direct_align", [](py::object) { return hybrimoe::RamTier::kDirectAlign; },
+                                      "The RAM tier's direct-read alignment (bytes): slot_bytes_for's direct_align "
+                                      "for a RAM slot.")
         .def_static("scale_strides", &SlotPool::scale_strides, py::arg("scale_bytes"), py::arg("expert_layers"),
                     "Per-slot bytes of the gate, up and down scale regions of the slot pool (4, or 0: no such scale).")
         .def_static("bias_strides", &SlotPool::bias_strides, py::arg("bias_bytes"), py::arg("expert_layers"),
                     "Per-slot bytes of the gate, up and down bias regions of the slot pool (0: no such bias).")
         .def_static("region_strides", &SlotPool::region_strides, py::arg("expert_bytes"), py::arg("expert_types"),
+                    py::arg("direct_align") = 0,
                     "Per-slot bytes of the gate, up and down regions of the slot pool (see slot_bytes_for).")
         .def("set_negative_control", &Engine::set_negative_control, py::arg("what"),
              "Negative control for tests: the GPU share leaves one variant's op out ('weight_before', 'gate_up', "
@@ -234,7 +239,7 @@ Raises:
                 d["accesses"] = s.accesses; d["hits"] = s.hits; d["misses"] = s.misses; d["late"] = s.late;
                 d["demand_reads"] = s.demand_reads; d["prefetch_reads"] = s.prefetch_reads;
                 d["prefetch_used"] = s.prefetch_used; d["preads"] = s.preads; d["evictions"] = s.evictions;
-                d["direct_matrices"] = s.direct_matrices;
+                d["direct_matrices"] = s.direct_matrices; d["in_place_matrices"] = s.in_place_matrices;
                 d["given_up"] = s.given_up; d["demotions"] = s.demotions;
                 d["bytes_demand"] = s.bytes_demand; d["bytes_prefetch"] = s.bytes_prefetch; d["wait_s"] = s.wait_s;
                 d["reads_in_flight"] = e.ram()->reads_in_flight();
@@ -244,7 +249,8 @@ Raises:
              "RAM tier counters since the last reset_stats(): accesses, hits, misses, late (hits still being read), "
              "demand_reads / prefetch_reads (experts read from the file) and their bytes (bytes_demand, "
              "bytes_prefetch), prefetch_used (prefetched experts used at their layer), preads (system calls), "
-             "direct_matrices (expert matrices read with O_DIRECT), evictions, given_up and demotions (exclusive "
+             "direct_matrices (expert matrices read with O_DIRECT), in_place_matrices (of those, read straight into "
+             "their RAM slot, no copy), evictions, given_up and demotions (exclusive "
              "tiers: RAM slots given up by experts on the GPU, GPU evictions copied back into RAM), wait_s (seconds "
              "the plan waited for reads), reads_in_flight and pinned (RAM slots in use by a read, a "
              "layer, a read ahead or a GPU copy) now; buffers (host buffers the slots lie in); {} without a RAM tier.")

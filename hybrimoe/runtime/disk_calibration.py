@@ -2,7 +2,8 @@
 takes (docs/design.md §17; ``hybrimoe.policy.hardware.load_disk``): sequential read bandwidth (bytes/s), the
 latency of one read (seconds) and how many reads in flight still gain throughput; and two costs of this machine
 around them (``hybrimoe.policy.hardware.DISK_OPTIONAL_FACTS``): the CPU time the RAM tier's reads take (its own
-read path: O_DIRECT into an aligned staging buffer, then a copy into the slot, by its 4 I/O workers), and what a
+read path: O_DIRECT straight into the slot, or into an aligned staging buffer and a copy where a matrix is not a
+whole number of 4 KiB pages, by its 4 I/O workers), and what a
 page fault through the file's mapping reads (upstream llama.cpp's mmap: the kernel's read-around of a fault).
 
 Every read is cold: the model's files are dropped from the page cache first (POSIX_FADV_DONTNEED, which drops the
@@ -262,8 +263,9 @@ def _cpu_seconds() -> float:
 def _read_cpu(reads: list) -> tuple[float, str]:
     """(CPU seconds per byte, how) of reading ``reads`` (cold (file, offset, bytes) expert matrices) the RAM tier's
     way (src/runtime/ram_tier.cpp): :data:`IO_WORKERS` threads, each an O_DIRECT pread of the page-aligned span into
-    its own aligned staging buffer and a copy of the matrix into a slot buffer; buffered preads followed by
-    POSIX_FADV_DONTNEED where O_DIRECT is off (``HYBRIMOE_RAM_DIRECT_IO=0``) or the file system refuses it.
+    an aligned buffer, with no copy when every matrix is a whole number of 4 KiB pages (the tier then reads straight
+    into its slots), else into a staging buffer and a copy of the matrix into a slot buffer; buffered preads followed
+    by POSIX_FADV_DONTNEED where O_DIRECT is off (``HYBRIMOE_RAM_DIRECT_IO=0``) or the file system refuses it.
 
     Raises:
         OSError: a read failed or came back short (the message names the file and offset).
@@ -279,12 +281,14 @@ def _read_cpu(reads: list) -> tuple[float, str]:
         for m in slots:
             m.write(bytes(largest))
         bufs = list(zip(stage.views, (memoryview(m) for m in slots)))
+        in_place = direct and all(nb % 4096 == 0 for _, _, nb in reads)  # ram_tier.cpp's into_slot_
 
         def one(i_r):
             i, (path, off, nb) = i_r
             staging, slot = bufs[i % IO_WORKERS]
             head = _read_span(fds[path], staging, path, off, nb, direct)
-            slot[:nb] = staging[head:head + nb]  # one copy, view to view, as the tier's memcpy
+            if not in_place:
+                slot[:nb] = staging[head:head + nb]  # one copy, view to view, as the tier's memcpy
             if not direct:
                 os.posix_fadvise(fds[path], off, nb, os.POSIX_FADV_DONTNEED)
 
@@ -306,7 +310,8 @@ def _read_cpu(reads: list) -> tuple[float, str]:
             os.close(fd)
     nbytes = sum(nb for _, _, nb in reads)
     how = (f"{'O_DIRECT' if direct else 'buffered'} reads of {nbytes / 1e6:.0f} MB of expert matrices by "
-           f"{IO_WORKERS} threads with a copy into a slot each (the RAM tier's read path): {cpu:.2f} CPU seconds "
+           f"{IO_WORKERS} threads, {'in place (no copy)' if in_place else 'with a copy into a slot each'} (the RAM "
+           f"tier's read path): {cpu:.2f} CPU seconds "
            f"(user + system); a CPU share whose threads use every core loses it all, as ggml's threads meet at a "
            f"barrier after every op")
     return cpu / max(nbytes, 1), how

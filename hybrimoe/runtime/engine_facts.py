@@ -86,6 +86,16 @@ class EngineFacts:
                                                           [tuple(b) for b in self.scale_bytes]))
 
     @property
+    def ram_slot_bytes(self) -> int:
+        """Bytes of one RAM-tier expert slot: as :attr:`slot_bytes`, but each matrix region holds the largest matrix
+        plus the tier's direct-read alignment (4 KiB), rounded up to a multiple of it (``Engine.ram_direct_align``:
+        an O_DIRECT read lands in the slot, the matrix at its file offset's phase, with no copy)."""
+        E = engine_module().Engine
+        return int(E.slot_bytes_for([tuple(b) for b in self.expert_bytes], [tuple(t) for t in self.expert_types],
+                                    [tuple(b) for b in self.bias_bytes], [tuple(b) for b in self.scale_bytes],
+                                    direct_align=E.ram_direct_align))
+
+    @property
     def total_expert_bytes(self) -> int:
         """Bytes of all routed experts of all MoE layers, as stored (matrices, expert biases and scales)."""
         return int((sum(sum(b) for b in self.expert_bytes) + sum(sum(b) for b in self.bias_bytes)

@@ -144,7 +144,7 @@ def ram_slots(spec, facts: EngineFacts, n_ubatch: int, memory: Optional[dict] = 
     """RAM expert slots for a ``moe_ram_cache`` budget that is not ``"auto"``: ``(slots, why)``.
 
     ``spec``: ``"40%"`` (of the routed experts' bytes), ``"12GiB"``, ``"512MB"`` or bytes; rounded down to whole
-    slots of ``facts.slot_bytes``, at most one per expert. ``memory``: :func:`machine_memory` (read when None).
+    slots of ``facts.ram_slot_bytes``, at most one per expert. ``memory``: :func:`machine_memory` (read when None).
     ``ubatch_hint``: a budget below the minimum suggests a smaller ``n_ubatch`` where one would help (False where the
     caller's ubatch is not the user's to choose).
 
@@ -152,7 +152,7 @@ def ram_slots(spec, facts: EngineFacts, n_ubatch: int, memory: Optional[dict] = 
         ValueError: unparsable or negative; below :func:`min_ram_slots` (the number of slots and bytes named); more
             than the machine's (or the cgroup's) memory (both numbers named).
     """
-    sb = facts.slot_bytes
+    sb = facts.ram_slot_bytes
     n_all = len(facts.moe_layers) * facts.n_expert
     try:
         b = parse_budget(spec, float(n_all * sb), sb, allow_zero=False)
@@ -196,7 +196,7 @@ def auto_ram_slots(facts: EngineFacts, n_ubatch: int, other_bytes: int, memory: 
         ValueError: fewer slots than :func:`min_ram_slots` fit (the numbers named).
     """
     mem = memory or machine_memory()
-    sb = facts.slot_bytes
+    sb = facts.ram_slot_bytes
     n_all = len(facts.moe_layers) * facts.n_expert
     margin = max(AUTO_MARGIN_MIN_BYTES, int(mem["available"] * AUTO_MARGIN_FRACTION))
     # MemAvailable counts the page cache as free, the other weights' pages among it; a cgroup's usage counts them

@@ -276,7 +276,7 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         extra = dict(files=rg["files"], file_sizes=rg["sizes"], file_mtimes_ns=rg["mtimes_ns"], file_of=rg["file_of"],
                      offset_of=rg["offset_of"])
     if ram:
-        sb = facts.slot_bytes
+        sb = facts.ram_slot_bytes
         rc = _core.ExpertCache([float(sb)] * len(facts.moe_layers), facts.n_expert, float(ram["slots"] * sb),
                                ram["policy"])
         extra.update(ram_slots=int(ram["slots"]), ram_io_threads=int(ram.get("io_threads", 4)), ram_cache=rc,

@@ -88,7 +88,9 @@ def ram_stats(engine, setup) -> dict:
     layer over those read ahead), ``reads_in_flight`` and ``pinned`` (RAM slots a read, a layer, a read ahead or a GPU
     copy holds; both now), ``buffers`` (host buffers the RAM slots are split over: the host buffer type's cap, or
     ``$HYBRIMOE_MAX_BUFFER_BYTES``), ``preads`` (system calls), ``direct_matrices`` (expert
-    matrices read with O_DIRECT; the others were buffered reads), ``evictions``, ``given_up`` and ``demotions``
+    matrices read with O_DIRECT; the others were buffered reads), ``in_place_matrices`` (of those, read straight
+    into their RAM slot: no staging buffer and no copy; the others' tensors have experts of a size that is not a
+    multiple of 4 KiB, or the slots are repacked), ``evictions``, ``given_up`` and ``demotions``
     (``moe_ram_exclusive``: RAM slots given up by experts on the GPU, and GPU evictions copied back into RAM),
     ``exclusive`` (whether the tiers are exclusive), ``wait_s`` (seconds the engine waited
     for reads), ``policy`` (the RAM cache policy's name)."""
@@ -104,7 +106,7 @@ def ram_stats(engine, setup) -> dict:
         "hit_rate": st["hits"] / acc if acc else 0.0,
         **{k: st[k] for k in ("accesses", "hits", "misses", "late", "demand_reads", "prefetch_reads", "bytes_demand",
                               "bytes_prefetch", "reads_in_flight", "pinned", "buffers", "preads", "direct_matrices",
-                              "evictions", "wait_s", "given_up", "demotions")},
+                              "in_place_matrices", "evictions", "wait_s", "given_up", "demotions")},
         "exclusive": bool(getattr(setup, "ram_exclusive", False)),
         "bytes_read": st["bytes_demand"] + st["bytes_prefetch"],
         "prefetch_accuracy": st["prefetch_used"] / st["prefetch_reads"] if st["prefetch_reads"] else 0.0,

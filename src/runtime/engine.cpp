@@ -217,9 +217,11 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
         // copies; where that type caps a buffer (Vulkan), the slots are split over several, and the CPU share runs
         // once per buffer (build)
         if (cfg_.ram.max_buffer_bytes <= 0) cfg_.ram.max_buffer_bytes = cfg_.max_buffer_bytes;
-        // the GPU pool has the RAM pool's geometry
+        // the RAM pool's geometry: its slots hold room for direct reads (RamTier::kDirectAlign)
+        const SlotPool ram_geometry(L, cfg_.n_expert, cfg_.expert_bytes, cfg_.expert_types, cfg_.bias_bytes,
+                                    cfg_.scale_bytes, RamTier::kDirectAlign);
         auto buffers_with = [&](ggml_backend_buffer_type_t buft) {
-            return pool_.host_buffers_for(buft, cfg_.ram.n_slots, cfg_.ram.max_buffer_bytes);
+            return ram_geometry.host_buffers_for(buft, cfg_.ram.n_slots, cfg_.ram.max_buffer_bytes);
         };
         // the combine op takes one CPU share per buffer as a source: past that, pageable memory in one buffer
         ggml_backend_buffer_type_t host = pool_.host_buffer_type();

@@ -61,7 +61,8 @@ RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_
                  const std::vector<std::array<int64_t, 3>> & scale_bytes, const ExpertFiles & where,
                  RamTierConfig cfg, std::shared_ptr<ExpertCache> cache, ggml_backend_buffer_type_t buft)
     : n_layers_(n_layers), n_expert_(n_expert), expert_bytes_(expert_bytes), where_(where), cfg_(std::move(cfg)),
-      cache_(std::move(cache)), pool_(n_layers, n_expert, expert_bytes, expert_types, bias_bytes, scale_bytes) {
+      cache_(std::move(cache)),
+      pool_(n_layers, n_expert, expert_bytes, expert_types, bias_bytes, scale_bytes, kDirectAlign) {
     const size_t L = (size_t) n_layers_;
     if (cfg_.n_slots < 1) throw std::invalid_argument("RAM tier: at least one RAM expert slot is needed");
     if (!cache_ || cache_->n_layers() != n_layers_ || cache_->n_experts() != n_expert_) {
@@ -102,6 +103,16 @@ RamTier::RamTier(int n_layers, int n_expert, const std::vector<std::array<int64_
         throw;
     }
     drop_expert_pages();
+    phase_.assign(L, {0, 0, 0});
+    into_slot_.assign(L, {false, false, false});
+    for (size_t l = 0; l < L; ++l) {
+        for (size_t i = 0; i < 3; ++i) {
+            const int64_t n = expert_bytes_[l][i];
+            if (where_.file_of[l][i] < 0 || n <= 0 || n % kDirectAlign != 0) continue;
+            phase_[l][i] = where_.offset_of[l][i] % kDirectAlign;
+            into_slot_[l][i] = pool_.direct_aligned() && direct_fds_[(size_t) where_.file_of[l][i]] >= 0;
+        }
+    }
     const size_t keys = L * (size_t) n_expert_;
     state_.assign(keys, 0);
     key_error_.assign(keys, std::string());
@@ -174,7 +185,7 @@ ExpertMatrices RamTier::views(ggml_context * ctx, int layer, const ExpertMatrice
     ggml_tensor ** biases[3] = {m.gate_up ? &v.gate_up_b : &v.gate_b, &v.up_b, &v.down_b};
     for (int i = 0; i < 3; ++i) {
         if (*mats[i]) {
-            *mats[i] = pool_.region_view(ctx, *mats[i], i, b);
+            *mats[i] = pool_.region_view(ctx, *mats[i], i, b, phase_[(size_t) layer][(size_t) i]);
             if (repacked(layer, i)) {
                 // the slots hold this region repacked: the view names the marker buffer and gets its traits, so
                 // mul_mat_id runs repack.cpp's kernels on the slot's bytes
@@ -343,10 +354,12 @@ void RamTier::worker() {
 }
 
 int64_t RamTier::read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, uint8_t * staging, uint64_t & calls,
-                            bool & direct, const uint8_t ** in_staging) {
+                            bool & direct, const uint8_t ** in_staging, bool into_slot) {
     const int dfd = direct_fds_[(size_t) f];
+    if (into_slot) staging = dst - off % kDirectAlign;  // the slot is the staging buffer: the bytes land in place
     if (dfd >= 0 && staging != nullptr) {
         // O_DIRECT: the aligned range around the bytes into the staging buffer (DMA, no page cache), then a copy
+        // unless it was the slot
         const int64_t lo = off / kDirectAlign * kDirectAlign;
         const int64_t hi = (off + n + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
         int64_t got = 0;  // bytes from lo
@@ -369,7 +382,7 @@ int64_t RamTier::read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, ui
             const int64_t have = std::max<int64_t>(0, std::min<int64_t>(lo + got - off, n));
             if (in_staging) {
                 *in_staging = staging + (off - lo);  // the caller takes the bytes from the staging buffer
-            } else {
+            } else if (!into_slot) {
                 std::memcpy(dst, staging + (off - lo), (size_t) have);
             }
             return have;
@@ -434,7 +447,7 @@ std::array<uint8_t *, 3> RamTier::demote(int layer, int expert, double now_s) {
     const int32_t slot = pool_.slot_of(layer, expert);
     std::array<uint8_t *, 3> out = none;
     for (int i = 0; i < 3; ++i) {
-        if (expert_bytes_[(size_t) layer][(size_t) i] > 0) out[(size_t) i] = pool_.slot_data(slot, i);
+        if (expert_bytes_[(size_t) layer][(size_t) i] > 0) out[(size_t) i] = matrix_at(slot, layer, i);
     }
     return out;
 }
@@ -470,13 +483,13 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging, uint8_t * tmp
             fault = fault_errno_;
         }
     }
-    uint64_t calls = 0, n_direct = 0;
+    uint64_t calls = 0, n_direct = 0, n_in_place = 0;
     for (int i = 0; i < 3; ++i) {
         const int32_t f = where_.file_of[(size_t) layer][(size_t) i];
         if (f < 0) continue;
         const int64_t n = expert_bytes_[(size_t) layer][(size_t) i];
         const int64_t off = where_.offset_of[(size_t) layer][(size_t) i] + n * expert;
-        uint8_t * slot = pool_.slot_data(j.slot, i);
+        uint8_t * slot = matrix_at(j.slot, layer, i);
         const bool repack = rp[(size_t) i] && tmp != nullptr;
         // a matrix to repack is read into the worker's buffer first, or repacked from the staging buffer of a
         // direct read (one copy fewer)
@@ -484,7 +497,9 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging, uint8_t * tmp
         const uint8_t * src = dst;
         bool direct = false;
         const int64_t got =
-            fault ? -fault : read_range(f, dst, n, off, staging, calls, direct, repack ? &src : nullptr);
+            fault ? -fault
+                  : read_range(f, dst, n, off, staging, calls, direct, repack ? &src : nullptr,
+                               !repack && into_slot_[(size_t) layer][(size_t) i]);
         if (fault) ++calls;
         if (got < n) {
             const std::string why = got < 0 ? std::strerror((int) -got)
@@ -496,6 +511,7 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging, uint8_t * tmp
                    where_.files[(size_t) f] + ": " + why;
         }
         n_direct += direct ? 1 : 0;
+        n_in_place += direct && !repack && into_slot_[(size_t) layer][(size_t) i] ? 1 : 0;
         if (repack) {
             const ggml_tensor * w = host.slot_matrices()[(size_t) i];
             if (!repack_matrix(repack_marker_, w->type, w->ne[0], w->ne[1], src, slot)) {
@@ -520,6 +536,7 @@ std::string RamTier::read_expert(const Job & j, uint8_t * staging, uint8_t * tmp
     std::lock_guard<std::mutex> slock(stats_mu_);
     stats_.preads += calls;
     stats_.direct_matrices += n_direct;
+    stats_.in_place_matrices += n_in_place;
     return "";
 }
 
@@ -707,7 +724,9 @@ std::array<const uint8_t *, 3> RamTier::matrices(int layer, int expert) const {
     if (s < 0) throw std::logic_error("RAM tier: MoE layer " + std::to_string(layer) + " expert " +
                                       std::to_string(expert) + " has no RAM slot");
     std::array<const uint8_t *, 3> out{};
-    for (int i = 0; i < 3; ++i) out[(size_t) i] = expert_bytes_[(size_t) layer][(size_t) i] > 0 ? pool_.slot_data(s, i) : nullptr;
+    for (int i = 0; i < 3; ++i) {
+        out[(size_t) i] = expert_bytes_[(size_t) layer][(size_t) i] > 0 ? matrix_at(s, layer, i) : nullptr;
+    }
     return out;
 }
 

@@ -74,6 +74,7 @@ struct RamTierStats {
     uint64_t prefetch_used = 0;         ///< prefetched experts used at their layer before eviction
     uint64_t preads = 0;                ///< read system calls
     uint64_t direct_matrices = 0;       ///< expert matrices read with O_DIRECT (the others: buffered)
+    uint64_t in_place_matrices = 0;     ///< of those, read straight into their slot (no staging buffer, no copy)
     uint64_t evictions = 0;
     uint64_t given_up = 0;              ///< exclusive tiers: RAM slots given up by experts on the GPU
     uint64_t demotions = 0;             ///< exclusive tiers: experts the GPU evicted copied back into RAM
@@ -197,6 +198,10 @@ public:
     /// Test-only fault injection: the next `count` preads fail with errno `err` (0: off).
     void inject_read_error(int err, int count = 1);
 
+    /// O_DIRECT's alignment of file offset, length and buffer (4 KiB covers devices of 512 B blocks too); the slots'
+    /// direct-read alignment (SlotPool::slot_bytes_for's `direct_align` for the RAM tier's slots).
+    static constexpr int64_t kDirectAlign = 4096;
+
 private:
     struct Job {
         int64_t key;
@@ -214,8 +219,14 @@ private:
     /// Reads bytes [off, off + n) of file f into dst, directly (through `staging`) where the file allows it: the
     /// bytes got (n unless the file ends first), or -errno. With `in_staging`, a direct read leaves the bytes in the
     /// staging buffer and points *in_staging at them instead of copying them to dst.
+    /// `into_slot`: dst lies `off % kDirectAlign` bytes past an aligned address with room for the aligned range
+    /// (a slot of a matrix whose every expert has that phase): a direct read lands there, no staging and no copy.
     int64_t read_range(int32_t f, uint8_t * dst, int64_t n, int64_t off, uint8_t * staging, uint64_t & calls,
-                       bool & direct, const uint8_t ** in_staging = nullptr);
+                       bool & direct, const uint8_t ** in_staging = nullptr, bool into_slot = false);
+    /// Host address of layer `layer`'s matrix `region` in slot `slot`: the slot's region plus the phase.
+    uint8_t * matrix_at(int32_t slot, int layer, int region) const {
+        return pool_.slot_data(slot, region) + phase_[(size_t) layer][(size_t) region];
+    }
     void close_files();
     /// POSIX_FADV_DONTNEED over every expert range (drop_after_read only): at open, and once more at the first
     /// ubatch.
@@ -226,7 +237,6 @@ private:
     void check_files() const;
     /// Counts a small-ubatch read ahead at `distance` (1..3) as used at its layer or not (under mu_).
     void judge(uint8_t distance, bool used);
-    static constexpr int64_t kDirectAlign = 4096;  // O_DIRECT: offset, length and buffer (4 KiB covers 512 B too)
     /// Admits `key` (evicting as the policy says), assigns its slot and queues its read. False: no room.
     /// `tag`: 0 a demand read; 1..3 a read ahead of a small ubatch's prediction at that distance (its use is
     /// counted per distance); kUncounted another read ahead.
@@ -253,6 +263,11 @@ private:
     int64_t staging_bytes_ = 0;
     std::vector<ExpertMatrices> layers_;
     std::vector<std::array<bool, 3>> repack_;   // per layer and region: repacked after the read (set_layer)
+    // Per layer and region: where in its slot a matrix starts, the file offset's phase (offset % kDirectAlign) when
+    // every expert of the tensor has the same one (its bytes a multiple of kDirectAlign), so that an aligned direct
+    // read lands in the slot with the matrix in place; 0 otherwise (direct reads then go through staging).
+    std::vector<std::array<int64_t, 3>> phase_;
+    std::vector<std::array<bool, 3>> into_slot_;
     ggml_backend_buffer_t repack_marker_ = nullptr;
     // key state: 0 not resident, 1 read queued or in flight, 2 in the slot; written under mu_
     std::vector<uint8_t> state_;

@@ -2,7 +2,10 @@
 
 #include "ggml-alloc.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <stdexcept>
@@ -12,13 +15,15 @@ namespace hybrimoe {
 namespace {
 
 constexpr int64_t kAlign = 256;
+constexpr int64_t kHugePage = 2 << 20;  // x86-64's transparent huge page
 
-int64_t pad(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+int64_t round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
 
 }  // namespace
 
 std::array<int64_t, 3> SlotPool::region_strides(const std::vector<std::array<int64_t, 3>> & eb,
-                                                const std::vector<std::array<int32_t, 3>> & et) {
+                                                const std::vector<std::array<int32_t, 3>> & et,
+                                                int64_t direct_align) {
     if (eb.size() != et.size()) throw std::invalid_argument("engine: one (gate, up, down) type triple per MoE layer");
     std::array<int64_t, 3> mx{0, 0, 0}, unit{16, 16, 16};
     for (size_t l = 0; l < eb.size(); ++l) {
@@ -35,8 +40,13 @@ std::array<int64_t, 3> SlotPool::region_strides(const std::vector<std::array<int
             unit[i] = std::lcm(unit[i], (int64_t) ggml_type_size((ggml_type) et[l][i]));
         }
     }
+    if (direct_align < 0 || (direct_align > 0 && direct_align % kAlign != 0)) {
+        throw std::invalid_argument("engine: a direct-read alignment must be a multiple of " + std::to_string(kAlign));
+    }
     std::array<int64_t, 3> st{};
-    for (size_t i = 0; i < 3; ++i) st[i] = (mx[i] + unit[i] - 1) / unit[i] * unit[i];
+    for (size_t i = 0; i < 3; ++i) {
+        st[i] = direct_align > 0 && mx[i] > 0 ? round_up(mx[i] + direct_align, direct_align) : round_up(mx[i], unit[i]);
+    }
     return st;
 }
 
@@ -94,8 +104,8 @@ std::array<int64_t, 3> SlotPool::scale_strides(const std::vector<std::array<int6
 int64_t SlotPool::slot_bytes_for(const std::vector<std::array<int64_t, 3>> & eb,
                                  const std::vector<std::array<int32_t, 3>> & et,
                                  const std::vector<std::array<int64_t, 3>> & bb,
-                                 const std::vector<std::array<int64_t, 3>> & sb) {
-    const auto st = region_strides(eb, et);
+                                 const std::vector<std::array<int64_t, 3>> & sb, int64_t direct_align) {
+    const auto st = region_strides(eb, et, direct_align);
     const auto bs = bias_strides(bb, eb.size());
     const auto ss = scale_strides(sb, eb.size());
     int64_t n = 0;
@@ -106,9 +116,9 @@ int64_t SlotPool::slot_bytes_for(const std::vector<std::array<int64_t, 3>> & eb,
 SlotPool::SlotPool(int n_layers, int n_expert, const std::vector<std::array<int64_t, 3>> & expert_bytes,
                    const std::vector<std::array<int32_t, 3>> & expert_types,
                    const std::vector<std::array<int64_t, 3>> & bias_bytes,
-                   const std::vector<std::array<int64_t, 3>> & scale_bytes)
-    : n_layers_(n_layers), n_expert_(n_expert) {
-    const auto st = region_strides(expert_bytes, expert_types);
+                   const std::vector<std::array<int64_t, 3>> & scale_bytes, int64_t direct_align)
+    : n_layers_(n_layers), n_expert_(n_expert), direct_align_(direct_align) {
+    const auto st = region_strides(expert_bytes, expert_types, direct_align);
     const auto bs = bias_strides(bias_bytes, expert_bytes.size());
     const auto ss = scale_strides(scale_bytes, expert_bytes.size());
     for (size_t i = 0; i < 3; ++i) {
@@ -128,7 +138,8 @@ SlotPool::~SlotPool() { release(); }
 
 int64_t SlotPool::region_base(int which, int64_t n) const {
     int64_t off = 0;
-    for (int i = 0; i < which; ++i) off += pad((n + 1) * strides_[(size_t) i]);
+    const int64_t a = std::max(kAlign, direct_align_);
+    for (int i = 0; i < which; ++i) off += round_up((n + 1) * strides_[(size_t) i], a);
     return off;
 }
 
@@ -257,13 +268,53 @@ void SlotPool::open_host(ggml_backend_buffer_type_t buft, int64_t n_slots, int64
         bufs_.push_back(t);
         total += bytes;
     }
-    buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
+    if (direct_align_ > 0 && buft == ggml_backend_cpu_buffer_type()) {
+        // Own memory, so that the slots start aligned (ggml's CPU allocations are aligned to 64 bytes only) and lie
+        // on 2 MiB transparent huge pages where the kernel has them: an O_DIRECT read into a slot is one
+        // scatter-gather segment per physically contiguous run, and a matrix over scattered 4 KiB pages takes
+        // several disk requests (a virtio disk takes at most 254 segments per request).
+        own_bytes_ = (size_t) (total + kHugePage);
+        void * p = ::mmap(nullptr, own_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) {
+            own_bytes_ = 0;
+            release();
+            throw std::runtime_error("engine: cannot map " + std::to_string(total) + " bytes of RAM expert slots");
+        }
+        own_mem_ = p;
+        auto * base = (uint8_t *) round_up((int64_t) (uintptr_t) p, kHugePage);
+        madvise(base, (size_t) total, MADV_HUGEPAGE);  // advice only: without THP the slots stay on 4 KiB pages
+        // Fault the slots in now, at load: else the first read into each page pays its fault (zeroing, and for a
+        // huge page maybe compaction) in the I/O thread, on the cores the first prefill computes on.
+#ifdef MADV_POPULATE_WRITE
+        const bool populated = madvise(base, (size_t) total, MADV_POPULATE_WRITE) == 0;
+#else
+        const bool populated = false;
+#endif
+        if (!populated) {
+            for (int64_t o = 0; o < total; o += 4096) ((volatile uint8_t *) base)[o] = 0;  // Linux before 5.14
+        }
+        buf_ = ggml_backend_cpu_buffer_from_ptr(base, (size_t) total);
+        int64_t off = 0;
+        for (ggml_tensor * t : bufs_) {
+            if (buf_ == nullptr || ggml_backend_tensor_alloc(buf_, t, base + off) != GGML_STATUS_SUCCESS) {
+                release();
+                throw std::runtime_error("engine: cannot place the RAM expert slots in their own memory");
+            }
+            off += (int64_t) ggml_nbytes(t);
+        }
+    } else {
+        buf_ = ggml_backend_alloc_ctx_tensors_from_buft(ctx_, buft);
+    }
     if (!buf_) {
         release();
         throw std::runtime_error("engine: cannot allocate " + std::to_string(total) + " bytes of RAM expert slots (" +
                                  std::string(ggml_backend_buft_name(buft)) + ")");
     }
     host_ = true;
+    direct_ok_ = direct_align_ > 0;
+    for (const ggml_tensor * t : bufs_) {
+        direct_ok_ = direct_ok_ && (uintptr_t) t->data % (uintptr_t) direct_align_ == 0;
+    }
     // every null slot holds zeros (and no slot holds stale bytes of another process: the memory is fresh)
     for (int b = 0; b < (int) bufs_.size(); ++b) {
         const int64_t n = buffer_slots(b);
@@ -294,6 +345,10 @@ void SlotPool::release() {
     for (auto * ev : events_) ggml_backend_event_free(ev);
     events_.clear();
     if (buf_) ggml_backend_buffer_free(buf_);
+    if (own_mem_) ::munmap(own_mem_, own_bytes_);
+    own_mem_ = nullptr;
+    own_bytes_ = 0;
+    direct_ok_ = false;
     if (ctx_) ggml_free(ctx_);
     if (copy_) ggml_backend_free(copy_);
     if (compute_) ggml_backend_free(compute_);
@@ -424,8 +479,9 @@ void SlotPool::wait_for_copy(uint64_t seq) {
     ggml_backend_event_wait(compute_, events_[(size_t) (std::max(seq, oldest) % kEvents)]);
 }
 
-ggml_tensor * SlotPool::region_view(ggml_context * ctx, const ggml_tensor * like, int which, int b) const {
-    if (which < 0 || which > 2 || (int64_t) like->nb[2] > strides_[(size_t) which]) {
+ggml_tensor * SlotPool::region_view(ggml_context * ctx, const ggml_tensor * like, int which, int b,
+                                   int64_t offset) const {
+    if (which < 0 || which > 2 || offset < 0 || (int64_t) like->nb[2] + offset > strides_[(size_t) which]) {
         throw std::logic_error("engine: the slot pool's matrix region " + std::to_string(which) + " cannot hold " +
                                std::to_string(like->nb[2]) + "-byte experts");
     }
@@ -434,7 +490,7 @@ ggml_tensor * SlotPool::region_view(ggml_context * ctx, const ggml_tensor * like
     ggml_tensor * v = ggml_new_tensor_3d(ctx, like->type, like->ne[0], like->ne[1], S);
     v->nb[2] = (size_t) strides_[(size_t) which];
     v->nb[3] = v->nb[2] * (size_t) S;
-    v->data = (char *) t->data + region_base(which, n);
+    v->data = (char *) t->data + region_base(which, n) + offset;
     v->buffer = t->buffer;  // the device buffer this slot buffer was packed into
     return v;
 }

@@ -33,8 +33,14 @@ public:
     /// layers, rounded up to a multiple of 16 and of every ggml block size used for that kind (kernels, CUDA's
     /// among them, index an expert as stride / block size). Throws std::invalid_argument on mismatched lengths or
     /// an unknown type.
+    /// With `direct_align` > 0 (a pool of host slots that O_DIRECT reads land in: the RAM tier's), each matrix
+    /// region's stride is instead the largest matrix plus `direct_align`, rounded up to a multiple of it: an aligned
+    /// read of a matrix that starts up to direct_align - 1 bytes into its slot (its file offset's phase) fits, and
+    /// every slot starts aligned. Such strides need not be whole blocks: only ggml-cpu's kernels, which index an
+    /// expert by bytes, read those slots.
     static std::array<int64_t, 3> region_strides(const std::vector<std::array<int64_t, 3>> & expert_bytes,
-                                                 const std::vector<std::array<int32_t, 3>> & expert_types);
+                                                 const std::vector<std::array<int32_t, 3>> & expert_types,
+                                                 int64_t direct_align = 0);
     /// Bytes of one slot: the sum of the region strides.
     /// Per-slot stride of the gate, up and down bias regions (bytes): the largest F32 bias row of that kind over
     /// the MoE layers (bias_bytes: per MoE layer, bytes of one expert's gate, up and down bias rows, 0 where the
@@ -53,14 +59,17 @@ public:
     static int64_t slot_bytes_for(const std::vector<std::array<int64_t, 3>> & expert_bytes,
                                   const std::vector<std::array<int32_t, 3>> & expert_types,
                                   const std::vector<std::array<int64_t, 3>> & bias_bytes = {},
-                                  const std::vector<std::array<int64_t, 3>> & scale_bytes = {});
+                                  const std::vector<std::array<int64_t, 3>> & scale_bytes = {},
+                                  int64_t direct_align = 0);
 
     /// Geometry only (no device): n_slots may be 0. Throws std::invalid_argument as region_strides,
-    /// bias_strides and scale_strides do.
+    /// bias_strides and scale_strides do. `direct_align` > 0: matrix strides as region_strides gives them, every
+    /// region of a slot buffer starting on a multiple of it, and open_host's own memory (for the CPU buffer type)
+    /// aligned to 2 MiB and advised for transparent huge pages.
     SlotPool(int n_layers, int n_expert, const std::vector<std::array<int64_t, 3>> & expert_bytes,
              const std::vector<std::array<int32_t, 3>> & expert_types,
              const std::vector<std::array<int64_t, 3>> & bias_bytes = {},
-             const std::vector<std::array<int64_t, 3>> & scale_bytes = {});
+             const std::vector<std::array<int64_t, 3>> & scale_bytes = {}, int64_t direct_align = 0);
     ~SlotPool();
     SlotPool(const SlotPool &) = delete;
     SlotPool & operator=(const SlotPool &) = delete;
@@ -88,6 +97,9 @@ public:
     void open_host(ggml_backend_buffer_type_t buft, int64_t n_slots, int64_t max_buffer_bytes = 0);
     /// Host address of region `which` (as strides()) of global slot s: a host pool (open_host) only.
     uint8_t * slot_data(int32_t s, int which) const;
+    /// Whether every slot of this open host pool starts on a multiple of the pool's `direct_align` (O_DIRECT reads
+    /// may land in the slots); false for a pool without one.
+    bool direct_aligned() const { return direct_ok_; }
     /// Waits for queued device work and frees everything on the device; afterwards n_slots() is 0.
     void release();
     bool is_open() const { return compute_ != nullptr || host_; }
@@ -156,7 +168,10 @@ public:
     /// A view of region `which` (0 gate, 1 up, 2 down) of slot buffer `b` as a [like->ne[0], like->ne[1],
     /// buffer_slots(b) + 1] tensor of like's type, in `ctx` (no_alloc), pointing into the pool: mul_mat_id indexes
     /// it with local slot numbers.
-    ggml_tensor * region_view(ggml_context * ctx, const ggml_tensor * like, int which, int b) const;
+    /// `offset`: bytes into each slot where the matrix starts (the RAM tier's per-layer phase of direct reads);
+    /// like's per-expert bytes plus it must fit the stride (else std::logic_error).
+    ggml_tensor * region_view(ggml_context * ctx, const ggml_tensor * like, int which, int b,
+                              int64_t offset = 0) const;
     /// A view of bias region `which` (0 gate, 1 up, 2 down biases) of slot buffer `b` as an F32 [like->ne[0],
     /// buffer_slots(b) + 1] tensor in `ctx` (no_alloc): ggml_add_id indexes it with local slot numbers (the null
     /// slot's row is zeros). Throws std::logic_error when the pool has no such region or `like` does not fit it.
@@ -178,6 +193,10 @@ private:
     int64_t region_base(int which, int64_t n) const;
 
     int n_layers_, n_expert_;
+    int64_t direct_align_ = 0;            // > 0: regions aligned for direct reads (constructor)
+    bool direct_ok_ = false;              // open_host: every slot starts on a multiple of direct_align_
+    void * own_mem_ = nullptr;            // open_host's own mapping (CPU buffer type with direct_align_), or null
+    size_t own_bytes_ = 0;
     std::array<int64_t, kRegions> strides_{};  // gate, up, down, their biases, their scales: bytes per slot
     int64_t slot_bytes_ = 0;
     int64_t n_slots_ = 0;

@@ -129,7 +129,7 @@ def _min_ram_budget(path) -> int:
     from hybrimoe.runtime.engine_facts import engine_facts
 
     f = engine_facts(path)
-    return f.n_expert * f.slot_bytes
+    return f.n_expert * f.ram_slot_bytes
 
 
 def test_bench_ram_tier_cpu_only(tiny_model, tmp_path, capsys, monkeypatch):
@@ -261,7 +261,7 @@ def test_bench_ram_budget_errors_name_the_flag_once(tiny_model, capsys):
     from hybrimoe.runtime.engine_facts import engine_facts
 
     path = tiny_model("qwen3moe", "Q8_0")
-    two = str(2 * engine_facts(path).slot_bytes)
+    two = str(2 * engine_facts(path).ram_slot_bytes)
     assert _bench(["-m", path, "--moe-ram-cache", two]) == 1
     err = capsys.readouterr().err
     assert f"--moe-ram-cache: moe_ram_cache='{two}' holds 2 experts" in err and "moe_ram_cache: " not in err, err

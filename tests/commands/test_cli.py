@@ -191,7 +191,7 @@ def test_run_without_a_gpu_cache_prints_no_gpu_line(tiny_model, tmp_path):
 
     path = tiny_model("qwen3moe", "Q8_0")
     f = engine_facts(path)
-    r = _cli(["run", "-m", str(path), "-n", "4", "--temp", "0", "--moe-ram-cache", str(f.n_expert * f.slot_bytes),
+    r = _cli(["run", "-m", str(path), "-n", "4", "--temp", "0", "--moe-ram-cache", str(f.n_expert * f.ram_slot_bytes),
               "--moe-cost-model", "rtx4090-desktop"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "RAM tier hit rate" in r.stderr and "engine hit rate" not in r.stderr, r.stderr

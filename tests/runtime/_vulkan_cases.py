@@ -83,7 +83,7 @@ def main(spec_path: str, out_path: str) -> int:
                 if case.get("ram"):  # the RAM tier below the GPU cache, at its smallest budget
                     from hybrimoe.runtime.ram_tier import min_ram_slots
 
-                    ram = dict(moe_ram_cache=min_ram_slots(facts, ub) * facts.slot_bytes)
+                    ram = dict(moe_ram_cache=min_ram_slots(facts, ub) * facts.ram_slot_bytes)
                 llm = Llama(str(path), moe_cache=case["cache"], moe_policy=policy, moe_profile=profile,
                             moe_cost_model=spec["cost"], **ram, **common)
                 try:

@@ -41,7 +41,7 @@ def _min_budget(path, ub) -> int:
     from hybrimoe.runtime.ram_tier import min_ram_slots
 
     f = engine_facts(path)
-    return min_ram_slots(f, ub) * f.slot_bytes
+    return min_ram_slots(f, ub) * f.ram_slot_bytes
 
 
 def _reference(path, tokens, ub, repacked_experts=False, **kw):
@@ -456,8 +456,8 @@ def test_budgets_out_of_range_are_refused_with_the_numbers(tiny_model):
     path = tiny_model("qwen3moe", "Q8_0")
     f = engine_facts(path)
     with pytest.raises(ValueError, match=rf"holds {f.n_expert - 1} experts.*route to {f.n_expert} experts.*at least "
-                                         rf"{f.n_expert * f.slot_bytes} bytes"):
-        Llama(str(path), moe_ram_cache=(f.n_expert - 1) * f.slot_bytes, **_kw(64))
+                                         rf"{f.n_expert * f.ram_slot_bytes} bytes"):
+        Llama(str(path), moe_ram_cache=(f.n_expert - 1) * f.ram_slot_bytes, **_kw(64))
     mem = machine_memory()
     with pytest.raises(ValueError, match=rf"{mem['total'] + 1} bytes, more than the {mem['total']} bytes"):
         ram_slots(mem["total"] + 1, f, 64, memory=mem)
@@ -465,7 +465,7 @@ def test_budgets_out_of_range_are_refused_with_the_numbers(tiny_model):
         Llama(str(path), moe_ram_cache="lots", **_kw(64))
     # the tier has no "no cache": 0 is below the minimum, and the message does not offer it
     with pytest.raises(ValueError, match="smaller than one expert") as e:
-        ram_slots(f.slot_bytes - 1, f, 64, memory=mem)
+        ram_slots(f.ram_slot_bytes - 1, f, 64, memory=mem)
     assert "use 0" not in str(e.value)
     with pytest.raises(ValueError, match="holds 0 experts|smaller than one expert"):
         ram_slots(0, f, 64, memory=mem)
@@ -478,7 +478,7 @@ def test_budgets_out_of_range_are_refused_with_the_numbers(tiny_model):
         Llama(str(path), moe_cache="0.25", **_kw(64))
     # at n_ubatch 1 no smaller ubatch would help
     with pytest.raises(ValueError) as e:
-        ram_slots((f.top_k - 1) * f.slot_bytes, f, 1, memory=mem)
+        ram_slots((f.top_k - 1) * f.ram_slot_bytes, f, 1, memory=mem)
     assert "smaller n_ubatch" not in str(e.value)
 
 
@@ -527,7 +527,7 @@ def test_auto_budget_leaves_room_for_the_staging_buffers(tiny_model):
     huge = 2 << 20
     assert staging == IO_THREADS * -(-(max(max(eb) for eb in f.expert_bytes) + 8192) // huge) * huge
     other = 12345
-    avail = AUTO_MARGIN_MIN_BYTES + staging + other + 5 * f.slot_bytes  # the margin is its minimum here
+    avail = AUTO_MARGIN_MIN_BYTES + staging + other + 5 * f.ram_slot_bytes  # the margin is its minimum here
     mem = dict(total=2 * avail, source="test")
     got, why = auto_ram_slots(f, 1, other, memory=dict(mem, available=avail))
     assert got == 5 and f"{staging} for the I/O workers" in why
@@ -612,6 +612,30 @@ def test_run_command_takes_the_flag(tiny_model, tmp_path):
     assert "RAM tier hit rate" in err, err
     # the second pass's count: some experts were read during the decode at this budget, and computed after
     assert re.search(r"; [1-9]\d* of \d+ CPU experts computed in the second pass", err), err
+
+
+@pytest.mark.parametrize("arch, quant", [("qwen3moe", "Q8_0"), ("deepseek2", "Q4_0")])
+def test_direct_reads_land_in_the_slots(arch, quant, tiny_model):
+    """Experts whose matrices are whole multiples of 4 KiB (as in real models) are read by O_DIRECT straight into
+    their RAM slots, each matrix at its tensor's file offset modulo 4 KiB (the tensors start on 32-byte boundaries),
+    with no staging buffer and no copy: at the smallest budget, upstream's tokens and logits bit for bit, and every
+    direct read in place. Control: the default tiny shapes (not multiples of 4 KiB) go through staging."""
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = tiny_model(arch, quant, n_embd=256, n_ff_exp=256)
+    f = engine_facts(path)
+    assert all(b % 4096 == 0 for eb in f.expert_bytes for b in eb if b), f.expert_bytes
+    tokens = _tokens(path, 9)
+    want, want_lg = _reference(path, tokens, 7)
+    have, have_lg, st = _ram_run(path, tokens, 7)
+    assert have == want
+    assert np.array_equal(have_lg, want_lg)
+    ram = st["ram"]
+    assert ram["direct_matrices"] > 0 and ram["in_place_matrices"] == ram["direct_matrices"], ram
+    small = tiny_model(arch, quant)
+    assert any(b % 4096 for eb in engine_facts(small).expert_bytes for b in eb)
+    _, _, st = _ram_run(small, _tokens(small, 9), 7)
+    assert st["ram"]["direct_matrices"] > 0 and st["ram"]["in_place_matrices"] == 0, st["ram"]
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])

@@ -38,7 +38,7 @@ def _budgets(path, ub, gpu_cache):
 
     f = engine_facts(path)
     slots = f.top_k if gpu_cache == "k" else len(f.moe_layers) * f.n_expert // 2
-    return min_ram_slots(f, ub) * f.slot_bytes, slots * f.slot_bytes
+    return min_ram_slots(f, ub) * f.ram_slot_bytes, slots * f.slot_bytes
 
 
 def _reference(path, rpc_server, ub, n_prompt, **kw):
@@ -293,10 +293,10 @@ def test_ram_slots_over_several_buffers_match_upstream(gpu_cache, parts, tiny_mo
     path = tiny_model("qwen3moe", "Q4_K_M")
     f = engine_facts(path)
     n = min_ram_slots(f, 7)
-    monkeypatch.setenv("HYBRIMOE_MAX_BUFFER_BYTES", str((n // parts + 2) * f.slot_bytes))
+    monkeypatch.setenv("HYBRIMOE_MAX_BUFFER_BYTES", str((n // parts + 2) * f.ram_slot_bytes))
     tokens, ref_out, ref_lg = _reference(path, rpc_server, 7, 17)
     extra = dict(moe_cache=f.top_k * f.slot_bytes, moe_policy="gpu-on-demand") if gpu_cache else {}
-    llm = Llama(str(path), moe_ram_cache=n * f.slot_bytes, moe_cost_model=split_cost_model, **extra,
+    llm = Llama(str(path), moe_ram_cache=n * f.ram_slot_bytes, moe_cost_model=split_cost_model, **extra,
                 **_common(rpc_server, 7))
     try:
         out, lg = greedy_with_logits(llm, tokens, N_GEN)
@@ -318,7 +318,7 @@ def test_too_many_ram_buffers_are_refused_with_the_numbers(tiny_model, monkeypat
 
     path = tiny_model("qwen3moe", "Q8_0")
     f = engine_facts(path)
-    monkeypatch.setenv("HYBRIMOE_MAX_BUFFER_BYTES", str(2 * f.slot_bytes))
+    monkeypatch.setenv("HYBRIMOE_MAX_BUFFER_BYTES", str(2 * f.ram_slot_bytes))
     with pytest.raises(Exception, match=r"would need \d+ buffers of at most \d+ bytes; at most 6"):
         Llama(str(path), moe_ram_cache="100%", moe_cost_model="rtx4090-desktop", n_ctx=256, n_ubatch=7, verbose=False)
 
@@ -363,10 +363,11 @@ def test_exclusive_tiers_read_each_expert_about_once_when_both_tiers_hold_all(ti
 
     path = tiny_model("qwen3moe", "Q8_0")
     f = engine_facts(path)
-    half = len(f.moe_layers) * f.n_expert // 2 * f.slot_bytes
+    half = len(f.moe_layers) * f.n_expert // 2
     read = {}
     for exclusive in (True, False):
-        llm = Llama(str(path), moe_cache=half, moe_ram_cache=half, moe_cost_model=split_cost_model,
+        llm = Llama(str(path), moe_cache=half * f.slot_bytes, moe_ram_cache=half * f.ram_slot_bytes,
+                    moe_cost_model=split_cost_model,
                     moe_ram_exclusive=exclusive, **_common(rpc_server, 1))
         try:
             greedy_with_logits(llm, prompt_tokens(llm, 9), 48)

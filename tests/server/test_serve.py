@@ -271,7 +271,7 @@ def test_the_ram_tier_is_served_with_its_stats(gpu, chat_model, rpc_server_facto
     from hybrimoe.runtime.engine_facts import engine_facts
 
     f = engine_facts(chat_model)
-    budget = f.n_expert * f.slot_bytes  # one MoE layer's experts: every token reads from the file
+    budget = f.n_expert * f.ram_slot_bytes  # one MoE layer's experts: every token reads from the file
     # a server of its own: an RPC server serves one client at a time, and this process may hold the shared one
     extra = (["--rpc", rpc_server_factory().endpoint, "-ngl", "99", "--moe-cache", str(f.top_k * f.slot_bytes)]
              if gpu else [])
