@@ -857,6 +857,13 @@ void RamTier::set_layer(int layer, const ExpertMatrices & m) {
     std::lock_guard<std::mutex> lock(mu_);
     layers_[(size_t) layer] = m;
     repack_[(size_t) layer] = rp;
+    for (size_t i = 0; i < 3; ++i) {
+        if (!rp[i]) continue;
+        // a repacked matrix is written by the repack, not read in place: it starts at its slot's aligned start,
+        // as ggml's repacked buffers start theirs
+        phase_[(size_t) layer][i] = 0;
+        into_slot_[(size_t) layer][i] = false;
+    }
 }
 
 bool RamTier::repacked(int layer, int region) const {

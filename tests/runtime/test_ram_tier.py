@@ -638,6 +638,24 @@ def test_direct_reads_land_in_the_slots(arch, quant, tiny_model):
     assert st["ram"]["direct_matrices"] > 0 and st["ram"]["in_place_matrices"] == 0, st["ram"]
 
 
+def test_repacked_slots_of_page_sized_experts_match_upstream(tiny_model, monkeypatch):
+    """With HYBRIMOE_RAM_REPACK=1, experts whose matrices are whole 4 KiB pages are read through staging and repacked
+    into their slots from the slot's start (no file-offset phase): upstream's default numbers bit for bit."""
+    from hybrimoe.runtime.engine_facts import cpu_repacked_types, engine_facts
+
+    monkeypatch.setenv("HYBRIMOE_RAM_REPACK", "1")
+    path = tiny_model("deepseek2", "Q4_0", n_embd=256, n_ff_exp=256)
+    assert all(b % 4096 == 0 for eb in engine_facts(path).expert_bytes for b in eb if b)
+    tokens = _tokens(path, 9)
+    want, want_lg = _reference(path, tokens, 7, repacked_experts=True)
+    have, have_lg, st = _ram_run(path, tokens, 7)
+    assert have == want
+    assert np.array_equal(have_lg, want_lg)
+    repacks = "Q4_0" in cpu_repacked_types()
+    assert any(any(r) for r in st["repacked"]) == repacks, st["repacked"]
+    assert (st["ram"]["in_place_matrices"] < st["ram"]["direct_matrices"]) == repacks, st["ram"]
+
+
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
 def test_buffered_reads_match_upstream(arch, tiny_model, monkeypatch):
     """With HYBRIMOE_RAM_DIRECT_IO=0 (buffered reads, the fallback where a file system refuses O_DIRECT), at the
