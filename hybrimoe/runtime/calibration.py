@@ -469,10 +469,11 @@ def with_first_use_cost(llm, setup, threads: Optional[int] = None):
         return dataclasses.replace(setup, cost=resolve_cost_model(str(found), setup.facts.model),
                                    cost_source=str(found))
     if failed:
-        why = f"first-use calibration failed: {failed}"
+        why = f"first-use calibration failed: {failed}: hybrimoe calibrate"
     elif setup.n_slots == 0:
-        why = "no calibration stored; none measured without GPU slots"
+        # every expert runs on the CPU: no split is planned, so the preset's GPU figures decide nothing
+        why = "no GPU slots: every expert on the CPU, nothing for it to decide"
     else:
-        why = "no calibration stored, first-use calibration off"
+        why = "no calibration stored, first-use calibration off: hybrimoe calibrate"
     return dataclasses.replace(setup, cost=resolve_cost_model(None, setup.facts.model),
-                               cost_source=f"preset {DEFAULT_COST_HARDWARE} ({why}: hybrimoe calibrate)")
+                               cost_source=f"preset {DEFAULT_COST_HARDWARE} ({why})")

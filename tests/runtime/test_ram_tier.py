@@ -717,3 +717,18 @@ def test_decode_read_ahead_stops_when_its_predictions_miss(tiny_model):
         llm.close()
     assert early["prefetch_reads"] >= 8 and early["prefetch_accuracy"] < 0.5, early
     assert late["demand_reads"] > 0 and late["prefetch_reads"] <= late["demand_reads"] / 10, late
+
+
+def test_a_cpu_only_run_says_its_cost_model_decides_nothing(tiny_model):
+    """With the RAM tier and no GPU slots every expert runs on the CPU: the stats say the default preset decides
+    nothing there, and do not send the user to ``hybrimoe calibrate`` (which measures GPU copies and kernels)."""
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), moe_ram_cache=_min_budget(path, 7), **_kw(7))
+    try:
+        llm.eval(_tokens(path, 5))
+        src = llm.moe_stats()["engine"]["cost_model"]
+    finally:
+        llm.close()
+    assert "no GPU slots" in src and "calibrate" not in src, src
