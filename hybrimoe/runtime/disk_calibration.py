@@ -263,7 +263,7 @@ def _cpu_seconds() -> float:
 def _read_cpu(reads: list) -> tuple[float, str]:
     """(CPU seconds per byte, how) of reading ``reads`` (cold (file, offset, bytes) expert matrices) the RAM tier's
     way (src/runtime/ram_tier.cpp): :data:`IO_WORKERS` threads, each an O_DIRECT pread of the page-aligned span into
-    an aligned buffer, with no copy when every matrix is a whole number of 4 KiB pages (the tier then reads straight
+    an aligned buffer, with no copy for a matrix that is a whole number of 4 KiB pages (the tier reads those straight
     into its slots), else into a staging buffer and a copy of the matrix into a slot buffer; buffered preads followed
     by POSIX_FADV_DONTNEED where O_DIRECT is off (``HYBRIMOE_RAM_DIRECT_IO=0``) or the file system refuses it.
 
@@ -281,13 +281,14 @@ def _read_cpu(reads: list) -> tuple[float, str]:
         for m in slots:
             m.write(bytes(largest))
         bufs = list(zip(stage.views, (memoryview(m) for m in slots)))
-        in_place = direct and all(nb % 4096 == 0 for _, _, nb in reads)  # ram_tier.cpp's into_slot_
+        # ram_tier.cpp's into_slot_: a direct read of a whole number of 4 KiB pages lands in its slot, no copy
+        n_in_place = sum(1 for _, _, nb in reads if direct and nb % 4096 == 0)
 
         def one(i_r):
             i, (path, off, nb) = i_r
             staging, slot = bufs[i % IO_WORKERS]
             head = _read_span(fds[path], staging, path, off, nb, direct)
-            if not in_place:
+            if not (direct and nb % 4096 == 0):
                 slot[:nb] = staging[head:head + nb]  # one copy, view to view, as the tier's memcpy
             if not direct:
                 os.posix_fadvise(fds[path], off, nb, os.POSIX_FADV_DONTNEED)
@@ -310,8 +311,8 @@ def _read_cpu(reads: list) -> tuple[float, str]:
             os.close(fd)
     nbytes = sum(nb for _, _, nb in reads)
     how = (f"{'O_DIRECT' if direct else 'buffered'} reads of {nbytes / 1e6:.0f} MB of expert matrices by "
-           f"{IO_WORKERS} threads, {'in place (no copy)' if in_place else 'with a copy into a slot each'} (the RAM "
-           f"tier's read path): {cpu:.2f} CPU seconds "
+           f"{IO_WORKERS} threads, {n_in_place} of {len(reads)} in place, the others with a copy into a slot (the "
+           f"RAM tier's read path): {cpu:.2f} CPU seconds "
            f"(user + system); a CPU share whose threads use every core loses it all, as ggml's threads meet at a "
            f"barrier after every op")
     return cpu / max(nbytes, 1), how

@@ -87,9 +87,10 @@ class EngineFacts:
 
     @property
     def ram_slot_bytes(self) -> int:
-        """Bytes of one RAM-tier expert slot: as :attr:`slot_bytes`, but each matrix region holds the largest matrix
-        plus the tier's direct-read alignment (4 KiB), rounded up to a multiple of it (``Engine.ram_direct_align``:
-        an O_DIRECT read lands in the slot, the matrix at its file offset's phase, with no copy)."""
+        """Bytes of one RAM-tier expert slot: as :attr:`slot_bytes`, but a matrix kind that some layer stores in whole
+        4 KiB pages (the tier's direct-read alignment, ``Engine.ram_direct_align``) holds the largest matrix plus 4 KiB,
+        rounded up to 4 KiB (4-8 KiB more): an O_DIRECT read lands in the slot, the matrix at its file offset's phase,
+        with no copy. Other kinds (gpt-oss's MXFP4 shapes, say) keep the GPU slot's size."""
         E = engine_module().Engine
         return int(E.slot_bytes_for([tuple(b) for b in self.expert_bytes], [tuple(t) for t in self.expert_types],
                                     [tuple(b) for b in self.bias_bytes], [tuple(b) for b in self.scale_bytes],
@@ -205,6 +206,12 @@ def engine_facts(path: Union[str, os.PathLike, GGUFFile]) -> EngineFacts:
                        variants={il: v["name"] for il, v in d["expert_variants"].items()},
                        weight_before_ffn=any(v["weight_before_ffn"] for v in variants),
                        clamped=any(v["clamp_form"] for v in variants))
+
+
+def ram_slot_bytes(model_path: Union[str, os.PathLike]) -> int:
+    """Bytes of one RAM-tier expert slot of the model at ``model_path`` (:attr:`EngineFacts.ram_slot_bytes`): the unit
+    ``moe_ram_cache`` budgets in bytes are rounded down to. Raises as :func:`engine_facts`."""
+    return engine_facts(model_path).ram_slot_bytes
 
 
 def slot_bytes(model_path: Union[str, os.PathLike]) -> int:

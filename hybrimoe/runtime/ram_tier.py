@@ -167,9 +167,10 @@ def ram_slots(spec, facts: EngineFacts, n_ubatch: int, memory: Optional[dict] = 
     if n < need:
         fewer = ubatch_hint and min_ram_slots(facts, 1) < need  # a smaller ubatch routes to fewer experts
         raise ValueError(f"moe_ram_cache={spec!r} holds {n} expert{'' if n == 1 else 's'} of {sb} bytes; a ubatch of "
-                         f"{n_ubatch} tokens can "
+                         f"{n_ubatch} token{'' if n_ubatch == 1 else 's'} can "
                          f"route to {need} experts of one layer, which must all be in RAM while it computes: give at "
-                         f"least {need * sb} bytes ({100.0 * need / n_all:.1f}% of the routed experts)"
+                         f"least {need * sb} bytes, {need} RAM slots of {sb} bytes ({100.0 * need / n_all:.1f}% of the "
+                         "routed experts)"
                          + (", or a smaller n_ubatch" if fewer else ""))
     return n, f"moe_ram_cache={spec!r}: {n} of {n_all} experts in RAM slots of {sb} bytes"
 

@@ -43,9 +43,14 @@ std::array<int64_t, 3> SlotPool::region_strides(const std::vector<std::array<int
     if (direct_align < 0 || (direct_align > 0 && direct_align % kAlign != 0)) {
         throw std::invalid_argument("engine: a direct-read alignment must be a multiple of " + std::to_string(kAlign));
     }
+    // a kind whose matrices are a whole number of direct_align blocks in some layer can be read in place there
+    std::array<bool, 3> in_place{false, false, false};
+    for (size_t l = 0; direct_align > 0 && l < eb.size(); ++l) {
+        for (size_t i = 0; i < 3; ++i) in_place[i] = in_place[i] || (eb[l][i] > 0 && eb[l][i] % direct_align == 0);
+    }
     std::array<int64_t, 3> st{};
     for (size_t i = 0; i < 3; ++i) {
-        st[i] = direct_align > 0 && mx[i] > 0 ? round_up(mx[i] + direct_align, direct_align) : round_up(mx[i], unit[i]);
+        st[i] = in_place[i] ? round_up(mx[i] + direct_align, direct_align) : round_up(mx[i], unit[i]);
     }
     return st;
 }
@@ -119,6 +124,8 @@ SlotPool::SlotPool(int n_layers, int n_expert, const std::vector<std::array<int6
                    const std::vector<std::array<int64_t, 3>> & scale_bytes, int64_t direct_align)
     : n_layers_(n_layers), n_expert_(n_expert), direct_align_(direct_align) {
     const auto st = region_strides(expert_bytes, expert_types, direct_align);
+    // no kind read in place (none stored in whole blocks): nothing to align beyond the usual
+    if (st == region_strides(expert_bytes, expert_types)) direct_align_ = 0;
     const auto bs = bias_strides(bias_bytes, expert_bytes.size());
     const auto ss = scale_strides(scale_bytes, expert_bytes.size());
     for (size_t i = 0; i < 3; ++i) {

@@ -33,11 +33,12 @@ public:
     /// layers, rounded up to a multiple of 16 and of every ggml block size used for that kind (kernels, CUDA's
     /// among them, index an expert as stride / block size). Throws std::invalid_argument on mismatched lengths or
     /// an unknown type.
-    /// With `direct_align` > 0 (a pool of host slots that O_DIRECT reads land in: the RAM tier's), each matrix
-    /// region's stride is instead the largest matrix plus `direct_align`, rounded up to a multiple of it: an aligned
-    /// read of a matrix that starts up to direct_align - 1 bytes into its slot (its file offset's phase) fits, and
-    /// every slot starts aligned. Such strides need not be whole blocks: only ggml-cpu's kernels, which index an
-    /// expert by bytes, read those slots.
+    /// With `direct_align` > 0 (a pool of host slots that O_DIRECT reads land in: the RAM tier's), the stride of a
+    /// matrix kind that some layer stores in whole `direct_align` blocks (those can be read in place) is instead the
+    /// largest matrix plus `direct_align`, rounded up to a multiple of it: an aligned read of a matrix that starts
+    /// up to direct_align - 1 bytes into its slot (its file offset's phase) fits, and every slot starts aligned.
+    /// Such strides need not be whole blocks: only ggml-cpu's kernels, which index an expert by bytes, read those
+    /// slots. Other kinds keep their usual stride (their reads go through staging).
     static std::array<int64_t, 3> region_strides(const std::vector<std::array<int64_t, 3>> & expert_bytes,
                                                  const std::vector<std::array<int32_t, 3>> & expert_types,
                                                  int64_t direct_align = 0);
@@ -193,7 +194,8 @@ private:
     int64_t region_base(int which, int64_t n) const;
 
     int n_layers_, n_expert_;
-    int64_t direct_align_ = 0;            // > 0: regions aligned for direct reads (constructor)
+    int64_t direct_align_ = 0;            // > 0: regions aligned for direct reads (constructor; 0 when no kind is read
+                                          // in place, as region_strides decides)
     bool direct_ok_ = false;              // open_host: every slot starts on a multiple of direct_align_
     void * own_mem_ = nullptr;            // open_host's own mapping (CPU buffer type with direct_align_), or null
     size_t own_bytes_ = 0;

@@ -560,6 +560,26 @@ def test_slot_strides_are_whole_blocks(tiny_model):
     assert s[2] % 144 == 0 and s[2] % 210 == 0 and s[2] >= 2_365_440
 
 
+
+def test_ram_slot_strides_pad_only_the_kinds_read_in_place():
+    """RAM slots (``direct_align``): a matrix kind stored in whole 4 KiB pages in some layer gets the largest matrix
+    plus 4 KiB, rounded up to 4 KiB (an aligned direct read at its file offset's phase fits, and every slot starts
+    aligned); a kind never stored so (read through staging) keeps the GPU slot's stride."""
+    from hybrimoe import _engine
+
+    E = _engine.Engine
+    eb = [(1_622_016, 1_622_016, 2_365_440), (1_622_016, 1_622_016, 2_365_440)]  # Q4_K gate/up, Q6_K down
+    et = [(12, 12, 14), (12, 12, 14)]
+    gpu = E.region_strides(eb, et)
+    ram = E.region_strides(eb, et, direct_align=E.ram_direct_align)
+    assert E.ram_direct_align == 4096
+    assert ram[0] == ram[1] == 1_622_016 + 4096 and ram[0] % 4096 == 0
+    assert 2_365_440 % 4096 != 0 and ram[2] == gpu[2]
+    assert E.slot_bytes_for(eb, et, direct_align=4096) == sum(ram)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        E.region_strides(eb, et, direct_align=100)
+
+
 @pytest.mark.slow
 def test_many_ubatch_sizes_keep_upstreams_numbers(tiny_model, rpc_server):
     """More ubatch sizes than the engine keeps GPU graphs for (it starts over between layers, never while a

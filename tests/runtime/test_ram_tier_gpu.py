@@ -284,8 +284,8 @@ def test_ram_slots_over_several_buffers_match_upstream(gpu_cache, parts, tiny_mo
                                                        monkeypatch):
     """A host buffer type that caps one buffer (Vulkan's pinned memory; here $HYBRIMOE_MAX_BUFFER_BYTES): the RAM
     slots lie in several buffers and the CPU share runs once per buffer, each pair in the share of its expert's
-    buffer; up to three buffers in two passes (a second share per buffer), with more in one. Upstream's tokens and
-    logits bit for bit, with or without a GPU cache above."""
+    buffer; up to three buffers in two passes (a second share per buffer), with more in one (no expert in a second
+    pass). Upstream's tokens and logits bit for bit, with or without a GPU cache above."""
     from hybrimoe import Llama
     from hybrimoe.runtime.engine_facts import engine_facts
     from hybrimoe.runtime.ram_tier import min_ram_slots
@@ -307,7 +307,10 @@ def test_ram_slots_over_several_buffers_match_upstream(gpu_cache, parts, tiny_mo
     assert out == ref_out and np.array_equal(lg, ref_lg)
     assert 2 <= st["ram"]["buffers"] <= 6 and st["ram"]["misses"] > 0, st["ram"]
     assert st["cpu_experts"] > 0 and not stats["unsupported"] and not stats["engine_skipped"], stats
-    assert (st["cpu_late_experts"] > 0) == (st["ram"]["buffers"] <= 3), (st["ram"]["buffers"], st["cpu_late_experts"])
+    # past three buffers one pass only; up to three a second pass runs when a read is still in flight at the plan,
+    # which on these tiny experts depends on timing (test_run_command_takes_the_flag counts one)
+    if st["ram"]["buffers"] > 3:
+        assert st["cpu_late_experts"] == 0, (st["ram"]["buffers"], st["cpu_late_experts"])
     if gpu_cache:
         assert st["gpu_experts"] > 0
 
