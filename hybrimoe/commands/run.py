@@ -73,10 +73,12 @@ def timing_lines(gen, stats: dict) -> list[str]:
                 lines.append(f"hybrimoe: {e['all_cpu_reason']}")
         r = e.get("ram") or {}
         if r:
+            ahead = (f"{r['bytes_prefetch'] / 2**20:.1f} MiB of it ahead, prefetch accuracy "
+                     f"{r['prefetch_accuracy']:.2f}" if r['prefetch_reads'] else "none ahead")
             lines.append(f"hybrimoe: RAM tier hit rate {r['hit_rate']:.3f} ({r['hits']} of {r['accesses']}; "
                          f"{r['n_slots']} slots of {r['slot_bytes']} B), {r['bytes_read'] / 2**20:.1f} MiB read from "
-                         f"the file ({r['bytes_prefetch'] / 2**20:.1f} ahead, prefetch accuracy "
-                         f"{r['prefetch_accuracy']:.2f}), {1e3 * r['wait_s']:.1f} ms waiting for reads; "
+                         f"the file ({ahead}; {r.get('in_place_matrices', 0)} of {r.get('direct_matrices', 0)} direct "
+                         f"reads in place), {1e3 * r['wait_s']:.1f} ms waiting for reads; "
                          f"{e.get('cpu_late_experts', 0)} of {e['cpu_experts']} CPU experts computed in the second "
                          "pass, after their reads")
             if r.get("exclusive"):
