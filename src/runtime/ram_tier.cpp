@@ -858,9 +858,10 @@ void RamTier::set_layer(int layer, const ExpertMatrices & m) {
     layers_[(size_t) layer] = m;
     repack_[(size_t) layer] = rp;
     for (size_t i = 0; i < 3; ++i) {
-        if (!rp[i]) continue;
         // a repacked matrix is written by the repack, not read in place: it starts at its slot's aligned start,
-        // as ggml's repacked buffers start theirs
+        // as ggml's repacked buffers start theirs. Written at the first graph build, before any read; a later
+        // build (another ubatch size, reads in flight) finds the same values and writes nothing.
+        if (!rp[i] || (phase_[(size_t) layer][i] == 0 && !into_slot_[(size_t) layer][i])) continue;
         phase_[(size_t) layer][i] = 0;
         into_slot_[(size_t) layer][i] = false;
     }
