@@ -49,6 +49,10 @@ def _routing_replay(args, model):
 
 def _print_engine_stats(stats: dict) -> None:
     e = stats["engine"]
+    if e["n_slots"] == 0:  # no GPU cache (the RAM tier alone, or moe_cache=0): every expert on the CPU
+        print(f"hybrimoe: engine {e['policy']}: no GPU cache, every expert on the CPU ({e['cpu_experts']}), "
+              f"{e['layer_s'] * 1e6:.0f} us per MoE layer", file=sys.stderr)
+        return
     print(f"hybrimoe: engine {e['policy']}: {e['n_slots']} slots of {e['slot_bytes']} B, hit rate "
           f"{e['hit_rate']:.3f}, experts CPU {e['cpu_experts']} / GPU {e['gpu_experts']}, H2D "
           f"{e['bytes_copied'] / 2**20:.1f} MiB, {e['layer_s'] * 1e6:.0f} us per MoE layer; cost model: "

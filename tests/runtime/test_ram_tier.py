@@ -610,6 +610,8 @@ def test_run_command_takes_the_flag(tiny_model, tmp_path):
                     "rtx4090-desktop")
     assert have == want
     assert "RAM tier hit rate" in err, err
+    # no GPU cache: the engine line says so instead of a GPU hit rate of 0 and a GPU preset
+    assert "no GPU cache, every expert on the CPU" in err and "hit rate 0.000" not in err, err
     # the second pass's count: some experts were read during the decode at this budget, and computed after
     assert re.search(r"; [1-9]\d* of \d+ CPU experts computed in the second pass", err), err
 
