@@ -58,5 +58,15 @@ def __getattr__(name: str):
     if name == "_engine":  # links our libllama: llama_cpp must be loaded on it first
         return importlib.import_module("hybrimoe.runtime.engine_facts").engine_module()
     if name in _SUBMODULES:
-        return importlib.import_module(f"hybrimoe.{name}")
+        try:
+            return importlib.import_module(f"hybrimoe.{name}")
+        except ModuleNotFoundError as e:
+            if name != "_core" or e.name != "hybrimoe._core":
+                raise
+            # a source checkout on sys.path (python -m pytest, or python run inside it) hides the installed package
+            raise ModuleNotFoundError(
+                f"No module named 'hybrimoe._core': the compiled part of hybrimoe is not in {__path__[0]}. Python "
+                "imported hybrimoe from a source checkout, which shadows the installed package when Python runs from "
+                "it (python -m pytest puts the working directory first on sys.path): run pytest, or work from "
+                "another directory; or install it (pip install .)", name=e.name) from None
     raise AttributeError(f"module 'hybrimoe' has no attribute {name!r}")

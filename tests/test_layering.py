@@ -170,3 +170,19 @@ def test_one_import_style(edges):
             if isinstance(node, ast.ImportFrom) and node.level:
                 rel.append(f"{m}:{node.lineno}")
     assert rel == []
+
+
+def test_a_source_checkout_on_the_path_says_it_shadows_the_package():
+    """Python run inside the checkout (``python -m pytest`` puts the working directory first on sys.path) imports
+    hybrimoe from the source tree, which has no compiled ``_core``: the error says so and what to run instead, not
+    only "No module named 'hybrimoe._core'"."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    if any(p.suffix in (".so", ".pyd") for p in (repo / "hybrimoe").glob("_core*")):
+        pytest.skip("this checkout holds a built _core (an in-place build): nothing is shadowed")
+    r = subprocess.run([sys.executable, "-c", "import hybrimoe; hybrimoe._core"], cwd=repo, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0, r.stdout
+    assert "shadows the installed package" in r.stderr and "run pytest" in r.stderr, r.stderr
