@@ -82,6 +82,11 @@ Args:
     fused_cpu: compute each layer's CPU share as one fused op where it can (src/runtime/fused_moe.h), else with
         upstream's ops: 0 off, 1 with upstream's kernels and numbers, 2 also with repacked gemm kernels that round
         differently from upstream's gemv (faster prefill of Q4_K experts on x86).
+    more_devices: several accelerators: the devices after ``device``, each a tuple (n_slots, device,
+        max_buffer_bytes, cost_model) with a slot pool of its own; more_policies: per such device, in the same
+        order, (cache, scheduler, prefetcher): an ExpertCache over every MoE layer sized in that device's slots, whose
+        other layers have expert bytes 0 (a device caches only the layers it serves); layer_device: per MoE layer, the
+        device serving its GPU share (0: ``device``, i: more_devices[i - 1]; llama.cpp's layer split, empty: all 0).
 Raises:
     ValueError: inconsistent facts or cost model. RuntimeError: the device cannot hold the slot pool; a model file
     cannot be opened or changed since the load; the RAM slots cannot be allocated.
@@ -103,7 +108,12 @@ Raises:
                          std::vector<std::array<int64_t, 3>> offset_of, int ram_io_threads,
                          std::shared_ptr<hybrimoe::ExpertCache> ram_cache, bool ram_drop_after_read,
                          bool ram_direct_io, int fused_cpu, bool ram_repack, bool ram_exclusive,
-                         bool ram_two_pass) {
+                         bool ram_two_pass,
+                         std::vector<std::tuple<int64_t, uintptr_t, int64_t, hybrimoe::CostModel>> more_devices,
+                         std::vector<std::tuple<std::shared_ptr<hybrimoe::ExpertCache>,
+                                                std::shared_ptr<hybrimoe::SchedulePolicy>,
+                                                std::shared_ptr<hybrimoe::PrefetchPolicy>>> more_policies,
+                         std::vector<int> layer_device) {
                  EngineConfig c;
                  c.n_layer = n_layer;
                  c.n_expert = n_expert;
@@ -138,11 +148,24 @@ Raises:
                  c.ram.repack = ram_repack;
                  c.ram.exclusive = ram_exclusive;
                  c.ram.two_pass = ram_two_pass;
+                 for (const auto & md : more_devices) {
+                     hybrimoe::EngineDevice d;
+                     d.n_slots = std::get<0>(md);
+                     d.device = reinterpret_cast<ggml_backend_dev_t>(std::get<1>(md));
+                     d.max_buffer_bytes = std::get<2>(md);
+                     d.cost = std::get<3>(md);
+                     c.more_devices.push_back(d);
+                 }
+                 c.layer_device = std::move(layer_device);
+                 std::vector<hybrimoe::EnginePolicies> more;
+                 for (const auto & mp : more_policies) {
+                     more.push_back({std::get<0>(mp), std::get<1>(mp), std::get<2>(mp)});
+                 }
                  // The arguments keep the policies (and a Python subclass's object) alive while the GIL is
                  // released: nothing Python is freed without it.
                  py::gil_scoped_release nogil;
-                 return std::shared_ptr<Engine>(new Engine(std::move(c), cache, scheduler, prefetcher, ram_cache),
-                                                delete_engine);
+                 return std::shared_ptr<Engine>(
+                     new Engine(std::move(c), cache, scheduler, prefetcher, ram_cache, std::move(more)), delete_engine);
              }),
              py::arg("n_layer"), py::arg("n_expert"), py::arg("top_k"), py::arg("n_embd"), py::arg("moe_layers"),
              py::arg("expert_bytes"), py::arg("expert_types"), py::arg("n_slots"), py::arg("device"), py::arg("cost_model"),
@@ -156,7 +179,10 @@ Raises:
              py::arg("offset_of") = std::vector<std::array<int64_t, 3>>{}, py::arg("ram_io_threads") = 4,
              py::arg("ram_cache") = std::shared_ptr<hybrimoe::ExpertCache>(), py::arg("ram_drop_after_read") = true,
              py::arg("ram_direct_io") = true, py::arg("fused_cpu") = 0, py::arg("ram_repack") = false,
-             py::arg("ram_exclusive") = false, py::arg("ram_two_pass") = true)
+             py::arg("ram_exclusive") = false, py::arg("ram_two_pass") = true,
+             py::arg("more_devices") = std::vector<std::tuple<int64_t, uintptr_t, int64_t, hybrimoe::CostModel>>{},
+             py::arg("more_policies") = py::list(),
+             py::arg("layer_device") = std::vector<int>{})
         .def_static("slot_bytes_for", &SlotPool::slot_bytes_for, py::arg("expert_bytes"), py::arg("expert_types"),
                     py::arg("bias_bytes") = std::vector<std::array<int64_t, 3>>{},
                     py::arg("scale_bytes") = std::vector<std::array<int64_t, 3>>{}, py::arg("direct_align") = 0,
@@ -179,7 +205,19 @@ Raises:
              "Negative control for tests: the GPU share leaves one variant's op out ('weight_before', 'gate_up', "
              "'activation', 'scales', 'clamp'; '' for none). ValueError for another name.")
         .def_property_readonly("slot_bytes", [](const Engine & e) { return e.pool().slot_bytes(); })
-        .def_property_readonly("n_slots", &Engine::n_slots)
+        .def_property_readonly("n_slots", [](const Engine & e) { return e.n_slots(); },
+                               "GPU expert slots of every device (0 after release()).")
+        .def_property_readonly("n_devices", &Engine::n_devices, "Devices with a slot pool (1 + len(more_devices)).")
+        .def("device_slots", [](const Engine & e, int d) { return e.n_slots(d); }, py::arg("device"),
+             "GPU expert slots of one device (IndexError outside range(n_devices)).")
+        .def("device_of", &Engine::device_of, py::arg("layer"),
+             "The device (index) whose slots serve MoE layer `layer`'s GPU share (IndexError outside the layers).")
+        .def("device_slots_in_use", [](const Engine & e, int d) { return e.pool(d).slots_in_use(); },
+             py::arg("device"), "Slots of one device holding an expert.")
+        .def("device_slot_of", [](const Engine & e, int d, int layer, int expert) {
+                 return e.pool(d).slot_of(layer, expert); },
+             py::arg("device"), py::arg("layer"), py::arg("expert"),
+             "Slot of (layer, expert) on one device, or -1.")
         .def("slot_of", [](const Engine & e, int layer, int expert) { return e.pool().slot_of(layer, expert); },
              py::arg("layer"), py::arg("expert"),
              "GPU slot of a resident (MoE layer, expert), or -1.")

@@ -147,26 +147,67 @@ std::string cpu_backend_problem() {
            "llama_cpp, in a fresh process, and do not build llama-cpp-python with GGML_BACKEND_DL";
 }
 
+Engine::Dev::Dev(int index_, const EngineConfig & cfg, const EngineDevice & d, EnginePolicies p)
+    : index(index_), n_slots(d.n_slots), device(d.device), max_buffer_bytes(d.max_buffer_bytes), cost(d.cost),
+      cache(std::move(p.cache)), scheduler(std::move(p.scheduler)), prefetcher(std::move(p.prefetcher)),
+      pool((int) cfg.moe_layers.size(), cfg.n_expert, cfg.expert_bytes, cfg.expert_types, cfg.bias_bytes,
+           cfg.scale_bytes) {}
+
+int64_t Engine::n_slots() const {
+    int64_t n = 0;
+    for (const auto & d : devs_) n += d->n_slots;
+    return n;
+}
+
 Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared_ptr<SchedulePolicy> scheduler,
-               std::shared_ptr<PrefetchPolicy> prefetcher, std::shared_ptr<ExpertCache> ram_cache)
-    : cfg_(std::move(cfg)), cache_(std::move(cache)), scheduler_(std::move(scheduler)),
-      prefetcher_(std::move(prefetcher)),
-      pool_((int) cfg_.moe_layers.size(), cfg_.n_expert, cfg_.expert_bytes, cfg_.expert_types, cfg_.bias_bytes,
-            cfg_.scale_bytes) {
+               std::shared_ptr<PrefetchPolicy> prefetcher, std::shared_ptr<ExpertCache> ram_cache,
+               std::vector<EnginePolicies> more)
+    : cfg_(std::move(cfg)) {
     const int L = (int) cfg_.moe_layers.size();
     if (cfg_.n_layer < 1 || cfg_.n_expert < 1 || cfg_.top_k < 1 || cfg_.n_embd < 1 || L < 1) {
         throw std::invalid_argument("engine: model facts must be positive (layers, experts, top-k, n_embd, MoE layers)");
     }
     if ((int) cfg_.expert_bytes.size() != L) throw std::invalid_argument("engine: one expert size per MoE layer");
-    if (!cache_ || !scheduler_ || !prefetcher_) throw std::invalid_argument("engine: cache and policies are required");
-    if (cache_->n_layers() != L || cache_->n_experts() != cfg_.n_expert) {
-        throw std::invalid_argument("engine: the cache has " + std::to_string(cache_->n_layers()) + " layers x " +
-                                    std::to_string(cache_->n_experts()) + " experts, the model " +
-                                    std::to_string(L) + " x " + std::to_string(cfg_.n_expert));
+    if (more.size() != cfg_.more_devices.size()) {
+        throw std::invalid_argument("engine: " + std::to_string(cfg_.more_devices.size() + 1) + " devices need " +
+                                    std::to_string(cfg_.more_devices.size() + 1) + " sets of policies, got " +
+                                    std::to_string(more.size() + 1));
     }
-    if (cfg_.n_slots < 0) throw std::invalid_argument("engine: negative slot count");
+    more.insert(more.begin(), EnginePolicies{std::move(cache), std::move(scheduler), std::move(prefetcher)});
+    EngineDevice first;
+    first.n_slots = cfg_.n_slots;
+    first.device = cfg_.device;
+    first.max_buffer_bytes = cfg_.max_buffer_bytes;
+    first.cost = cfg_.cost;
+    for (size_t d = 0; d <= cfg_.more_devices.size(); ++d) {
+        const EngineDevice & ed = d == 0 ? first : cfg_.more_devices[d - 1];
+        const std::string which = "engine: device " + std::to_string(d) + ": ";
+        if (!more[d].cache || !more[d].scheduler || !more[d].prefetcher) {
+            throw std::invalid_argument(which + "cache and policies are required");
+        }
+        const ExpertCache * c = more[d].cache.get();
+        if (c->n_layers() != L || c->n_experts() != cfg_.n_expert) {
+            throw std::invalid_argument(which + "the cache has " + std::to_string(c->n_layers()) + " layers x " +
+                                        std::to_string(c->n_experts()) + " experts, the model " +
+                                        std::to_string(L) + " x " + std::to_string(cfg_.n_expert));
+        }
+        if (ed.n_slots < 0) throw std::invalid_argument(which + "negative slot count");
+        ed.cost.validate();
+        devs_.emplace_back(new Dev((int) d, cfg_, ed, std::move(more[d])));
+    }
+    if (cfg_.layer_device.empty()) cfg_.layer_device.assign((size_t) L, 0);
+    if ((int) cfg_.layer_device.size() != L) {
+        throw std::invalid_argument("engine: layer_device has " + std::to_string(cfg_.layer_device.size()) +
+                                    " entries for " + std::to_string(L) + " MoE layers");
+    }
+    for (int d : cfg_.layer_device) {
+        if (d < 0 || d >= (int) devs_.size()) {
+            throw std::invalid_argument("engine: layer_device entry " + std::to_string(d) + " is not one of the " +
+                                        std::to_string(devs_.size()) + " devices");
+        }
+    }
+    dev_of_ = cfg_.layer_device;
     if (cfg_.prefetch_layers < 0) throw std::invalid_argument("engine: prefetch_layers must be >= 0");
-    cfg_.cost.validate();
     const std::string cpu_problem = cpu_backend_problem();
     if (!cpu_problem.empty()) throw std::runtime_error("engine: " + cpu_problem);
     moe_index_.assign((size_t) cfg_.n_layer, -1);
@@ -193,25 +234,35 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
     cfg_.router_bias.resize((size_t) L);
     predictor_.reset(new RouterPredictor(cfg_.n_expert, cfg_.top_k, cfg_.n_embd, cfg_.routers, cfg_.router_bias,
                                          cfg_.sigmoid_gating, cfg_.confidence, eb));
-    cache_->set_record_evicted(true);
-    cache_->take_evicted();
-    placement_.engine = this;
-    DeciderConfig dc;
-    dc.has_slots = cfg_.n_slots > 0;
-    dc.prefetch_layers = cfg_.prefetch_layers;
-    dc.fill_on_miss = cfg_.fill_on_miss;
-    decider_.reset(new LayerDecider(cache_, scheduler_, prefetcher_, cfg_.cost, dc));
-
-    if (cfg_.n_slots > 0) {
-        if (!cfg_.device) throw std::invalid_argument("engine: a device is required for a non-empty expert cache");
-        pool_.open(cfg_.device, cfg_.n_slots, cfg_.max_buffer_bytes);
-        gpu_.reset(new GpuShare(pool_, cfg_.n_embd));
-        // experts already resident in the cache (an initial fill) get slots now and are copied at first use
-        for (int64_t key : cache_->resident_keys()) {
-            if (!pool_.assign((int) (key / cfg_.n_expert), (int) (key % cfg_.n_expert))) break;
+    for (auto & dp : devs_) {
+        Dev & d = *dp;
+        d.cache->set_record_evicted(true);
+        d.cache->take_evicted();
+        d.placement.engine = this;
+        d.placement.dev = &d;
+        DeciderConfig dc;
+        dc.has_slots = d.n_slots > 0;
+        dc.prefetch_layers = cfg_.prefetch_layers;
+        dc.fill_on_miss = cfg_.fill_on_miss;
+        d.decider.reset(new LayerDecider(d.cache, d.scheduler, d.prefetcher, d.cost, dc));
+        if (d.n_slots <= 0) continue;
+        if (!d.device) {
+            throw std::invalid_argument("engine: a device is required for a non-empty expert cache (device " +
+                                        std::to_string(d.index) + ")");
+        }
+        d.pool.open(d.device, d.n_slots, d.max_buffer_bytes);
+        d.gpu.reset(new GpuShare(d.pool, cfg_.n_embd));
+        // experts already resident in the cache (an initial fill) get slots now and are copied at first use; a
+        // device only holds the layers it serves
+        for (int64_t key : d.cache->resident_keys()) {
+            const int l = (int) (key / cfg_.n_expert);
+            if (dev_of_[(size_t) l] != d.index) continue;
+            if (!d.pool.assign(l, (int) (key % cfg_.n_expert))) break;
         }
     }
-    if (cfg_.n_slots > 0) cfg_.ram.repack = false;  // GPU copies read the RAM slots: the file's layout there
+    gpu_pool_of_.resize((size_t) L);
+    for (int l = 0; l < L; ++l) gpu_pool_of_[(size_t) l] = &dev(l).pool;
+    if (any_slots()) cfg_.ram.repack = false;  // GPU copies read the RAM slots: the file's layout there
     if (cfg_.ram.n_slots > 0) {
         // GPU loads copy from the RAM slots: pinned host memory (the device's host buffer type) makes them DMA
         // copies; where that type caps a buffer (Vulkan), the slots are split over several, and the CPU share runs
@@ -224,7 +275,7 @@ Engine::Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared
             return ram_geometry.host_buffers_for(buft, cfg_.ram.n_slots, cfg_.ram.max_buffer_bytes);
         };
         // the combine op takes one CPU share per buffer as a source: past that, pageable memory in one buffer
-        ggml_backend_buffer_type_t host = pool_.host_buffer_type();
+        ggml_backend_buffer_type_t host = devs_[0]->pool.host_buffer_type();
         if (host && buffers_with(host) > kMaxRamBuffers) host = nullptr;
         if (buffers_with(nullptr) > kMaxRamBuffers) {
             throw std::invalid_argument("engine: the RAM expert slots would need " +
@@ -266,18 +317,24 @@ void Engine::release() {
         release_ram_holds(true);
         ram_->stop_io();
     }
-    gpu_.reset();
-    pool_.release();
-    if (cfg_.n_slots > 0) {
-        cfg_.n_slots = 0;  // from now on every layer runs on the CPU
-        if (decider_) decider_->set_has_slots(false);
+    for (auto & dp : devs_) {
+        Dev & d = *dp;
+        d.gpu.reset();
+        d.pool.release();
+        if (d.n_slots > 0) {
+            d.n_slots = 0;  // from now on every layer runs on the CPU
+            if (d.decider) d.decider->set_has_slots(false);
+        }
     }
+    cfg_.n_slots = 0;
 }
 
 int Engine::pinned_count() const {
     int n = 0;
-    for (int l = 0; l < cache_->n_layers(); ++l) {
-        for (int e = 0; e < cfg_.n_expert; ++e) n += cache_->pinned(l, e) ? 1 : 0;
+    for (const auto & d : devs_) {
+        for (int l = 0; l < d->cache->n_layers(); ++l) {
+            for (int e = 0; e < cfg_.n_expert; ++e) n += d->cache->pinned(l, e) ? 1 : 0;
+        }
     }
     return n;
 }
@@ -352,7 +409,7 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
     for (size_t i = 0; i < 3; ++i) repacked[i] = !ram_ && is_repacked(mats[i]);
     const bool any_repacked = repacked[0] || repacked[1] || repacked[2];
     if (any_repacked && !cpu_backend_skips_negative_ids_repacked()) return nullptr;
-    if (any_repacked && cfg_.n_slots > 0 && !originals_) {
+    if (any_repacked && any_slots() && !originals_) {
         if (cfg_.where.empty()) return nullptr;  // no way to the file's layout for the GPU copies
         originals_.reset(new MappedExperts(cfg_.where, cfg_.expert_bytes, cfg_.n_expert));
     }
@@ -464,23 +521,25 @@ ggml_tensor * Engine::build(const llama_moe_hook_args & a, void * counters) {
 void Engine::Placement::evicted(const std::vector<int64_t> & keys) {
     for (int64_t key : keys) {
         if (engine->ram_ && engine->cfg_.ram.exclusive && !engine->large_ubatch_) engine->demote(key);
-        engine->pool_.evict(key);
+        dev->pool.evict(key);
     }
 }
 
 void Engine::demote(int64_t key) {
     const int l = (int) (key / cfg_.n_expert), e = (int) (key % cfg_.n_expert);
-    if (!pool_.loaded(key)) return;  // never copied to its GPU slot (an initial fill not used yet)
+    SlotPool & pool = dev(l).pool;
+    if (!pool.loaded(key)) return;  // never copied to its GPU slot (an initial fill not used yet)
     const std::array<uint8_t *, 3> dst = ram_->demote(l, e, now());
     if (!dst[0] && !dst[1] && !dst[2]) return;  // in RAM already, or ranked below the RAM tier's victim
-    pool_.copy_out(l, e, ram_->expert_bytes(l), dst);
+    pool.copy_out(l, e, ram_->expert_bytes(l), dst);
     ram_->demoted(l, e);
 }
 
 bool Engine::kept_on_gpu(int l, int e) const {
     const int64_t key = (int64_t) l * cfg_.n_expert + e;
     // not a streamed load on probation: it leaves the GPU at the next load (its RAM slot stays)
-    return pool_.slot_of_key(key) >= 0 && pool_.loaded(key) && !cache_->on_probation(l, e);
+    const Dev & d = dev(l);
+    return d.pool.slot_of_key(key) >= 0 && d.pool.loaded(key) && !d.cache->on_probation(l, e);
 }
 
 int64_t Engine::in_both_tiers() const {
@@ -502,36 +561,48 @@ void Engine::give_up_ram(int ml) {
 }
 
 bool Engine::Placement::holds(int layer) const {
-    return layer >= 0 && layer < (int) engine->tensors_.size() && engine->tensors_[(size_t) layer].down != nullptr;
+    return layer >= 0 && layer < (int) engine->tensors_.size() && engine->tensors_[(size_t) layer].down != nullptr &&
+           engine->dev_of_[(size_t) layer] == dev->index;
 }
 
 double Engine::copy_from_ram(int layer, int expert, int bias_expert) {
+    Dev & d = dev(layer);
     const std::array<const uint8_t *, 3> src = ram_->matrices(layer, expert);
-    const double bytes = pool_.copy(layer, expert, tensors_[(size_t) layer], bias_expert, &src);
+    const double bytes = d.pool.copy(layer, expert, tensors_[(size_t) layer], bias_expert, &src);
     if (bytes > 0.0) ram_->note_used(layer, expert);  // a read ahead that reached the GPU was used
-    if (bytes > 0.0 && pool_.async_copies()) {
+    if (bytes > 0.0 && d.pool.async_copies()) {
         const int64_t key = (int64_t) layer * cfg_.n_expert + expert;
         ram_->hold(layer, expert);
-        ram_holds_.emplace_back(key, pool_.copy_seq(key));
+        d.ram_holds.emplace_back(key, d.pool.copy_seq(key));
     }
     return bytes;
 }
 
+size_t Engine::ram_holds() const {
+    size_t n = 0;
+    for (const auto & d : devs_) n += d->ram_holds.size();
+    return n;
+}
+
 void Engine::release_ram_holds(bool all) {
-    if (ram_holds_.empty() || !ram_) return;
-    if (all) copies_done_ = pool_.sync_copies();
-    // the ended copies leave the list before their holds are dropped: a throw leaves no hold to drop twice
-    std::vector<int64_t> ended;
-    size_t kept = 0;
-    for (const auto & h : ram_holds_) {
-        if (h.second <= copies_done_) {
-            ended.push_back(h.first);
-        } else {
-            ram_holds_[kept++] = h;
+    if (!ram_) return;
+    for (auto & dp : devs_) {
+        Dev & d = *dp;
+        if (d.ram_holds.empty()) continue;
+        if (all) d.copies_done = d.pool.sync_copies();
+        // the ended copies leave the list before their holds are dropped: a throw leaves no hold to drop twice
+        std::vector<int64_t> ended;
+        size_t kept = 0;
+        for (const auto & h : d.ram_holds) {
+            if (h.second <= d.copies_done) {
+                ended.push_back(h.first);
+            } else {
+                d.ram_holds[kept++] = h;
+            }
         }
+        d.ram_holds.resize(kept);
+        for (int64_t key : ended) ram_->unhold((int) (key / cfg_.n_expert), (int) (key % cfg_.n_expert));
     }
-    ram_holds_.resize(kept);
-    for (int64_t key : ended) ram_->unhold((int) (key / cfg_.n_expert), (int) (key % cfg_.n_expert));
 }
 
 double Engine::Placement::read_s(int layer, int & slots) const {
@@ -547,7 +618,8 @@ bool Engine::Placement::on_disk(int layer, int expert) const {
 
 double Engine::Placement::load(int layer, int expert, Kind kind) {
     Engine & en = *engine;
-    if (!en.pool_.assign(layer, expert)) {
+    Dev & d = *dev;
+    if (!d.pool.assign(layer, expert)) {
         // the cache's budget is a whole number of slots: an admitted expert always finds one
         throw std::runtime_error("no free GPU slot for MoE layer " + std::to_string(layer) + " expert " +
                                  std::to_string(expert) + " although the cache admitted it (slot bookkeeping)");
@@ -567,11 +639,11 @@ double Engine::Placement::load(int layer, int expert, Kind kind) {
                                                     : (const uint8_t *) mats[(size_t) i]->data +
                                                           (size_t) expert * mats[(size_t) i]->nb[2];
             }
-            bytes = en.pool_.copy(layer, expert, lt, bias_expert, &src);
+            bytes = d.pool.copy(layer, expert, lt, bias_expert, &src);
         } else {
-            bytes = en.pool_.copy(layer, expert, lt, bias_expert);
+            bytes = d.pool.copy(layer, expert, lt, bias_expert);
         }
-    } else if (en.pool_.loaded((int64_t) layer * en.cfg_.n_expert + expert)) {
+    } else if (d.pool.loaded((int64_t) layer * en.cfg_.n_expert + expert)) {
         return 0.0;
     } else if (en.ram_->ready(layer, expert)) {
         bytes = en.copy_from_ram(layer, expert, bias_expert);
@@ -588,7 +660,7 @@ double Engine::Placement::load(int layer, int expert, Kind kind) {
                                                     (*extra)[(size_t) layer][2]);
         }
         en.deferred_.emplace_back((int64_t) layer * en.cfg_.n_expert + expert, (int) kind);
-        en.pcie_free_at_ = std::max(en.pcie_free_at_, en.now()) + en.cfg_.cost.h2d(bytes);
+        d.pcie_free_at = std::max(d.pcie_free_at, en.now()) + d.cost.h2d(bytes);
         return bytes;
     } else {
         return 0.0;  // a prefetch or fill of an expert not in RAM: copied at its first use, after its read
@@ -597,28 +669,30 @@ double Engine::Placement::load(int layer, int expert, Kind kind) {
     en.copies_[(size_t) kind] += 1;
     en.copy_bytes_[(size_t) kind] += bytes;
     // an asynchronous copy ends by the estimate; a blocking one (a device without events) has ended
-    en.pcie_free_at_ = en.pool_.async_copies() ? std::max(en.pcie_free_at_, en.now()) + en.cfg_.cost.h2d(bytes)
-                                               : en.now();
+    d.pcie_free_at = d.pool.async_copies() ? std::max(d.pcie_free_at, en.now()) + d.cost.h2d(bytes) : en.now();
     return bytes;
 }
 
 void Engine::launch_gpu_share(ggml_tensor * dst, LayerRun & run, const std::vector<uint8_t> & on_gpu, int64_t k,
                               int64_t T, const ggml_tensor * x, uint64_t & launches) {
-    const LayerInput & in = decider_->input();
     const int ml = run.ml;
+    Dev & d = dev(ml);
+    SlotPool & pool = d.pool;
+    GpuShare & gpu_share = *d.gpu;
+    const LayerInput & in = d.decider->input();
     const int E = cfg_.n_expert;
     // part per activated expert: 1 = resident and copied before this layer (launch 0), 2 = loaded now or still
     // in flight by the estimate (launch 1, which waits only for its own copies); each part makes one launch per slot
     // buffer its experts lie in
-    const int n_bufs = pool_.n_buffers();
+    const int n_bufs = pool.n_buffers();
     std::vector<uint8_t> part(in.size(), 0);
     uint64_t seq[2] = {0, 0};
     std::vector<int64_t> n_pairs((size_t) (2 * n_bufs), 0);  // [part][slot buffer]
     for (size_t i = 0; i < in.size(); ++i) {
         if (!on_gpu[i]) continue;
         part[i] = in.cached[i] && in.ready_s[i] <= 0.0 ? 1 : 2;
-        seq[part[i] - 1] = std::max(seq[part[i] - 1], pool_.copy_seq((int64_t) ml * E + in.experts[i]));
-        const int b = pool_.buffer_of(pool_.slot_of(ml, in.experts[i]));
+        seq[part[i] - 1] = std::max(seq[part[i] - 1], pool.copy_seq((int64_t) ml * E + in.experts[i]));
+        const int b = pool.buffer_of(pool.slot_of(ml, in.experts[i]));
         n_pairs[(size_t) ((part[i] - 1) * n_bufs + b)] += in.loads[i];
     }
     const ExpertMatrices lt = controls_.gpu_share_matrices(tensors_[(size_t) ml]);
@@ -629,7 +703,7 @@ void Engine::launch_gpu_share(ggml_tensor * dst, LayerRun & run, const std::vect
         for (int b = 0; b < n_bufs; ++b) {
             const int64_t np = n_pairs[(size_t) (li * n_bufs + b)];
             if (np == 0) continue;
-            GpuShare::Launch & l = gpu_->prepare(lt, np, li, b);
+            GpuShare::Launch & l = gpu_share.prepare(lt, np, li, b);
             std::fill(token_row_.begin(), token_row_.end(), -1);
             // pairs in (token, rank) order: every GPU expert gets its rows in upstream's order
             for (int64_t t = 0; t < T; ++t) {
@@ -638,20 +712,20 @@ void Engine::launch_gpu_share(ggml_tensor * dst, LayerRun & run, const std::vect
                 for (int64_t j = 0; j < k; ++j) {
                     const int32_t e = ids_[(size_t) (t * k + j)];
                     if (part[(size_t) expert_pos_[(size_t) e]] != li + 1) continue;
-                    const int32_t slot = pool_.slot_of(ml, e);
-                    if (pool_.buffer_of(slot) != b) continue;
+                    const int32_t slot = pool.slot_of(ml, e);
+                    if (pool.buffer_of(slot) != b) continue;
                     if (token_row_[(size_t) t] < 0) {
                         token_row_[(size_t) t] =
-                            gpu_->add_row(l, (const float *) ((const char *) x->data + t * x->nb[2]));
+                            gpu_share.add_row(l, (const float *) ((const char *) x->data + t * x->nb[2]));
                     }
-                    gpu_->add_pair(l, token_row_[(size_t) t], pool_.local_slot(slot), weights_[(size_t) (t * k + j)]);
+                    gpu_share.add_pair(l, token_row_[(size_t) t], pool.local_slot(slot), weights_[(size_t) (t * k + j)]);
                     cpu[j] = -1;  // not computed by the CPU share (hybrimoe's ggml-cpu skips it)
                     gpu[j] = out_row++;
                 }
             }
-            if (!waited) pool_.wait_for_copy(seq[li]);  // a part waits only for the copies of its own experts
+            if (!waited) pool.wait_for_copy(seq[li]);  // a part waits only for the copies of its own experts
             waited = true;
-            const size_t up = gpu_->run(l);
+            const size_t up = gpu_share.run(l);
             run.launches.push_back(&l);
             ++launches;
             std::lock_guard<std::mutex> lock(stats_mu_);
@@ -726,7 +800,8 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
         }
         // many ubatch sizes: start over rather than grow without bound (here, before this layer launches
         // anything; earlier layers' launches are done: their wait ops synchronised)
-        if (gpu_ && gpu_->n_graphs() >= 64) gpu_->clear();
+        Dev & d = dev(ml);
+        if (d.gpu && d.gpu->n_graphs() >= 64) d.gpu->clear();
         // ---- observe, look up, pin, split, demand loads (policy/decision.h: the rules the replay shares) ----
         deferred_.clear();
         ram_hits_.clear();
@@ -749,13 +824,13 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
         DecisionRecord * rp = logging_ ? &rec : nullptr;
         const double t_split = now();
         const std::vector<uint8_t> & on_gpu =
-            decider_->split(ubatch_, ml, ids_.data(), (int) T, (int) k, scores_, expert_bytes, t_split,
-                            std::max(0.0, pcie_free_at_ - t_split), placement_, rp);
-        const LayerInput & in = decider_->input();
-        const SchedulePlan & plan = decider_->plan();
-        const SchedulePlan & run_plan = decider_->run_plan();
+            d.decider->split(ubatch_, ml, ids_.data(), (int) T, (int) k, scores_, expert_bytes, t_split,
+                             std::max(0.0, d.pcie_free_at - t_split), d.placement, rp);
+        const LayerInput & in = d.decider->input();
+        const SchedulePlan & plan = d.decider->plan();
+        const SchedulePlan & run_plan = d.decider->run_plan();
         uint64_t declined = 0;
-        if (cfg_.n_slots > 0) {
+        if (d.n_slots > 0) {
             for (size_t i = 0; i < in.size(); ++i) declined += plan.on_gpu[i] && !on_gpu[i] ? 1 : 0;
         }
         expert_pos_.assign((size_t) E, -1);
@@ -783,7 +858,7 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
             int64_t unpinned = 0;
             for (int32_t e : need) unpinned += ram_->is_pinned(ml, e) ? 0 : 1;
             if (ram_->pinned() + unpinned > ram_->n_slots()) release_ram_holds(true);
-            ram_->acquire(decider_->observation(), need, now(), wait_first);
+            ram_->acquire(d.decider->observation(), need, now(), wait_first);
             // the GPU loads that waited for their reads, copied from RAM now that they are there
             for (const auto & d : deferred_) {
                 const int32_t e = (int32_t) (d.first % E);
@@ -791,7 +866,7 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
                 copies_[(size_t) d.second] += bytes > 0.0 ? 1 : 0;
                 copy_bytes_[(size_t) d.second] += bytes;
             }
-            if (!deferred_.empty() && !pool_.async_copies()) pcie_free_at_ = now();  // blocking copies have ended
+            if (!deferred_.empty() && !d.pool.async_copies()) d.pcie_free_at = now();  // blocking copies have ended
             deferred_.clear();
         }
         // the GPU share starts while the CPU share's experts are still being read
@@ -822,25 +897,25 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
                 }
             }
             if (cfg_.prefetch_layers > 0) {
-                if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + run_plan.makespan_s;
+                if (layer_est_ < 0.0) layer_est_ = d.cost.layer((int) T) + run_plan.makespan_s;
                 predictor_->predict(ml, cfg_.prefetch_layers, (int) T, (const float *) x->data, x->nb[2],
-                                    run_plan.makespan_s, layer_est_, cfg_.cost.layer((int) T), predictions_);
+                                    run_plan.makespan_s, layer_est_, d.cost.layer((int) T), predictions_);
                 // queued behind this layer's demand reads: the disk stays busy while they end
                 // exclusive tiers: what the GPU holds gave up its RAM slot, and the GPU serves it; reading it back
                 // into RAM ahead of use would be a wasted read
-                const bool skip_gpu = cfg_.ram.exclusive && cfg_.n_slots > 0 && !large_ubatch_;
+                const bool skip_gpu = cfg_.ram.exclusive && any_slots() && !large_ubatch_;
                 ram_->prefetch(predictions_, std::min<int64_t>(E, T * k), now(), (int) T, (int) k,
-                               skip_gpu ? &pool_ : nullptr);
+                               skip_gpu ? &gpu_pool_of_ : nullptr);
             }
             if (!run.late_pass) ram_->wait_rest();  // else op_late waits, after the first pass
         }
 
         // ---- prefetch for the next layers, then fills ----
-        if (decider_->wants_prefetch((int) tensors_.size())) {
-            if (layer_est_ < 0.0) layer_est_ = cfg_.cost.layer((int) T) + run_plan.makespan_s;
+        if (d.decider->wants_prefetch((int) tensors_.size())) {
+            if (layer_est_ < 0.0) layer_est_ = d.cost.layer((int) T) + run_plan.makespan_s;
             if (!ram_) {
                 predictor_->predict(ml, cfg_.prefetch_layers, (int) T, (const float *) x->data, x->nb[2],
-                                    run_plan.makespan_s, layer_est_, cfg_.cost.layer((int) T), predictions_);
+                                    run_plan.makespan_s, layer_est_, d.cost.layer((int) T), predictions_);
             } else {
                 // the predictions the RAM tier read ahead with (above): only experts already in RAM are copied
                 // ahead to the GPU (one still on disk, or being read, is copied at its first use)
@@ -856,9 +931,21 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
                     if (p.loads.size() > kept) p.loads.resize(kept);
                 }
             }
-            decider_->prefetch(predictions_, (int) tensors_.size(), placement_, rp);
+            if (devs_.size() > 1) {
+                // a device prefetches only the layers it serves: the next device's first layers are predicted at
+                // their own device's earlier layers, or not at all (no copy between devices: RPC has none)
+                size_t kept = 0;
+                for (size_t i = 0; i < predictions_.size(); ++i) {
+                    const int pl = predictions_[i].layer;
+                    if (pl < 0 || pl >= (int) dev_of_.size() || dev_of_[(size_t) pl] != d.index) continue;
+                    if (kept != i) predictions_[kept] = std::move(predictions_[i]);
+                    ++kept;
+                }
+                predictions_.resize(kept);
+            }
+            d.decider->prefetch(predictions_, (int) tensors_.size(), d.placement, rp);
         }
-        decider_->fills(placement_, rp);
+        d.decider->fills(d.placement, rp);
 
         const double t_end = now();
         run.plan_s = t_end - t_start;
@@ -929,15 +1016,16 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
         // dst [n_embd, k * T]: the launches' rows in launch order, as the plan numbered them
         size_t down = 0;
         float * rows = (float *) dst->data;
+        Dev & d = dev(run.ml);
         for (GpuShare::Launch * l : run.launches) {
-            down += gpu_->read(*l, rows);
-            rows += gpu_->pairs(*l) * dst->ne[0];
+            down += d.gpu->read(*l, rows);
+            rows += d.gpu->pairs(*l) * dst->ne[0];
         }
-        ggml_backend_synchronize(pool_.compute());
-        copies_done_ = std::max(copies_done_, pool_.waited_seq());
+        ggml_backend_synchronize(d.pool.compute());
+        d.copies_done = std::max(d.copies_done, d.pool.waited_seq());
         // the launches waited for every copy queued so far: the copy queue is empty now, whatever the estimate
         // (a bandwidth below the real one would otherwise let the estimate run ahead without bound)
-        if (pool_.all_copies_waited()) pcie_free_at_ = std::min(pcie_free_at_, now());
+        if (d.pool.all_copies_waited()) d.pcie_free_at = std::min(d.pcie_free_at, now());
         if (controls_.drop_gpu_share) std::memset(dst->data, 0, down);
         std::lock_guard<std::mutex> lock(stats_mu_);
         stats_[(size_t) run.ml].bytes_act_d2h += (double) down;
@@ -945,17 +1033,17 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
     run.launches.clear();
     try {
         if (ram_) {
-            if (!ram_holds_.empty()) {
+            if (ram_holds() > 0) {
                 // the synchronised compute queue waited for every copy up to waited_seq: those holds end; the
                 // others' at the ubatch's last MoE layer, or sooner when they hold an eighth of the RAM slots
                 release_ram_holds(false);
                 if (run.ml + 1 == (int) tensors_.size() ||
-                    (int64_t) ram_holds_.size() > std::max<int64_t>(1, ram_->n_slots() / 8)) {
+                    (int64_t) ram_holds() > std::max<int64_t>(1, ram_->n_slots() / 8)) {
                     release_ram_holds(true);
                 }
             }
             ram_->release(run.ml);
-            if (cfg_.ram.exclusive && cfg_.n_slots > 0 && !large_ubatch_) {
+            if (cfg_.ram.exclusive && any_slots() && !large_ubatch_) {
                 // what the GPU holds leaves RAM; at the ubatch's last MoE layer every hold has ended: all layers
                 if (run.ml + 1 == (int) tensors_.size()) {
                     for (int l = 0; l < (int) tensors_.size(); ++l) give_up_ram(l);
@@ -964,7 +1052,7 @@ void Engine::op_wait(ggml_tensor * dst, LayerRun & run) {
                 }
             }
         }
-        decider_->release(run.ml);
+        dev(run.ml).decider->release(run.ml);
     } catch (const std::exception & e) {
         fail(std::string("cache bookkeeping: ") + e.what());
     }

@@ -22,9 +22,12 @@
 //                     it is, when weighted before the FFN), a GPU pair's row as the GPU weighted it.
 //
 // Expert weights stay in host memory (llama tensor overrides; Python sets them up), in the file's quant types.
-// The GPU keeps a SlotPool of expert-sized slots (one global byte budget); which (layer, expert) a slot holds is
-// decided by the policy core's ExpertCache (src/policy) through the decision rules shared with the simulator
-// (LayerDecider). A slot that a queued or running computation reads is pinned and cannot be evicted.
+// Each device that serves MoE layers keeps a SlotPool of expert-sized slots (one byte budget per device); which
+// (layer, expert) a slot holds is decided by that device's ExpertCache (src/policy) through the decision rules
+// shared with the simulator (LayerDecider). With several devices (llama.cpp's layer split: -ngl, -ts) layer l's GPU
+// share runs on the device that holds layer l, from that device's slots, and a device caches only its own layers;
+// RPC has no copy between devices, so an expert never moves from one GPU to another. A slot that a queued or
+// running computation reads is pinned and cannot be evicted.
 #pragma once
 
 #include "ggml-backend.h"
@@ -68,6 +71,22 @@ std::string cpu_backend_problem();
 bool cpu_backend_skips_negative_ids_repacked();
 
 
+/// One more accelerator that caches experts (several GPUs; EngineConfig::more_devices): its slot pool's size and
+/// device, and the planner's cost model for the layers it serves.
+struct EngineDevice {
+    int64_t n_slots = 0;                   ///< expert slots on this device (0: its layers run on the CPU)
+    ggml_backend_dev_t device = nullptr;
+    int64_t max_buffer_bytes = 0;          ///< as EngineConfig::max_buffer_bytes
+    CostModel cost;
+};
+
+/// The policies of one device's share (Engine's extra devices).
+struct EnginePolicies {
+    std::shared_ptr<ExpertCache> cache;
+    std::shared_ptr<SchedulePolicy> scheduler;
+    std::shared_ptr<PrefetchPolicy> prefetcher;
+};
+
 /// Facts and settings the engine is built from (Python fills them from the GGUF and the user's options).
 struct EngineConfig {
     int n_layer = 0;                       ///< model layers (llama's il range)
@@ -91,6 +110,12 @@ struct EngineConfig {
     /// bytes one slot buffer may hold at most, below the device's own cap (0: the device's max buffer size only)
     int64_t max_buffer_bytes = 0;
     CostModel cost;                        ///< planner cost model (seconds, bytes/s)
+    /// several accelerators: the devices after the one above (n_slots, device, max_buffer_bytes, cost are device
+    /// 0), each with a slot pool of its own (empty: one device)
+    std::vector<EngineDevice> more_devices;
+    /// per MoE layer: the device whose slots serve its GPU share (0: `device`, i: more_devices[i - 1]); llama.cpp's
+    /// layer split puts the layer's router there (llama_model_dev_layer). Empty: every layer on device 0.
+    std::vector<int> layer_device;
     int prefetch_layers = 3;               ///< predicted MoE layers ahead (0: no prefetch)
     bool fill_on_miss = true;              ///< offer CPU-computed misses to the cache while the copy queue idles
     /// assumed prediction confidence per distance 1..D (RouterPredictor; the last value repeats beyond D)
@@ -141,8 +166,14 @@ public:
     /// `ram_cache` as its cache. With GPU slots too, the RAM slots come from the device's pinned host buffer type
     /// when one buffer of it holds them all (else from the CPU's), and every GPU load copies from a RAM slot: an
     /// expert on disk is read into RAM first (a demand read), and is prefetched to the GPU only once it is there.
+    /// Several devices (cfg.more_devices): `more` holds the policies of each extra device, in the same order: a
+    /// cache over every MoE layer sized to its device's slots (a device only ever caches the layers it serves,
+    /// cfg.layer_device: give the other layers expert bytes 0), its schedule and its prefetch policy. Each device
+    /// has its own decision rules (LayerDecider: its copy queue, its cost model). Throws std::invalid_argument on a
+    /// layer_device entry out of range or a policy missing for a device.
     Engine(EngineConfig cfg, std::shared_ptr<ExpertCache> cache, std::shared_ptr<SchedulePolicy> scheduler,
-           std::shared_ptr<PrefetchPolicy> prefetcher, std::shared_ptr<ExpertCache> ram_cache = nullptr);
+           std::shared_ptr<PrefetchPolicy> prefetcher, std::shared_ptr<ExpertCache> ram_cache = nullptr,
+           std::vector<EnginePolicies> more = {});
     ~Engine();
     /// Waits for queued device work and frees the slot pool, the GPU graphs and the device backends now (the
     /// engine then runs every layer on the CPU). Call before the llama context and the device go away; the
@@ -153,8 +184,15 @@ public:
 
     /// The GPU slot pool (its geometry, which slot holds which expert; bindings read it). Its static sizing
     /// functions (SlotPool::slot_bytes_for and the region strides) size an engine's slots before it exists.
-    const SlotPool & pool() const { return pool_; }
-    int64_t n_slots() const { return cfg_.n_slots; }
+    const SlotPool & pool(int device = 0) const { return devs_.at((size_t) device)->pool; }
+    /// GPU expert slots of every device (0 after release()), or of one.
+    int64_t n_slots() const;
+    int64_t n_slots(int device) const { return devs_.at((size_t) device)->n_slots; }
+    /// Devices with a slot pool (1 + cfg.more_devices), and the one serving MoE layer `ml`'s GPU share.
+    int n_devices() const { return (int) devs_.size(); }
+    int device_of(int ml) const { return dev_of_.at((size_t) ml); }
+    /// The cache of device `device` (0: the one given first).
+    const ExpertCache & cache(int device = 0) const { return *devs_.at((size_t) device)->cache; }
     /// The RAM tier, or nullptr without one (and after release()).
     RamTier * ram() const { return ram_.get(); }
     /// Experts whose weights are in a GPU slot (copied, not a streamed load on probation) and in a RAM slot too:
@@ -224,9 +262,11 @@ private:
     /// With the RAM tier: queues the copy of (layer, expert) from its RAM slot (ready) into its GPU slot, holding
     /// the RAM slot until the copy ended when copies are asynchronous. Returns the bytes queued.
     double copy_from_ram(int layer, int expert, int bias_expert);
-    /// Drops the RAM holds of GPU copies that ended (sequence number <= copies_done_); all of them with `all`,
-    /// after waiting for the copy queue.
+    /// Drops the RAM holds of GPU copies that ended (sequence number <= the device's copies_done); all of them with
+    /// `all`, after waiting for the copy queues. On every device.
     void release_ram_holds(bool all);
+    /// RAM slots held for GPU copies, on every device.
+    size_t ram_holds() const;
     /// Exclusive tiers (cfg.ram.exclusive): the GPU cache evicts `key`; its GPU copy goes back into a RAM slot
     /// when the RAM tier takes it (RamTier::demote), before the GPU slot is reused. Not in a large ubatch.
     void demote(int64_t key);
@@ -238,14 +278,9 @@ private:
     bool kept_on_gpu(int l, int e) const;
 
     EngineConfig cfg_;
-    std::shared_ptr<ExpertCache> cache_;
-    std::shared_ptr<SchedulePolicy> scheduler_;
-    std::shared_ptr<PrefetchPolicy> prefetcher_;
     std::vector<int> moe_index_;
     std::vector<ExpertMatrices> tensors_;   // per MoE layer: the host expert tensors (known once built)
     std::vector<std::unique_ptr<LayerRun>> runs_;
-    SlotPool pool_;
-    std::unique_ptr<GpuShare> gpu_;
     std::unique_ptr<RamTier> ram_;
     /// the experts' file bytes, for GPU copies of repacked experts (mapped at the first build that needs them)
     std::unique_ptr<MappedExperts> originals_;
@@ -261,17 +296,47 @@ private:
     /// upstream's ids, or, with the RAM tier (whose CPU share indexes RAM slots), no pair computed at all.
     void write_fallback(ggml_tensor * dst);
 
-    /// the decision rules shared with the simulator's replay (policy/decision.h); the engine is their placement
+    struct Dev;
+    /// the decision rules shared with the simulator's replay (policy/decision.h); the engine is their placement,
+    /// one per device, which holds only the layers that device serves
     struct Placement : ExpertPlacement {
         Engine * engine = nullptr;
+        Dev * dev = nullptr;
         double load(int layer, int expert, Kind kind) override;
         bool holds(int layer) const override;
         void evicted(const std::vector<int64_t> & keys) override;
         double read_s(int layer, int & slots) const override;
         bool on_disk(int layer, int expert) const override;
     };
-    std::unique_ptr<LayerDecider> decider_;
-    Placement placement_;
+    /// One device's share of the engine: its slot pool and GPU launches, its cache and decision rules, its copy
+    /// queue (copies to two devices overlap), and the RAM slots its copies still read.
+    struct Dev {
+        Dev(int index, const EngineConfig & cfg, const EngineDevice & d, EnginePolicies policies);
+        int index = 0;
+        int64_t n_slots = 0;
+        ggml_backend_dev_t device = nullptr;
+        int64_t max_buffer_bytes = 0;
+        CostModel cost;
+        std::shared_ptr<ExpertCache> cache;
+        std::shared_ptr<SchedulePolicy> scheduler;
+        std::shared_ptr<PrefetchPolicy> prefetcher;
+        SlotPool pool;
+        std::unique_ptr<GpuShare> gpu;
+        std::unique_ptr<LayerDecider> decider;
+        Placement placement;
+        /// the copy-queue estimate as an end time: the queued copies end at this engine-clock time (seconds); the
+        /// decision rules get it as pcie_free_s = max(0, pcie_free_at - now)
+        double pcie_free_at = 0.0;
+        uint64_t copies_done = 0;   ///< every copy up to this sequence number has ended
+        /// RAM slots held for this device's GPU copies (key, copy sequence number)
+        std::vector<std::pair<int64_t, uint64_t>> ram_holds;
+    };
+    std::vector<std::unique_ptr<Dev>> devs_;
+    std::vector<int> dev_of_;                   // per MoE layer: index into devs_
+    std::vector<const SlotPool *> gpu_pool_of_; // per MoE layer: its device's pool (the RAM tier's read-ahead)
+    Dev & dev(int ml) { return *devs_[(size_t) dev_of_[(size_t) ml]]; }
+    const Dev & dev(int ml) const { return *devs_[(size_t) dev_of_[(size_t) ml]]; }
+    bool any_slots() const { return n_slots() > 0; }
     std::unique_ptr<RouterPredictor> predictor_;
     std::vector<Prediction> predictions_;
 
@@ -288,9 +353,6 @@ private:
     using clock = std::chrono::steady_clock;
     clock::time_point t0_ = clock::now();
     double now() const { return std::chrono::duration<double>(clock::now() - t0_).count(); }
-    /// the copy-queue estimate as an end time: the queued copies end at this engine-clock time (seconds); the
-    /// decision rules get it as pcie_free_s = max(0, pcie_free_at_ - now)
-    double pcie_free_at_ = 0.0;
     double layer_est_ = -1.0;                // smoothed seconds per MoE layer (prediction start times)
 
     mutable std::mutex stats_mu_;
@@ -303,14 +365,12 @@ private:
     int last_ml_ = 1 << 30;                  // MoE layer of the previous plan (a lower or equal one: new ubatch)
     std::vector<DecisionRecord> log_;
     // the RAM tier under a GPU cache: loads of the plan being made whose expert was not in RAM yet (key, kind),
-    // copied once the plan op has read them; RAM slots held for GPU copies (key, copy sequence number)
+    // copied once the plan op has read them
     std::vector<std::pair<int64_t, int>> deferred_;
     std::vector<int32_t> ram_hits_;         // this plan's GPU loads copied from RAM at once (looked up with the rest)
-    std::vector<std::pair<int64_t, uint64_t>> ram_holds_;
     /// this ubatch likely uses every expert of a layer (prefill): exclusive tiers leave the tiers as they are then
     /// (the GPU's loads stream through, and moving each between the tiers would churn the RAM tier)
     bool large_ubatch_ = false;
-    uint64_t copies_done_ = 0;              // every GPU copy up to this sequence number has ended
 };
 
 /// What one layer's ops share within one ubatch (owned by the Engine, one per MoE layer).

@@ -741,7 +741,7 @@ void RamTier::judge(uint8_t distance, bool used) {
 }
 
 int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_free, double now_s, int n_tokens,
-                      int top_k, const SlotPool * above) {
+                      int top_k, const std::vector<const SlotPool *> * above) {
     harvest();
     struct Cand {
         double confidence;
@@ -807,7 +807,7 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
     int queued = 0;
     for (const Cand & c : cands) {
         if (pool_.n_slots() - n_pinned_ <= keep_free) break;
-        if (above && above->slot_of(c.layer, c.expert) >= 0) continue;  // on the GPU (exclusive tiers)
+        if (above && (*above)[(size_t) c.layer]->slot_of(c.layer, c.expert) >= 0) continue;  // on the GPU (exclusive)
         const int64_t key = (int64_t) c.layer * n_expert_ + c.expert;
         if (pin_count_[(size_t) key] > 0) continue;  // pinned already: being read, used now, or kept for its layer
         uint8_t st;

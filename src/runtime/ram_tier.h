@@ -171,9 +171,10 @@ public:
     /// kWindowOutcomes, so the share follows the recent reads. Where the router look-ahead does not predict the
     /// routing, nothing is read ahead for it but one expert (the most tokens predicted) of one prediction in
     /// kProbeEvery, which keeps the share measured.
-    /// `above`: the GPU slot pool of exclusive tiers, whose experts (the GPU serves them) are not read ahead.
+    /// `above`: per MoE layer, the GPU slot pool of exclusive tiers that serves it, whose experts (the GPU serves
+    /// them) are not read ahead (nullptr: none).
     int prefetch(const std::vector<Prediction> & predictions, int64_t keep_free, double now_s, int n_tokens,
-                 int top_k, const SlotPool * above = nullptr);
+                 int top_k, const std::vector<const SlotPool *> * above = nullptr);
     static constexpr uint64_t kPriorOutcomes = 8;
     static constexpr uint64_t kWindowOutcomes = 256;
     static constexpr uint64_t kProbeEvery = 16;
