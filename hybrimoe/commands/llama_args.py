@@ -1,6 +1,6 @@
 """The model, placement, sampling and engine flags that ``run``, ``trace`` and ``serve`` share (llama.cpp's names:
-``-m -t -c -b -ub -ngl --seed --temp -ot --cpu-moe --n-cpu-moe --rpc``; hybrimoe's own start with ``--moe-``), and
-loading a :class:`hybrimoe.Llama` from them."""
+``-m -t -c -b -ub -ngl -sm -ts -mg --seed --temp -ot --cpu-moe --n-cpu-moe --rpc``; hybrimoe's own start with
+``--moe-``), and loading a :class:`hybrimoe.Llama` from them."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +24,20 @@ from hybrimoe.commands.args import (
 from hybrimoe.envs import AUTO_CALIBRATE_ENV, DEFAULT_COST_HARDWARE, PREFETCH_LAYERS, progress_on
 from hybrimoe.policy.hardware import hardware_names
 from hybrimoe.policy.presets import DEFAULT_PRESET, ENGINE_PRESETS
+from hybrimoe.runtime.devices import SPLIT_MODES
+
+
+def tensor_split(text: str) -> list[float]:
+    """``-ts 3,1``: one non-negative proportion per device, as llama.cpp's ``--tensor-split`` (common/arg.cpp) reads
+    it, also with ``/`` between them. Raises argparse.ArgumentTypeError on anything else."""
+    parts = [x for x in text.replace("/", ",").split(",")]
+    try:
+        vals = [float(x) for x in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one number per device, e.g. 3,1") from None
+    if not vals or any(v < 0 or v != v for v in vals) or sum(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: proportions must be >= 0 and not all 0")
+    return vals
 
 
 def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> None:
@@ -37,6 +51,13 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
     p.add_argument("-ub", "--ubatch-size", type=POSITIVE, default=512, help="physical batch (ubatch) size in tokens")
     p.add_argument("-ngl", "--n-gpu-layers", type=int_in(0, also=(-1,)), default=0,
                    help="layers to offload to the devices (-1: all)")
+    p.add_argument("-sm", "--split-mode", choices=("none", "layer", "row", "tensor"), default="layer",
+                   help="how to split the model over several devices: layer (each layer and its experts' cache on "
+                        "one device), none (one device, -mg); row and tensor are refused with the MoE engine")
+    p.add_argument("-ts", "--tensor-split", type=tensor_split, default=None, metavar="N0,N1,...",
+                   help="fraction of the layers for each device, e.g. 3,1 (default: by free memory)")
+    p.add_argument("-mg", "--main-gpu", type=COUNT, default=0,
+                   help="the device for -sm none, and for the GPU share of layers left on the host")
     p.add_argument("--seed", type=SAMPLING_SEED, default=-1, help="sampling seed (-1: random)")
     if sampling:
         p.add_argument("--temp", type=TEMPERATURE, default=0.8, help="temperature (0: greedy)")
@@ -135,6 +156,8 @@ def load_llama(args: argparse.Namespace, model: Path, prog: str, *, llama_class=
         return (llama_class or Llama)(
             str(model), n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
             n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
+            split_mode=SPLIT_MODES[args.split_mode], main_gpu=args.main_gpu,
+            **({"tensor_split": args.tensor_split} if args.tensor_split else {}),
             seed=args.seed if args.seed >= 0 else 0xFFFFFFFF, verbose=args.verbose,
             rpc_servers=args.rpc, tensor_buft_overrides=args.override_tensor or None,
             cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook, no_repack=args.no_repack,

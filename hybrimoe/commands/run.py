@@ -75,6 +75,12 @@ def timing_lines(gen, stats: dict) -> list[str]:
                          "copied to the device")
             if e.get("all_cpu_reason"):
                 lines.append(f"hybrimoe: {e['all_cpu_reason']}")
+            devs = e.get("devices") or []
+            for d in devs if len(devs) > 1 else []:
+                layers = d["moe_layers"]
+                span = f"MoE layers {layers[0]}-{layers[-1]}" if layers else "no MoE layer"
+                lines.append(f"hybrimoe:   {d['device']}: {span}, {d['n_slots']} slots, hit rate {d['hit_rate']:.3f}, "
+                             f"{d['gpu_experts']} experts run, {d['bytes_copied'] / 2**20:.1f} MiB copied")
         r = e.get("ram") or {}
         if r:
             ahead = (f"{r['bytes_prefetch'] / 2**20:.1f} MiB of it ahead, prefetch accuracy "

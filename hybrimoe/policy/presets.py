@@ -166,20 +166,27 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
         raise ValueError(f"a policy preset must be a name or a dict, not {type(spec).__name__}")
     L, E = len(expert_bytes), int(n_experts)
     eb = [float(b) for b in expert_bytes]
+    # the layers this cache may hold (expert bytes 0: another device's layers, or dense) and one slot's bytes
+    held = [layer for layer in range(L) if eb[layer] > 0]
+    unit = max(eb) if eb else 0.0
     fill = bool(comp.get("fill", True))
     n_cpu_layers = 0
     c = comp["cache"]
     if isinstance(c, _core.CachePolicy):
         cache = _core.ExpertCache(eb, E, budget_bytes, c)
     elif c == "static-layers":
-        n_gpu_layers = min(L, int(budget_bytes // (eb[0] * E))) if E and budget_bytes > 0 else 0
-        n_cpu_layers = L - n_gpu_layers
-        keys = [layer * E + e for layer in range(n_cpu_layers, L) for e in range(E)]
+        # the last layers it holds that fit (upstream's --n-cpu-moe keeps the first layers' experts on the CPU); the
+        # scheduler runs every layer before them on the CPU (one device's layers are contiguous under llama.cpp's
+        # layer split)
+        n_gpu_layers = min(len(held), int(budget_bytes // (unit * E))) if E and budget_bytes > 0 and unit > 0 else 0
+        gpu_layers = held[len(held) - n_gpu_layers:]
+        n_cpu_layers = gpu_layers[0] if gpu_layers else L
+        keys = [layer * E + e for layer in gpu_layers for e in range(E)]
         cache = _core.ExpertCache(eb, E, budget_bytes, _core.StaticPolicy(keys, []))
         cache.fill(keys)
     elif c == "static-leading-layers":
         n_gpu_layers = leading_layers_that_fit(eb, E, budget_bytes) if budget_bytes > 0 else 0
-        keys = [layer * E + e for layer in range(n_gpu_layers) for e in range(E)]
+        keys = [layer * E + e for layer in range(n_gpu_layers) if eb[layer] > 0 for e in range(E)]
         cache = _core.ExpertCache(eb, E, budget_bytes, _core.StaticPolicy(keys, []))
         cache.fill(keys)
     elif c == "static-frequency":
@@ -187,15 +194,15 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
             raise ValueError(f"'{name}': the static-frequency cache (a profiled hot set) needs a profile of expert "
                              "frequencies (hot_keys: the engine's moe_profile, --moe-profile TRACE.npz), and none was "
                              "given")
-        n_fit = int(budget_bytes // eb[0]) if budget_bytes > 0 and eb else 0
-        keys = [int(k) for k in hot_keys[:n_fit]]
+        n_fit = int(budget_bytes // unit) if budget_bytes > 0 and unit > 0 else 0
+        keys = [int(k) for k in hot_keys if eb[int(k) // E] > 0][:n_fit]
         prio = [float(profile[k]) for k in keys] if profile is not None else []
         cache = _core.ExpertCache(eb, E, budget_bytes, _core.StaticPolicy(keys, prio))
         cache.fill(keys)
     else:
         cache = _core.ExpertCache(eb, E, budget_bytes, _core.make_cache_policy(str(c)))
         if hot_keys is not None and budget_bytes > 0:
-            cache.fill([int(k) for k in hot_keys])
+            cache.fill([int(k) for k in hot_keys if eb[int(k) // E] > 0])
     if comp.get("admission", "none") == "tinylfu":
         cache.set_frequency_admission(True)
     if comp.get("streaming", 0.0):

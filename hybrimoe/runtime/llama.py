@@ -21,6 +21,7 @@ from hybrimoe.envs import AUTO_CALIBRATE_ENV, DEFAULT_COST_HARDWARE, PREFETCH_LA
 from hybrimoe.model.reader import check_gguf
 from hybrimoe.policy.presets import DEFAULT_PRESET, ENGINE_PRESETS
 from hybrimoe.runtime import calibration
+from hybrimoe.runtime.devices import check_split_mode, model_layer_devices
 from hybrimoe.runtime.engine_facts import engine_module
 from hybrimoe.runtime.errors import DeviceLostError
 from hybrimoe.runtime.params import (
@@ -216,6 +217,7 @@ class Llama(llama_cpp.Llama):
                                    no_host=no_host, moe_cpu_fused=moe_cpu_fused,
                                    moe_ram_exclusive=moe_ram_exclusive)
         if setup is not None:
+            check_split_mode(kwargs.get("split_mode", _lc.LLAMA_SPLIT_MODE_LAYER))
             if cpu_moe or n_cpu_moe:
                 # upstream's placement flags: the engine keeps every routed expert in host memory already
                 flag = "cpu_moe (--cpu-moe)" if cpu_moe else f"n_cpu_moe={n_cpu_moe} (--n-cpu-moe)"
@@ -238,6 +240,12 @@ class Llama(llama_cpp.Llama):
             self._recorder = engine_module().RoutingRecorder()
         # devices: ours from rpc_servers, plus real accelerators; never another instance's RPC servers
         devices = rpc_devs + _ggml.local_gpus() if _ggml.rpc_device_ptrs() else None
+        # the devices llama.cpp splits the layers over, in its order (-ts), and the main one (-mg), where the GPU
+        # share of layers left on the host runs
+        self._split_devices = list(devices) if devices is not None else _ggml.local_gpus()
+        mg = kwargs.get("main_gpu", 0)
+        self._main_device = (self._split_devices[mg] if isinstance(mg, int) and 0 <= mg < len(self._split_devices)
+                             else None)
         # the engine's CPU share runs on repacked experts where upstream repacks them (the RAM tier's slots keep
         # the file's layout unless HYBRIMOE_RAM_REPACK asks for them repacked after each read)
         self._native = NativeParams(
@@ -291,7 +299,11 @@ class Llama(llama_cpp.Llama):
 
             for f in open_gguf(setup.facts.path).files:
                 drop_from_page_cache(f)
-        # known only now: the device memory left ("auto") and the loaded model to calibrate on
+        # known only now: which device holds each MoE layer, the device memory left ("auto") and the loaded model to
+        # calibrate on
+        if setup.device is not None or self._split_devices:
+            layer_devs = model_layer_devices(self.model, setup.facts.moe_layers)
+            setup = setup.with_devices(layer_devs, self._split_devices, self._main_device)
         setup = setup.with_auto_slots(self.context_params.n_ubatch)
         setup = setup.with_auto_ram_slots(self.context_params.n_ubatch, other_in_ram=not self.uses_mmap)
         setup = calibration.with_first_use_cost(self, setup, n_threads)

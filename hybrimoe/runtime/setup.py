@@ -32,6 +32,7 @@ from hybrimoe.policy.budget import parse_budget
 from hybrimoe.policy.hardware import resolve_cost_model
 from hybrimoe.policy.presets import DEFAULT_PRESET, ENGINE_PRESETS, SYSTEM_PRESETS, PolicySet, build_preset
 from hybrimoe.policy.profile import expert_counts, hot_keys_from_counts
+from hybrimoe.runtime.devices import budget_list, device_slots, engine_devices
 from hybrimoe.runtime.engine_facts import EngineFacts, engine_facts, engine_module
 from hybrimoe.traces.format import load_trace
 
@@ -131,7 +132,7 @@ def load_profile(spec, facts: EngineFacts) -> tuple[Optional[np.ndarray], str]:
 
 
 def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: int,
-                   profile: Optional[np.ndarray] = None) -> PolicySet:
+                   profile: Optional[np.ndarray] = None, layers: Optional[Sequence[bool]] = None) -> PolicySet:
     """Policy objects for ``moe_policy``, built by :func:`hybrimoe.policy.presets.build_preset` (the presets' one
     place, shared with the simulator).
 
@@ -142,7 +143,8 @@ def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: in
     experts]`` (:func:`load_profile`), as the simulator's profiling prompts give it: ``hot-set`` holds the hottest
     experts that fit and needs it; the adaptive caches (``hybrimoe``, ``hybrimoe-lru``, ``gpu-on-demand``) start
     filled with the hottest experts instead of empty; ``ktransformers`` and ``upstream-ncmoe`` (whole layers)
-    ignore it.
+    ignore it. ``layers``: per MoE layer, whether this cache may hold its experts (one device's cache among several:
+    the other layers get no slots, and a static set only counts the layers it holds); None: every layer.
 
     Raises:
         ValueError: unknown preset or component name, a clairvoyant preset or cache (``belady``, ``oracle``:
@@ -180,8 +182,9 @@ def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: in
                              f"({len(facts.moe_layers)}, {facts.n_expert})")
         hot, prio = hot_keys_from_counts(counts), counts.ravel()
     sb = facts.slot_bytes
+    per_layer = [float(sb) if layers is None or layers[i] else 0.0 for i in range(len(facts.moe_layers))]
     try:
-        return build_preset(spec, [float(sb)] * len(facts.moe_layers), facts.n_expert, float(n_slots * sb),
+        return build_preset(spec, per_layer, facts.n_expert, float(n_slots * sb),
                                 prefetch=prefetch_layers > 0, hot_keys=hot, profile=prio, name=name)
     except ValueError as e:
         raise ValueError(f"moe_policy: {e}") from None
@@ -244,34 +247,42 @@ def cpu_weights_option(no_repack: bool, no_host: bool) -> str:
 
 
 def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], policies: PolicySet,
-                cost: "_core.CostModel", prefetch_layers: int, ram: Optional[dict] = None, fused_cpu: int = 0):
+                cost: "_core.CostModel", prefetch_layers: int, ram: Optional[dict] = None, fused_cpu: int = 0,
+                more_devices: Sequence["DeviceShare"] = (), layer_device: Sequence[int] = ()):
     """Builds the ``hybrimoe._engine.Engine``. The slot pool is split over as many device buffers as the device's
     max buffer size needs (``Engine.slot_buffers``); ``$HYBRIMOE_MAX_BUFFER_BYTES`` (bytes, > 0) caps one buffer
     lower still, to exercise the split on a device without a cap (the RPC stand-in, CUDA).
 
     ``ram``: the RAM tier (``slots``, ``policy`` (a CachePolicy), ``ranges`` of
     :func:`hybrimoe.runtime.ram_tier.expert_file_ranges`), or None without one. ``fused_cpu``: each layer's CPU
-    share as one fused op where it can be (src/runtime/fused_moe.h; :func:`fused_mode`), 0 off.
+    share as one fused op where it can be (src/runtime/fused_moe.h; :func:`fused_mode`), 0 off. ``more_devices``
+    (:class:`DeviceShare`, sized) and ``layer_device``: several accelerators, each MoE layer's GPU share on its own
+    device's slots; every device plans with ``cost``.
 
     Raises:
-        ValueError: the slot pool does not fit in the device's free memory, or no device for a non-empty cache.
+        ValueError: a slot pool does not fit in its device's free memory (the message names the device), or no
+            device for a non-empty cache.
         RuntimeError: the device cannot allocate the pool; the RAM tier cannot open a file (or it changed since the
             load) or allocate its slots.
     """
     _engine = engine_module()
     require_accelerator(device_ptr, n_slots)
-    if n_slots > 0:
-        free, total = _ggml.device_memory(device_ptr)
-        need = (n_slots + 1) * facts.slot_bytes
+    for dev, n in [(device_ptr, n_slots)] + [(d.device, d.n_slots) for d in more_devices]:
+        if n <= 0:
+            continue
+        free, total = _ggml.device_memory(dev)
+        need = (n + 1) * facts.slot_bytes
         if need > free:
-            raise ValueError(f"moe_cache needs {need} bytes ({n_slots} expert slots + 1 of {facts.slot_bytes} bytes), "
-                             f"more than the {free} bytes free on the device (of {total})")
+            where = f"device {_ggml.device_label(dev)}" if more_devices else "the device"
+            raise ValueError(f"moe_cache needs {need} bytes ({n} expert slots + 1 of {facts.slot_bytes} bytes), "
+                             f"more than the {free} bytes free on {where} (of {total})")
     extra = {}
     # where the experts lie in the files: the RAM tier reads them there, and GPU copies of experts that ggml-cpu
     # keeps repacked take the file's bytes from there
     from hybrimoe.runtime.ram_tier import expert_file_ranges
 
-    rg = ram["ranges"] if ram else expert_file_ranges(facts) if n_slots > 0 else None
+    any_slots = n_slots > 0 or any(d.n_slots > 0 for d in more_devices)
+    rg = ram["ranges"] if ram else expert_file_ranges(facts) if any_slots else None
     if rg is not None:
         extra = dict(files=rg["files"], file_sizes=rg["sizes"], file_mtimes_ns=rg["mtimes_ns"], file_of=rg["file_of"],
                      offset_of=rg["offset_of"])
@@ -292,7 +303,10 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         router_bias=facts.router_bias, sigmoid_gating=facts.sigmoid_gating, cache=policies.cache,
         scheduler=policies.scheduler, prefetcher=policies.prefetcher, max_buffer_bytes=max_buffer_bytes(),
         bias_bytes=[tuple(b) for b in facts.bias_bytes], scale_bytes=[tuple(b) for b in facts.scale_bytes],
-        fused_cpu=int(fused_cpu), **extra)
+        fused_cpu=int(fused_cpu),
+        more_devices=[(int(d.n_slots), int(d.device), max_buffer_bytes(), cost) for d in more_devices],
+        more_policies=[(d.policies.cache, d.policies.scheduler, d.policies.prefetcher) for d in more_devices],
+        layer_device=[int(x) for x in layer_device], **extra)
 
 
 def gpu_work_bytes(facts: EngineFacts, n_ubatch: int) -> int:
@@ -345,6 +359,19 @@ def auto_slots(facts: EngineFacts, free_bytes: int, n_ubatch: int) -> tuple[int,
 
 
 @dataclass(frozen=True)
+class DeviceShare:
+    """One more accelerator's part of a set-up over several (:attr:`EngineSetup.more_devices`): its ggml device pointer
+    and label, its expert slots (``None`` until sized for ``"auto"``), how they were chosen, and its policies (a cache
+    that holds only the layers it serves; ``None`` until sized)."""
+
+    device: int
+    label: str
+    n_slots: Optional[int]
+    slots_note: str
+    policies: Optional[PolicySet] = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
 class EngineSetup:
     """How one :class:`hybrimoe.Llama` runs the MoE engine, decided once (read-only: ``Llama.moe_setup``).
 
@@ -363,7 +390,9 @@ class EngineSetup:
     experts are kept; ``None``: plain host memory), ``profile`` (float64 counts ``[MoE layers, experts]`` from
     ``moe_profile``, :func:`load_profile`; ``None``: none given), ``profile_source`` (where they came from) and
     ``cpu_weights``, the CPU-weight layout option the routed experts load with (:func:`cpu_weights_option`), and
-    ``cpu_fused`` (``moe_cpu_fused`` as :func:`fused_mode` gives it: 0 off).
+    ``cpu_fused`` (``moe_cpu_fused`` as :func:`fused_mode` gives it: 0 off). With several accelerators holding MoE
+    layers (:meth:`with_devices`): ``device``, ``n_slots``, ``policies`` are the first device's, ``more_devices`` the
+    others' (:class:`DeviceShare`), and ``layer_device`` gives each MoE layer's device (an index: 0 the first).
     """
 
     facts: EngineFacts
@@ -388,6 +417,8 @@ class EngineSetup:
     ram_exclusive: bool = False
     cpu_weights: str = "repack"
     cpu_fused: int = 0
+    more_devices: tuple = ()
+    layer_device: tuple = ()
 
     @property
     def ram_tier(self) -> bool:
@@ -454,8 +485,18 @@ class EngineSetup:
                 raise ValueError(f"kv_overrides {facts.arch}.expert_used_count must be an integer in "
                                  f"1..{facts.n_expert}, got {k_over!r}")
             facts = dataclasses.replace(facts, top_k=int(k_over))
-        auto = isinstance(moe_cache, str) and moe_cache.strip().lower() == "auto"
-        n_slots = None if auto else cache_slots(moe_cache, facts)
+        # a list of budgets, one per device (checked against the devices once the model is loaded): each entry is
+        # checked now, and the first sizes the set-up until then
+        entries = budget_list(moe_cache)
+        if entries is not None:
+            if not entries:
+                raise ValueError("moe_cache: an empty list of budgets")
+            for e in entries:
+                if not (isinstance(e, str) and e.strip().lower() == "auto"):
+                    cache_slots(e, facts)
+        first = entries[0] if entries is not None else moe_cache
+        auto = isinstance(first, str) and first.strip().lower() == "auto"
+        n_slots = None if auto else cache_slots(first, facts)
         if moe_ram_exclusive and n_slots == 0:
             raise ValueError(f"moe_ram_exclusive (--moe-ram-exclusive) needs a GPU cache above the RAM tier, moe_cache "
                              f"(--moe-cache) of at least one expert slot, got {moe_cache!r}: without one the RAM tier "
@@ -523,23 +564,80 @@ class EngineSetup:
         n, why = ram_tier.auto_ram_slots(self.facts, n_ubatch, other)
         return dataclasses.replace(self, ram_slots=n, ram_note=why)
 
-    def with_auto_slots(self, n_ubatch: int) -> "EngineSetup":
-        """For ``moe_cache="auto"``, once the model is loaded: the set-up with the slots that fit the device's free
-        memory now (:func:`auto_slots`) and the policies for them; other set-ups are returned unchanged.
+    def with_devices(self, layer_devs: Sequence[Optional[int]], order: Sequence[int],
+                     main: Optional[int] = None) -> "EngineSetup":
+        """Once the model is loaded: the set-up over the devices that hold its MoE layers (llama.cpp's layer split,
+        :func:`hybrimoe.runtime.devices.model_layer_devices`): one slot pool per device, each layer's GPU share on
+        its own device (a layer on the host: on ``main``, else this set-up's device). With one device, this set-up
+        on that device; with several, the budget split per device (:func:`hybrimoe.runtime.devices.device_slots`)
+        and a cache per device that holds only its layers. ``order``: the Llama's devices in order (``-ts``).
 
         Raises:
-            ValueError: no room for a single slot.
+            ValueError: a list of budgets whose length is not the number of devices, or an entry too small for one
+                slot (the message names the device).
         """
-        if self.n_slots is not None:
+        devs, layer_device = engine_devices(layer_devs, order, main or self.device)
+        entries = budget_list(self.cache_spec)
+        if len(devs) <= 1:
+            if entries is not None and len(entries) != 1:
+                where = _ggml.device_label(devs[0]) if devs else "no device"
+                raise ValueError(f"moe_cache lists {len(entries)} budgets, but the MoE layers are on one device "
+                                 f"({where}): give one budget")
+            if devs and devs[0] != self.device:
+                return dataclasses.replace(self, device=devs[0], device_label=_ggml.device_label(devs[0]))
             return self
-        free, _ = _ggml.device_memory(self.device)
+        labels = [_ggml.device_label(d) for d in devs]
+        slots = device_slots(self.cache_spec, self.facts, layer_device, len(devs), labels)
+        shares = []
+        for i, (d, n) in enumerate(zip(devs, slots)):
+            mask = [x == i for x in layer_device]
+            pol = None if n is None else build_policies(self.policy_spec, self.facts, n, self.prefetch_layers,
+                                                        self.profile, layers=mask)
+            note = (f"sized at load (auto) for its {sum(mask)} MoE layers" if n is None else
+                    f"{n} slots of {self.facts.slot_bytes} bytes for its {sum(mask)} MoE layers")
+            shares.append(DeviceShare(d, labels[i], n, note, pol))
+        first = shares[0]
+        return dataclasses.replace(self, device=first.device, device_label=first.label, n_slots=first.n_slots,
+                                   slots_note=f"{first.label}: {first.slots_note}", policies=first.policies,
+                                   more_devices=tuple(shares[1:]), layer_device=tuple(layer_device))
+
+    def _layers_of(self, index: int) -> Optional[list]:
+        """Per MoE layer, whether device ``index`` serves it (None with one device: all of them)."""
+        return [x == index for x in self.layer_device] if self.layer_device else None
+
+    def _auto_share(self, device: int, index: int, n_ubatch: int) -> tuple[int, str, PolicySet]:
+        free, _ = _ggml.device_memory(device)
         n, why = auto_slots(self.facts, free, int(n_ubatch))
+        mask = self._layers_of(index)
+        if mask is not None:
+            n = min(n, sum(mask) * self.facts.n_expert)
         if n < 1:
-            raise ValueError(f"moe_cache='auto' found no room for an expert slot ({why}); give a smaller ubatch, "
-                             "or moe_cache=0")
-        return dataclasses.replace(self, n_slots=n, slots_note=why,
-                                   policies=build_policies(self.policy_spec, self.facts, n, self.prefetch_layers,
-                                                           self.profile))
+            raise ValueError(f"moe_cache='auto' found no room for an expert slot on {_ggml.device_label(device)} "
+                             f"({why}); give a smaller ubatch, or moe_cache=0")
+        return n, why, build_policies(self.policy_spec, self.facts, n, self.prefetch_layers, self.profile,
+                                      layers=mask)
+
+    def with_auto_slots(self, n_ubatch: int) -> "EngineSetup":
+        """For ``moe_cache="auto"``, once the model is loaded: the set-up with the slots that fit the device's free
+        memory now (:func:`auto_slots`) and the policies for them, on each device that is to be sized so; other
+        set-ups are returned unchanged.
+
+        Raises:
+            ValueError: no room for a single slot (the message names the device).
+        """
+        out = self
+        if self.n_slots is None:
+            n, why, pol = self._auto_share(self.device, 0, n_ubatch)
+            out = dataclasses.replace(out, n_slots=n, slots_note=why, policies=pol)
+        if any(d.n_slots is None for d in self.more_devices):
+            shares = []
+            for i, d in enumerate(self.more_devices, start=1):
+                if d.n_slots is None:
+                    n, why, pol = self._auto_share(d.device, i, n_ubatch)
+                    d = dataclasses.replace(d, n_slots=n, slots_note=why, policies=pol)
+                shares.append(d)
+            out = dataclasses.replace(out, more_devices=tuple(shares))
+        return out
 
     def make_engine(self):
         """The ``hybrimoe._engine.Engine`` of a completed set-up (:func:`make_engine`)."""
@@ -556,5 +654,8 @@ class EngineSetup:
             ram = {"slots": self.ram_slots, "policy": self.ram_policy, "ranges": self.ram_ranges,
                    "io_threads": IO_THREADS, "repack": self.cpu_weights != "plain" and ram_repack(),
                    "exclusive": self.ram_exclusive, "two_pass": ram_two_pass()}
+        if any(d.n_slots is None or d.policies is None for d in self.more_devices):
+            raise ValueError("EngineSetup.make_engine: a device lacks its slots (with_auto_slots)")
         return make_engine(self.facts, self.n_slots, self.device, self.policies, self.cost, self.prefetch_layers,
-                           ram, fused_cpu=self.cpu_fused)
+                           ram, fused_cpu=self.cpu_fused, more_devices=self.more_devices,
+                           layer_device=self.layer_device)

@@ -29,7 +29,8 @@ def engine_stats(engine, setup) -> dict:
     :class:`hybrimoe.runtime.setup.EngineSetup`."""
     layers = engine.layer_stats()
     tot = layer_totals(layers)
-    cs = setup.policies.cache.stats
+    devices = device_stats(engine, setup, layers)
+    cs = _cache_counts([setup.policies.cache] + [d.policies.cache for d in setup.more_devices])
     return {
         "policy": setup.policies.name,
         "cost_model": setup.cost_source,
@@ -38,10 +39,8 @@ def engine_stats(engine, setup) -> dict:
         "n_slots": engine.n_slots,
         "slot_bytes": engine.slot_bytes,
         "slot_buffers": engine.slot_buffers,
-        "hit_rate": cs.hit_rate,
-        "cache": {"accesses": cs.accesses, "hits": cs.demand_hits + cs.prefetch_hits,
-                  "prefetch_hits": cs.prefetch_hits, "misses": cs.misses, "admissions": cs.admissions,
-                  "evictions": cs.evictions, "declined": cs.declined},
+        "hit_rate": cs["hits"] / cs["accesses"] if cs["accesses"] else 0.0,
+        "cache": cs,
         **{k: tot[k] for k in ("cpu_experts", "cpu_late_experts", "gpu_experts", "bytes_demand", "bytes_prefetch",
                                "bytes_fill",
                                "bytes_copied")},
@@ -56,7 +55,44 @@ def engine_stats(engine, setup) -> dict:
         "fused_mode": {0: "off", 1: "exact", 2: "fast"}[setup.cpu_fused],
         "layers": layers,
         "ram": ram_stats(engine, setup),
+        "devices": devices,
     }
+
+
+def _cache_counts(caches) -> dict:
+    """The counters of one or more ``ExpertCache`` objects, summed (one per device)."""
+    out = {"accesses": 0, "hits": 0, "prefetch_hits": 0, "misses": 0, "admissions": 0, "evictions": 0, "declined": 0}
+    for c in caches:
+        cs = c.stats
+        for k, v in (("accesses", cs.accesses), ("hits", cs.demand_hits + cs.prefetch_hits),
+                     ("prefetch_hits", cs.prefetch_hits), ("misses", cs.misses), ("admissions", cs.admissions),
+                     ("evictions", cs.evictions), ("declined", cs.declined)):
+            out[k] += int(v)
+    return out
+
+
+def device_stats(engine, setup, layers: list) -> list:
+    """``moe_stats()["engine"]["devices"]``: per device that holds expert slots, in device order: ``device`` (its
+    label), ``n_slots``, ``slots_in_use``, ``moe_layers`` (the MoE layers whose GPU share it runs), ``hit_rate`` and
+    ``cache`` (its cache's counters), ``gpu_experts`` (experts it computed, summed over runs) and ``bytes_copied``
+    (H2D bytes of its loads). One entry with one device; the top-level figures are the totals."""
+    shares = [(setup.device_label, setup.policies)] + [(d.label, d.policies) for d in setup.more_devices]
+    out = []
+    for i, (label, pol) in enumerate(shares):
+        mine = [ml for ml in range(len(layers)) if engine.device_of(ml) == i]
+        tot = layer_totals([layers[ml] for ml in mine])
+        cs = _cache_counts([pol.cache])
+        out.append({
+            "device": label,
+            "n_slots": engine.device_slots(i),
+            "slots_in_use": engine.device_slots_in_use(i),
+            "moe_layers": mine,
+            "hit_rate": cs["hits"] / cs["accesses"] if cs["accesses"] else 0.0,
+            "cache": cs,
+            "gpu_experts": int(tot.get("gpu_experts", 0)),
+            "bytes_copied": float(tot.get("bytes_copied", 0.0)),
+        })
+    return out
 
 
 def all_cpu_reason(n_slots: int, totals: dict, setup) -> str:

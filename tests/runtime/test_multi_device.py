@@ -1,0 +1,213 @@
+"""Several devices: one expert slot pool per device that holds MoE layers (hybrimoe.runtime.devices).
+
+Two (and once three) RPC stand-ins on 127.0.0.1 play the GPUs, each with a memory limit of its own so that each has
+a label and a free memory of its own. llama.cpp's layer split (``-ngl 99 -ts``) puts each layer on one of them; the
+engine runs each layer's GPU share on that layer's device, from that device's slots. Oracle: upstream llama.cpp
+with the same placement (``-ngl 99 -ts ... -ot exps=CPU --no-repack``): the same greedy tokens and bit-identical
+logits, with a GPU share on every device.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from hybrimoe.testing.fixtures import ENGINE_ARCHS, fixture_set
+from hybrimoe.testing.upstream import greedy_reference, greedy_with_logits
+
+N_LAYER = 8  # enough layers that a 3:1 split leaves MoE layers on both devices
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def devices(rpc_server_factory):
+    """Three stand-ins with 2, 3 and 4 GiB of "device memory" (two for most tests)."""
+    return [rpc_server_factory(memory_bytes=m * GiB) for m in (2, 3, 4)]
+
+
+@pytest.fixture(scope="module")
+def layered_model(tmp_path_factory):
+    from hybrimoe.tiny import make_tiny_model
+
+    d = tmp_path_factory.mktemp("multi-device")
+    made = {}
+
+    def make(arch: str) -> str:
+        if arch not in made:
+            kw = dict(fixture_set()[(arch, "Q8_0")], n_layer=N_LAYER)
+            made[arch] = str(make_tiny_model(d / f"{arch}-{N_LAYER}l.gguf", **kw))
+        return made[arch]
+
+    return make
+
+
+def _endpoints(servers) -> str:
+    return ",".join(s.endpoint for s in servers)
+
+
+def _run_both(path, servers, ts, split_cost_model, moe_cache="50%", n_prompt=24, n_new=16, **extra):
+    from hybrimoe import Llama
+
+    common = dict(rpc_servers=_endpoints(servers), n_gpu_layers=99, tensor_split=ts, n_ctx=n_prompt + n_new + 16,
+                  n_batch=512, n_ubatch=8, seed=0, verbose=False, no_repack=True)
+    tokens, ref_out, ref_lg = greedy_reference(path, n_prompt, n_new, tensor_buft_overrides="exps=CPU", **common)
+    llm = Llama(path, moe_cache=moe_cache, moe_cost_model=split_cost_model, **common, **extra)
+    out, lg = greedy_with_logits(llm, tokens, n_new)
+    return llm, (out, np.asarray(lg)), (ref_out, np.asarray(ref_lg))
+
+
+def _check_devices(llm, n_devices):
+    """Every device ran a GPU share, and each cached only the layers it serves."""
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    eng = llm.moe_engine
+    facts = engine_facts(llm.model_path)
+    devs = llm.moe_stats()["engine"]["devices"]
+    assert eng.n_devices == n_devices == len(devs)
+    assert sorted(ml for d in devs for ml in d["moe_layers"]) == list(range(len(facts.moe_layers)))
+    for i, d in enumerate(devs):
+        assert d["moe_layers"], f"device {i} holds no MoE layer"
+        assert d["gpu_experts"] > 0, f"device {i} ({d['device']}) computed nothing"
+        for ml in range(len(facts.moe_layers)):
+            held = [eng.device_slot_of(i, ml, e) >= 0 for e in range(facts.n_expert)]
+            if ml not in d["moe_layers"]:
+                assert not any(held), f"device {i} cached an expert of MoE layer {ml}, which it does not serve"
+    assert eng.pinned_count() == 0
+    return devs
+
+
+@pytest.mark.parametrize("ts", [[1.0, 1.0], [3.0, 1.0]], ids=["1-1", "3-1"])
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+def test_two_devices_match_upstream(arch, ts, devices, layered_model, split_cost_model):
+    """Layer split 1:1 and 3:1 over two stand-ins: upstream's tokens and logits, bit for bit; the layers' devices
+    are llama.cpp's (a layer's router and its GPU share on one device)."""
+    from hybrimoe.runtime.devices import model_layer_devices
+
+    path = layered_model(arch)
+    llm, (out, lg), (ref_out, ref_lg) = _run_both(path, devices[:2], ts, split_cost_model)
+    try:
+        assert out == ref_out
+        assert np.array_equal(lg, ref_lg), float(np.max(np.abs(lg - ref_lg)))
+        devs = _check_devices(llm, 2)
+        setup = llm.moe_setup
+        ptrs = [setup.device] + [d.device for d in setup.more_devices]
+        on = model_layer_devices(llm.model, setup.facts.moe_layers)
+        assert [ptrs.index(p) for p in on] == list(setup.layer_device)
+        # the memory limits tell the two stand-ins apart: a label each, for "auto" and calibration
+        assert devs[0]["device"] != devs[1]["device"]
+        # more layers on the device with the larger share
+        n0, n1 = (len(d["moe_layers"]) for d in devs)
+        assert n0 > n1 if ts == [3.0, 1.0] else abs(n0 - n1) <= 2
+    finally:
+        llm.close()
+
+
+def test_three_devices_match_upstream(devices, layered_model, split_cost_model):
+    """Three stand-ins (as three hosts), 1:1:1: upstream's numbers, a GPU share on each."""
+    llm, (out, lg), (ref_out, ref_lg) = _run_both(layered_model("qwen3moe"), devices, [1.0, 1.0, 1.0],
+                                                  split_cost_model)
+    try:
+        assert out == ref_out
+        assert np.array_equal(lg, ref_lg)
+        _check_devices(llm, 3)
+    finally:
+        llm.close()
+
+
+def test_budgets_per_device(devices, layered_model, split_cost_model):
+    """A share is of each device's own layers; a list sets each device's; "auto" sizes each from its own memory."""
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = layered_model("qwen3moe")
+    facts = engine_facts(path)
+    sb, E = facts.slot_bytes, facts.n_expert
+    llm, (out, _), (ref_out, _) = _run_both(path, devices[:2], [3.0, 1.0], split_cost_model, moe_cache="25%",
+                                            n_new=4)
+    try:
+        devs = llm.moe_stats()["engine"]["devices"]
+        assert [d["n_slots"] for d in devs] == [int(0.25 * len(d["moe_layers"]) * E) for d in devs]
+        assert llm.moe_stats()["engine"]["n_slots"] == sum(d["n_slots"] for d in devs)
+    finally:
+        llm.close()
+    llm, (out, _), (ref_out, _) = _run_both(path, devices[:2], [1.0, 1.0], split_cost_model,
+                                            moe_cache=f"{3 * sb},{5 * sb}", n_new=4)
+    try:
+        assert out == ref_out
+        assert [d["n_slots"] for d in llm.moe_stats()["engine"]["devices"]] == [3, 5]
+    finally:
+        llm.close()
+    llm, (out, _), (ref_out, _) = _run_both(path, devices[:2], [1.0, 1.0], split_cost_model, moe_cache="auto",
+                                            n_new=4)
+    try:
+        assert out == ref_out
+        devs = llm.moe_stats()["engine"]["devices"]
+        # each device's free memory holds every expert of its layers
+        assert [d["n_slots"] for d in devs] == [len(d["moe_layers"]) * E for d in devs]
+    finally:
+        llm.close()
+
+
+def test_bad_budgets_and_split_modes_are_refused(devices, layered_model, split_cost_model):
+    from hybrimoe import Llama
+
+    path = layered_model("qwen3moe")
+    common = dict(rpc_servers=_endpoints(devices[:2]), n_gpu_layers=99, n_ctx=64, verbose=False,
+                  moe_cost_model=split_cost_model)
+    with pytest.raises(ValueError, match=r"lists 3 budget\(s\) for 2 device\(s\).*127\.0\.0\.1-rpc-2048MiB"):
+        Llama(path, moe_cache="10%,10%,10%", **common)
+    with pytest.raises(ValueError, match="-sm layer"):
+        Llama(path, moe_cache="25%", split_mode=2, **common)
+    with pytest.raises(ValueError, match="moe_cache"):
+        Llama(path, moe_cache="10%,banana", **common)
+
+
+def test_layers_on_the_host_use_the_main_device(devices, layered_model, split_cost_model):
+    """-ngl 0 (llama.cpp's default) leaves every layer on the host: one slot pool, on the main device (-mg)."""
+    from hybrimoe import Llama
+
+    path = layered_model("qwen3moe")
+    llm = Llama(path, rpc_servers=_endpoints(devices[:2]), n_gpu_layers=0, main_gpu=1, n_ctx=64, verbose=False,
+                moe_cache="25%", moe_cost_model=split_cost_model)
+    try:
+        assert llm.moe_engine.n_devices == 1
+        assert llm.moe_setup.device_label == llm.moe_stats()["engine"]["devices"][0]["device"]
+        assert llm.moe_setup.device_label.endswith("-3072MiB")  # devices[1]
+    finally:
+        llm.close()
+
+
+_CHILD = textwrap.dedent("""
+    import sys
+    from hybrimoe import Llama
+    from hybrimoe.runtime.rpc import RPCServer
+
+    model, cost = sys.argv[1], sys.argv[2]
+    a = RPCServer(threads=1, memory_bytes=2 << 30).start()
+    b = RPCServer(threads=1, memory_bytes=3 << 30).start()
+    llm = Llama(model, rpc_servers=a.endpoint + "," + b.endpoint, n_gpu_layers=99, n_ctx=256, n_ubatch=8,
+                verbose=False, moe_cache="50%", moe_cost_model=cost)
+    llm("Once upon a time", max_tokens=2, temperature=0)
+    b.proc.kill()
+    b.proc.wait()
+    try:
+        llm("Once upon a time there", max_tokens=2, temperature=0)
+        print("NO ERROR")
+    except RuntimeError as e:
+        print("ERROR " + str(e).replace("\\n", " "))
+        print("LOST " + b.endpoint)
+    llm.close()
+    a.stop()
+""")
+
+
+def test_one_of_two_devices_gone(layered_model, split_cost_model):
+    """The second device's server killed before a decode: a clear error naming that server, no hang."""
+    path = layered_model("qwen3moe")
+    r = subprocess.run([sys.executable, "-c", _CHILD, path, split_cost_model], capture_output=True, text=True,
+                       timeout=150)
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
+    assert "ERROR" in lines, r.stdout + r.stderr[-2000:]
+    assert lines["LOST"] in lines["ERROR"]
