@@ -331,6 +331,9 @@ class SimResult:
     decision_us_mean: float
     prefetch_us_mean: float
     layer_moe_s: list[float]
+    device_cache: list[CacheStats]
+    device_bytes_h2d: list[float]
+    device_link_busy_s: list[float]
     timeline: list[TimelineEvent]
 
 def make_steps(trace: Trace, first_prompt: int, end_prompt: int, config: SimConfig) -> list[tuple[int, int, int]]: ...
@@ -339,6 +342,10 @@ def replay_cache(trace: Trace, cache: ExpertCache, first_prompt: int, end_prompt
 def simulate(trace: Trace, cache: ExpertCache, scheduler: SchedulePolicy, prefetcher: PrefetchPolicy,
              planner: CostModel, truth_cost: CostModel, truth: TruthModel, config: SimConfig, first_prompt: int,
              end_prompt: int, ram_cache: ExpertCache | None = None) -> SimResult: ...
+def simulate_devices(trace: Trace,
+                     devices: list[tuple[ExpertCache, SchedulePolicy, PrefetchPolicy, CostModel, CostModel]],
+                     layer_device: list[int], shared_link: bool, truth: TruthModel, config: SimConfig,
+                     first_prompt: int, end_prompt: int, ram_cache: ExpertCache | None = None) -> SimResult: ...
 def replay_decisions(log: Iterable[dict[str, Any]], cache: ExpertCache, scheduler: SchedulePolicy,
                      prefetcher: PrefetchPolicy, cost_model: CostModel, has_slots: bool, prefetch_layers: int,
                      fill_on_miss: bool) -> list[dict[str, Any]]: ...

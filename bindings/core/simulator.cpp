@@ -155,6 +155,10 @@ void bind_simulator(py::module_ & m) {
         .def_readonly("decision_us_mean", &SimResult::decision_us_mean)
         .def_readonly("prefetch_us_mean", &SimResult::prefetch_us_mean)
         .def_readonly("layer_moe_s", &SimResult::layer_moe_s)
+        .def_readonly("device_cache", &SimResult::device_cache, "Per device: its cache's CacheStats.")
+        .def_readonly("device_bytes_h2d", &SimResult::device_bytes_h2d, "Per device: bytes copied to it.")
+        .def_readonly("device_link_busy_s", &SimResult::device_link_busy_s,
+                      "Per device: seconds its copies took on the link.")
         .def_readonly("timeline", &SimResult::timeline);
 
     m.def(
@@ -175,6 +179,34 @@ void bind_simulator(py::module_ & m) {
           py::call_guard<py::gil_scoped_release>(),
           "Event-driven simulation of prompts [first_prompt, end_prompt); ram_cache: the RAM tier's ExpertCache "
           "(None: every expert in RAM); see hybrimoe.simulate.");
+    m.def(
+        "simulate_devices",
+        [](const Trace & trace, std::vector<std::tuple<ExpertCache *, SchedulePolicy *, PrefetchPolicy *, CostModel,
+                                                       CostModel>> devices,
+           std::vector<int> layer_device, bool shared_link, const TruthModel & truth, const SimConfig & cfg,
+           int first_prompt, int end_prompt, ExpertCache * ram) {
+            std::vector<SimDevice> devs;
+            for (auto & d : devices) {
+                SimDevice sd;
+                sd.cache = std::get<0>(d);
+                sd.scheduler = std::get<1>(d);
+                sd.prefetcher = std::get<2>(d);
+                sd.planner = std::get<3>(d);
+                sd.truth = std::get<4>(d);
+                devs.push_back(sd);
+            }
+            py::gil_scoped_release nogil;
+            return simulate_devices(trace, devs, layer_device, shared_link, truth, cfg, first_prompt, end_prompt,
+                                    ram);
+        },
+        py::arg("trace"), py::arg("devices"), py::arg("layer_device"), py::arg("shared_link"), py::arg("truth"),
+        py::arg("config"), py::arg("first_prompt"), py::arg("end_prompt"),
+        py::arg("ram_cache") = static_cast<ExpertCache *>(nullptr),
+        "simulate over several devices (llama.cpp's layer split): devices is a list of (cache, scheduler, "
+        "prefetcher, planner CostModel, truth CostModel), one per device, each cache holding only its device's "
+        "layers (expert bytes 0 for the others); layer_device: per MoE layer its device (empty: all on the first); "
+        "shared_link: every device's copies share one link. The result's device_* fields are per device. "
+        "ValueError on no device, a shared cache or a bad layer_device.");
     m.def("replay_decisions",
           [](py::iterable log, py::object cache, py::object scheduler, py::object prefetcher, const CostModel & cost,
              bool has_slots, int prefetch_layers, bool fill_on_miss) {

@@ -20,24 +20,12 @@ from hybrimoe.commands.args import (
     TOP_P,
     int_in,
     llama_threads_default,
+    tensor_split,
 )
 from hybrimoe.envs import AUTO_CALIBRATE_ENV, DEFAULT_COST_HARDWARE, PREFETCH_LAYERS, progress_on
 from hybrimoe.policy.hardware import hardware_names
 from hybrimoe.policy.presets import DEFAULT_PRESET, ENGINE_PRESETS
 from hybrimoe.runtime.devices import SPLIT_MODES
-
-
-def tensor_split(text: str) -> list[float]:
-    """``-ts 3,1``: one non-negative proportion per device, as llama.cpp's ``--tensor-split`` (common/arg.cpp) reads
-    it, also with ``/`` between them. Raises argparse.ArgumentTypeError on anything else."""
-    parts = [x for x in text.replace("/", ",").split(",")]
-    try:
-        vals = [float(x) for x in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give one number per device, e.g. 3,1") from None
-    if not vals or any(v < 0 or v != v for v in vals) or sum(vals) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: proportions must be >= 0 and not all 0")
-    return vals
 
 
 def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> None:

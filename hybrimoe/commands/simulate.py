@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hybrimoe import _core
-from hybrimoe.commands.args import COUNT, FRACTION, POSITIVE, SEED
+from hybrimoe.commands.args import COUNT, FRACTION, POSITIVE, SEED, tensor_split
 from hybrimoe.envs import PREFETCH_LAYERS, progress_on
 from hybrimoe.model.facts import MODEL_FACTS, ModelFacts, facts_from_gguf
 from hybrimoe.outputs import check_output, write_text
@@ -23,7 +23,7 @@ from hybrimoe.policy.cost_model import load_cost_model
 from hybrimoe.policy.hardware import disk_names, hardware_names, load_disk, load_hardware
 from hybrimoe.policy.presets import RAM_PRESETS, SYSTEM_PRESETS, ram_preset, system_preset
 from hybrimoe.sim.plots import PLOT_FILES, write_plots
-from hybrimoe.sim.simulator import DEFAULT_DISK, Setup, cache_hit_rates, format_table
+from hybrimoe.sim.simulator import DEFAULT_DISK, TS_NCMOE, Setup, cache_hit_rates, format_table
 from hybrimoe.traces.format import RoutingTrace, default_trace_path, load_trace
 
 HELP = "trace-driven comparison of expert placement policies"
@@ -59,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                            "derived planner costs)")
     parser.add_argument("--moe-cache", default="25%", help="GPU expert-cache budget: '25%%' of all routed-expert "
                                                            "bytes, bytes, or e.g. '3GiB'")
+    parser.add_argument("--devices", type=POSITIVE, default=None, metavar="N",
+                        help="GPUs, each with its own expert cache and the layers llama.cpp's layer split gives it "
+                             "(default: the hardware's gpu_count, else 1); --moe-cache is then each GPU's budget "
+                             f"('25%%': of its layers' experts); policy {TS_NCMOE}: upstream -ts with the best "
+                             "--n-cpu-moe")
+    parser.add_argument("--tensor-split", type=tensor_split, default=None, metavar="N0,N1,...",
+                        help="proportions of the layers per GPU, as llama.cpp's -ts (default: equal)")
     parser.add_argument("--moe-ram-cache", default=None, metavar="BUDGET",
                         help="host RAM for routed experts, for a model larger than RAM: '25%%' of all routed-expert "
                              "bytes, '12GiB' or bytes (as run's --moe-ram-cache); the experts in neither cache are "
@@ -223,7 +230,8 @@ def _setup_maker(args, names: list):
     if not names:
         raise ValueError("--policies is empty")
     for n in names:
-        system_preset(n)
+        if n != TS_NCMOE:
+            system_preset(n)
     ram_names = _ram_names(args)
     recall = _positive_recall(args.recall, args.prefetch_depth)
     hw = load_hardware(args.hardware)
@@ -245,7 +253,8 @@ def _setup_maker(args, names: list):
         return Setup(trace, hw, budget_spec, args.stage, cost_model=cm, max_tokens=args.max_tokens,
                      max_prompts=args.max_prompts, ubatch=args.ubatch, prefetch_depth=args.prefetch_depth,
                      recall=recall, profile_fraction=args.profile_fraction, seed=args.seed, facts=facts,
-                     facts_source=source, n_dropped=n_dropped, ram_cache=args.moe_ram_cache, disk=args.disk)
+                     facts_source=source, n_dropped=n_dropped, ram_cache=args.moe_ram_cache, disk=args.disk,
+                     devices=args.devices, tensor_split=args.tensor_split)
 
     return make_setup, make_setup(args.moe_cache), notes
 

@@ -244,9 +244,9 @@ def _dsv2_lite() -> ModelFacts:
 #: (vendor/llama.cpp/pin.json): block_q4_K = 2 fp16 (d, dmin) + 12 bytes of scales + 128 bytes of 4-bit quants;
 #: block_q6_K = 128 (ql) + 64 (qh) + 16 int8 scales + fp16 d; block_q8_0 = fp16 d + 32 int8; block_mxfp4 = 1 byte
 #: (e8m0 scale) + 16 bytes (32 4-bit values)
-QUANT_BLOCKS = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34), "MXFP4": (32, 17)}
+QUANT_BLOCKS = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34), "MXFP4": (32, 17), "Q5_0": (32, 22)}
 _QUANT_SOURCE = ("ggml/src/ggml-common.h (pinned upstream): Q4_K 144 bytes / 256 weights = 4.5 bpw, Q6_K 210 / 256 = "
-                 "6.5625 bpw, Q8_0 34 / 32 = 8.5 bpw, MXFP4 17 / 32 = 4.25 bpw")
+                 "6.5625 bpw, Q8_0 34 / 32 = 8.5 bpw, MXFP4 17 / 32 = 4.25 bpw, Q5_0 22 / 32 = 5.5 bpw")
 
 
 def bits_per_weight(quant: str) -> float:
@@ -271,17 +271,21 @@ def q4_k_m_expert_bytes(n_embd: int, n_ff_exp: int, moe_layer_ids, n_layer_all: 
     """Bytes of one routed expert per MoE layer of a llama.cpp Q4_K_M file: gate and up (``n_embd x n_ff_exp``
     each) Q4_K; ffn_down Q6_K in the layers of upstream's use_more_bits(il, n_layer_all), else Q4_K
     (src/llama-quant.cpp, llama_tensor_get_type: ftype Q4_K_M, FFN_DOWN; the layer is parsed from the tensor name
-    for MoE models and n_layer_all is the GGUF's block count). Valid only when both widths are multiples of 256 (K-quant
-    rows; else upstream falls back to another type).
+    for MoE models and n_layer_all is the GGUF's block count). ffn_down's rows are ``n_ff_exp`` wide: where that is
+    not a multiple of 256 upstream falls back to a type of 32-weight blocks (src/llama-quant.cpp,
+    tensor_type_fallback: Q4_K -> Q5_0, Q6_K -> Q8_0).
 
     Raises:
-        ValueError: a width that is not a multiple of 256.
+        ValueError: ``n_embd`` (gate and up's rows) not a multiple of 256, or ``n_ff_exp`` not one of 32.
     """
-    if n_embd % 256 or n_ff_exp % 256:
-        raise ValueError(f"K-quant rows must be multiples of 256, got n_embd {n_embd}, n_ff_exp {n_ff_exp}")
+    if n_embd % 256 or n_ff_exp % 32:
+        raise ValueError(f"K-quant rows must be multiples of 256 (gate, up) and 32 (down), got n_embd {n_embd}, "
+                         f"n_ff_exp {n_ff_exp}")
+    k_rows = n_ff_exp % 256 == 0
     q4, q6 = bits_per_weight("Q4_K"), bits_per_weight("Q6_K")
+    d4, d6 = (q4, q6) if k_rows else (bits_per_weight("Q5_0"), bits_per_weight("Q8_0"))
     gate_up = 2 * n_embd * n_ff_exp * q4 / 8
-    return tuple(float(gate_up + n_embd * n_ff_exp * (q6 if _use_more_bits(il, n_layer_all) else q4) / 8)
+    return tuple(float(gate_up + n_embd * n_ff_exp * (d6 if _use_more_bits(il, n_layer_all) else d4) / 8)
                  for il in moe_layer_ids)
 
 
@@ -396,6 +400,42 @@ def _kimi_k2() -> ModelFacts:
                  "512x(64x256) + o (64x128)x7168; the dense layer adds 3 x 7168 x 18432")
 
 
+def _qwen3_235b_a22b() -> ModelFacts:
+    n_embd, n_ff, n_layer, heads, kv, hd = 4096, 1536, 94, 64, 4, 128
+    attn = n_embd * heads * hd + 2 * n_embd * kv * hd + heads * hd * n_embd
+    return _config_facts(
+        "qwen3-235b-a22b", arch="qwen3moe", n_layer=n_layer, n_dense=0, n_experts=128, top_k=8, n_shared=0,
+        n_embd=n_embd, n_ff_exp=n_ff, n_ff_dense=0, n_head=heads, n_head_kv=kv, attn_params=attn, gating="softmax",
+        layer_bytes=q4_k_m_expert_bytes(n_embd, n_ff, range(n_layer), n_layer),
+        shape_src="Qwen/Qwen3-235B-A22B config.json (as THUDM/slime's scripts/models/qwen3-235B-A22B.sh restates "
+                  "it): hidden_size 4096, moe_intermediate_size 1536, num_hidden_layers 94 (all MoE), num_experts "
+                  "128, num_experts_per_tok 8, num_attention_heads 64, num_key_value_heads 4, head_dim 128; softmax "
+                  "router",
+        bytes_src="Q4_K_M (llama.cpp's llama_tensor_get_type as pinned): gate+up Q4_K 2 x 3.54 MB; ffn_down Q6_K "
+                  "(5.16 MB) in the 46 use_more_bits layers of 94, Q4_K (3.54 MB) in the others: 12.24 or 10.62 MB "
+                  "per expert",
+        attn_src="GQA attention q 4096x8192 + k, v 4096x512 + o 8192x4096 = 71.3 M (q/k norms left out)")
+
+
+def _glm45_air() -> ModelFacts:
+    n_embd, n_ff, n_dense_ff, n_layer, heads, kv, hd = 4096, 1408, 10944, 46, 96, 8, 128
+    attn = n_embd * heads * hd + 2 * n_embd * kv * hd + heads * hd * n_embd
+    return _config_facts(
+        "glm-4.5-air", arch="glm4moe", n_layer=n_layer, n_dense=1, n_experts=128, top_k=8, n_shared=1,
+        n_embd=n_embd, n_ff_exp=n_ff, n_ff_dense=n_dense_ff, n_head=heads, n_head_kv=kv, attn_params=attn,
+        gating="sigmoid", layer_bytes=q4_k_m_expert_bytes(n_embd, n_ff, range(1, n_layer), n_layer),
+        shape_src="zai-org/GLM-4.5-Air config.json (as THUDM/slime's scripts/models/glm4.5-106B-A12B.sh restates "
+                  "it): hidden_size 4096, moe_intermediate_size 1408, intermediate_size 10944 (the dense layer), "
+                  "num_hidden_layers 46, first_k_dense_replace 1 (45 MoE layers), n_routed_experts 128, "
+                  "num_experts_per_tok 8, n_shared_experts 1, num_attention_heads 96, num_key_value_heads 8, "
+                  "head_dim 128; sigmoid router with a selection bias; the MTP layer left out",
+        bytes_src="Q4_K_M (llama.cpp's llama_tensor_get_type as pinned, 46 blocks): gate+up Q4_K 2 x 3.24 MB; "
+                  "ffn_down's rows of 1408 are no multiple of 256, so upstream's fallback stores it Q8_0 (6.13 MB) "
+                  "in the use_more_bits layers and Q5_0 (3.96 MB) in the others: 12.62 or 10.45 MB per expert",
+        attn_src="GQA attention q 4096x12288 + k, v 4096x1024 + o 12288x4096 = 109.1 M (biases left out); the "
+                 "dense layer adds 3 x 4096 x 10944")
+
+
 def _gpt_oss_120b() -> ModelFacts:
     n_embd, n_ff, n_layer, heads, kv, hd = 2880, 2880, 36, 64, 8, 64
     attn = n_embd * heads * hd + 2 * n_embd * kv * hd + heads * hd * n_embd
@@ -414,7 +454,8 @@ def _gpt_oss_120b() -> ModelFacts:
 
 
 MODEL_FACTS = {"deepseek-v2-lite": _dsv2_lite(), "mixtral-8x7b": _mixtral_8x7b(), "qwen3-30b-a3b": _qwen3_30b_a3b(),
-               "deepseek-v3": _deepseek_v3(), "kimi-k2": _kimi_k2(), "gpt-oss-120b": _gpt_oss_120b()}
+               "deepseek-v3": _deepseek_v3(), "kimi-k2": _kimi_k2(), "gpt-oss-120b": _gpt_oss_120b(),
+               "qwen3-235b-a22b": _qwen3_235b_a22b(), "glm-4.5-air": _glm45_air()}
 
 
 # ---- from a GGUF ---------------------------------------------------------------------------------------------------

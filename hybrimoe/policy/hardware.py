@@ -26,8 +26,10 @@ HARDWARE_SCHEMA = "hybrimoe.hardware/1"
 HARDWARE_FACTS = ("gpu_mem_bandwidth_Bps", "gpu_mem_efficiency", "gpu_effective_flops", "gpu_kernel_launch_s",
                   "gpu_kernels_per_expert", "gpu_kernels_per_layer", "cpu_mem_bandwidth_Bps", "cpu_mem_efficiency",
                   "cpu_effective_flops", "cpu_startup_s", "h2d_bandwidth_Bps", "h2d_latency_s", "gpu_memory_bytes")
-#: facts a hardware file may leave out (files written before them load): the host's RAM, bytes
-HARDWARE_OPTIONAL_FACTS = ("host_memory_bytes",)
+#: facts a hardware file may leave out (files written before them load): the host's RAM, bytes; ``gpu_count``, the
+#: GPUs of the host (1 when left out), each as the GPU facts describe it; ``gpus_per_link``, how many of them share
+#: one host link (1 when left out: each its own; more: all copy over one, e.g. behind one PCIe switch)
+HARDWARE_OPTIONAL_FACTS = ("host_memory_bytes", "gpu_count", "gpus_per_link")
 DISK_DIR = Path(__file__).resolve().parent / "disk_files"
 DISK_SCHEMA = "hybrimoe.disk/1"
 #: a disk file's facts: sequential read bytes/s, seconds before one read's data flows, reads in flight that gain

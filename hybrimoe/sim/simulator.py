@@ -70,6 +70,35 @@ from hybrimoe.traces.format import PHASE_DECODE, PHASE_PREFILL, RoutingTrace
 
 #: the disk a RAM tier is simulated with when none is named (hybrimoe/policy/disk_files/)
 DEFAULT_DISK = "pcie4-nvme"
+#: several GPUs only: upstream's layer split with ``--n-cpu-moe N`` (``-ngl 99 -ts ... --n-cpu-moe N``): the first N
+#: MoE layers' experts on the CPU, every later layer's on its own GPU, N the smallest whose experts fit each GPU's
+#: budget. (``upstream-ncmoe`` and ``ktransformers`` on several GPUs keep each GPU's last, or leading, layers that fit
+#: its budget: the ``-ot`` rules users write per GPU.)
+TS_NCMOE = "upstream-ts-ncmoe"
+
+
+def layer_devices(n_dense: int, n_moe: int, n_devices: int, tensor_split: Optional[Sequence[float]] = None) -> list:
+    """Per MoE layer, the device llama.cpp's layer split puts it on with every layer offloaded (``-ngl 99``): the
+    output layer counts as one more layer, the proportions (``-ts``; default equal) are made cumulative and
+    normalised, and model layer ``il`` goes to the first device whose cumulative share is above ``il / (n_layer +
+    1)`` (llama_model::load_tensors, src/llama-model.cpp). ``n_dense``: leading dense layers (MoE layer m is model
+    layer n_dense + m).
+
+    Raises:
+        ValueError: no device, or a split of another length, negative or all zero.
+    """
+    if n_devices < 1:
+        raise ValueError(f"at least one device, got {n_devices}")
+    ts = [1.0] * n_devices if tensor_split is None else [float(x) for x in tensor_split]
+    if len(ts) != n_devices or any(x < 0 for x in ts) or sum(ts) <= 0:
+        raise ValueError(f"tensor split {ts} must give {n_devices} proportions >= 0, not all 0")
+    cum = np.cumsum(ts) / sum(ts)
+    n_layer = n_dense + n_moe
+    out = []
+    for m in range(n_moe):
+        il = n_dense + m
+        out.append(int(min(n_devices - 1, np.searchsorted(cum, il / (n_layer + 1), side="right"))))
+    return out
 
 
 def stage_tokens(trace: RoutingTrace, stage: str) -> RoutingTrace:
@@ -121,6 +150,11 @@ class Setup:
     The trace is cut to the stage's tokens (:func:`stage_tokens`). ``core_trace``: that cut as the C++ trace
     (:func:`stage_core_trace` of the same trace and stage), when the caller has it already; built here otherwise.
 
+    ``devices``: GPUs (default the hardware's ``gpu_count``, else 1), each with its own expert cache and the MoE
+    layers llama.cpp's layer split gives it (:func:`layer_devices`, ``tensor_split`` as ``-ts``); a budget is then
+    each GPU's: ``"25%"`` of the experts of its layers, a size each (the same VRAM per device). The hardware's
+    ``gpus_per_link`` above 1 makes every GPU copy over one shared link.
+
     ``ram_cache``: the host RAM for routed experts (``"25%"`` of their bytes, ``"12GiB"``, bytes; as
     ``--moe-ram-cache``), for a model larger than RAM: runs then simulate the RAM tier (:meth:`run`'s ``ram``), with
     ``disk``'s figures (a disk file name or path, :func:`hybrimoe.policy.hardware.load_disk`; default
@@ -139,7 +173,8 @@ class Setup:
                  prefetch_depth: int = PREFETCH_LAYERS,
                  recall: Sequence[float] = _core.DEFAULT_PREDICTOR_RECALL, profile_fraction: float = 0.2, seed: int = 1,
                  facts: Optional[ModelFacts] = None, facts_source: str = "", n_dropped: int = 0,
-                 core_trace=None, ram_cache=None, disk: Optional[str] = None):
+                 core_trace=None, ram_cache=None, disk: Optional[str] = None, devices: Optional[int] = None,
+                 tensor_split: Optional[Sequence[float]] = None):
         if stage not in ("decode", "prefill"):
             raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
         if not (0.0 <= profile_fraction < 1.0):
@@ -174,7 +209,22 @@ class Setup:
         self.expert_bytes = [float(b) for b in trace.expert_bytes]
         self.total_bytes = float(np.sum(trace.expert_bytes) * trace.num_experts)
         self.budget_spec = budget_spec
-        self.budget = parse_budget(budget_spec, self.total_bytes, float(np.min(trace.expert_bytes)))
+        self.n_devices = int(devices if devices is not None else hw.facts.get("gpu_count", 1))
+        self.layer_device = layer_devices(int(getattr(trace, "n_dense_layers", 0) or 0), trace.n_layers,
+                                          self.n_devices, tensor_split)
+        self.shared_link = self.n_devices > 1 and hw.facts.get("gpus_per_link", 1) > 1
+        if self.n_devices > 1:
+            # each device's budget over its own layers' experts (a size: each device's)
+            self.device_budgets = []
+            for d in range(self.n_devices):
+                mine = float(sum(b for b, x in zip(trace.expert_bytes, self.layer_device) if x == d) *
+                             trace.num_experts)
+                self.device_budgets.append(parse_budget(budget_spec, mine, float(np.min(trace.expert_bytes)))
+                                           if mine > 0 else 0.0)
+            self.budget = float(sum(self.device_budgets))
+        else:
+            self.device_budgets = None
+            self.budget = parse_budget(budget_spec, self.total_bytes, float(np.min(trace.expert_bytes)))
         self.ram_spec, self.ram_budget, self.disk = ram_cache, None, None
         if ram_cache is not None:
             self.ram_budget = parse_budget(ram_cache, self.total_bytes, float(np.min(trace.expert_bytes)))
@@ -232,9 +282,20 @@ class Setup:
     def build(self, name: str):
         """(cache, scheduler, prefetcher, config) of a system preset (:func:`hybrimoe.policy.presets.build_preset`, with
         the profile's hot set; a clairvoyant preset's cache starts with :meth:`first_use_keys`); ValueError on an
-        unknown name."""
-        ps = build_preset(name, self.expert_bytes, self.trace.num_experts, self.budget,
-                              hot_keys=self.first_use_keys() if _clairvoyant(name) else self.hot_keys,
+        unknown name. With several devices the first three are lists, one entry per device (each cache holds only
+        its device's layers)."""
+        hot = self.first_use_keys() if _clairvoyant(name) else self.hot_keys
+        if name == TS_NCMOE:
+            return self._build_ts_ncmoe()
+        if self.n_devices > 1:
+            parts = []
+            for d in range(self.n_devices):
+                eb = [b if x == d else 0.0 for b, x in zip(self.expert_bytes, self.layer_device)]
+                parts.append(build_preset(name, eb, self.trace.num_experts, self.device_budgets[d], hot_keys=hot,
+                                          profile=self.profile.ravel()))
+            ps = parts[0]
+        else:
+            ps = build_preset(name, self.expert_bytes, self.trace.num_experts, self.budget, hot_keys=hot,
                               profile=self.profile.ravel())
         cfg = _core.SimConfig()
         for f in ("stage", "ubatch", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
@@ -242,7 +303,41 @@ class Setup:
         cfg.fill_on_miss = ps.fill_on_miss
         if ps.true_routing:
             cfg.recall = [1.0] * max(1, cfg.prefetch_depth)
+        if self.n_devices > 1:
+            return ([p.cache for p in parts], [p.scheduler for p in parts], [p.prefetcher for p in parts], cfg)
         return ps.cache, ps.scheduler, ps.prefetcher, cfg
+
+    def _build_ts_ncmoe(self):
+        if self.n_devices < 2:
+            raise ValueError(f"{TS_NCMOE} is a placement over several GPUs; this setup has one (upstream-ncmoe)")
+        L, E = self.trace.n_layers, self.trace.num_experts
+        fits = lambda n: all(  # noqa: E731
+            sum(self.expert_bytes[m] for m in range(n, L) if self.layer_device[m] == d) * E
+            <= self.device_budgets[d] * (1 + 1e-12) for d in range(self.n_devices))
+        n_cpu = next(n for n in range(L + 1) if fits(n))
+        caches, scheds, pres = [], [], []
+        for d in range(self.n_devices):
+            eb = [b if x == d else 0.0 for b, x in zip(self.expert_bytes, self.layer_device)]
+            keys = [m * E + e for m in range(n_cpu, L) if self.layer_device[m] == d for e in range(E)]
+            cache = _core.ExpertCache(eb, E, self.device_budgets[d], _core.StaticPolicy(keys, []))
+            cache.fill(keys)
+            caches.append(cache)
+            scheds.append(_core.make_scheduler("upstream-ncmoe", n_cpu))
+            pres.append(_core.make_prefetcher("none"))
+        cfg = _core.SimConfig()
+        for f in ("stage", "ubatch", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
+            setattr(cfg, f, getattr(self.cfg, f))
+        cfg.fill_on_miss = False
+        return caches, scheds, pres, cfg
+
+    def simulate(self, cache, sched, pre, planner, cfg, ram_cache=None):
+        """One run of the policy core's simulator on these parts (lists, one per device, with several devices)."""
+        if self.n_devices > 1:
+            devs = [(c, s, p, planner, self.truth_cost) for c, s, p in zip(cache, sched, pre)]
+            return _core.simulate_devices(self.core_trace, devs, self.layer_device, self.shared_link, self.truth,
+                                          cfg, self.first, self.end, ram_cache)
+        return _core.simulate(self.core_trace, cache, sched, pre, planner, self.truth_cost, self.truth, cfg,
+                              self.first, self.end, ram_cache)
 
     def assumptions(self, name: str) -> dict:
         spec = system_preset(name)
@@ -301,13 +396,14 @@ class Setup:
         """Exclusive tiers start exclusive: the RAM tier's initial fill (the hot set, :meth:`build_ram`) gives up
         what the GPU cache starts with, and the next hottest experts take the room."""
         L, E = self.trace.n_layers, self.trace.num_experts
-        on_gpu = [k for k in range(L * E) if cache.resident(k // E, k % E)]
+        caches = cache if isinstance(cache, list) else [cache]
+        on_gpu = [k for k in range(L * E) if any(c.resident(k // E, k % E) for c in caches)]
         for k in on_gpu:
             if ram_cache.resident(k // E, k % E):
                 ram_cache.evict(k // E, k % E)
         hot = self.first_use_keys() if ram_preset(ram)["cache"] == "belady" else self.hot_keys
         if hot is not None:
-            ram_cache.fill([int(k) for k in hot if not cache.resident(int(k) // E, int(k) % E)])
+            ram_cache.fill([int(k) for k in hot if not any(c.resident(int(k) // E, int(k) % E) for c in caches)])
 
     def run(self, name: str, cache=None, sched=None, pre=None, cfg=None, *, enough_s: Optional[float] = None,
             ram: Optional[str] = None) -> dict:
@@ -344,8 +440,7 @@ class Setup:
             ram_cache, cfg.ram = self.build_ram(ram)
             if cfg.ram.exclusive:
                 self._start_exclusive(cache, ram_cache, ram)
-        res = _core.simulate(self.core_trace, cache, sched, pre, planner, self.truth_cost, self.truth, cfg,
-                             self.first, self.end, ram_cache)
+        res = self.simulate(cache, sched, pre, planner, cfg, ram_cache)
         rec, plan = record(name, res, self, ram), name
         # a RAM-tier bound with alternatives keeps its fastest plan, as the GPU tier's oracle does (below)
         for alt in ram_preset(ram).get("also", ()) if ram is not None else ():
@@ -368,7 +463,8 @@ class Setup:
                     rec["plans_not_run"] = [a + ("+streaming" if st else "") for a, st in plans[i:]]
                     break
                 parts = self.build(alt)
-                parts[0].set_streaming_demand(streaming)
+                for c in (parts[0] if isinstance(parts[0], list) else [parts[0]]):
+                    c.set_streaming_demand(streaming)
                 other = self.run(alt, *parts, ram=ram)
                 if other["total_s"] < rec["total_s"]:
                     rec, plan = dict(other, policy=name), alt + ("+streaming" if streaming else "")
@@ -379,7 +475,7 @@ class Setup:
 def total_times(trace: RoutingTrace, hw_name: str, budget_spec, stage: str, names: Sequence[str], *,
                 max_tokens: int = 20000, seed: int = 1, contention_scale: float = 1.0, core_trace=None,
                 bound_tolerance: Optional[float] = None, ram_cache=None, disk: Optional[str] = None,
-                gpu_preset: str = "hybrimoe") -> dict:
+                gpu_preset: str = "hybrimoe", devices: Optional[int] = None) -> dict:
     """Simulated total time of each preset in ``names`` on one configuration: ``{name: seconds}`` (TPOT x tokens in
     decode, TTFT summed over prompts in prefill: :meth:`Setup.run`'s ``total_s``).
 
@@ -393,6 +489,8 @@ def total_times(trace: RoutingTrace, hw_name: str, budget_spec, stage: str, name
     times the least time of the presets before it in ``names``: its time is then an upper value of the bound, one
     that already shows the bound holds; where no plan gets there every plan is run and its time is the bound.
 
+    ``devices``: GPUs, as :class:`Setup`'s (default the hardware's).
+
     ``ram_cache`` (a RAM budget, as :class:`Setup`'s, with ``disk``): ``names`` are then RAM-tier presets
     (:data:`hybrimoe.policy.presets.RAM_PRESETS`), each run under the GPU tier's ``gpu_preset``, so that only the RAM
     tier differs between them.
@@ -405,7 +503,7 @@ def total_times(trace: RoutingTrace, hw_name: str, budget_spec, stage: str, name
     if bound_tolerance is not None and not bound_tolerance >= 0:
         raise ValueError(f"bound tolerance must be >= 0, got {bound_tolerance}")
     s = Setup(trace, load_hardware(hw_name), budget_spec, stage, max_tokens=max_tokens, seed=seed,
-              core_trace=core_trace, ram_cache=ram_cache, disk=disk)
+              core_trace=core_trace, ram_cache=ram_cache, disk=disk, devices=devices)
     s.truth.contention = contention_scale * s.truth.contention
     times: dict = {}
     for n in names:

@@ -89,7 +89,8 @@ LOCALITY = {"high": FITTED_DSV2_LITE,
 
 #: the named shapes synthetic traces can have (model facts with their sources: :mod:`hybrimoe.model.facts`)
 SHAPES = {name: MODEL_FACTS[name] for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "kimi-k2",
-                                                "gpt-oss-120b", "deepseek-v2-lite")}
+                                                "gpt-oss-120b", "deepseek-v2-lite", "qwen3-235b-a22b",
+                                                "glm-4.5-air")}
 
 
 def fit_synthetic(trace: RoutingTrace) -> Knobs:

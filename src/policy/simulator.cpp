@@ -273,29 +273,44 @@ class SimRun final : public ExpertPlacement {
 public:
     using clock = std::chrono::steady_clock;
 
-    SimRun(const Trace & trace, ExpertCache & cache, SchedulePolicy & scheduler, PrefetchPolicy & prefetcher,
-           const CostModel & planner, const CostModel & truth_cost, const TruthModel & truth, const SimConfig & cfg,
-           ExpertCache * ram)
-        : trace_(trace), cache_(cache), ram_(ram), planner_(planner), truth_cost_(truth_cost), truth_(truth), cfg_(cfg), L_(trace.n_layers),
-          K_(trace.top_k), E_(trace.n_experts), predictor_(cfg.recall, cfg.predictor_seed), noise_(truth.seed),
-          // the caller owns the policies: non-owning handles for the rules
-          decider_(std::shared_ptr<ExpertCache>(&cache, [](ExpertCache *) {}),
-                   std::shared_ptr<SchedulePolicy>(&scheduler, [](SchedulePolicy *) {}),
-                   std::shared_ptr<PrefetchPolicy>(&prefetcher, [](PrefetchPolicy *) {}), planner,
-                   decider_config(cache, cfg)),
+    SimRun(const Trace & trace, const std::vector<SimDevice> & devices, const std::vector<int> & layer_device,
+           bool shared_link, const TruthModel & truth, const SimConfig & cfg, ExpertCache * ram)
+        : trace_(trace), ram_(ram), planner_(devices.at(0).planner), truth_cost_(devices.at(0).truth), truth_(truth),
+          cfg_(cfg), L_(trace.n_layers), K_(trace.top_k), E_(trace.n_experts),
+          predictor_(cfg.recall, cfg.predictor_seed), noise_(truth.seed), dev_of_(layer_device),
           truth_ready_((size_t) L_ * E_, 0.0), pos_(E_, -1), ram_predictor_(cfg.ram.recall, cfg.predictor_seed + 1) {
+        for (size_t d = 0; d < devices.size(); ++d) {
+            const SimDevice & sd = devices[d];
+            Dev dv;
+            dv.cache = sd.cache;
+            // the caller owns the policies: non-owning handles for the rules
+            dv.decider.reset(new LayerDecider(std::shared_ptr<ExpertCache>(sd.cache, [](ExpertCache *) {}),
+                                              std::shared_ptr<SchedulePolicy>(sd.scheduler, [](SchedulePolicy *) {}),
+                                              std::shared_ptr<PrefetchPolicy>(sd.prefetcher, [](PrefetchPolicy *) {}),
+                                              sd.planner, decider_config(*sd.cache, cfg)));
+            dv.planner = sd.planner;
+            dv.truth = sd.truth;
+            dv.link = shared_link ? 0 : (int) d;
+            devs_.push_back(std::move(dv));
+        }
+        links_.resize(shared_link ? 1 : devices.size());
+        res_.device_cache.resize(devices.size());
+        res_.device_bytes_h2d.assign(devices.size(), 0.0);
+        res_.device_link_busy_s.assign(devices.size(), 0.0);
         res_.stage = cfg.stage;
         res_.layer_moe_s.assign(L_, 0.0);
         if (ram_) {
             faulting_ = cfg.ram.reads == "faulting";
             other_touch_.assign((size_t) L_, 0.0);  // in RAM at the start (the loader read them)
-            disk_places_.assign((size_t) std::max(1.0, std::floor(truth_cost.disk_queue_depth)), 0.0);
+            disk_places_.assign((size_t) std::max(1.0, std::floor(truth_cost_.disk_queue_depth)), 0.0);
             transient_tick_.assign((size_t) L_ * E_, -1);
             transient_ready_.assign((size_t) L_ * E_, 0.0);
             ram_unpin_.assign((size_t) L_, {});
-            if (cfg.ram.exclusive) {  // the GPU cache's evictions reach evicted(): demotions
-                cache_.set_record_evicted(true);
-                cache_.take_evicted();
+            if (cfg.ram.exclusive) {  // the GPU caches' evictions reach evicted(): demotions
+                for (Dev & dv : devs_) {
+                    dv.cache->set_record_evicted(true);
+                    dv.cache->take_evicted();
+                }
             }
         }
     }
@@ -312,7 +327,8 @@ public:
     /// probation (a streamed demand load of a large ubatch enters the GPU cache at the lowest rank and leaves it at
     /// the next load: its RAM slot stays, so that the stream does not churn the RAM tier).
     bool gives_up_ram(int l, int e) const {
-        return cache_.resident(l, e) && !cache_.on_probation(l, e) && ram_->resident(l, e);
+        const ExpertCache & c = *devs_[(size_t) dev_of_[(size_t) l]].cache;
+        return c.resident(l, e) && !c.on_probation(l, e) && ram_->resident(l, e);
     }
 
 private:
@@ -370,28 +386,44 @@ private:
     /// After layer l: unpins its RAM experts and those read ahead for it.
     void ram_release(int l);
 
+    /// One device that caches experts: its cache and decision rules, its cost models (GPU-side figures: copies,
+    /// compute, the layer's non-expert part), the link it copies over.
+    struct Dev {
+        ExpertCache * cache = nullptr;
+        std::unique_ptr<LayerDecider> decider;
+        CostModel planner, truth;
+        int link = 0;
+    };
+    /// A host-to-device link (one per device, or one that every device shares: GPUs behind one switch's lanes).
+    struct Link {
+        double true_free_at = 0.0;   // the true copy engine is busy until then
+        double est_free_at = 0.0;    // the planner's estimate of the same
+        double d2h_free_at = 0.0;    // exclusive tiers: the link's device-to-host direction
+    };
+    Dev & dv(int l) { return devs_[(size_t) dev_of_[(size_t) l]]; }
+    Link & lk(int l) { return links_[(size_t) dv(l).link]; }
+
     const Trace & trace_;
-    ExpertCache & cache_;
     ExpertCache * ram_;
-    const CostModel & planner_;
+    const CostModel & planner_;      // the host's figures (CPU, disk): device 0's models
     const CostModel & truth_cost_;
     const TruthModel & truth_;
     const SimConfig & cfg_;
     const int L_, K_, E_;
     TracePredictor predictor_;
     Noise noise_;
-    LayerDecider decider_;
+    std::vector<Dev> devs_;
+    std::vector<Link> links_;
+    std::vector<int> dev_of_;        // per MoE layer: its device
     SimResult res_;
 
     std::vector<int32_t> ids32_;
     std::vector<float> scores_;
     std::vector<double> truth_ready_;                  // key -> true end of its last copy (0: from the start)
-    std::vector<std::pair<double, double>> link_busy_; // copy intervals, in start order
+    std::vector<std::pair<double, double>> link_busy_; // copy intervals on every link, in start order
     std::vector<Prediction> preds_;
     std::vector<int32_t> gpu_order_, cpu_order_, pos_;
     double t_ = 0.0;                   // the true clock: end of the last layer
-    double true_pcie_free_at_ = 0.0;   // the true copy engine is busy until then
-    double pcie_free_at_ = 0.0;        // the planner's estimate of the same
     double layer_est_ = -1.0;          // smoothed true seconds per MoE layer (prediction start times)
     double t_moe_ = 0.0;               // when the current layer's routed experts may start
     int64_t cur_step_ = 0;
@@ -406,7 +438,6 @@ private:
     // the RAM tier
     TracePredictor ram_predictor_;
     bool faulting_ = false;
-    double d2h_free_at_ = 0.0;                // exclusive tiers: the link's device-to-host direction
     bool large_ubatch_ = false;               // this step likely uses every expert of a layer (exclusive tiers idle)
     int last_ram_access_ = 0;                // ExpertCache::access's answer to the last ram_use
     std::vector<uint8_t> cpu_ahead_;         // per cpu_order_ entry: its lookup found a read-ahead expert
@@ -441,17 +472,20 @@ double SimRun::load(int layer, int e, Kind kind) {
         fault = ready < 0.0;
         if (fault) ready = 0.0;
     }
-    double start = std::max(std::max(true_pcie_free_at_, t_moe_), ready);
+    Link & link = lk(layer);
+    double start = std::max(std::max(link.true_free_at, t_moe_), ready);
     if (fault) {
         start = fault_in(layer, e, start);
         ram_keep(layer, e, start, kind != kDemand);
     } else if (ram_ && faulting_ && kind == kDemand && (last_ram_access_ == 2 || last_ram_access_ == 3)) {
         read_ahead_after(layer, e, start);
     }
-    const double end = start + truth_cost_.h2d(bytes) * truth_.h2d_scale * noise_.factor(truth_.h2d_noise);
+    const double end = start + dv(layer).truth.h2d(bytes) * truth_.h2d_scale * noise_.factor(truth_.h2d_noise);
     res_.link_busy_s += end - start;
+    res_.device_link_busy_s[(size_t) dev_of_[(size_t) layer]] += end - start;
+    res_.device_bytes_h2d[(size_t) dev_of_[(size_t) layer]] += bytes;
     layer_copy_s_ += end - start;
-    true_pcie_free_at_ = end;
+    link.true_free_at = end;
     link_busy_.emplace_back(start, end);
     truth_ready_[(size_t) layer * E_ + e] = end;
     // exclusive tiers: the expert now lives on the GPU; its RAM slot goes (a slot this layer's lookups pinned goes
@@ -489,12 +523,13 @@ double SimRun::decide(int64_t si, const Step & st, int l, int n) {
         ram_obs_.set_routed(l, n, K_, E_, ram_in_.experts, ram_in_.loads);
         ram_->observe(ram_obs_);
     }
+    LayerDecider & decider = *dv(l).decider;
     const std::vector<uint8_t> & on_gpu =
-        decider_.split(si, l, ids32_.data(), n, K_, scores_, trace_.expert_bytes[(size_t) l], t_moe_,
-                       std::max(0.0, pcie_free_at_ - t_moe_), *this, nullptr);
+        decider.split(si, l, ids32_.data(), n, K_, scores_, trace_.expert_bytes[(size_t) l], t_moe_,
+                      std::max(0.0, lk(l).est_free_at - t_moe_), *this, nullptr);
     decision_ns_ += std::chrono::duration<double, std::nano>(clock::now() - d0).count() - charge_ns_;
-    const LayerInput & din = decider_.input();
-    const SchedulePlan & plan = decider_.plan();
+    const LayerInput & din = decider.input();
+    const SchedulePlan & plan = decider.plan();
     for (size_t i = 0; i < din.size(); ++i) pos_[din.experts[i]] = static_cast<int32_t>(i);
     // execution order: the plan's; a load the cache refused runs on the CPU, after the planned CPU experts
     gpu_order_.clear();
@@ -529,19 +564,20 @@ double SimRun::decide(int64_t si, const Step & st, int l, int n) {
             cpu_ready_.swap(ram_ready_);
         }
     }
-    return decider_.run_plan().makespan_s;
+    return decider.run_plan().makespan_s;
 }
 
 double SimRun::charge_gpu(int64_t si, int l, int n) {
     if (gpu_order_.empty()) return t_moe_;
-    const LayerInput & din = decider_.input();
+    const LayerInput & din = dv(l).decider->input();
+    const CostModel & tc = dv(l).truth;
     // a device that cannot compute while it copies works through the queued copies first
-    const double blocked = truth_cost_.copy_blocking(std::max(0.0, true_pcie_free_at_ - t_moe_));
-    double tg = t_moe_ + blocked + truth_cost_.act(n) * noise_.factor(truth_.act_noise);
+    const double blocked = tc.copy_blocking(std::max(0.0, lk(l).true_free_at - t_moe_));
+    double tg = t_moe_ + blocked + tc.act(n) * noise_.factor(truth_.act_noise);
     record(si, l, 1, -1, 5, t_moe_, tg);
     for (int32_t e : gpu_order_) {
         const double s0 = std::max(tg, truth_ready_[(size_t) l * E_ + e]);
-        const double dur = truth_cost_.gpu(din.loads[pos_[e]]) * truth_.gpu_scale * noise_.factor(truth_.gpu_noise);
+        const double dur = tc.gpu(din.loads[pos_[e]]) * truth_.gpu_scale * noise_.factor(truth_.gpu_noise);
         tg = s0 + dur;
         res_.gpu_busy_s += dur;
         record(si, l, 1, e, 0, s0, tg);
@@ -554,7 +590,7 @@ double SimRun::charge_cpu(int64_t si, int l) {
         read_cpu_debt_s_ = 0.0;  // the cores were free for the reads' CPU work
         return t_moe_;
     }
-    const LayerInput & din = decider_.input();
+    const LayerInput & din = dv(l).decider->input();
     // the layer's loads, queued before its CPU share runs, delay it on a host that pays for copies
     double tc = t_moe_ + truth_cost_.cpu_copy_blocking(layer_copy_s_) + truth_cost_.cpu_startup_s +
                 truth_.cpu_startup_extra_s;
@@ -601,24 +637,32 @@ double SimRun::charge_cpu(int64_t si, int l) {
 }
 
 void SimRun::prefetch_and_fill(const Step & st, int l, int n, double predicted_s) {
-    if (decider_.wants_prefetch(L_)) {
+    LayerDecider & decider = *dv(l).decider;
+    const CostModel & planner = dv(l).planner;
+    if (decider.wants_prefetch(L_)) {
         const auto p0 = clock::now();
-        if (layer_est_ < 0.0) layer_est_ = planner_.layer(n) + predicted_s;
+        if (layer_est_ < 0.0) layer_est_ = planner.layer(n) + predicted_s;
         const int depth = std::min(cfg_.prefetch_depth, L_ - 1 - l);
         preds_.resize(static_cast<size_t>(depth));
+        int kept = 0;
         for (int d = 1; d <= depth; ++d) {
-            Prediction & p = preds_[static_cast<size_t>(d - 1)];
             const int j = l + d;
+            // a device prefetches only the layers it serves, as the engine does (no copy between devices); the
+            // predictor draws for every distance, so that one device's draws are those of a single device
+            Prediction & p = preds_[static_cast<size_t>(kept)];
             predictor_.predict(trace_.row(st.begin, j), static_cast<int64_t>(L_) * K_, n, K_, E_, d, p);
+            if (dev_of_[(size_t) j] != dev_of_[(size_t) l]) continue;
             p.layer = j;
             p.expert_bytes = trace_.expert_bytes[j];
-            p.start_s = predicted_s + (double(d) - 1.0) * layer_est_ + planner_.layer(n);
+            p.start_s = predicted_s + (double(d) - 1.0) * layer_est_ + planner.layer(n);
+            ++kept;
         }
-        decider_.prefetch(preds_, L_, *this, nullptr);
-        res_.prefetch_declined += decider_.prefetch_declined();
+        preds_.resize(static_cast<size_t>(kept));
+        decider.prefetch(preds_, L_, *this, nullptr);
+        res_.prefetch_declined += decider.prefetch_declined();
         prefetch_ns_ += std::chrono::duration<double, std::nano>(clock::now() - p0).count();
     }
-    decider_.fills(*this, nullptr);
+    decider.fills(*this, nullptr);
 }
 
 void SimRun::run_layer(int64_t si, const Step & st, int l) {
@@ -627,7 +671,7 @@ void SimRun::run_layer(int64_t si, const Step & st, int l) {
     cur_step_ = si;
     cur_layer_ = l;
     if (ram_ && faulting_ && cfg_.ram.other_bytes > 0.0) t_ = other_in(l, t_);
-    const double ne = truth_cost_.layer(n) * truth_.gpu_scale * noise_.factor(truth_.layer_noise);
+    const double ne = dv(l).truth.layer(n) * truth_.gpu_scale * noise_.factor(truth_.layer_noise);
     res_.gpu_busy_s += ne;
     record(si, l, 1, -1, 4, t_, t_ + ne);
     t_moe_ = t_ + ne;
@@ -644,8 +688,9 @@ void SimRun::run_layer(int64_t si, const Step & st, int l) {
     const double demand_copy_s = layer_copy_s_;
     prefetch_and_fill(st, l, n, predicted_s);
     if (ram_) ram_lookahead(st, l, n, predicted_s);
-    pcie_free_at_ = t_moe_ + decider_.pcie_free_s();
-    res_.predicted_moe_s += decider_.run_plan().makespan_s;  // with the copies queued after the plan
+    LayerDecider & decider = *dv(l).decider;
+    lk(l).est_free_at = t_moe_ + decider.pcie_free_s();
+    res_.predicted_moe_s += decider.run_plan().makespan_s;  // with the copies queued after the plan
     // the prefetches and fills are queued before the CPU share runs too (the engine's order): on a host that pays
     // for copies they delay it as well (0 when copies cost the CPU nothing: the order of the draws and the
     // contention above stay as without the term)
@@ -656,12 +701,12 @@ void SimRun::run_layer(int64_t si, const Step & st, int l) {
     }
     // and they are queued after the GPU share's launch: a device that cannot compute while it copies returns the
     // share's outputs after them
-    if (!gpu_order_.empty()) t_gpu_end += truth_cost_.copy_blocking(layer_copy_s_ - demand_copy_s);
+    if (!gpu_order_.empty()) t_gpu_end += dv(l).truth.copy_blocking(layer_copy_s_ - demand_copy_s);
 
     const double t_end = std::max(t_moe_, std::max(t_cpu_end, t_gpu_end));
     res_.charged_moe_s += t_end - t_moe_;
     res_.layer_moe_s[l] += t_end - t_moe_;
-    decider_.release(l);
+    decider.release(l);
     if (ram_) ram_release(l);
     const double layer_dur = t_end - t_layer0;
     layer_est_ = layer_est_ < 0.0 ? layer_dur : 0.8 * layer_est_ + 0.2 * layer_dur;
@@ -811,7 +856,7 @@ void SimRun::ram_lookahead(const Step & st, int l, int n, double predicted_s) {
         const double bytes = trace_.expert_bytes[(size_t) j];
         for (int32_t i : ram_order_) {
             const int32_t e = ram_pred_.experts[i];
-            if (cache_.resident(j, e) || ram_->resident(j, e)) continue;
+            if (dv(j).cache->resident(j, e) || ram_->resident(j, e)) continue;
             if (std::max(disk_est_free_at_, t_moe_) + planner_.disk_read(bytes) > horizon) break;
             if (!ram_->admit(j, e, t_moe_, true)) continue;
             const double end = disk_read(bytes, t_moe_, e);
@@ -846,10 +891,11 @@ void SimRun::evicted(const std::vector<int64_t> & keys) {
         // demotion: the copy back runs on the link's device-to-host direction, its own queue (PCIe is full
         // duplex; a GPU with two copy engines copies both ways at once), from the layer's start
         const double bytes = trace_.expert_bytes[(size_t) l];
-        const double start = std::max(d2h_free_at_, t_moe_);
-        const double end = start + truth_cost_.h2d(bytes) * truth_.h2d_scale;
+        Link & link = lk(l);
+        const double start = std::max(link.d2h_free_at, t_moe_);
+        const double end = start + dv(l).truth.h2d(bytes) * truth_.h2d_scale;
         if (!ram_->admit_demoted(l, e, end)) continue;  // ranks below the RAM tier's victim: dropped
-        d2h_free_at_ = end;
+        link.d2h_free_at = end;
         res_.bytes_demoted += bytes;
         ++res_.demotions;
         record(cur_step_, cur_layer_, 2, e, 7, start, end);
@@ -881,7 +927,19 @@ SimResult SimRun::run(const std::vector<Step> & steps) {
     SimResult res = std::move(res_);
     const double t = t_;
     res.total_s = t;
-    res.cache = cache_.stats();
+    res.cache = CacheStats{};
+    for (size_t d = 0; d < devs_.size(); ++d) {
+        const CacheStats & c = devs_[d].cache->stats();
+        res.device_cache[d] = c;
+        res.cache.accesses += c.accesses;
+        res.cache.demand_hits += c.demand_hits;
+        res.cache.prefetch_hits += c.prefetch_hits;
+        res.cache.misses += c.misses;
+        res.cache.late += c.late;
+        res.cache.admissions += c.admissions;
+        res.cache.evictions += c.evictions;
+        res.cache.declined += c.declined;
+    }
     if (ram_) res.ram_cache = ram_->stats();
     res.prefetch_used = res.cache.prefetch_hits;
     res.bytes_h2d = res.bytes_demand + res.bytes_prefetch + res.bytes_fill;
@@ -906,29 +964,72 @@ SimResult SimRun::run(const std::vector<Step> & steps) {
 SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & scheduler, PrefetchPolicy & prefetcher,
                    const CostModel & planner, const CostModel & truth_cost, const TruthModel & truth,
                    const SimConfig & cfg, int first_prompt, int end_prompt, ExpertCache * ram) {
+    SimDevice d;
+    d.cache = &cache;
+    d.scheduler = &scheduler;
+    d.prefetcher = &prefetcher;
+    d.planner = planner;
+    d.truth = truth_cost;
+    return simulate_devices(trace, {d}, {}, false, truth, cfg, first_prompt, end_prompt, ram);
+}
+
+SimResult simulate_devices(const Trace & trace, const std::vector<SimDevice> & devices,
+                           const std::vector<int> & layer_device, bool shared_link, const TruthModel & truth,
+                           const SimConfig & cfg, int first_prompt, int end_prompt, ExpertCache * ram) {
     cfg.validate();
     truth.validate();
-    planner.validate();
-    truth_cost.validate();
-    check_cache_matches(trace, cache);
+    if (devices.empty()) throw std::invalid_argument("simulate: at least one device");
+    for (size_t i = 0; i < devices.size(); ++i) {
+        const SimDevice & d = devices[i];
+        if (!d.cache || !d.scheduler || !d.prefetcher) {
+            throw std::invalid_argument("simulate: device " + std::to_string(i) + " lacks a cache or a policy");
+        }
+        d.planner.validate();
+        d.truth.validate();
+        check_cache_matches(trace, *d.cache);
+        for (size_t j = 0; j < i; ++j) {
+            if (devices[j].cache == d.cache) {
+                throw std::invalid_argument("simulate: devices " + std::to_string(j) + " and " + std::to_string(i) +
+                                            " share one ExpertCache; each device needs its own");
+            }
+        }
+        if (ram == d.cache) throw std::invalid_argument("the RAM cache must be another ExpertCache than the GPU's");
+    }
+    std::vector<int> dev_of = layer_device;
+    if (dev_of.empty()) dev_of.assign((size_t) trace.n_layers, 0);
+    if ((int) dev_of.size() != trace.n_layers) {
+        throw std::invalid_argument("simulate: layer_device has " + std::to_string(dev_of.size()) + " entries for " +
+                                    std::to_string(trace.n_layers) + " MoE layers");
+    }
+    for (int d : dev_of) {
+        if (d < 0 || d >= (int) devices.size()) {
+            throw std::invalid_argument("simulate: layer_device entry " + std::to_string(d) + " is not one of the " +
+                                        std::to_string(devices.size()) + " devices");
+        }
+    }
+    const CostModel & planner = devices[0].planner;
+    const CostModel & truth_cost = devices[0].truth;
     if (ram) {
         check_cache_matches(trace, *ram);
         if (!planner.has_disk() || !truth_cost.has_disk()) {
             throw std::invalid_argument("a RAM tier needs disk figures (disk_bandwidth_Bps > 0) in both the planner's "
                                         "and the truth's cost model");
         }
-        if (ram == &cache) throw std::invalid_argument("the RAM cache must be another ExpertCache than the GPU's");
     }
     const std::vector<Step> steps = make_steps(trace, first_prompt, end_prompt, cfg);
-    const bool gpu_future = cache.policy().clairvoyant(), ram_future = ram && ram->policy().clairvoyant();
+    bool gpu_future = false;
+    for (const SimDevice & d : devices) gpu_future = gpu_future || d.cache->policy().clairvoyant();
+    const bool ram_future = ram && ram->policy().clairvoyant();
     if (gpu_future || ram_future) {
         const FutureAccesses future = build_future(trace, steps);
-        if (gpu_future) cache.policy().prepare(future);
+        for (const SimDevice & d : devices) {
+            if (d.cache->policy().clairvoyant()) d.cache->policy().prepare(future);
+        }
         if (ram_future) ram->policy().prepare(future);
     }
-    cache.reset_stats();
+    for (const SimDevice & d : devices) d.cache->reset_stats();
     if (ram) ram->reset_stats();
-    SimRun run(trace, cache, scheduler, prefetcher, planner, truth_cost, truth, cfg, ram);
+    SimRun run(trace, devices, dev_of, shared_link, truth, cfg, ram);
     return run.run(steps);
 }
 

@@ -178,6 +178,11 @@ struct SimResult {
     double decision_us_mean = 0.0;  ///< wall-clock per layer of split + cache update (instrumented)
     double prefetch_us_mean = 0.0;  ///< wall-clock per layer of prefetch planning
     std::vector<double> layer_moe_s;  ///< mean charged MoE time per MoE layer
+    /// per device (simulate_devices; one entry with one device): its cache's lookups, the bytes copied to it, the
+    /// seconds its link copied
+    std::vector<CacheStats> device_cache;
+    std::vector<double> device_bytes_h2d;
+    std::vector<double> device_link_busy_s;
     std::vector<TimelineEvent> timeline;
 };
 
@@ -212,6 +217,28 @@ CacheStats replay_cache(const Trace & trace, ExpertCache & cache, int first_prom
 SimResult simulate(const Trace & trace, ExpertCache & cache, SchedulePolicy & scheduler, PrefetchPolicy & prefetcher,
                    const CostModel & planner, const CostModel & truth_cost, const TruthModel & truth,
                    const SimConfig & cfg, int first_prompt, int end_prompt, ExpertCache * ram = nullptr);
+
+/// One accelerator of a simulated host with several (simulate_devices): its cache (of the layers it serves: give
+/// the others expert bytes 0), policies and cost models (the planner's and the truth's; their GPU-side figures
+/// (copies, GPU compute, the non-expert layer part) are this device's, the CPU and disk figures are the host's,
+/// taken from device 0). Not owned.
+struct SimDevice {
+    ExpertCache * cache = nullptr;
+    SchedulePolicy * scheduler = nullptr;
+    PrefetchPolicy * prefetcher = nullptr;
+    CostModel planner, truth;
+};
+
+/// simulate() over several devices, as llama.cpp's layer split runs a model on several GPUs: MoE layer l's
+/// non-expert part and GPU share run on device layer_device[l] (empty: all on device 0), with that device's cache,
+/// rules and copy queue; a device prefetches only its own layers (the engine's rule: no copy between devices).
+/// Each device copies over a link of its own, or, with `shared_link`, all over one (GPUs that share the host's
+/// lanes behind one switch): their copies then queue one after another. The hidden state's hop between devices
+/// is not charged (n_embd floats per token). Throws std::invalid_argument on no device, a device without a cache
+/// or policy, two devices sharing one cache, or a layer_device of the wrong length or out of range.
+SimResult simulate_devices(const Trace & trace, const std::vector<SimDevice> & devices,
+                           const std::vector<int> & layer_device, bool shared_link, const TruthModel & truth,
+                           const SimConfig & cfg, int first_prompt, int end_prompt, ExpertCache * ram = nullptr);
 
 /// Replays the engine's decision records (Engine::take_log, logged from the engine's first ubatch on) through
 /// `cache`, `scheduler` and `prefetcher`, which must be fresh objects built as the engine's were (same preset,
