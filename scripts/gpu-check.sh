@@ -23,7 +23,9 @@
 #                built at once, offline, installed into $GPUCHECK_WORK/site; each part timed
 #   correctness  tiny models (hybrimoe.tiny.fixture_set; gpt-oss with MXFP4 experts and biases), hybrimoe
 #                (moe_cache 25/50/100%, policy hybrimoe)
-#                against upstream with the same placement: same greedy tokens, logits NMSE <= 1e-3
+#                against upstream with the same placement: same greedy tokens, logits NMSE <= 1e-3; then two
+#                devices (the GPU plus a ggml-rpc-server --device CUDA0 on loopback, layer split 1:1): the same,
+#                with a GPU share on both
 #   model        the DeepSeek-V2-Lite-shaped synthetic Q4_K_M model (hybrimoe.tiny.make_synthetic_model: 8
 #                blocks, 64 experts, top-6, 2 shared, n_embd 2048, expert width 1408) and the trace cut to it
 #   calibrate    hybrimoe calibrate (a full one, when time allows; GPUCHECK_CALIBRATE; else the engine measures

@@ -326,6 +326,9 @@ def cmd_correctness(args) -> int:
                      f"{'PASS' if case['passed'] else 'FAIL'} (nmse {case.get('nmse', float('nan')):.3g}, same tokens "
                      f"{case.get('same_tokens')}, gpu/cpu experts {case.get('gpu_experts')}/{case.get('cpu_experts')})")
             _log(f"  {arch}:{quant} done in {time.monotonic() - t0:.1f} s")
+        if args.two_devices:
+            doc["cases"].append(_two_device_case(args, work, str(cost), common))
+            _write_json(out, doc)
     except Exception as e:
         doc["errors"].append(f"{type(e).__name__}: {e}")
         _log(f"correctness: error: {e}")
@@ -335,6 +338,52 @@ def cmd_correctness(args) -> int:
     doc["passed"] = bool(doc["cases"]) and not doc["errors"] and all(c["passed"] for c in doc["cases"])
     _write_json(out, doc)
     return 0 if doc["passed"] else 1
+
+
+def _two_device_case(args, work: Path, cost: str, common: dict) -> dict:
+    """Two devices, layer split 1:1 (``-ngl 99 -ts 1,1``): the first device (the GPU, or in cpu mode an RPC stand-in)
+    and an RPC server on loopback serving the same GPU (``ggml-rpc-server --device CUDA0``; in cpu mode another
+    stand-in). hybrimoe against upstream with the same placement (``-ot exps=CPU --no-repack``): the same greedy
+    tokens, logits NMSE <= ``--tol``, and a GPU share on both devices."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.rpc import RPCServer
+    from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
+    from hybrimoe.testing.upstream import nmse as logits_nmse
+    from hybrimoe.tiny import make_tiny_model
+
+    case = dict(model="qwen3moe:Q8_0 (8 layers)", moe_cache="50%", policy=args.policy, kind="two-devices",
+                tensor_split=[1, 1])
+    t1 = time.monotonic()
+    extra = RPCServer(threads=args.threads, device="CUDA0" if args.mode == "cuda" else "CPU").start()
+    try:
+        endpoints = ",".join(e for e in (common.get("rpc_servers"), extra.endpoint) if e)
+        kw = dict(common, rpc_servers=endpoints, tensor_split=[1.0, 1.0])
+        path = make_tiny_model(work / "tiny-qwen3moe-Q8_0-8l.gguf",
+                               **dict(correctness_recipes()[("qwen3moe", "Q8_0")], n_layer=8))
+        ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **kw)
+        try:
+            tokens = prompt_tokens(ref, args.n_prompt)
+            ref_out, ref_lg = greedy_with_logits(ref, tokens, args.n_gen)
+        finally:
+            ref.close()
+        llm = Llama(str(path), moe_cache="50%", moe_policy=args.policy, moe_cost_model=cost, **kw)
+        try:
+            out_t, lg = greedy_with_logits(llm, tokens, args.n_gen)
+            devs = llm.moe_stats()["engine"]["devices"]
+        finally:
+            llm.close()
+        nmse = logits_nmse(lg, ref_lg)
+        case.update(same_tokens=out_t == ref_out, nmse=nmse, bit_exact=bool(np.array_equal(lg, ref_lg)),
+                    devices=devs, passed=bool(out_t == ref_out and nmse <= args.tol and len(devs) == 2
+                                              and all(d["gpu_experts"] > 0 for d in devs)))
+    except Exception as e:
+        case.update(passed=False, error=f"{type(e).__name__}: {e}")
+    finally:
+        extra.stop()
+    case["seconds"] = round(time.monotonic() - t1, 2)
+    _log(f"correctness two devices: {'PASS' if case['passed'] else 'FAIL'} (nmse {case.get('nmse', float('nan')):.3g},"
+         f" devices {[(d['device'], d['gpu_experts']) for d in case.get('devices', [])]})")
+    return case
 
 
 # ---- summary -------------------------------------------------------------------------------------------------
@@ -622,6 +671,8 @@ def main(argv=None) -> int:
     p.add_argument("--tol", type=float, default=1e-3, help="largest logits NMSE (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="RPC stand-in server threads (cpu mode)")
     p.add_argument("--no-control", dest="control", action="store_false", help="skip the negative control")
+    p.add_argument("--no-two-devices", dest="two_devices", action="store_false",
+                   help="skip the two-device case (the GPU plus an RPC server on loopback serving it)")
     p.set_defaults(fn=cmd_correctness)
 
     p = sub.add_parser("summary", help=cmd_summary.__doc__.splitlines()[0])

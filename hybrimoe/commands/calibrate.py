@@ -18,7 +18,9 @@ HELP = "measure the engine's cost model for a model on this machine (stored for 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``calibrate`` flags."""
     p.add_argument("-m", "--model", required=True, help="GGUF model")
-    p.add_argument("--rpc", default=None, metavar="HOST:PORT", help="ggml RPC server to calibrate as the GPU")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT,...",
+                   help="ggml RPC server to calibrate as the GPU; several: each is calibrated in turn and stored under "
+                        "its own label (a run over several GPUs plans each with its own)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int_in(0, also=(-1,)), default=99,
                    help="layers on the GPU (default %(default)s)")
     p.add_argument("-t", "--threads", type=THREADS, default=None,
@@ -51,25 +53,34 @@ def run(args: argparse.Namespace) -> int:
 
     if args.disk:
         return _run_disk(args)
-    try:
-        if args.output:
-            check_output(args.output, "-o", force=args.force, inputs=[("-m", args.model)])
-        cm, sources, device = calibrate_model(args.model, rpc_servers=args.rpc, n_gpu_layers=args.n_gpu_layers,
-                                              threads=args.threads, quick=args.quick, reps=args.reps,
-                                              no_repack=args.no_repack, no_host=args.no_host,
-                                              moe_cpu_fused=FUSED_FLAG[args.moe_cpu_fused])
-        tag = cpu_weights_option(args.no_repack, args.no_host) + {"on": "-fused", "fast": "-fused-fast"}.get(
-            args.moe_cpu_fused, "")
-        out = save(cm, sources, Path(args.output) if args.output else calibration_path(args.model, device, tag))
-    except (OSError, ValueError, RuntimeError) as e:
-        print(f"hybrimoe calibrate: error: {e}", file=sys.stderr)
+    endpoints = [e.strip() for e in (args.rpc or "").split(",") if e.strip()] or [None]
+    if args.output and len(endpoints) > 1:
+        print("hybrimoe calibrate: error: -o names one file, and --rpc names several servers: leave -o out (each "
+              "device's calibration goes to the store under its own label)", file=sys.stderr)
         return 1
-    doc = json.loads(out.read_text())
-    for f in COST_FIELDS:
-        print(f"{f:18s} {doc[f]:.6g}   ({sources.get(f, '')})")
-    if "cpu_weights" in sources:
-        print(sources["cpu_weights"])
-    print(f"hybrimoe calibrate: wrote {out}")
+    for endpoint in endpoints:
+        try:
+            if args.output:
+                check_output(args.output, "-o", force=args.force, inputs=[("-m", args.model)])
+            cm, sources, device = calibrate_model(args.model, rpc_servers=endpoint, n_gpu_layers=args.n_gpu_layers,
+                                                  threads=args.threads, quick=args.quick, reps=args.reps,
+                                                  no_repack=args.no_repack, no_host=args.no_host,
+                                                  moe_cpu_fused=FUSED_FLAG[args.moe_cpu_fused])
+            tag = cpu_weights_option(args.no_repack, args.no_host) + {"on": "-fused", "fast": "-fused-fast"}.get(
+                args.moe_cpu_fused, "")
+            out = save(cm, sources, Path(args.output) if args.output else calibration_path(args.model, device, tag))
+        except (OSError, ValueError, RuntimeError) as e:
+            where = f" ({endpoint})" if len(endpoints) > 1 else ""
+            print(f"hybrimoe calibrate: error{where}: {e}", file=sys.stderr)
+            return 1
+        doc = json.loads(out.read_text())
+        if len(endpoints) > 1:
+            print(f"device {device} ({endpoint}):")
+        for f in COST_FIELDS:
+            print(f"{f:18s} {doc[f]:.6g}   ({sources.get(f, '')})")
+        if "cpu_weights" in sources:
+            print(sources["cpu_weights"])
+        print(f"hybrimoe calibrate: wrote {out}")
     return 0
 
 

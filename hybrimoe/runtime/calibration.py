@@ -444,6 +444,27 @@ def with_stored_cost(setup, model_path):
     return dataclasses.replace(setup, cost=cost, cost_source=str(found))
 
 
+def with_device_costs(setup, model_path):
+    """Several devices (``setup.more_devices``): each with this model's calibration stored under its own label
+    (``hybrimoe calibrate`` on that device; an RPC stand-in's label carries its memory), where there is one; the
+    others plan with the first device's cost model. Unchanged with one device, or when the user gave
+    ``moe_cost_model`` (every device plans with it)."""
+    if not setup.more_devices or setup.cost_given:
+        return setup
+    shares = []
+    for d in setup.more_devices:
+        found = stored(model_path, d.label, setup.cpu_path) if d.cost is None else None
+        if found is not None:
+            try:
+                d = dataclasses.replace(d, cost=resolve_cost_model(str(found), setup.facts.model),
+                                        cost_source=str(found))
+            except ValueError as e:
+                warnings.warn(f"the stored calibration {found} of {d.label} cannot be used ({e}); that device plans "
+                              "with the first device's cost model", RuntimeWarning, stacklevel=3)
+        shares.append(d)
+    return dataclasses.replace(setup, more_devices=tuple(shares))
+
+
 def with_first_use_cost(llm, setup, threads: Optional[int] = None):
     """``setup`` with a cost model for the loaded ``llm`` (its hook attached, no engine yet): unchanged when it has
     one; else measured on ``llm`` itself (:func:`on_first_use`) when the engine has GPU slots and

@@ -307,6 +307,7 @@ class Llama(llama_cpp.Llama):
         setup = setup.with_auto_slots(self.context_params.n_ubatch)
         setup = setup.with_auto_ram_slots(self.context_params.n_ubatch, other_in_ram=not self.uses_mmap)
         setup = calibration.with_first_use_cost(self, setup, n_threads)
+        setup = calibration.with_device_costs(setup, self.model_path)
         self._moe.hook.reset_counters()  # the user's statistics start with the user's first eval
         # (_moe_warned is kept: a first-use calibration that already warned about layers left to upstream's
         # path warned about the same layers the user's evals will see, and once is enough)
@@ -475,8 +476,10 @@ class Llama(llama_cpp.Llama):
         cost model, when it did so; "" otherwise: :func:`hybrimoe.runtime.stats.all_cpu_reason`), ``failed``
         (the engine fell back to upstream's path after an error), ``repacked`` (per MoE layer, whether the CPU share
         reads its gate, up and down matrices repacked), ``fused`` / ``fused_mode`` (``moe_cpu_fused``: the largest
-        ubatch each layer's CPU share runs fused, and the mode) and ``layers`` (per MoE layer counters, see
-        ``hybrimoe._engine.Engine.layer_stats``).
+        ubatch each layer's CPU share runs fused, and the mode), ``layers`` (per MoE layer counters, see
+        ``hybrimoe._engine.Engine.layer_stats``) and ``devices`` (per device that holds expert slots: its MoE layers,
+        slots, hit rate, experts run and bytes copied, :func:`hybrimoe.runtime.stats.device_stats`; with several
+        GPUs the figures above are the totals over them).
         """
         if self._moe.hook is None:
             return {}

@@ -304,7 +304,7 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
         scheduler=policies.scheduler, prefetcher=policies.prefetcher, max_buffer_bytes=max_buffer_bytes(),
         bias_bytes=[tuple(b) for b in facts.bias_bytes], scale_bytes=[tuple(b) for b in facts.scale_bytes],
         fused_cpu=int(fused_cpu),
-        more_devices=[(int(d.n_slots), int(d.device), max_buffer_bytes(), cost) for d in more_devices],
+        more_devices=[(int(d.n_slots), int(d.device), max_buffer_bytes(), d.cost or cost) for d in more_devices],
         more_policies=[(d.policies.cache, d.policies.scheduler, d.policies.prefetcher) for d in more_devices],
         layer_device=[int(x) for x in layer_device], **extra)
 
@@ -361,14 +361,17 @@ def auto_slots(facts: EngineFacts, free_bytes: int, n_ubatch: int) -> tuple[int,
 @dataclass(frozen=True)
 class DeviceShare:
     """One more accelerator's part of a set-up over several (:attr:`EngineSetup.more_devices`): its ggml device pointer
-    and label, its expert slots (``None`` until sized for ``"auto"``), how they were chosen, and its policies (a cache
-    that holds only the layers it serves; ``None`` until sized)."""
+    and label, its expert slots (``None`` until sized for ``"auto"``), how they were chosen, its policies (a cache
+    that holds only the layers it serves; ``None`` until sized), and its planner's cost model (``None``: the first
+    device's) with where it came from."""
 
     device: int
     label: str
     n_slots: Optional[int]
     slots_note: str
     policies: Optional[PolicySet] = field(default=None, compare=False)
+    cost: Optional["_core.CostModel"] = field(default=None, compare=False)
+    cost_source: str = "the first device's"
 
 
 @dataclass(frozen=True)
@@ -393,6 +396,7 @@ class EngineSetup:
     ``cpu_fused`` (``moe_cpu_fused`` as :func:`fused_mode` gives it: 0 off). With several accelerators holding MoE
     layers (:meth:`with_devices`): ``device``, ``n_slots``, ``policies`` are the first device's, ``more_devices`` the
     others' (:class:`DeviceShare`), and ``layer_device`` gives each MoE layer's device (an index: 0 the first).
+    ``cost_given``: the user gave ``moe_cost_model`` (every device plans with it).
     """
 
     facts: EngineFacts
@@ -419,6 +423,7 @@ class EngineSetup:
     cpu_fused: int = 0
     more_devices: tuple = ()
     layer_device: tuple = ()
+    cost_given: bool = False
 
     @property
     def ram_tier(self) -> bool:
@@ -531,7 +536,7 @@ class EngineSetup:
                    policies=policies, prefetch_layers=prefetch, cost=cost, cost_source=source, device=device,
                    device_label=label, host_buffer_type=host, profile=profile, profile_source=profile_source,
                    cpu_weights=cpu_weights_option(no_repack, no_host),
-                   cpu_fused=fused_mode(moe_cpu_fused), **ram)
+                   cpu_fused=fused_mode(moe_cpu_fused), cost_given=moe_cost_model is not None, **ram)
 
     @property
     def cpu_path(self) -> str:

@@ -74,11 +74,13 @@ def _cache_counts(caches) -> dict:
 def device_stats(engine, setup, layers: list) -> list:
     """``moe_stats()["engine"]["devices"]``: per device that holds expert slots, in device order: ``device`` (its
     label), ``n_slots``, ``slots_in_use``, ``moe_layers`` (the MoE layers whose GPU share it runs), ``hit_rate`` and
-    ``cache`` (its cache's counters), ``gpu_experts`` (experts it computed, summed over runs) and ``bytes_copied``
-    (H2D bytes of its loads). One entry with one device; the top-level figures are the totals."""
-    shares = [(setup.device_label, setup.policies)] + [(d.label, d.policies) for d in setup.more_devices]
+    ``cache`` (its cache's counters), ``gpu_experts`` (experts it computed, summed over runs), ``bytes_copied``
+    (H2D bytes of its loads) and ``cost_model`` (where its planner's costs came from). One entry with one device;
+    the top-level figures are the totals."""
+    shares = ([(setup.device_label, setup.policies, setup.cost_source)] +
+              [(d.label, d.policies, d.cost_source) for d in setup.more_devices])
     out = []
-    for i, (label, pol) in enumerate(shares):
+    for i, (label, pol, cost_source) in enumerate(shares):
         mine = [ml for ml in range(len(layers)) if engine.device_of(ml) == i]
         tot = layer_totals([layers[ml] for ml in mine])
         cs = _cache_counts([pol.cache])
@@ -91,6 +93,7 @@ def device_stats(engine, setup, layers: list) -> list:
             "cache": cs,
             "gpu_experts": int(tot.get("gpu_experts", 0)),
             "bytes_copied": float(tot.get("bytes_copied", 0.0)),
+            "cost_model": cost_source,
         })
     return out
 

@@ -27,7 +27,8 @@ def metrics_text(state) -> str:
     Counters (``_total``, since the server started): decodes, tokens decoded, cache accesses / hits / misses /
     evictions, experts run per side (``side="cpu"|"gpu"``, distinct experts per layer and ubatch), H2D bytes per
     kind (``kind="demand"|"prefetch"|"fill"``). Gauges: the model lock held, the hit rate, the mean seconds per MoE
-    layer run, the GPU expert slots and their bytes. Engine figures only with ``--moe-cache`` or ``--moe-ram-cache``;
+    layer run, the GPU expert slots and their bytes; per device (``device="<label>"``) its slots, hit rate, experts
+    run and bytes copied. Engine figures only with ``--moe-cache`` or ``--moe-ram-cache``;
     with the RAM tier also its lookups, hits, hit rate, bytes read from the files per kind (``kind="demand"|
     "prefetch"``), reads in flight, seconds waited for reads and its slots (``ram_*``)."""
     snap = stats_json(state)
@@ -66,6 +67,18 @@ def metrics_text(state) -> str:
                [("", e["layer_s"])])
         metric("gpu_expert_slots", "gauge", "Expert slots of the GPU expert cache.", [("", e["n_slots"])])
         metric("gpu_expert_slot_bytes", "gauge", "Bytes per expert slot.", [("", e["slot_bytes"])])
+        devs = e.get("devices") or []
+        if devs:
+            def per(key):
+                return [(f',device="{_label(d["device"])}"', d[key]) for d in devs]
+
+            metric("device_expert_slots", "gauge", "Expert slots of each device's cache.", per("n_slots"))
+            metric("device_cache_hit_rate", "gauge", "Each device's cache: hits / accesses since the server started.",
+                   per("hit_rate"))
+            metric("device_experts_total", "counter", "Experts each device computed, distinct per MoE layer and "
+                   "ubatch.", per("gpu_experts"))
+            metric("device_h2d_bytes_total", "counter", "Expert bytes copied host to each device.",
+                   per("bytes_copied"))
         r = e.get("ram")
         if r:
             metric("ram_accesses_total", "counter", "CPU-share experts looked up in the RAM tier.",
