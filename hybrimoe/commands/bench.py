@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from hybrimoe import _ggml
 from hybrimoe.commands.args import POSITIVE, THREADS, int_in
+from hybrimoe.commands.llama_args import add_split_arguments, split_keywords
 from hybrimoe.envs import progress_on
 from hybrimoe.model.reader import open_gguf
 from hybrimoe.outputs import atomic_open, check_output, savefig, write_text
@@ -88,7 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngl", "--n-gpu-layers", type=int_in(0, also=(-1,)), default=None,
                    help="layers on the GPU for the non-partial "
                    "modes (default 99)")
-    p.add_argument("--rpc", default=None, metavar="HOST:PORT", help="ggml RPC server as the GPU")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT,...",
+                   help="ggml RPC servers as the GPUs (several: llama.cpp's layer split over them, -ts)")
+    add_split_arguments(p)
     p.add_argument("--stand-in", action="store_true",
                    help="start a ggml-rpc-server on 127.0.0.1 as the GPU (machines without one; no speed claim)")
     p.add_argument("--policies", default=None,
@@ -255,8 +258,13 @@ def _modes(args, facts, pols: list, up: set, budget: int) -> list[tuple[str, dic
             kw = dict(kw)
             kw.setdefault("n_gpu_layers", ngl)
             modes.append((label, kw, gpu_bytes))
+    # several devices: each takes its share of its own layers' experts, the same share of the whole as the byte
+    # budget the upstream modes get (one size would be each device's)
+    several = bool(args.tensor_split) or "," in (args.rpc or "")
+    slots_all = facts.slot_bytes * len(facts.moe_layers) * facts.n_expert
+    cache = f"{100.0 * budget / slots_all:.9g}%" if several else budget
     for pol in pols:
-        modes.append((f"hybrimoe {pol}", dict(n_gpu_layers=ngl, moe_cache=budget, moe_policy=pol,
+        modes.append((f"hybrimoe {pol}", dict(n_gpu_layers=ngl, moe_cache=cache, moe_policy=pol,
                                               moe_cost_model=args.moe_cost_model, moe_profile=args.moe_profile),
                       budget))
     return modes
@@ -408,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
                   "ggml-rpc-server) or --stand-in, or --cpu-only to compare the CPU paths", file=sys.stderr)
             return 1
     common = dict(rpc_servers=endpoint, moe_replay=routing_table, moe_replay_scores=routing_scores,
-                  threads=args.threads or os.cpu_count() or 1)
+                  threads=args.threads or os.cpu_count() or 1, **split_keywords(args))
     modes = _modes(args, facts, pols, up, budget)
     bar = tqdm(total=len(read_aheads) * len(modes) * (args.repetitions + 1), desc="bench", unit="run",
                file=sys.stderr, disable=not progress_on())

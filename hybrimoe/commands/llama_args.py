@@ -28,6 +28,23 @@ from hybrimoe.policy.presets import DEFAULT_PRESET, ENGINE_PRESETS
 from hybrimoe.runtime.devices import SPLIT_MODES
 
 
+def add_split_arguments(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's flags for several devices: ``-sm``, ``-ts``, ``-mg`` (:func:`split_keywords` reads them)."""
+    p.add_argument("-sm", "--split-mode", choices=("none", "layer", "row", "tensor"), default="layer",
+                   help="how to split the model over several devices: layer (each layer and its experts' cache on "
+                        "one device), none (one device, -mg); row and tensor are refused with the MoE engine")
+    p.add_argument("-ts", "--tensor-split", type=tensor_split, default=None, metavar="N0,N1,...",
+                   help="fraction of the layers for each device, e.g. 3,1 (default: by free memory)")
+    p.add_argument("-mg", "--main-gpu", type=COUNT, default=0,
+                   help="the device for -sm none, and for the GPU share of layers left on the host")
+
+
+def split_keywords(args: argparse.Namespace) -> dict:
+    """The Llama keywords of :func:`add_split_arguments`' flags."""
+    return dict(split_mode=SPLIT_MODES[args.split_mode], main_gpu=args.main_gpu,
+                **({"tensor_split": args.tensor_split} if args.tensor_split else {}))
+
+
 def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> None:
     """Adds the shared flags to ``p``. ``sampling=False`` leaves out ``--temp``, ``--top-k`` and ``--top-p``
     (``serve``: each request brings its own)."""
@@ -39,13 +56,7 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
     p.add_argument("-ub", "--ubatch-size", type=POSITIVE, default=512, help="physical batch (ubatch) size in tokens")
     p.add_argument("-ngl", "--n-gpu-layers", type=int_in(0, also=(-1,)), default=0,
                    help="layers to offload to the devices (-1: all)")
-    p.add_argument("-sm", "--split-mode", choices=("none", "layer", "row", "tensor"), default="layer",
-                   help="how to split the model over several devices: layer (each layer and its experts' cache on "
-                        "one device), none (one device, -mg); row and tensor are refused with the MoE engine")
-    p.add_argument("-ts", "--tensor-split", type=tensor_split, default=None, metavar="N0,N1,...",
-                   help="fraction of the layers for each device, e.g. 3,1 (default: by free memory)")
-    p.add_argument("-mg", "--main-gpu", type=COUNT, default=0,
-                   help="the device for -sm none, and for the GPU share of layers left on the host")
+    add_split_arguments(p)
     p.add_argument("--seed", type=SAMPLING_SEED, default=-1, help="sampling seed (-1: random)")
     if sampling:
         p.add_argument("--temp", type=TEMPERATURE, default=0.8, help="temperature (0: greedy)")
@@ -144,9 +155,7 @@ def load_llama(args: argparse.Namespace, model: Path, prog: str, *, llama_class=
         return (llama_class or Llama)(
             str(model), n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
             n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
-            split_mode=SPLIT_MODES[args.split_mode], main_gpu=args.main_gpu,
-            **({"tensor_split": args.tensor_split} if args.tensor_split else {}),
-            seed=args.seed if args.seed >= 0 else 0xFFFFFFFF, verbose=args.verbose,
+            **split_keywords(args), seed=args.seed if args.seed >= 0 else 0xFFFFFFFF, verbose=args.verbose,
             rpc_servers=args.rpc, tensor_buft_overrides=args.override_tensor or None,
             cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook, no_repack=args.no_repack,
             no_host=args.no_host, lazy_experts=args.lazy_experts,

@@ -304,3 +304,24 @@ def test_each_device_plans_with_its_own_calibration(devices, layered_model, spli
         assert devs[0]["cost_model"] == split_cost_model and devs[1]["cost_model"] == "the first device's"
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("policy", ["hybrimoe", "hybrimoe-lru", "ktransformers"])
+def test_the_simulator_replays_each_devices_decisions(policy, devices, layered_model, split_cost_model):
+    """The engine's decision log over two devices, replayed per device through the simulator's copy of the rules
+    (hybrimoe.runtime.decision_replay): the same decisions, record by record."""
+    from hybrimoe import Llama, _core
+    from hybrimoe.runtime.decision_replay import replay_engine_log
+    from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
+
+    path = layered_model("qwen3moe")
+    llm = Llama(path, rpc_servers=_endpoints(devices[:2]), n_gpu_layers=99, tensor_split=[1.0, 1.0], n_ctx=128,
+                n_ubatch=8, verbose=False, moe_cache="50%", moe_policy=policy, moe_cost_model=split_cost_model)
+    try:
+        llm.moe_log()
+        greedy_with_logits(llm, prompt_tokens(llm, 24), 8)
+        log = llm.moe_take_log()
+        assert {llm.moe_engine.device_of(r["layer"]) for r in log} == {0, 1}
+        assert _core.first_difference(log, replay_engine_log(llm, log)) == ""
+    finally:
+        llm.close()
