@@ -21,7 +21,9 @@ inline py::dict decision_to_dict(const hybrimoe::DecisionRecord & r) {
     d["layer"] = r.layer;
     d["n_tokens"] = r.n_tokens;
     d["top_k"] = r.top_k;
-    py::array_t<int32_t> ids({(py::ssize_t) r.n_tokens, (py::ssize_t) r.top_k});
+    // [T, k]; a prefetch-only record has none: [0, k]
+    const py::ssize_t rows = r.top_k ? (py::ssize_t) (r.ids.size() / (size_t) r.top_k) : 0;
+    py::array_t<int32_t> ids({rows, (py::ssize_t) r.top_k});
     std::copy(r.ids.begin(), r.ids.end(), ids.mutable_data());
     d["ids"] = ids;
     const py::ssize_t E = r.n_tokens ? (py::ssize_t) (r.scores.size() / (size_t) r.n_tokens) : 0;
@@ -52,6 +54,7 @@ inline py::dict decision_to_dict(const hybrimoe::DecisionRecord & r) {
     d["post_launch_copy_bytes"] = r.post_launch_copy_bytes;
     d["post_launch_copies"] = r.post_launch_copies;
     d["measured_s"] = r.measured_s;
+    d["prefetch_only"] = r.prefetch_only;
     py::list preds;
     for (const auto & p : r.predictions) {
         py::dict q;
@@ -137,6 +140,7 @@ inline hybrimoe::DecisionRecord decision_from_dict(py::handle h, size_t index) {
         key = "post_launch_copy_bytes"; r.post_launch_copy_bytes = d.contains(key) ? d[key].cast<double>() : 0.0;
         key = "post_launch_copies"; r.post_launch_copies = d.contains(key) ? d[key].cast<int>() : 0;
         key = "measured_s"; r.measured_s = d.contains(key) ? d[key].cast<double>() : -1.0;
+        key = "prefetch_only"; r.prefetch_only = d.contains(key) ? d[key].cast<bool>() : false;
     } catch (const py::error_already_set & e) {
         if (e.matches(PyExc_KeyError)) throw py::value_error(where + ": key '" + key + "' is missing");
         throw py::value_error(where + ": key '" + key + "' has the wrong type or shape");

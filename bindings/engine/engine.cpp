@@ -214,6 +214,8 @@ Raises:
              "The device (index) whose slots serve MoE layer `layer`'s GPU share (IndexError outside the layers).")
         .def("device_slots_in_use", [](const Engine & e, int d) { return e.pool(d).slots_in_use(); },
              py::arg("device"), "Slots of one device holding an expert.")
+        .def("device_bytes_copied", [](const Engine & e, int d) { return e.bytes_copied(d); }, py::arg("device"),
+             "Bytes queued for copies to one device since the last reset_stats (demand, prefetch, fill).")
         .def("device_slot_of", [](const Engine & e, int d, int layer, int expert) {
                  return e.pool(d).slot_of(layer, expert); },
              py::arg("device"), py::arg("layer"), py::arg("expert"),

@@ -51,9 +51,15 @@ def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
     # several devices: each device's rules saw only its own layers' records, with its own cache and cost model
     out: list = [None] * len(log)
     shares = [(setup.n_slots, setup.cost)] + [(d.n_slots, d.cost or setup.cost) for d in setup.more_devices]
+    def device(r: dict) -> int:
+        # a prefetch-only record is the device of the layers it prefetched for, planned at another device's layer
+        if r.get("prefetch_only") and r.get("predictions"):
+            return setup.layer_device[int(r["predictions"][0]["layer"])]
+        return setup.layer_device[int(r["layer"])]
+
     for i, (n_slots, cost) in enumerate(shares):
         mask = [x == i for x in setup.layer_device]
-        idx = [j for j, r in enumerate(log) if mask[int(r["layer"])]]
+        idx = [j for j, r in enumerate(log) if device(r) == i]
         pols = build_policies(spec, setup.facts, n_slots, setup.prefetch_layers, setup.profile, layers=mask)
         recs = _core.replay_decisions([log[j] for j in idx], pols.cache, pols.scheduler, pols.prefetcher, cost,
                                       has_slots=n_slots > 0, prefetch_layers=int(setup.prefetch_layers),

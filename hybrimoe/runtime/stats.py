@@ -92,7 +92,7 @@ def device_stats(engine, setup, layers: list) -> list:
             "hit_rate": cs["hits"] / cs["accesses"] if cs["accesses"] else 0.0,
             "cache": cs,
             "gpu_experts": int(tot.get("gpu_experts", 0)),
-            "bytes_copied": float(tot.get("bytes_copied", 0.0)),
+            "bytes_copied": float(engine.device_bytes_copied(i)),
             "cost_model": cost_source,
         })
     return out

@@ -241,11 +241,35 @@ bool LayerDecider::wants_prefetch(int n_moe_layers) const {
 void LayerDecider::prefetch(const std::vector<Prediction> & predictions, int n_moe_layers, ExpertPlacement & place,
                             DecisionRecord * rec) {
     if (!wants_prefetch(n_moe_layers)) return;
-    const int ml = in_.layer;
+    plan_prefetches(in_.layer, in_.n_tokens, obs_.top_k, predictions, n_moe_layers, place, rec);
+    charge_extra_copies(rec);
+}
+
+void LayerDecider::prefetch_ahead(int64_t ubatch, int from_layer, int n_tokens, int top_k, double now_s,
+                                  double pcie_free_s, const std::vector<Prediction> & predictions, int n_moe_layers,
+                                  ExpertPlacement & place, DecisionRecord * rec) {
+    if (!cfg_.has_slots || cfg_.prefetch_layers <= 0 || no_prefetcher_ || from_layer + 1 >= n_moe_layers) return;
+    if (rec) {
+        rec->prefetch_only = true;
+        rec->ubatch = ubatch;
+        rec->layer = from_layer;
+        rec->n_tokens = n_tokens;
+        rec->top_k = top_k;
+        rec->now_s = now_s;
+        rec->pcie_free_s = pcie_free_s;
+    }
+    // this device's last plan has run: its copies are charged to none (the next split sees them in the queue)
+    now_s_ = now_s;
+    pcie_free_s_ = pcie_free_s;
+    plan_prefetches(from_layer, n_tokens, top_k, predictions, n_moe_layers, place, rec);
+}
+
+void LayerDecider::plan_prefetches(int ml, int n_tokens, int top_k, const std::vector<Prediction> & predictions,
+                                   int n_moe_layers, ExpertPlacement & place, DecisionRecord * rec) {
     const int E = cache_->n_experts();
     pctx_.layer = ml;
-    pctx_.n_tokens = in_.n_tokens;
-    pctx_.top_k = obs_.top_k;
+    pctx_.n_tokens = n_tokens;
+    pctx_.top_k = top_k;
     // the prefetcher works on the caller's clock, as the cache's ready times do (start_s comes relative)
     if (rec) rec->predictions = predictions;
     pctx_.now_s = now_s_;
@@ -274,7 +298,6 @@ void LayerDecider::prefetch(const std::vector<Prediction> & predictions, int n_m
         if (rec) rec->prefetched.emplace_back(j, e);
     }
     take_evictions(place, rec);
-    charge_extra_copies(rec);
 }
 
 void LayerDecider::fills(ExpertPlacement & place, DecisionRecord * rec) {

@@ -52,6 +52,10 @@ struct DecisionRecord {
     double post_launch_copy_bytes = 0;   ///< of those, the bytes queued after the GPU share's launch (prefetch, fill)
     int post_launch_copies = 0;          ///< how many copies those are
     double measured_s = -1;              ///< engine: plan start to the end of the layer's wait op (s); -1: not measured
+    /// several devices: a prefetch of another device's layers planned at `layer`'s router (LayerDecider::
+    /// prefetch_ahead): only ubatch, layer, n_tokens, top_k, now_s, pcie_free_s, predictions, prefetched and evicted
+    /// are set; it belongs to the device of its predictions' layers
+    bool prefetch_only = false;
 };
 
 /// The predicted makespan (seconds) of a logged record's split run (`on_gpu`) under `cost`: evaluate_plan on the
@@ -125,6 +129,8 @@ public:
     /// Whether prefetch() would do anything after this split (slots, depth, a prefetcher, a next layer):
     /// callers skip computing predictions otherwise.
     bool wants_prefetch(int n_moe_layers) const;
+    /// Whether this device prefetches at all (slots, depth, a prefetcher): prefetch_ahead() does nothing otherwise.
+    bool prefetches() const { return cfg_.has_slots && cfg_.prefetch_layers > 0 && !no_prefetcher_; }
     /// HybriMoE §IV.C: shows the prefetcher `predictions` (of the layers after the split's layer; start_s in
     /// seconds after the split) with the copy queue as estimated now, then admits, pins (until that layer's
     /// release) and loads what it asks for. The prefetcher sees times on the caller's clock, like the cache's
@@ -132,6 +138,16 @@ public:
     /// given. Throws std::invalid_argument on a request outside the next prefetch_layers layers.
     void prefetch(const std::vector<Prediction> & predictions, int n_moe_layers, ExpertPlacement & place,
                   DecisionRecord * rec);
+    /// Several devices (llama.cpp's layer split): the prefetch of this device's layers planned at another device's
+    /// MoE layer `from_layer`, whose router just ran (HybriMoE §IV.C across a device boundary). As prefetch(), with
+    /// the context given instead of this device's last split: the tokens and top-k of that ubatch, the caller's
+    /// clock now_s, this device's copy queue busy for pcie_free_s, and predictions of this device's layers within
+    /// (from_layer, from_layer + prefetch_layers] (start_s after now_s). Its copies are charged to no plan (this
+    /// device's last plan has run; its next split sees them in the queue). The record, when given, is a
+    /// prefetch-only one (DecisionRecord::prefetch_only). Throws as prefetch() does.
+    void prefetch_ahead(int64_t ubatch, int from_layer, int n_tokens, int top_k, double now_s, double pcie_free_s,
+                        const std::vector<Prediction> & predictions, int n_moe_layers, ExpertPlacement & place,
+                        DecisionRecord * rec);
     /// Fills: CPU-computed misses of the split's layer are offered to the cache, in activation order, while the
     /// copy-queue estimate stays below the predicted makespan of the split run (the copy would end before the
     /// layer's work) and, on a host that pays for copies (CostModel::cpu_copy_overlap < 1), while the CPU share
@@ -163,6 +179,10 @@ public:
 
 private:
     void take_evictions(ExpertPlacement & place, DecisionRecord * rec);
+    /// The prefetcher's plan for the layers after MoE layer `ml` and its admissions, pins and loads (prefetch()'s
+    /// and prefetch_ahead()'s common part; now_s_ and pcie_free_s_ are the context's).
+    void plan_prefetches(int ml, int n_tokens, int top_k, const std::vector<Prediction> & predictions,
+                         int n_moe_layers, ExpertPlacement & place, DecisionRecord * rec);
     /// Queues the copy of an admitted expert; true when one was queued (the cache then gets its ready time).
     bool load(int layer, int expert, ExpertPlacement::Kind kind, ExpertPlacement & place);
     /// run_plan_'s CPU end and makespan with the copies queued after the plan (extra_copy_s_) charged to the

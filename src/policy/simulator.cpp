@@ -422,6 +422,7 @@ private:
     std::vector<double> truth_ready_;                  // key -> true end of its last copy (0: from the start)
     std::vector<std::pair<double, double>> link_busy_; // copy intervals on every link, in start order
     std::vector<Prediction> preds_;
+    std::vector<std::vector<Prediction>> preds_by_dev_;  // several devices: preds_ by the device of their layer
     std::vector<int32_t> gpu_order_, cpu_order_, pos_;
     double t_ = 0.0;                   // the true clock: end of the last layer
     double layer_est_ = -1.0;          // smoothed true seconds per MoE layer (prediction start times)
@@ -639,27 +640,44 @@ double SimRun::charge_cpu(int64_t si, int l) {
 void SimRun::prefetch_and_fill(const Step & st, int l, int n, double predicted_s) {
     LayerDecider & decider = *dv(l).decider;
     const CostModel & planner = dv(l).planner;
-    if (decider.wants_prefetch(L_)) {
+    bool ahead = false;  // another device prefetches its layers predicted from this one (the engine's rule)
+    for (const Dev & o : devs_) ahead = ahead || (&o != &dv(l) && o.decider->prefetches() && l + 1 < L_);
+    if (decider.wants_prefetch(L_) || ahead) {
         const auto p0 = clock::now();
         if (layer_est_ < 0.0) layer_est_ = planner.layer(n) + predicted_s;
         const int depth = std::min(cfg_.prefetch_depth, L_ - 1 - l);
         preds_.resize(static_cast<size_t>(depth));
-        int kept = 0;
         for (int d = 1; d <= depth; ++d) {
+            Prediction & p = preds_[static_cast<size_t>(d - 1)];
             const int j = l + d;
-            // a device prefetches only the layers it serves, as the engine does (no copy between devices); the
-            // predictor draws for every distance, so that one device's draws are those of a single device
-            Prediction & p = preds_[static_cast<size_t>(kept)];
             predictor_.predict(trace_.row(st.begin, j), static_cast<int64_t>(L_) * K_, n, K_, E_, d, p);
-            if (dev_of_[(size_t) j] != dev_of_[(size_t) l]) continue;
             p.layer = j;
             p.expert_bytes = trace_.expert_bytes[j];
             p.start_s = predicted_s + (double(d) - 1.0) * layer_est_ + planner.layer(n);
-            ++kept;
         }
-        preds_.resize(static_cast<size_t>(kept));
-        decider.prefetch(preds_, L_, *this, nullptr);
-        res_.prefetch_declined += decider.prefetch_declined();
+        if (devs_.size() == 1) {
+            decider.prefetch(preds_, L_, *this, nullptr);
+            res_.prefetch_declined += decider.prefetch_declined();
+        } else {
+            // each prediction goes to the device of its layer: this device's to its own rules, the next device's
+            // first layers to that device's (LayerDecider::prefetch_ahead), as the engine does
+            preds_by_dev_.resize(devs_.size());
+            for (auto & v : preds_by_dev_) v.clear();
+            for (const Prediction & p : preds_) preds_by_dev_[(size_t) dev_of_[(size_t) p.layer]].push_back(p);
+            const int own = dev_of_[(size_t) l];
+            if (decider.wants_prefetch(L_)) {
+                decider.prefetch(preds_by_dev_[(size_t) own], L_, *this, nullptr);
+                res_.prefetch_declined += decider.prefetch_declined();
+            }
+            for (size_t o = 0; o < devs_.size(); ++o) {
+                if ((int) o == own || preds_by_dev_[o].empty() || !devs_[o].decider->prefetches()) continue;
+                Link & link = links_[(size_t) devs_[o].link];
+                devs_[o].decider->prefetch_ahead(cur_step_, l, n, K_, t_moe_, std::max(0.0, link.est_free_at - t_moe_),
+                                                 preds_by_dev_[o], L_, *this, nullptr);
+                res_.prefetch_declined += devs_[o].decider->prefetch_declined();
+                link.est_free_at = t_moe_ + devs_[o].decider->pcie_free_s();
+            }
+        }
         prefetch_ns_ += std::chrono::duration<double, std::nano>(clock::now() - p0).count();
     }
     decider.fills(*this, nullptr);
@@ -1097,7 +1115,7 @@ std::vector<DecisionRecord> replay_decisions(const std::vector<DecisionRecord> &
             throw std::invalid_argument(where + "MoE layer " + std::to_string(r.layer) + " outside the cache's " +
                                         std::to_string(L) + " layers");
         }
-        if (r.n_tokens < 1 || r.top_k < 1 || r.ids.size() != (size_t) r.n_tokens * r.top_k) {
+        if (r.n_tokens < 1 || r.top_k < 1 || (!r.prefetch_only && r.ids.size() != (size_t) r.n_tokens * r.top_k)) {
             throw std::invalid_argument(where + "ids must be [n_tokens, top_k] with both >= 1");
         }
         if (!r.scores.empty() && r.scores.size() != (size_t) r.n_tokens * E) {
@@ -1121,6 +1139,7 @@ std::vector<DecisionRecord> replay_decisions(const std::vector<DecisionRecord> &
                 }
             }
         }
+        if (r.prefetch_only) continue;  // its layer is another device's: it holds nothing of it
         place.layer_runs[(size_t) r.layer] = 1;
         place.layer_bytes[(size_t) r.layer] = r.expert_bytes;
     }
@@ -1133,6 +1152,12 @@ std::vector<DecisionRecord> replay_decisions(const std::vector<DecisionRecord> &
     for (const DecisionRecord & r : log) {
         DecisionRecord d;
         place.rec = &r;
+        if (r.prefetch_only) {
+            decider.prefetch_ahead(r.ubatch, r.layer, r.n_tokens, r.top_k, r.now_s, r.pcie_free_s, r.predictions, L,
+                                   place, &d);
+            out.push_back(std::move(d));
+            continue;
+        }
         scores = r.scores;  // the records stay as given
         decider.split(r.ubatch, r.layer, r.ids.data(), r.n_tokens, r.top_k, scores, r.expert_bytes, r.now_s,
                       r.pcie_free_s, place, &d);

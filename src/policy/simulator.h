@@ -247,8 +247,10 @@ SimResult simulate_devices(const Trace & trace, const std::vector<SimDevice> & d
 /// engine's clock and copy-queue estimate at the split, the predictions the prefetcher was shown and the first-use copies; the layer
 /// is released after its record, as the engine's wait op does. Returns one record per input holding those inputs
 /// and the simulator's decisions (cached, planned and run split, loads admitted / declined, prefetches, fills,
-/// evictions, makespan). Throws std::invalid_argument on records that do not fit the cache (layer or expert out of
-/// range, ids not [n_tokens, top_k], scores not [n_tokens, n_experts]); policy errors propagate.
+/// evictions, makespan). A prefetch-only record (DecisionRecord::prefetch_only: one device's prefetch planned at
+/// another device's layer) is replayed by LayerDecider::prefetch_ahead. Throws std::invalid_argument on records that
+/// do not fit the cache (layer or expert out of range, ids not [n_tokens, top_k], scores not [n_tokens,
+/// n_experts]); policy errors propagate.
 std::vector<DecisionRecord> replay_decisions(const std::vector<DecisionRecord> & log,
                                              std::shared_ptr<ExpertCache> cache,
                                              std::shared_ptr<SchedulePolicy> scheduler,

@@ -347,6 +347,7 @@ std::vector<EngineLayerStats> Engine::layer_stats() const {
 void Engine::reset_stats() {
     std::lock_guard<std::mutex> lock(stats_mu_);
     for (auto & s : stats_) s = EngineLayerStats{};
+    for (auto & d : devs_) d->bytes_copied = 0.0;
 }
 
 std::string Engine::take_error() {
@@ -661,11 +662,13 @@ double Engine::Placement::load(int layer, int expert, Kind kind) {
         }
         en.deferred_.emplace_back((int64_t) layer * en.cfg_.n_expert + expert, (int) kind);
         d.pcie_free_at = std::max(d.pcie_free_at, en.now()) + d.cost.h2d(bytes);
+        d.bytes_copied += bytes;
         return bytes;
     } else {
         return 0.0;  // a prefetch or fill of an expert not in RAM: copied at its first use, after its read
     }
     if (bytes <= 0.0) return 0.0;
+    d.bytes_copied += bytes;
     en.copies_[(size_t) kind] += 1;
     en.copy_bytes_[(size_t) kind] += bytes;
     // an asynchronous copy ends by the estimate; a blocking one (a device without events) has ended
@@ -911,7 +914,11 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
         }
 
         // ---- prefetch for the next layers, then fills ----
-        if (d.decider->wants_prefetch((int) tensors_.size())) {
+        const int L = (int) tensors_.size();
+        bool ahead = false;  // another device prefetches its layers predicted from this one
+        for (const auto & op : devs_) ahead = ahead || (op.get() != &d && op->decider->prefetches() && ml + 1 < L);
+        cross_log_.clear();
+        if (d.decider->wants_prefetch(L) || ahead) {
             if (layer_est_ < 0.0) layer_est_ = d.cost.layer((int) T) + run_plan.makespan_s;
             if (!ram_) {
                 predictor_->predict(ml, cfg_.prefetch_layers, (int) T, (const float *) x->data, x->nb[2],
@@ -931,19 +938,28 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
                     if (p.loads.size() > kept) p.loads.resize(kept);
                 }
             }
-            if (devs_.size() > 1) {
-                // a device prefetches only the layers it serves: the next device's first layers are predicted at
-                // their own device's earlier layers, or not at all (no copy between devices: RPC has none)
-                size_t kept = 0;
-                for (size_t i = 0; i < predictions_.size(); ++i) {
-                    const int pl = predictions_[i].layer;
-                    if (pl < 0 || pl >= (int) dev_of_.size() || dev_of_[(size_t) pl] != d.index) continue;
-                    if (kept != i) predictions_[kept] = std::move(predictions_[i]);
-                    ++kept;
+            if (devs_.size() == 1) {
+                d.decider->prefetch(predictions_, L, d.placement, rp);
+            } else {
+                // each prediction goes to the device of its layer: this device's to its own rules, the next
+                // device's first layers to that device's (prefetch_ahead: its own cache, copy queue and record)
+                for (auto & v : preds_by_dev_) v.clear();
+                preds_by_dev_.resize(devs_.size());
+                for (Prediction & p : predictions_) {
+                    if (p.layer >= 0 && p.layer < L) preds_by_dev_[(size_t) dev_of_[(size_t) p.layer]].push_back(p);
                 }
-                predictions_.resize(kept);
+                if (d.decider->wants_prefetch(L)) d.decider->prefetch(preds_by_dev_[(size_t) d.index], L, d.placement, rp);
+                for (auto & op : devs_) {
+                    Dev & o = *op;
+                    if (&o == &d || preds_by_dev_[(size_t) o.index].empty() || !o.decider->prefetches()) continue;
+                    DecisionRecord cross;
+                    o.decider->prefetch_ahead(ubatch_, ml, (int) T, (int) k, t_split,
+                                              std::max(0.0, o.pcie_free_at - t_split),
+                                              preds_by_dev_[(size_t) o.index], L, o.placement,
+                                              logging_ ? &cross : nullptr);
+                    if (logging_) cross_log_.push_back(std::move(cross));
+                }
             }
-            d.decider->prefetch(predictions_, (int) tensors_.size(), d.placement, rp);
         }
         d.decider->fills(d.placement, rp);
 
@@ -955,6 +971,8 @@ void Engine::plan_layer(ggml_tensor * dst, LayerRun & run) {
             run.log_pos = (int64_t) log_.size();
             run.log_ubatch = ubatch_;
             log_.push_back(std::move(rec));
+            for (DecisionRecord & c : cross_log_) log_.push_back(std::move(c));
+            cross_log_.clear();
         }
         using K = ExpertPlacement;
         EngineLayerStats & s = stats_[(size_t) ml];

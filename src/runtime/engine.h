@@ -193,6 +193,8 @@ public:
     int device_of(int ml) const { return dev_of_.at((size_t) ml); }
     /// The cache of device `device` (0: the one given first).
     const ExpertCache & cache(int device = 0) const { return *devs_.at((size_t) device)->cache; }
+    /// Bytes queued for copies to one device since the last reset_stats (between decodes).
+    double bytes_copied(int device) const { return devs_.at((size_t) device)->bytes_copied; }
     /// The RAM tier, or nullptr without one (and after release()).
     RamTier * ram() const { return ram_.get(); }
     /// Experts whose weights are in a GPU slot (copied, not a streamed load on probation) and in a RAM slot too:
@@ -330,6 +332,7 @@ private:
         uint64_t copies_done = 0;   ///< every copy up to this sequence number has ended
         /// RAM slots held for this device's GPU copies (key, copy sequence number)
         std::vector<std::pair<int64_t, uint64_t>> ram_holds;
+        double bytes_copied = 0.0;  ///< bytes queued for copies to this device since the last reset_stats
     };
     std::vector<std::unique_ptr<Dev>> devs_;
     std::vector<int> dev_of_;                   // per MoE layer: index into devs_
@@ -368,6 +371,10 @@ private:
     // copied once the plan op has read them
     std::vector<std::pair<int64_t, int>> deferred_;
     std::vector<int32_t> ram_hits_;         // this plan's GPU loads copied from RAM at once (looked up with the rest)
+    // several devices: this plan's predictions by the device of their layer, and the prefetch-only records of the
+    // other devices' prefetches it planned (logged after its own record)
+    std::vector<std::vector<Prediction>> preds_by_dev_;
+    std::vector<DecisionRecord> cross_log_;
     /// this ubatch likely uses every expert of a layer (prefill): exclusive tiers leave the tiers as they are then
     /// (the GPU's loads stream through, and moving each between the tiers would churn the RAM tier)
     bool large_ubatch_ = false;

@@ -44,6 +44,16 @@ def layered_model(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> str:
+    """qwen3moe, 8 layers, experts of 3.3 MB (n_embd 1024, Q8_0; 240 MB): copies worth prefetching under a desktop
+    GPU's cost model, and a pool that outgrows a small device."""
+    from hybrimoe.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("wide") / "wide.gguf", "qwen3moe", n_layer=8, n_embd=1024,
+                               n_ff_exp=1024, n_expert=8, n_expert_used=2, quant="Q8_0"))
+
+
 def _endpoints(servers) -> str:
     return ",".join(s.endpoint for s in servers)
 
@@ -259,16 +269,14 @@ def test_one_of_two_devices_gone(scenario, layered_model, split_cost_model):
     assert out["t_error"] - out["t_kill"] < 10.0
 
 
-def test_a_device_with_too_little_memory_is_named(rpc_server_factory, tmp_path, split_cost_model):
+def test_a_device_with_too_little_memory_is_named(rpc_server_factory, wide_model, split_cost_model):
     """A budget that does not fit one device's free memory: the error names that device and the bytes."""
     from hybrimoe import Llama
-    from hybrimoe.tiny import make_tiny_model
 
     big = rpc_server_factory(memory_bytes=2 * GiB)
     small = rpc_server_factory(memory_bytes=40 << 20)
-    # experts of 3.3 MB (n_embd 1024, Q8_0): the second device's three MoE layers hold 24 of them, 80 MB
-    path = make_tiny_model(tmp_path / "wide.gguf", "qwen3moe", n_layer=8, n_embd=1024, n_ff_exp=1024, n_expert=8,
-                           n_expert_used=2, quant="Q8_0")
+    # the second device's three MoE layers hold 24 experts of 3.3 MB, 80 MB
+    path = wide_model
     with pytest.raises(ValueError, match=r"bytes free on device 127\.0\.0\.1-rpc-40MiB"):
         Llama(str(path), rpc_servers=f"{big.endpoint},{small.endpoint}", n_gpu_layers=99, tensor_split=[1.0, 1.0],
               n_ctx=64, verbose=False, moe_cache="10%,100%", moe_cost_model=split_cost_model)
@@ -307,21 +315,27 @@ def test_each_device_plans_with_its_own_calibration(devices, layered_model, spli
 
 
 @pytest.mark.parametrize("policy", ["hybrimoe", "hybrimoe-lru", "ktransformers"])
-def test_the_simulator_replays_each_devices_decisions(policy, devices, layered_model, split_cost_model):
+def test_the_simulator_replays_each_devices_decisions(policy, devices, wide_model):
     """The engine's decision log over two devices, replayed per device through the simulator's copy of the rules
-    (hybrimoe.runtime.decision_replay): the same decisions, record by record."""
+    (hybrimoe.runtime.decision_replay): the same decisions, record by record, the second device's prefetches
+    planned at the first device's last layers (prefetch-only records) included. Experts of 3.3 MB under a desktop
+    GPU's cost model, so that the prefetcher copies."""
     from hybrimoe import Llama, _core
     from hybrimoe.runtime.decision_replay import replay_engine_log
     from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
 
-    path = layered_model("qwen3moe")
-    llm = Llama(path, rpc_servers=_endpoints(devices[:2]), n_gpu_layers=99, tensor_split=[1.0, 1.0], n_ctx=128,
-                n_ubatch=8, verbose=False, moe_cache="50%", moe_policy=policy, moe_cost_model=split_cost_model)
+    llm = Llama(wide_model, rpc_servers=_endpoints(devices[:2]), n_gpu_layers=99, tensor_split=[1.0, 1.0],
+                n_ctx=128, n_ubatch=8, verbose=False, moe_cache="25%", moe_policy=policy,
+                moe_cost_model="rtx4090-desktop")
     try:
         llm.moe_log()
         greedy_with_logits(llm, prompt_tokens(llm, 24), 8)
         log = llm.moe_take_log()
         assert {llm.moe_engine.device_of(r["layer"]) for r in log} == {0, 1}
+        if policy != "ktransformers":  # a prefetcher: the second device prefetches at the first one's last layers
+            ahead = [r for r in log if r["prefetch_only"]]
+            assert ahead and all(llm.moe_engine.device_of(p["layer"]) == 1 for r in ahead for p in r["predictions"])
+            assert any(r["prefetched"] for r in ahead)
         assert _core.first_difference(log, replay_engine_log(llm, log)) == ""
     finally:
         llm.close()
