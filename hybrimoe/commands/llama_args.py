@@ -74,7 +74,8 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
                    help="turn on the hybrid CPU+GPU engine with a GPU expert cache of SIZE: 25%% (of all routed "
                         "experts), 3GiB, 512MB or bytes; auto = as much as the device has left after the model "
                         "(like upstream's --fit); 0 = every expert on the CPU through the engine (default: off: "
-                        "upstream's MoE path)")
+                        "upstream's MoE path). Several GPUs (-ts): a cache on each, SIZE each (25%% of its own "
+                        "layers' experts), or one SIZE per GPU in -ts order: 10GiB,6GiB")
     p.add_argument("--moe-ram-cache", default=None, metavar="SIZE",
                    help="for a model larger than RAM: keep SIZE of the routed experts in RAM (40%% of their bytes, "
                         "12GiB, bytes, or auto = what the memory left after the load holds) and read the others from "

@@ -232,9 +232,17 @@ def _setup_maker(args, names: list):
     for n in names:
         if n != TS_NCMOE:
             system_preset(n)
+    if "," in str(args.moe_cache):
+        raise ValueError(f"--moe-cache {args.moe_cache}: simulate gives every GPU the same budget (a share of its "
+                         "own layers' experts, or a size each); a list per GPU is run's and serve's")
     ram_names = _ram_names(args)
     recall = _positive_recall(args.recall, args.prefetch_depth)
     hw = load_hardware(args.hardware)
+    n_gpus = args.devices or int(hw.facts.get("gpu_count", 1))
+    if TS_NCMOE in names and n_gpus < 2:
+        raise ValueError(f"policy {TS_NCMOE} is upstream's layer split over several GPUs; {hw.name} has one: give "
+                         f"--devices 2 or more, a hardware file with several (2x-rtx3090, 4x-rtx3090), or use "
+                         "upstream-ncmoe")
     cm = load_cost_model(args.cost_model) if args.cost_model else None
     parse_budget(args.moe_cache, 1.0, 0.0)  # its syntax and range, before the trace gives the totals
     if args.moe_ram_cache is not None:
@@ -248,6 +256,9 @@ def _setup_maker(args, names: list):
                     ("--cost-model", args.cost_model),
                     ("--hardware", args.hardware if args.hardware and Path(args.hardware).is_file() else None)])
     trace, facts, source, n_dropped, notes = load_inputs(args)
+    if args.devices and args.devices != int(hw.facts.get("gpu_count", 1)):
+        notes.append(f"{args.devices} GPUs of {hw.name}'s kind (its file says {int(hw.facts.get('gpu_count', 1))}), "
+                     "each with its own link" + (" (shared)" if hw.facts.get("gpus_per_link", 1) > 1 else ""))
 
     def make_setup(budget_spec) -> Setup:
         return Setup(trace, hw, budget_spec, args.stage, cost_model=cm, max_tokens=args.max_tokens,
@@ -263,8 +274,10 @@ def _report(args, setup: Setup, records: list) -> None:
     """Prints the table, the assumptions and (``--hit-rates``) the cache-only hit rates."""
     ram = (f" | RAM {args.moe_ram_cache} ({setup.ram_budget / 1e9:.2f} GB), disk {setup.disk.name}"
            if setup.ram_budget is not None else "")
-    print(f"hybrimoe simulate: {setup.trace.path or 'trace'} | {setup.hw.name} | cache {args.moe_cache} "
-          f"({setup.budget / 1e9:.2f} GB){ram} | {args.stage} | prompts {setup.first}..{setup.end} | "
+    per = "/".join(str(setup.layer_device.count(d)) for d in range(setup.n_devices))
+    gpus = f" | {setup.n_devices} GPUs, MoE layers {per}, cache {args.moe_cache} each" if setup.n_devices > 1 else ""
+    print(f"hybrimoe simulate: {setup.trace.path or 'trace'} | {setup.hw.name}{gpus} | cache {args.moe_cache} "
+          f"({setup.budget / 1e9:.2f} GB in all){ram} | {args.stage} | prompts {setup.first}..{setup.end} | "
           f"{records[0]['tokens'] if records else 0} tokens")
     print(format_table(records))
     a = setup.assumptions(records[0]["policy"])

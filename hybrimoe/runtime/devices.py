@@ -36,6 +36,22 @@ def check_split_mode(split_mode) -> None:
                          "holds that layer: use -sm layer (the default) or -sm none")
 
 
+def check_main_gpu(main_gpu, devices: Sequence[int]) -> None:
+    """``main_gpu`` (``-mg``) is an index into the devices llama.cpp splits over (0 is always accepted: no device at
+    all means the CPU).
+
+    Raises:
+        ValueError: not an integer, negative, or past the last device (the message lists them).
+    """
+    from hybrimoe import _ggml
+
+    if isinstance(main_gpu, bool) or not isinstance(main_gpu, int) or main_gpu < 0:
+        raise ValueError(f"main_gpu (-mg) must be an integer >= 0, got {main_gpu!r}")
+    if main_gpu and main_gpu >= len(devices):
+        names = ", ".join(f"{i}: {_ggml.device_label(d)}" for i, d in enumerate(devices)) or "none"
+        raise ValueError(f"main_gpu={main_gpu} (-mg): there are {len(devices)} devices ({names})")
+
+
 def budget_list(spec) -> Optional[list]:
     """The entries of a per-device ``moe_cache`` list (``"10GiB,6GiB"`` or a list/tuple), else None (one budget)."""
     if isinstance(spec, (list, tuple)):

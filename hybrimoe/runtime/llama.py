@@ -21,7 +21,7 @@ from hybrimoe.envs import AUTO_CALIBRATE_ENV, DEFAULT_COST_HARDWARE, PREFETCH_LA
 from hybrimoe.model.reader import check_gguf
 from hybrimoe.policy.presets import DEFAULT_PRESET, ENGINE_PRESETS
 from hybrimoe.runtime import calibration
-from hybrimoe.runtime.devices import check_split_mode, model_layer_devices
+from hybrimoe.runtime.devices import check_main_gpu, check_split_mode, model_layer_devices
 from hybrimoe.runtime.engine_facts import engine_module
 from hybrimoe.runtime.errors import DeviceLostError
 from hybrimoe.runtime.params import (
@@ -244,8 +244,8 @@ class Llama(llama_cpp.Llama):
         # share of layers left on the host runs
         self._split_devices = list(devices) if devices is not None else _ggml.local_gpus()
         mg = kwargs.get("main_gpu", 0)
-        self._main_device = (self._split_devices[mg] if isinstance(mg, int) and 0 <= mg < len(self._split_devices)
-                             else None)
+        check_main_gpu(mg, self._split_devices)
+        self._main_device = self._split_devices[mg] if mg < len(self._split_devices) else None
         # the engine's CPU share runs on repacked experts where upstream repacks them (the RAM tier's slots keep
         # the file's layout unless HYBRIMOE_RAM_REPACK asks for them repacked after each read)
         self._native = NativeParams(

@@ -27,8 +27,8 @@ def metrics_text(state) -> str:
     Counters (``_total``, since the server started): decodes, tokens decoded, cache accesses / hits / misses /
     evictions, experts run per side (``side="cpu"|"gpu"``, distinct experts per layer and ubatch), H2D bytes per
     kind (``kind="demand"|"prefetch"|"fill"``). Gauges: the model lock held, the hit rate, the mean seconds per MoE
-    layer run, the GPU expert slots and their bytes; per device (``device="<label>"``) its slots, hit rate, experts
-    run and bytes copied. Engine figures only with ``--moe-cache`` or ``--moe-ram-cache``;
+    layer run, the GPU expert slots and their bytes; per device its slots, hit rate, experts run and bytes copied
+    (``device="<index>", device_label="<label>"``). Engine figures only with ``--moe-cache`` or ``--moe-ram-cache``;
     with the RAM tier also its lookups, hits, hit rate, bytes read from the files per kind (``kind="demand"|
     "prefetch"``), reads in flight, seconds waited for reads and its slots (``ram_*``)."""
     snap = stats_json(state)
@@ -70,7 +70,8 @@ def metrics_text(state) -> str:
         devs = e.get("devices") or []
         if devs:
             def per(key):
-                return [(f',device="{_label(d["device"])}"', d[key]) for d in devs]
+                # the index keeps two devices of one label apart (two stand-ins of the same memory)
+                return [(f',device="{i}",device_label="{_label(d["device"])}"', d[key]) for i, d in enumerate(devs)]
 
             metric("device_expert_slots", "gauge", "Expert slots of each device's cache.", per("n_slots"))
             metric("device_cache_hit_rate", "gauge", "Each device's cache: hits / accesses since the server started.",

@@ -528,6 +528,8 @@ def record(name: str, res, setup: Setup, ram: Optional[str] = None) -> dict:
         "policy": name,
         "stage": res.stage,
         "hardware": setup.hw.name,
+        "devices": setup.n_devices,
+        "layer_device": list(setup.layer_device),
         "moe_cache": str(setup.budget_spec),
         "budget_bytes": setup.budget,
         "hit_rate": st.hit_rate,

@@ -339,3 +339,21 @@ def test_the_simulator_replays_each_devices_decisions(policy, devices, wide_mode
         assert _core.first_difference(log, replay_engine_log(llm, log)) == ""
     finally:
         llm.close()
+
+
+def test_main_gpu_out_of_range_is_named(devices, layered_model):
+    """-mg past the last device: one clear error naming the flag and the devices (llama.cpp's own is only in its
+    log), before the model loads."""
+    from hybrimoe import Llama
+
+    with pytest.raises(ValueError, match=r"main_gpu=5 \(-mg\): there are 2 devices \(0: 127\.0\.0\.1-rpc-2048MiB"):
+        Llama(layered_model("qwen3moe"), rpc_servers=_endpoints(devices[:2]), n_gpu_layers=99, main_gpu=5, n_ctx=64,
+              verbose=False)
+
+
+def test_run_names_each_devices_layers():
+    from hybrimoe.commands.run import layer_ranges
+
+    assert layer_ranges([0, 1, 2, 3, 4, 7]) == "0-4, 7"
+    assert layer_ranges([7]) == "7" and layer_ranges([]) == "none"
+    assert layer_ranges([5, 3, 4, 9, 10]) == "3-5, 9-10"

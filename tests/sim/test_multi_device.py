@@ -117,3 +117,28 @@ def test_bad_device_arguments(trace):
                                s.end)
     with pytest.raises(ValueError, match="at least one device"):
         _core.simulate_devices(s.core_trace, [], [], False, s.truth, cfg, s.first, s.end)
+
+
+def test_simulate_command_over_several_gpus(trace, tmp_path, capsys):
+    """hybrimoe simulate on a hardware file with two GPUs: the header says so, the records carry the devices; the
+    several-GPU placement on one GPU and a budget list are refused with the reason (exit 2, no traceback)."""
+    import json
+
+    from hybrimoe.commands import main as hybrimoe_main
+
+    path = tmp_path / "q.npz"
+    trace.save(path)
+    rec = tmp_path / "r.json"
+    argv = ["simulate", "--trace", str(path), "--max-tokens", "200", "--no-progress"]
+    assert hybrimoe_main(argv + ["--hardware", "2x-rtx3090", "--policies", f"hybrimoe,{TS_NCMOE}",
+                                 "--json", str(rec)]) == 0
+    out = capsys.readouterr().out
+    assert "2 GPUs, MoE layers" in out and TS_NCMOE in out
+    recs = json.loads(rec.read_text())
+    assert [r["devices"] for r in recs] == [2, 2] and len(recs[0]["layer_device"]) == trace.n_layers
+    assert hybrimoe_main(argv + ["--policies", f"hybrimoe,{TS_NCMOE}"]) == 2
+    assert "several GPUs" in capsys.readouterr().err
+    assert hybrimoe_main(argv + ["--hardware", "2x-rtx3090", "--moe-cache", "2GB,1GB"]) == 2
+    assert "a list per GPU" in capsys.readouterr().err
+    assert hybrimoe_main(argv + ["--devices", "3", "--policies", "hybrimoe"]) == 0
+    assert "3 GPUs of paper-a6000's kind" in capsys.readouterr().out
