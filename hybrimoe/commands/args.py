@@ -149,3 +149,16 @@ def tensor_split(text: str) -> list[float]:
     if not vals or any(v < 0 or v != v for v in vals) or sum(vals) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: proportions must be >= 0 and not all 0")
     return vals
+
+
+def id_ranges(ids) -> str:
+    """Sorted ids as ranges: ``[0, 1, 2, 5, 7, 8]`` -> ``0-2, 5, 7-8``; "none" for none."""
+    ids = sorted(ids)
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(out) if out else "none"

@@ -7,23 +7,11 @@ import argparse
 import json
 import sys
 
+from hybrimoe.commands.args import id_ranges
 from hybrimoe.model.reader import describe, gguf_type_bytes
 from hybrimoe.model.tables import EXPERT_KINDS
 
 HELP = "MoE structure and expert bytes of a GGUF file"
-
-
-def _ranges(ids) -> str:
-    """Sorted ids as ranges: ``1-3, 5``; "none" for none."""
-    ids = sorted(ids)
-    out, i = [], 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ", ".join(out) if out else "none"
 
 
 def _mib(n):
@@ -45,7 +33,8 @@ def _expert_tensor_lines(d: dict) -> list[str]:
                 bpe = v["bytes_per_expert"] if "bytes_per_expert" in v else gguf_type_bytes(v["type"])
                 groups.setdefault((v["type"], bpe), []).append(il)
             for (tname, bpe), ils in groups.items():
-                lines.append(f"  {'ffn_' + kind + '_exps' + suffix:<18}{tname:<10}{bpe:>14}  {shape:<14}{_ranges(ils)}")
+                name = "ffn_" + kind + "_exps" + suffix
+                lines.append(f"  {name:<18}{tname:<10}{bpe:>14}  {shape:<14}{id_ranges(ils)}")
     return lines
 
 
@@ -56,7 +45,7 @@ def format_info(d: dict) -> str:
         + (f", in {d['n_shards']} shards)" if d.get("n_shards", 1) > 1 else ")"),
         f"architecture:  {d['architecture']}" + (f" (name: {d['name']})" if d.get("name") else ""),
         f"file type:     {d['file_type'] or 'unknown'}",
-        f"layers:        {d['n_layer']}  (MoE: {_ranges(d['moe_layers'])}; dense: {_ranges(d['dense_layers'])})",
+        f"layers:        {d['n_layer']}  (MoE: {id_ranges(d['moe_layers'])}; dense: {id_ranges(d['dense_layers'])})",
         f"n_embd:        {d['n_embd']}   n_vocab: {d['n_vocab']}",
     ]
     if not d["has_experts"]:
@@ -74,7 +63,7 @@ def format_info(d: dict) -> str:
     for il, v in sorted(d.get("expert_variants", {}).items()):
         variants.setdefault((v["name"], v["engine"], v["why"]), []).append(il)
     for (name, ok, why), ils in variants.items():
-        lines.append(f"expert variant:      {name} (layers {_ranges(ils)}): "
+        lines.append(f"expert variant:      {name} (layers {id_ranges(ils)}): "
                      + ("the engine runs it" if ok else f"upstream's path ({why})"))
     per_layer = {}
     for group in ("expert_tensors", "expert_biases"):

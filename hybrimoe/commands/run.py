@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from hybrimoe.commands.args import COUNT
+from hybrimoe.commands.args import COUNT, id_ranges
 from hybrimoe.commands.llama_args import add_llama_arguments, load_llama, model_argument
 
 HELP = "generate text (llama.cpp flags)"
@@ -59,18 +59,6 @@ def _print_engine_stats(stats: dict) -> None:
           f"{e['cost_model']}" + (f"; profile: {e['profile']}" if e.get("profile") else ""), file=sys.stderr)
 
 
-def layer_ranges(layers) -> str:
-    """``[0, 1, 2, 4, 7, 8]`` as ``0-2, 4, 7-8`` (``none`` for no layer)."""
-    out, i, ls = [], 0, sorted(layers)
-    while i < len(ls):
-        j = i
-        while j + 1 < len(ls) and ls[j + 1] == ls[j] + 1:
-            j += 1
-        out.append(str(ls[i]) if i == j else f"{ls[i]}-{ls[j]}")
-        i = j + 1
-    return ", ".join(out) or "none"
-
-
 def timing_lines(gen, stats: dict) -> list[str]:
     """llama.cpp-style timings of a :class:`hybrimoe.runtime.generate.Generation` (llama_perf_context_print's
     figures: prompt eval and eval, milliseconds, ms per token, tokens per second), and the engine's hit rate."""
@@ -89,7 +77,7 @@ def timing_lines(gen, stats: dict) -> list[str]:
                 lines.append(f"hybrimoe: {e['all_cpu_reason']}")
             devs = e.get("devices") or []
             for i, d in enumerate(devs):
-                lines.append(f"hybrimoe:   device {i} ({d['device']}): MoE layers {layer_ranges(d['moe_layers'])}, "
+                lines.append(f"hybrimoe:   device {i} ({d['device']}): MoE layers {id_ranges(d['moe_layers'])}, "
                              f"{d['n_slots']} slots, hit rate {d['hit_rate']:.3f}, {d['gpu_experts']} experts run, "
                              f"{d['bytes_copied'] / 2**20:.1f} MiB copied")
         r = e.get("ram") or {}

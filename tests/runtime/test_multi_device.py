@@ -352,8 +352,8 @@ def test_main_gpu_out_of_range_is_named(devices, layered_model):
 
 
 def test_run_names_each_devices_layers():
-    from hybrimoe.commands.run import layer_ranges
+    from hybrimoe.commands.args import id_ranges
 
-    assert layer_ranges([0, 1, 2, 3, 4, 7]) == "0-4, 7"
-    assert layer_ranges([7]) == "7" and layer_ranges([]) == "none"
-    assert layer_ranges([5, 3, 4, 9, 10]) == "3-5, 9-10"
+    assert id_ranges([0, 1, 2, 3, 4, 7]) == "0-4, 7"
+    assert id_ranges([7]) == "7" and id_ranges([]) == "none"
+    assert id_ranges([5, 3, 4, 9, 10]) == "3-5, 9-10"
