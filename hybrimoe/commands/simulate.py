@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the hardware's gpu_count, else 1); --moe-cache is then each GPU's budget "
                              f"('25%%': of its layers' experts); policy {TS_NCMOE}: upstream -ts with the best "
                              "--n-cpu-moe")
+    parser.add_argument("--streams", type=POSITIVE, default=1, metavar="N",
+                        help="decode N requests at once in one batch per step (continuous batching, llama-server's "
+                             "-np N): tokens/s is the aggregate, TPOT each stream's (decode only; default 1)")
     parser.add_argument("--tensor-split", type=tensor_split, default=None, metavar="N0,N1,...",
                         help="proportions of the layers per GPU, as llama.cpp's -ts (default: equal)")
     parser.add_argument("--moe-ram-cache", default=None, metavar="BUDGET",
@@ -232,6 +235,8 @@ def _setup_maker(args, names: list):
     for n in names:
         if n != TS_NCMOE:
             system_preset(n)
+    if args.streams > 1 and args.stage != "decode":
+        raise ValueError(f"--streams {args.streams}: streams are concurrent decode streams; give --stage decode")
     if "," in str(args.moe_cache):
         raise ValueError(f"--moe-cache {args.moe_cache}: simulate gives every GPU the same budget (a share of its "
                          "own layers' experts, or a size each); a list per GPU is run's and serve's")
@@ -265,7 +270,7 @@ def _setup_maker(args, names: list):
                      max_prompts=args.max_prompts, ubatch=args.ubatch, prefetch_depth=args.prefetch_depth,
                      recall=recall, profile_fraction=args.profile_fraction, seed=args.seed, facts=facts,
                      facts_source=source, n_dropped=n_dropped, ram_cache=args.moe_ram_cache, disk=args.disk,
-                     devices=args.devices, tensor_split=args.tensor_split)
+                     devices=args.devices, tensor_split=args.tensor_split, streams=args.streams)
 
     return make_setup, make_setup(args.moe_cache), notes
 
@@ -276,8 +281,11 @@ def _report(args, setup: Setup, records: list) -> None:
            if setup.ram_budget is not None else "")
     per = "/".join(str(setup.layer_device.count(d)) for d in range(setup.n_devices))
     gpus = f" | {setup.n_devices} GPUs, MoE layers {per}, cache {args.moe_cache} each" if setup.n_devices > 1 else ""
+    if setup.streams > 1:
+        gpus += f" | {setup.streams} streams per step (tokens/s in all, TPOT per stream)"
     print(f"hybrimoe simulate: {setup.trace.path or 'trace'} | {setup.hw.name}{gpus} | cache {args.moe_cache} "
-          f"({setup.budget / 1e9:.2f} GB in all){ram} | {args.stage} | prompts {setup.first}..{setup.end} | "
+          f"({setup.budget / 1e9:.2f} GB in all){ram} | {args.stage} | "
+          f"{'steps' if setup.streams > 1 else 'prompts'} {setup.first}..{setup.end} | "
           f"{records[0]['tokens'] if records else 0} tokens")
     print(format_table(records))
     a = setup.assumptions(records[0]["policy"])

@@ -66,6 +66,7 @@ from hybrimoe.policy.presets import (
     system_preset,
 )
 from hybrimoe.policy.profile import expert_counts, hot_keys_from_counts
+from hybrimoe.sim.streams import streams_trace
 from hybrimoe.traces.format import PHASE_DECODE, PHASE_PREFILL, RoutingTrace
 
 #: the disk a RAM tier is simulated with when none is named (hybrimoe/policy/disk_files/)
@@ -155,6 +156,10 @@ class Setup:
     each GPU's: ``"25%"`` of the experts of its layers, a size each (the same VRAM per device). The hardware's
     ``gpus_per_link`` above 1 makes every GPU copy over one shared link.
 
+    ``streams``: decode streams in one batch (continuous batching; :mod:`hybrimoe.sim.streams`): each step decodes
+    one token of each of ``streams`` requests in one ubatch; the records' ``tpot_s`` is then each stream's time per
+    token (the mean step) and ``tokens_per_s`` the aggregate. Only with ``stage="decode"``.
+
     ``ram_cache``: the host RAM for routed experts (``"25%"`` of their bytes, ``"12GiB"``, bytes; as
     ``--moe-ram-cache``), for a model larger than RAM: runs then simulate the RAM tier (:meth:`run`'s ``ram``), with
     ``disk``'s figures (a disk file name or path, :func:`hybrimoe.policy.hardware.load_disk`; default
@@ -174,7 +179,7 @@ class Setup:
                  recall: Sequence[float] = _core.DEFAULT_PREDICTOR_RECALL, profile_fraction: float = 0.2, seed: int = 1,
                  facts: Optional[ModelFacts] = None, facts_source: str = "", n_dropped: int = 0,
                  core_trace=None, ram_cache=None, disk: Optional[str] = None, devices: Optional[int] = None,
-                 tensor_split: Optional[Sequence[float]] = None):
+                 tensor_split: Optional[Sequence[float]] = None, streams: int = 1):
         if stage not in ("decode", "prefill"):
             raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
         if not (0.0 <= profile_fraction < 1.0):
@@ -190,6 +195,15 @@ class Setup:
                              f"model's GGUF with -m MODEL.gguf, built-in facts with --model-facts NAME (known: "
                              f"{', '.join(sorted(MODEL_FACTS))}), or a trace that carries its facts (hybrimoe "
                              "trace records them)")
+        self.streams = int(streams)
+        if self.streams > 1:
+            if stage != "decode":
+                raise ValueError(f"streams are concurrent decode streams: stage 'decode', not {stage!r}")
+            if core_trace is not None:
+                raise ValueError("streams regroup the trace's tokens: give no core_trace")
+            # each step one ubatch of the streams' tokens (the simulator's prefill mechanics, ubatch = streams)
+            trace = streams_trace(trace, self.streams)
+            stage, ubatch = "prefill", self.streams
         self.phased = trace.phases is not None
         trace = stage_tokens(trace, stage)
         self.facts_source = facts_source or "given"
@@ -357,6 +371,9 @@ class Setup:
 
     def stage_model(self) -> str:
         """How this run's stage uses the trace's tokens (the records' ``assumptions.stage_model``)."""
+        if self.streams > 1:
+            return (f"decode in {self.streams} concurrent streams: each step one ubatch of one decode token of every "
+                    "active stream; a stream whose prompt ended takes the next prompt (hybrimoe.sim.streams)")
         if self.stage == "decode":
             return ("decode: the decode-phase tokens, one per step, prompt after prompt (prefill-phase tokens left "
                     "out)" if self.phased else "decode: every token of each prompt, one per step (the trace has "
@@ -475,7 +492,7 @@ class Setup:
 def total_times(trace: RoutingTrace, hw_name: str, budget_spec, stage: str, names: Sequence[str], *,
                 max_tokens: int = 20000, seed: int = 1, contention_scale: float = 1.0, core_trace=None,
                 bound_tolerance: Optional[float] = None, ram_cache=None, disk: Optional[str] = None,
-                gpu_preset: str = "hybrimoe", devices: Optional[int] = None) -> dict:
+                gpu_preset: str = "hybrimoe", devices: Optional[int] = None, streams: int = 1) -> dict:
     """Simulated total time of each preset in ``names`` on one configuration: ``{name: seconds}`` (TPOT x tokens in
     decode, TTFT summed over prompts in prefill: :meth:`Setup.run`'s ``total_s``).
 
@@ -489,7 +506,8 @@ def total_times(trace: RoutingTrace, hw_name: str, budget_spec, stage: str, name
     times the least time of the presets before it in ``names``: its time is then an upper value of the bound, one
     that already shows the bound holds; where no plan gets there every plan is run and its time is the bound.
 
-    ``devices``: GPUs, as :class:`Setup`'s (default the hardware's).
+    ``devices``: GPUs, as :class:`Setup`'s (default the hardware's); ``streams``: concurrent decode streams, as
+    :class:`Setup`'s (``core_trace`` must then be None).
 
     ``ram_cache`` (a RAM budget, as :class:`Setup`'s, with ``disk``): ``names`` are then RAM-tier presets
     (:data:`hybrimoe.policy.presets.RAM_PRESETS`), each run under the GPU tier's ``gpu_preset``, so that only the RAM
@@ -503,7 +521,7 @@ def total_times(trace: RoutingTrace, hw_name: str, budget_spec, stage: str, name
     if bound_tolerance is not None and not bound_tolerance >= 0:
         raise ValueError(f"bound tolerance must be >= 0, got {bound_tolerance}")
     s = Setup(trace, load_hardware(hw_name), budget_spec, stage, max_tokens=max_tokens, seed=seed,
-              core_trace=core_trace, ram_cache=ram_cache, disk=disk, devices=devices)
+              core_trace=core_trace, ram_cache=ram_cache, disk=disk, devices=devices, streams=streams)
     s.truth.contention = contention_scale * s.truth.contention
     times: dict = {}
     for n in names:
@@ -556,7 +574,10 @@ def record(name: str, res, setup: Setup, ram: Optional[str] = None) -> dict:
         "layer_moe_s": list(res.layer_moe_s),
         "assumptions": setup.assumptions(name) if name in SYSTEM_PRESETS else {},
     }
-    if res.stage == "decode":
+    if setup.streams > 1:
+        # each step decodes one token of every stream: its mean time is each stream's time per token
+        rec.update(stage="decode", streams=setup.streams, tpot_s=res.ttft_s)
+    elif res.stage == "decode":
         rec["tpot_s"] = res.tpot_s
     else:
         rec["ttft_s"] = res.ttft_s
