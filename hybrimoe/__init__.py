@@ -9,9 +9,10 @@ The package is layered (each layer imports only the ones above it in this list; 
 ``model``       the GGUF reader and validator, model facts, upstream's per-architecture tables
 ``policy``      policy base classes, cost-model files, hardware files, policy presets, budgets, profiles
 ``traces``      routing traces: the file format, statistics, synthetic traces, routing replay tables
-``sim``         the trace-driven simulator and the exact bound (never imports the runtime)
-``runtime``     :class:`Llama`, llama.cpp parameters, the engine's set-up, calibration, the token loop, the RPC
-                stand-in
+``sim``         the trace-driven simulator (one GPU or several, concurrent decode streams) and the exact bound
+                (never imports the runtime)
+``runtime``     :class:`Llama`, llama.cpp parameters, the engine's set-up (over every device of a layer split),
+                calibration, the token loop, the RPC stand-in
 ``server``      ``hybrimoe serve``'s app (llama-cpp-python's server)
 ``commands``    one module per ``hybrimoe`` subcommand (nothing imports them)
 ``testing``     yardsticks for tests and scripts (the upstream comparison, pytest fixtures, simulator tables)
