@@ -77,7 +77,11 @@ def timing_lines(gen, stats: dict) -> list[str]:
                 lines.append(f"hybrimoe: {e['all_cpu_reason']}")
             devs = e.get("devices") or []
             for i, d in enumerate(devs):
-                lines.append(f"hybrimoe:   device {i} ({d['device']}): MoE layers {id_ranges(d['moe_layers'])}, "
+                host = d.get("host_moe_layers") or []
+                own = [ml for ml in d["moe_layers"] if ml not in host]
+                span = (f"MoE layers {id_ranges(own)}" if own else "") + (
+                    f"{' and ' if own else 'MoE layers '}{id_ranges(host)} left on the host" if host else "")
+                lines.append(f"hybrimoe:   device {i} ({d['device']}): {span or 'no MoE layer'}, "
                              f"{d['n_slots']} slots, hit rate {d['hit_rate']:.3f}, {d['gpu_experts']} experts run, "
                              f"{d['bytes_copied'] / 2**20:.1f} MiB copied")
         r = e.get("ram") or {}

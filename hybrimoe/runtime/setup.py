@@ -396,7 +396,8 @@ class EngineSetup:
     ``cpu_fused`` (``moe_cpu_fused`` as :func:`fused_mode` gives it: 0 off). With several accelerators holding MoE
     layers (:meth:`with_devices`): ``device``, ``n_slots``, ``policies`` are the first device's, ``more_devices`` the
     others' (:class:`DeviceShare`), and ``layer_device`` gives each MoE layer's device (an index: 0 the first).
-    ``cost_given``: the user gave ``moe_cost_model`` (every device plans with it).
+    ``cost_given``: the user gave ``moe_cost_model`` (every device plans with it). ``host_layers``: the MoE layers
+    llama.cpp left on the host (their GPU share runs on the main device).
     """
 
     facts: EngineFacts
@@ -423,6 +424,7 @@ class EngineSetup:
     cpu_fused: int = 0
     more_devices: tuple = ()
     layer_device: tuple = ()
+    host_layers: tuple = ()
     cost_given: bool = False
 
     @property
@@ -582,6 +584,7 @@ class EngineSetup:
                 slot (the message names the device).
         """
         devs, layer_device = engine_devices(layer_devs, order, main or self.device)
+        host = tuple(i for i, d in enumerate(layer_devs) if d is None)
         entries = budget_list(self.cache_spec)
         if len(devs) <= 1:
             if entries is not None and len(entries) != 1:
@@ -589,8 +592,9 @@ class EngineSetup:
                 raise ValueError(f"moe_cache lists {len(entries)} budgets, but the MoE layers are on one device "
                                  f"({where}): give one budget")
             if devs and devs[0] != self.device:
-                return dataclasses.replace(self, device=devs[0], device_label=_ggml.device_label(devs[0]))
-            return self
+                return dataclasses.replace(self, device=devs[0], device_label=_ggml.device_label(devs[0]),
+                                           host_layers=host)
+            return dataclasses.replace(self, host_layers=host)
         labels = [_ggml.device_label(d) for d in devs]
         slots = device_slots(self.cache_spec, self.facts, layer_device, len(devs), labels)
         shares = []
@@ -604,7 +608,8 @@ class EngineSetup:
         first = shares[0]
         return dataclasses.replace(self, device=first.device, device_label=first.label, n_slots=first.n_slots,
                                    slots_note=f"{first.label}: {first.slots_note}", policies=first.policies,
-                                   more_devices=tuple(shares[1:]), layer_device=tuple(layer_device))
+                                   more_devices=tuple(shares[1:]), layer_device=tuple(layer_device),
+                                   host_layers=host)
 
     def _layers_of(self, index: int) -> Optional[list]:
         """Per MoE layer, whether device ``index`` serves it (None with one device: all of them)."""

@@ -73,7 +73,8 @@ def _cache_counts(caches) -> dict:
 
 def device_stats(engine, setup, layers: list) -> list:
     """``moe_stats()["engine"]["devices"]``: per device that holds expert slots, in device order: ``device`` (its
-    label), ``n_slots``, ``slots_in_use``, ``moe_layers`` (the MoE layers whose GPU share it runs), ``hit_rate`` and
+    label), ``n_slots``, ``slots_in_use``, ``moe_layers`` (the MoE layers whose GPU share it runs; of those,
+    ``host_moe_layers`` are the ones llama.cpp left on the host, ``-ngl`` below the layer count), ``hit_rate`` and
     ``cache`` (its cache's counters), ``gpu_experts`` (experts it computed, summed over runs), ``bytes_copied``
     (H2D bytes of its loads) and ``cost_model`` (where its planner's costs came from). One entry with one device;
     the top-level figures are the totals."""
@@ -89,6 +90,7 @@ def device_stats(engine, setup, layers: list) -> list:
             "n_slots": engine.device_slots(i),
             "slots_in_use": engine.device_slots_in_use(i),
             "moe_layers": mine,
+            "host_moe_layers": [ml for ml in mine if ml in setup.host_layers],
             "hit_rate": cs["hits"] / cs["accesses"] if cs["accesses"] else 0.0,
             "cache": cs,
             "gpu_experts": int(tot.get("gpu_experts", 0)),

@@ -183,7 +183,9 @@ def test_layers_on_the_host_use_the_main_device(devices, layered_model, split_co
                 moe_cache="25%", moe_cost_model=split_cost_model)
     try:
         assert llm.moe_engine.n_devices == 1
-        assert llm.moe_setup.device_label == llm.moe_stats()["engine"]["devices"][0]["device"]
+        dev = llm.moe_stats()["engine"]["devices"][0]
+        assert llm.moe_setup.device_label == dev["device"]
+        assert dev["host_moe_layers"] == dev["moe_layers"] == list(range(len(llm.moe_setup.facts.moe_layers)))
         assert llm.moe_setup.device_label.endswith("-3072MiB")  # devices[1]
     finally:
         llm.close()
