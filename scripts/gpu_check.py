@@ -246,7 +246,7 @@ def cmd_correctness(args) -> int:
     import hybrimoe  # noqa: F401  (before llama_cpp: hybrimoe's libllama)
     from hybrimoe import Llama, _ggml
     # planner costs under which CPU and GPU are comparable for the tiny models (mixed splits), as in the tests
-    from hybrimoe.testing.upstream import SPLIT_COST, greedy_with_logits, prompt_tokens
+    from hybrimoe.testing.upstream import SPLIT_COST, greedy_reference, greedy_with_logits
     from hybrimoe.testing.upstream import nmse as logits_nmse
     from hybrimoe.tiny import make_tiny_model
 
@@ -286,12 +286,8 @@ def cmd_correctness(args) -> int:
                 continue
             path = make_tiny_model(work / f"tiny-{arch}-{quant}.gguf", **recipes[(arch, quant)])
             t0 = time.monotonic()
-            ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **common)
-            try:
-                tokens = prompt_tokens(ref, args.n_prompt)
-                ref_out, ref_lg = greedy_with_logits(ref, tokens, args.n_gen)
-            finally:
-                ref.close()
+            tokens, ref_out, ref_lg = greedy_reference(path, args.n_prompt, args.n_gen,
+                                                       tensor_buft_overrides="exps=CPU", no_repack=True, **common)
             controls = [("control", args.caches.split(",")[0].strip())] if args.control else []
             for kind, cache in [("case", c.strip()) for c in args.caches.split(",") if c.strip()] + controls:
                 case = dict(model=f"{arch}:{quant}", moe_cache=cache, policy=args.policy, kind=kind)
@@ -347,7 +343,7 @@ def _two_device_case(args, work: Path, cost: str, common: dict) -> dict:
     tokens, logits NMSE <= ``--tol``, and a GPU share on both devices."""
     from hybrimoe import Llama
     from hybrimoe.runtime.rpc import RPCServer
-    from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
+    from hybrimoe.testing.upstream import greedy_reference, greedy_with_logits
     from hybrimoe.testing.upstream import nmse as logits_nmse
     from hybrimoe.tiny import make_tiny_model
 
@@ -360,12 +356,8 @@ def _two_device_case(args, work: Path, cost: str, common: dict) -> dict:
         kw = dict(common, rpc_servers=endpoints, tensor_split=[1.0, 1.0])
         path = make_tiny_model(work / "tiny-qwen3moe-Q8_0-8l.gguf",
                                **dict(correctness_recipes()[("qwen3moe", "Q8_0")], n_layer=8))
-        ref = Llama(str(path), tensor_buft_overrides="exps=CPU", no_repack=True, **kw)
-        try:
-            tokens = prompt_tokens(ref, args.n_prompt)
-            ref_out, ref_lg = greedy_with_logits(ref, tokens, args.n_gen)
-        finally:
-            ref.close()
+        tokens, ref_out, ref_lg = greedy_reference(path, args.n_prompt, args.n_gen, tensor_buft_overrides="exps=CPU",
+                                                   no_repack=True, **kw)
         llm = Llama(str(path), moe_cache="50%", moe_policy=args.policy, moe_cost_model=cost, **kw)
         try:
             out_t, lg = greedy_with_logits(llm, tokens, args.n_gen)
