@@ -3,6 +3,7 @@ accelerator, fails with the error the README promises; its CPU-only example runs
 that llama.cpp's log stays off stderr), and every ``Llama(...)`` example says how verbose it is."""
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -69,3 +70,15 @@ def test_the_from_python_examples_run_as_written(tiny_model, tmp_path):
     assert r.returncode == 0, r.stderr
     assert int(r.stdout.split()[-1]) > 0  # the engine ran the experts on the CPU
     assert len(r.stderr.splitlines()) <= 2, r.stderr
+
+
+def test_the_batch_example_runs_as_written(tiny_model, tmp_path):
+    """README's ``create_completions`` example: four prompts over four sequences, one text each."""
+    model = repr(str(tiny_model("qwen3moe", "Q8_0")))
+    block = [b for b in python_blocks("From Python") if "create_completions" in b]
+    assert len(block) == 1
+    code = "from hybrimoe import Llama\n" + block[0].replace('"model.gguf"', model)
+    r = _run(code, tmp_path)
+    assert r.returncode == 0, r.stderr
+    texts = ast.literal_eval(r.stdout.strip().splitlines()[-1])  # the printed list
+    assert isinstance(texts, list) and len(texts) == 4

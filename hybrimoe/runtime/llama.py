@@ -403,6 +403,40 @@ class Llama(llama_cpp.Llama):
         if err:  # (no engine reference left in this frame: a kept traceback must not keep the engine alive)
             raise RuntimeError(f"hybrimoe engine failed: {err}")
 
+    def _decode_batch(self, batch) -> None:
+        """``llama_decode`` of a raw ``llama_batch`` (the batch API's steps: several sequences), with ``eval``'s
+        failure handling: RuntimeError when the decode or the MoE engine failed, a lost device as
+        :class:`hybrimoe.runtime.errors.DeviceLostError`."""
+        if self._moe.engine is not None:
+            self._moe.engine.clear_failure()
+        rc = llama_cpp.llama_cpp.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise self._decode_failure(RuntimeError(f"llama_decode returned {rc}"))
+        err = self._moe.engine.take_error() if self._moe.engine is not None else ""
+        if err:
+            raise RuntimeError(f"hybrimoe engine failed: {err}")
+
+    def create_completions(self, prompts, **kwargs) -> list:
+        """Completions of several prompts generated together: one decode per step carries the next token of every
+        prompt that is generating and chunks of those still prefilling (continuous batching, as llama-server's
+        slots; :class:`hybrimoe.runtime.batch.BatchGenerator`). Up to ``n_seq_max`` prompts (the constructor's)
+        run at once, the others wait for a slot; each gets ``n_ctx / n_seq_max`` tokens of context.
+
+        ``prompts``: strings or token lists. Keywords: ``max_tokens``, ``temperature``, ``top_p``, ``min_p``,
+        ``typical_p``, ``stop``, ``frequency_penalty``, ``presence_penalty``, ``repeat_penalty``, ``top_k``,
+        ``seed``, ``logit_bias`` (token id -> added logit), as ``create_completion``'s (same defaults), each one
+        value for all or a list with one per prompt. Returns one ``create_completion``-style dict per prompt, in
+        order. The prompt cache of ``create_completion`` is cleared before and after.
+
+        Raises:
+            ValueError: no prompts, an empty prompt, a list of values of the wrong length, an unknown keyword, or
+                a prompt with its ``max_tokens`` longer than one sequence's context.
+            RuntimeError: a failed decode (as ``eval``).
+        """
+        from hybrimoe.runtime.batch import BatchGenerator
+
+        return BatchGenerator(self).run(prompts, **kwargs)
+
     def _decode_failure(self, e: RuntimeError) -> RuntimeError:
         """The error to raise for a failed decode: :class:`hybrimoe.runtime.errors.DeviceLostError` naming the lost
         RPC servers when ggml's RPC client lost one, else ``e`` with the likely cause where RPC servers are in use."""
@@ -507,9 +541,9 @@ class Llama(llama_cpp.Llama):
 
 #: the public methods that use the model or the context: after ``close()`` they raise instead of touching freed
 #: memory
-_NEEDS_OPEN = ("__call__", "create_completion", "create_chat_completion", "generate", "eval", "sample", "tokenize",
-               "detokenize", "embed", "create_embedding", "reset", "save_state", "load_state", "n_ctx", "n_vocab",
-               "n_embd", "token_bos", "token_eos", "token_nl")
+_NEEDS_OPEN = ("__call__", "create_completion", "create_completions", "create_chat_completion", "generate", "eval",
+               "sample", "tokenize", "detokenize", "embed", "create_embedding", "reset", "save_state", "load_state",
+               "n_ctx", "n_vocab", "n_embd", "token_bos", "token_eos", "token_nl")
 
 
 def _open_only(name: str, method):

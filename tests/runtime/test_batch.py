@@ -1,0 +1,166 @@
+"""Several prompts generated together (``Llama.create_completions``, hybrimoe.runtime.batch.BatchGenerator).
+
+The oracle is upstream's batched run of the same sequences: :func:`hybrimoe.testing.upstream.decode_together` (all
+prompts in the first decode, then one token per sequence per decode) on llama.cpp without hybrimoe's engine, with the
+same placement. Batched kernels round differently from single-sequence ones (llama-server gives other greedy texts
+at ``-np 8`` than at ``-np 1``), so the single-sequence run is not the oracle.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybrimoe.testing.upstream import decode_together, prompt_tokens
+
+N_GEN = 6
+
+
+def _common(rpc_server=None, n_batch=256, **kw):
+    d = dict(n_ctx=512, n_batch=n_batch, n_ubatch=64, seed=0, verbose=False, no_repack=True)
+    if rpc_server is not None:
+        d.update(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1)
+    d.update(kw)
+    return d
+
+
+def _prompts(llm, n):
+    """``n`` prompts of 7-14 tokens, all different (shifted windows of the fixed text)."""
+    base = prompt_tokens(llm, 40)
+    return [base[: 7 + (3 * i) % 8] if i % 2 == 0 else base[i: i + 6 + i % 5] for i in range(n)]
+
+
+def _engine_kw(path, mode, split_cost_model):
+    from hybrimoe.runtime.engine_facts import engine_facts
+    from hybrimoe.runtime.ram_tier import min_ram_slots
+
+    f = engine_facts(path)
+    kw = {}
+    if "ram" in mode:
+        kw["moe_ram_cache"] = min_ram_slots(f, 64) * f.ram_slot_bytes
+    if "gpu" in mode:
+        kw["moe_cache"] = len(f.moe_layers) * f.n_expert // 2 * f.slot_bytes
+    if kw:
+        kw["moe_cost_model"] = split_cost_model
+    return kw
+
+
+@pytest.mark.parametrize("mode", ["upstream", "ram", "gpu", "gpu+ram"])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_greedy_batch_equals_upstreams_batched_run(tiny_model, rpc_server, split_cost_model, mode, n):
+    """Greedy completions of n prompts together: each sequence's tokens, and the logits each token was taken from,
+    equal upstream's batched decode of the same sequences with the same placement, bit for bit, with the engine
+    off, over the RAM tier, over the stand-in GPU's cache, and over both."""
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    rpc = rpc_server if "gpu" in mode else None
+    ref_kw = dict(tensor_buft_overrides="exps=CPU") if rpc is not None else {}
+    ref = Llama(str(path), n_seq_max=n, **_common(rpc, **ref_kw))
+    try:
+        prompts = _prompts(ref, n)
+        want = decode_together(ref, prompts, N_GEN)
+    finally:
+        ref.close()
+    llm = Llama(str(path), n_seq_max=n, **_engine_kw(path, mode, split_cost_model), **_common(rpc))
+    try:
+        from hybrimoe.runtime.batch import BatchGenerator
+
+        gen = BatchGenerator(llm, record_logits=True)
+        out = gen.run(prompts, max_tokens=N_GEN, temperature=0.0)
+        st = llm.moe_stats().get("engine", {})
+    finally:
+        llm.close()
+    if "gpu" in mode:
+        assert st["gpu_experts"] > 0, st
+    if "ram" in mode:
+        assert st["ram"]["misses"] > 0, st
+    assert gen.batch_sizes[0] == sum(len(p) for p in prompts)
+    # every sequence decodes together until the first one ends (end of generation); compare those steps
+    steps = min(len(lg) for lg in gen.logits)
+    assert steps >= 1
+    for i in range(n):
+        for k in range(steps):
+            assert np.array_equal(gen.logits[i][k], want[k][i]), (i, k)
+            expect = int(np.argmax(want[k][i]))
+            if k < len(gen.tokens[i]):
+                assert gen.tokens[i][k] == expect, (i, k)
+        assert out[i]["usage"]["completion_tokens"] == len(gen.tokens[i])
+        assert out[i]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_more_prompts_than_slots_wait_and_chunked_prompts_match_upstream(tiny_model, split_cost_model):
+    """Seven prompts over three slots with a 16-token batch: prompts are fed in chunks next to other sequences'
+    generated tokens, a request waits for a slot and takes the first one freed. The engine (RAM tier) gives
+    upstream's tokens and logits under the same batches; no batch exceeds n_batch, never more than 3 sequences
+    run, and afterwards the context is empty (create_completion gives what a fresh Llama gives)."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.batch import BatchGenerator
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    kw = dict(n_seq_max=3, **_common(n_batch=16))
+    runs = {}
+    for mode in ("upstream", "ram"):
+        llm = Llama(str(path), **_engine_kw(path, mode, split_cost_model), **kw)
+        try:
+            prompts = _prompts(llm, 7)
+            gen = BatchGenerator(llm, record_logits=True)
+            out = gen.run(prompts, max_tokens=[3, 5, 4, 6, 2, 5, 3], temperature=0.0)
+            after = llm.create_completion(prompts[0], max_tokens=4, temperature=0.0)["choices"][0]["text"]
+            assert max(gen.batch_sequences) == 3
+            runs[mode] = (gen.tokens, gen.logits, gen.batch_sizes, out, after)
+        finally:
+            llm.close()
+    fresh = Llama(str(path), **kw)
+    try:
+        alone = fresh.create_completion(prompts[0], max_tokens=4, temperature=0.0)["choices"][0]["text"]
+    finally:
+        fresh.close()
+    (t0, l0, b0, o0, a0), (t1, l1, b1, _, a1) = runs["upstream"], runs["ram"]
+    assert t0 == t1 and b0 == b1
+    assert all(np.array_equal(x, y) for xs, ys in zip(l0, l1) for x, y in zip(xs, ys))
+    assert max(b0) <= 16 and len(b0) > 1
+    for r, mt in zip(o0, [3, 5, 4, 6, 2, 5, 3]):
+        assert r["choices"][0]["finish_reason"] == "stop" or r["usage"]["completion_tokens"] == mt
+    assert a0 == a1 == alone
+
+
+def test_sampling_per_prompt_is_seeded_and_stop_strings_cut(tiny_model):
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), n_seq_max=2, **_common())
+    try:
+        p = ["Once upon a time", "The harbour was quiet"]
+        a = llm.create_completions(p, max_tokens=8, temperature=0.9, seed=[1, 2])
+        b = llm.create_completions(p, max_tokens=8, temperature=0.9, seed=[1, 2])
+        assert [x["choices"][0]["text"] for x in a] == [x["choices"][0]["text"] for x in b]
+        greedy = llm.create_completions(p, max_tokens=8, temperature=0.0)
+        text = greedy[0]["choices"][0]["text"]
+        if len(text) >= 3:
+            stop = text[1:3]
+            cut = llm.create_completions(p, max_tokens=8, temperature=0.0, stop=[stop])
+            assert cut[0]["choices"][0]["text"] == text[: text.find(stop)]
+            assert cut[0]["choices"][0]["finish_reason"] == "stop"
+        assert greedy[0]["object"] == "text_completion" and greedy[0]["usage"]["prompt_tokens"] > 0
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("prompts, kw, msg", [
+    ([], {}, "non-empty list"),
+    ("one string", {}, "non-empty list"),
+    (["ok", ""], {}, "prompt 1 is empty"),
+    (["a", "b"], {"max_tokens": [1, 2, 3]}, "3 values for 2 prompts"),
+    (["a"], {"grammar": "root ::= [a]"}, "unknown keyword"),
+    (["a"], {"max_tokens": 10_000}, "exceed the"),
+])
+def test_bad_batches_are_refused(tiny_model, prompts, kw, msg):
+    from hybrimoe import Llama
+
+    llm = Llama(str(tiny_model("qwen3moe", "Q8_0")), n_seq_max=2, **_common())
+    try:
+        with pytest.raises(ValueError, match=msg):
+            llm.create_completions(prompts, **kw)
+        assert llm.create_completions(["still works"], max_tokens=2, temperature=0.0)[0]["usage"]["total_tokens"] > 0
+    finally:
+        llm.close()
