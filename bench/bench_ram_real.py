@@ -14,10 +14,13 @@ page cache what fits under it; hybrimoe gets ``moe_ram_cache="auto"`` (what the 
 the other weights and a margin: ``hybrimoe.runtime.ram_tier.auto_ram_slots``) or ``--budget``. Before each run the
 file is dropped from the page cache (fsync, POSIX_FADV_DONTNEED).
 
-Per run: prefill tokens/s (one ``--pp``-token prompt, ubatch 512) and decode tokens/s (``--tg`` tokens after it),
-bytes read from the disk per token (``/proc/self/io`` read_bytes: what reached the block device, read-ahead
-included) and major page faults per token (getrusage), the read bandwidth that gives, the share of the stage the
-disk was busy (its ``io_ticks``: near 1, the stage waited for the disk), and for hybrimoe the RAM tier's counters.
+Per run: prefill tokens/s (one ``--pp``-token prompt, ubatch 512), decode tokens/s (``--tg`` tokens after it) and
+the prefill of a follow-up turn (``pp2``: another ``--pp`` tokens appended to the same context after the decode, as
+a chat's next message or a server's next request: the RAM, or upstream's page cache, then holds what the first turn
+left, where the first prefill started from nothing), bytes read from the disk per token (``/proc/self/io``
+read_bytes: what reached the block device, read-ahead included) and major page faults per token (getrusage), the
+read bandwidth that gives, the share of the stage the disk was busy (its ``io_ticks``: near 1, the stage waited for
+the disk), and for hybrimoe the RAM tier's counters.
 Modes (``--modes``): upstream (mmap, ``--no-repack``: with its default repacking the load would read every expert
 into RAM, which a model larger than RAM does not allow), hybrimoe (as users run it: MRS, prefetch by the router
 look-ahead, slots in the file's layout, the other CPU weights repacked where upstream repacks them), hybrimoe with
@@ -91,8 +94,8 @@ def child(args) -> dict:
 
     from hybrimoe import Llama
     from hybrimoe.model.facts import facts_from_gguf
-    from hybrimoe.runtime.disk_calibration import drop_from_page_cache
     from hybrimoe.runtime.benchmark import io_counters
+    from hybrimoe.runtime.disk_calibration import drop_from_page_cache
     from hybrimoe.runtime.ram_tier import machine_memory
     from hybrimoe.runtime.readahead import disk_busy_ms
     from hybrimoe.traces.routing_replay import routing_replay_table
@@ -102,14 +105,14 @@ def child(args) -> dict:
     os.environ.update(kw.pop("_env", {}))  # a mode's environment (read when the engine is made)
     # a synthetic trace with router scores: the engine's MRS ranks by the replayed routing's scores, as it would on
     # the model's own routing (the random router's would not match the replayed ids)
-    tr = synthetic_trace(facts_from_gguf(args.model), args.pp + args.tg + 8, locality=args.locality, seed=0,
+    tr = synthetic_trace(facts_from_gguf(args.model), 2 * args.pp + args.tg + 8, locality=args.locality, seed=0,
                          scores=True, n_prompts=1)
     table, scores = routing_replay_table(tr, args.model, scores=True)
     del tr
     drop_from_page_cache(args.model)
     t_load = time.perf_counter()
     no_repack = kw.pop("no_repack", not kw)  # upstream's mmap runs --no-repack (see the module's docstring)
-    llm = Llama(str(args.model), n_ctx=args.pp + args.tg + 16, n_batch=512, n_ubatch=512, n_threads=args.threads,
+    llm = Llama(str(args.model), n_ctx=2 * args.pp + args.tg + 16, n_batch=512, n_ubatch=512, n_threads=args.threads,
                 n_threads_batch=args.threads, n_gpu_layers=0, verbose=False, no_repack=no_repack, moe_replay=table,
                 moe_replay_scores=scores,
                 **({"moe_cost_model": "rtx4090-desktop"} if kw else {}), **kw)
@@ -128,15 +131,24 @@ def child(args) -> dict:
         llm.eval([tok])
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     (io2, f2), t2, b2 = io_counters(), time.perf_counter(), disk_busy_ms(args.model)
+    if llm.moe_engine is not None:
+        row["ram_decode"] = llm.moe_stats()["engine"]["ram"]
+        llm.moe_engine.reset_stats()
+    # the follow-up turn: another prompt after the decode, in the same context (its own rows of the trace)
+    llm.eval(list(np.random.default_rng(1).integers(5, 500, size=args.pp)))
+    (io3, f3), t3, b3 = io_counters(), time.perf_counter(), disk_busy_ms(args.model)
+    row.update(pp2_tps=args.pp / (t3 - t2), pp2_read_per_token=(io3 - io2) / args.pp,
+               pp2_majflt_per_token=(f3 - f2) / args.pp)
     row.update(pp_tps=args.pp / (t1 - t0), tg_tps=args.tg / (t2 - t1),
                pp_read_per_token=(io1 - io0) / args.pp, tg_read_per_token=(io2 - io1) / args.tg,
                pp_majflt_per_token=(f1 - f0) / args.pp, tg_majflt_per_token=(f2 - f1) / args.tg,
                pp_read_bw=(io1 - io0) / (t1 - t0), tg_read_bw=(io2 - io1) / (t2 - t1))
     if b0 is not None and b2 is not None:  # the share of each stage the disk had reads in flight
-        row.update(pp_disk_busy=(b1 - b0) / 1e3 / (t1 - t0), tg_disk_busy=(b2 - b1) / 1e3 / (t2 - t1))
+        row.update(pp_disk_busy=(b1 - b0) / 1e3 / (t1 - t0), tg_disk_busy=(b2 - b1) / 1e3 / (t2 - t1),
+                   pp2_disk_busy=(b3 - b2) / 1e3 / (t3 - t2))
     if llm.moe_engine is not None:
         ram = llm.moe_stats()["engine"]["ram"]
-        row["ram_decode"] = ram
+        row["ram_prefill2"] = ram
         row["ram_budget"] = ram["moe_ram_cache"]
     # the process's peak resident memory (VmHWM): what the cgroup's limit had to hold besides the page cache
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -157,14 +169,16 @@ def summarize(rows: list[dict]) -> list[dict]:
         ok = [r for r in runs if "error" not in r]
         s = {"mode": mode, "asked_kb": kb, "runs": len(runs), "errors": [r["error"] for r in runs if "error" in r],
              "in_force_kb": sorted({r["read_ahead_kb"] for r in runs}), "loadavg": [r["loadavg"] for r in runs]}
-        for f in ("pp_tps", "tg_tps", "pp_read_per_token", "tg_read_per_token", "pp_majflt_per_token",
-                  "tg_majflt_per_token", "pp_disk_busy", "tg_disk_busy"):
+        for f in ("pp_tps", "tg_tps", "pp2_tps", "pp_read_per_token", "tg_read_per_token", "pp2_read_per_token",
+                  "pp_majflt_per_token", "tg_majflt_per_token", "pp2_majflt_per_token", "pp_disk_busy",
+                  "tg_disk_busy", "pp2_disk_busy"):
             xs = [r[f] for r in ok if f in r]
             if xs:
                 s[f] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-        hits = [r["ram_decode"]["hit_rate"] for r in ok if "ram_decode" in r]
-        if hits:
-            s["ram_hit_rate"] = {"median": statistics.median(hits), "min": min(hits), "max": max(hits)}
+        for key, stage in (("ram_hit_rate", "ram_decode"), ("ram_hit_rate_pp2", "ram_prefill2")):
+            hits = [r[stage]["hit_rate"] for r in ok if stage in r]
+            if hits:
+                s[key] = {"median": statistics.median(hits), "min": min(hits), "max": max(hits)}
         out.append(s)
     return out
 
@@ -184,11 +198,13 @@ def headline(summary: list[dict]) -> list[str]:
     lines = []
     if not up or not hy:
         return lines
-    for stage in ("pp_tps", "tg_tps"):
+    for stage in ("pp_tps", "tg_tps", "pp2_tps"):
+        if not all(stage in s for s in up + hy):
+            continue
         best_up = max(up, key=lambda s: s[stage]["median"])
         best_hy = max(hy, key=lambda s: s[stage]["median"])
         at128 = [(u, h) for u in up for h in hy if u["asked_kb"] == h["asked_kb"] == 128]
-        what = "prefill" if stage == "pp_tps" else "decode"
+        what = {"pp_tps": "prefill", "tg_tps": "decode", "pp2_tps": "follow-up prefill"}[stage]
         if at128:
             u, h = at128[0]
             hm, um = h[stage]["median"], u[stage]["median"]
@@ -277,10 +293,10 @@ def main() -> int:
     print(f"model {args.model.name}: {size / 2**30:.1f} GiB on disk; memory cgroup limit {limit / 2**30:.1f} GiB; "
           f"{args.threads} threads, CPU only; routing replayed ({args.locality} locality); {args.reps} interleaved "
           f"repetitions, median (min..max); read_ahead_kb found {ra.original}, put back after")
-    print(f"| mode | read_ahead_kb | pp{args.pp} t/s | tg{args.tg} t/s | MB read/token pp | MB read/token tg | "
-          "major faults/token pp | major faults/token tg | disk busy pp | disk busy tg | RAM hit rate (tg) | "
-          "load avg |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| mode | read_ahead_kb | pp{args.pp} t/s | tg{args.tg} t/s | follow-up pp{args.pp} t/s | "
+          "MB read/token pp | MB read/token tg | MB read/token pp2 | major faults/token pp | major faults/token tg | "
+          "disk busy pp | disk busy tg | RAM hit rate (tg) | RAM hit rate (pp2) | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
         if "pp_tps" not in s:
             err = s["errors"][-1].splitlines()[-1] if s["errors"] else "?"
@@ -288,9 +304,12 @@ def main() -> int:
             continue
         kb = ",".join(str(x) for x in s["in_force_kb"])
         print(f"| {s['mode']} | {kb} | {_fig(s, 'pp_tps')} | {_fig(s, 'tg_tps', fmt='{:.3f}')} | "
+              f"{_fig(s, 'pp2_tps')} | "
               f"{_fig(s, 'pp_read_per_token', 1e6, '{:.0f}')} | {_fig(s, 'tg_read_per_token', 1e6, '{:.0f}')} | "
+              f"{_fig(s, 'pp2_read_per_token', 1e6, '{:.0f}')} | "
               f"{_fig(s, 'pp_majflt_per_token', 1, '{:.0f}')} | {_fig(s, 'tg_majflt_per_token', 1, '{:.0f}')} | "
-              f"{_fig(s, 'pp_disk_busy')} | {_fig(s, 'tg_disk_busy')} | {_fig(s, 'ram_hit_rate', fmt='{:.3f}')} | {min(s['loadavg']):.2f}..{max(s['loadavg']):.2f} |")
+              f"{_fig(s, 'pp_disk_busy')} | {_fig(s, 'tg_disk_busy')} | {_fig(s, 'ram_hit_rate', fmt='{:.3f}')} | "
+              f"{_fig(s, 'ram_hit_rate_pp2', fmt='{:.3f}')} | {min(s['loadavg']):.2f}..{max(s['loadavg']):.2f} |")
     for line in headline(summary):
         print(line)
     if args.json:
