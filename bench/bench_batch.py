@@ -1,14 +1,16 @@
 """Several requests in one batch, for real: aggregate decode tokens/s and time per output token at 1, 2, 4 and 8
 concurrent requests, generated together (``Llama.create_completions``: continuous batching, as llama-server's
-slots) against one at a time (``create_completion`` after ``create_completion``, what ``hybrimoe serve`` does
-today), CPU only.
+slots) against one at a time (``create_completion`` after ``create_completion``, what ``hybrimoe serve`` does at
+``--parallel 1``), CPU only.
 
-Model: a synthetic DeepSeek-V2-Lite-shaped GGUF (random weights, Q4_K_M types: ``bench/bench_ram_real.py``'s
-models) whose random router routes each token about independently, the case the batching bound below assumes
-(real routing, with more locality, shares more experts). Modes (``--modes``): ``hybrimoe`` (the engine with its RAM
-tier, ``moe_ram_cache="auto"``: the larger-than-RAM case; or ``moe_cache=0`` with ``--in-ram``), and ``upstream``
-(the same generator on llama.cpp without the engine: mmap, ``--no-repack`` where the model does not fit, as
-``bench_ram_real.py``). ``--limit``: each run in a memory cgroup of that size (a model larger than RAM).
+Model: a synthetic DeepSeek-V2-Lite-shaped GGUF (random weights, Q4_K_M types: ``bench/bench_ram_real.py``'s models)
+with its own random router (no routing replay: a replay table is keyed by position, so every sequence would route
+alike); how much its tokens share experts shows in the RAM hit rate each run prints. Modes (``--modes``):
+``hybrimoe`` (the engine with its RAM tier, ``moe_ram_cache="auto"``: the larger-than-RAM case; or ``moe_cache=0``
+with ``--in-ram``), and ``upstream`` (the same generator on llama.cpp without the engine: mmap, ``--no-repack``
+where the model does not fit, as ``bench_ram_real.py``). ``--limit``: each run in a memory cgroup of that size (a
+model larger than RAM), the model file's block device at ``--read-ahead`` KiB (Linux's usual 128 by default; set
+through sysfs where the process may, put back at the end, the value in force printed).
 
 Per run and N: prompts of ``--pp`` tokens (different ones), ``--tg`` new tokens each (greedy, no end of
 generation: the random model's text is meaningless); aggregate tokens/s = all requests' new tokens over the wall
@@ -100,6 +102,7 @@ def main() -> int:
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--modes", default="hybrimoe,upstream")
     ap.add_argument("--ways", default="batched,one-at-a-time")
+    ap.add_argument("--read-ahead", type=int, default=128, help="read_ahead_kb of the model's disk (default 128)")
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
@@ -117,11 +120,14 @@ def main() -> int:
         return 0
     from hybrimoe.model.facts import facts_from_gguf
     from hybrimoe.policy.budget import parse_budget
+    from hybrimoe.runtime.readahead import ReadAhead
     from hybrimoe.testing.cgroup import MemoryCgroup
 
     f = facts_from_gguf(args.model)
     cg = None if args.in_ram else MemoryCgroup(int(parse_budget(args.limit, 1.0, 0.0)))
     rows = []
+    ra = ReadAhead(args.model)
+    in_force = ra.set(args.read_ahead)
     try:
         for rep in range(args.reps):
             for n in [int(x) for x in args.clients.split(",")]:
@@ -143,21 +149,25 @@ def main() -> int:
                         rows.append(row)
                         print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
+        ra.close()
         if cg:
             cg.close()
     k, e = f.top_k, f.n_experts
     print(f"model {args.model.name} ({args.model.stat().st_size / 2**30:.1f} GiB), "
           f"{'in RAM' if args.in_ram else f'memory cgroup {args.limit}'}; {args.threads} threads, CPU only; "
-          f"prompts of {args.pp} tokens, {args.tg} new tokens each; random-weight router (independent routing)")
-    print("| mode | N | way | decode t/s (aggregate) | TPOT p50 ms | TPOT p95 ms | expert reads per token (bound) |")
-    print("|---|---|---|---|---|---|---|")
+          f"prompts of {args.pp} tokens, {args.tg} new tokens each; the model's random router; read_ahead_kb "
+          f"{in_force} (found {ra.original}, put back)")
+    print("| mode | N | way | decode t/s (aggregate) | TPOT p50 ms | TPOT p95 ms | RAM hit rate | distinct experts "
+          "per token routed, independent routing (bound) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['mode']} | {r['n']} | {r['way']} | error: {r['error'].splitlines()[-1]} |")
             continue
         b = bound(r["n"], k, e) if r["way"] == "batched" else 1.0
+        hit = f"{r['ram_hit_rate']:.3f}" if "ram_hit_rate" in r else "-"
         print(f"| {r['mode']} | {r['n']} | {r['way']} | {r['decode_tps']:.2f} | {1e3 * r['tpot_p50_s']:.0f} | "
-              f"{1e3 * r['tpot_p95_s']:.0f} | {b:.2f} |")
+              f"{1e3 * r['tpot_p95_s']:.0f} | {hit} | {b:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(args.model), "rows": rows}, indent=2))
     return 0 if all("error" not in r for r in rows) else 1

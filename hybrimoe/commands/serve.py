@@ -11,14 +11,15 @@ import threading
 import time
 
 from hybrimoe import _ggml
-from hybrimoe.commands.args import PORT
+from hybrimoe.commands.args import PORT, int_in
 from hybrimoe.commands.llama_args import add_llama_arguments, load_llama, model_argument
 from hybrimoe.envs import SERVER_GRACE_S as GRACE_S
 
 HELP = "OpenAI-compatible HTTP server (llama-cpp-python's) on the hybrid engine"
 DESCRIPTION = ("OpenAI-compatible HTTP server (llama-cpp-python's routes: /v1/completions, /v1/chat/completions, "
                "/v1/embeddings, /v1/models) on hybrimoe.Llama, with the engine's figures at /moe/stats (JSON) and "
-               "/metrics (Prometheus). One request runs at a time; the others wait.")
+               "/metrics (Prometheus). One request runs at a time unless --parallel N: then up to N share each "
+               "decode (continuous batching) and the others wait.")
 PROG = "hybrimoe serve"
 ON_DEVICE_LOST = ("exit", "reload")
 #: the exit status after the model's device was lost (``--on-device-lost exit``)
@@ -45,6 +46,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-a", "--alias", default=None, metavar="NAME",
                    help="the model's name in the API (/v1/models, the requests' \"model\"; default: the file's "
                         "name without .gguf); requests naming another model get 404")
+    p.add_argument("-np", "--parallel", type=int_in(1, 256), default=1, metavar="N",
+                   help="requests decoded together, each on its own sequence of the context (continuous batching, "
+                        "llama-server's -np: every step decodes the next token of each and chunks of the prompts "
+                        "still prefilling, up to --batch-size tokens); each gets --ctx-size / N tokens of context. "
+                        "Default: 1, one request at a time")
+    p.add_argument("--max-waiting", type=int_in(0), default=16, metavar="N",
+                   help="with --parallel above 1: requests waiting for a slot at most; past that a request gets 429 "
+                        "(default: %(default)s; each waiting or running request holds one of the server's 40 worker "
+                        "threads)")
     p.add_argument("--interrupt-requests", action="store_true",
                    help="cut a running stream short when another request waits (llama-cpp-python's "
                         "interrupt_requests; default: off, every request runs to its end, one at a time)")
@@ -76,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
     (``--on-device-lost exit``)."""
     if args.api_key is not None and not args.api_key.strip():
         print(f"{PROG}: error: --api-key is empty", file=sys.stderr)
+        return 2
+    if args.parallel > 1 and (args.embedding or args.interrupt_requests):
+        flag = "--embedding" if args.embedding else "--interrupt-requests"
+        print(f"{PROG}: error: {flag} works one request at a time: it cannot go with --parallel {args.parallel}",
+              file=sys.stderr)
         return 2
     try:
         importlib.import_module("hybrimoe.server.app")  # the server's packages: FastAPI, uvicorn, sse-starlette, ...
@@ -219,8 +234,10 @@ def serve(args: argparse.Namespace) -> int:
     alias = args.alias or (model.name[:-len(".gguf")] if model.name.endswith(".gguf") else model.name)
 
     def load(settings):
+        more = dict(parallel=args.parallel, max_waiting=args.max_waiting, n_seq_max=args.parallel) \
+            if args.parallel > 1 else {}
         return load_llama(args, model, PROG, llama_class=ServedLlama, chat_format=args.chat_format,
-                          embedding=args.embedding, api_name=alias)
+                          embedding=args.embedding, api_name=alias, **more)
 
     settings = model_settings(model=str(model), model_alias=alias, chat_format=args.chat_format,
                               embedding=args.embedding, n_ctx=args.ctx_size, verbose=args.verbose)
@@ -234,15 +251,18 @@ def serve(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"{PROG}: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
             return 1
-        app = build_app(proxy, api_key=args.api_key, interrupt_requests=args.interrupt_requests)
+        app = build_app(proxy, api_key=args.api_key, interrupt_requests=args.interrupt_requests,
+                        parallel=args.parallel > 1)
         server = uvicorn.Server(uvicorn.Config(app, log_level="info" if args.verbose else "warning",
                                                timeout_graceful_shutdown=int(GRACE_S)))
         watch = DeviceWatch(args.on_device_lost, proxy, load, server)
         e = proxy.llm.moe_snapshot.get("engine")
         engine = (f"hybrid engine {e['policy']}, {e['n_slots']} GPU expert slots" if e else
                   "no hybrid engine (--moe-cache)")
-        print(f"{PROG}: {alias} ready at {_url(sock)}/v1 ({engine}; one request at a time"
-              f"{', a waiting request interrupts a stream' if args.interrupt_requests else ''})", flush=True)
+        how = (f"up to {args.parallel} requests per decode" if args.parallel > 1 else
+               "one request at a time" + (", a waiting request interrupts a stream" if args.interrupt_requests
+                                           else ""))
+        print(f"{PROG}: {alias} ready at {_url(sock)}/v1 ({engine}; {how})", flush=True)
         got = _serve_until_stopped(server, sock)
         if signal.SIGINT in got:
             return 130

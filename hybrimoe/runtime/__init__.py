@@ -11,6 +11,7 @@
 ``disk_calibration`` the disk under a model file, measured with cold reads (``hybrimoe calibrate --disk``)
 ``readahead``      the read-ahead of the block device under a model file, set and put back by the RAM benchmarks
 ``generate``       the token loop (``hybrimoe run``), the default tiny model
+``batch``          several requests in one batch per step: ``Llama.create_completions``, ``serve --parallel``
 ``decision_replay`` the engine-log replay through the simulator's rules
 ``recording``      routing recording into traces (``hybrimoe trace``)
 ``benchmark``      the measuring machinery of ``hybrimoe bench``
@@ -22,5 +23,5 @@
 from hybrimoe._lazy import lazy_submodules
 
 __getattr__ = lazy_submodules(__name__, ("llama", "params", "engine_facts", "setup", "calibration", "calibrate_model",
-                                         "disk_calibration", "readahead", "generate", "decision_replay", "recording",
-                                         "benchmark", "stats", "errors", "rpc"))
+                                         "disk_calibration", "readahead", "generate", "batch", "decision_replay",
+                                         "recording", "benchmark", "stats", "errors", "rpc"))

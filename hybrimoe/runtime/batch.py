@@ -32,7 +32,10 @@ from hybrimoe._lib import llama_cpp_module
 #: with one per prompt
 SAMPLING_DEFAULTS = dict(max_tokens=16, temperature=0.8, top_p=0.95, min_p=0.05, typical_p=1.0, stop=None,
                          frequency_penalty=0.0, presence_penalty=0.0, repeat_penalty=1.0, top_k=40, seed=None,
-                         logit_bias=None)
+                         logit_bias=None, stopping_criteria=None)
+#: the numeric keywords (checked on the caller's thread: a bad value fails its own request, not a step)
+_NUMERIC = ("temperature", "top_p", "min_p", "typical_p", "frequency_penalty", "presence_penalty", "repeat_penalty",
+            "top_k")
 
 
 @dataclass
@@ -47,6 +50,10 @@ class _Request:
     finish: Optional[str] = None
     sampler: object = None
     row: int = -1                    # its logits' row in the batch just decoded (-1: none)
+    sent: int = 0                    # characters of its text handed to its caller (BatchScheduler)
+    cancelled: bool = False
+    error: Optional[BaseException] = None
+    events: object = None            # BatchScheduler: a queue of (text delta, finish reason or None)
     logits: list = field(default_factory=list)
     times: list = field(default_factory=list)
 
@@ -61,8 +68,9 @@ class BatchGenerator:
     before and after, so ``create_completion`` afterwards starts from an empty context.
 
     Raises (``run``): ValueError for no prompts, an empty prompt, a list of per-prompt values of the wrong length,
-    an unknown keyword, or a prompt that with its ``max_tokens`` does not fit one sequence's context
-    (``llama_n_ctx_seq``); RuntimeError when a decode fails (as ``Llama.eval``).
+    an unknown keyword, or a prompt that does not fit one sequence's context (``llama_n_ctx_seq``; as
+    ``create_completion``, ``max_tokens`` is cut to what the context leaves); RuntimeError when a decode fails (as
+    ``Llama.eval``).
     """
 
     def __init__(self, llm, *, record_logits: bool = False, logit_bias: Optional[dict] = None):
@@ -81,6 +89,9 @@ class BatchGenerator:
         self.n_slots = int(self._lc.llama_n_seq_max(llm.ctx))
         self.n_ctx_seq = int(self._lc.llama_n_ctx_seq(llm.ctx))
         self.n_batch = int(llm.n_batch)
+        if self.n_slots > self.n_batch:
+            raise ValueError(f"n_seq_max {self.n_slots} is above n_batch {self.n_batch}: a step must hold one token "
+                             "of every sequence")
         #: tokens in each decode of the last run, in order (prompt chunks and generated tokens together)
         self.batch_sizes: list[int] = []
         #: sequences in each decode of the last run (at most n_slots)
@@ -112,17 +123,44 @@ class BatchGenerator:
             if not toks:
                 raise ValueError(f"prompt {i} is empty: give at least one character or token")
             params = {k: per[k][i] for k in SAMPLING_DEFAULTS}
+            self._check(i, params)
+            # as create_completion: a prompt must leave room for one token; max_tokens (none or <= 0: the rest of
+            # the context) is cut to what the sequence's context leaves
+            if len(toks) >= self.n_ctx_seq:
+                raise ValueError(f"Requested tokens ({len(toks)}) exceed context window of {self.n_ctx_seq} "
+                                 f"(prompt {i}; one sequence's share of n_ctx {self.llm.n_ctx()} over n_seq_max "
+                                 f"{self.n_slots})")
             mt = params["max_tokens"]
-            if mt is None or mt <= 0:
-                params["max_tokens"] = self.n_ctx_seq - len(toks)
-            if len(toks) + params["max_tokens"] > self.n_ctx_seq:
-                raise ValueError(f"prompt {i}: {len(toks)} tokens + max_tokens {params['max_tokens']} exceed the "
-                                 f"{self.n_ctx_seq} tokens of one sequence's context (n_ctx {self.llm.n_ctx()} over "
-                                 f"n_seq_max {self.n_slots})")
+            room = self.n_ctx_seq - len(toks)
+            params["max_tokens"] = room if mt is None or mt <= 0 else min(int(mt), room)
             stop = params["stop"]
             params["stop"] = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
             reqs.append(_Request(i, toks, params))
         return reqs
+
+    def _check(self, i: int, params: dict) -> None:
+        """Raises ValueError for a value llama.cpp's samplers cannot take (checked before the request is queued)."""
+        for k in _NUMERIC:
+            v = params[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise ValueError(f"prompt {i}: {k} must be a number, got {v!r}")
+        if params["seed"] is not None and (isinstance(params["seed"], bool) or not isinstance(params["seed"], int)):
+            raise ValueError(f"prompt {i}: seed must be an integer, got {params['seed']!r}")
+        bias = params["logit_bias"]
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"prompt {i}: logit_bias must map token ids to numbers")
+            n_vocab = self.llm.n_vocab()
+            for t, b in bias.items():
+                try:
+                    tok, val = int(t), float(b)
+                except (TypeError, ValueError):
+                    raise ValueError(f"prompt {i}: logit_bias {t!r}: {b!r} is not a token id and a number") from None
+                if not 0 <= tok < n_vocab or val != val:
+                    raise ValueError(f"prompt {i}: logit_bias names token {t!r}; this model's ids are 0..{n_vocab - 1}")
+        stop = params["stop"]
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
+            raise ValueError(f"prompt {i}: stop must be a string or a list of strings")
 
     def _sampler(self, params: dict):
         """The request's sampler chain, in llama-cpp-python's order (``Llama._init_sampler``: penalties, then greedy
@@ -164,74 +202,126 @@ class BatchGenerator:
         order, as llama-cpp-python's ``create_completion`` returns them (``text_completion`` objects with one choice
         and ``usage``). Keywords: :data:`SAMPLING_DEFAULTS`, each one value or a list of one per prompt. Raises as
         the class says."""
-        lc, llm = self._lc, self.llm
         reqs = self._requests(prompts, kw)
-        waiting = list(reqs)
-        active: list[_Request] = []
-        free = list(range(self.n_slots))
-        self.batch_sizes, self.batch_sequences = [], []
-        self._clear()
-        mem = lc.llama_get_memory(llm.ctx)
-        batch = lc.llama_batch_init(self.n_batch, 0, 1)
-        n_vocab = llm.n_vocab()
+        self.open()
         try:
-            while waiting or active:
-                while waiting and free:
-                    r = waiting.pop(0)
-                    r.slot = free.pop(0)
-                    r.sampler = self._sampler(r.params)
-                    active.append(r)
-                batch.n_tokens = 0
-
-                def put(r, tok, pos, logits):
-                    j = batch.n_tokens
-                    batch.token[j], batch.pos[j], batch.n_seq_id[j] = tok, pos, 1
-                    batch.seq_id[j][0] = r.slot
-                    batch.logits[j] = logits
-                    batch.n_tokens += 1
-                    if logits:
-                        r.row = j
-
-                for r in active:  # generated tokens first: one each
-                    r.row = -1
-                    if r.fed == len(r.prompt) and r.out:
-                        put(r, r.out[-1], len(r.prompt) + len(r.out) - 1, True)
-                for r in active:  # then prompt chunks, in admission order
-                    room = self.n_batch - batch.n_tokens
-                    if r.fed < len(r.prompt) and room > 0:
-                        take = min(room, len(r.prompt) - r.fed)
-                        for i in range(take):
-                            put(r, r.prompt[r.fed + i], r.fed + i, r.fed + i == len(r.prompt) - 1)
-                        r.fed += take
-                self.batch_sizes.append(int(batch.n_tokens))
-                self.batch_sequences.append(len({int(batch.seq_id[j][0]) for j in range(batch.n_tokens)}))
-                llm._decode_batch(batch)
-                for r in list(active):
-                    if r.row < 0:
-                        continue
-                    if self.record_logits:
-                        row = lc.llama_get_logits_ith(llm.ctx, r.row)
-                        r.logits.append(np.ctypeslib.as_array(row, shape=(n_vocab,)).copy())
-                    tok = int(r.sampler.sample(llm._ctx, r.row))
-                    r.times.append(time.perf_counter())
-                    self._advance(r, tok)
-                    if r.finish is not None:
-                        lc.llama_memory_seq_rm(mem, r.slot, -1, -1)  # its cells, at once
-                        r.sampler.close()
-                        r.sampler = None
-                        free.append(r.slot)
-                        free.sort()
-                        active.remove(r)
+            self.waiting.extend(reqs)
+            while self.waiting or self.active:
+                self.step()
+                if self.failed:
+                    raise self.failed[0].error
         finally:
-            lc.llama_batch_free(batch)
-            for r in active:
-                if r.sampler is not None:
-                    r.sampler.close()
-            self._clear()
+            self.close()
         self.tokens = [list(r.out) for r in reqs]
         self.logits = [r.logits for r in reqs]
         self.token_times = [r.times for r in reqs]
-        return [self._completion(r) for r in reqs]
+        return [self.completion(r) for r in reqs]
+
+    # ---- the stepping, for run() and for a server's scheduler (BatchScheduler) --------------------------------
+
+    def open(self) -> None:
+        """Starts a session of steps: an empty context (and prompt cache), every slot free."""
+        lc = self._lc
+        self.waiting: list[_Request] = []
+        self.active: list[_Request] = []
+        self.failed: list[_Request] = []
+        self.free = list(range(self.n_slots))
+        self.batch_sizes, self.batch_sequences = [], []
+        self._clear()
+        self._mem = lc.llama_get_memory(self.llm.ctx)
+        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+
+    def close(self) -> None:
+        """Ends the session: the batch freed, the samplers of unfinished requests closed, the context emptied."""
+        if getattr(self, "_batch", None) is not None:
+            self._lc.llama_batch_free(self._batch)
+            self._batch = None
+        for r in self.active:
+            if r.sampler is not None:
+                r.sampler.close()
+                r.sampler = None
+        self._clear()
+
+    def drop(self, r: _Request, why: str) -> None:
+        """Takes ``r`` out (finished, or its client gone: ``why`` becomes its finish reason unless it has one):
+        its KV cells are removed at once and its slot is free for the next request."""
+        if r in self.waiting:
+            self.waiting.remove(r)
+        if r.finish is None:
+            r.finish = why
+        if r in self.active:
+            self._lc.llama_memory_seq_rm(self._mem, r.slot, -1, -1)
+            if r.sampler is not None:
+                r.sampler.close()
+                r.sampler = None
+            self.free.append(r.slot)
+            self.free.sort()
+            self.active.remove(r)
+
+    def step(self) -> list[_Request]:
+        """One decode: admits waiting requests to free slots, then decodes the next token of each generating request
+        and prompt chunks of the prefilling ones (up to ``n_batch`` tokens), samples, and drops the requests that
+        finished. Returns the requests that got a token. Raises RuntimeError when the decode failed (the requests
+        stay: the caller drops them)."""
+        lc, llm, batch = self._lc, self.llm, self._batch
+        self.failed: list[_Request] = []
+        while self.waiting and self.free:
+            r = self.waiting.pop(0)
+            try:
+                r.sampler = self._sampler(r.params)
+            except Exception as e:  # its own failure: the others go on
+                r.error, r.finish = e, "error"
+                self.failed.append(r)
+                continue
+            r.slot = self.free.pop(0)
+            self.active.append(r)
+        if not self.active:
+            return []
+        batch.n_tokens = 0
+
+        def put(r, tok, pos, logits):
+            j = batch.n_tokens
+            batch.token[j], batch.pos[j], batch.n_seq_id[j] = tok, pos, 1
+            batch.seq_id[j][0] = r.slot
+            batch.logits[j] = logits
+            batch.n_tokens += 1
+            if logits:
+                r.row = j
+
+        for r in self.active:  # generated tokens first: one each
+            r.row = -1
+            if r.fed == len(r.prompt) and r.out:
+                put(r, r.out[-1], len(r.prompt) + len(r.out) - 1, True)
+        for r in self.active:  # then prompt chunks, in admission order
+            room = self.n_batch - batch.n_tokens
+            if r.fed < len(r.prompt) and room > 0:
+                take = min(room, len(r.prompt) - r.fed)
+                for i in range(take):
+                    put(r, r.prompt[r.fed + i], r.fed + i, r.fed + i == len(r.prompt) - 1)
+                r.fed += take
+        self.batch_sizes.append(int(batch.n_tokens))
+        self.batch_sequences.append(len({int(batch.seq_id[j][0]) for j in range(batch.n_tokens)}))
+        llm._decode_batch(batch)
+        got = []
+        for r in list(self.active):
+            if r.row < 0:
+                continue
+            if self.record_logits:
+                row = lc.llama_get_logits_ith(llm.ctx, r.row)
+                r.logits.append(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy())
+            tok = int(r.sampler.sample(llm._ctx, r.row))
+            r.times.append(time.perf_counter())
+            self._advance(r, tok)
+            crit = r.params["stopping_criteria"]
+            if r.finish is None and crit is not None:
+                # llama-cpp-python's StoppingCriteriaList: (the sequence's ids, the logits the token came from)
+                row = np.ctypeslib.as_array(lc.llama_get_logits_ith(llm.ctx, r.row), shape=(llm.n_vocab(),))
+                if crit(np.asarray(r.prompt + r.out, dtype=np.intc), row):
+                    r.finish = "stop"
+            got.append(r)
+            if r.finish is not None:
+                self.drop(r, r.finish)
+        return got
 
     def _advance(self, r: _Request, tok: int) -> None:
         lc, llm = self._lc, self.llm
@@ -248,13 +338,192 @@ class BatchGenerator:
         elif len(r.out) >= r.params["max_tokens"]:
             r.finish = "length"
 
-    def _completion(self, r: _Request) -> dict:
+    def completion(self, r: _Request, model: Optional[str] = None) -> dict:
+        """``r``'s result as llama-cpp-python's ``create_completion`` returns it (``model``: the name to give, else
+        the model's path)."""
         return {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
-                "model": self.llm.model_path,
+                "model": model or self.llm.model_path,
                 "choices": [{"text": r.text.decode("utf-8", errors="ignore"), "index": 0, "logprobs": None,
                              "finish_reason": r.finish}],
                 "usage": {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.out),
                           "total_tokens": len(r.prompt) + len(r.out)}}
+
+
+class QueueFull(RuntimeError):
+    """A request found the scheduler's queue full (``BatchScheduler(max_waiting=...)``)."""
+
+
+class BatchScheduler:
+    """Continuous batching for concurrent callers (``hybrimoe serve --parallel N``): a thread of its own runs
+    :meth:`BatchGenerator.step` while requests are active, and callers on any thread :meth:`submit` requests and
+    read them as text deltas (:meth:`stream`) or whole (:meth:`result`). A request joins at the next step and leaves
+    when it finishes or its caller :meth:`cancel` s it (its KV cells freed at once).
+
+    ``lock``: held around every step (the served model's decode lock: a shutdown waits for the step); ``on_step``:
+    called after every step with the generator (statistics); ``on_change``: called with no argument when requests
+    left without a step (cancelled); ``max_waiting``: requests waiting for a slot at most
+    (None: no bound), past which :meth:`submit` raises :class:`QueueFull`. The model's single-sequence methods must
+    not decode while the scheduler runs (it owns every sequence of the context).
+    """
+
+    def __init__(self, llm, *, lock=None, on_step=None, on_change=None, max_waiting: Optional[int] = None):
+        import collections
+        import threading
+
+        self.gen = BatchGenerator(llm)
+        self.max_waiting = max_waiting
+        self._lock = lock if lock is not None else threading.Lock()
+        self._on_step = on_step
+        self._on_change = on_change
+        self._cv = threading.Condition()
+        self._incoming: list[_Request] = []
+        self._stopping = False
+        #: steps run, tokens decoded, and how many steps held each number of sequences
+        self.steps = 0
+        self.tokens_decoded = 0
+        self.sequences_per_step: "collections.Counter[int]" = collections.Counter()
+        self.gen.open()
+        self._thread = threading.Thread(target=self._loop, name="hybrimoe-batch", daemon=True)
+        self._thread.start()
+
+    @property
+    def n_slots(self) -> int:
+        return self.gen.n_slots
+
+    def state(self) -> dict:
+        """Slots and queue now: ``slots`` (n_seq_max), ``active`` (requests holding a slot), ``waiting``, ``steps``,
+        ``tokens_decoded``, ``sequences_per_step`` ({sequences: steps})."""
+        with self._cv:
+            waiting = len(self._incoming) + len(self.gen.waiting)
+        return {"slots": self.gen.n_slots, "active": len(self.gen.active), "waiting": waiting, "steps": self.steps,
+                "tokens_decoded": self.tokens_decoded,
+                "sequences_per_step": dict(sorted(self.sequences_per_step.items()))}
+
+    def submit(self, prompt, **kw) -> _Request:
+        """Queues one request (``prompt``: a string or token list; keywords as :meth:`BatchGenerator.run`'s, one
+        value each). Raises ValueError as ``run`` does, :class:`QueueFull` past ``max_waiting``, RuntimeError once
+        closed."""
+        import queue
+
+        r = self.gen._requests([prompt], kw)[0]
+        r.events = queue.Queue()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the batch scheduler is closed")
+            waiting = len(self._incoming) + len(self.gen.waiting)
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise QueueFull(f"{waiting} requests already wait for one of the {self.gen.n_slots} slots")
+            self._incoming.append(r)
+            self._cv.notify()
+        return r
+
+    def cancel(self, r: _Request) -> None:
+        """Drops ``r`` at the next step (its caller went away): its slot and KV cells are freed."""
+        with self._cv:
+            r.cancelled = True
+            self._cv.notify()
+
+    def stream(self, r: _Request):
+        """``r``'s text as it is generated: yields ``(text delta, finish reason or None)``; the last item has the
+        finish reason. Raises the step's error if the decode failed. Closing the generator early cancels ``r``."""
+        done = False
+        try:
+            while True:
+                item = r.events.get()
+                if item is None:
+                    done = True
+                    if r.error is not None:
+                        raise r.error
+                    return
+                yield item
+        finally:
+            if not done:
+                self.cancel(r)
+
+    def result(self, r: _Request, model: Optional[str] = None) -> dict:
+        """``r``'s completion once it finished (as ``create_completion`` returns it)."""
+        for _ in self.stream(r):
+            pass
+        return self.gen.completion(r, model)
+
+    def close(self, timeout_s: Optional[float] = None) -> None:
+        """Stops the thread after its step; requests not finished end with an error."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout_s)
+
+    def _deliver(self, r: _Request) -> None:
+        text = r.text.decode("utf-8", errors="ignore")
+        # text that could still be the start of a stop string is held back until it is not (or the request ends)
+        hold = 0 if r.finish is not None else max((len(x) - 1 for x in r.params["stop"] if x), default=0)
+        delta = text[r.sent:max(r.sent, len(text) - hold)]
+        r.sent += len(delta)
+        if delta:
+            r.events.put((delta, None))
+        if r.finish is not None:  # the finish on its own, as llama-cpp-python's streams end (an empty text)
+            r.events.put(("", r.finish))
+            r.events.put(None)
+
+    def _fail(self, r: _Request, e: BaseException) -> None:
+        r.error = e
+        self.gen.drop(r, "error")
+        r.events.put(None)
+
+    def _loop(self) -> None:
+        gen = self.gen
+        while True:
+            with self._cv:
+                while not (self._stopping or self._incoming or gen.waiting or gen.active):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+            try:
+                with self._lock:  # what arrived while the last step ran (or while this waited) joins this one
+                    with self._cv:
+                        gen.waiting.extend(self._incoming)
+                        self._incoming.clear()
+                        gone = [r for r in gen.waiting + gen.active if r.cancelled]
+                    for r in gone:
+                        gen.drop(r, "cancelled")
+                        r.events.put(None)
+                    if gone and self._on_change is not None:
+                        self._on_change()
+                    if not (gen.waiting or gen.active):
+                        continue
+                    try:
+                        got = gen.step()
+                    except Exception as e:  # the decode failed: every request in it fails with the error
+                        for r in list(gen.active):
+                            self._fail(r, e)
+                        if self._on_change is not None:
+                            self._on_change()
+                        continue
+                for r in gen.failed:
+                    r.events.put(None)
+                self.steps += 1
+                self.tokens_decoded += gen.batch_sizes[-1] if gen.batch_sizes else 0
+                self.sequences_per_step[gen.batch_sequences[-1] if gen.batch_sequences else 0] += 1
+                if len(gen.batch_sizes) > 4096:  # a long-running server keeps the recent steps only
+                    del gen.batch_sizes[:2048], gen.batch_sequences[:2048]
+                if self._on_step is not None:  # published before the callers hear: what they read next is current
+                    self._on_step(gen)
+                for r in got:
+                    self._deliver(r)
+            except Exception as e:  # a bug here must not leave callers waiting forever
+                for r in list(gen.active) + list(gen.waiting):
+                    self._fail(r, e)
+        with self._cv:
+            left = self._incoming + gen.waiting + gen.active
+            self._incoming.clear()
+        for r in left:
+            self._fail(r, RuntimeError("the server is shutting down"))
+        with self._lock:
+            gen.close()
+
+    def alive(self) -> bool:
+        """Whether the scheduler's thread still runs (after :meth:`close`: a step outlasted the wait)."""
+        return self._thread.is_alive()
 
 
 def create_completions(llm, prompts: Sequence[Union[str, list]], **kw) -> list[dict]:

@@ -429,8 +429,9 @@ class Llama(llama_cpp.Llama):
         order. The prompt cache of ``create_completion`` is cleared before and after.
 
         Raises:
-            ValueError: no prompts, an empty prompt, a list of values of the wrong length, an unknown keyword, or
-                a prompt with its ``max_tokens`` longer than one sequence's context.
+            ValueError: no prompts, an empty prompt, a list of values of the wrong length, an unknown keyword, a
+                value the samplers cannot take, or a prompt longer than one sequence's context (``max_tokens`` is
+                cut to what that context leaves, as ``create_completion`` cuts it).
             RuntimeError: a failed decode (as ``eval``).
         """
         from hybrimoe.runtime.batch import BatchGenerator

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from hybrimoe._version import __version__
 from hybrimoe.server.errors import APIError, api_error, device_lost_error
 from hybrimoe.server.metrics import json_default, metrics_text, stats_json
-from hybrimoe.server.model import HybrimoeProxy
+from hybrimoe.server.model import REQUEST_HANDLES, HybrimoeProxy, cancel_unfinished
 
 
 class _HeldStartResponse(Response):
@@ -59,6 +59,8 @@ class _HeldStartResponse(Response):
                 ended = True
             await send(message)
 
+        handles: list = []  # the batched requests this stream started (--parallel): cancelled if unfinished at its end
+        token = REQUEST_HANDLES.set(handles)
         try:
             await self.inner(scope, receive, send_once_content)
         except Exception as e:  # every failure becomes the error object, never a traceback
@@ -69,6 +71,9 @@ class _HeldStartResponse(Response):
                 event = b"data: " + json.dumps(err.body()).encode() + b"\n\n"
                 await send({"type": "http.response.body", "body": event, "more_body": False})
             return
+        finally:
+            REQUEST_HANDLES.reset(token)
+            cancel_unfinished(handles)
         for m in held:  # a stream that ended without content (its client left while it waited)
             await send(m)
 
@@ -166,20 +171,32 @@ def _openai_router() -> APIRouter:
     return router
 
 
-def build_app(proxy: HybrimoeProxy, *, api_key: str | None = None, interrupt_requests: bool = False) -> FastAPI:
+async def _unlocked_proxy():
+    """llama-cpp-python's ``get_llama_proxy`` without its model lock: with ``--parallel`` above 1 the served model
+    takes concurrent requests (its batch scheduler orders the decodes)."""
+    yield lcp_app._llama_proxy
+
+
+def build_app(proxy: HybrimoeProxy, *, api_key: str | None = None, interrupt_requests: bool = False,
+              parallel: bool = False) -> FastAPI:
     """The FastAPI app: llama-cpp-python's routes over ``proxy`` (:func:`_openai_router`), ``/moe/stats``,
     ``/metrics``, ``/health``, CORS open to every origin (as llama-cpp-python's ``create_app``: browser front
     ends), and OpenAI error objects for every error (:func:`api_error`).
 
     llama-cpp-python's routes reach their settings and model through its module's globals
     (``get_server_settings``, ``get_llama_proxy``): this sets both (``set_server_settings``; ``_llama_proxy``,
-    which its ``set_llama_proxy`` would fill with a proxy of its own loader). So one app per process.
+    which its ``set_llama_proxy`` would fill with a proxy of its own loader). So one app per process. ``parallel``:
+    the model serves concurrent requests (``--parallel``): the completion routes do not take llama-cpp-python's
+    model lock (its routes name ``get_llama_proxy`` at call time, so the module's function is replaced).
     """
     # model_construct: exactly these values; the settings classes (pydantic BaseSettings) would otherwise also read
     # HOST, PORT, API_KEY, INTERRUPT_REQUESTS... from the environment
     lcp_app.set_server_settings(ServerSettings.model_construct(api_key=api_key,
                                                                interrupt_requests=bool(interrupt_requests)))
     lcp_app._llama_proxy = proxy
+    if not hasattr(lcp_app, "_locked_get_llama_proxy"):
+        lcp_app._locked_get_llama_proxy = lcp_app.get_llama_proxy
+    lcp_app.get_llama_proxy = _unlocked_proxy if parallel else lcp_app._locked_get_llama_proxy
     app = FastAPI(title="hybrimoe serve", version=__version__)
     app.state.hybrimoe = AppState(proxy, api_key)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"],

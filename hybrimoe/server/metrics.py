@@ -10,10 +10,14 @@ import llama_cpp.server.app as lcp_app
 
 def stats_json(state) -> dict:
     """``GET /moe/stats`` for ``state`` (:class:`hybrimoe.server.app.AppState`): ``model`` (its name), ``model_busy`` (a
-    request holds the model lock now: read without
-    taking it), then :attr:`ServedLlama.moe_snapshot` (the figures as of the last decode)."""
-    return {"object": "moe.stats", "model": state.proxy.alias, "model_busy": lcp_app.llama_inner_lock.locked(),
-            **state.proxy.llm.moe_snapshot}
+    request holds the model lock now, read without taking it; with ``--parallel`` above 1, a request holds a slot),
+    then :attr:`ServedLlama.moe_snapshot` (the figures as of the last decode; ``parallel``: the slots, None without
+    ``--parallel``)."""
+    snap = state.proxy.llm.moe_snapshot
+    par = snap.get("parallel")
+    # with --parallel the model lock is not taken: busy while a request holds a slot
+    busy = par["active"] > 0 if par else lcp_app.llama_inner_lock.locked()
+    return {"object": "moe.stats", "model": state.proxy.alias, "model_busy": busy, **snap}
 
 
 def _label(value: str) -> str:
@@ -23,6 +27,9 @@ def _label(value: str) -> str:
 
 def metrics_text(state) -> str:
     """``GET /metrics``: the snapshot's figures in Prometheus' text format (0.0.4), labelled with the model.
+
+    With ``--parallel`` above 1 also the slots, the slots busy, the requests waiting and the batched decodes by how
+    many requests each carried (``sequences="<n>"``).
 
     Counters (``_total``, since the server started): decodes, tokens decoded, cache accesses / hits / misses /
     evictions, experts run per side (``side="cpu"|"gpu"``, distinct experts per layer and ubatch), H2D bytes per
@@ -47,6 +54,13 @@ def metrics_text(state) -> str:
            [("", snap["decodes"])])
     metric("tokens_decoded_total", "counter", "Tokens decoded (prompt and generated).", [("", snap["tokens_decoded"])])
     metric("model_busy", "gauge", "1 while a request holds the model.", [("", 1 if snap["model_busy"] else 0)])
+    par = snap.get("parallel")
+    if par:
+        metric("slots", "gauge", "Sequences decoded together at most (--parallel).", [("", par["slots"])])
+        metric("slots_busy", "gauge", "Requests holding a slot (prefilling or generating).", [("", par["active"])])
+        metric("requests_waiting", "gauge", "Requests waiting for a slot.", [("", par["waiting"])])
+        metric("batch_steps_total", "counter", "Batched decodes, by how many requests each carried.",
+               [(f',sequences="{k}"', v) for k, v in par["sequences_per_step"].items()])
     e = snap.get("engine")
     if e:
         c = e["cache"]

@@ -2,13 +2,16 @@
 do not hold the model lock) and :class:`HybrimoeProxy` (llama-cpp-python's ``LlamaProxy`` over it)."""
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
+import uuid
 
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings
 
 from hybrimoe.envs import SERVER_GRACE_S
+from hybrimoe.runtime.batch import SAMPLING_DEFAULTS, BatchScheduler, QueueFull
 from hybrimoe.runtime.errors import DeviceLostError
 from hybrimoe.runtime.llama import Llama
 from hybrimoe.server.errors import APIError
@@ -17,11 +20,34 @@ from hybrimoe.server.errors import APIError
 GRACE_S = SERVER_GRACE_S
 
 
+#: create_completion's keywords the batch scheduler does not take, with the values that ask nothing of it (their
+#: defaults, or what llama-cpp-python's chat handlers pass when a request leaves them out)
+_PARALLEL_NEUTRAL = {"suffix": (None, ""), "logprobs": (None, False, 0), "echo": (False, None), "tfs_z": (1.0, None),
+                     "mirostat_mode": (0, None), "mirostat_tau": None, "mirostat_eta": None,
+                     "logits_processor": (None,), "grammar": (None,)}
+
+
+#: the batched requests an HTTP response started, as (scheduler, request): the app sets a list per response
+#: (contextvars reach the worker thread that runs create_completion) and cancels what is unfinished when the response
+#: ends, its client gone included: a stream's iterator is not closed when its client leaves
+REQUEST_HANDLES: "contextvars.ContextVar[list | None]" = contextvars.ContextVar("hybrimoe_request_handles",
+                                                                                 default=None)
+
+
+def cancel_unfinished(handles: list) -> None:
+    """Cancels the requests of ``handles`` (:data:`REQUEST_HANDLES`' list) that have not finished."""
+    for sched, r in handles:
+        if r.finish is None:
+            sched.cancel(r)
+
+
 def _snapshot_of(llm: "ServedLlama", decodes: int, tokens: int) -> dict:
     stats = llm.moe_stats()
+    sched = getattr(llm, "_scheduler", None)
     return {"decodes": decodes, "tokens_decoded": tokens, "updated_unix_s": time.time(),
             "engine": stats.get("engine"),
-            "hook": {k: v for k, v in stats.items() if k != "engine"} or None}
+            "hook": {k: v for k, v in stats.items() if k != "engine"} or None,
+            "parallel": sched.state() if sched is not None else None}
 
 
 class ServedLlama(Llama):
@@ -39,11 +65,18 @@ class ServedLlama(Llama):
     and calls ``on_device_lost(error)`` once; every later decode raises the same error without touching the device.
     Responses name the model ``api_name`` (the alias of ``/v1/models``) when a request names none.
 
+    With ``parallel`` > 1 (``hybrimoe serve --parallel N``; the context must hold N sequences, ``n_seq_max``) its
+    completions go through a :class:`hybrimoe.runtime.batch.BatchScheduler`: concurrent requests share one decode
+    per step (continuous batching), each on its own sequence; ``max_waiting`` bounds the requests waiting for a slot
+    (past it: :class:`APIError` 429). A request asking for what the scheduler does not do (a grammar, logprobs,
+    echo, a suffix, mirostat, a logits processor such as ``min_tokens``) is refused with ValueError (400).
+
     Args: ``api_name``: the model's name in the API; the rest as :class:`hybrimoe.Llama`, with the same errors; after
     :meth:`close_when_idle`, ``eval`` raises RuntimeError.
     """
 
-    def __init__(self, *args, api_name: str | None = None, **kwargs):
+    def __init__(self, *args, api_name: str | None = None, parallel: int = 1, max_waiting: int | None = None,
+                 **kwargs):
         self.api_name = api_name
         #: why the model cannot compute any more ("" while it can): its device is gone
         self.lost = ""
@@ -56,7 +89,11 @@ class ServedLlama(Llama):
         self._decodes = 0
         self._tokens = 0
         self._snapshot: dict = {}
+        self._scheduler = None
         super().__init__(*args, **kwargs)
+        if parallel > 1:
+            self._scheduler = BatchScheduler(self, lock=self._decode_lock, on_step=self._stepped,
+                                             on_change=self._publish, max_waiting=max_waiting)
         self._snapshot = _snapshot_of(self, 0, 0)
         self._serving = True
 
@@ -84,6 +121,21 @@ class ServedLlama(Llama):
             self.lost = "; ".join(e.devices)
             if self.on_device_lost is not None:
                 self.on_device_lost(e)
+
+    def _stepped(self, gen) -> None:
+        # the scheduler's thread, after each batched decode
+        self._decodes += 1
+        self._tokens += gen.batch_sizes[-1] if gen.batch_sizes else 0
+        self._publish()
+
+    def _decode_batch(self, batch) -> None:
+        # the scheduler's steps (it holds the decode lock around each)
+        self._check_can_decode()
+        try:
+            super()._decode_batch(batch)
+        except DeviceLostError as e:
+            self._device_lost(e)
+            raise
 
     def eval(self, tokens, **kwargs):
         with self._decode_lock:
@@ -113,7 +165,44 @@ class ServedLlama(Llama):
 
     def create_completion(self, prompt, *args, model: str | None = None, **kwargs):
         # a request without "model": the response names the model as /v1/models does, not by its file
-        return super().create_completion(prompt, *args, model=model or self.api_name, **kwargs)
+        if self._scheduler is None:
+            return super().create_completion(prompt, *args, model=model or self.api_name, **kwargs)
+        if args:
+            raise TypeError("create_completion takes its options by keyword with --parallel")
+        self._check_can_decode()
+        stream = bool(kwargs.pop("stream", False))
+        asked = [k for k, v in kwargs.items() if k not in SAMPLING_DEFAULTS and
+                 _PARALLEL_NEUTRAL.get(k, ()) is not None and v not in _PARALLEL_NEUTRAL.get(k, ())]
+        if asked:
+            raise ValueError(f"{', '.join(sorted(asked))}: not served with --parallel above 1 (each request's own "
+                             "sampling, stop strings, penalties, seed and logit_bias are); start the server with "
+                             "--parallel 1 for these")
+        kw = {k: v for k, v in kwargs.items() if k in SAMPLING_DEFAULTS}
+        if kw.get("stop") == []:
+            kw["stop"] = None
+        try:
+            r = self._scheduler.submit(prompt, **kw)
+        except QueueFull as e:
+            raise APIError(429, f"too many requests: {e}; try again later", code="too_many_requests") from e
+        handles = REQUEST_HANDLES.get()
+        if handles is not None:
+            handles.append((self._scheduler, r))
+        name = model or self.api_name
+        if not stream:
+            return self._scheduler.result(r, name)
+        return self._chunks(r, name)
+
+    def _chunks(self, r, name):
+        # llama-cpp-python's streamed completion chunks; closing this generator early (the client left) cancels r
+        cid, created = f"cmpl-{uuid.uuid4()}", int(time.time())
+        for delta, finish in self._scheduler.stream(r):
+            yield {"id": cid, "object": "text_completion", "created": created, "model": name,
+                   "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": finish}]}
+
+    @property
+    def parallel(self) -> int:
+        """Sequences decoded together (``--parallel``; 1: one request at a time)."""
+        return self._scheduler.n_slots if self._scheduler is not None else 1
 
     def create_embedding(self, input, model: str | None = None, **kwargs):
         return super().create_embedding(input, model=model or self.api_name, **kwargs)
@@ -122,6 +211,10 @@ class ServedLlama(Llama):
         """Refuses further decodes, waits up to ``timeout_s`` seconds for a running one, then closes the model.
         Returns False (the model left open) when a decode still runs after the wait."""
         self._closing = True
+        if self._scheduler is not None:
+            self._scheduler.close(timeout_s)
+            if self._scheduler.alive():  # a step still runs: the context stays
+                return False
         if not self._decode_lock.acquire(timeout=timeout_s):
             return False
         try:

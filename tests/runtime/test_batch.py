@@ -152,7 +152,10 @@ def test_sampling_per_prompt_is_seeded_and_stop_strings_cut(tiny_model):
     (["ok", ""], {}, "prompt 1 is empty"),
     (["a", "b"], {"max_tokens": [1, 2, 3]}, "3 values for 2 prompts"),
     (["a"], {"grammar": "root ::= [a]"}, "unknown keyword"),
-    (["a"], {"max_tokens": 10_000}, "exceed the"),
+    ([list(range(5, 300))], {}, "exceed context window of 256"),
+    (["a"], {"logit_bias": {"abc": 1.0}}, "not a token id"),
+    (["a"], {"logit_bias": {10**9: 1.0}}, "this model's ids are"),
+    (["a"], {"presence_penalty": None}, "must be a number"),
 ])
 def test_bad_batches_are_refused(tiny_model, prompts, kw, msg):
     from hybrimoe import Llama
@@ -162,5 +165,89 @@ def test_bad_batches_are_refused(tiny_model, prompts, kw, msg):
         with pytest.raises(ValueError, match=msg):
             llm.create_completions(prompts, **kw)
         assert llm.create_completions(["still works"], max_tokens=2, temperature=0.0)[0]["usage"]["total_tokens"] > 0
+    finally:
+        llm.close()
+
+
+def _eog(llm):
+    from hybrimoe._lib import llama_cpp_module
+
+    lc = llama_cpp_module().llama_cpp
+    return {t: -1e9 for t in range(llm.n_vocab()) if lc.llama_vocab_is_eog(llm._model.vocab, t)}
+
+
+def test_scheduler_requests_that_arrive_together_equal_a_batch_run(tiny_model):
+    """Requests submitted from several threads while a step runs join at the next step; submitted together they
+    are one batch run's requests: the same tokens as BatchGenerator.run of the same prompts."""
+    import threading
+
+    from hybrimoe import Llama
+    from hybrimoe.runtime.batch import BatchGenerator, BatchScheduler
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), n_seq_max=4, **_common())
+    try:
+        prompts = _prompts(llm, 4)
+        want = BatchGenerator(llm, logit_bias=_eog(llm))
+        want.run(prompts, max_tokens=5, temperature=0.0)
+        lock = threading.Lock()
+        sched = BatchScheduler(llm, lock=lock)
+        try:
+            with lock:  # the scheduler waits at its first step until all four are in
+                reqs = [sched.submit(p, max_tokens=5, temperature=0.0, logit_bias=_eog(llm)) for p in prompts]
+            outs = [None] * 4
+
+            def read(i):
+                outs[i] = sched.result(reqs[i])
+
+            threads = [threading.Thread(target=read, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert [r.out for r in reqs] == want.tokens
+            assert all(o["usage"]["completion_tokens"] == 5 for o in outs)
+            assert sched.state()["active"] == 0 and sched.state()["sequences_per_step"].get(4, 0) >= 1
+        finally:
+            sched.close(30)
+    finally:
+        llm.close()
+
+
+def test_scheduler_queue_limit_and_a_caller_that_leaves(tiny_model):
+    import threading
+    import time
+
+    from hybrimoe import Llama
+    from hybrimoe.runtime.batch import BatchScheduler, QueueFull
+
+    llm = Llama(str(tiny_model("qwen3moe", "Q8_0")), n_seq_max=2, **_common())
+    try:
+        lock = threading.Lock()
+        sched = BatchScheduler(llm, lock=lock, max_waiting=3)
+        try:
+            with lock:
+                long = sched.submit("Once upon a time", max_tokens=200, temperature=0.0, logit_bias=_eog(llm))
+                others = [sched.submit("Hello", max_tokens=2, temperature=0.0) for _ in range(2)]
+                with pytest.raises(QueueFull, match="3 requests already wait"):
+                    sched.submit("one too many", max_tokens=2)
+            it = sched.stream(long)
+            delta, finish = next(it)
+            assert finish is None
+            it.close()  # the caller leaves: its slot and cells are freed at the next step
+            for r in others:
+                assert sched.result(r)["usage"]["completion_tokens"] >= 1
+            deadline = time.monotonic() + 30
+            while sched.state()["active"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sched.state()["active"] == 0
+            assert long.finish == "cancelled" and len(long.out) < 200
+            # a full-length request afterwards gets the whole sequence's context
+            r = sched.submit(list(range(5, 5 + 250)), max_tokens=6, temperature=0.0, logit_bias=_eog(llm))
+            assert sched.result(r)["usage"]["completion_tokens"] == 6
+        finally:
+            sched.close(30)
+        with pytest.raises(RuntimeError, match="closed"):
+            sched.submit("late")
     finally:
         llm.close()

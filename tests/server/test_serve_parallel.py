@@ -1,0 +1,229 @@
+"""``hybrimoe serve --parallel 4``: concurrent requests share each decode (continuous batching).
+
+A real server process on 127.0.0.1 serving a tiny qwen3moe model over the RAM tier, CPU only. Oracle for a request
+that runs alone: ``Llama.create_completions`` in-process with the server's settings (the same batches: the prompt in
+one decode, then one token per decode). Requests that overlap are batched with others, and batched kernels round
+differently from single ones (upstream's llama-server gives other greedy texts at ``-np 8`` than at ``-np 1``), so
+for those the checks are the protocol's and the scheduler's: every answer whole, batches of several sequences run,
+slots freed.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+import pytest
+
+from hybrimoe.testing.processes import start_serve
+
+N_CTX = 1024
+PARALLEL = 4
+GREEDY = {"temperature": 0.0, "repeat_penalty": 1.0}
+PROMPTS = ["Once upon a time", "The quick brown fox", "In the beginning the", "Hello world, this is",
+           "Boats have names", "Every morning the robot", "The harbour was quiet", "Numbers go up"]
+
+
+def _post(port, path, body, timeout=120):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def _stats(port) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/moe/stats")
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("qwen3moe", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    sp = start_serve(["-m", str(model), "--moe-ram-cache", "50%", "-c", str(N_CTX), "-t", "2", "-b", "64",
+                      "--parallel", str(PARALLEL), "--max-waiting", "16", "--alias", "tiny"],
+                     tmp_path_factory.mktemp("serve-parallel"), startup_s=180)
+    try:
+        assert any(f"up to {PARALLEL} requests per decode" in line for line in sp.out), sp.log()
+        yield sp
+    finally:
+        sp.stop()
+
+
+@pytest.fixture(scope="module")
+def text_of(model):
+    """A prompt of words whose tokens (BOS included) number at most ``n`` and at least ``n - 3``."""
+    from hybrimoe import Llama
+
+    llm = Llama(str(model), verbose=False)
+    memo = {}
+
+    def make(n: int) -> str:
+        if n not in memo:
+            words = []
+            while len(llm.tokenize(" ".join(words + ["boat"]).encode(), add_bos=True, special=True)) <= n:
+                words.append("boat")
+            memo[n] = " ".join(words)
+        return memo[n]
+
+    yield make
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def eog(model):
+    from hybrimoe import Llama
+    from hybrimoe._lib import llama_cpp_module
+
+    lc = llama_cpp_module().llama_cpp
+    llm = Llama(str(model), verbose=False)
+    try:
+        return {str(t): -100.0 for t in range(llm.n_vocab()) if lc.llama_vocab_is_eog(llm._model.vocab, t)}
+    finally:
+        llm.close()
+
+
+def test_a_request_alone_equals_the_batch_api(server, model):
+    from hybrimoe import Llama
+
+    llm = Llama(str(model), moe_ram_cache="50%", n_ctx=N_CTX, n_batch=64, n_threads=2, n_threads_batch=2,
+                n_seq_max=PARALLEL, verbose=False)
+    try:
+        want = [llm.create_completions([p], max_tokens=8, **GREEDY)[0] for p in PROMPTS[:2]]
+    finally:
+        llm.close()
+    for p, w in zip(PROMPTS[:2], want):
+        status, got = _post(server.port, "/v1/completions", {"prompt": p, "max_tokens": 8, **GREEDY})
+        assert status == 200, got
+        assert got["choices"][0]["text"] == w["choices"][0]["text"]
+        assert got["usage"] == w["usage"] and got["model"] == "tiny"
+
+
+def test_eight_clients_at_once_share_decodes_and_each_gets_its_answer(server, eog):
+    before = _stats(server.port)["parallel"]
+    results = [None] * len(PROMPTS)
+
+    def one(i):
+        results[i] = _post(server.port, "/v1/completions",
+                           {"prompt": PROMPTS[i], "max_tokens": 48, "logit_bias": eog, **GREEDY})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    for status, body in results:
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 48
+        assert body["choices"][0]["finish_reason"] == "length"
+    after = _stats(server.port)["parallel"]
+    assert after["slots"] == PARALLEL and after["active"] == 0 and after["waiting"] == 0
+    several = sum(n for k, n in after["sequences_per_step"].items() if int(k) >= 2) - \
+        sum(n for k, n in before["sequences_per_step"].items() if int(k) >= 2)
+    assert several > 0, after  # steps that carried several requests
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    assert f'hybrimoe_slots{{model="tiny"}} {PARALLEL}' in text and 'hybrimoe_slots_busy{model="tiny"} 0' in text
+    assert any(f'hybrimoe_batch_steps_total{{model="tiny",sequences="{k}"}}' in text for k in range(2, PARALLEL + 1))
+
+
+def _events(resp) -> list[dict]:
+    out = []
+    for line in iter(resp.readline, b""):
+        if line.startswith(b"data: "):
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            out.append(json.loads(data))
+    return out
+
+
+def test_streams_and_chats_run_beside_each_other(server, eog):
+    """Completions and chats, streamed and not, at once: each stream's pieces make its text, and a streamed chat's
+    content equals the same chat's content unstreamed (a chat has a stop string: text held back for it is sent)."""
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 12, **GREEDY}
+    outs: dict = {}
+
+    def stream(key, path, body):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        conn.request("POST", path, body=json.dumps(dict(body, stream=True)),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        outs[key] = _events(resp)
+        conn.close()
+
+    def whole(key, path, body):
+        outs[key] = _post(server.port, path, body)
+
+    jobs = [("s0", stream, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 16, "logit_bias": eog, **GREEDY}),
+            ("s1", stream, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16, "logit_bias": eog, **GREEDY}),
+            ("chat-stream", stream, "/v1/chat/completions", chat), ("chat", whole, "/v1/chat/completions", chat)]
+    threads = [threading.Thread(target=f, args=(k, p, b)) for k, f, p, b in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    for key in ("s0", "s1"):
+        events = outs[key]
+        assert events[-1]["choices"][0]["finish_reason"] == "length", events
+        assert "".join(e["choices"][0]["text"] for e in events), events
+    status, body = outs["chat"]
+    assert status == 200, body
+    want = body["choices"][0]["message"]["content"]
+    got = "".join(e["choices"][0]["delta"].get("content") or "" for e in outs["chat-stream"])
+    assert got == want, (got, want)
+
+
+def test_a_client_gone_mid_stream_frees_its_slot(server, eog, text_of):
+    before = _stats(server.port)["parallel"]["tokens_decoded"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Once", "max_tokens": 240, "stream": True,
+                                                             "logit_bias": eog, **GREEDY}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    while not resp.readline().startswith(b"data: "):
+        pass
+    conn.close()  # gone after its first token
+    deadline = time.monotonic() + 60
+    while _stats(server.port)["parallel"]["active"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = _stats(server.port)["parallel"]
+    assert after["active"] == 0
+    assert after["tokens_decoded"] - before < 200, (before, after)  # cancelled, not run to its 240 tokens
+    # the next request gets a whole sequence's context: a prompt of nearly N_CTX / PARALLEL tokens fits
+    status, body = _post(server.port, "/v1/completions", {"prompt": text_of(N_CTX // PARALLEL - 2),
+                                                          "max_tokens": 2, **GREEDY})
+    assert status == 200, body
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"prompt": N_CTX // PARALLEL + 10, "max_tokens": 2}, "context_length_exceeded"),
+    ({"prompt": "Hi", "max_tokens": 2, "grammar": "root ::= \"a\""}, None),
+    ({"prompt": "Hi", "max_tokens": 2, "logprobs": 2}, None),
+    ({"prompt": "", "max_tokens": 2}, None),
+])
+def test_bad_requests_get_400_and_the_server_stays_healthy(server, text_of, body, code):
+    if isinstance(body["prompt"], int):
+        body = dict(body, prompt=text_of(body["prompt"]) + " boat" * 12)
+    status, got = _post(server.port, "/v1/completions", body)
+    assert status == 400, got
+    assert "error" in got and (code is None or got["error"]["code"] == code), got
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+    conn.close()
