@@ -251,3 +251,50 @@ def test_scheduler_queue_limit_and_a_caller_that_leaves(tiny_model):
             sched.submit("late")
     finally:
         llm.close()
+
+
+def test_a_decode_step_of_several_sequences_is_planned_as_one(tiny_model, rpc_server, split_cost_model):
+    """Four sequences at different positions, routing replayed by position: each decode step's MoE layer is one
+    plan (one decision record per layer and ubatch) over the union of the four tokens' experts, each expert's load
+    the number of those tokens routed to it."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.batch import BatchGenerator
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    f = engine_facts(path)
+    rng = np.random.default_rng(5)
+    rows = 128
+    table = np.zeros((rows, f.n_layer, f.top_k), dtype=np.int32)
+    for p in range(rows):
+        for layer in f.moe_layers:
+            table[p, layer] = rng.choice(f.n_expert, f.top_k, replace=False)
+    llm = Llama(str(path), n_seq_max=4, moe_replay=table, **_engine_kw(path, "gpu", split_cost_model),
+                **_common(rpc_server))
+    try:
+        llm.moe_log()
+        prompts = [prompt_tokens(llm, n) for n in (5, 7, 9, 11)]
+        gen = BatchGenerator(llm)
+        gen.run(prompts, max_tokens=4, temperature=0.0)
+        log = llm.moe_take_log()
+    finally:
+        llm.close()
+    by_ubatch: dict = {}
+    for r in log:
+        if len(r["ids"]):  # not a prefetch-only record
+            by_ubatch.setdefault(r["ubatch"], []).append(r)
+    # the decode steps: ubatches whose every MoE layer saw the four sequences' tokens (the prompt's ubatch comes
+    # first, with more tokens in its layers)
+    steps = [by_ubatch[u] for u in sorted(by_ubatch) if all(r["n_tokens"] == 4 for r in by_ubatch[u])]
+    assert len(steps) == 3, sorted(by_ubatch)  # max_tokens 4: three decodes after the prompt's
+    for j, recs in enumerate(steps, start=1):
+        assert sorted(r["layer"] for r in recs) == list(range(len(f.moe_layers)))  # one plan per layer
+        for r in recs:
+            ids = np.asarray(r["ids"])
+            union, counts = np.unique(ids, return_counts=True)
+            assert sorted(r["experts"]) == union.tolist()
+            assert dict(zip(r["experts"], r["loads"])) == dict(zip(union.tolist(), counts.tolist()))
+            # row s is sequence s's token, at its own position (its prompt's length + j - 1)
+            moe_layer = list(f.moe_layers)[r["layer"]]
+            for s_, prompt in enumerate(prompts):
+                assert sorted(ids[s_].tolist()) == sorted(table[len(prompt) + j - 1, moe_layer].tolist()), (j, s_)
