@@ -391,10 +391,11 @@ class BatchScheduler:
         return self.gen.n_slots
 
     def state(self) -> dict:
-        """Slots and queue now: ``slots`` (n_seq_max), ``active`` (requests holding a slot), ``waiting``, ``steps``,
+        """Slots and queue now: ``slots`` (n_seq_max), ``active`` (requests holding a slot), ``waiting`` (for a slot:
+        not admitted, beyond the free slots), ``steps``,
         ``tokens_decoded``, ``sequences_per_step`` ({sequences: steps})."""
         with self._cv:
-            waiting = len(self._incoming) + len(self.gen.waiting)
+            waiting = max(0, len(self._incoming) + len(self.gen.waiting) - len(self.gen.free))
         return {"slots": self.gen.n_slots, "active": len(self.gen.active), "waiting": waiting, "steps": self.steps,
                 "tokens_decoded": self.tokens_decoded,
                 "sequences_per_step": dict(sorted(self.sequences_per_step.items()))}
@@ -410,9 +411,11 @@ class BatchScheduler:
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the batch scheduler is closed")
-            waiting = len(self._incoming) + len(self.gen.waiting)
+            # requests not yet admitted, less the slots free for them: those wait
+            waiting = len(self._incoming) + len(self.gen.waiting) - len(self.gen.free)
             if self.max_waiting is not None and waiting >= self.max_waiting:
-                raise QueueFull(f"{waiting} requests already wait for one of the {self.gen.n_slots} slots")
+                raise QueueFull(f"{max(waiting, 0)} requests already wait for one of the {self.gen.n_slots} slots "
+                                f"(at most {self.max_waiting} may)")
             self._incoming.append(r)
             self._cv.notify()
         return r

@@ -228,7 +228,8 @@ def test_scheduler_queue_limit_and_a_caller_that_leaves(tiny_model):
         try:
             with lock:
                 long = sched.submit("Once upon a time", max_tokens=200, temperature=0.0, logit_bias=_eog(llm))
-                others = [sched.submit("Hello", max_tokens=2, temperature=0.0) for _ in range(2)]
+                # nothing is admitted while the lock is held: 2 of these 5 take the free slots, 3 wait
+                others = [sched.submit("Hello", max_tokens=2, temperature=0.0) for _ in range(4)]
                 with pytest.raises(QueueFull, match="3 requests already wait"):
                     sched.submit("one too many", max_tokens=2)
             it = sched.stream(long)
