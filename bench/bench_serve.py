@@ -2,13 +2,14 @@
 a time (``--parallel 1``), and upstream's own ``llama-server -np N`` (``--llama-server PATH``: built from the pinned
 llama.cpp source), on one model, CPU only.
 
-Per server and N: N clients each stream one completion at once (prompts of ``--pp`` tokens' worth of text, different
-per client, ``--tg`` new tokens, greedy, the end of generation masked: hybrimoe by ``logit_bias``, llama-server by
-``ignore_eos``); aggregate decode tokens/s = all new tokens over the wall time from the first client's first token to
-the last client's last; TPOT per request = the time between its first and last token over the tokens between;
-median and p95 over the requests. ``-r`` repetitions, interleaved (per repetition every N, at each every server),
-the load average before each. The servers' flags beyond these: ``--hybrimoe-args`` and ``--llama-server-args``
-(placement, e.g. ``--moe-ram-cache auto``; upstream's defaults otherwise, repacked CPU weights included).
+Per server and N: N clients each stream one completion at once (prompts of ``--pp`` words, different per client,
+``--tg`` new tokens, greedy, the end of generation masked: hybrimoe by ``logit_bias``, llama-server by
+``ignore_eos``); aggregate tokens/s = all new tokens over the wall time from the first request sent to the last
+answer's end (prefills included); TPOT per request = the time between its first and last token event over the events
+between, where the server sends one event per token; median and p95 over the requests. ``-r`` repetitions,
+interleaved (per repetition every N, at each every server), the load average before each. The servers' flags beyond
+these: ``--hybrimoe-args`` and ``--llama-server-args`` (placement, e.g. ``--moe-ram-cache auto``; upstream's
+defaults otherwise, repacked CPU weights included).
 
     python3 bench/bench_serve.py -m model.gguf --llama-server ~/llama.cpp/build/bin/llama-server --clients 1,4,8
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import re
 import shlex
@@ -24,6 +26,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -57,7 +60,7 @@ def _wait_ready(port: int, proc, timeout_s: float = 600) -> None:
 def start(kind: str, args, n: int):
     """(process, port, extra request fields) of one server."""
     port = _free_port()
-    ctx = str(n * (args.pp * 2 + args.tg + 64))
+    ctx = str(n * (args.pp * 6 + args.tg + 64))  # a word of the synthetic models' vocabularies is several tokens
     if kind == "upstream":
         cmd = [args.llama_server, "-m", str(args.model), "-np", str(n), "-c", ctx, "-t", str(args.threads),
                "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.llama_server_args)]
@@ -68,16 +71,26 @@ def start(kind: str, args, n: int):
                str(int(ctx) if par > 1 else int(ctx) // n), "-t", str(args.threads), "--host", "127.0.0.1", "--port",
                str(port), *shlex.split(args.hybrimoe_args)]
         extra = {"logit_bias": args.eog_bias}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    _wait_ready(port, proc)
+    err = tempfile.TemporaryFile("w+")
+    # not from a checkout, whose source tree would shadow the installed package
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, cwd="/tmp")
+    try:
+        _wait_ready(port, proc)
+    except Exception as e:
+        proc.kill()
+        err.seek(0)
+        raise RuntimeError(f"{e}: {err.read()[-600:]}") from None
     return proc, port, extra
 
 
 def stream(port: int, prompt: str, args, extra: dict, out: list) -> None:
+    t0 = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
     body = {"prompt": prompt, "max_tokens": args.tg, "temperature": 0.0, "stream": True, **extra}
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
+    if resp.status != 200:
+        print(f"HTTP {resp.status}: {resp.read()[:300]!r}", file=sys.stderr)
     stamps = []
     for line in iter(resp.readline, b""):
         if not line.startswith(b"data: "):
@@ -86,10 +99,11 @@ def stream(port: int, prompt: str, args, extra: dict, out: list) -> None:
         if data == b"[DONE]":
             break
         ev = json.loads(data)
-        if ev.get("choices") and ev["choices"][0].get("text"):
+        # one event per token until the last (a token's text may be empty: part of a character, or held back)
+        if ev.get("choices") and ev["choices"][0].get("finish_reason") is None:
             stamps.append(time.perf_counter())
     conn.close()
-    out.append(stamps)
+    out.append((t0, time.perf_counter(), stamps))
 
 
 def one_run(kind: str, args, n: int) -> dict:
@@ -106,12 +120,20 @@ def one_run(kind: str, args, n: int) -> dict:
     finally:
         proc.terminate()
         proc.wait(60)
-    first = min(s[0] for s in outs if s)
-    last = max(s[-1] for s in outs if s)
-    tokens = sum(len(s) for s in outs)
-    tpot = [(s[-1] - s[0]) / (len(s) - 1) for s in outs if len(s) > 1]
-    return {"server": kind, "n": n, "tokens": tokens, "decode_tps": tokens / max(last - first, 1e-9),
-            "tpot_p50_s": statistics.median(tpot), "tpot_p95_s": sorted(tpot)[max(0, int(0.95 * len(tpot)) - 1)]}
+    if len(outs) != n or not all(s for _, _, s in outs):
+        raise RuntimeError(f"{sum(1 for _, _, s in outs if s)} of {n} streams answered")
+    # every request makes --tg tokens (the end of generation masked): the throughput is theirs over the wall time
+    # from the first request sent to the last answer ended (prefills included); TPOT from the token events, where
+    # the server sends one per token (llama-cpp-python's own stream, hybrimoe at --parallel 1, holds back text that
+    # is not yet a whole character and may send fewer)
+    tokens = n * args.tg
+    wall = max(e for _, e, _ in outs) - min(s for s, _, _ in outs)
+    tpot = [(s[-1] - s[0]) / (len(s) - 1) for _, _, s in outs if len(s) >= args.tg - 1]
+    row = {"server": kind, "n": n, "tokens": tokens, "tps": tokens / wall}
+    if len(tpot) == n:
+        row.update(tpot_p50_s=statistics.median(tpot),
+                   tpot_p95_s=sorted(tpot)[min(len(tpot) - 1, math.ceil(0.95 * len(tpot)) - 1)])
+    return row
 
 
 def main() -> int:
@@ -151,7 +173,7 @@ def main() -> int:
                 print(json.dumps(row), file=sys.stderr, flush=True)
     print(f"model {args.model.name}; {args.threads} threads, CPU only; {args.pp}-word prompts, {args.tg} new tokens; "
           f"{args.reps} repetition(s), median (min..max)")
-    print("| server | N | decode t/s (aggregate) | TPOT p50 ms | TPOT p95 ms |")
+    print("| server | N | tokens/s (aggregate, prefills included) | TPOT p50 ms | TPOT p95 ms |")
     print("|---|---|---|---|---|")
     for kind in kinds:
         for n in [int(x) for x in args.clients.split(",")]:
@@ -159,10 +181,12 @@ def main() -> int:
             if not rs:
                 print(f"| {kind} | {n} | error |")
                 continue
-            tps = [r["decode_tps"] for r in rs]
+            tps = [r["tps"] for r in rs]
+            t50 = [r["tpot_p50_s"] for r in rs if "tpot_p50_s" in r]
+            t95 = [r["tpot_p95_s"] for r in rs if "tpot_p95_s" in r]
             print(f"| {kind} | {n} | {statistics.median(tps):.2f} ({min(tps):.2f}..{max(tps):.2f}) | "
-                  f"{1e3 * statistics.median(r['tpot_p50_s'] for r in rs):.0f} | "
-                  f"{1e3 * statistics.median(r['tpot_p95_s'] for r in rs):.0f} |")
+                  f"{f'{1e3 * statistics.median(t50):.0f}' if t50 else '-'} | "
+                  f"{f'{1e3 * statistics.median(t95):.0f}' if t95 else '-'} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(args.model), "rows": rows}, indent=2))
     return 0 if all("error" not in r for r in rows) else 1

@@ -462,7 +462,9 @@ class BatchScheduler:
         hold = 0 if r.finish is not None else max((len(x) - 1 for x in r.params["stop"] if x), default=0)
         delta = text[r.sent:max(r.sent, len(text) - hold)]
         r.sent += len(delta)
-        if delta:
+        # one event per token, as llama-server streams, even when its text is empty (part of a character, or held
+        # back for a stop string): a client sees each token's time
+        if r.finish is None or delta:
             r.events.put((delta, None))
         if r.finish is not None:  # the finish on its own, as llama-cpp-python's streams end (an empty text)
             r.events.put(("", r.finish))
