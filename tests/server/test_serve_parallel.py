@@ -44,6 +44,19 @@ def _stats(port) -> dict:
         conn.close()
 
 
+def _open_stream(port, prompt, max_tokens, eog):
+    """A streamed greedy completion (the end of generation masked) read up to its first event: the connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                                                             "logit_bias": eog, **GREEDY}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    while not resp.readline().startswith(b"data: "):
+        pass
+    return conn
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model):
     return tiny_model("qwen3moe", "Q8_0")
@@ -190,15 +203,7 @@ def test_streams_and_chats_run_beside_each_other(server, eog):
 
 def test_a_client_gone_mid_stream_frees_its_slot(server, eog, text_of):
     before = _stats(server.port)["parallel"]["tokens_decoded"]
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Once", "max_tokens": 240, "stream": True,
-                                                             "logit_bias": eog, **GREEDY}),
-                 headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    while not resp.readline().startswith(b"data: "):
-        pass
-    conn.close()  # gone after its first token
+    _open_stream(server.port, "Once", 240, eog).close()  # gone after its first token
     deadline = time.monotonic() + 60
     while _stats(server.port)["parallel"]["active"] and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -314,17 +319,7 @@ def test_a_full_queue_gets_429(model, tmp_path, eog):
     sp = start_serve(["-m", str(model), "-c", "512", "-t", "2", "--parallel", "2", "--max-waiting", "0"], tmp_path,
                      startup_s=180)
     try:
-        conns = []
-        for p in PROMPTS[:2]:
-            conn = http.client.HTTPConnection("127.0.0.1", sp.port, timeout=120)
-            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": p, "max_tokens": 200, "stream": True,
-                                                                     "logit_bias": eog, **GREEDY}),
-                         headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            assert resp.status == 200
-            while not resp.readline().startswith(b"data: "):
-                pass
-            conns.append(conn)
+        conns = [_open_stream(sp.port, p, 200, eog) for p in PROMPTS[:2]]
         status, got = _post(sp.port, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
         assert status == 429 and got["error"]["code"] == "too_many_requests", got
         for conn in conns:
