@@ -120,6 +120,9 @@ class BatchGenerator:
                 toks = self.llm.tokenize(text, add_bos=True, special=True) if text else []
             else:
                 toks = [int(t) for t in p]
+                n_vocab = self.llm.n_vocab()
+                if any(not 0 <= t < n_vocab for t in toks):  # llama_decode would fail the whole step
+                    raise ValueError(f"prompt {i} holds a token id outside this model's 0..{n_vocab - 1}")
             if not toks:
                 raise ValueError(f"prompt {i} is empty: give at least one character or token")
             params = {k: per[k][i] for k in SAMPLING_DEFAULTS}
@@ -140,6 +143,9 @@ class BatchGenerator:
 
     def _check(self, i: int, params: dict) -> None:
         """Raises ValueError for a value llama.cpp's samplers cannot take (checked before the request is queued)."""
+        mt = params["max_tokens"]
+        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int)):
+            raise ValueError(f"prompt {i}: max_tokens must be an integer or None, got {mt!r}")
         for k in _NUMERIC:
             v = params[k]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
@@ -266,14 +272,17 @@ class BatchGenerator:
         lc, llm, batch = self._lc, self.llm, self._batch
         self.failed: list[_Request] = []
         while self.waiting and self.free:
+            # the slot first: a concurrent count of waiting requests less free slots never comes out low
+            slot = self.free.pop(0)
             r = self.waiting.pop(0)
             try:
                 r.sampler = self._sampler(r.params)
             except Exception as e:  # its own failure: the others go on
+                self.free.insert(0, slot)
                 r.error, r.finish = e, "error"
                 self.failed.append(r)
                 continue
-            r.slot = self.free.pop(0)
+            r.slot = slot
             self.active.append(r)
         if not self.active:
             return []

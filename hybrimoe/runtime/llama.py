@@ -420,7 +420,8 @@ class Llama(llama_cpp.Llama):
         """Completions of several prompts generated together: one decode per step carries the next token of every
         prompt that is generating and chunks of those still prefilling (continuous batching, as llama-server's
         slots; :class:`hybrimoe.runtime.batch.BatchGenerator`). Up to ``n_seq_max`` prompts (the constructor's)
-        run at once, the others wait for a slot; each gets ``n_ctx / n_seq_max`` tokens of context.
+        run at once, the others wait for a slot; each gets ``n_ctx / n_seq_max`` tokens of context (llama.cpp
+        rounds it up to a multiple of 256).
 
         ``prompts``: strings or token lists. Keywords: ``max_tokens``, ``temperature``, ``top_p``, ``min_p``,
         ``typical_p``, ``stop``, ``frequency_penalty``, ``presence_penalty``, ``repeat_penalty``, ``top_k``,

@@ -174,6 +174,8 @@ class ServedLlama(Llama):
         asked = [k for k, v in kwargs.items() if k not in SAMPLING_DEFAULTS and
                  _PARALLEL_NEUTRAL.get(k, ()) is not None and v not in _PARALLEL_NEUTRAL.get(k, ())]
         if asked:
+            # the server turns min_tokens into a logits processor: name what the request asked
+            asked = ["min_tokens (a logits processor)" if k == "logits_processor" else k for k in asked]
             raise ValueError(f"{', '.join(sorted(asked))}: not served with --parallel above 1 (each request's own "
                              "sampling, stop strings, penalties, seed and logit_bias are); start the server with "
                              "--parallel 1 for these")
@@ -183,7 +185,8 @@ class ServedLlama(Llama):
         try:
             r = self._scheduler.submit(prompt, **kw)
         except QueueFull as e:
-            raise APIError(429, f"too many requests: {e}; try again later", code="too_many_requests") from e
+            raise APIError(429, f"too many requests: {e}; try again later", type="rate_limit_error",
+                           code="too_many_requests") from e
         handles = REQUEST_HANDLES.get()
         if handles is not None:
             handles.append((self._scheduler, r))

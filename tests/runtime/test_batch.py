@@ -156,6 +156,7 @@ def test_sampling_per_prompt_is_seeded_and_stop_strings_cut(tiny_model):
     (["a"], {"logit_bias": {"abc": 1.0}}, "not a token id"),
     (["a"], {"logit_bias": {10**9: 1.0}}, "this model's ids are"),
     (["a"], {"presence_penalty": None}, "must be a number"),
+    ([[1, 2, 10**9]], {}, "outside this model's"),
 ])
 def test_bad_batches_are_refused(tiny_model, prompts, kw, msg):
     from hybrimoe import Llama
