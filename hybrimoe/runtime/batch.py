@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -538,8 +538,3 @@ class BatchScheduler:
     def alive(self) -> bool:
         """Whether the scheduler's thread still runs (after :meth:`close`: a step outlasted the wait)."""
         return self._thread.is_alive()
-
-
-def create_completions(llm, prompts: Sequence[Union[str, list]], **kw) -> list[dict]:
-    """:meth:`BatchGenerator.run` on ``llm`` (see :meth:`hybrimoe.Llama.create_completions`)."""
-    return BatchGenerator(llm).run(prompts, **kw)
