@@ -217,6 +217,13 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
                      true_routing=bool(comp.get("true_routing", False)))
 
 
+#: MRS's weight of the newest scores (alpha in S <- alpha * s + (1 - alpha) * S, HybriMoE §IV.D) in the RAM tier's
+#: hybrimoe presets. The GPU cache keeps the paper's 0.5; the RAM tier, several times larger, holds an expert over a
+#: longer reuse distance, and a score that forgets in two tokens ranks it by noise there. Chosen on the three-tier
+#: never-worse table (bench/bench_never_worse.py --ram-caches; docs/benchmarks.md): 0.5 left the RAM tier below a
+#: static hot set on the GPU over it on stationary (low-locality) routing; 0.1 gained on every trace but the
+#: high-locality Mixtral shape (1-2%); 0.03 lost on the high-locality shapes.
+RAM_MRS_ALPHA = 0.1
 #: The RAM tier's presets, for a model larger than host RAM: which experts stay in RAM (``cache``: a cache policy
 #: name, or ``static-frequency`` for a profiled hot set) and how the others arrive from the model file (``reads``:
 #: ``queued`` pread reads that the work needing an expert waits for, or ``faulting`` mmap page faults on the thread
@@ -224,11 +231,13 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
 #: predicted experts are read ahead; ``ready_first``: the CPU share runs the experts already in RAM first;
 #: ``exclusive``: the GPU and RAM tiers hold different experts (demotion of the GPU's evictions);
 #: ``streaming``: as the GPU presets', for reads; ``true_routing``: the look-ahead sees the true routing, a bound;
-#: ``also``: a bound's alternative plans, the fastest kept). :class:`hybrimoe._core.RamTierConfig` holds
+#: ``also``: a bound's alternative plans, the fastest kept; ``mrs_alpha``: an MRS cache's weight of the newest
+#: scores, :data:`RAM_MRS_ALPHA`; ``admission``: ``"tinylfu"``, frequency admission of reads ahead and demotions, as
+#: the GPU presets'). :class:`hybrimoe._core.RamTierConfig` holds
 #: the same fields for the simulator. ``baseline``: a system users run today, which hybrimoe must not be slower than.
 RAM_PRESETS = {
     "hybrimoe": dict(cache="mrs", reads="queued", keep=True, lookahead=3, ready_first=True, true_routing=False,
-                     baseline=False, streaming=STREAMING_FRACTION,
+                     baseline=False, streaming=STREAMING_FRACTION, mrs_alpha=RAM_MRS_ALPHA, admission="tinylfu",
                      about="MRS RAM cache (reads for a ubatch that activates half a layer's experts or more enter "
                            "at the lowest eviction rank, LIP); the router look-ahead reads the next 3 MoE layers' "
                            "predicted experts while this layer computes; the CPU runs the experts already in RAM "
@@ -237,6 +246,7 @@ RAM_PRESETS = {
                             "the GPU (docs/design.md §17)"),
     "hybrimoe-exclusive": dict(cache="mrs", reads="queued", keep=True, lookahead=3, ready_first=True,
                                true_routing=False, baseline=False, streaming=STREAMING_FRACTION, exclusive=True,
+                               mrs_alpha=RAM_MRS_ALPHA, admission="tinylfu",
                                about="hybrimoe's RAM tier with exclusive tiers: an expert loaded to the GPU gives up "
                                      "its RAM slot, and one the GPU cache evicts is copied back into RAM (device to "
                                      "host) when it ranks at least as high as the RAM tier's victim (the engine's "
@@ -268,6 +278,7 @@ RAM_PRESETS = {
                    source="docs/design.md §5 bounds, one tier down"),
     "lookahead-oracle": dict(cache="mrs", reads="queued", keep=True, lookahead=3, ready_first=True,
                              true_routing=True, baseline=False, streaming=STREAMING_FRACTION,
+                             mrs_alpha=RAM_MRS_ALPHA, admission="tinylfu",
                              about="bound: hybrimoe's RAM tier with a look-ahead that knows the routing (where "
                                    "reads ahead fill the RAM, Belady's bypass can keep out what they would bring)",
                              source="docs/design.md §5 bounds, one tier down"),
@@ -287,15 +298,29 @@ def ram_preset(name: str) -> dict:
     return RAM_PRESETS[name]
 
 
+def ram_cache_policy_of(name: str) -> "_core.CachePolicy":
+    """A fresh cache policy object of the RAM preset ``name`` (:data:`RAM_PRESETS`): MRS with the preset's
+    ``mrs_alpha`` (:data:`RAM_MRS_ALPHA`) where it names one, else ``hybrimoe._core.make_cache_policy`` of its
+    ``cache``. ValueError for an unknown preset or a static hot set (built from a profile, not named)."""
+    comp = ram_preset(name)
+    if comp["cache"] == "static-frequency":
+        raise ValueError(f"RAM preset {name!r}: a static hot set is built from a profile (build_ram_tier)")
+    if comp["cache"] == "mrs" and "mrs_alpha" in comp:
+        return _core.MRSPolicy(alpha=float(comp["mrs_alpha"]))
+    return _core.make_cache_policy(comp["cache"])
+
+
 def build_ram_tier(name: str, expert_bytes: Sequence[float], n_experts: int, budget_bytes: float, *,
                    hot_keys: Optional[Sequence[int]] = None, profile: Optional[Sequence[float]] = None,
-                   lookahead: Optional[int] = None, recall: Optional[Sequence[float]] = None):
+                   lookahead: Optional[int] = None, recall: Optional[Sequence[float]] = None,
+                   policy: Optional["_core.CachePolicy"] = None):
     """The RAM tier of a preset (:data:`RAM_PRESETS`): ``(cache, config)``, an :class:`hybrimoe._core.ExpertCache`
     of ``budget_bytes`` (bytes of host RAM for routed experts) over ``expert_bytes`` (bytes of one expert per MoE
     layer) and its :class:`hybrimoe._core.RamTierConfig`. The cache starts filled with ``hot_keys`` (keys ``layer *
     n_experts + expert``, hottest first) as the GPU tier's adaptive caches do; ``static-frequency`` needs them.
     ``lookahead`` overrides the preset's depth (0: none); ``recall``: the look-ahead predictor's recall per
-    distance (a preset with ``true_routing`` uses 1).
+    distance (a preset with ``true_routing`` uses 1). ``policy``: a cache policy object in place of the preset's
+    (the engine's ``moe_ram_policy``); the preset's admission and streaming still apply.
 
     Raises:
         ValueError: an unknown preset, a static hot set without ``hot_keys``, a bad budget (as ExpertCache).
@@ -310,9 +335,12 @@ def build_ram_tier(name: str, expert_bytes: Sequence[float], n_experts: int, bud
         prio = [float(profile[k]) for k in keys] if profile is not None else []
         cache = _core.ExpertCache(eb, int(n_experts), float(budget_bytes), _core.StaticPolicy(keys, prio))
     else:
-        cache = _core.ExpertCache(eb, int(n_experts), float(budget_bytes), _core.make_cache_policy(comp["cache"]))
+        cache = _core.ExpertCache(eb, int(n_experts), float(budget_bytes),
+                                  policy if policy is not None else ram_cache_policy_of(name))
     if hot_keys is not None and budget_bytes > 0:
         cache.fill([int(k) for k in hot_keys])
+    if comp.get("admission", "none") == "tinylfu":
+        cache.set_frequency_admission(True)
     if comp.get("streaming", 0.0):
         cache.set_streaming_demand(float(comp["streaming"]))
     cfg = _core.RamTierConfig()

@@ -150,8 +150,10 @@ class Llama(llama_cpp.Llama):
             expert one ubatch can route to in a layer (``min(n_expert, n_ubatch * top_k)`` experts); a budget above
             the machine's memory is refused; ``use_mlock`` is refused with it. ``moe_stats()["engine"]["ram"]``
             reports the tier.
-        moe_ram_policy: the RAM tier's cache policy: ``"mrs"`` (default), ``"lru"``, ``"lfu"`` or a
-            ``hybrimoe.CachePolicy`` object (``hybrimoe.runtime.setup.ram_cache_policy``).
+        moe_ram_policy: the RAM tier's cache policy: ``"mrs"`` (default; alpha 0.1,
+            ``hybrimoe.policy.RAM_MRS_ALPHA``), ``"lru"``, ``"lfu"`` or a ``hybrimoe.CachePolicy`` object
+            (``hybrimoe.runtime.setup.ram_cache_policy``); with any of them reads ahead and demotions pass TinyLFU
+            admission and a prefill's demand reads enter at the lowest rank (``hybrimoe.policy.build_ram_tier``).
         moe_ram_exclusive: with a GPU cache above the RAM tier, exclusive tiers: an expert on the GPU gives up its
             RAM slot, and one the GPU cache evicts is copied back into RAM (device to host) when it ranks at least
             as high as the RAM tier's victim, so that the two budgets hold different experts (docs/design.md §17).

@@ -30,7 +30,15 @@ from hybrimoe.envs import (
 from hybrimoe.model.tables import EXPS_REGEX
 from hybrimoe.policy.budget import parse_budget
 from hybrimoe.policy.hardware import resolve_cost_model
-from hybrimoe.policy.presets import DEFAULT_PRESET, ENGINE_PRESETS, SYSTEM_PRESETS, PolicySet, build_preset
+from hybrimoe.policy.presets import (
+    DEFAULT_PRESET,
+    ENGINE_PRESETS,
+    SYSTEM_PRESETS,
+    PolicySet,
+    build_preset,
+    build_ram_tier,
+    ram_cache_policy_of,
+)
 from hybrimoe.policy.profile import expert_counts, hot_keys_from_counts
 from hybrimoe.runtime.devices import budget_list, device_slots, engine_devices
 from hybrimoe.runtime.engine_facts import EngineFacts, engine_facts, engine_module
@@ -195,15 +203,15 @@ RAM_POLICIES = ("mrs", "lru", "lfu")
 
 
 def ram_cache_policy(spec) -> "_core.CachePolicy":
-    """The RAM tier's cache policy for ``moe_ram_policy``: None (MRS, HybriMoE §IV.D, as the GPU cache's default), a
-    name of ``hybrimoe._core.make_cache_policy`` (``mrs``, ``lru``, ``lfu``) or a ``CachePolicy`` object (Python
-    subclasses too).
+    """The RAM tier's cache policy for ``moe_ram_policy``: None or ``"mrs"`` (MRS, HybriMoE §IV.D, with the RAM
+    presets' longer memory, :data:`hybrimoe.policy.presets.RAM_MRS_ALPHA`), ``"lru"``, ``"lfu"``
+    (``hybrimoe._core.make_cache_policy``) or a ``CachePolicy`` object (Python subclasses too).
 
     Raises:
         ValueError: an unknown name, a clairvoyant policy (``belady`` needs the future), or another type.
     """
     if spec is None:
-        return _core.make_cache_policy("mrs")
+        return ram_cache_policy_of("hybrimoe")
     if isinstance(spec, _core.CachePolicy):
         return spec
     if isinstance(spec, str):
@@ -214,7 +222,7 @@ def ram_cache_policy(spec) -> "_core.CachePolicy":
         if name not in RAM_POLICIES:
             raise ValueError(f"unknown moe_ram_policy {spec!r} (known: {', '.join(RAM_POLICIES)}, or a CachePolicy "
                              "object)")
-        return _core.make_cache_policy(name)
+        return ram_cache_policy_of("hybrimoe") if name == "mrs" else _core.make_cache_policy(name)
     raise ValueError(f"moe_ram_policy must be a policy name ({', '.join(RAM_POLICIES)}) or a CachePolicy, not "
                      f"{type(spec).__name__}")
 
@@ -288,8 +296,10 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
                      offset_of=rg["offset_of"])
     if ram:
         sb = facts.ram_slot_bytes
-        rc = _core.ExpertCache([float(sb)] * len(facts.moe_layers), facts.n_expert, float(ram["slots"] * sb),
-                               ram["policy"])
+        # the RAM preset the simulator runs (its admission and streaming demand loads too), with the chosen policy
+        rc, _ = build_ram_tier("hybrimoe-exclusive" if ram.get("exclusive") else "hybrimoe",
+                               [float(sb)] * len(facts.moe_layers), facts.n_expert, float(ram["slots"] * sb),
+                               policy=ram["policy"])
         extra.update(ram_slots=int(ram["slots"]), ram_io_threads=int(ram.get("io_threads", 4)), ram_cache=rc,
                      ram_direct_io=bool(ram.get("direct_io", ram_direct_io())),
                      ram_repack=bool(ram.get("repack", False)), ram_exclusive=bool(ram.get("exclusive", False)),

@@ -291,6 +291,50 @@ def test_every_policy_and_prefetch_depth_matches_upstream(policy, prefetch, tiny
         assert st["ram"]["prefetch_reads"] > 0, st["ram"]
 
 
+@pytest.mark.parametrize("policy", [None, "lru"])
+def test_the_engines_ram_cache_is_the_simulators_preset(policy, tiny_model, monkeypatch):
+    """The engine's RAM cache is built as the simulator's hybrimoe RAM preset (build_ram_tier): TinyLFU admission,
+    LIP insertion of a prefill's demand reads, and MRS at RAM_MRS_ALPHA (an observed score moves by alpha)."""
+    from hybrimoe import _core
+    from hybrimoe.policy import RAM_MRS_ALPHA, STREAMING_FRACTION, build_ram_tier
+    from hybrimoe.runtime.engine_facts import engine_module
+    from hybrimoe.runtime.setup import ram_cache_policy
+
+    mod = engine_module()
+    real, seen = mod.Engine, {}
+
+    class Capture:  # the Engine class, recording the RAM cache it is built with
+        def __call__(self, *a, **kw):
+            seen["cache"] = kw.get("ram_cache")
+            return real(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(mod, "Engine", Capture())
+    path = tiny_model("qwen3moe", "Q8_0")
+    out, _, st = _ram_run(path, _tokens(path, 9), 7, moe_ram_policy=policy)
+    assert out, st
+    rc = seen["cache"]
+    assert rc.frequency_admission
+    assert rc.streaming_demand == STREAMING_FRACTION
+    sim, _ = build_ram_tier("hybrimoe", [1.0], 4, 2.0)
+    assert sim.frequency_admission == rc.frequency_admission
+    assert sim.streaming_demand == rc.streaming_demand
+    assert rc.policy.name() == (policy or "mrs")
+    if policy is None:
+        # one observation of expert 1 with score 1.0 from 0 moves its score by alpha (MRS's S <- alpha * s + (1 -
+        # alpha) * S), in the engine's policy object (its run has ended) as in a fresh default one
+        assert type(rc.policy) is type(ram_cache_policy(None)) is _core.MRSPolicy
+        mrs = rc.policy
+        mrs.reset(1, 4)
+        obs = _core.LayerObservation()
+        obs.layer, obs.n_tokens, obs.top_k, obs.n_experts = 0, 1, 1, 4
+        obs.experts, obs.loads, obs.scores = [1], [1], [0.0, 1.0, 0.0, 0.0]
+        mrs.observe(obs)
+        assert mrs.score(0, 1) == pytest.approx(RAM_MRS_ALPHA)
+
+
 def test_two_sequences_in_one_batch_match_upstream(tiny_model):
     """n_seq = 2: two sequences decoded together, each step's logits of both bit-identical to upstream's."""
     from hybrimoe import Llama
