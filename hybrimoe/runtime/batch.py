@@ -32,7 +32,7 @@ from hybrimoe._lib import llama_cpp_module
 #: with one per prompt
 SAMPLING_DEFAULTS = dict(max_tokens=16, temperature=0.8, top_p=0.95, min_p=0.05, typical_p=1.0, stop=None,
                          frequency_penalty=0.0, presence_penalty=0.0, repeat_penalty=1.0, top_k=40, seed=None,
-                         logit_bias=None, stopping_criteria=None)
+                         logit_bias=None, stopping_criteria=None, grammar=None, logprobs=None)
 #: the numeric keywords (checked on the caller's thread: a bad value fails its own request, not a step)
 _NUMERIC = ("temperature", "top_p", "min_p", "typical_p", "frequency_penalty", "presence_penalty", "repeat_penalty",
             "top_k")
@@ -43,6 +43,7 @@ class _Request:
     index: int
     prompt: list
     params: dict
+    source: object = None            # the prompt as given (a string or a token list): logprobs' text offsets
     slot: int = -1
     fed: int = 0                     # prompt tokens decoded so far
     out: list = field(default_factory=list)
@@ -56,6 +57,8 @@ class _Request:
     events: object = None            # BatchScheduler: a queue of (text delta, finish reason or None)
     logits: list = field(default_factory=list)
     times: list = field(default_factory=list)
+    # with logprobs: per generated token, (its log-probability, [(token id, log-probability)] of the top ones)
+    lps: list = field(default_factory=list)
 
 
 class BatchGenerator:
@@ -138,7 +141,7 @@ class BatchGenerator:
             params["max_tokens"] = room if mt is None or mt <= 0 else min(int(mt), room)
             stop = params["stop"]
             params["stop"] = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
-            reqs.append(_Request(i, toks, params))
+            reqs.append(_Request(i, toks, params, source=p))
         return reqs
 
     def _check(self, i: int, params: dict) -> None:
@@ -167,11 +170,37 @@ class BatchGenerator:
         stop = params["stop"]
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise ValueError(f"prompt {i}: stop must be a string or a list of strings")
+        if params["grammar"] is not None:
+            params["grammar"] = self._grammar(i, params["grammar"])
+        lp = params["logprobs"]
+        if lp is False:
+            params["logprobs"] = None
+        elif lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 0):
+            raise ValueError(f"prompt {i}: logprobs must be None or a number of top tokens >= 0, got {lp!r}")
+
+    def _grammar(self, i: int, grammar):
+        """``grammar`` (a ``llama_cpp.LlamaGrammar`` or GBNF text) as a LlamaGrammar that llama.cpp parses; ValueError
+        naming the prompt otherwise (llama.cpp's parser prints where it failed)."""
+        from llama_cpp.llama_grammar import LlamaGrammar
+
+        if isinstance(grammar, str):
+            grammar = LlamaGrammar.from_string(grammar, verbose=False)
+        if not isinstance(grammar, LlamaGrammar):
+            raise ValueError(f"prompt {i}: grammar must be a llama_cpp.LlamaGrammar or GBNF text, not "
+                             f"{type(grammar).__name__}")
+        # parsed here, on the caller's thread: a grammar llama.cpp refuses fails its own request, not a step
+        smpl = self._lc.llama_sampler_init_grammar(self.llm._model.vocab, grammar._grammar.encode("utf-8"),
+                                                   grammar._root.encode("utf-8"))
+        if not smpl:
+            raise ValueError(f"prompt {i}: llama.cpp could not parse the grammar (GBNF; its parser says where)")
+        self._lc.llama_sampler_free(smpl)
+        return grammar
 
     def _sampler(self, params: dict):
-        """The request's sampler chain, in llama-cpp-python's order (``Llama._init_sampler``: penalties, then greedy
-        at temperature 0, else top-k, typical, top-p, min-p, temperature and the seeded draw), with its logit bias
-        after the penalties."""
+        """The request's sampler chain, in llama-cpp-python's order (``Llama._init_sampler``: penalties, the grammar,
+        then greedy at temperature 0, else top-k, typical, top-p, min-p, temperature and the seeded draw), with its
+        logit bias after the penalties. A grammar sampler of its own per request: its parse state follows that
+        request's tokens only (llama.cpp's ``llama_sampler_sample`` accepts each sampled token into the chain)."""
         from llama_cpp._internals import LlamaSampler
 
         llm = self.llm
@@ -183,6 +212,8 @@ class BatchGenerator:
         bias = params["logit_bias"] if params["logit_bias"] is not None else self.logit_bias
         if bias:
             s.add_logit_bias(llm.n_vocab(), {int(t): float(b) for t, b in bias.items()})
+        if params["grammar"] is not None:
+            s.add_grammar(llm._model, params["grammar"])
         temp = params["temperature"]
         if temp < 0.0:
             s.add_dist(seed)
@@ -320,7 +351,12 @@ class BatchGenerator:
                 r.logits.append(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy())
             tok = int(r.sampler.sample(llm._ctx, r.row))
             r.times.append(time.perf_counter())
+            n_top, had = r.params["logprobs"], len(r.out)
+            if n_top is not None:
+                lp = self._logprobs(r.row, tok, n_top)
             self._advance(r, tok)
+            if n_top is not None and len(r.out) > had:  # as create_completion: the generated tokens, not the EOG
+                r.lps.append(lp)
             crit = r.params["stopping_criteria"]
             if r.finish is None and crit is not None:
                 # llama-cpp-python's StoppingCriteriaList: (the sequence's ids, the logits the token came from)
@@ -331,6 +367,40 @@ class BatchGenerator:
             if r.finish is not None:
                 self.drop(r, r.finish)
         return got
+
+    def _logprobs(self, row: int, tok: int, n_top: int):
+        """(log-probability of ``tok``, [(id, log-probability)] of the ``n_top`` likeliest) from the logits of batch
+        row ``row``, as llama-cpp-python computes them (``Llama.logits_to_logprobs``; ties to the higher id)."""
+        from llama_cpp import Llama as _LcpLlama
+
+        n_vocab = self.llm.n_vocab()
+        lp = _LcpLlama.logits_to_logprobs(np.ctypeslib.as_array(self._lc.llama_get_logits_ith(self.llm.ctx, row),
+                                                                shape=(n_vocab,)))
+        top = np.lexsort((-np.arange(n_vocab), -lp))[:n_top] if n_top else []
+        return float(lp[tok]), [(int(i), float(lp[i])) for i in top]
+
+    def _logprobs_object(self, r: _Request, prompt) -> dict:
+        """``r``'s ``logprobs`` as ``create_completion`` gives them without echo: per generated token its text,
+        offset (from the end of ``prompt``, its length in characters, or in tokens for a token list, as
+        llama-cpp-python counts it), log-probability and a dict of the top ones (its own included)."""
+        llm, toks = self.llm, r.out[: len(r.lps)]
+        out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        bos = llm.token_bos()
+
+        def text(ids, prev=None):
+            return llm.detokenize(ids, prev_tokens=prev).decode("utf-8", errors="ignore")
+
+        for idx, (tok, (lp, top)) in enumerate(zip(toks, r.lps)):
+            if tok == bos:
+                continue
+            s = text([tok], toks[:idx])
+            out["text_offset"].append(len(prompt) + len(text(toks[:idx])))
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp)
+            d = {text([i], toks[:idx]): v for i, v in top}
+            d[s] = lp
+            out["top_logprobs"].append(d)
+        return out
 
     def _advance(self, r: _Request, tok: int) -> None:
         lc, llm = self._lc, self.llm
@@ -350,9 +420,10 @@ class BatchGenerator:
     def completion(self, r: _Request, model: Optional[str] = None) -> dict:
         """``r``'s result as llama-cpp-python's ``create_completion`` returns it (``model``: the name to give, else
         the model's path)."""
+        lps = None if r.params["logprobs"] is None else self._logprobs_object(r, r.source)
         return {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
                 "model": model or self.llm.model_path,
-                "choices": [{"text": r.text.decode("utf-8", errors="ignore"), "index": 0, "logprobs": None,
+                "choices": [{"text": r.text.decode("utf-8", errors="ignore"), "index": 0, "logprobs": lps,
                              "finish_reason": r.finish}],
                 "usage": {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.out),
                           "total_tokens": len(r.prompt) + len(r.out)}}
@@ -402,12 +473,22 @@ class BatchScheduler:
     def state(self) -> dict:
         """Slots and queue now: ``slots`` (n_seq_max), ``active`` (requests holding a slot), ``waiting`` (for a slot:
         not admitted, beyond the free slots), ``steps``,
-        ``tokens_decoded``, ``sequences_per_step`` ({sequences: steps})."""
+        ``tokens_decoded``, ``sequences_per_step`` ({sequences: steps}), and ``per_slot``: one dict per slot, by id,
+        as llama-server's ``/slots`` reports them: ``id``, ``state`` (``idle``, ``prefilling`` or ``generating``),
+        ``n_ctx`` (the slot's context, tokens), ``n_prompt_tokens``, ``n_prompt_tokens_processed`` (decoded so far)
+        and ``n_decoded`` (tokens generated) of the request holding it (0 when idle)."""
         with self._cv:
             waiting = max(0, len(self._incoming) + len(self.gen.waiting) - len(self.gen.free))
+        per_slot = [{"id": i, "state": "idle", "n_ctx": self.gen.n_ctx_seq, "n_prompt_tokens": 0,
+                     "n_prompt_tokens_processed": 0, "n_decoded": 0} for i in range(self.gen.n_slots)]
+        for r in list(self.gen.active):  # a copy: the batch thread changes the list between steps
+            if 0 <= r.slot < len(per_slot):
+                per_slot[r.slot].update(state="prefilling" if r.fed < len(r.prompt) else "generating",
+                                        n_prompt_tokens=len(r.prompt), n_prompt_tokens_processed=r.fed,
+                                        n_decoded=len(r.out))
         return {"slots": self.gen.n_slots, "active": len(self.gen.active), "waiting": waiting, "steps": self.steps,
                 "tokens_decoded": self.tokens_decoded,
-                "sequences_per_step": dict(sorted(self.sequences_per_step.items()))}
+                "sequences_per_step": dict(sorted(self.sequences_per_step.items())), "per_slot": per_slot}
 
     def submit(self, prompt, **kw) -> _Request:
         """Queues one request (``prompt``: a string or token list; keywords as :meth:`BatchGenerator.run`'s, one

@@ -427,14 +427,17 @@ class Llama(llama_cpp.Llama):
 
         ``prompts``: strings or token lists. Keywords: ``max_tokens``, ``temperature``, ``top_p``, ``min_p``,
         ``typical_p``, ``stop``, ``frequency_penalty``, ``presence_penalty``, ``repeat_penalty``, ``top_k``,
-        ``seed``, ``logit_bias`` (token id -> added logit), as ``create_completion``'s (same defaults), each one
-        value for all or a list with one per prompt. Returns one ``create_completion``-style dict per prompt, in
-        order. The prompt cache of ``create_completion`` is cleared before and after.
+        ``seed``, ``logit_bias`` (token id -> added logit), ``grammar`` (a ``llama_cpp.LlamaGrammar`` or GBNF
+        text), ``logprobs`` (top tokens to list; without ``logits_all``, unlike ``create_completion``), as
+        ``create_completion``'s (same defaults), each one value for all or a list with one per prompt.
+        Returns one ``create_completion``-style dict per prompt, in order. The prompt cache of ``create_completion``
+        is cleared before and after.
 
         Raises:
             ValueError: no prompts, an empty prompt, a list of values of the wrong length, an unknown keyword, a
-                value the samplers cannot take, or a prompt longer than one sequence's context (``max_tokens`` is
-                cut to what that context leaves, as ``create_completion`` cuts it).
+                value the samplers cannot take (a grammar llama.cpp does not parse included), or a prompt longer
+                than one sequence's context (``max_tokens`` is cut to what that context leaves, as
+                ``create_completion`` cuts it).
             RuntimeError: a failed decode (as ``eval``).
         """
         from hybrimoe.runtime.batch import BatchGenerator

@@ -61,6 +61,10 @@ def metrics_text(state) -> str:
         metric("requests_waiting", "gauge", "Requests waiting for a slot.", [("", par["waiting"])])
         metric("batch_steps_total", "counter", "Batched decodes, by how many requests each carried.",
                [(f',sequences="{k}"', v) for k, v in par["sequences_per_step"].items()])
+        metric("slot_busy", "gauge", "1 while a request holds the slot (prefilling or generating).",
+               [(f',slot="{d["id"]}"', d["state"] != "idle") for d in par["per_slot"]])
+        metric("slot_context_tokens", "gauge", "Tokens of the slot's context in use (prompt decoded and generated).",
+               [(f',slot="{d["id"]}"', d["n_prompt_tokens_processed"] + d["n_decoded"]) for d in par["per_slot"]])
     e = snap.get("engine")
     if e:
         c = e["cache"]

@@ -22,9 +22,9 @@ GRACE_S = SERVER_GRACE_S
 
 #: create_completion's keywords the batch scheduler does not take, with the values that ask nothing of it (their
 #: defaults, or what llama-cpp-python's chat handlers pass when a request leaves them out)
-_PARALLEL_NEUTRAL = {"suffix": (None, ""), "logprobs": (None, False, 0), "echo": (False, None), "tfs_z": (1.0, None),
+_PARALLEL_NEUTRAL = {"suffix": (None, ""), "echo": (False, None), "tfs_z": (1.0, None),
                      "mirostat_mode": (0, None), "mirostat_tau": None, "mirostat_eta": None,
-                     "logits_processor": (None,), "grammar": (None,)}
+                     "logits_processor": (None,)}
 
 
 #: the batched requests an HTTP response started, as (scheduler, request): the app sets a list per response
@@ -68,8 +68,10 @@ class ServedLlama(Llama):
     With ``parallel`` > 1 (``hybrimoe serve --parallel N``; the context must hold N sequences, ``n_seq_max``) its
     completions go through a :class:`hybrimoe.runtime.batch.BatchScheduler`: concurrent requests share one decode
     per step (continuous batching), each on its own sequence; ``max_waiting`` bounds the requests waiting for a slot
-    (past it: :class:`APIError` 429). A request asking for what the scheduler does not do (a grammar, logprobs,
-    echo, a suffix, mirostat, a logits processor such as ``min_tokens``) is refused with ValueError (400).
+    (past it: :class:`APIError` 429). A request asking for what the scheduler does not do (echo, a suffix,
+    mirostat, a logits processor such as ``min_tokens``, logprobs of a streamed answer) is refused with ValueError
+    (400); a grammar (and so a chat's ``response_format`` JSON schema) is served, each request with its own grammar
+    sampler, and so are logprobs of an answer that is not streamed.
 
     Args: ``api_name``: the model's name in the API; the rest as :class:`hybrimoe.Llama`, with the same errors; after
     :meth:`close_when_idle`, ``eval`` raises RuntimeError.
@@ -173,12 +175,14 @@ class ServedLlama(Llama):
         stream = bool(kwargs.pop("stream", False))
         asked = [k for k, v in kwargs.items() if k not in SAMPLING_DEFAULTS and
                  _PARALLEL_NEUTRAL.get(k, ()) is not None and v not in _PARALLEL_NEUTRAL.get(k, ())]
+        if stream and kwargs.get("logprobs") not in (None, False):
+            asked.append("logprobs with stream")
         if asked:
             # the server turns min_tokens into a logits processor: name what the request asked
             asked = ["min_tokens (a logits processor)" if k == "logits_processor" else k for k in asked]
             raise ValueError(f"{', '.join(sorted(asked))}: not served with --parallel above 1 (each request's own "
-                             "sampling, stop strings, penalties, seed and logit_bias are); start the server with "
-                             "--parallel 1 for these")
+                             "sampling, stop strings, penalties, seed, logit_bias, grammar and logprobs are); "
+                             "start the server with --parallel 1 for these")
         kw = {k: v for k, v in kwargs.items() if k in SAMPLING_DEFAULTS}
         if kw.get("stop") == []:
             kw["stop"] = None

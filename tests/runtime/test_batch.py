@@ -146,12 +146,78 @@ def test_sampling_per_prompt_is_seeded_and_stop_strings_cut(tiny_model):
         llm.close()
 
 
+def test_grammars_per_prompt_constrain_each_and_match_create_completion(tiny_model):
+    """Each prompt with its own grammar in one batch (and one without): every text is a prefix of a string its
+    grammar accepts (unconstrained, the tiny model's text is not), and each equals llama-cpp-python's
+    create_completion with the same grammar, run alone (the same decodes: the prompt, then a token per step)."""
+    import re
+
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    from hybrimoe import Llama
+
+    grammars = ['root ::= [0-9]+', 'root ::= ("yes" | "no") "."', 'root ::= "[" [a-z]* "]"', None]
+    accepts = [r"[0-9]*", r"(y|ye|yes|yes\.|n|no|no\.)?", r"(\[[a-z]*\]?)?", r".*"]
+    prompts = ["Once upon a time", "The harbour was quiet", "Numbers go up", "Hello world"]
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), n_seq_max=4, **_common())
+    try:
+        got = [o["choices"][0]["text"] for o in llm.create_completions(prompts, max_tokens=10, temperature=0.0,
+                                                                        grammar=grammars)]
+    finally:
+        llm.close()
+    for text, pattern in zip(got, accepts):
+        assert text and re.fullmatch(pattern, text, flags=re.S), (text, pattern)
+    assert not re.fullmatch(r"[0-9]*", got[3]), got  # the prompt without a grammar is not constrained
+    llm = Llama(str(path), **_common())
+    try:
+        for g, p, text in zip(grammars[:3], prompts, got):
+            one = llm.create_completion(p, max_tokens=10, temperature=0.0,
+                                        grammar=LlamaGrammar.from_string(g, verbose=False))
+            assert one["choices"][0]["text"] == text, (g, one, text)
+    finally:
+        llm.close()
+
+
+def test_logprobs_match_create_completion(tiny_model):
+    """logprobs of one prompt's greedy answer (the other prompt of the batch asks for none) against
+    llama-cpp-python's create_completion run alone with logits_all: the same tokens, text offsets and top tokens,
+    and log-probabilities within 1e-4 (its prompt's logits come from a batch with every row's outputs)."""
+    from hybrimoe import Llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    p = "Once upon a time"
+    llm = Llama(str(path), logits_all=True, **_common())
+    try:
+        want = llm.create_completion(p, max_tokens=6, temperature=0.0, logprobs=3)["choices"][0]
+    finally:
+        llm.close()
+    llm = Llama(str(path), n_seq_max=2, **_common())
+    try:
+        alone = llm.create_completions([p], max_tokens=6, temperature=0.0, logprobs=3)[0]["choices"][0]
+        two = llm.create_completions([p, "Hello"], max_tokens=6, temperature=0.0, logprobs=[2, None])
+    finally:
+        llm.close()
+    a, b = want["logprobs"], alone["logprobs"]
+    assert alone["text"] == want["text"] and b["tokens"] == a["tokens"] and b["text_offset"] == a["text_offset"]
+    assert len(b["tokens"]) == 6 and b["text_offset"][0] == len(p)
+    np.testing.assert_allclose(b["token_logprobs"], a["token_logprobs"], rtol=0, atol=1e-4)
+    for x, y in zip(a["top_logprobs"], b["top_logprobs"]):
+        assert x.keys() == y.keys()
+        np.testing.assert_allclose([y[k] for k in x], [x[k] for k in x], rtol=0, atol=1e-4)
+    assert two[1]["choices"][0]["logprobs"] is None
+    assert all(len(d) <= 3 for d in two[0]["choices"][0]["logprobs"]["top_logprobs"])  # 2 top ones and its own
+
+
 @pytest.mark.parametrize("prompts, kw, msg", [
     ([], {}, "non-empty list"),
     ("one string", {}, "non-empty list"),
     (["ok", ""], {}, "prompt 1 is empty"),
     (["a", "b"], {"max_tokens": [1, 2, 3]}, "3 values for 2 prompts"),
-    (["a"], {"grammar": "root ::= [a]"}, "unknown keyword"),
+    (["a"], {"mirostat_mode": 2}, "unknown keyword"),
+    (["a"], {"grammar": "root ::= ("}, "could not parse the grammar"),
+    (["a"], {"grammar": 5}, "grammar must be"),
+    (["a"], {"logprobs": -1}, "logprobs must be"),
     ([list(range(5, 300))], {}, "exceed context window of 256"),
     (["a"], {"logit_bias": {"abc": 1.0}}, "not a token id"),
     (["a"], {"logit_bias": {10**9: 1.0}}, "this model's ids are"),
@@ -192,7 +258,9 @@ def test_scheduler_requests_that_arrive_together_equal_a_batch_run(tiny_model):
         want = BatchGenerator(llm, logit_bias=_eog(llm))
         want.run(prompts, max_tokens=5, temperature=0.0)
         lock = threading.Lock()
-        sched = BatchScheduler(llm, lock=lock)
+        snaps, holder = [], []
+        sched = BatchScheduler(llm, lock=lock, on_step=lambda gen: snaps.append(holder[0].state()))
+        holder.append(sched)
         try:
             with lock:  # the scheduler waits at its first step until all four are in
                 reqs = [sched.submit(p, max_tokens=5, temperature=0.0, logit_bias=_eog(llm)) for p in prompts]
@@ -209,6 +277,15 @@ def test_scheduler_requests_that_arrive_together_equal_a_batch_run(tiny_model):
             assert [r.out for r in reqs] == want.tokens
             assert all(o["usage"]["completion_tokens"] == 5 for o in outs)
             assert sched.state()["active"] == 0 and sched.state()["sequences_per_step"].get(4, 0) >= 1
+            # per slot, as each step left it: the four prompts decoded whole in the first step, one token each per
+            # step after it; every slot idle at the end
+            first = snaps[0]["per_slot"]
+            assert [d["id"] for d in first] == [0, 1, 2, 3]
+            assert sorted(d["n_prompt_tokens"] for d in first) == sorted(len(p) for p in prompts)
+            assert all(d["n_prompt_tokens_processed"] == d["n_prompt_tokens"] and d["n_decoded"] == 1 and
+                       d["state"] == "generating" and d["n_ctx"] == want.n_ctx_seq for d in first), first
+            assert [max(d["n_decoded"] for d in sn["per_slot"]) for sn in snaps[:4]] == [1, 2, 3, 4], snaps
+            assert all(d["state"] == "idle" and d["n_decoded"] == 0 for d in sched.state()["per_slot"])
         finally:
             sched.close(30)
     finally:

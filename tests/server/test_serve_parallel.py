@@ -150,6 +150,10 @@ def test_eight_clients_at_once_share_decodes_and_each_gets_its_answer(server, eo
     text = conn.getresponse().read().decode()
     conn.close()
     assert f'hybrimoe_slots{{model="tiny"}} {PARALLEL}' in text and 'hybrimoe_slots_busy{model="tiny"} 0' in text
+    assert [d["state"] for d in after["per_slot"]] == ["idle"] * PARALLEL, after
+    for i in range(PARALLEL):  # every slot free again, its context empty
+        assert f'hybrimoe_slot_busy{{model="tiny",slot="{i}"}} 0' in text
+        assert f'hybrimoe_slot_context_tokens{{model="tiny",slot="{i}"}} 0' in text
     assert any(f'hybrimoe_batch_steps_total{{model="tiny",sequences="{k}"}}' in text for k in range(2, PARALLEL + 1))
 
 
@@ -216,10 +220,26 @@ def test_a_client_gone_mid_stream_frees_its_slot(server, eog, text_of):
     assert status == 200, body
 
 
+def test_a_grammar_a_json_response_format_and_logprobs_are_served_per_request(server):
+    status, body = _post(server.port, "/v1/completions", {"prompt": "Hi", "max_tokens": 6,
+                                                          "grammar": 'root ::= ("yes" | "no") "."', **GREEDY})
+    assert status == 200, body
+    assert body["choices"][0]["text"] in ("y", "ye", "yes", "yes.", "n", "no", "no."), body
+    status, body = _post(server.port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "response_format": {"type": "json_object"},
+        **GREEDY})
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"].lstrip().startswith("{"), body  # the JSON grammar held
+    status, body = _post(server.port, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "logprobs": 2, **GREEDY})
+    assert status == 200, body
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 3 and all(v <= 0 for v in lp["token_logprobs"]) and len(lp["top_logprobs"]) == 3
+
+
 @pytest.mark.parametrize("body, code", [
     ({"prompt": N_CTX // PARALLEL + 10, "max_tokens": 2}, "context_length_exceeded"),
-    ({"prompt": "Hi", "max_tokens": 2, "grammar": "root ::= \"a\""}, None),
-    ({"prompt": "Hi", "max_tokens": 2, "logprobs": 2}, None),
+    ({"prompt": "Hi", "max_tokens": 2, "grammar": "root ::= ("}, None),
+    ({"prompt": "Hi", "max_tokens": 2, "logprobs": 2, "stream": True}, None),
     ({"prompt": "", "max_tokens": 2}, None),
 ])
 def test_bad_requests_get_400_and_the_server_stays_healthy(server, text_of, body, code):
