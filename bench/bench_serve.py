@@ -73,7 +73,12 @@ def start(kind: str, args, n: int):
         extra = {"logit_bias": args.eog_bias}
     err = tempfile.TemporaryFile("w+")
     # not from a checkout, whose source tree would shadow the installed package
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, cwd="/tmp")
+    env = None
+    if kind == "upstream":  # a build copied out of its tree finds its shared libraries beside it
+        env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
+            x for x in (str(Path(args.llama_server).resolve().parent), os.environ.get("LD_LIBRARY_PATH")) if x))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, cwd="/tmp",
+                            env=env)
     try:
         _wait_ready(port, proc)
     except Exception as e:
