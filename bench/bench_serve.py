@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import socket
 import statistics
 import subprocess
@@ -72,11 +73,12 @@ def start(kind: str, args, n: int):
                str(port), *shlex.split(args.hybrimoe_args)]
         extra = {"logit_bias": args.eog_bias}
     err = tempfile.TemporaryFile("w+")
-    # not from a checkout, whose source tree would shadow the installed package
     env = None
     if kind == "upstream":  # a build copied out of its tree finds its shared libraries beside it
+        binary = Path(shutil.which(args.llama_server) or args.llama_server).resolve()
         env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
-            x for x in (str(Path(args.llama_server).resolve().parent), os.environ.get("LD_LIBRARY_PATH")) if x))
+            x for x in (str(binary.parent), os.environ.get("LD_LIBRARY_PATH")) if x))
+    # cwd: not a checkout, whose source tree would shadow the installed package
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, cwd="/tmp",
                             env=env)
     try:

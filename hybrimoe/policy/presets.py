@@ -323,10 +323,13 @@ def build_ram_tier(name: str, expert_bytes: Sequence[float], n_experts: int, bud
     (the engine's ``moe_ram_policy``); the preset's admission and streaming still apply.
 
     Raises:
-        ValueError: an unknown preset, a static hot set without ``hot_keys``, a bad budget (as ExpertCache).
+        ValueError: an unknown preset, a static hot set without ``hot_keys`` or with a ``policy``, a bad budget (as
+            ExpertCache).
     """
     comp = ram_preset(name)
     eb = [float(b) for b in expert_bytes]
+    if policy is not None and comp["cache"] == "static-frequency":
+        raise ValueError(f"RAM preset {name!r} is a static hot set: it takes no cache policy")
     if comp["cache"] == "static-frequency":
         if hot_keys is None:
             raise ValueError(f"RAM preset {name!r}: a static hot set needs a profile of expert frequencies "

@@ -12,10 +12,10 @@ The KV cache is llama.cpp's, as the context was made: with llama.cpp's default (
 ``n_ctx / n_seq_max`` cells (``llama_n_ctx_seq``), as llama-server splits its context between slots.
 
 Sampling is a llama.cpp sampler chain per request, with that request's parameters, in llama-cpp-python's order
-(``Llama._init_sampler``: penalties, then greedy at temperature 0, else top-k, typical, top-p, min-p, temperature and
-the seeded draw; a logit bias after the penalties), sampling from its sequence's row of the batch's logits
-(``llama_sampler_sample``). The results are
-llama-cpp-python's completion objects.
+(``Llama._init_sampler``: penalties, the grammar, then greedy at temperature 0, else top-k, typical, top-p, min-p,
+temperature and the seeded draw; a logit bias after the penalties), sampling from its sequence's row of the batch's
+logits (``llama_sampler_sample``); logprobs come from the same row. The results are llama-cpp-python's completion
+objects.
 """
 from __future__ import annotations
 
@@ -61,6 +61,25 @@ class _Request:
     lps: list = field(default_factory=list)
 
 
+def checked_grammar(llm, grammar):
+    """``grammar`` (a ``llama_cpp.LlamaGrammar`` or GBNF text) as a LlamaGrammar that llama.cpp parses for ``llm``'s
+    vocabulary. Raises ValueError for another type or a grammar llama.cpp's parser refuses (it prints where):
+    llama-cpp-python would add the parser's NULL sampler to its chain and crash at the first token."""
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    if isinstance(grammar, str):
+        grammar = LlamaGrammar.from_string(grammar, verbose=False)
+    if not isinstance(grammar, LlamaGrammar):
+        raise ValueError(f"grammar must be a llama_cpp.LlamaGrammar or GBNF text, not {type(grammar).__name__}")
+    lc = llama_cpp_module().llama_cpp
+    smpl = lc.llama_sampler_init_grammar(llm._model.vocab, grammar._grammar.encode("utf-8"),
+                                         grammar._root.encode("utf-8"))
+    if not smpl:
+        raise ValueError("llama.cpp could not parse the grammar (GBNF; its parser printed where)")
+    lc.llama_sampler_free(smpl)
+    return grammar
+
+
 class BatchGenerator:
     """Generates for several prompts in one batch per step (continuous batching) on a :class:`hybrimoe.Llama` whose
     context holds several sequences (``Llama(..., n_seq_max=N)``, llama-server's ``-np N``).
@@ -71,7 +90,8 @@ class BatchGenerator:
     before and after, so ``create_completion`` afterwards starts from an empty context.
 
     Raises (``run``): ValueError for no prompts, an empty prompt, a list of per-prompt values of the wrong length,
-    an unknown keyword, or a prompt that does not fit one sequence's context (``llama_n_ctx_seq``; as
+    an unknown keyword, a value the samplers cannot take (a grammar llama.cpp does not parse, logprobs below 0), or
+    a prompt that does not fit one sequence's context (``llama_n_ctx_seq``; as
     ``create_completion``, ``max_tokens`` is cut to what the context leaves); RuntimeError when a decode fails (as
     ``Llama.eval``).
     """
@@ -179,22 +199,11 @@ class BatchGenerator:
             raise ValueError(f"prompt {i}: logprobs must be None or a number of top tokens >= 0, got {lp!r}")
 
     def _grammar(self, i: int, grammar):
-        """``grammar`` (a ``llama_cpp.LlamaGrammar`` or GBNF text) as a LlamaGrammar that llama.cpp parses; ValueError
-        naming the prompt otherwise (llama.cpp's parser prints where it failed)."""
-        from llama_cpp.llama_grammar import LlamaGrammar
-
-        if isinstance(grammar, str):
-            grammar = LlamaGrammar.from_string(grammar, verbose=False)
-        if not isinstance(grammar, LlamaGrammar):
-            raise ValueError(f"prompt {i}: grammar must be a llama_cpp.LlamaGrammar or GBNF text, not "
-                             f"{type(grammar).__name__}")
         # parsed here, on the caller's thread: a grammar llama.cpp refuses fails its own request, not a step
-        smpl = self._lc.llama_sampler_init_grammar(self.llm._model.vocab, grammar._grammar.encode("utf-8"),
-                                                   grammar._root.encode("utf-8"))
-        if not smpl:
-            raise ValueError(f"prompt {i}: llama.cpp could not parse the grammar (GBNF; its parser says where)")
-        self._lc.llama_sampler_free(smpl)
-        return grammar
+        try:
+            return checked_grammar(self.llm, grammar)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
 
     def _sampler(self, params: dict):
         """The request's sampler chain, in llama-cpp-python's order (``Llama._init_sampler``: penalties, the grammar,
@@ -376,7 +385,10 @@ class BatchGenerator:
         n_vocab = self.llm.n_vocab()
         lp = _LcpLlama.logits_to_logprobs(np.ctypeslib.as_array(self._lc.llama_get_logits_ith(self.llm.ctx, row),
                                                                 shape=(n_vocab,)))
-        top = np.lexsort((-np.arange(n_vocab), -lp))[:n_top] if n_top else []
+        top = []
+        if n_top:  # the n_top largest (a partition, not a sort of the vocabulary), then in order, ties to the higher id
+            part = np.argpartition(-lp, min(n_top, n_vocab) - 1)[:n_top]
+            top = part[np.lexsort((-part, -lp[part]))]
         return float(lp[tok]), [(int(i), float(lp[i])) for i in top]
 
     def _logprobs_object(self, r: _Request, prompt) -> dict:

@@ -533,6 +533,10 @@ class Llama(llama_cpp.Llama):
         if (isinstance(prompt, (str, bytes)) and len(prompt) == 0) or \
                 (isinstance(prompt, (list, tuple)) and len(prompt) == 0):
             raise ValueError("prompt is empty: give at least one character or token")
+        if kwargs.get("grammar") is not None:  # llama-cpp-python would crash on one llama.cpp cannot parse
+            from hybrimoe.runtime.batch import checked_grammar
+
+            kwargs["grammar"] = checked_grammar(self, kwargs["grammar"])
         return super().create_completion(prompt, *args, **kwargs)
 
     def close(self) -> None:

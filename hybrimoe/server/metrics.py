@@ -28,8 +28,9 @@ def _label(value: str) -> str:
 def metrics_text(state) -> str:
     """``GET /metrics``: the snapshot's figures in Prometheus' text format (0.0.4), labelled with the model.
 
-    With ``--parallel`` above 1 also the slots, the slots busy, the requests waiting and the batched decodes by how
-    many requests each carried (``sequences="<n>"``).
+    With ``--parallel`` above 1 also the slots, the slots busy, the requests waiting, the batched decodes by how
+    many requests each carried (``sequences="<n>"``), and per slot (``slot="<id>"``) whether it is busy and its
+    request's tokens.
 
     Counters (``_total``, since the server started): decodes, tokens decoded, cache accesses / hits / misses /
     evictions, experts run per side (``side="cpu"|"gpu"``, distinct experts per layer and ubatch), H2D bytes per
@@ -63,7 +64,8 @@ def metrics_text(state) -> str:
                [(f',sequences="{k}"', v) for k, v in par["sequences_per_step"].items()])
         metric("slot_busy", "gauge", "1 while a request holds the slot (prefilling or generating).",
                [(f',slot="{d["id"]}"', d["state"] != "idle") for d in par["per_slot"]])
-        metric("slot_context_tokens", "gauge", "Tokens of the slot's context in use (prompt decoded and generated).",
+        metric("slot_context_tokens", "gauge", "Tokens of the slot's request: prompt decoded and tokens generated "
+               "(the last one enters the context at the next step).",
                [(f',slot="{d["id"]}"', d["n_prompt_tokens_processed"] + d["n_decoded"]) for d in par["per_slot"]])
     e = snap.get("engine")
     if e:

@@ -175,7 +175,7 @@ class ServedLlama(Llama):
         stream = bool(kwargs.pop("stream", False))
         asked = [k for k, v in kwargs.items() if k not in SAMPLING_DEFAULTS and
                  _PARALLEL_NEUTRAL.get(k, ()) is not None and v not in _PARALLEL_NEUTRAL.get(k, ())]
-        if stream and kwargs.get("logprobs") not in (None, False):
+        if stream and kwargs.get("logprobs") is not None and kwargs.get("logprobs") is not False:  # 0 asks too
             asked.append("logprobs with stream")
         if asked:
             # the server turns min_tokens into a logits processor: name what the request asked

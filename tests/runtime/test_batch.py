@@ -195,7 +195,8 @@ def test_logprobs_match_create_completion(tiny_model):
     llm = Llama(str(path), n_seq_max=2, **_common())
     try:
         alone = llm.create_completions([p], max_tokens=6, temperature=0.0, logprobs=3)[0]["choices"][0]
-        two = llm.create_completions([p, "Hello"], max_tokens=6, temperature=0.0, logprobs=[2, None])
+        two = llm.create_completions([p, "Hello", "The harbour"], max_tokens=6, temperature=0.0,
+                                     logprobs=[2, None, 1])
     finally:
         llm.close()
     a, b = want["logprobs"], alone["logprobs"]
@@ -206,7 +207,28 @@ def test_logprobs_match_create_completion(tiny_model):
         assert x.keys() == y.keys()
         np.testing.assert_allclose([y[k] for k in x], [x[k] for k in x], rtol=0, atol=1e-4)
     assert two[1]["choices"][0]["logprobs"] is None
-    assert all(len(d) <= 3 for d in two[0]["choices"][0]["logprobs"]["top_logprobs"])  # 2 top ones and its own
+    for out, n in ((two[0], 2), (two[2], 1)):
+        lp = out["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == 6 and all(len(d) <= n + 1 for d in lp["top_logprobs"])  # n top ones, its own
+        # greedy from the raw logits: each token's log-probability is the largest of its row (a row of another
+        # sequence of the batch would not give that)
+        assert all(v == max(d.values()) for v, d in zip(lp["token_logprobs"], lp["top_logprobs"])), lp
+
+
+def test_a_grammar_llama_cpp_cannot_parse_is_a_value_error(tiny_model):
+    """llama-cpp-python adds llama.cpp's NULL grammar sampler to its chain and crashes at the first token;
+    hybrimoe's Llama refuses the grammar first, and the model still works."""
+    from hybrimoe import Llama
+
+    llm = Llama(str(tiny_model("qwen3moe", "Q8_0")), **_common())
+    try:
+        with pytest.raises(ValueError, match="could not parse the grammar"):
+            llm.create_completion("Hi", max_tokens=2, grammar="root ::= (")
+        with pytest.raises(ValueError, match="grammar must be"):
+            llm("Hi", max_tokens=2, grammar=3)
+        assert llm.create_completion("Hi", max_tokens=2, temperature=0.0, grammar="root ::= [0-9]+")["choices"]
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("prompts, kw, msg", [

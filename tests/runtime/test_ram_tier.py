@@ -291,7 +291,7 @@ def test_every_policy_and_prefetch_depth_matches_upstream(policy, prefetch, tiny
         assert st["ram"]["prefetch_reads"] > 0, st["ram"]
 
 
-@pytest.mark.parametrize("policy", [None, "lru"])
+@pytest.mark.parametrize("policy", [None, "lru", "lfu", "object"])
 def test_the_engines_ram_cache_is_the_simulators_preset(policy, tiny_model, monkeypatch):
     """The engine's RAM cache is built as the simulator's hybrimoe RAM preset (build_ram_tier): TinyLFU admission,
     LIP insertion of a prefill's demand reads, and MRS at RAM_MRS_ALPHA (an observed score moves by alpha)."""
@@ -312,8 +312,9 @@ def test_the_engines_ram_cache_is_the_simulators_preset(policy, tiny_model, monk
             return getattr(real, name)
 
     monkeypatch.setattr(mod, "Engine", Capture())
+    obj = _core.LRUPolicy() if policy == "object" else None
     path = tiny_model("qwen3moe", "Q8_0")
-    out, _, st = _ram_run(path, _tokens(path, 9), 7, moe_ram_policy=policy)
+    out, _, st = _ram_run(path, _tokens(path, 9), 7, moe_ram_policy=obj if obj is not None else policy)
     assert out, st
     rc = seen["cache"]
     assert rc.frequency_admission
@@ -321,7 +322,10 @@ def test_the_engines_ram_cache_is_the_simulators_preset(policy, tiny_model, monk
     sim, _ = build_ram_tier("hybrimoe", [1.0], 4, 2.0)
     assert sim.frequency_admission == rc.frequency_admission
     assert sim.streaming_demand == rc.streaming_demand
-    assert rc.policy.name() == (policy or "mrs")
+    if obj is not None:
+        assert rc.policy is obj  # the caller's object itself
+    else:
+        assert rc.policy.name() == (policy or "mrs")
     if policy is None:
         # one observation of expert 1 with score 1.0 from 0 moves its score by alpha (MRS's S <- alpha * s + (1 -
         # alpha) * S), in the engine's policy object (its run has ended) as in a fresh default one

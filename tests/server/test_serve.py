@@ -320,6 +320,9 @@ LONG_PROMPT = "once upon a time " * 120  # > N_CTX tokens
     ("embeddings from a model not loaded for them", "POST", "/v1/embeddings", {"model": ALIAS, "input": "Hi"}, KEY,
      400, "embeddings_not_enabled"),
     ("unknown path", "GET", "/v1/nothing", None, KEY, 404, None),
+    # llama-cpp-python would add llama.cpp's NULL grammar sampler to its chain and crash the server
+    ("grammar llama.cpp cannot parse", "POST", "/v1/completions",
+     {"model": ALIAS, "prompt": "Hi", "max_tokens": 2, "grammar": "root ::= ("}, KEY, 400, None),
 ])
 def test_bad_requests_get_openai_errors(server, case, method, path, body, key, status, code):
     raw = body if isinstance(body, bytes) else None

@@ -240,6 +240,7 @@ def test_a_grammar_a_json_response_format_and_logprobs_are_served_per_request(se
     ({"prompt": N_CTX // PARALLEL + 10, "max_tokens": 2}, "context_length_exceeded"),
     ({"prompt": "Hi", "max_tokens": 2, "grammar": "root ::= ("}, None),
     ({"prompt": "Hi", "max_tokens": 2, "logprobs": 2, "stream": True}, None),
+    ({"prompt": "Hi", "max_tokens": 2, "logprobs": 0, "stream": True}, None),
     ({"prompt": "", "max_tokens": 2}, None),
 ])
 def test_bad_requests_get_400_and_the_server_stays_healthy(server, text_of, body, code):
