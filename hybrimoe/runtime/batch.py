@@ -80,6 +80,47 @@ def checked_grammar(llm, grammar):
     return grammar
 
 
+def checked_sampling(llm, params: dict) -> dict:
+    """``params`` (sampling keywords of ``create_completion``; only those given are checked) with a grammar made a
+    :func:`checked_grammar` and logprobs False made None. Raises ValueError for a value llama.cpp's samplers cannot
+    take, where llama-cpp-python would raise a ctypes error, crash, or (a logit bias on a token id outside the
+    vocabulary) print an IndexError and ignore the bias."""
+    out = dict(params)
+    mt = out.get("max_tokens")
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int)):
+        raise ValueError(f"max_tokens must be an integer or None, got {mt!r}")
+    for k in _NUMERIC:
+        v = out.get(k, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            raise ValueError(f"{k} must be a number, got {v!r}")
+    seed = out.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    bias = out.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise ValueError("logit_bias must map token ids to numbers")
+        n_vocab = llm.n_vocab()
+        for t, b in bias.items():
+            try:
+                tok, val = int(t), float(b)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias {t!r}: {b!r} is not a token id and a number") from None
+            if not 0 <= tok < n_vocab or val != val:
+                raise ValueError(f"logit_bias names token {t!r}; this model's ids are 0..{n_vocab - 1}")
+    stop = out.get("stop")
+    if stop is not None and not isinstance(stop, (str, list, tuple)):
+        raise ValueError("stop must be a string or a list of strings")
+    if out.get("grammar") is not None:
+        out["grammar"] = checked_grammar(llm, out["grammar"])
+    lp = out.get("logprobs")
+    if lp is False:
+        out["logprobs"] = None
+    elif lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 0):
+        raise ValueError(f"logprobs must be None or a number of top tokens >= 0, got {lp!r}")
+    return out
+
+
 class BatchGenerator:
     """Generates for several prompts in one batch per step (continuous batching) on a :class:`hybrimoe.Llama` whose
     context holds several sequences (``Llama(..., n_seq_max=N)``, llama-server's ``-np N``).
@@ -165,43 +206,11 @@ class BatchGenerator:
         return reqs
 
     def _check(self, i: int, params: dict) -> None:
-        """Raises ValueError for a value llama.cpp's samplers cannot take (checked before the request is queued)."""
-        mt = params["max_tokens"]
-        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int)):
-            raise ValueError(f"prompt {i}: max_tokens must be an integer or None, got {mt!r}")
-        for k in _NUMERIC:
-            v = params[k]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-                raise ValueError(f"prompt {i}: {k} must be a number, got {v!r}")
-        if params["seed"] is not None and (isinstance(params["seed"], bool) or not isinstance(params["seed"], int)):
-            raise ValueError(f"prompt {i}: seed must be an integer, got {params['seed']!r}")
-        bias = params["logit_bias"]
-        if bias is not None:
-            if not isinstance(bias, dict):
-                raise ValueError(f"prompt {i}: logit_bias must map token ids to numbers")
-            n_vocab = self.llm.n_vocab()
-            for t, b in bias.items():
-                try:
-                    tok, val = int(t), float(b)
-                except (TypeError, ValueError):
-                    raise ValueError(f"prompt {i}: logit_bias {t!r}: {b!r} is not a token id and a number") from None
-                if not 0 <= tok < n_vocab or val != val:
-                    raise ValueError(f"prompt {i}: logit_bias names token {t!r}; this model's ids are 0..{n_vocab - 1}")
-        stop = params["stop"]
-        if stop is not None and not isinstance(stop, (str, list, tuple)):
-            raise ValueError(f"prompt {i}: stop must be a string or a list of strings")
-        if params["grammar"] is not None:
-            params["grammar"] = self._grammar(i, params["grammar"])
-        lp = params["logprobs"]
-        if lp is False:
-            params["logprobs"] = None
-        elif lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 0):
-            raise ValueError(f"prompt {i}: logprobs must be None or a number of top tokens >= 0, got {lp!r}")
-
-    def _grammar(self, i: int, grammar):
-        # parsed here, on the caller's thread: a grammar llama.cpp refuses fails its own request, not a step
+        """Raises ValueError, naming the prompt, for a value llama.cpp's samplers cannot take (checked before the
+        request is queued: :func:`checked_sampling`); a grammar becomes a checked LlamaGrammar, logprobs False
+        None."""
         try:
-            return checked_grammar(self.llm, grammar)
+            params.update(checked_sampling(self.llm, params))
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
 

@@ -533,10 +533,13 @@ class Llama(llama_cpp.Llama):
         if (isinstance(prompt, (str, bytes)) and len(prompt) == 0) or \
                 (isinstance(prompt, (list, tuple)) and len(prompt) == 0):
             raise ValueError("prompt is empty: give at least one character or token")
-        if kwargs.get("grammar") is not None:  # llama-cpp-python would crash on one llama.cpp cannot parse
-            from hybrimoe.runtime.batch import checked_grammar
+        # values llama-cpp-python would crash on (a grammar llama.cpp cannot parse), raise a ctypes error for, or
+        # ignore (a logit bias outside the vocabulary): ValueError first, as the batch path checks them
+        from hybrimoe.runtime.batch import checked_sampling
 
-            kwargs["grammar"] = checked_grammar(self, kwargs["grammar"])
+        checked = checked_sampling(self, kwargs)
+        if checked.get("grammar") is not None:
+            kwargs["grammar"] = checked["grammar"]
         return super().create_completion(prompt, *args, **kwargs)
 
     def close(self) -> None:

@@ -215,17 +215,27 @@ def test_logprobs_match_create_completion(tiny_model):
         assert all(v == max(d.values()) for v, d in zip(lp["token_logprobs"], lp["top_logprobs"])), lp
 
 
-def test_a_grammar_llama_cpp_cannot_parse_is_a_value_error(tiny_model):
-    """llama-cpp-python adds llama.cpp's NULL grammar sampler to its chain and crashes at the first token;
-    hybrimoe's Llama refuses the grammar first, and the model still works."""
+@pytest.mark.parametrize("kw, msg", [
+    # llama-cpp-python adds llama.cpp's NULL grammar sampler to its chain and crashes at the first token
+    ({"grammar": "root ::= ("}, "could not parse the grammar"),
+    ({"grammar": 3}, "grammar must be"),
+    # it prints an IndexError from its logits processor and ignores the bias
+    ({"logit_bias": {10**9: 1.0}}, "this model's ids are"),
+    # a ctypes ArgumentError
+    ({"top_k": "x"}, "top_k must be a number"),
+    ({"logprobs": -2}, "logprobs must be"),
+])
+def test_bad_sampling_values_are_value_errors_in_create_completion_too(tiny_model, kw, msg):
+    """The single-prompt path checks what the batch path checks, before llama-cpp-python sees it; the model still
+    works after."""
     from hybrimoe import Llama
 
     llm = Llama(str(tiny_model("qwen3moe", "Q8_0")), **_common())
     try:
-        with pytest.raises(ValueError, match="could not parse the grammar"):
-            llm.create_completion("Hi", max_tokens=2, grammar="root ::= (")
-        with pytest.raises(ValueError, match="grammar must be"):
-            llm("Hi", max_tokens=2, grammar=3)
+        with pytest.raises(ValueError, match=msg):
+            llm.create_completion("Hi", max_tokens=2, **kw)
+        with pytest.raises(ValueError, match=msg):
+            llm("Hi", max_tokens=2, **kw)
         assert llm.create_completion("Hi", max_tokens=2, temperature=0.0, grammar="root ::= [0-9]+")["choices"]
     finally:
         llm.close()
