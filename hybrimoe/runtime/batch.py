@@ -517,7 +517,13 @@ class BatchScheduler:
         closed."""
         import queue
 
-        r = self.gen._requests([prompt], kw)[0]
+        try:
+            r = self.gen._requests([prompt], kw)[0]
+        except ValueError as e:  # one request: "prompt 0" names nothing to its caller
+            msg = str(e)
+            msg = msg.removeprefix("prompt 0: ") if msg.startswith("prompt 0: ") else \
+                "the prompt " + msg.removeprefix("prompt 0 ") if msg.startswith("prompt 0 ") else msg
+            raise ValueError(msg) from None
         r.events = queue.Queue()
         with self._cv:
             if self._stopping:

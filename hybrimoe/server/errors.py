@@ -104,8 +104,9 @@ def api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ValueError):
         m = _CONTEXT_RE.search(str(exc))
         if m:
-            return APIError(400, f"the prompt has {m.group(1)} tokens and this model's context holds "
-                                 f"{m.group(2)} (hybrimoe serve -c): shorten the prompt",
+            return APIError(400, f"the prompt has {m.group(1)} tokens and a request's context holds "
+                                 f"{m.group(2)} (hybrimoe serve -c, divided among the --parallel slots): shorten "
+                                 "the prompt",
                             code="context_length_exceeded", param="prompt")
         return APIError(400, str(exc))
     try:

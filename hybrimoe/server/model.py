@@ -176,7 +176,8 @@ class ServedLlama(Llama):
         asked = [k for k, v in kwargs.items() if k not in SAMPLING_DEFAULTS and
                  _PARALLEL_NEUTRAL.get(k, ()) is not None and v not in _PARALLEL_NEUTRAL.get(k, ())]
         if stream and kwargs.get("logprobs") is not None and kwargs.get("logprobs") is not False:  # 0 asks too
-            asked.append("logprobs with stream")
+            raise ValueError("logprobs of a streamed answer are not served (with --parallel above 1 an answer that "
+                             "is not streamed has them)")
         if asked:
             # the server turns min_tokens into a logits processor: name what the request asked
             asked = ["min_tokens (a logits processor)" if k == "logits_processor" else k for k in asked]

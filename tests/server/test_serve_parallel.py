@@ -249,6 +249,7 @@ def test_bad_requests_get_400_and_the_server_stays_healthy(server, text_of, body
     status, got = _post(server.port, "/v1/completions", body)
     assert status == 400, got
     assert "error" in got and (code is None or got["error"]["code"] == code), got
+    assert not got["error"]["message"].startswith("prompt 0"), got  # one request: no index to name
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     conn.request("GET", "/health")
     assert conn.getresponse().status == 200
