@@ -58,7 +58,7 @@ def child(args) -> dict:
     slots = n if way == "batched" else 1
     llm = Llama(str(args.model), n_ctx=slots * (args.pp + args.tg + 8), n_batch=512, n_ubatch=512,
                 n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=0, verbose=False,
-                no_repack=not args.in_ram and mode == "upstream", n_seq_max=slots, **kw)
+                no_repack=not args.in_ram and mode == "upstream", n_seq_max=slots, flash_attn=args.flash_attn, **kw)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(5, 500, size=args.pp)] for _ in range(n)]
     from hybrimoe._lib import llama_cpp_module
@@ -106,6 +106,8 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--flash-attn", choices=("on", "off", "auto"), default="auto",
+                    help="flash attention, every mode (default %(default)s: upstream's own default)")
     ap.add_argument("-r", "--reps", type=int, default=1)
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -137,7 +139,8 @@ def main() -> int:
                             continue
                         load = os.getloadavg()[0]
                         cmd = [sys.executable, __file__, "--model", str(args.model), "--pp", str(args.pp), "--tg",
-                               str(args.tg), "--threads", str(args.threads), "--child", f"{mode}:{n}:{way}"]
+                               str(args.tg), "--threads", str(args.threads), "--flash-attn", args.flash_attn,
+                               "--child", f"{mode}:{n}:{way}"]
                         if args.in_ram:
                             cmd.append("--in-ram")
                         print(f"{mode} {way} N={n} (rep {rep + 1}, load {load:.2f})...", file=sys.stderr, flush=True)
@@ -169,7 +172,8 @@ def main() -> int:
         print(f"| {r['mode']} | {r['n']} | {r['way']} | {r['decode_tps']:.2f} | {1e3 * r['tpot_p50_s']:.0f} | "
               f"{1e3 * r['tpot_p95_s']:.0f} | {hit} | {b:.2f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": str(args.model), "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"model": str(args.model), "flash_attn": args.flash_attn, "rows": rows},
+                                                indent=2))
     return 0 if all("error" not in r for r in rows) else 1
 
 

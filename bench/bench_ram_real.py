@@ -114,7 +114,7 @@ def child(args) -> dict:
     no_repack = kw.pop("no_repack", not kw)  # upstream's mmap runs --no-repack (see the module's docstring)
     llm = Llama(str(args.model), n_ctx=2 * args.pp + args.tg + 16, n_batch=512, n_ubatch=512, n_threads=args.threads,
                 n_threads_batch=args.threads, n_gpu_layers=0, verbose=False, no_repack=no_repack, moe_replay=table,
-                moe_replay_scores=scores,
+                moe_replay_scores=scores, flash_attn=args.flash_attn,
                 **({"moe_cost_model": "rtx4090-desktop"} if kw else {}), **kw)
     load_s = time.perf_counter() - t_load
     mem = machine_memory()
@@ -231,6 +231,8 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=256, help="prompt tokens (default 256)")
     ap.add_argument("--tg", type=int, default=32, help="decode tokens (default 32)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--flash-attn", choices=("on", "off", "auto"), default="auto",
+                    help="flash attention, every mode (default %(default)s: upstream's own default)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child-kw", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -271,7 +273,8 @@ def main() -> int:
                 k = rep % len(modes)
                 for name in modes[k:] + modes[:k]:
                     cmd = [sys.executable, __file__, "--model", str(args.model), "--pp", str(args.pp), "--tg",
-                           str(args.tg), "--threads", str(args.threads), "--locality", args.locality, "--child-kw",
+                           str(args.tg), "--threads", str(args.threads), "--locality", args.locality,
+                           "--flash-attn", args.flash_attn, "--child-kw",
                            json.dumps(MODES[name])]
                     load = os.getloadavg()[0]
                     print(f"{name} at read_ahead_kb {in_force} (repetition {rep + 1}, load average {load:.2f})...",
@@ -315,6 +318,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(args.model), "model_bytes": size, "limit": limit,
                                                "threads": args.threads, "pp": args.pp, "tg": args.tg,
+                                               "flash_attn": args.flash_attn,
                                                "locality": args.locality, "reps": args.reps,
                                                "read_ahead": {"found_kb": ra.original, "attempts": ra.log},
                                                "summary": summary, "rows": rows}, indent=2))

@@ -74,16 +74,17 @@ def read_ahead_bytes(path: Path) -> int:
     return 128 * 1024
 
 
-def measure_in_ram(path: Path, pp: int, tg: int, threads: int, reps: int = 3) -> tuple[float, float]:
+def measure_in_ram(path: Path, pp: int, tg: int, threads: int, reps: int = 3,
+                   flash_attn="off") -> tuple[float, float]:
     """(prefill seconds of one ``pp``-token ubatch, decode seconds per token) of upstream llama.cpp on ``path``,
     every weight in RAM (read once before timing): the least of ``reps`` repetitions (this machine's timings are
-    noisy upwards: other load only slows a run down)."""
+    noisy upwards: other load only slows a run down). ``flash_attn``: the measured runs' setting."""
     import numpy as np
 
     from hybrimoe import Llama
 
     llm = Llama(str(path), n_ctx=pp + tg + 16, n_batch=512, n_ubatch=512, n_threads=threads,
-                n_threads_batch=threads, n_gpu_layers=0, verbose=False, no_repack=True)
+                n_threads_batch=threads, n_gpu_layers=0, verbose=False, no_repack=True, flash_attn=flash_attn)
     toks = [int(t) for t in np.random.default_rng(0).integers(5, 500, size=pp)]
     llm.eval(toks[:8])  # warm-up: the pages in, the thread pool up
     best_pp, best_tg = float("inf"), float("inf")
@@ -100,7 +101,7 @@ def measure_in_ram(path: Path, pp: int, tg: int, threads: int, reps: int = 3) ->
     return best_pp, best_tg
 
 
-def fit_hardware(model: Path, layers: tuple[int, int], pp: int, tg: int, threads: int) -> dict:
+def fit_hardware(model: Path, layers: tuple[int, int], pp: int, tg: int, threads: int, flash_attn="off") -> dict:
     """This CPU's effective bandwidth and throughput from two in-RAM models of ``model``'s shape with ``layers``
     blocks (their time difference: the MoE layers between), as a ``hybrimoe.hardware/1`` document."""
     from hybrimoe.model.facts import facts_from_gguf
@@ -112,7 +113,7 @@ def fit_hardware(model: Path, layers: tuple[int, int], pp: int, tg: int, threads
         p = root / f"ram-bench-fit-{n}.gguf"
         if not p.exists():
             make_synthetic_model(p, n_layer=n)
-        times.append(measure_in_ram(p, pp, tg, threads))
+        times.append(measure_in_ram(p, pp, tg, threads, flash_attn=flash_attn))
         facts = facts_from_gguf(p)
     dl = layers[1] - layers[0]
     t_pp = (times[1][0] - times[0][0]) / dl   # seconds per MoE layer, one pp-token ubatch
@@ -199,7 +200,8 @@ def main() -> int:
     hw_path = args.hardware
     if hw_path is None:
         lo, hi = (int(x) for x in args.fit_layers.split(","))
-        doc, fit = fit_hardware(model, (lo, hi), args.pp, args.tg, threads)
+        # runs written before bench_ram_real.py had --flash-attn ran without it
+        doc, fit = fit_hardware(model, (lo, hi), args.pp, args.tg, threads, meas.get("flash_attn", "off"))
         hw_path = str(Path(args.json or "predict").with_suffix(".hardware.json"))
         Path(hw_path).write_text(json.dumps(doc, indent=2))
         print(f"fitted CPU: {doc['facts']['cpu_mem_bandwidth_Bps']['value'] / 1e9:.2f} GB/s, "

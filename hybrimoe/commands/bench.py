@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from hybrimoe import _ggml
 from hybrimoe.commands.args import POSITIVE, THREADS, int_in
-from hybrimoe.commands.llama_args import add_split_arguments, split_keywords
+from hybrimoe.commands.llama_args import add_flash_attn_argument, add_split_arguments, split_keywords
 from hybrimoe.envs import progress_on
 from hybrimoe.model.reader import open_gguf
 from hybrimoe.outputs import atomic_open, check_output, savefig, write_text
@@ -91,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "modes (default 99)")
     p.add_argument("--rpc", default=None, metavar="HOST:PORT,...",
                    help="ggml RPC servers as the GPUs (several: llama.cpp's layer split over them, -ts)")
+    add_flash_attn_argument(p)
     add_split_arguments(p)
     p.add_argument("--stand-in", action="store_true",
                    help="start a ggml-rpc-server on 127.0.0.1 as the GPU (machines without one; no speed claim)")
@@ -378,12 +379,12 @@ def _run_cpu_only(args: argparse.Namespace) -> int:
                disable=not progress_on())
     try:
         rows = interleaved_runs(args.model, modes, args.repetitions, args.n_prompt, args.n_gen, threads,
-                                tick=lambda: bar.update(1))
+                                tick=lambda: bar.update(1), flash_attn=args.flash_attn)
     finally:
         bar.close()
     print(cpu_table(rows, args.n_prompt, args.n_gen))
     _write_outputs(args, dict(model=os.fspath(args.model), device="CPU", threads=threads, arch=facts.arch,
-                              rows=rows), rows)
+                              flash_attn=args.flash_attn, rows=rows), rows)
     return 0 if all("error" not in r for r in rows) else 1
 
 
@@ -416,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
                   "ggml-rpc-server) or --stand-in, or --cpu-only to compare the CPU paths", file=sys.stderr)
             return 1
     common = dict(rpc_servers=endpoint, moe_replay=routing_table, moe_replay_scores=routing_scores,
-                  threads=args.threads or os.cpu_count() or 1, **split_keywords(args))
+                  threads=args.threads or os.cpu_count() or 1, flash_attn=args.flash_attn, **split_keywords(args))
     modes = _modes(args, facts, pols, up, budget)
     bar = tqdm(total=len(read_aheads) * len(modes) * (args.repetitions + 1), desc="bench", unit="run",
                file=sys.stderr, disable=not progress_on())
@@ -455,7 +456,8 @@ def run(args: argparse.Namespace) -> int:
                               moe_ram_cache=args.moe_ram_cache, budget_bytes=budget,
                               slot_bytes=facts.slot_bytes, n_slots=n_slots, device=device, stand_in=bool(server),
                               read_ahead=None if ra is None else {"found_kb": ra.original, "attempts": ra.log},
-                              replay_trace=args.replay_trace, moe_profile=args.moe_profile, rows=rows), rows)
+                              replay_trace=args.replay_trace, moe_profile=args.moe_profile,
+                              flash_attn=args.flash_attn, rows=rows), rows)
     return 0 if all("error" not in r for r in rows) else 1
 
 

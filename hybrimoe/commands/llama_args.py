@@ -1,5 +1,5 @@
 """The model, placement, sampling and engine flags that ``run``, ``trace`` and ``serve`` share (llama.cpp's names:
-``-m -t -c -b -ub -ngl -sm -ts -mg --seed --temp -ot --cpu-moe --n-cpu-moe --rpc``; hybrimoe's own start with
+``-m -t -c -b -ub -ngl -fa -sm -ts -mg --seed --temp -ot --cpu-moe --n-cpu-moe --rpc``; hybrimoe's own start with
 ``--moe-``), and loading a :class:`hybrimoe.Llama` from them."""
 from __future__ import annotations
 
@@ -39,6 +39,13 @@ def add_split_arguments(p: argparse.ArgumentParser) -> None:
                    help="the device for -sm none, and for the GPU share of layers left on the host")
 
 
+def add_flash_attn_argument(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's ``-fa``, with its default: ``auto`` (flash attention where every layer's device supports it)."""
+    p.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto",
+                   help="flash attention: on, off, or auto = where the devices support it, as upstream "
+                        "(default: %(default)s)")
+
+
 def split_keywords(args: argparse.Namespace) -> dict:
     """The Llama keywords of :func:`add_split_arguments`' flags."""
     return dict(split_mode=SPLIT_MODES[args.split_mode], main_gpu=args.main_gpu,
@@ -56,6 +63,7 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
     p.add_argument("-ub", "--ubatch-size", type=POSITIVE, default=512, help="physical batch (ubatch) size in tokens")
     p.add_argument("-ngl", "--n-gpu-layers", type=int_in(0, also=(-1,)), default=0,
                    help="layers to offload to the devices (-1: all)")
+    add_flash_attn_argument(p)
     add_split_arguments(p)
     p.add_argument("--seed", type=SAMPLING_SEED, default=-1, help="sampling seed (-1: random)")
     if sampling:
@@ -157,7 +165,8 @@ def load_llama(args: argparse.Namespace, model: Path, prog: str, *, llama_class=
         return (llama_class or Llama)(
             str(model), n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
             n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=args.n_gpu_layers,
-            **split_keywords(args), seed=args.seed if args.seed >= 0 else 0xFFFFFFFF, verbose=args.verbose,
+            flash_attn=args.flash_attn, **split_keywords(args), seed=args.seed if args.seed >= 0 else 0xFFFFFFFF,
+            verbose=args.verbose,
             rpc_servers=args.rpc, tensor_buft_overrides=args.override_tensor or None,
             cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe, moe_hook=args.moe_hook, no_repack=args.no_repack,
             no_host=args.no_host, lazy_experts=args.lazy_experts,

@@ -56,13 +56,14 @@ def prompts(llm, n: int, n_tokens: int) -> list[list[int]]:
 
 
 class Config:
-    """One loaded ``hybrimoe.Llama`` and its measurements."""
+    """One loaded ``hybrimoe.Llama`` and its measurements. ``flash_attn``: as ``hybrimoe.Llama``'s; by default
+    ``"auto"``, upstream's (llama-bench's and llama-server's) default, in every mode alike."""
 
-    def __init__(self, label: str, path: Path, n_ctx: int, threads: int, **kw):
+    def __init__(self, label: str, path: Path, n_ctx: int, threads: int, flash_attn="auto", **kw):
         self.label = label
         self.kw = {k: v for k, v in kw.items() if k != "rpc_servers"}
         self.llm = Llama(str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                         n_threads_batch=threads, verbose=False, **kw)
+                         n_threads_batch=threads, verbose=False, flash_attn=flash_attn, **kw)
         self.reps: list[dict] = []
         self.engine_acc: dict | None = None
         st = self.llm.moe_stats()
@@ -290,14 +291,14 @@ CPU_MODES = (
 
 
 def interleaved_runs(path, modes: Sequence[tuple[str, dict]], reps: int, n_prompt: int, n_gen: int, threads: int,
-                     tick=None, external: Sequence[tuple[str, object]] = ()) -> list[dict]:
+                     tick=None, external: Sequence[tuple[str, object]] = (), flash_attn="auto") -> list[dict]:
     """Every mode loaded once (all at the same time), one warm-up each, then ``reps`` repetitions; in each, every
     mode in turn (the order rotates by one mode per repetition) evaluates that repetition's prompt of ``n_prompt``
     tokens in one ubatch (pp) and then decodes ``n_gen`` greedy tokens (tg). The 1-minute load average is read
     before each run. Timings: llama.cpp's context timer (:class:`Config`). ``external``: more modes run by another
     program, ``(label, run)`` where ``run()`` does one pp and one tg run of the same sizes and returns their
     ``(pp tokens/s, tg tokens/s)`` (another llama.cpp build's llama-bench, say); they take their turns in the same
-    rotation, their warm-up included.
+    rotation, their warm-up included. ``flash_attn``: every mode's (:class:`Config`).
 
     Returns one row per mode (``modes``, then ``external``): ``mode``, ``pp_tps`` and ``tg_tps`` (lists of tokens/s
     per repetition), ``pp_median``, ``pp_min``, ``pp_max`` and the same for ``tg``, ``loadavg`` (the load averages
@@ -310,7 +311,7 @@ def interleaved_runs(path, modes: Sequence[tuple[str, dict]], reps: int, n_promp
     configs, rows, turns = [], [], []
     for label, kw in modes:
         try:
-            cfg = Config(label, Path(path), n_ctx=n_prompt + n_gen + 8, threads=threads, **kw)
+            cfg = Config(label, Path(path), n_ctx=n_prompt + n_gen + 8, threads=threads, flash_attn=flash_attn, **kw)
         except (ValueError, RuntimeError, OSError) as e:
             rows.append(dict(mode=label, error=str(e)))
             continue

@@ -27,6 +27,7 @@ from hybrimoe.runtime.errors import DeviceLostError
 from hybrimoe.runtime.params import (
     NativeParams,
     check_keywords,
+    flash_attn_type,
     moe_overrides,
     parse_tensor_overrides,
     register_rpc_servers,
@@ -71,6 +72,11 @@ class Llama(llama_cpp.Llama):
     __doc__ = """llama-cpp-python's ``Llama`` on hybrimoe's patched libllama, with upstream's offload options.
 
     Args (besides llama-cpp-python's, which keep their meaning):
+        flash_attn: llama-cpp-python's ``True``/``False`` (default ``False``, as llama-cpp-python), or llama.cpp's
+            ``"on"``, ``"off"``, ``"auto"``: ``"auto"``, the default of upstream's ``llama-cli``, ``llama-server``
+            and ``llama-bench`` and of hybrimoe's commands, turns flash attention on where every layer's device
+            supports it (the CPU does: decode about 25% faster on a 12-layer DeepSeek-V2-Lite-shaped model here,
+            docs/benchmarks.md).
         rpc_servers: ``"HOST:PORT[,HOST:PORT...]"`` or a list: ggml RPC servers whose devices join the
             model's devices (upstream ``--rpc``). Their memory is separate, like a GPU's.
         tensor_buft_overrides: upstream ``-ot`` syntax, ``"<regex>=<buffer type>,..."`` or a list; buffer types
@@ -192,6 +198,8 @@ class Llama(llama_cpp.Llama):
         self._moe_setup = None
         self._moe_warned = False
         check_keywords(kwargs)
+        fa_type = flash_attn_type(kwargs.get("flash_attn", False))
+        kwargs["flash_attn"] = fa_type == 1  # llama-cpp-python's boolean; "auto" reaches the context natively
         check_gguf(model_path)
         if n_seq_max is not None and (isinstance(n_seq_max, bool) or not isinstance(n_seq_max, int) or n_seq_max < 1):
             raise ValueError(f"n_seq_max must be an integer >= 1, got {n_seq_max!r}")
@@ -253,9 +261,10 @@ class Llama(llama_cpp.Llama):
         self._native = NativeParams(
             overrides, devices=devices, load_progress=load_progress, no_repack=no_repack, no_host=no_host,
             lazy_experts=lazy_experts, n_seq_max=n_seq_max, eval_callback=None if self._recorder is None else
-            (engine_module().RoutingRecorder.callback_address, self._recorder.address))
+            (engine_module().RoutingRecorder.callback_address, self._recorder.address), flash_attn=fa_type)
         with self._native.patched():
             super().__init__(model_path, **kwargs)
+        self.context_params.flash_attn_type = fa_type  # what the context was created with
         self._size_arrays_to_context()
         # hybrimoe's objects live on llama-cpp-python's exit stack, after the context: close() (and the stack's
         # own unwinding) releases the engine and detaches the hook and the replay before the context is freed

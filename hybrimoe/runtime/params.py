@@ -146,6 +146,27 @@ def check_keywords(kwargs: dict) -> None:
             raise TypeError(f"Llama() got an unexpected keyword argument {name!r}{hint}")
 
 
+FLASH_ATTN_NAMES = {"on": 1, "off": 0, "auto": -1}  # enum llama_flash_attn_type (include/llama.h)
+
+
+def flash_attn_type(value) -> int:
+    """llama.cpp's ``llama_flash_attn_type`` for a ``flash_attn`` keyword: llama-cpp-python's ``True``/``False``, or
+    llama.cpp's ``"on"``, ``"off"``, ``"auto"`` (upstream's ``-fa``; ``"auto"``, llama.cpp's default, turns flash
+    attention on where every layer's device supports it, ``llama_context``'s fused-op probe); None is off, as
+    llama-cpp-python reads it.
+
+    Returns:
+        1 (enabled), 0 (disabled) or -1 (auto).
+    Raises:
+        ValueError: anything else.
+    """
+    if value is None or isinstance(value, bool):
+        return int(bool(value))
+    if isinstance(value, str) and value.lower() in FLASH_ATTN_NAMES:
+        return FLASH_ATTN_NAMES[value.lower()]
+    raise ValueError(f"flash_attn must be True, False, 'on', 'off' or 'auto', got {value!r}")
+
+
 def speculative_keywords(kwargs: dict) -> dict:
     """``kwargs`` with what llama-cpp-python's speculative decoding needs: with ``draft_model``, every token's logits
     (``logits_all=True``). llama-cpp-python turns ``logits_all`` on by itself for a draft model, but sizes its score
@@ -171,6 +192,8 @@ class NativeParams:
             patch 0007).
         n_seq_max: sequences the context holds (None: llama-cpp-python's default).
         eval_callback: ``(function address, user data address)`` of llama.cpp's eval callback, or None.
+        flash_attn: :func:`flash_attn_type`'s value, or None to leave llama-cpp-python's (which knows on and off
+            only: ``auto`` is set on the parameters the context is created from, ``llama_init_from_model``).
 
     Raises:
         ValueError: an override names an unknown buffer type (:func:`hybrimoe._ggml.buffer_type`).
@@ -179,9 +202,11 @@ class NativeParams:
     def __init__(self, overrides: Sequence[tuple[str, str]] = (), devices: Optional[Sequence[int]] = None,
                  load_progress: Optional[Callable[[float], None]] = None, no_repack: bool = False,
                  no_host: bool = False, lazy_experts: bool = False,
-                 n_seq_max: Optional[int] = None, eval_callback: Optional[tuple[int, int]] = None):
+                 n_seq_max: Optional[int] = None, eval_callback: Optional[tuple[int, int]] = None,
+                 flash_attn: Optional[int] = None):
         self.model: dict = {}
         self.context: dict = {}
+        self.flash_attn = flash_attn
         self._keep: list = []
         if overrides:
             arr = (_BuftOverride * (len(overrides) + 1))()
@@ -224,9 +249,11 @@ class NativeParams:
     def patched(self) -> Iterator[None]:
         """Within the block, ``llama_model_default_params()`` and ``llama_context_default_params()`` (as
         llama-cpp-python's ctypes layer exposes them) return upstream's defaults with :attr:`model` and
-        :attr:`context` set; one block at a time in the process."""
+        :attr:`context` set, and ``llama_init_from_model`` creates contexts with :attr:`flash_attn` (llama-cpp-python
+        overwrites that field from its boolean after taking the defaults); one block at a time in the process."""
         with _params_lock:
             original_model, original_ctx = _lc.llama_model_default_params, _lc.llama_context_default_params
+            original_init = _lc.llama_init_from_model
 
             def model_params():
                 p = original_model()
@@ -240,10 +267,17 @@ class NativeParams:
                     setattr(c, k, v)
                 return c
 
+            def init_from_model(model, params):
+                if self.flash_attn is not None:
+                    params.flash_attn_type = self.flash_attn
+                return original_init(model, params)
+
             _lc.llama_model_default_params = model_params
             _lc.llama_context_default_params = context_params
+            _lc.llama_init_from_model = init_from_model
             try:
                 yield
             finally:
                 _lc.llama_model_default_params = original_model
                 _lc.llama_context_default_params = original_ctx
+                _lc.llama_init_from_model = original_init

@@ -206,3 +206,25 @@ def test_llama_cpp_warnings_only_with_verbose(tiny_model, tmp_path):
     assert all(line.startswith("hybrimoe") for line in quiet.stderr.strip().splitlines()), quiet.stderr
     loud = _cli(["run", "-m", path, "-n", "4", "--temp", "0", "--verbose"], cwd=tmp_path)
     assert loud.returncode == 0 and "using full-size SWA cache" in loud.stderr, loud.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", ["run", "trace", "serve", "bench"])
+def test_flash_attention_defaults_to_auto_as_upstream(command):
+    """-fa/--flash-attn takes llama.cpp's values, with llama.cpp's tools' default (auto) in every command."""
+    p = _subparsers()[command]
+    action = next(a for a in p._actions if "-fa" in a.option_strings)
+    assert action.default == "auto" and set(action.choices) == {"on", "off", "auto"}
+
+
+@pytest.mark.parametrize("argv, expected", [([], -1), (["-fa", "off"], 0), (["--flash-attn", "on"], 1)])
+def test_the_flash_attn_flag_reaches_the_context(tiny_model, argv, expected):
+    """What ``run`` and ``serve`` load (``load_llama``) gets the flag's value, the default included."""
+    from hybrimoe.commands.llama_args import load_llama
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    args = commands.build_parser().parse_args(["run", "-m", str(path), *argv])
+    llm = load_llama(args, path, "hybrimoe run")
+    try:
+        assert int(llm.context_params.flash_attn_type) == expected
+    finally:
+        llm.close()

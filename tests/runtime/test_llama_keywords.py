@@ -64,3 +64,66 @@ def test_draft_model_without_logits_all_matches_upstream(tiny_model, rpc_server,
     finally:
         ref.close()
     assert ours == theirs and len(ours) > 0
+
+
+def _last_logits_of(path, prompt: bytes, **kw):
+    import numpy as np
+
+    from hybrimoe import Llama
+
+    llm = Llama(str(path), n_ctx=128, n_threads=1, verbose=False, **kw)
+    try:
+        llm.eval(llm.tokenize(prompt, add_bos=True))
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy(), \
+            int(llm.context_params.flash_attn_type)
+    finally:
+        llm.close()
+
+
+def test_flash_attn_auto_reaches_the_context(tiny_model):
+    """``flash_attn="auto"`` (llama.cpp's default, which llama-cpp-python's boolean cannot express) creates the
+    context with it: on the CPU, whose backend supports flash attention, the logits are flash attention's, bit for
+    bit those of ``flash_attn=True`` ("on") and not those of ``False`` ("off", llama-cpp-python's default)."""
+    import numpy as np
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    got = {fa: _last_logits_of(path, b"Once upon a time there was", flash_attn=fa)
+           for fa in ("auto", True, "on", False, "off")}
+    assert [got[fa][1] for fa in ("auto", True, "on", False, "off")] == [-1, 1, 1, 0, 0]
+    assert np.array_equal(got["auto"][0], got[True][0]) and np.array_equal(got["on"][0], got[True][0])
+    assert np.array_equal(got["off"][0], got[False][0])
+    assert not np.array_equal(got["auto"][0], got[False][0])
+
+
+@pytest.mark.parametrize("bad", ["yes", 2, 1.0])
+def test_a_bad_flash_attn_is_a_value_error(tiny_model, bad):
+    from hybrimoe import Llama
+
+    with pytest.raises(ValueError, match="flash_attn must be True, False, 'on', 'off' or 'auto'"):
+        Llama(str(tiny_model("qwen3moe", "Q8_0")), verbose=False, flash_attn=bad)
+
+
+@pytest.mark.parametrize("fa", ["auto", "on"])
+def test_engine_with_flash_attention_matches_upstream(tiny_model, rpc_server, split_cost_model, fa):
+    """The engine's CPU/GPU split under flash attention gives upstream's tokens and logits at the same placement and
+    the same ``flash_attn`` (our libllama without the hook, ``-ngl 99 -ot exps=CPU --no-repack``), bit for bit."""
+    import numpy as np
+
+    from hybrimoe import Llama
+    from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
+
+    path = tiny_model("deepseek2", "Q8_0", n_layer=4)
+    out = []
+    for kw in (dict(moe_cache=4 * slot_bytes(path), moe_cost_model=split_cost_model),
+               dict(tensor_buft_overrides="exps=CPU")):
+        llm = Llama(str(path), flash_attn=fa, **kw, **_common(rpc_server))
+        try:
+            out.append(greedy_with_logits(llm, prompt_tokens(llm, 24), 16))
+            if "moe_cache" in kw:
+                st = llm.moe_stats()["engine"]
+                assert st["gpu_experts"] > 0 and st["cpu_experts"] > 0, st
+        finally:
+            llm.close()
+    (ours, lo), (theirs, lt) = out
+    assert ours == theirs and len(ours) == 16
+    assert np.array_equal(lo, lt)
