@@ -54,11 +54,12 @@ class _Request:
     sent: int = 0                    # characters of its text handed to its caller (BatchScheduler)
     cancelled: bool = False
     error: Optional[BaseException] = None
-    events: object = None            # BatchScheduler: a queue of (text delta, finish reason or None)
+    events: object = None            # BatchScheduler: a queue of (text delta, finish reason or None, logprobs)
     logits: list = field(default_factory=list)
     times: list = field(default_factory=list)
     # with logprobs: per generated token, (its log-probability, [(token id, log-probability)] of the top ones)
     lps: list = field(default_factory=list)
+    lp_sent: int = 0                 # entries of lps handed to its caller (a stream's logprobs)
 
 
 def checked_grammar(llm, grammar):
@@ -400,10 +401,12 @@ class BatchGenerator:
             top = part[np.lexsort((-part, -lp[part]))]
         return float(lp[tok]), [(int(i), float(lp[i])) for i in top]
 
-    def _logprobs_object(self, r: _Request, prompt) -> dict:
+    def _logprobs_object(self, r: _Request, prompt, start: int = 0) -> dict:
         """``r``'s ``logprobs`` as ``create_completion`` gives them without echo: per generated token its text,
         offset (from the end of ``prompt``, its length in characters, or in tokens for a token list, as
-        llama-cpp-python counts it), log-probability and a dict of the top ones (its own included)."""
+        llama-cpp-python counts it), log-probability and a dict of the top ones (its own included); from its
+        ``start``-th generated token on (a stream's next chunk: llama-cpp-python streams one token's entry per
+        chunk)."""
         llm, toks = self.llm, r.out[: len(r.lps)]
         out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
         bos = llm.token_bos()
@@ -412,7 +415,7 @@ class BatchGenerator:
             return llm.detokenize(ids, prev_tokens=prev).decode("utf-8", errors="ignore")
 
         for idx, (tok, (lp, top)) in enumerate(zip(toks, r.lps)):
-            if tok == bos:
+            if idx < start or tok == bos:
                 continue
             s = text([tok], toks[:idx])
             out["text_offset"].append(len(prompt) + len(text(toks[:idx])))
@@ -544,8 +547,11 @@ class BatchScheduler:
             self._cv.notify()
 
     def stream(self, r: _Request):
-        """``r``'s text as it is generated: yields ``(text delta, finish reason or None)``; the last item has the
-        finish reason. Raises the step's error if the decode failed. Closing the generator early cancels ``r``."""
+        """``r``'s text as it is generated: yields ``(text delta, finish reason or None, logprobs or None)``, one
+        item per generated token (its text may be empty: part of a character, or held back for a stop string) and a
+        last one with the finish reason; with logprobs asked, an item's are its tokens' (the ``logprobs`` object of
+        a streamed ``create_completion`` chunk). Raises the step's error if the decode failed. Closing the generator
+        early cancels ``r``."""
         done = False
         try:
             while True:
@@ -579,12 +585,16 @@ class BatchScheduler:
         hold = 0 if r.finish is not None else max((len(x) - 1 for x in r.params["stop"] if x), default=0)
         delta = text[r.sent:max(r.sent, len(text) - hold)]
         r.sent += len(delta)
+        lps = None
+        if r.params["logprobs"] is not None and len(r.lps) > r.lp_sent:
+            lps = self.gen._logprobs_object(r, r.source, r.lp_sent)
+            r.lp_sent = len(r.lps)
         # one event per token, as llama-server streams, even when its text is empty (part of a character, or held
         # back for a stop string): a client sees each token's time
-        if r.finish is None or delta:
-            r.events.put((delta, None))
+        if r.finish is None or delta or lps is not None:
+            r.events.put((delta, None, lps))
         if r.finish is not None:  # the finish on its own, as llama-cpp-python's streams end (an empty text)
-            r.events.put(("", r.finish))
+            r.events.put(("", r.finish, None))
             r.events.put(None)
 
     def _fail(self, r: _Request, e: BaseException) -> None:

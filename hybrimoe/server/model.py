@@ -69,9 +69,11 @@ class ServedLlama(Llama):
     completions go through a :class:`hybrimoe.runtime.batch.BatchScheduler`: concurrent requests share one decode
     per step (continuous batching), each on its own sequence; ``max_waiting`` bounds the requests waiting for a slot
     (past it: :class:`APIError` 429). A request asking for what the scheduler does not do (echo, a suffix,
-    mirostat, a logits processor such as ``min_tokens``, logprobs of a streamed answer) is refused with ValueError
-    (400); a grammar (and so a chat's ``response_format`` JSON schema) is served, each request with its own grammar
-    sampler, and so are logprobs of an answer that is not streamed.
+    mirostat, a logits processor such as ``min_tokens``) is refused with ValueError (400); a grammar (and so a
+    chat's ``response_format`` JSON schema) is served, each request with its own grammar sampler, and so are
+    logprobs, streamed or not (each chunk with its token's). With ``parallel`` 1 a request with logprobs on a model
+    loaded without ``logits_all`` goes through a one-slot scheduler of its own (llama-cpp-python's path would refuse
+    it); the others through llama-cpp-python's ``create_completion``.
 
     Args: ``api_name``: the model's name in the API; the rest as :class:`hybrimoe.Llama`, with the same errors; after
     :meth:`close_when_idle`, ``eval`` raises RuntimeError.
@@ -165,19 +167,48 @@ class ServedLlama(Llama):
                 self._decodes += 1
                 self._publish()
 
+    def _batch_asks(self, kwargs: dict) -> list[str]:
+        """The keywords of a completion request that the batch scheduler does not serve (with values that ask for
+        something)."""
+        return [k for k, v in kwargs.items() if k not in SAMPLING_DEFAULTS and k != "stream" and
+                _PARALLEL_NEUTRAL.get(k, ()) is not None and v not in _PARALLEL_NEUTRAL.get(k, ())]
+
     def create_completion(self, prompt, *args, model: str | None = None, **kwargs):
         # a request without "model": the response names the model as /v1/models does, not by its file
         if self._scheduler is None:
-            return super().create_completion(prompt, *args, model=model or self.api_name, **kwargs)
+            lp = kwargs.get("logprobs")
+            if args or lp is None or lp is False or self._logits_all or self._batch_asks(kwargs):
+                return super().create_completion(prompt, *args, model=model or self.api_name, **kwargs)
+            # logprobs without every row's logits (llama-cpp-python's own path needs logits_all, which would make
+            # every prompt compute logits for each of its tokens): the batch path computes them from the row each
+            # token is sampled from, on a one-slot scheduler for this request (the server's lock is held for it)
+            self._check_can_decode()
+            sched = BatchScheduler(self, lock=self._decode_lock, on_step=self._stepped, on_change=self._publish)
+            try:
+                out = self._batched(sched, prompt, model, dict(kwargs))
+            except BaseException:
+                sched.close()
+                raise
+            if isinstance(out, dict):
+                sched.close()
+                return out
+            return self._closing_after(out, sched)
         if args:
             raise TypeError("create_completion takes its options by keyword with --parallel")
         self._check_can_decode()
+        return self._batched(self._scheduler, prompt, model, kwargs)
+
+    @staticmethod
+    def _closing_after(chunks, sched):
+        try:
+            yield from chunks
+        finally:
+            sched.close()
+
+    def _batched(self, sched, prompt, model, kwargs: dict):
+        """A completion (or its stream of chunks) through the batch scheduler ``sched``."""
         stream = bool(kwargs.pop("stream", False))
-        asked = [k for k, v in kwargs.items() if k not in SAMPLING_DEFAULTS and
-                 _PARALLEL_NEUTRAL.get(k, ()) is not None and v not in _PARALLEL_NEUTRAL.get(k, ())]
-        if stream and kwargs.get("logprobs") is not None and kwargs.get("logprobs") is not False:  # 0 asks too
-            raise ValueError("logprobs of a streamed answer are not served (with --parallel above 1 an answer that "
-                             "is not streamed has them)")
+        asked = self._batch_asks(kwargs)
         if asked:
             # the server turns min_tokens into a logits processor: name what the request asked
             asked = ["min_tokens (a logits processor)" if k == "logits_processor" else k for k in asked]
@@ -188,24 +219,26 @@ class ServedLlama(Llama):
         if kw.get("stop") == []:
             kw["stop"] = None
         try:
-            r = self._scheduler.submit(prompt, **kw)
+            r = sched.submit(prompt, **kw)
         except QueueFull as e:
             raise APIError(429, f"too many requests: {e}; try again later", type="rate_limit_error",
                            code="too_many_requests") from e
         handles = REQUEST_HANDLES.get()
         if handles is not None:
-            handles.append((self._scheduler, r))
+            handles.append((sched, r))
         name = model or self.api_name
         if not stream:
-            return self._scheduler.result(r, name)
-        return self._chunks(r, name)
+            return sched.result(r, name)
+        return self._chunks(sched, r, name)
 
-    def _chunks(self, r, name):
-        # llama-cpp-python's streamed completion chunks; closing this generator early (the client left) cancels r
+    @staticmethod
+    def _chunks(sched, r, name):
+        # llama-cpp-python's streamed completion chunks (with logprobs: each chunk's tokens' entries); closing this
+        # generator early (the client left) cancels r
         cid, created = f"cmpl-{uuid.uuid4()}", int(time.time())
-        for delta, finish in self._scheduler.stream(r):
+        for delta, finish, lps in sched.stream(r):
             yield {"id": cid, "object": "text_completion", "created": created, "model": name,
-                   "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": finish}]}
+                   "choices": [{"text": delta, "index": 0, "logprobs": lps, "finish_reason": finish}]}
 
     @property
     def parallel(self) -> int:

@@ -215,6 +215,54 @@ def test_logprobs_match_create_completion(tiny_model):
         assert all(v == max(d.values()) for v, d in zip(lp["token_logprobs"], lp["top_logprobs"])), lp
 
 
+def _joined(chunks: list) -> dict:
+    out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for lp in chunks:
+        for k in out:
+            out[k] += lp[k]
+    return out
+
+
+def test_streamed_logprobs_join_to_the_answers_and_match_create_completion(tiny_model):
+    """A streamed request's logprobs (one entry per token, in the chunk of its token) joined are exactly the
+    logprobs of the same request not streamed, and llama-cpp-python's own streamed ``create_completion`` with
+    ``logits_all`` gives the same tokens, text offsets and top tokens, with log-probabilities within 1e-4."""
+    import threading
+
+    from hybrimoe import Llama
+    from hybrimoe.runtime.batch import BatchScheduler
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    p = "Once upon a time"
+    llm = Llama(str(path), logits_all=True, **_common())
+    try:
+        want = [c["choices"][0] for c in llm.create_completion(p, max_tokens=6, temperature=0.0, logprobs=3,
+                                                                logit_bias=_eog(llm), stream=True)]
+        eog = _eog(llm)
+    finally:
+        llm.close()
+    llm = Llama(str(path), n_seq_max=2, **_common())
+    sched = BatchScheduler(llm, lock=threading.Lock())
+    try:
+        r = sched.submit(p, max_tokens=6, temperature=0.0, logprobs=3, logit_bias=eog)
+        items = list(sched.stream(r))
+        whole = sched.result(sched.submit(p, max_tokens=6, temperature=0.0, logprobs=3, logit_bias=eog))
+    finally:
+        sched.close(30)
+        llm.close()
+    assert items[-1][1] == "length" and items[-1][2] is None
+    per_token = [lp for _, finish, lp in items if finish is None]
+    assert len(per_token) == 6 and all(len(lp["tokens"]) == 1 for lp in per_token)
+    assert _joined(per_token) == whole["choices"][0]["logprobs"]
+    ours = _joined(per_token)
+    theirs = _joined([c["logprobs"] for c in want if c["logprobs"] is not None])
+    assert ours["tokens"] == theirs["tokens"] and ours["text_offset"] == theirs["text_offset"]
+    np.testing.assert_allclose(ours["token_logprobs"], theirs["token_logprobs"], rtol=0, atol=1e-4)
+    for x, y in zip(theirs["top_logprobs"], ours["top_logprobs"]):
+        assert x.keys() == y.keys()
+        np.testing.assert_allclose([y[k] for k in x], [x[k] for k in x], rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("kw, msg", [
     # llama-cpp-python adds llama.cpp's NULL grammar sampler to its chain and crashes at the first token
     ({"grammar": "root ::= ("}, "could not parse the grammar"),
@@ -343,8 +391,8 @@ def test_scheduler_queue_limit_and_a_caller_that_leaves(tiny_model):
                 with pytest.raises(QueueFull, match="3 requests already wait"):
                     sched.submit("one too many", max_tokens=2)
             it = sched.stream(long)
-            delta, finish = next(it)
-            assert finish is None
+            delta, finish, lps = next(it)
+            assert finish is None and lps is None
             it.close()  # the caller leaves: its slot and cells are freed at the next step
             for r in others:
                 assert sched.result(r)["usage"]["completion_tokens"] >= 1

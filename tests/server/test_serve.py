@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 from hybrimoe.testing.processes import start_serve
@@ -132,7 +133,7 @@ def oracle(chat_model, rpc_server):
     from hybrimoe import Llama
 
     llm = Llama(str(chat_model), rpc_servers=rpc_server.endpoint, n_gpu_layers=99, moe_cache="25%", n_ctx=N_CTX,
-                n_threads=2, n_threads_batch=2, verbose=False)
+                n_threads=2, n_threads_batch=2, flash_attn="auto", verbose=False)  # the server's (-fa: auto)
     memo: dict = {}
 
     class Oracle:
@@ -179,6 +180,37 @@ def test_stream_chunks_concatenate_to_the_text(server, oracle):
     pieces = [c.choices[0].text for c in stream]
     assert len([p for p in pieces if p]) > 1, pieces  # streamed, not one block
     assert "".join(pieces) == want
+
+
+def test_logprobs_are_served_without_logits_all(server, oracle):
+    """The server loads the model without ``logits_all`` (llama-cpp-python's path then refuses logprobs, and
+    ``logits_all`` would cost every prompt token its logits); a request with logprobs, streamed or not, gets them:
+    the greedy text of the oracle and the logprobs the in-process batch API gives (``create_completions``, one slot:
+    the same decodes; tests/runtime/test_batch.py checks those against llama-cpp-python's with ``logits_all``), each
+    streamed chunk with its token's."""
+    want_text = oracle.complete(PROMPTS[0])["choices"][0]["text"]
+    want = oracle.llama.create_completions([PROMPTS[0]], max_tokens=N_TOK, logprobs=2, **GREEDY)[0]
+    body = {"model": ALIAS, "prompt": PROMPTS[0], "max_tokens": N_TOK, "logprobs": 2, **GREEDY}
+    status, _, got = request(server, "POST", "/v1/completions", body)
+    assert status == 200, got
+    got = json.loads(got)["choices"][0]
+    assert got["text"] == want_text == want["choices"][0]["text"]
+    a, b = want["choices"][0]["logprobs"], got["logprobs"]
+    assert b["tokens"] == a["tokens"] and b["text_offset"] == a["text_offset"] and len(b["tokens"]) > 0
+    # the server's engine and the oracle's plan on their own (two RPC stand-ins): values within 1e-4
+    np.testing.assert_allclose(b["token_logprobs"], a["token_logprobs"], rtol=0, atol=1e-4)
+    assert [x.keys() for x in b["top_logprobs"]] == [x.keys() for x in a["top_logprobs"]]
+    status, _, raw = request(server, "POST", "/v1/completions", dict(body, stream=True))
+    assert status == 200, raw
+    chunks = [json.loads(line[6:]) for line in raw.decode().splitlines()
+              if line.startswith("data: ") and line.strip() != "data: [DONE]"]
+    tokens = [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == got["logprobs"]["tokens"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want_text
+    # the model's own path afterwards starts from the context the batch path left empty
+    assert oracle.complete(PROMPTS[1])["choices"][0]["text"] == json.loads(request(
+        server, "POST", "/v1/completions", {"model": ALIAS, "prompt": PROMPTS[1], "max_tokens": N_TOK,
+                                            **GREEDY})[2])["choices"][0]["text"]
 
 
 def test_chat_uses_the_models_template(server, oracle):

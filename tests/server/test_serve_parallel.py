@@ -111,7 +111,7 @@ def test_a_request_alone_equals_the_batch_api(server, model):
     from hybrimoe import Llama
 
     llm = Llama(str(model), moe_ram_cache="50%", n_ctx=N_CTX, n_batch=64, n_threads=2, n_threads_batch=2,
-                n_seq_max=PARALLEL, verbose=False)
+                n_seq_max=PARALLEL, flash_attn="auto", verbose=False)  # the server's settings (-fa: auto)
     try:
         want = [llm.create_completions([p], max_tokens=8, **GREEDY)[0] for p in PROMPTS[:2]]
     finally:
@@ -236,11 +236,48 @@ def test_a_grammar_a_json_response_format_and_logprobs_are_served_per_request(se
     assert len(lp["tokens"]) == 3 and all(v <= 0 for v in lp["token_logprobs"]) and len(lp["top_logprobs"]) == 3
 
 
+def _stream_events(port, body) -> list[dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        events = []
+        for line in iter(resp.readline, b""):
+            if line.startswith(b"data: "):
+                if line.strip() == b"data: [DONE]":
+                    break
+                events.append(json.loads(line[6:]))
+        return events
+    finally:
+        conn.close()
+
+
+def test_streamed_logprobs_join_to_the_answers(server, eog):
+    """A streamed answer's logprobs (each chunk its token's, as llama-cpp-python streams them) joined are the
+    logprobs of the same request not streamed: its tokens, offsets and values exactly."""
+    body = {"prompt": "Once upon a time", "max_tokens": 5, "logprobs": 2, "logit_bias": eog, **GREEDY}
+    status, whole = _post(server.port, "/v1/completions", body)
+    assert status == 200, whole
+    events = _stream_events(server.port, body)
+    joined = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for e in events:
+        lp = e["choices"][0]["logprobs"]
+        assert lp is None or len(lp["tokens"]) == 1, e
+        for k in joined:
+            joined[k] += lp[k] if lp else []
+    assert len(joined["tokens"]) == 5 and joined == whole["choices"][0]["logprobs"]
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["choices"][0]["text"]
+    # logprobs=0: each token's own log-probability, no alternatives
+    events = _stream_events(server.port, dict(body, logprobs=0))
+    tops = [e["choices"][0]["logprobs"]["top_logprobs"][0] for e in events if e["choices"][0]["logprobs"]]
+    assert len(tops) == 5 and all(len(d) == 1 for d in tops)
+
+
 @pytest.mark.parametrize("body, code", [
     ({"prompt": N_CTX // PARALLEL + 10, "max_tokens": 2}, "context_length_exceeded"),
     ({"prompt": "Hi", "max_tokens": 2, "grammar": "root ::= ("}, None),
-    ({"prompt": "Hi", "max_tokens": 2, "logprobs": 2, "stream": True}, None),
-    ({"prompt": "Hi", "max_tokens": 2, "logprobs": 0, "stream": True}, None),
     ({"prompt": "", "max_tokens": 2}, None),
 ])
 def test_bad_requests_get_400_and_the_server_stays_healthy(server, text_of, body, code):
