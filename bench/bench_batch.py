@@ -3,9 +3,13 @@ concurrent requests, generated together (``Llama.create_completions``: continuou
 slots) against one at a time (``create_completion`` after ``create_completion``, what ``hybrimoe serve`` does at
 ``--parallel 1``), CPU only.
 
-Model: a synthetic DeepSeek-V2-Lite-shaped GGUF (random weights, Q4_K_M types: ``bench/bench_ram_real.py``'s models)
-with its own random router (no routing replay: a replay table is keyed by position, so every sequence would route
-alike); how much its tokens share experts shows in the RAM hit rate each run prints. Modes (``--modes``):
+Model: a synthetic DeepSeek-V2-Lite-shaped GGUF (random weights, Q4_K_M types: ``bench/bench_ram_real.py``'s models).
+Routing (``--locality``): ``high`` (the default) or ``low`` replays a synthetic trace with router scores (the
+simulator's generator, as ``bench_ram_real.py``), each request its own prompt of it (the replay's per-sequence
+offsets: requests routed independently, sharing experts only as often as their popularity makes them), so that the
+RAM tier's cache and the batch see a real routing's reuse; ``none`` keeps the random model's own router (its
+tokens route nearly alike: the RAM tier then hits 0.92-0.96 of the lookups). Both modes replay the same rows.
+Modes (``--modes``):
 ``hybrimoe`` (the engine with its RAM tier, ``moe_ram_cache="auto"``: the larger-than-RAM case; or ``moe_cache=0``
 with ``--in-ram``), and ``upstream`` (the same generator on llama.cpp without the engine: mmap, ``--no-repack``
 where the model does not fit, as ``bench_ram_real.py``). ``--limit``: each run in a memory cgroup of that size (a
@@ -54,9 +58,21 @@ def child(args) -> dict:
     if mode == "hybrimoe":
         kw = {"moe_cache": 0} if args.in_ram else {"moe_ram_cache": "auto"}
         kw["moe_cost_model"] = "rtx4090-desktop"
+    per = args.pp + args.tg + 8
+    offsets = [0] * n
+    if args.locality != "none":  # request i replays prompt i of a synthetic trace (its rows from offsets[i] on)
+        from hybrimoe.model.facts import facts_from_gguf
+        from hybrimoe.traces.routing_replay import routing_replay_table
+        from hybrimoe.traces.synthetic import synthetic_trace
+
+        tr = synthetic_trace(facts_from_gguf(args.model), n * per, locality=args.locality, seed=0, scores=True,
+                             n_prompts=n)
+        kw["moe_replay"], kw["moe_replay_scores"] = routing_replay_table(tr, args.model, scores=True)
+        offsets = [int(x) for x in tr.prompt_offsets[:n]]
+        del tr
     drop_from_page_cache(args.model)
     slots = n if way == "batched" else 1
-    llm = Llama(str(args.model), n_ctx=slots * (args.pp + args.tg + 8), n_batch=512, n_ubatch=512,
+    llm = Llama(str(args.model), n_ctx=slots * per, n_batch=512, n_ubatch=512,
                 n_threads=args.threads, n_threads_batch=args.threads, n_gpu_layers=0, verbose=False,
                 no_repack=not args.in_ram and mode == "upstream", n_seq_max=slots, flash_attn=args.flash_attn, **kw)
     rng = np.random.default_rng(0)
@@ -69,11 +85,16 @@ def child(args) -> dict:
     gen = BatchGenerator(llm, logit_bias=bias)
     t0 = time.perf_counter()
     stamps = []
+    replay = llm.moe_replay
     if way == "batched":
+        if replay is not None:
+            replay.sequence_offsets = offsets  # request i takes slot i (sequence i)
         gen.run(prompts, max_tokens=args.tg, temperature=0.0)
         stamps = gen.token_times
     else:
-        for p in prompts:
+        for i, p in enumerate(prompts):
+            if replay is not None:
+                replay.sequence_offsets = [offsets[i]]
             gen.run([p], max_tokens=args.tg, temperature=0.0)
             stamps += gen.token_times
     t1 = time.perf_counter()
@@ -106,6 +127,9 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--locality", choices=("high", "low", "none"), default="high",
+                    help="routing: a synthetic trace of this locality replayed, each request its own prompt; none: "
+                         "the random model's router (default %(default)s)")
     ap.add_argument("--flash-attn", choices=("on", "off", "auto"), default="auto",
                     help="flash attention, every mode (default %(default)s: upstream's own default)")
     ap.add_argument("-r", "--reps", type=int, default=1)
@@ -140,6 +164,7 @@ def main() -> int:
                         load = os.getloadavg()[0]
                         cmd = [sys.executable, __file__, "--model", str(args.model), "--pp", str(args.pp), "--tg",
                                str(args.tg), "--threads", str(args.threads), "--flash-attn", args.flash_attn,
+                               "--locality", args.locality,
                                "--child", f"{mode}:{n}:{way}"]
                         if args.in_ram:
                             cmd.append("--in-ram")
@@ -156,23 +181,36 @@ def main() -> int:
         if cg:
             cg.close()
     k, e = f.top_k, f.n_experts
+    routing = ("the model's random router" if args.locality == "none" else
+               f"{args.locality}-locality synthetic routing replayed, each request its own prompt")
     print(f"model {args.model.name} ({args.model.stat().st_size / 2**30:.1f} GiB), "
           f"{'in RAM' if args.in_ram else f'memory cgroup {args.limit}'}; {args.threads} threads, CPU only; "
-          f"prompts of {args.pp} tokens, {args.tg} new tokens each; the model's random router; read_ahead_kb "
-          f"{in_force} (found {ra.original}, put back)")
+          f"prompts of {args.pp} tokens, {args.tg} new tokens each; {routing}; read_ahead_kb {in_force} (found "
+          f"{ra.original}, put back); {args.reps} repetition(s), median (min..max)")
     print("| mode | N | way | decode t/s (aggregate) | TPOT p50 ms | TPOT p95 ms | RAM hit rate | distinct experts "
-          "per token routed, independent routing (bound) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "per token routed, independent routing (bound) | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    groups: dict = {}
     for r in rows:
-        if "error" in r:
-            print(f"| {r['mode']} | {r['n']} | {r['way']} | error: {r['error'].splitlines()[-1]} |")
+        groups.setdefault((r["mode"], r["n"], r["way"]), []).append(r)
+
+    def fig(xs, fmt):
+        return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}..{fmt.format(max(xs))})"
+
+    for (mode, n, way), rs in groups.items():
+        bad = [r for r in rs if "error" in r]
+        if bad:
+            print(f"| {mode} | {n} | {way} | error: {bad[0]['error'].splitlines()[-1]} |")
             continue
-        b = bound(r["n"], k, e) if r["way"] == "batched" else 1.0
-        hit = f"{r['ram_hit_rate']:.3f}" if "ram_hit_rate" in r else "-"
-        print(f"| {r['mode']} | {r['n']} | {r['way']} | {r['decode_tps']:.2f} | {1e3 * r['tpot_p50_s']:.0f} | "
-              f"{1e3 * r['tpot_p95_s']:.0f} | {hit} | {b:.2f} |")
+        b = bound(n, k, e) if way == "batched" else 1.0
+        hit = fig([r["ram_hit_rate"] for r in rs], "{:.3f}") if "ram_hit_rate" in rs[0] else "-"
+        load = f"{min(r['loadavg'] for r in rs):.2f}..{max(r['loadavg'] for r in rs):.2f}"
+        print(f"| {mode} | {n} | {way} | {fig([r['decode_tps'] for r in rs], '{:.2f}')} | "
+              f"{fig([1e3 * r['tpot_p50_s'] for r in rs], '{:.0f}')} | "
+              f"{fig([1e3 * r['tpot_p95_s'] for r in rs], '{:.0f}')} | {hit} | {b:.2f} | {load} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": str(args.model), "flash_attn": args.flash_attn, "rows": rows},
+        Path(args.json).write_text(json.dumps({"model": str(args.model), "flash_attn": args.flash_attn,
+                                                "locality": args.locality, "rows": rows},
                                                 indent=2))
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -12,8 +12,9 @@ void bind_routing_replay(py::module_ & m) {
     py::class_<RoutingReplay, std::shared_ptr<RoutingReplay>>(m, "RoutingReplay", R"doc(
 Forces every MoE layer's routed expert ids (llama_set_moe_routing, patch 0002).
 
-The token at position p (any sequence) gets row ``p % n_rows`` of ``ids`` in every MoE layer; routing weights
-are still the router's probabilities at those ids.
+The token at position p of sequence s gets row ``(offsets[s] + p) % n_rows`` of ``ids`` in every MoE layer (every
+offset 0 unless set: :meth:`set_sequence_offsets`); routing weights are still the router's probabilities at those
+ids.
 
 Args:
     ids: int array [n_rows, n_layers, k]; layer index = model layer (rows of dense layers are ignored).
@@ -41,6 +42,10 @@ Raises:
             }), py::arg("ids"), py::arg("n_expert"), py::arg("scores") = py::none())
         .def("attach", [](RoutingReplay & r, uintptr_t ctx) { r.attach(ctx_from(ctx)); }, py::arg("ctx"))
         .def("detach", &RoutingReplay::detach)
+        .def_property("sequence_offsets", &RoutingReplay::sequence_offsets,
+                      [](RoutingReplay & r, std::vector<int64_t> v) { r.set_sequence_offsets(std::move(v)); },
+                      "offsets[s]: the table row sequence s starts at (sequences past the list: 0); set between "
+                      "decodes")
         .def("calls", &RoutingReplay::calls, py::arg("layer"), "ubatches replayed so far in a layer");
 }
 

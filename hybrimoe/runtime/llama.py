@@ -103,7 +103,9 @@ class Llama(llama_cpp.Llama):
             engine's cache policies rank by them instead of the model's own router's (MRS then sees what it would
             on the model's own routing); the routing weights stay the model's.
         moe_replay: int array ``[n_rows, n_layer, k]``: force every MoE layer's routed expert ids; the token at
-            position p gets row ``p % n_rows`` (benchmarks replay real routing; outputs become meaningless).
+            position p gets row ``p % n_rows`` (benchmarks replay real routing; outputs become meaningless); in
+            sequence s, row ``(offsets[s] + p) % n_rows`` where ``moe_replay.sequence_offsets = offsets`` is set
+            (each sequence of a batch its own routing, e.g. its own prompt of a trace).
         record_routing: record every MoE layer's routed ids and router scores as llama.cpp computes them, with
             any placement (llama.cpp's eval callback, ``hybrimoe._engine.RoutingRecorder``; ``moe_recorder``;
             ``hybrimoe trace`` writes traces with it). Off by default; costs a little per graph when on.

@@ -50,14 +50,20 @@ void RoutingReplay::detach() {
     }
 }
 
+int64_t RoutingReplay::row_of(int64_t p, llama_seq_id s) const {
+    const int64_t off = s >= 0 && (size_t) s < offsets_.size() ? offsets_[(size_t) s] : 0;
+    return (((off + p) % n_rows_) + n_rows_) % n_rows_;
+}
+
 void RoutingReplay::callback(int32_t il, int32_t n_tokens, int32_t n_expert_used, int32_t n_expert,
-                             const llama_token * tokens, const llama_pos * pos, int32_t * out, void * user_data) {
+                             const llama_token * tokens, const llama_pos * pos, const llama_seq_id * seq,
+                             int32_t * out, void * user_data) {
     (void) tokens;
     auto * self = static_cast<RoutingReplay *>(user_data);
     const int layer = il >= 0 && il < self->n_layers_ ? il : 0;
     for (int32_t t = 0; t < n_tokens; ++t) {
         const int64_t p = pos ? (int64_t) pos[t] : (int64_t) t;
-        const int64_t row = ((p % self->n_rows_) + self->n_rows_) % self->n_rows_;
+        const int64_t row = self->row_of(p, seq ? seq[t] : 0);
         const int32_t * src = self->ids_.data() + ((size_t) row * self->n_layers_ + layer) * self->k_;
         for (int32_t j = 0; j < n_expert_used; ++j) {
             // warmup graphs ask for every expert: fill the ranks past the table's k with distinct ids
@@ -74,7 +80,7 @@ void RoutingReplay::callback(int32_t il, int32_t n_tokens, int32_t n_expert_used
             cur.resize((size_t) n_tokens * n_expert);
             for (int32_t t = 0; t < n_tokens; ++t) {
                 const int64_t p = pos ? (int64_t) pos[t] : (int64_t) t;
-                const int64_t row = ((p % self->n_rows_) + self->n_rows_) % self->n_rows_;
+                const int64_t row = self->row_of(p, seq ? seq[t] : 0);
                 const float * src = self->scores_.data() + ((size_t) row * self->n_layers_ + il) * n_expert;
                 std::copy(src, src + n_expert, cur.begin() + (size_t) t * n_expert);
             }

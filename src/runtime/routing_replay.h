@@ -12,8 +12,9 @@
 
 namespace hybrimoe {
 
-/// Replays recorded routing through llama_set_moe_routing (patch 0002): the token at position p of any
-/// sequence gets row (p mod n_rows) of the table in every MoE layer.
+/// Replays recorded routing through llama_set_moe_routing (patch 0002): the token at position p of sequence s
+/// gets row ((offset(s) + p) mod n_rows) of the table in every MoE layer; every offset is 0 unless set (each
+/// sequence of a batch may then replay a routing of its own, e.g. another prompt of a trace).
 class RoutingReplay {
 public:
     /// ids: [n_rows, n_layers, k] int32, row-major; layer index = model layer (dense layers' rows unused).
@@ -28,17 +29,26 @@ public:
     /// nullptr (no scores, or that layer's last ubatch had another row count).
     const float * current_scores(int il, int n_tokens) const;
 
+    /// offsets[s]: the row sequence s starts at; sequences past the list start at row 0. Set between decodes.
+    void set_sequence_offsets(std::vector<int64_t> offsets) { offsets_ = std::move(offsets); }
+    const std::vector<int64_t> & sequence_offsets() const { return offsets_; }
+
     void attach(llama_context * ctx);
     void detach();
 
     static void callback(int32_t il, int32_t n_tokens, int32_t n_expert_used, int32_t n_expert,
-                         const llama_token * tokens, const llama_pos * pos, int32_t * ids, void * user_data);
+                         const llama_token * tokens, const llama_pos * pos, const llama_seq_id * seq, int32_t * ids,
+                         void * user_data);
 
     /// ubatches replayed so far per layer
     uint64_t calls(int il) const { return il >= 0 && il < n_layers_ ? calls_[(size_t) il].load() : 0; }
 
 private:
+    /// the table row of the token at position p of sequence s
+    int64_t row_of(int64_t p, llama_seq_id s) const;
+
     std::vector<int32_t> ids_;
+    std::vector<int64_t> offsets_;               // per sequence: its first row (none: 0)
     std::vector<float> scores_;                  // [n_rows, n_layers, n_expert] or empty
     std::vector<std::vector<float>> current_;    // per layer: the last ubatch's rows of scores_
     int n_rows_, n_layers_, k_, n_expert_;

@@ -175,3 +175,43 @@ def test_bad_replay_scores(kw, match, tiny_model):
         kw = dict(moe_replay=ids, moe_replay_scores=np.zeros(kw["scores_shape"], dtype=np.float32))
     with pytest.raises(ValueError, match=match):
         Llama(path, n_ctx=64, verbose=False, moe_cache=0, **kw)
+
+
+def test_each_sequence_replays_from_its_own_offset(tiny_model):
+    """Two sequences in one batch (upstream's decode of both prompts in one llama_decode): with
+    ``sequence_offsets`` [0, 5] the token at position p of sequence 1 gets row 5 + p of the table while sequence 0
+    keeps row p; without offsets both get row p (the hook records what each layer routed)."""
+    import gguf
+
+    from hybrimoe import Llama
+    from hybrimoe._lib import llama_cpp_module
+    from hybrimoe.testing.upstream import decode_together
+
+    lc = llama_cpp_module().llama_cpp
+    path = str(tiny_model("qwen3moe", "Q8_0"))
+    r = gguf.GGUFReader(path)
+    field = {name.rsplit(".", 1)[-1]: int(f.parts[f.data[0]][0]) for name, f in r.fields.items()
+             if name.endswith((".block_count", ".expert_count", ".expert_used_count"))}
+    n_layer, n_expert, k = field["block_count"], field["expert_count"], field["expert_used_count"]
+    rng = np.random.default_rng(1)
+    table = np.stack([np.stack([rng.permutation(n_expert)[:k] for _ in range(n_layer)]) for _ in range(64)])
+    llm = Llama(path, n_ctx=256, n_threads=2, verbose=False, moe_hook=True, moe_replay=table, n_seq_max=2)
+    try:
+        tokens = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+        n = len(tokens)
+        hook = llm.moe_hook
+        moe = list(range(n_layer - 1))  # the last layer computes the output rows only
+        seen = {}
+        for offsets in ([], [0, 5]):
+            llm.moe_replay.sequence_offsets = offsets
+            assert llm.moe_replay.sequence_offsets == offsets
+            hook.set_recording(True)
+            decode_together(llm, [tokens, tokens], 1)
+            seen[len(offsets)] = {il: hook.recorded(il) for il in moe}
+            hook.set_recording(False)
+            lc.llama_memory_clear(lc.llama_get_memory(llm.ctx), True)
+    finally:
+        llm.close()
+    for il in moe:
+        np.testing.assert_array_equal(seen[0][il], np.concatenate([table[:n, il], table[:n, il]]))
+        np.testing.assert_array_equal(seen[2][il], np.concatenate([table[:n, il], table[5:5 + n, il]]))
