@@ -11,6 +11,12 @@ interleaved (per repetition every N, at each every server), the load average bef
 these: ``--hybrimoe-args`` and ``--llama-server-args`` (placement, e.g. ``--moe-ram-cache auto``; upstream's
 defaults otherwise, repacked CPU weights included).
 
+A model larger than RAM: ``--limit 3GiB`` starts every server in a memory cgroup of that size (the model file
+dropped from the page cache before each start), ``--read-ahead KB`` sets the model's block device's
+``read_ahead_kb`` for the run (Linux's usual 128; put back at the end; the value in force printed), e.g.
+``--hybrimoe-args "--moe-ram-cache auto" --llama-server-args "--no-repack"`` (upstream's mmap, as
+``bench_ram_real.py`` runs it: repacking would copy the whole model into the cgroup's memory).
+
     python3 bench/bench_serve.py -m model.gguf --llama-server ~/llama.cpp/build/bin/llama-server --clients 1,4,8
 """
 from __future__ import annotations
@@ -79,8 +85,12 @@ def start(kind: str, args, n: int):
         env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
             x for x in (str(binary.parent), os.environ.get("LD_LIBRARY_PATH")) if x))
     # cwd: not a checkout, whose source tree would shadow the installed package
+    if args.cgroup is not None:  # a cold start: what the server reads, it reads from the disk
+        from hybrimoe.runtime.disk_calibration import drop_from_page_cache
+
+        drop_from_page_cache(args.model)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, cwd="/tmp",
-                            env=env)
+                            env=env, preexec_fn=args.cgroup.enter if args.cgroup is not None else None)
     try:
         _wait_ready(port, proc)
     except Exception as e:
@@ -154,9 +164,32 @@ def main() -> int:
     ap.add_argument("-r", "--reps", type=int, default=1)
     ap.add_argument("--hybrimoe-args", default="")
     ap.add_argument("--llama-server-args", default="")
+    ap.add_argument("--limit", default=None, help="memory cgroup limit of every server (a model larger than RAM)")
+    ap.add_argument("--read-ahead", type=int, default=None, help="read_ahead_kb of the model's disk during the run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.model = Path(args.model)
+    args.cgroup = ra = None
+    if args.limit is not None:
+        from hybrimoe.policy.budget import parse_budget
+        from hybrimoe.testing.cgroup import MemoryCgroup
+
+        args.cgroup = MemoryCgroup(int(parse_budget(args.limit, 1.0, 0.0)))
+    if args.read_ahead is not None:
+        from hybrimoe.runtime.readahead import ReadAhead
+
+        ra = ReadAhead(args.model)
+        print(f"read_ahead_kb {ra.set(args.read_ahead)} in force (found {ra.original})", file=sys.stderr)
+    try:
+        return _run(args)
+    finally:
+        if ra is not None:
+            ra.close()
+        if args.cgroup is not None:
+            args.cgroup.close()
+
+
+def _run(args) -> int:
     from hybrimoe import Llama
     from hybrimoe._lib import llama_cpp_module
 
@@ -179,7 +212,9 @@ def main() -> int:
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     print(f"model {args.model.name}; {args.threads} threads, CPU only; {args.pp}-word prompts, {args.tg} new tokens; "
-          f"{args.reps} repetition(s), median (min..max)")
+          f"{args.reps} repetition(s), median (min..max)"
+          + (f"; memory cgroup {args.limit}" if args.limit else "")
+          + (f"; read_ahead_kb {args.read_ahead}" if args.read_ahead is not None else ""))
     print("| server | N | tokens/s (aggregate, prefills included) | TPOT p50 ms | TPOT p95 ms |")
     print("|---|---|---|---|---|")
     for kind in kinds:
@@ -195,7 +230,8 @@ def main() -> int:
                   f"{f'{1e3 * statistics.median(t50):.0f}' if t50 else '-'} | "
                   f"{f'{1e3 * statistics.median(t95):.0f}' if t95 else '-'} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": str(args.model), "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"model": str(args.model), "limit": args.limit,
+                                               "read_ahead_kb": args.read_ahead, "rows": rows}, indent=2))
     return 0 if all("error" not in r for r in rows) else 1
 
 
