@@ -39,11 +39,26 @@ def add_split_arguments(p: argparse.ArgumentParser) -> None:
                    help="the device for -sm none, and for the GPU share of layers left on the host")
 
 
+def flash_attn_word(value: str) -> str:
+    """``-fa``'s value as ``on``, ``off`` or ``auto`` (llama.cpp's words:
+    :data:`hybrimoe.runtime.params.FLASH_ATTN_NAMES`).
+
+    Raises:
+        argparse.ArgumentTypeError: another word.
+    """
+    from hybrimoe.runtime.params import FLASH_ATTN_NAMES
+
+    t = FLASH_ATTN_NAMES.get(value.strip().lower())
+    if t is None:
+        raise argparse.ArgumentTypeError(f"unknown value {value!r}: use on, off or auto")
+    return {1: "on", 0: "off", -1: "auto"}[t]
+
+
 def add_flash_attn_argument(p: argparse.ArgumentParser) -> None:
     """llama.cpp's ``-fa``, with its default: ``auto`` (flash attention where every layer's device supports it)."""
-    p.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto",
-                   help="flash attention: on, off, or auto = where the devices support it, as upstream "
-                        "(default: %(default)s)")
+    p.add_argument("-fa", "--flash-attn", type=flash_attn_word, default="auto", metavar="on|off|auto",
+                   help="flash attention: on, off, or auto = where the devices support it, as upstream (which also "
+                        "takes enabled/true/1, disabled/false/0) (default: %(default)s)")
 
 
 def split_keywords(args: argparse.Namespace) -> dict:

@@ -426,6 +426,75 @@ class BatchGenerator:
             out["top_logprobs"].append(d)
         return out
 
+    def request(self, prompt, **kw) -> _Request:
+        """One request (``prompt``: a string or token list; keywords as :meth:`run`'s, one value each), checked as
+        ``run`` checks them (ValueError, worded for a single prompt)."""
+        try:
+            return self._requests([prompt], kw)[0]
+        except ValueError as e:  # one request: "prompt 0" names nothing to its caller
+            msg = str(e)
+            msg = msg.removeprefix("prompt 0: ") if msg.startswith("prompt 0: ") else \
+                "the prompt " + msg.removeprefix("prompt 0 ") if msg.startswith("prompt 0 ") else msg
+            raise ValueError(msg) from None
+
+    def items(self, r: _Request) -> list:
+        """``r``'s stream items after a step (:meth:`BatchScheduler.stream`'s ``(text delta, finish reason or None,
+        logprobs or None)``): one per generated token, and the finish on its own once it finished."""
+        text = r.text.decode("utf-8", errors="ignore")
+        # text that could still be the start of a stop string is held back until it is not (or the request ends)
+        hold = 0 if r.finish is not None else max((len(x) - 1 for x in r.params["stop"] if x), default=0)
+        delta = text[r.sent:max(r.sent, len(text) - hold)]
+        r.sent += len(delta)
+        lps = None
+        if r.params["logprobs"] is not None and len(r.lps) > r.lp_sent:
+            lps = self._logprobs_object(r, r.source, r.lp_sent)
+            r.lp_sent = len(r.lps)
+        out = []
+        # one event per token, as llama-server streams, even when its text is empty (part of a character, or held
+        # back for a stop string): a client sees each token's time
+        if r.finish is None or delta or lps is not None:
+            out.append((delta, None, lps))
+        if r.finish is not None:  # the finish on its own, as llama-cpp-python's streams end (an empty text)
+            out.append(("", r.finish, None))
+        return out
+
+    def stream_alone(self, r: _Request, lock=None, on_step=None):
+        """``r`` generated alone, stepped on the caller's thread (no thread of its own): yields its items as
+        :meth:`BatchScheduler.stream` does. The context is cleared first (:meth:`open`); ``lock`` is held around
+        each step, ``on_step(self)`` called after it. Raises the step's error. A caller that stops early (a client
+        gone; the generator closed, or collected later on any thread) leaves the context as it is: only the batch
+        and the sampler are freed, which touches no shared state. Its KV cells go at the next :meth:`open`, or at
+        llama-cpp-python's next ``eval``, which removes every cell past its ``n_tokens`` (0 after :meth:`open`)."""
+        import contextlib
+
+        lock = lock if lock is not None else contextlib.nullcontext()
+        with lock:
+            self.open()
+        done = False
+        try:
+            self.waiting.append(r)
+            while self.waiting or self.active:
+                with lock:
+                    got = self.step()
+                if self.failed:
+                    raise self.failed[0].error
+                if on_step is not None:
+                    on_step(self)
+                for x in got:
+                    yield from self.items(x)
+            done = True
+        finally:
+            if done:
+                with lock:
+                    self.close()
+            else:
+                if getattr(self, "_batch", None) is not None:
+                    self._lc.llama_batch_free(self._batch)
+                    self._batch = None
+                if r.sampler is not None:
+                    r.sampler.close()
+                    r.sampler = None
+
     def _advance(self, r: _Request, tok: int) -> None:
         lc, llm = self._lc, self.llm
         if lc.llama_vocab_is_eog(llm._model.vocab, tok):
@@ -520,13 +589,7 @@ class BatchScheduler:
         closed."""
         import queue
 
-        try:
-            r = self.gen._requests([prompt], kw)[0]
-        except ValueError as e:  # one request: "prompt 0" names nothing to its caller
-            msg = str(e)
-            msg = msg.removeprefix("prompt 0: ") if msg.startswith("prompt 0: ") else \
-                "the prompt " + msg.removeprefix("prompt 0 ") if msg.startswith("prompt 0 ") else msg
-            raise ValueError(msg) from None
+        r = self.gen.request(prompt, **kw)
         r.events = queue.Queue()
         with self._cv:
             if self._stopping:
@@ -580,21 +643,9 @@ class BatchScheduler:
         self._thread.join(timeout_s)
 
     def _deliver(self, r: _Request) -> None:
-        text = r.text.decode("utf-8", errors="ignore")
-        # text that could still be the start of a stop string is held back until it is not (or the request ends)
-        hold = 0 if r.finish is not None else max((len(x) - 1 for x in r.params["stop"] if x), default=0)
-        delta = text[r.sent:max(r.sent, len(text) - hold)]
-        r.sent += len(delta)
-        lps = None
-        if r.params["logprobs"] is not None and len(r.lps) > r.lp_sent:
-            lps = self.gen._logprobs_object(r, r.source, r.lp_sent)
-            r.lp_sent = len(r.lps)
-        # one event per token, as llama-server streams, even when its text is empty (part of a character, or held
-        # back for a stop string): a client sees each token's time
-        if r.finish is None or delta or lps is not None:
-            r.events.put((delta, None, lps))
-        if r.finish is not None:  # the finish on its own, as llama-cpp-python's streams end (an empty text)
-            r.events.put(("", r.finish, None))
+        for item in self.gen.items(r):
+            r.events.put(item)
+        if r.finish is not None:
             r.events.put(None)
 
     def _fail(self, r: _Request, e: BaseException) -> None:

@@ -146,24 +146,28 @@ def check_keywords(kwargs: dict) -> None:
             raise TypeError(f"Llama() got an unexpected keyword argument {name!r}{hint}")
 
 
-FLASH_ATTN_NAMES = {"on": 1, "off": 0, "auto": -1}  # enum llama_flash_attn_type (include/llama.h)
+#: llama.cpp's words for -fa (common/arg.cpp, is_truthy / is_falsey / is_autoy) and their llama_flash_attn_type
+FLASH_ATTN_NAMES = {"on": 1, "enabled": 1, "true": 1, "1": 1, "off": 0, "disabled": 0, "false": 0, "0": 0,
+                    "auto": -1, "-1": -1}
 
 
 def flash_attn_type(value) -> int:
-    """llama.cpp's ``llama_flash_attn_type`` for a ``flash_attn`` keyword: llama-cpp-python's ``True``/``False``, or
-    llama.cpp's ``"on"``, ``"off"``, ``"auto"`` (upstream's ``-fa``; ``"auto"``, llama.cpp's default, turns flash
-    attention on where every layer's device supports it, ``llama_context``'s fused-op probe); None is off, as
-    llama-cpp-python reads it.
+    """llama.cpp's ``llama_flash_attn_type`` for a ``flash_attn`` keyword: llama-cpp-python's ``True``/``False``
+    (None and the integers 0 and 1 as it reads them), or llama.cpp's words for ``-fa``: ``"on"``, ``"off"``,
+    ``"auto"`` (and ``enabled``/``true``/``1``, ``disabled``/``false``/``0``, ``-1``). ``"auto"``, llama.cpp's
+    default, turns flash attention on where every layer's device supports it (``llama_context``'s fused-op probe).
 
     Returns:
         1 (enabled), 0 (disabled) or -1 (auto).
     Raises:
         ValueError: anything else.
     """
-    if value is None or isinstance(value, bool):
+    if value is None or isinstance(value, (bool, np.bool_)):
         return int(bool(value))
-    if isinstance(value, str) and value.lower() in FLASH_ATTN_NAMES:
-        return FLASH_ATTN_NAMES[value.lower()]
+    if isinstance(value, (int, np.integer)) and int(value) in (0, 1, -1):
+        return int(value)
+    if isinstance(value, str) and value.strip().lower() in FLASH_ATTN_NAMES:
+        return FLASH_ATTN_NAMES[value.strip().lower()]
     raise ValueError(f"flash_attn must be True, False, 'on', 'off' or 'auto', got {value!r}")
 
 

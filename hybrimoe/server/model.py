@@ -11,7 +11,7 @@ from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings
 
 from hybrimoe.envs import SERVER_GRACE_S
-from hybrimoe.runtime.batch import SAMPLING_DEFAULTS, BatchScheduler, QueueFull
+from hybrimoe.runtime.batch import SAMPLING_DEFAULTS, BatchGenerator, BatchScheduler, QueueFull
 from hybrimoe.runtime.errors import DeviceLostError
 from hybrimoe.runtime.llama import Llama
 from hybrimoe.server.errors import APIError
@@ -72,8 +72,9 @@ class ServedLlama(Llama):
     mirostat, a logits processor such as ``min_tokens``) is refused with ValueError (400); a grammar (and so a
     chat's ``response_format`` JSON schema) is served, each request with its own grammar sampler, and so are
     logprobs, streamed or not (each chunk with its token's). With ``parallel`` 1 a request with logprobs on a model
-    loaded without ``logits_all`` goes through a one-slot scheduler of its own (llama-cpp-python's path would refuse
-    it); the others through llama-cpp-python's ``create_completion``.
+    loaded without ``logits_all`` is generated alone by the batch path on its own thread
+    (:meth:`BatchGenerator.stream_alone`; llama-cpp-python's path would refuse it); the others go through
+    llama-cpp-python's ``create_completion``.
 
     Args: ``api_name``: the model's name in the API; the rest as :class:`hybrimoe.Llama`, with the same errors; after
     :meth:`close_when_idle`, ``eval`` raises RuntimeError.
@@ -181,32 +182,18 @@ class ServedLlama(Llama):
                 return super().create_completion(prompt, *args, model=model or self.api_name, **kwargs)
             # logprobs without every row's logits (llama-cpp-python's own path needs logits_all, which would make
             # every prompt compute logits for each of its tokens): the batch path computes them from the row each
-            # token is sampled from, on a one-slot scheduler for this request (the server's lock is held for it)
+            # token is sampled from, stepped alone on this request's thread (the server's model lock is held for
+            # the request; no thread of its own, which a client that leaves would strand)
             self._check_can_decode()
-            sched = BatchScheduler(self, lock=self._decode_lock, on_step=self._stepped, on_change=self._publish)
-            try:
-                out = self._batched(sched, prompt, model, dict(kwargs))
-            except BaseException:
-                sched.close()
-                raise
-            if isinstance(out, dict):
-                sched.close()
-                return out
-            return self._closing_after(out, sched)
+            return self._batched(None, prompt, model, dict(kwargs))
         if args:
             raise TypeError("create_completion takes its options by keyword with --parallel")
         self._check_can_decode()
         return self._batched(self._scheduler, prompt, model, kwargs)
 
-    @staticmethod
-    def _closing_after(chunks, sched):
-        try:
-            yield from chunks
-        finally:
-            sched.close()
-
     def _batched(self, sched, prompt, model, kwargs: dict):
-        """A completion (or its stream of chunks) through the batch scheduler ``sched``."""
+        """A completion (or its stream of chunks) through the batch scheduler ``sched``, or with ``sched`` None
+        through :meth:`BatchGenerator.stream_alone` on the caller's thread."""
         stream = bool(kwargs.pop("stream", False))
         asked = self._batch_asks(kwargs)
         if asked:
@@ -218,6 +205,16 @@ class ServedLlama(Llama):
         kw = {k: v for k, v in kwargs.items() if k in SAMPLING_DEFAULTS}
         if kw.get("stop") == []:
             kw["stop"] = None
+        name = model or self.api_name
+        if sched is None:
+            gen = BatchGenerator(self)
+            r = gen.request(prompt, **kw)
+            items = gen.stream_alone(r, lock=self._decode_lock, on_step=self._stepped)
+            if not stream:
+                for _ in items:
+                    pass
+                return gen.completion(r, name)
+            return self._chunks(items, name)
         try:
             r = sched.submit(prompt, **kw)
         except QueueFull as e:
@@ -226,17 +223,17 @@ class ServedLlama(Llama):
         handles = REQUEST_HANDLES.get()
         if handles is not None:
             handles.append((sched, r))
-        name = model or self.api_name
         if not stream:
             return sched.result(r, name)
-        return self._chunks(sched, r, name)
+        return self._chunks(sched.stream(r), name)
 
     @staticmethod
-    def _chunks(sched, r, name):
-        # llama-cpp-python's streamed completion chunks (with logprobs: each chunk's tokens' entries); closing this
-        # generator early (the client left) cancels r
+    def _chunks(items, name):
+        # llama-cpp-python's streamed completion chunks (with logprobs: each chunk's tokens' entries) of a request's
+        # stream items; closing this generator early (the client left) closes theirs (BatchScheduler.stream then
+        # cancels the request)
         cid, created = f"cmpl-{uuid.uuid4()}", int(time.time())
-        for delta, finish, lps in sched.stream(r):
+        for delta, finish, lps in items:
             yield {"id": cid, "object": "text_completion", "created": created, "model": name,
                    "choices": [{"text": delta, "index": 0, "logprobs": lps, "finish_reason": finish}]}
 

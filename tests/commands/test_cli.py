@@ -213,7 +213,15 @@ def test_flash_attention_defaults_to_auto_as_upstream(command):
     """-fa/--flash-attn takes llama.cpp's values, with llama.cpp's tools' default (auto) in every command."""
     p = _subparsers()[command]
     action = next(a for a in p._actions if "-fa" in a.option_strings)
-    assert action.default == "auto" and set(action.choices) == {"on", "off", "auto"}
+    assert action.default == "auto"
+    # llama.cpp's words (common/arg.cpp is_truthy / is_falsey / is_autoy), each as on, off or auto
+    for word, want in (("enabled", "on"), ("1", "on"), ("false", "off"), ("OFF", "off"), ("-1", "auto")):
+        assert action.type(word) == want
+
+
+def test_an_unknown_flash_attn_word_is_a_one_line_error(tmp_path):
+    r = _cli(["run", "-fa", "bogus"], cwd=tmp_path)
+    assert r.returncode == 2 and "argument -fa/--flash-attn: unknown value 'bogus'" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("argv, expected", [([], -1), (["-fa", "off"], 0), (["--flash-attn", "on"], 1)])

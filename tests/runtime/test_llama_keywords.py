@@ -95,6 +95,16 @@ def test_flash_attn_auto_reaches_the_context(tiny_model):
     assert not np.array_equal(got["auto"][0], got[False][0])
 
 
+def test_flash_attn_values_as_llama_cpp_python_and_llama_cpp_read_them():
+    import numpy as np
+
+    from hybrimoe.runtime.params import flash_attn_type
+
+    for v, want in ((True, 1), (False, 0), (None, 0), (1, 1), (0, 0), (np.bool_(True), 1), ("auto", -1),
+                    ("on", 1), ("Enabled", 1), ("true", 1), ("off", 0), ("disabled", 0), ("-1", -1)):
+        assert flash_attn_type(v) == want, v
+
+
 @pytest.mark.parametrize("bad", ["yes", 2, 1.0])
 def test_a_bad_flash_attn_is_a_value_error(tiny_model, bad):
     from hybrimoe import Llama

@@ -213,6 +213,29 @@ def test_logprobs_are_served_without_logits_all(server, oracle):
                                             **GREEDY})[2])["choices"][0]["text"]
 
 
+def test_clients_that_leave_a_logprobs_stream_strand_nothing(server, oracle):
+    """Logprobs at --parallel 1 run on the request's own thread: a client that leaves such a stream after its first
+    event, again and again, leaves nothing behind that blocks or changes the next requests (each still the oracle's
+    answer)."""
+    body = {"model": ALIAS, "prompt": PROMPTS[0], "max_tokens": 200, "logprobs": 2, "stream": True, **GREEDY}
+    want = oracle.complete(PROMPTS[1])["choices"][0]["text"]
+    for _ in range(5):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=REQUEST_S)
+        conn.request("POST", "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        while not resp.readline().startswith(b"data: "):
+            pass
+        conn.close()  # gone after the first event
+        status, _, got = request(server, "POST", "/v1/completions",
+                                 {"model": ALIAS, "prompt": PROMPTS[1], "max_tokens": N_TOK, "logprobs": 1, **GREEDY})
+        assert status == 200 and json.loads(got)["choices"][0]["text"] == want, got
+        status, _, got = request(server, "POST", "/v1/completions",
+                                 {"model": ALIAS, "prompt": PROMPTS[1], "max_tokens": N_TOK, **GREEDY})
+        assert status == 200 and json.loads(got)["choices"][0]["text"] == want, got
+
+
 def test_chat_uses_the_models_template(server, oracle):
     import jinja2
 
