@@ -171,15 +171,22 @@ class ServedLlama(Llama):
     def _batch_asks(self, kwargs: dict) -> list[str]:
         """The keywords of a completion request that the batch scheduler does not serve (with values that ask for
         something)."""
-        return [k for k, v in kwargs.items() if k not in SAMPLING_DEFAULTS and k != "stream" and
-                _PARALLEL_NEUTRAL.get(k, ()) is not None and v not in _PARALLEL_NEUTRAL.get(k, ())]
+        asked = [k for k, v in kwargs.items() if k not in SAMPLING_DEFAULTS and k != "stream" and
+                 _PARALLEL_NEUTRAL.get(k, ()) is not None and v not in _PARALLEL_NEUTRAL.get(k, ())]
+        # the server turns min_tokens into a logits processor: name what the request asked
+        return ["min_tokens (a logits processor)" if k == "logits_processor" else k for k in asked]
 
     def create_completion(self, prompt, *args, model: str | None = None, **kwargs):
         # a request without "model": the response names the model as /v1/models does, not by its file
         if self._scheduler is None:
             lp = kwargs.get("logprobs")
-            if args or lp is None or lp is False or self._logits_all or self._batch_asks(kwargs):
+            if args or lp is None or lp is False or self._logits_all:
                 return super().create_completion(prompt, *args, model=model or self.api_name, **kwargs)
+            asked = self._batch_asks(kwargs)
+            if asked:
+                # llama-cpp-python's path would say "logits_all=False", which is not what the request got wrong
+                raise ValueError(f"logprobs cannot go with {', '.join(sorted(asked))} on this server (the model is "
+                                 "loaded without logits_all): drop one or the other")
             # logprobs without every row's logits (llama-cpp-python's own path needs logits_all, which would make
             # every prompt compute logits for each of its tokens): the batch path computes them from the row each
             # token is sampled from, stepped alone on this request's thread (the server's model lock is held for
@@ -197,11 +204,10 @@ class ServedLlama(Llama):
         stream = bool(kwargs.pop("stream", False))
         asked = self._batch_asks(kwargs)
         if asked:
-            # the server turns min_tokens into a logits processor: name what the request asked
-            asked = ["min_tokens (a logits processor)" if k == "logits_processor" else k for k in asked]
             raise ValueError(f"{', '.join(sorted(asked))}: not served with --parallel above 1 (each request's own "
                              "sampling, stop strings, penalties, seed, logit_bias, grammar and logprobs are); "
-                             "start the server with --parallel 1 for these")
+                             "start the server with --parallel 1 for these"
+                             + (" (without logprobs)" if kwargs.get("logprobs") not in (None, False) else ""))
         kw = {k: v for k, v in kwargs.items() if k in SAMPLING_DEFAULTS}
         if kw.get("stop") == []:
             kw["stop"] = None

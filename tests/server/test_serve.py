@@ -236,6 +236,14 @@ def test_clients_that_leave_a_logprobs_stream_strand_nothing(server, oracle):
         assert status == 200 and json.loads(got)["choices"][0]["text"] == want, got
 
 
+def test_logprobs_with_echo_are_refused_naming_echo(server):
+    status, _, got = request(server, "POST", "/v1/completions", {"model": ALIAS, "prompt": "Hi", "max_tokens": 2,
+                                                                  "logprobs": 1, "echo": True, **GREEDY})
+    assert status == 400, got
+    msg = json.loads(got)["error"]["message"]
+    assert "logprobs cannot go with echo" in msg and "logits_all=False" not in msg, msg
+
+
 def test_chat_uses_the_models_template(server, oracle):
     import jinja2
 
