@@ -130,8 +130,9 @@ def main() -> int:
     ap.add_argument("--locality", choices=("high", "low", "none"), default="high",
                     help="routing: a synthetic trace of this locality replayed, each request its own prompt; none: "
                          "the random model's router (default %(default)s)")
-    ap.add_argument("--flash-attn", choices=("on", "off", "auto"), default="auto",
-                    help="flash attention, every mode (default %(default)s: upstream's own default)")
+    from hybrimoe.commands.llama_args import add_flash_attn_argument
+
+    add_flash_attn_argument(ap)  # upstream's -fa, its default (auto) included: every mode alike
     ap.add_argument("-r", "--reps", type=int, default=1)
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

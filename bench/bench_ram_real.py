@@ -231,8 +231,9 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=256, help="prompt tokens (default 256)")
     ap.add_argument("--tg", type=int, default=32, help="decode tokens (default 32)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--flash-attn", choices=("on", "off", "auto"), default="auto",
-                    help="flash attention, every mode (default %(default)s: upstream's own default)")
+    from hybrimoe.commands.llama_args import add_flash_attn_argument
+
+    add_flash_attn_argument(ap)  # upstream's -fa, its default (auto) included: every mode alike
     ap.add_argument("--json", default=None)
     ap.add_argument("--child-kw", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -289,6 +289,11 @@ class BatchGenerator:
 
     def close(self) -> None:
         """Ends the session: the batch freed, the samplers of unfinished requests closed, the context emptied."""
+        self._free()
+        self._clear()
+
+    def _free(self) -> None:
+        # the session's own native objects only (safe on any thread: no shared state)
         if getattr(self, "_batch", None) is not None:
             self._lc.llama_batch_free(self._batch)
             self._batch = None
@@ -296,7 +301,6 @@ class BatchGenerator:
             if r.sampler is not None:
                 r.sampler.close()
                 r.sampler = None
-        self._clear()
 
     def drop(self, r: _Request, why: str) -> None:
         """Takes ``r`` out (finished, or its client gone: ``why`` becomes its finish reason unless it has one):
@@ -488,12 +492,7 @@ class BatchGenerator:
                 with lock:
                     self.close()
             else:
-                if getattr(self, "_batch", None) is not None:
-                    self._lc.llama_batch_free(self._batch)
-                    self._batch = None
-                if r.sampler is not None:
-                    r.sampler.close()
-                    r.sampler = None
+                self._free()
 
     def _advance(self, r: _Request, tok: int) -> None:
         lc, llm = self._lc, self.llm
