@@ -222,12 +222,12 @@ void RamTier::drop_evicted() {
     }
 }
 
-bool RamTier::start_read(int layer, int expert, uint8_t tag, double now_s) {
+bool RamTier::start_read(int layer, int expert, uint8_t tag, double now_s, bool certain) {
     const bool prefetch = tag != 0;
     const int64_t key = (int64_t) layer * n_expert_ + expert;
     if (workers_.empty()) throw std::runtime_error("RAM tier: the engine was released: no more reads");
     if (!cache_->resident(layer, expert)) {
-        if (!cache_->admit(layer, expert, now_s, prefetch, !prefetch)) return false;
+        if (!cache_->admit(layer, expert, now_s, prefetch, !prefetch || certain)) return false;
         drop_evicted();
     }
     if (!pool_.assign(layer, expert)) {
@@ -816,7 +816,8 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
             st = state_[(size_t) key];
         }
         if (!(cache_->resident(c.layer, c.expert) && st == 2)) {
-            if (!start_read(c.layer, c.expert, c.tag, now_s)) continue;  // the policy declined, or no room
+            // a read its layer needs anyway (a prefill's) is admitted as the demand read it would otherwise become
+            if (!start_read(c.layer, c.expert, c.tag, now_s, c.confidence >= cfg_.certain_use)) continue;
             ++queued;
         }
         pin(key);

@@ -54,6 +54,10 @@ struct RamTierConfig {
     /// ahead saves its later demand read's time t with probability p and takes t from the demand reads otherwise,
     /// so it pays off net of the waste, (2p - 1) t > 0, above 1/2
     double min_prefetch_confidence = 0.5;
+    /// a read ahead at this confidence or above is admitted as a demand read: the cache's frequency admission
+    /// (TinyLFU) does not refuse it. Refusing a read of an expert its layer will use anyway (a prefill's: every
+    /// expert of the next layers) does not save the read, it moves it to the layer's start, where the CPU waits.
+    double certain_use = 0.95;
     /// bytes one RAM slot buffer may hold at most, below the host buffer type's own cap (0: that cap only); the CPU
     /// share then runs once per buffer (Engine::build)
     int64_t max_buffer_bytes = 0;
@@ -240,8 +244,9 @@ private:
     void judge(uint8_t distance, bool used);
     /// Admits `key` (evicting as the policy says), assigns its slot and queues its read. False: no room.
     /// `tag`: 0 a demand read; 1..3 a read ahead of a small ubatch's prediction at that distance (its use is
-    /// counted per distance); kUncounted another read ahead.
-    bool start_read(int layer, int expert, uint8_t tag, double now_s);
+    /// counted per distance); kUncounted another read ahead. `certain`: a read ahead admitted as a demand read
+    /// (RamTierConfig::certain_use).
+    bool start_read(int layer, int expert, uint8_t tag, double now_s, bool certain = false);
     static constexpr uint8_t kUncounted = 255;
     /// Completed reads since the last call: their pins from the read are dropped, errors collected.
     void harvest();

@@ -739,6 +739,34 @@ def test_prefill_reads_the_next_layers_whole(tiny_model):
     assert off["ram"]["prefetch_reads"] == 0 and off["ram"]["demand_reads"] > f.n_expert
 
 
+def test_prefill_reads_ahead_past_a_full_tier(tiny_model):
+    """Once the slots are full, a prefill's reads ahead still go through: every expert of the next layer is used
+    there, so the cache's frequency admission (which keeps a read ahead from evicting an expert used at least as
+    often: in a first prefill every resident was used once, every newcomer not yet) must not refuse them; a refusal
+    only moves the read to the layer's start, where the CPU waits for it. Only the first MoE layer's experts are
+    demand reads, at a budget of three layers' experts, and the tokens and logits stay upstream's."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.engine_facts import engine_facts
+
+    path = tiny_model("qwen3moe", "Q8_0", n_expert=32, n_layer=6)
+    f = engine_facts(path)
+    assert len(f.moe_layers) >= 5  # more layers than the slots hold, so the prefill must evict
+    tokens = _tokens(path, 64)
+    want, want_lg = _reference(path, tokens, 64)
+    llm = Llama(str(path), moe_ram_cache=3 * _min_budget(path, 64), moe_cost_model="rtx4090-desktop", **_kw(64))
+    try:
+        llm.eval(tokens)
+        ram = llm.moe_stats()["engine"]["ram"]
+        llm.reset()
+        have, have_lg = greedy_with_logits(llm, tokens, N_GEN)
+    finally:
+        llm.close()
+    assert ram["evictions"] > 0, ram
+    assert ram["demand_reads"] <= f.n_expert and ram["prefetch_reads"] >= (len(f.moe_layers) - 2) * f.n_expert, ram
+    assert have == want
+    assert np.array_equal(have_lg, want_lg)
+
+
 def test_decode_read_ahead_stops_when_its_predictions_miss(tiny_model):
     """Routing replayed at random, so the router look-ahead's predictions miss: as reads ahead are judged at their
     layer, the share used (about top_k / n_expert here) outweighs the assumed confidence (a prior of
