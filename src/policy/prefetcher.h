@@ -24,6 +24,11 @@ inline double expert_use_prior(int top_k, int n_expert, int64_t n_tokens) {
     return 1.0 - std::pow(1.0 - std::min(1.0, (double) top_k / n_expert), (double) n_tokens);
 }
 
+/// A read ahead into the RAM tier whose expert is used at its layer with at least this probability (a prefill's)
+/// is admitted as a demand read: frequency admission (TinyLFU) does not refuse it, since refusing a read the layer
+/// needs anyway does not save it, only moves it to the layer's start, where the CPU waits for it.
+constexpr double kCertainUse = 0.95;
+
 struct Prediction {
     int layer = 0;                 ///< MoE layer predicted
     int distance = 1;              ///< layer - current layer (>= 1)

@@ -862,6 +862,8 @@ void SimRun::ram_lookahead(const Step & st, int l, int n, double predicted_s) {
     // layer's work does (its plan, or its own reads when they end later) and the next layer's experts start,
     // so it never delays the next layer's reads, which are queued behind it.
     const double horizon = std::max(t_moe_ + predicted_s, layer_disk_est_) + planner_.layer(n);
+    // the engine's rule (RamTier::prefetch): a read its layer needs anyway passes admission as a demand read
+    const bool certain = expert_use_prior(K_, E_, n) >= kCertainUse;
     for (int d = 1; d <= depth; ++d) {
         const int j = l + d;
         ram_predictor_.predict(trace_.row(st.begin, j), static_cast<int64_t>(L_) * K_, n, K_, E_, d, ram_pred_);
@@ -876,7 +878,7 @@ void SimRun::ram_lookahead(const Step & st, int l, int n, double predicted_s) {
             const int32_t e = ram_pred_.experts[i];
             if (dv(j).cache->resident(j, e) || ram_->resident(j, e)) continue;
             if (std::max(disk_est_free_at_, t_moe_) + planner_.disk_read(bytes) > horizon) break;
-            if (!ram_->admit(j, e, t_moe_, true)) continue;
+            if (!ram_->admit(j, e, t_moe_, true, certain)) continue;
             const double end = disk_read(bytes, t_moe_, e);
             ram_->set_ready(j, e, end);
             ram_->pin(j, e);

@@ -54,10 +54,8 @@ struct RamTierConfig {
     /// ahead saves its later demand read's time t with probability p and takes t from the demand reads otherwise,
     /// so it pays off net of the waste, (2p - 1) t > 0, above 1/2
     double min_prefetch_confidence = 0.5;
-    /// a read ahead at this confidence or above is admitted as a demand read: the cache's frequency admission
-    /// (TinyLFU) does not refuse it. Refusing a read of an expert its layer will use anyway (a prefill's: every
-    /// expert of the next layers) does not save the read, it moves it to the layer's start, where the CPU waits.
-    double certain_use = 0.95;
+    /// a read ahead at this confidence or above is admitted as a demand read (kCertainUse: a prefill's)
+    double certain_use = kCertainUse;
     /// bytes one RAM slot buffer may hold at most, below the host buffer type's own cap (0: that cap only); the CPU
     /// share then runs once per buffer (Engine::build)
     int64_t max_buffer_bytes = 0;
