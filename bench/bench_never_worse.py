@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -112,7 +111,10 @@ def main() -> int:
     ap.add_argument("--disk", default="pcie4-nvme", help="the disk under the RAM tier (with --ram-caches)")
     args = ap.parse_args()
     if args.trace is None:
-        args.trace = os.environ.get("HYBRIMOE_TRACE", "../shared/traces/dsv2lite_dev.npz")
+        # beside the checkout (or $HYBRIMOE_TRACE), wherever the bench is run from
+        from hybrimoe.traces.format import default_trace_path
+
+        args.trace = str(default_trace_path(Path(__file__).resolve().parent))
     elif not Path(args.trace).is_file():
         print(f"--trace {args.trace}: no such file", file=sys.stderr)
         return 2

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -41,7 +40,10 @@ def traces(args):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", default=os.environ.get("HYBRIMOE_TRACE", "../shared/traces/dsv2lite_dev.npz"))
+    from hybrimoe.traces.format import default_trace_path
+
+    # beside the checkout (or $HYBRIMOE_TRACE), wherever the bench is run from
+    ap.add_argument("--trace", default=str(default_trace_path(Path(__file__).resolve().parent)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--hardware", default="rtx4090-desktop")
     ap.add_argument("--disk", default="pcie4-nvme")
