@@ -89,12 +89,12 @@ def llama_threads_default() -> str:
 
 class HelpFormatter(argparse.HelpFormatter):
     """argparse's formatter that appends ``(default: X)`` to the help of every flag that takes a value, unless the
-    help already says its default: ``(default: none)`` for a flag whose absence adds nothing (no value, an empty
-    list). A switch (no value) and a required flag show none."""
+    help already says its default (in any case: "Default: ..." counts): ``(default: none)`` for a flag whose
+    absence adds nothing (no value, an empty list). A switch (no value) and a required flag show none."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if ("default" in text or not action.option_strings or action.nargs == 0 or action.required
+        if ("default" in text.lower() or not action.option_strings or action.nargs == 0 or action.required
                 or action.default is argparse.SUPPRESS):
             return text
         if action.default is None or action.default == []:

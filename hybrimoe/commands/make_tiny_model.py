@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="F32 (default), F16, Q8_0, Q4_K_M, ... or mix (gate Q4_K, up Q8_0, down Q6_K)")
     parser.add_argument("--expert-quant", default=None, metavar="TYPE",
                         help="ggml type of the routed-expert matrices (e.g. MXFP4, IQ2_XXS, Q3_K), the rest --quant "
-                             "(default Q8_0); IQ types that need an importance matrix get a synthetic one")
+                             "(Q8_0 when --quant is not given with it; without --expert-quant the experts take --quant "
+                             "too); IQ types that need an importance matrix get a synthetic one")
     parser.add_argument("--tokenizer", default="spm", choices=TOKENIZERS)
     parser.add_argument("--router-margin", type=float_in(0.0, lo_open=True), default=4.0,
                         help="designed top-k router logit gap")

@@ -258,7 +258,7 @@ def serve(args: argparse.Namespace) -> int:
         watch = DeviceWatch(args.on_device_lost, proxy, load, server)
         e = proxy.llm.moe_snapshot.get("engine")
         engine = (f"hybrid engine {e['policy']}, {e['n_slots']} GPU expert slots" if e else
-                  "no hybrid engine (--moe-cache)")
+                  "no hybrid engine (it runs with --moe-cache on a GPU or --rpc, or with --moe-ram-cache)")
         how = (f"up to {args.parallel} requests per decode" if args.parallel > 1 else
                "one request at a time" + (", a waiting request interrupts a stream" if args.interrupt_requests
                                            else ""))

@@ -90,9 +90,22 @@ def test_every_flag_that_takes_a_value_shows_its_default():
         formatter = p._get_formatter()
         for a in p._actions:
             if a.option_strings and a.nargs != 0 and not a.required:
-                if "default" not in formatter._get_help_string(a):
+                if "default" not in formatter._get_help_string(a).lower():
                     missing.append(f"{name} {'/'.join(a.option_strings)}")
     assert missing == []
+
+
+def test_no_flag_states_its_default_twice():
+    """A help text that says its default itself ("Default: 1, ...") gets no second "(default: 1)" appended."""
+    twice, checked = [], 0
+    for name, p in _subparsers().items():
+        formatter = p._get_formatter()
+        for a in p._actions:
+            if a.option_strings and a.help and "default" in a.help.lower():
+                checked += 1
+                if formatter._get_help_string(a) != a.help:
+                    twice.append(f"{name} {'/'.join(a.option_strings)}")
+    assert checked > 0 and twice == []
 
 
 def test_run_help_shows_the_offload_and_thread_defaults(capsys):
