@@ -1,17 +1,18 @@
 """The simulator's prediction of bench/bench_ram_real.py's runs, beside what they measured: the first check of the
 simulator (docs/design.md §17) against a real device.
 
-Inputs: the measured rows (``bench_ram_real.py --json``) and a disk file of the model's own disk (``hybrimoe
-calibrate --disk -m MODEL -o DISK.json``: cold reads of its experts, and faults through a mapping of the file at the
-``read_ahead_kb`` in force), one per read-ahead the runs used (``--disk 128=DISK128.json,8192=DISK8192.json``), so
-that upstream's mmap is predicted with the faults of each. The CPU's figures are fitted here, on this machine, from
-two in-RAM models of the benchmark model's shape (``--fit-layers``, written once like the benchmark model) run by
-upstream llama.cpp (CPU only, the measured runs' threads; the least of 3 repetitions): the difference of their
-per-token times is the cost of the MoE layers they differ by, with nothing read from the disk. Decode (one token)
-gives the effective memory bandwidth (a decode-time layer reads its weights once: the other weights and top-k
-experts); prefill (one prompt-length ubatch) then gives the effective compute throughput. They are written as a
-hardware file whose "GPU" facts are the CPU's too: with no GPU cache every expert runs on the CPU, and the
-non-expert work the simulator places on the GPU runs on the same CPU, one after the other, as it does here.
+Inputs: the measured rows (``bench_ram_real.py --json``) and a disk file of the model's own disk (``hybrimoe calibrate
+--disk -m MODEL -o DISK.json --memory-limit LIMIT``: cold reads of its experts, and faults through a mapping of the file
+at the ``read_ahead_kb`` in force, a decode's faults timed under a memory cgroup of the runs' ``--limit``), one per
+read-ahead the runs used (``--disk 128=DISK128.json,8192=DISK8192.json``), so that upstream's mmap is predicted with the
+faults of each, at their measured throughput. The CPU's figures are fitted here, on this machine, from two in-RAM models
+of the benchmark model's shape (``--fit-layers``, written once like the benchmark model) run by upstream llama.cpp (CPU
+only, the measured runs' threads; the least of 3 repetitions): the difference of their per-token times is the cost of
+the MoE layers they differ by, with nothing read from the disk. Decode (one token) gives the effective memory bandwidth
+(a decode-time layer reads its weights once: the other weights and top-k experts); prefill (one prompt-length ubatch)
+then gives the effective compute throughput. They are written as a hardware file whose "GPU" facts are the CPU's too:
+with no GPU cache every expert runs on the CPU, and the non-expert work the simulator places on the GPU runs on the same
+CPU, one after the other, as it does here.
 
 The runs simulated are the measured ones: the same synthetic trace (shape, locality, seed), the RAM budget the
 engine had (its ``n_slots x slot_bytes``; upstream's page cache gets the same), the prefill as one ubatch of the
@@ -257,6 +258,8 @@ def main() -> int:
         faults = (f"faults {dfacts['mmap_read_around']:.2f} bytes read per byte, "
                   f"{dfacts['mmap_fault_bytes'] / 2**20:.2f} MiB each" if "mmap_fault_bytes" in dfacts else
                   f"faults of {ra // 1024} KiB (read_ahead_kb)")
+        if "mmap_fault_Bps" in dfacts:
+            faults += f", {dfacts['mmap_fault_Bps'] / 1e9:.2f} GB/s under the memory limit"
         row = dict(mode=m["mode"], read_ahead_kb=kb, disk=disk, pp_measured=med["pp_tps"], pp_predicted=pp_tps,
                    tg_measured=med["tg_tps"], tg_predicted=tg_tps, tg_bytes_measured=med["tg_read_per_token"],
                    tg_bytes_predicted=tg_bytes, pp_bytes_measured=med["pp_read_per_token"],

@@ -271,6 +271,7 @@ class RamTierConfig:
     fault_bytes: float
     read_around: float
     other_bytes: float
+    fault_bandwidth_Bps: float
     read_cpu_s_per_byte: float
     recall: list[float]
     def __init__(self) -> None: ...

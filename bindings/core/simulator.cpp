@@ -82,7 +82,9 @@ void bind_simulator(py::module_ & m) {
                               "ready_first (the CPU runs resident experts first), exclusive (GPU and RAM hold "
                               "different experts; evicted GPU experts are copied back), fault_bytes, read_around "
                               "(bytes a fault reads per byte faulted), other_bytes (bytes per MoE layer outside the "
-                              "routed experts, in the same page cache), read_cpu_s_per_byte (CPU-share delay per "
+                              "routed experts, in the same page cache), fault_bandwidth_Bps (bytes/s the disk "
+                              "delivers to a decode's faults, their latency included; 0: the disk's queued "
+                              "figures), read_cpu_s_per_byte (CPU-share delay per "
                               "byte read), recall.")
         .def(py::init<>())
         .def_readwrite("reads", &RamTierConfig::reads)
@@ -93,6 +95,7 @@ void bind_simulator(py::module_ & m) {
         .def_readwrite("fault_bytes", &RamTierConfig::fault_bytes)
         .def_readwrite("read_around", &RamTierConfig::read_around)
         .def_readwrite("other_bytes", &RamTierConfig::other_bytes)
+        .def_readwrite("fault_bandwidth_Bps", &RamTierConfig::fault_bandwidth_Bps)
         .def_readwrite("read_cpu_s_per_byte", &RamTierConfig::read_cpu_s_per_byte)
         .def_readwrite("recall", &RamTierConfig::recall)
         .def("validate", &RamTierConfig::validate);

@@ -42,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk", action="store_true",
                    help="measure the disk the model is read from instead (cold reads of its experts: bandwidth, "
                         "latency, useful reads in flight), written as a disk file for simulate --disk")
+    p.add_argument("--memory-limit", default=None, metavar="BYTES",
+                   help="with --disk: also time a decode's page faults through a mapping of the model under a memory "
+                        "cgroup of this size (e.g. 3GiB; needs root), faulted by -t threads (default: the cores, "
+                        "llama.cpp's) as upstream's mmap runs a model larger than RAM: the simulator then predicts "
+                        "upstream's mmap at their throughput")
     p.add_argument("--force", action="store_true", help="replace an existing -o file")
 
 
@@ -53,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.disk:
         return _run_disk(args)
+    if args.memory_limit is not None:
+        print("hybrimoe calibrate: error: --memory-limit goes with --disk (it times the faults of upstream's mmap "
+              "on the model's disk)", file=sys.stderr)
+        return 1
     endpoints = [e.strip() for e in (args.rpc or "").split(",") if e.strip()] or [None]
     if args.output and len(endpoints) > 1:
         print("hybrimoe calibrate: error: -o names one file, and --rpc names several servers: leave -o out (each "
@@ -84,6 +93,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory_limit(spec: str) -> int:
+    """``--memory-limit``: bytes ("3GiB", "512MiB" or a number), at least 256 MiB (a smaller cgroup holds little
+    more than the probe's own process). ValueError naming the flag otherwise."""
+    from hybrimoe.policy.budget import parse_budget
+
+    bad = ValueError(f"--memory-limit {spec!r}: give the memory cgroup's size in bytes, at least 256 MiB (e.g. 3GiB)")
+    if str(spec).strip().endswith("%"):
+        raise bad
+    try:
+        limit = int(parse_budget(spec, 1.0, 0.0))
+    except ValueError:
+        raise bad from None
+    if limit < 256 << 20:
+        raise bad
+    return limit
+
+
 def _run_disk(args: argparse.Namespace) -> int:
     """``hybrimoe calibrate --disk``: measures and writes the disk file, prints its figures."""
     from hybrimoe.runtime.disk_calibration import disk_file_path, measure_disk
@@ -92,13 +118,14 @@ def _run_disk(args: argparse.Namespace) -> int:
         out = Path(args.output) if args.output else disk_file_path(args.model)
         if args.output:
             check_output(args.output, "-o", force=args.force, inputs=[("-m", args.model)])
-        m = measure_disk(args.model)
+        limit = None if args.memory_limit is None else _memory_limit(args.memory_limit)
+        m = measure_disk(args.model, memory_limit=limit, fault_threads=args.threads)
         doc = m.to_disk_file(name=f"measured-{Path(args.model).stem}")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
         os.replace(tmp, out)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"hybrimoe calibrate: error: {e}", file=sys.stderr)
         return 1
     for d, v in sorted(m.per_depth_Bps.items()):
@@ -109,6 +136,8 @@ def _run_disk(args: argparse.Namespace) -> int:
     if m.mmap_read_around >= 1:
         print(f"mmap_read_around   {m.mmap_read_around:.3g} (bytes read per byte faulted)\n"
               f"mmap_fault_bytes   {m.mmap_fault_bytes:.6g}")
+    if m.mmap_fault_Bps > 0:
+        print(f"mmap_fault_Bps     {m.mmap_fault_Bps:.6g} (a decode's faults under the memory limit)")
     if m.host_cache_suspected:
         print("hybrimoe calibrate: warning: cold reads ran at nearly page-cache speed: probably served from a cache "
               "below this machine (a virtual disk's host)", file=sys.stderr)

@@ -38,8 +38,10 @@ DISK_FACTS = ("read_bandwidth_Bps", "read_latency_s", "queue_depth")
 #: ``read_cpu_s_per_byte``, wall seconds by which each byte the RAM tier reads delays a CPU share running beside it
 #: (its I/O workers' CPU time per byte over the host's cores; left out: 0, spare cores absorb it);
 #: ``mmap_read_around``, bytes the kernel reads per byte of an expert faulted in through a mapping (>= 1; left out:
-#: 1); ``mmap_fault_bytes``, bytes one such page fault reads (left out: 128 KiB, Linux's default read_ahead_kb)
-DISK_OPTIONAL_FACTS = ("read_cpu_s_per_byte", "mmap_read_around", "mmap_fault_bytes")
+#: 1); ``mmap_fault_bytes``, bytes one such page fault reads (left out: 128 KiB, Linux's default read_ahead_kb);
+#: ``mmap_fault_Bps``, bytes per second the disk delivers to a decode's page faults under memory pressure (their
+#: latency and the kernel's work per fault included; left out: the queued figures above, a latency per fault)
+DISK_OPTIONAL_FACTS = ("read_cpu_s_per_byte", "mmap_read_around", "mmap_fault_bytes", "mmap_fault_Bps")
 
 
 def hardware_names() -> list[str]:

@@ -59,6 +59,7 @@ class DiskMeasurement:
     read_cpu_source: str = ""
     mmap_read_around: float = 0.0                        # bytes read per byte faulted through a mapping (0: none)
     mmap_fault_bytes: float = 0.0                        # bytes read per major fault
+    mmap_fault_Bps: float = 0.0                          # bytes/s read for a decode's faults (0: not measured)
     mmap_source: str = ""
     direct: bool = False                                 # the cold passes read O_DIRECT (the RAM tier's way)
 
@@ -90,6 +91,8 @@ class DiskMeasurement:
                 **({"mmap_read_around": {"value": self.mmap_read_around, "source": self.mmap_source},
                     "mmap_fault_bytes": {"value": self.mmap_fault_bytes, "source": self.mmap_source}}
                    if self.mmap_read_around >= 1 and self.mmap_fault_bytes >= 4096 else {}),
+                **({"mmap_fault_Bps": {"value": self.mmap_fault_Bps, "source": self.mmap_source}}
+                   if self.mmap_fault_Bps > 0 else {}),
             },
             "measured": {"per_depth_Bps": {str(k): v for k, v in self.per_depth_Bps.items()},
                          "warm_Bps": self.warm_Bps, "bytes_read": self.bytes_read,
@@ -383,20 +386,229 @@ def _mmap_read_around(reads: list, threads: int) -> tuple[float, float, str]:
     return max(1.0, read / touched), max(4096.0, read / faults), how
 
 
+#: decode tokens the decode fault probe measures at most, and the bytes it wants read by then (at least 8 tokens)
+DECODE_PROBE_TOKENS = 24
+DECODE_PROBE_BYTES = 2 << 30
+#: the decode probe's warm-up touches at least the first and at most the second multiple of its bytes to read (the
+#: memory limit): the page cache is full and has settled to what the routing keeps using, and a routing whose
+#: working set the page cache holds, which reads little, still stops
+DECODE_PROBE_WARM_TOUCH = (4, 8)
+#: rows of an expert matrix a ggml thread takes at a time in a one-token mul_mat_id (ggml-cpu.c,
+#: ggml_compute_forward_mul_mat_id: chunk_size 64 when one column)
+DECODE_CHUNK_ROWS = 64
+
+
+def _layer_expert_tensors(model_path) -> dict:
+    """{MoE layer: [(file, offset, bytes per expert, bytes per row) of its gate, up, down ``ffn_*_exps`` tensors,
+    in that order]} (the order a layer's MoE ops run in)."""
+    g = open_gguf(model_path)
+    out = {}
+    for name, (path, off) in g.tensor_shard.items():
+        m = EXPERT_TENSOR_RE.match(name)
+        if not m or m.group(3) != "weight":
+            continue
+        t = g.tensors[name]
+        n_expert = int(t.shape[2]) if len(t.shape) > 2 else 1
+        nb = int(t.n_bytes) // n_expert
+        rank = next((i for i, k in enumerate(("gate", "up", "down")) if k in m.group(2)), 3)
+        out.setdefault(int(m.group(1)), []).append((rank, Path(path), off, nb, nb // max(1, int(t.shape[1]))))
+    return {layer: [r[1:] for r in sorted(v, key=lambda r: r[0])] for layer, v in sorted(out.items())}
+
+
+def _decode_faults(model_path: str, locality: str, threads: int, seed: int, warm_bytes: int) -> dict:
+    """The decode fault probe's body, in the process whose memory limit applies (see :func:`_mmap_decode_probe`):
+    the file dropped from the page cache, decode tokens until the kernel read ``warm_bytes`` for them and they
+    touched :data:`DECODE_PROBE_WARM_TOUCH` times that (at most the second figure), then the measured ones. Returns
+    the measured tokens' counts: tokens, warm_tokens, touched and read (bytes), faults, wall and copy_s (seconds)."""
+    import ctypes
+
+    import numpy as np
+
+    from hybrimoe.model.facts import facts_from_gguf
+    from hybrimoe.traces.synthetic import synthetic_trace
+
+    layers = _layer_expert_tensors(model_path)
+    facts = facts_from_gguf(model_path)
+    largest = max(nb for ts in layers.values() for _, _, nb, _ in ts)
+    per_token = facts.top_k * sum(nb for ts in layers.values() for _, _, nb, _ in ts)
+    min_warm, max_warm = (-(-k * warm_bytes // max(per_token, 1)) for k in DECODE_PROBE_WARM_TOUCH)
+    ids = synthetic_trace(facts, max_warm + DECODE_PROBE_TOKENS + 2, locality=locality, seed=seed, scores=False,
+                          n_prompts=1).expert_ids
+    dst = np.empty(largest, dtype=np.uint8)
+    maps, base = {}, {}
+
+    def sweep(src, nb, chunk, todo):
+        # ctypes releases the GIL: the threads' faults overlap, as ggml's threads' do
+        for k in iter(lambda: next(todo, None), None):
+            ctypes.memmove(dst.ctypes.data + k, src + k, min(chunk, nb - k))
+
+    def token(t, ex) -> int:
+        touched = 0
+        for i, ts in enumerate(layers.values()):
+            experts = sorted({int(e) for e in ids[t, i]})  # mul_mat_id runs the used experts in id order
+            for path, off, nb, row in ts:
+                chunk = DECODE_CHUNK_ROWS * row
+                for e in experts:
+                    todo = iter(range(0, nb, chunk))  # next() on a range iterator is atomic under the GIL
+                    list(ex.map(lambda _: sweep(base[path] + off + e * nb, nb, chunk, todo), range(threads)))
+                    touched += nb
+        return touched
+
+    try:
+        for p in sorted({p for ts in layers.values() for p, _, _, _ in ts}):
+            drop_from_page_cache(p)
+            with open(p, "rb") as f:
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # as llama_mmap advises
+                maps[p] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            base[p] = np.frombuffer(maps[p], dtype=np.uint8).ctypes.data
+        with ThreadPoolExecutor(max_workers=threads) as ex:
+            # the page cache at the limit, holding what the routing keeps using
+            r_warm, n_warm = _io_read_bytes(), 0
+            while n_warm < max_warm and (n_warm < min_warm or _io_read_bytes() - r_warm < warm_bytes):
+                token(n_warm, ex)
+                n_warm += 1
+            r0, f0, t0 = _io_read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt, time.perf_counter()
+            touched = n = 0
+            while n < DECODE_PROBE_TOKENS and (n < 8 or _io_read_bytes() - r0 < DECODE_PROBE_BYTES):
+                touched += token(n_warm + n, ex)
+                n += 1
+            wall = time.perf_counter() - t0
+            read, faults = _io_read_bytes() - r0, resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
+            # the copies' own time, from memory: the same sweep over an anonymous buffer, not faulting
+            src = np.ones(largest, dtype=np.uint8)
+            row = layers[next(iter(layers))][0][3]
+            reps = max(1, (64 << 20) // largest)
+            c0 = time.perf_counter()
+            for _ in range(reps):
+                todo = iter(range(0, largest, DECODE_CHUNK_ROWS * row))
+                list(ex.map(lambda _: sweep(src.ctypes.data, largest, DECODE_CHUNK_ROWS * row, todo),
+                            range(threads)))
+            copy_Bps = reps * largest / max(time.perf_counter() - c0, 1e-9)
+    finally:
+        for m in maps.values():
+            try:
+                m.close()
+            except BufferError:  # a numpy view still refers to it: closed when collected
+                pass
+    return {"tokens": n, "warm_tokens": n_warm, "touched": touched, "read": read, "faults": faults, "wall": wall,
+            "copy_s": touched / copy_Bps}
+
+
+def _decode_faults_child(conn, cgroup_dir: Optional[str], args: tuple) -> None:
+    """A probe child: joins the memory cgroup (when given), runs :func:`_decode_faults`, sends its dict (or the
+    error's text) back."""
+    try:
+        if cgroup_dir:
+            (Path(cgroup_dir) / "cgroup.procs").write_text(str(os.getpid()))
+        conn.send(_decode_faults(*args))
+    except Exception as e:  # noqa: BLE001 - sent to the parent, which raises it with its context
+        conn.send(f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
+
+
+def _memory_cgroup(limit: int):
+    """A :class:`hybrimoe.testing.cgroup.MemoryCgroup` of ``limit`` bytes; OSError saying what the probe needs."""
+    from hybrimoe.testing.cgroup import MemoryCgroup
+
+    try:
+        return MemoryCgroup(int(limit))
+    except OSError as e:
+        raise OSError(f"timing mmap faults under a memory limit (calibrate --memory-limit) needs a memory cgroup "
+                      f"of its own: root, and cgroup v1 or a v2 parent that delegates the memory controller ({e})"
+                      ) from None
+
+
+def _mmap_decode_probe(model_path, memory_limit: int, threads: int, locality: str = "high", seed: int = 0,
+                       warm_bytes: Optional[int] = None) -> tuple[float, float, str]:
+    """(bytes read per major fault, bytes per second read for faults, how) of a decode through a mapping of the
+    model under a memory limit, as upstream llama.cpp's mmap runs a model larger than RAM: a child process in a
+    memory cgroup of ``memory_limit`` bytes (the page cache counted) replays the decode tokens of a synthetic trace
+    of the model's shape (``locality``, ``seed``): for each MoE layer, its gate, up and down experts of the token in
+    id order, ``threads`` threads (the compute threads upstream would run) taking :data:`DECODE_CHUNK_ROWS` rows at
+    a time (ggml_compute_forward_mul_mat_id), the file advised POSIX_FADV_SEQUENTIAL as llama_mmap does. Tokens
+    first until the kernel read ``warm_bytes`` for them (None: the limit) and they touched 4 times that (at most 8:
+    :data:`DECODE_PROBE_WARM_TOUCH`), so that the page cache is full and holds what the routing keeps using, then
+    8 to :data:`DECODE_PROBE_TOKENS` measured. The throughput is the bytes the
+    kernel read (read-around and read-ahead included) over the wall time less the copies' own time: it holds each
+    fault's latency, the few faults in flight (one per thread) and the kernel's work per fault (reclaim at the
+    limit included), which a cold probe outside the limit misses (its faults read 2-4x as much each here).
+
+    Raises:
+        OSError: no memory cgroup could be made (needs root, cgroup v1 or a v2 parent delegating memory), or
+            /proc/self/io cannot be read; RuntimeError: the child failed (its error named), or its copies took
+            all of its time (nothing faulted to time).
+    """
+    import multiprocessing as mp
+
+    _io_read_bytes()
+    cg = _memory_cgroup(memory_limit)
+    proc = None
+    try:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_decode_faults_child,
+                           args=(child, str(cg.dir), (str(model_path), locality, threads, seed,
+                                                      int(memory_limit if warm_bytes is None else warm_bytes))))
+        proc.start()
+        child.close()
+        try:
+            got = parent.recv()
+        except EOFError:
+            proc.join()
+            got = f"the probe process ended with status {proc.exitcode}" + (
+                " (killed: the memory limit may be too small for the process itself)" if proc.exitcode == -9 else "")
+        proc.join()
+    finally:
+        if proc is not None and proc.is_alive():  # interrupted: the child goes too, so the cgroup can go
+            proc.kill()
+            proc.join()
+        cg.close()
+    if isinstance(got, str):
+        raise RuntimeError(f"mmap decode probe: {got}")
+    fault_s = got["wall"] - got["copy_s"]
+    if got["faults"] <= 0 or got["touched"] <= 0 or got["read"] <= 0 or fault_s <= 0:
+        raise RuntimeError(f"mmap decode probe: nothing faulted to time ({got}): is the model's file larger than the "
+                           "memory limit?")
+    how = (f"a decode through a mapping of the file under a {memory_limit / 2**30:.3g} GiB memory cgroup "
+           f"(page cache counted): {got['tokens']} tokens of a synthetic trace of the model's routing ({locality} "
+           f"locality) after {got['warm_tokens']} to fill the page cache, each MoE layer's gate, up and down experts "
+           f"swept by {threads} threads in {DECODE_CHUNK_ROWS}-row chunks as ggml's mul_mat_id takes them, the file "
+           f"advised POSIX_FADV_SEQUENTIAL as llama_mmap does: {got['read'] / 1e6:.0f} MB read for "
+           f"{got['touched'] / 1e6:.0f} MB touched in {got['faults']} major faults, {fault_s:.2f} s faulting "
+           f"({got['wall']:.2f} s less {got['copy_s']:.2f} s of copies; /proc/self/io read_bytes, getrusage)")
+    return max(4096.0, got["read"] / got["faults"]), got["read"] / fault_s, how
+
+
 def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
-                 seed: Optional[int] = None) -> DiskMeasurement:
+                 seed: Optional[int] = None, memory_limit: Optional[int] = None, locality: str = "high",
+                 fault_threads: Optional[int] = None) -> DiskMeasurement:
     """Measures the disk under ``model_path`` (a GGUF MoE model; a split model's shards too) with cold reads of its
     expert matrices: ``bytes_per_depth`` bytes for each number of reads in flight in ``depths`` (an equal share of
     the experts each when the model has fewer), and :data:`LATENCY_READS` 4 KiB reads for the latency. Distinct
     experts throughout, in a random order (``seed``; None: a fresh one per call, so that calibrations run one after
     another do not read the same experts, which a cache below a virtual machine may still hold), each file dropped
-    from the page cache before each pass.
+    from the page cache before each pass. ``memory_limit`` (bytes): also time a decode's page faults under a memory
+    cgroup of that size (:func:`_mmap_decode_probe`, routing of ``locality``, ``fault_threads`` compute threads,
+    default the cores, as upstream llama.cpp's CLI runs): their bytes per fault and throughput replace the cold
+    probe's bytes per fault, and upstream's mmap is then predicted at that throughput.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`hybrimoe.model.reader.open_gguf`; not a MoE model; ``depths`` empty
             or not positive; ``bytes_per_depth`` not positive.
-        OSError: a read failed or came back short (the message names the file and offset).
+        OSError: a read failed or came back short (the message names the file and offset); with ``memory_limit``,
+            no memory cgroup could be made (not root, or no memory controller to use).
+        ValueError: ``memory_limit`` holds every routed expert of the model (nothing would fault).
+        RuntimeError: the decode fault probe's process failed (its error named).
     """
+    if memory_limit:  # what the decode probe needs, checked before minutes of reads
+        experts = sum(nb for _, _, nb in _expert_reads(model_path))
+        if memory_limit >= experts:
+            raise ValueError(f"a memory limit of {memory_limit / 2**30:.3g} GiB holds every routed expert of "
+                             f"{model_path} ({experts / 2**30:.3g} GiB): upstream's mmap would not fault there; give "
+                             "the limit the model runs under, smaller than its experts")
+        _memory_cgroup(memory_limit).close()
     depths = sorted({int(d) for d in depths})
     if not depths or depths[0] < 1:
         raise ValueError(f"depths must be positive integers, got {depths!r}")
@@ -457,6 +669,11 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
     cpu_per_byte, cpu_how = _read_cpu(cpu_reads)
     mm_reads = rest[len(cpu_reads):len(cpu_reads) + MMAP_PROBE_MATRICES] or rest[:MMAP_PROBE_MATRICES]
     around, fault_bytes, mm_how = _mmap_read_around(mm_reads, threads=min(2, os.cpu_count() or 1))
+    fault_Bps = 0.0
+    if memory_limit:
+        fault_bytes, fault_Bps, dec_how = _mmap_decode_probe(
+            model_path, memory_limit, threads=fault_threads or os.cpu_count() or 1, locality=locality)
+        mm_how = f"read-around: {mm_how}; bytes per fault and their throughput: {dec_how}"
     latency = statistics.median(lat) if lat else 1.0 / best * 4096
     return DiskMeasurement(read_bandwidth_Bps=best, read_latency_s=max(latency, 1e-9), queue_depth=qd,
                            per_depth_Bps=per, warm_Bps=warm,
@@ -464,6 +681,6 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
                            files=files, host_cache_suspected=warm < HOST_CACHE_RATIO * best, direct=direct,
                            read_cpu_s_per_byte=cpu_per_byte, read_cpu_source=f"measured by hybrimoe calibrate "
                            f"--disk on {time.strftime('%Y-%m-%d')}: {cpu_how}",
-                           mmap_read_around=around, mmap_fault_bytes=fault_bytes,
+                           mmap_read_around=around, mmap_fault_bytes=fault_bytes, mmap_fault_Bps=fault_Bps,
                            mmap_source=f"measured by hybrimoe calibrate --disk on {time.strftime('%Y-%m-%d')}: "
                            f"{mm_how}" if mm_how else "")

@@ -386,7 +386,8 @@ class Setup:
         """(RAM cache, RamTierConfig) of a RAM-tier preset (:func:`hybrimoe.policy.presets.build_ram_tier`) over
         this setup's RAM budget, starting with the profile's hot set (a clairvoyant one with
         :meth:`first_use_keys`). The disk file's measured facts (:data:`hybrimoe.policy.hardware.DISK_OPTIONAL_FACTS`)
-        set the faulting presets' read-around and fault size and the queued presets' CPU cost per byte read; the
+        set the faulting presets' read-around, fault size and decode fault throughput and the queued presets' CPU
+        cost per byte read; the
         model facts' weights outside the routed experts share a faulting preset's page cache.
         ValueError without a RAM budget or on an unknown preset."""
         if self.ram_budget is None:
@@ -403,6 +404,7 @@ class Setup:
             # routed experts share the page cache (RamTierConfig.other_bytes)
             cfg.read_around = facts.get("mmap_read_around", 1.0)
             cfg.fault_bytes = facts.get("mmap_fault_bytes", cfg.fault_bytes)
+            cfg.fault_bandwidth_Bps = facts.get("mmap_fault_Bps", 0.0)
             cfg.other_bytes = float(self.facts.moe_layer_other_bytes())
         else:
             cfg.read_cpu_s_per_byte = facts.get("read_cpu_s_per_byte", 0.0)

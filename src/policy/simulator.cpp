@@ -96,6 +96,10 @@ void RamTierConfig::validate() const {
         throw std::invalid_argument("RamTierConfig.read_around must be a finite number >= 1 (bytes read per byte "
                                     "faulted)");
     }
+    if (!(fault_bandwidth_Bps >= 0.0) || !std::isfinite(fault_bandwidth_Bps)) {
+        throw std::invalid_argument("RamTierConfig.fault_bandwidth_Bps must be a finite number >= 0 (0: faults "
+                                    "move at the disk's queued bandwidth, each paying its latency)");
+    }
     if (!(read_cpu_s_per_byte >= 0.0) || !std::isfinite(read_cpu_s_per_byte)) {
         throw std::invalid_argument("RamTierConfig.read_cpu_s_per_byte must be a finite number >= 0");
     }
@@ -361,7 +365,7 @@ private:
     // ---- the RAM tier (ram_ not null) ----
     int64_t tick() const { return cur_step_ * L_ + cur_layer_; }
     /// `bytes` issued at t on the true disk (expert e, -1: not an expert's): returns its end; counts the bytes.
-    double disk_move(double bytes, double t, int e);
+    double disk_move(double bytes, double t, int e, double fault_Bps = 0.0);
     /// A queued read of expert e's `bytes` issued at t on the true disk; returns its end.
     double disk_read(double bytes, double t, int e);
     /// Faulting reads: (l, e) touched at t through the mapping, not in RAM. Its read-around window is read on the
@@ -732,12 +736,14 @@ void SimRun::run_layer(int64_t si, const Step & st, int l) {
     ++layers_run_;
 }
 
-double SimRun::disk_move(double bytes, double t, int e) {
-    // a free queue place (the earliest to free), the latency, then the bytes after every earlier read's bytes
+double SimRun::disk_move(double bytes, double t, int e, double fault_Bps) {
+    // a free queue place (the earliest to free), the latency, then the bytes after every earlier read's bytes; a
+    // fault's bytes at the measured fault throughput, which holds its latency already
     auto place = std::min_element(disk_places_.begin(), disk_places_.end());
     const double start = std::max(t, *place);
-    const double move = bytes / truth_cost_.disk_bandwidth_Bps;
-    const double end = std::max(start + truth_cost_.disk_latency_s, disk_bytes_free_at_) + move;
+    const double move = bytes / (fault_Bps > 0.0 ? fault_Bps : truth_cost_.disk_bandwidth_Bps);
+    const double latency = fault_Bps > 0.0 ? 0.0 : truth_cost_.disk_latency_s;
+    const double end = std::max(start + latency, disk_bytes_free_at_) + move;
     *place = end;
     disk_bytes_free_at_ = end;
     disk_est_free_at_ = std::max(disk_est_free_at_, t) + bytes / planner_.disk_bandwidth_Bps;
@@ -762,19 +768,22 @@ double SimRun::fault_in(int l, int e, double t) {
     // timeline. The neighbours mostly inside the window that are not in RAM join the page cache as read-ahead;
     // the window's part-experts, and what runs past the tensor's ends, are waste.
     const double bytes = trace_.expert_bytes[(size_t) l];
+    // the measured fault throughput is a decode's (one token's experts, faulted by the compute threads); a
+    // ubatch that sweeps whole layers faults in file order, which the kernel reads ahead as queued reads
+    const double fbw = large_ubatch_ ? 0.0 : cfg_.ram.fault_bandwidth_Bps;
     const double side = 0.5 * (cfg_.ram.read_around - 1.0);
     const int whole = static_cast<int>(std::lround(side));  // a neighbour mostly inside the window is read whole
     const double own = bytes * std::max(0.0, 1.0 + 2.0 * (side - whole));
     double window = 0.0, own_end = t;
     for (int n = e - whole; n <= e + whole; ++n) {
         if (n == e) {
-            own_end = disk_move(own, t, e);
+            own_end = disk_move(own, t, e, fbw);
             window += own;
         } else if (n < 0 || n >= E_) {
-            disk_move(bytes, t, -1);  // the window runs into the next tensor's bytes
+            disk_move(bytes, t, -1, fbw);  // the window runs into the next tensor's bytes
             window += bytes;
         } else if (!ram_->resident(l, n) && transient_tick_[(size_t) l * E_ + n] != tick()) {
-            const double end = disk_move(bytes, t, n);
+            const double end = disk_move(bytes, t, n, fbw);
             window += bytes;
             if (cfg_.ram.keep) ram_->admit_read_ahead(l, n, end);
         }
@@ -782,7 +791,7 @@ double SimRun::fault_in(int l, int e, double t) {
     const double own_faults = std::max(1.0, std::ceil(bytes / cfg_.ram.fault_bytes));
     res_.page_faults += static_cast<int64_t>(std::max(own_faults, std::ceil(window / cfg_.ram.fault_bytes)));
     ++res_.disk_reads;
-    return own_end + (own_faults - 1.0) * truth_cost_.disk_latency_s;
+    return own_end + (fbw > 0.0 ? 0.0 : (own_faults - 1.0) * truth_cost_.disk_latency_s);
 }
 
 void SimRun::read_ahead_after(int l, int n, double t) {
@@ -790,7 +799,9 @@ void SimRun::read_ahead_after(int l, int n, double t) {
     // earlier read brought ahead of use reads the next window after it, and nobody waits for it. Here the window
     // of read_around experts after the run of RAM-resident experts that follows n, when that run is shorter than
     // a window (beyond, the marked page is not reached yet). A sweep through a tensor (a prefill's CPU share)
-    // keeps the disk reading ahead of the compute; in decode it mostly reads experts no token uses.
+    // keeps the disk reading ahead of the compute; in decode it mostly reads experts no token uses. A decode's
+    // measured fault throughput counts these bytes too (all the kernel read over the time faulting), so in a
+    // decode step they move at it; a prefill's move as queued reads.
     if (!cfg_.ram.keep) return;
     const int win = 2 * static_cast<int>(std::lround(0.5 * (cfg_.ram.read_around - 1.0))) + 1;
     if (win <= 1) return;
@@ -801,7 +812,7 @@ void SimRun::read_ahead_after(int l, int n, double t) {
     bool read = false;
     for (int k = j; k < std::min(E_, j + win); ++k) {
         if (ram_->resident(l, k) || transient_tick_[(size_t) l * E_ + k] == tick()) continue;
-        ram_->admit_read_ahead(l, k, disk_move(bytes, t, k));
+        ram_->admit_read_ahead(l, k, disk_move(bytes, t, k, large_ubatch_ ? 0.0 : cfg_.ram.fault_bandwidth_Bps));
         read = true;
     }
     if (read) ++res_.disk_reads;
@@ -814,7 +825,7 @@ double SimRun::other_in(int l, double t) {
     double & last = other_touch_[(size_t) l];
     double ready = t;
     if (res_.bytes_disk - last > ram_->budget_bytes() + static_cast<double>(L_) * other) {
-        ready = disk_move(other, t, -1);
+        ready = disk_move(other, t, -1, large_ubatch_ ? 0.0 : cfg_.ram.fault_bandwidth_Bps);
         res_.page_faults += static_cast<int64_t>(std::ceil(other / cfg_.ram.fault_bytes));
         ++res_.disk_reads;
     }

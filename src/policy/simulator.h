@@ -103,6 +103,15 @@ struct RamTierConfig {
     /// the RAM cache as read ahead of use (a prefill that uses them hits; in decode they mostly take the place of
     /// what would have been used); the window's partial experts are read as waste. 1: only the expert's bytes.
     double read_around = 1.0;
+    /// Faulting reads only: bytes per second the disk delivers to page faults (what the kernel reads for them,
+    /// read-around and read-ahead included, over the wall seconds the faulting threads wait), measured by faulting
+    /// a decode's experts through a mapping under memory pressure (hybrimoe calibrate --disk --memory-limit). It
+    /// folds in what the queued model charges separately: each fault's latency, the few faults in flight (one per
+    /// compute thread) and the kernel's work per fault (page-cache insertion, reclaim under the limit). A decode
+    /// step's faults and the kernel's read-ahead they start move at it; a ubatch that sweeps whole layers in file
+    /// order (a prefill's, read ahead by the kernel) still reads as queued reads do. 0: faults move at the disk's
+    /// queued bandwidth, each paying its latency.
+    double fault_bandwidth_Bps = 0.0;
     /// Faulting reads only: bytes per MoE layer of the weights outside the routed experts (attention, router,
     /// shared experts, norms), mapped from the same file and so held by the same page cache. An LRU page cache
     /// keeps a layer's share while fewer bytes entered it since the layer last ran than it holds (the RAM cache's

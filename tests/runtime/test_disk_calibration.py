@@ -75,6 +75,58 @@ def test_the_written_file_is_a_disk_the_simulator_takes(model, tmp_path):
     assert '"disk"' in text and ("measured-" in text or str(out) in text), text[:2000]
 
 
+def test_the_decode_probe_faults_each_token_s_experts_through_the_mapping(model):
+    """The decode fault probe's body, here without a memory limit or warm-up, the page cache dropped first: each
+    measured token touches its top-k experts' gate, up and down matrices in every MoE layer (top-k distinct ids,
+    so k x the layer's three matrices), and cold experts fault, the kernel reading at least a page per fault."""
+    from hybrimoe.model.facts import facts_from_gguf
+
+    got = dc._decode_faults(str(model), "high", 2, 0, 0)
+    layers = dc._layer_expert_tensors(model)
+    assert all([nb for _, _, nb, _ in ts] == [ts[0][2]] * 3 for ts in layers.values())
+    per_token = facts_from_gguf(model).top_k * sum(nb for ts in layers.values() for _, _, nb, _ in ts)
+    assert got["tokens"] == dc.DECODE_PROBE_TOKENS and got["warm_tokens"] == 0
+    assert got["touched"] == got["tokens"] * per_token
+    assert got["faults"] > 0 and got["read"] >= 4096 * got["faults"]
+    assert got["copy_s"] > 0
+
+
+def test_the_decode_probe_runs_under_the_memory_limit(model):
+    """Under a memory cgroup (root only: skipped where none can be made) the probe's child measures faults and
+    their throughput; the figures come back with how they were measured."""
+    from hybrimoe.testing.cgroup import MemoryCgroup
+
+    try:
+        MemoryCgroup(1 << 30).close()
+    except OSError as e:
+        pytest.skip(f"no memory cgroup here: {e}")
+    fault_bytes, fault_Bps, how = dc._mmap_decode_probe(model, 1 << 30, threads=2, warm_bytes=0)
+    assert fault_bytes >= 4096 and fault_Bps > 0
+    assert "1 GiB memory cgroup" in how and "major faults" in how
+
+
+def test_a_memory_limit_that_holds_the_model_is_refused_before_any_read(model):
+    with pytest.raises(ValueError, match="holds every routed expert"):
+        dc.measure_disk(model, memory_limit=1 << 30)
+
+
+@pytest.mark.parametrize("bad", ["10%", "100MiB", "lots"])
+def test_a_bad_memory_limit_is_refused_naming_the_flag(model, bad, tmp_path):
+    out = tmp_path / "disk.json"
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "calibrate", "--disk", "-m", str(model), "-o", str(out),
+                        "--memory-limit", bad], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "--memory-limit" in r.stderr and "256 MiB" in r.stderr
+    assert not out.exists()
+
+
+def test_a_memory_limit_without_disk_is_refused(model, tmp_path):
+    out = tmp_path / "cal.json"
+    r = subprocess.run([sys.executable, "-m", "hybrimoe", "calibrate", "-m", str(model), "-o", str(out),
+                        "--memory-limit", "3GiB"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "--memory-limit goes with --disk" in r.stderr
+    assert not out.exists()
+
+
 def test_an_existing_output_is_kept_without_force(model, tmp_path):
     out = tmp_path / "disk.json"
     out.write_text("mine")

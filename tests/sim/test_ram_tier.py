@@ -102,6 +102,33 @@ def test_reads_are_charged_by_bandwidth_latency_and_queue_depth():
     assert slow > run(tr, 0.0, ram_cfg()).total_s
 
 
+def test_faults_at_a_measured_throughput_move_at_it_with_no_latency_of_their_own():
+    """fault_bandwidth_Bps (a decode's faults timed under memory pressure) replaces the disk's queued figures for
+    faulting reads: each expert's bytes move at it, its latency already inside, so the disk is busy bytes / that
+    throughput and a CPU-only run that waits for every fault takes the compute time plus exactly that; a lower
+    fault throughput is a slower run, the bytes and faults unchanged; a negative one is refused."""
+    rt = synthetic()
+    tr = rt.to_core()
+    c = disk_costs(lat=2e-3)
+    plain = run(tr, 0.0, ram_cfg("faulting"), c=c)
+    r = ram_cfg("faulting")
+    r.fault_bandwidth_Bps = 0.5e9
+    slow = run(tr, 0.0, r, c=c)
+    every = [layer * N_EXP + e for layer in range(N_LAYERS) for e in range(N_EXP)]
+    in_ram = run(tr, N_LAYERS * N_EXP * 2 * MB, ram_cfg("faulting"), c=c, fill=every)
+    assert slow.bytes_disk == plain.bytes_disk and slow.page_faults == plain.page_faults
+    assert slow.disk_busy_s == pytest.approx(slow.bytes_disk / 0.5e9)
+    assert slow.total_s == pytest.approx(in_ram.total_s + slow.disk_busy_s, rel=1e-6)
+    r.fault_bandwidth_Bps = 4e9
+    fast = run(tr, 0.0, r, c=c)
+    assert fast.bytes_disk == slow.bytes_disk and fast.total_s < slow.total_s
+    # the queued model's latency per 128 KiB fault (2 ms here) is not charged on top
+    assert fast.total_s < plain.total_s
+    r.fault_bandwidth_Bps = -1.0
+    with pytest.raises(ValueError, match="fault_bandwidth_Bps"):
+        r.validate()
+
+
 def test_a_fault_s_read_around_reads_its_window_and_keeps_the_neighbours_it_holds():
     """Without RAM every use faults its expert in. A read-around of 1.8 holds no neighbour mostly: each fault reads
     1.8 times the expert's bytes, in as many faults of fault_bytes as those need, all waste. A read-around of 5
@@ -199,7 +226,8 @@ def test_a_disk_file_s_measured_facts_reach_the_ram_tier(tmp_path):
     doc = dict(base, facts=dict(base["facts"], **{
         "read_cpu_s_per_byte": {"value": 2e-10, "source": "test"},
         "mmap_read_around": {"value": 4.0, "source": "test"},
-        "mmap_fault_bytes": {"value": 8 * 2**20, "source": "test"}}))
+        "mmap_fault_bytes": {"value": 8 * 2**20, "source": "test"},
+        "mmap_fault_Bps": {"value": 0.7e9, "source": "test"}}))
     path = tmp_path / "measured.json"
     path.write_text(json.dumps(doc))
     tr = synthetic_trace("qwen3-30b-a3b", 200, locality="high", seed=0)
@@ -207,14 +235,16 @@ def test_a_disk_file_s_measured_facts_reach_the_ram_tier(tmp_path):
               disk=str(path))
     cache, cfg_m = s.build_ram("mmap")
     assert cfg_m.read_around == 4.0 and cfg_m.fault_bytes == 8 * 2**20 and cfg_m.read_cpu_s_per_byte == 0.0
+    assert cfg_m.fault_bandwidth_Bps == 0.7e9
     assert cfg_m.other_bytes == pytest.approx(s.facts.moe_layer_other_bytes()) and cfg_m.other_bytes > 0
     assert cache.budget_bytes == pytest.approx(s.ram_budget)
     cache, cfg_h = s.build_ram("hybrimoe")
     assert cfg_h.read_cpu_s_per_byte == 2e-10 and cfg_h.read_around == 1.0 and cfg_h.other_bytes == 0.0
+    assert cfg_h.fault_bandwidth_Bps == 0.0
     assert cache.budget_bytes == pytest.approx(s.ram_budget)
     plain = Setup(tr, pol.load_hardware("rtx4090-desktop"), "0", "decode", max_tokens=50, ram_cache="25%")
     _, cfg_p = plain.build_ram("mmap")
-    assert cfg_p.read_around == 1.0 and cfg_p.fault_bytes == 131072.0
+    assert cfg_p.read_around == 1.0 and cfg_p.fault_bytes == 131072.0 and cfg_p.fault_bandwidth_Bps == 0.0
     with_facts = s.run("hybrimoe", ram="mmap")
     without = plain.run("hybrimoe", ram="mmap")
     assert with_facts["bytes_disk"] > without["bytes_disk"]
