@@ -29,6 +29,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -108,19 +109,20 @@ def stream(port: int, prompt: str, args, extra: dict, out: list) -> None:
     resp = conn.getresponse()
     if resp.status != 200:
         print(f"HTTP {resp.status}: {resp.read()[:300]!r}", file=sys.stderr)
-    stamps = []
+    stamps, done = [], False
     for line in iter(resp.readline, b""):
         if not line.startswith(b"data: "):
             continue
         data = line[6:].strip()
         if data == b"[DONE]":
+            done = True
             break
         ev = json.loads(data)
         # one event per token until the last (a token's text may be empty: part of a character, or held back)
         if ev.get("choices") and ev["choices"][0].get("finish_reason") is None:
             stamps.append(time.perf_counter())
     conn.close()
-    out.append((t0, time.perf_counter(), stamps))
+    out.append((t0, time.perf_counter(), stamps, done))
 
 
 def one_run(kind: str, args, n: int) -> dict:
@@ -137,15 +139,17 @@ def one_run(kind: str, args, n: int) -> dict:
     finally:
         proc.terminate()
         proc.wait(60)
-    if len(outs) != n or not all(s for _, _, s in outs):
-        raise RuntimeError(f"{sum(1 for _, _, s in outs if s)} of {n} streams answered")
+    # a stream that ended with [DONE] answered, even with no token event (llama-cpp-python's stream holds back a
+    # random model's text while it is not whole characters)
+    if len(outs) != n or not all(d for *_, d in outs):
+        raise RuntimeError(f"{sum(1 for *_, d in outs if d)} of {n} streams answered")
     # every request makes --tg tokens (the end of generation masked): the throughput is theirs over the wall time
     # from the first request sent to the last answer ended (prefills included); TPOT from the token events, where
     # the server sends one per token (llama-cpp-python's own stream, hybrimoe at --parallel 1, holds back text that
     # is not yet a whole character and may send fewer)
     tokens = n * args.tg
-    wall = max(e for _, e, _ in outs) - min(s for s, _, _ in outs)
-    tpot = [(s[-1] - s[0]) / (len(s) - 1) for _, _, s in outs if len(s) >= args.tg - 1]
+    wall = max(e for _, e, _, _ in outs) - min(s for s, _, _, _ in outs)
+    tpot = [(s[-1] - s[0]) / (len(s) - 1) for _, _, s, _ in outs if len(s) >= args.tg - 1]
     row = {"server": kind, "n": n, "tokens": tokens, "tps": tokens / wall}
     if len(tpot) == n:
         row.update(tpot_p50_s=statistics.median(tpot),
@@ -166,9 +170,13 @@ def main() -> int:
     ap.add_argument("--llama-server-args", default="")
     ap.add_argument("--limit", default=None, help="memory cgroup limit of every server (a model larger than RAM)")
     ap.add_argument("--read-ahead", type=int, default=None, help="read_ahead_kb of the model's disk during the run")
+    ap.add_argument("--servers", default="hybrimoe-parallel,hybrimoe-one-at-a-time,upstream",
+                    help="which servers to run (upstream needs --llama-server)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.model = Path(args.model)
+    # a SIGTERM (a timeout, a kill) still restores the read-ahead and removes the cgroup (the finally below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.cgroup = ra = None
     if args.limit is not None:
         from hybrimoe.policy.budget import parse_budget
@@ -197,7 +205,12 @@ def _run(args) -> int:
     llm = Llama(str(args.model), vocab_only=True, verbose=False)
     args.eog_bias = {str(t): -100.0 for t in range(llm.n_vocab()) if lc.llama_vocab_is_eog(llm._model.vocab, t)}
     llm.close()
-    kinds = ["hybrimoe-parallel", "hybrimoe-one-at-a-time"] + (["upstream"] if args.llama_server else [])
+    kinds = [k for k in args.servers.split(",") if k and (k != "upstream" or args.llama_server)]
+    unknown = set(kinds) - {"hybrimoe-parallel", "hybrimoe-one-at-a-time", "upstream"}
+    if unknown:
+        print(f"--servers: unknown {sorted(unknown)} (hybrimoe-parallel, hybrimoe-one-at-a-time, upstream)",
+              file=sys.stderr)
+        return 2
     rows = []
     for rep in range(args.reps):
         for n in [int(x) for x in args.clients.split(",")]:
