@@ -98,6 +98,7 @@ def start(kind: str, args, n: int):
         proc.kill()
         err.seek(0)
         raise RuntimeError(f"{e}: {err.read()[-600:]}") from None
+    proc.err = err  # the server's stderr, shown when a run fails
     return proc, port, extra
 
 
@@ -142,7 +143,10 @@ def one_run(kind: str, args, n: int) -> dict:
     # a stream that ended with [DONE] answered, even with no token event (llama-cpp-python's stream holds back a
     # random model's text while it is not whole characters)
     if len(outs) != n or not all(d for *_, d in outs):
-        raise RuntimeError(f"{sum(1 for *_, d in outs if d)} of {n} streams answered")
+        proc.err.seek(0)
+        tail = proc.err.read()[-800:]
+        raise RuntimeError(f"{sum(1 for *_, d in outs if d)} of {n} streams answered; the server's stderr ends: "
+                           f"{tail}")
     # every request makes --tg tokens (the end of generation masked): the throughput is theirs over the wall time
     # from the first request sent to the last answer ended (prefills included); TPOT from the token events, where
     # the server sends one per token (llama-cpp-python's own stream, hybrimoe at --parallel 1, holds back text that
@@ -220,7 +224,7 @@ def _run(args) -> int:
                 try:
                     row = one_run(kind, args, n)
                 except Exception as e:  # a server that did not start: recorded, the others go on
-                    row = {"server": kind, "n": n, "error": re.sub(r"\s+", " ", str(e))[:300]}
+                    row = {"server": kind, "n": n, "error": re.sub(r"\s+", " ", str(e))[:1200]}
                 row.update(rep=rep, loadavg=load)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)

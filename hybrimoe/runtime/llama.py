@@ -10,6 +10,7 @@ that llama-cpp-python lacks, under upstream's names (common/arg.cpp): ``rpc_serv
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from typing import Sequence
 
@@ -40,6 +41,8 @@ from hybrimoe.traces.routing_replay import check_routing_replay_table, model_rou
 
 llama_cpp = llama_cpp_module()
 _lc = llama_cpp.llama_cpp  # the ctypes layer
+#: llama-cpp-python's create_completion parameters (their defaults: max_tokens 16, stream False)
+_COMPLETION_SIGNATURE = inspect.signature(llama_cpp.Llama.create_completion)
 
 
 class _MoeParts:
@@ -551,7 +554,56 @@ class Llama(llama_cpp.Llama):
         checked = checked_sampling(self, kwargs)
         if checked.get("grammar") is not None:
             kwargs["grammar"] = checked["grammar"]
-        return super().create_completion(prompt, *args, **kwargs)
+        call = _COMPLETION_SIGNATURE.bind(self, prompt, *args, **kwargs)
+        call.apply_defaults()
+        max_tokens, stream = call.arguments["max_tokens"], call.arguments["stream"]
+        # llama-cpp-python's loop skips its max_tokens check while the text ends inside a UTF-8 character, so a
+        # completion could run on to the end of the context and fail there (llama_decode returns 1); generate()
+        # ends it at max_tokens, or where the context is full, as "length"
+        self._gen_limit = max_tokens if max_tokens is not None and max_tokens > 0 else None
+        self._gen_cut = False
+        out = super().create_completion(prompt, *args, **kwargs)
+        if stream:
+            return self._length_marked(out)
+        self._gen_limit = None
+        if self._gen_cut and out.get("choices"):
+            out["choices"][0]["finish_reason"] = "length"
+        return out
+
+    def _length_marked(self, chunks):
+        """A streamed completion whose end generate() cut: its last chunk's finish reason is "length"."""
+        try:
+            for chunk in chunks:
+                if self._gen_cut and chunk.get("choices") and chunk["choices"][0].get("finish_reason") == "stop":
+                    chunk["choices"][0]["finish_reason"] = "length"
+                yield chunk
+        finally:
+            self._gen_limit = None
+
+    def generate(self, tokens, *args, **kwargs):
+        """llama-cpp-python's ``generate`` (sampled token ids, without end), which within a completion also ends
+        after ``max_tokens`` tokens and before a token the context has no cell left to evaluate: it then gives the
+        model's end-of-sequence token, so that the completion ends there with its text whole (and
+        ``create_completion`` reports "length")."""
+        limit, self._gen_limit = getattr(self, "_gen_limit", None), None  # one completion's
+        it = super().generate(tokens, *args, **kwargs)
+        n = 0
+        while True:
+            # each token after the first is evaluated when the next one is asked for: it needs a free cell
+            full = n > 0 and self.n_tokens >= self._n_ctx
+            if full or (limit is not None and n >= limit):
+                eos = self.token_eos()
+                if eos < 0:  # no end token to give: the generation just ends
+                    return
+                self._gen_cut = True
+                yield eos
+                return
+            try:
+                token = next(it)
+            except StopIteration:
+                return
+            n += 1
+            yield token
 
     def close(self) -> None:
         """Frees the context and the model (llama-cpp-python's ``close``): hybrimoe's engine, hook and replay go

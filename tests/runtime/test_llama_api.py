@@ -182,6 +182,38 @@ def test_a_prompt_between_the_asked_and_the_padded_context_fits(tiny_model):
         llm.close()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_max_tokens_holds_while_the_text_ends_inside_a_character(tiny_model, stream):
+    """llama-cpp-python skips its max_tokens check while the text ends inside a UTF-8 character (its multibyte
+    fix): with the lead byte 0xE3 forced at every step a completion ran on to the end of the context and failed
+    there (llama_decode returned 1; a random model's server requests did). It ends after max_tokens tokens, as
+    "length", the last token not evaluated as usual; with no max_tokens, where the context is full, as "length"."""
+    from hybrimoe import Llama
+
+    llm = Llama(str(tiny_model("qwen3moe", "Q8_0")), n_ctx=64, verbose=False)
+    try:
+        lead = next(i for i in range(llm.n_vocab()) if llm._model.token_get_text(i) == "<0xE3>")
+        n_prompt = len(llm.tokenize(b"hello"))
+
+        def finish(**kw):
+            kw.update(temperature=0.0, logit_bias={lead: 100.0})
+            if stream:
+                return list(llm.create_completion("hello", stream=True, **kw))[-1]["choices"][0]["finish_reason"]
+            out = llm.create_completion("hello", **kw)
+            assert out["usage"]["completion_tokens"] == llm.n_tokens - n_prompt + 1
+            return out["choices"][0]["finish_reason"]
+
+        assert finish(max_tokens=8) == "length"
+        assert llm.n_tokens == n_prompt + 7
+        assert finish(max_tokens=None) == "length"
+        assert llm.n_ctx() - 1 <= llm.n_tokens <= llm.n_ctx()
+        # a completion that ends by itself is untouched: an end token forced at once stops it, as "stop"
+        out = llm.create_completion("hello", max_tokens=8, temperature=0.0, logit_bias={llm.token_eos(): 100.0})
+        assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 0
+    finally:
+        llm.close()
+
+
 def test_closed_llama_raises_instead_of_crashing(tiny_model):
     """After close() the public methods raise RuntimeError (the freed context would crash the process)."""
     from hybrimoe import Llama
