@@ -282,7 +282,8 @@ public:
         : trace_(trace), ram_(ram), planner_(devices.at(0).planner), truth_cost_(devices.at(0).truth), truth_(truth),
           cfg_(cfg), L_(trace.n_layers), K_(trace.top_k), E_(trace.n_experts),
           predictor_(cfg.recall, cfg.predictor_seed), noise_(truth.seed), dev_of_(layer_device),
-          truth_ready_((size_t) L_ * E_, 0.0), pos_(E_, -1), ram_predictor_(cfg.ram.recall, cfg.predictor_seed + 1) {
+          truth_ready_((size_t) L_ * E_, 0.0), deferred_((size_t) L_ * E_, 0), pos_(E_, -1),
+          ram_predictor_(cfg.ram.recall, cfg.predictor_seed + 1) {
         for (size_t d = 0; d < devices.size(); ++d) {
             const SimDevice & sd = devices[d];
             Dev dv;
@@ -424,6 +425,7 @@ private:
     std::vector<int32_t> ids32_;
     std::vector<float> scores_;
     std::vector<double> truth_ready_;                  // key -> true end of its last copy (0: from the start)
+    std::vector<uint8_t> deferred_;                    // key -> in the GPU cache, its copy waiting for its first use
     std::vector<std::pair<double, double>> link_busy_; // copy intervals on every link, in start order
     std::vector<Prediction> preds_;
     std::vector<std::vector<Prediction>> preds_by_dev_;  // several devices: preds_ by the device of their layer
@@ -465,9 +467,25 @@ private:
 };
 
 double SimRun::load(int layer, int e, Kind kind) {
-    if (kind == kFirstUse) return 0.0;
+    const size_t key = (size_t) layer * E_ + e;
+    if (kind == kFirstUse) {
+        // an expert prefetched or filled while it was on disk: the engine gave it a slot and copies it at its
+        // first use, after the read its use makes (Engine::Placement::load); a resident one needs nothing
+        if (!ram_ || !deferred_[key]) return 0.0;
+        kind = kDemand;
+    }
     const auto c0 = clock::now();
     const double bytes = trace_.expert_bytes[(size_t) layer];
+    deferred_[key] = 0;
+    if (ram_ && !faulting_ && kind != kDemand && !(ram_->resident(layer, e) && ram_->ready_s(layer, e) <= t_moe_)) {
+        // a prefetch or fill of an expert whose weights are not in RAM yet (on disk, or its read in flight) copies
+        // nothing now: its slot waits for the expert's first use (the engine's rule: RamTier::ready, else the
+        // copy at first use after the read)
+        deferred_[key] = 1;
+        truth_ready_[key] = t_moe_;
+        charge_ns_ += std::chrono::duration<double, std::nano>(clock::now() - c0).count();
+        return 0.0;
+    }
     // with a RAM tier the copy reads the expert from RAM: it starts after the expert's read, or (faulting reads)
     // the copy's own touch faults it in first
     double ready = 0.0;
@@ -492,7 +510,7 @@ double SimRun::load(int layer, int e, Kind kind) {
     layer_copy_s_ += end - start;
     link.true_free_at = end;
     link_busy_.emplace_back(start, end);
-    truth_ready_[(size_t) layer * E_ + e] = end;
+    truth_ready_[key] = end;
     // exclusive tiers: the expert now lives on the GPU; its RAM slot goes (a slot this layer's lookups pinned goes
     // at ram_release)
     if (ram_ && cfg_.ram.exclusive && !large_ubatch_ && gives_up_ram(layer, e) && !ram_->pinned(layer, e)) {
@@ -918,6 +936,10 @@ void SimRun::evicted(const std::vector<int64_t> & keys) {
     if (!ram_ || !cfg_.ram.exclusive || large_ubatch_) return;
     for (int64_t key : keys) {
         const int l = static_cast<int>(key / E_), e = static_cast<int>(key % E_);
+        if (deferred_[(size_t) key]) {  // never copied to the GPU: nothing to copy back
+            deferred_[(size_t) key] = 0;
+            continue;
+        }
         if (ram_->resident(l, e)) continue;
         // demotion: the copy back runs on the link's device-to-host direction, its own queue (PCIe is full
         // duplex; a GPU with two copy engines copies both ways at once), from the layer's start

@@ -391,6 +391,22 @@ def test_exclusive_tiers_hold_each_expert_once_and_copy_the_gpu_s_evictions_back
     assert rec["demotions"] == ex.demotions and rec["ram_policy"] == "hybrimoe-exclusive"
 
 
+@pytest.mark.parametrize("ram", ["prefetch-at-use", "hybrimoe-exclusive"])
+def test_a_gpu_prefetch_of_an_expert_on_disk_reads_nothing(ram):
+    """The engine's rule (Engine::Placement::load): a GPU prefetch or fill of an expert whose weights are not in RAM
+    copies nothing and starts no disk read; its GPU slot waits for the expert's first use, whose read and copy run
+    then. With a RAM tier that reads nothing ahead (prefetch-at-use) every disk read is then a use's RAM miss
+    (inclusive and exclusive tiers alike), while the GPU still prefetches the experts that are in RAM."""
+    tr = synthetic_trace("qwen3-30b-a3b", 300, locality="high", seed=0)
+    s = Setup(tr, pol.load_hardware("rtx4090-desktop"), "15%", "decode", max_tokens=200, ram_cache="20%")
+    _, _, res = _two_tier_run(s, ram)
+    assert res.prefetch_issued > 0 and res.disk_reads > 0
+    if ram == "prefetch-at-use":
+        assert res.disk_reads == res.ram_cache.misses
+    else:  # the hybrimoe tier's own look-ahead reads ahead of use too; nothing else reads
+        assert res.disk_reads <= res.ram_cache.misses + res.ram_prefetch_issued
+
+
 def test_a_demoted_expert_enters_ram_only_over_lower_ranked_residents():
     """ExpertCache.admit_demoted: into a full RAM cache it displaces only a resident ranked below it (MRS scores
     set by hand), never one ranked above; with room it always enters."""
