@@ -17,6 +17,7 @@ about as fast as warm ones.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import random
@@ -100,10 +101,10 @@ class DiskMeasurement:
         }
 
 
-def _expert_reads(model_path) -> list[tuple[Path, int, int]]:
-    """Every expert matrix of the model as (file, offset, bytes): what the RAM tier reads."""
+def _expert_tensors(model_path):
+    """The model's routed-expert weight tensors (``ffn_*_exps``), each as (MoE layer, kind as named: "gate_exps",
+    ..., file, offset, bytes per expert, experts, bytes per row)."""
     g = open_gguf(model_path)
-    out = []
     for name, (path, off) in g.tensor_shard.items():
         m = EXPERT_TENSOR_RE.match(name)
         if not m or m.group(3) != "weight":
@@ -111,7 +112,13 @@ def _expert_reads(model_path) -> list[tuple[Path, int, int]]:
         t = g.tensors[name]
         n_expert = int(t.shape[2]) if len(t.shape) > 2 else 1
         nb = int(t.n_bytes) // n_expert
-        out.extend((Path(path), off + e * nb, nb) for e in range(n_expert))
+        yield int(m.group(1)), m.group(2), Path(path), off, nb, n_expert, nb // max(1, int(t.shape[1]))
+
+
+def _expert_reads(model_path) -> list[tuple[Path, int, int]]:
+    """Every expert matrix of the model as (file, offset, bytes): what the RAM tier reads."""
+    out = [(path, off + e * nb, nb) for _, _, path, off, nb, n_expert, _ in _expert_tensors(model_path)
+           for e in range(n_expert)]
     if not out:
         raise ValueError(f"{model_path}: no routed-expert tensors (ffn_*_exps) to read: not a MoE model")
     return out
@@ -329,6 +336,31 @@ def _io_read_bytes() -> int:
     raise OSError("/proc/self/io has no read_bytes")
 
 
+@contextlib.contextmanager
+def _cold_mappings(paths):
+    """{file: address of a read-only mapping of it}, each file dropped from the page cache first and advised
+    POSIX_FADV_SEQUENTIAL, as llama_mmap advises the model file (Linux then doubles its read-ahead,
+    mm/fadvise.c); the mappings are closed on exit."""
+    import numpy as np
+
+    maps, base = {}, {}
+    try:
+        for p in sorted(set(paths)):
+            drop_from_page_cache(p)
+            with open(p, "rb") as f:
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                maps[p] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            base[p] = np.frombuffer(maps[p], dtype=np.uint8).ctypes.data
+        yield base
+    finally:
+        for m in maps.values():
+            try:
+                m.close()
+            except BufferError:  # a numpy view still refers to it: closed when collected
+                pass
+
+
 def _mmap_read_around(reads: list, threads: int) -> tuple[float, float, str]:
     """(bytes read per byte faulted, bytes read per major fault, how) of faulting ``reads`` (cold expert matrices)
     in through a mapping of their file, as upstream llama.cpp's mmap does when a routed expert is not in the page
@@ -347,16 +379,8 @@ def _mmap_read_around(reads: list, threads: int) -> tuple[float, float, str]:
         return 0.0, 0.0, ""
     largest = max(nb for _, _, nb in reads)
     dst = np.empty(largest, dtype=np.uint8)
-    maps = {}
     touched = read = faults = 0
-    try:
-        for p in sorted({p for p, _, _ in reads}):
-            drop_from_page_cache(p)
-            with open(p, "rb") as f:
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                maps[p] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        base = {p: np.frombuffer(m, dtype=np.uint8).ctypes.data for p, m in maps.items()}
+    with _cold_mappings(p for p, _, _ in reads) as base:
 
         def sweep(src, nb, chunks):
             # ctypes releases the GIL: the threads' faults overlap
@@ -371,12 +395,6 @@ def _mmap_read_around(reads: list, threads: int) -> tuple[float, float, str]:
                 touched += nb
             read = _io_read_bytes() - r0
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
-    finally:
-        for m in maps.values():
-            try:
-                m.close()
-            except BufferError:  # a numpy view still refers to it: closed when collected
-                pass
     if faults <= 0 or touched <= 0:
         return 0.0, 0.0, ""
     how = (f"{len(reads)} cold expert matrices ({touched / 1e6:.0f} MB) faulted in through a mapping of the file, "
@@ -401,17 +419,10 @@ DECODE_CHUNK_ROWS = 64
 def _layer_expert_tensors(model_path) -> dict:
     """{MoE layer: [(file, offset, bytes per expert, bytes per row) of its gate, up, down ``ffn_*_exps`` tensors,
     in that order]} (the order a layer's MoE ops run in)."""
-    g = open_gguf(model_path)
     out = {}
-    for name, (path, off) in g.tensor_shard.items():
-        m = EXPERT_TENSOR_RE.match(name)
-        if not m or m.group(3) != "weight":
-            continue
-        t = g.tensors[name]
-        n_expert = int(t.shape[2]) if len(t.shape) > 2 else 1
-        nb = int(t.n_bytes) // n_expert
-        rank = next((i for i, k in enumerate(("gate", "up", "down")) if k in m.group(2)), 3)
-        out.setdefault(int(m.group(1)), []).append((rank, Path(path), off, nb, nb // max(1, int(t.shape[1]))))
+    for layer, kind, path, off, nb, _, row in _expert_tensors(model_path):
+        rank = next((i for i, k in enumerate(("gate", "up", "down")) if k in kind), 3)
+        out.setdefault(layer, []).append((rank, path, off, nb, row))
     return {layer: [r[1:] for r in sorted(v, key=lambda r: r[0])] for layer, v in sorted(out.items())}
 
 
@@ -435,7 +446,7 @@ def _decode_faults(model_path: str, locality: str, threads: int, seed: int, warm
     ids = synthetic_trace(facts, max_warm + DECODE_PROBE_TOKENS + 2, locality=locality, seed=seed, scores=False,
                           n_prompts=1).expert_ids
     dst = np.empty(largest, dtype=np.uint8)
-    maps, base = {}, {}
+    base = {}
 
     def sweep(src, nb, chunk, todo):
         # ctypes releases the GIL: the threads' faults overlap, as ggml's threads' do
@@ -454,14 +465,8 @@ def _decode_faults(model_path: str, locality: str, threads: int, seed: int, warm
                     touched += nb
         return touched
 
-    try:
-        for p in sorted({p for ts in layers.values() for p, _, _, _ in ts}):
-            drop_from_page_cache(p)
-            with open(p, "rb") as f:
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # as llama_mmap advises
-                maps[p] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            base[p] = np.frombuffer(maps[p], dtype=np.uint8).ctypes.data
+    with _cold_mappings(p for ts in layers.values() for p, _, _, _ in ts) as mapped:
+        base.update(mapped)
         with ThreadPoolExecutor(max_workers=threads) as ex:
             # the page cache at the limit, holding what the routing keeps using
             r_warm, n_warm = _io_read_bytes(), 0
@@ -485,12 +490,6 @@ def _decode_faults(model_path: str, locality: str, threads: int, seed: int, warm
                 list(ex.map(lambda _: sweep(src.ctypes.data, largest, DECODE_CHUNK_ROWS * row, todo),
                             range(threads)))
             copy_Bps = reps * largest / max(time.perf_counter() - c0, 1e-9)
-    finally:
-        for m in maps.values():
-            try:
-                m.close()
-            except BufferError:  # a numpy view still refers to it: closed when collected
-                pass
     return {"tokens": n, "warm_tokens": n_warm, "touched": touched, "read": read, "faults": faults, "wall": wall,
             "copy_s": touched / copy_Bps}
 
