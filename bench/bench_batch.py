@@ -147,8 +147,8 @@ def main() -> int:
         return 0
     from hybrimoe.model.facts import facts_from_gguf
     from hybrimoe.policy.budget import parse_budget
+    from hybrimoe.runtime.cgroup import MemoryCgroup
     from hybrimoe.runtime.readahead import ReadAhead
-    from hybrimoe.testing.cgroup import MemoryCgroup
 
     f = facts_from_gguf(args.model)
     cg = None if args.in_ram else MemoryCgroup(int(parse_budget(args.limit, 1.0, 0.0)))

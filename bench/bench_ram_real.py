@@ -241,8 +241,8 @@ def main() -> int:
         print("ROW " + json.dumps(child(args)), flush=True)
         return 0
     from hybrimoe.policy.budget import parse_budget
+    from hybrimoe.runtime.cgroup import MemoryCgroup
     from hybrimoe.runtime.readahead import ReadAhead
-    from hybrimoe.testing.cgroup import MemoryCgroup
 
     limit = int(parse_budget(args.limit, 1.0, 0.0))
     if limit < 256 << 20:  # a share ("50%") of 1 byte, or a typo: every child would be killed at once

@@ -184,7 +184,7 @@ def main() -> int:
     args.cgroup = ra = None
     if args.limit is not None:
         from hybrimoe.policy.budget import parse_budget
-        from hybrimoe.testing.cgroup import MemoryCgroup
+        from hybrimoe.runtime.cgroup import MemoryCgroup
 
         args.cgroup = MemoryCgroup(int(parse_budget(args.limit, 1.0, 0.0)))
     if args.read_ahead is not None:

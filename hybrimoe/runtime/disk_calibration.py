@@ -508,8 +508,8 @@ def _decode_faults_child(conn, cgroup_dir: Optional[str], args: tuple) -> None:
 
 
 def _memory_cgroup(limit: int):
-    """A :class:`hybrimoe.testing.cgroup.MemoryCgroup` of ``limit`` bytes; OSError saying what the probe needs."""
-    from hybrimoe.testing.cgroup import MemoryCgroup
+    """A :class:`hybrimoe.runtime.cgroup.MemoryCgroup` of ``limit`` bytes; OSError saying what the probe needs."""
+    from hybrimoe.runtime.cgroup import MemoryCgroup
 
     try:
         return MemoryCgroup(int(limit))

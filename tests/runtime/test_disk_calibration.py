@@ -94,7 +94,7 @@ def test_the_decode_probe_faults_each_token_s_experts_through_the_mapping(model)
 def test_the_decode_probe_runs_under_the_memory_limit(model):
     """Under a memory cgroup (root only: skipped where none can be made) the probe's child measures faults and
     their throughput; the figures come back with how they were measured."""
-    from hybrimoe.testing.cgroup import MemoryCgroup
+    from hybrimoe.runtime.cgroup import MemoryCgroup
 
     try:
         MemoryCgroup(1 << 30).close()

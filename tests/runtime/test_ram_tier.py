@@ -170,7 +170,7 @@ print("ROW " + json.dumps({"faults": faults, "out": out, "budget": ram["moe_ram_
 
 
 def test_weights_outside_the_experts_never_fault_under_a_memory_cgroup(tiny_model):
-    """The same under a memory cgroup (hybrimoe.testing.cgroup.MemoryCgroup, 1 GiB, which counts the page cache
+    """The same under a memory cgroup (hybrimoe.runtime.cgroup.MemoryCgroup, 1 GiB, which counts the page cache
     too), with ``moe_ram_cache="auto"``: the budget comes from the cgroup (its message says so), prefill and decode
     take no major page fault (every one would be a weight outside the experts: the tier's reads are O_DIRECT), and
     the greedy tokens are those of the run with the mapping kept, the negative control, which faults. Skipped where
@@ -179,7 +179,7 @@ def test_weights_outside_the_experts_never_fault_under_a_memory_cgroup(tiny_mode
     import subprocess
     import sys
 
-    from hybrimoe.testing.cgroup import MemoryCgroup
+    from hybrimoe.runtime.cgroup import MemoryCgroup
 
     path = tiny_model("qwen3moe", "Q4_K_M")
     try:

@@ -1,5 +1,6 @@
-"""A memory cgroup for a child process: the RAM benchmarks and tests run a model larger than the memory they give it
-(Linux's memory controller counts the page cache too: Documentation/admin-guide/cgroup-v2.rst, "Memory")."""
+"""A memory cgroup for a child process: the RAM benchmarks and tests run a model larger than the memory they give it,
+and ``calibrate --disk --memory-limit`` times upstream's page faults under one (Linux's memory controller counts the
+page cache too: Documentation/admin-guide/cgroup-v2.rst, "Memory")."""
 from __future__ import annotations
 
 import os
