@@ -45,6 +45,13 @@ _lc = llama_cpp.llama_cpp  # the ctypes layer
 _COMPLETION_SIGNATURE = inspect.signature(llama_cpp.Llama.create_completion)
 
 
+class _Cut:
+    """One completion's token limit (None: none) and whether :meth:`Llama.generate` ended it there."""
+
+    def __init__(self, limit):
+        self.limit, self.cut = limit, False
+
+
 class _MoeParts:
     """hybrimoe's objects on one llama context: the MoE hook, the routing replay and the engine. Llama puts its
     ``close`` on llama-cpp-python's exit stack after the context, so they go first; it holds the context's wrapper,
@@ -559,44 +566,54 @@ class Llama(llama_cpp.Llama):
         max_tokens, stream = call.arguments["max_tokens"], call.arguments["stream"]
         # llama-cpp-python's loop skips its max_tokens check while the text ends inside a UTF-8 character, so a
         # completion could run on to the end of the context and fail there (llama_decode returns 1); generate()
-        # ends it at max_tokens, or where the context is full, as "length"
-        self._gen_limit = max_tokens if max_tokens is not None and max_tokens > 0 else None
-        self._gen_cut = False
-        out = super().create_completion(prompt, *args, **kwargs)
+        # ends it at max_tokens, or where the context is full, as "length". The limit is this call's own: handed
+        # to the generate() the completion starts, and to no other.
+        state = _Cut(max_tokens if max_tokens is not None and max_tokens > 0 else None)
         if stream:
-            return self._length_marked(out)
-        self._gen_limit = None
-        if self._gen_cut and out.get("choices"):
+            return self._length_marked(super().create_completion(prompt, *args, **kwargs), state)
+        self._gen_state = state
+        try:
+            out = super().create_completion(prompt, *args, **kwargs)
+        finally:
+            if self._gen_state is state:  # the completion failed before its generate() took it
+                self._gen_state = None
+        if state.cut and out.get("choices"):
             out["choices"][0]["finish_reason"] = "length"
         return out
 
-    def _length_marked(self, chunks):
-        """A streamed completion whose end generate() cut: its last chunk's finish reason is "length"."""
+    def _length_marked(self, chunks, state: "_Cut"):
+        """A streamed completion (``chunks``, not started yet) whose generate() gets ``state`` as it starts; where
+        generate() cut it, its last chunk's finish reason is "length"."""
+        self._gen_state = state  # the first next() below runs the completion up to its generate(), which takes it
         try:
             for chunk in chunks:
-                if self._gen_cut and chunk.get("choices") and chunk["choices"][0].get("finish_reason") == "stop":
+                if state.cut and chunk.get("choices") and chunk["choices"][0].get("finish_reason") == "stop":
                     chunk["choices"][0]["finish_reason"] = "length"
                 yield chunk
         finally:
-            self._gen_limit = None
+            if self._gen_state is state:
+                self._gen_state = None
 
     def generate(self, tokens, *args, **kwargs):
-        """llama-cpp-python's ``generate`` (sampled token ids, without end), which within a completion also ends
-        after ``max_tokens`` tokens and before a token the context has no cell left to evaluate: it then gives the
-        model's end-of-sequence token, so that the completion ends there with its text whole (and
-        ``create_completion`` reports "length")."""
-        limit, self._gen_limit = getattr(self, "_gen_limit", None), None  # one completion's
+        """llama-cpp-python's ``generate`` (sampled token ids, without end). Started by ``create_completion`` it
+        also ends after ``max_tokens`` tokens and before a token the context has no cell left to evaluate: it then
+        gives an end-of-generation token, so that the completion ends there with its text whole (and
+        ``create_completion`` reports "length"). Called by itself it is llama-cpp-python's."""
+        state, self._gen_state = getattr(self, "_gen_state", None), None  # one completion's
+        if state is None:
+            yield from super().generate(tokens, *args, **kwargs)
+            return
         it = super().generate(tokens, *args, **kwargs)
         n = 0
         while True:
             # each token after the first is evaluated when the next one is asked for: it needs a free cell
             full = n > 0 and self.n_tokens >= self._n_ctx
-            if full or (limit is not None and n >= limit):
-                eos = self.token_eos()
-                if eos < 0:  # no end token to give: the generation just ends
+            if full or (state.limit is not None and n >= state.limit):
+                end = self._end_token()
+                if end < 0:  # the vocabulary has no end token to give: the generation just ends
                     return
-                self._gen_cut = True
-                yield eos
+                state.cut = True
+                yield end
                 return
             try:
                 token = next(it)
@@ -604,6 +621,18 @@ class Llama(llama_cpp.Llama):
                 return
             n += 1
             yield token
+
+    def _end_token(self) -> int:
+        """A token llama.cpp counts as the end of generation (``llama_vocab_is_eog``): the end-of-sequence token,
+        else the first such id of the vocabulary; -1 where there is none."""
+        if getattr(self, "_eog_token", None) is None:
+            eos = self.token_eos()
+            vocab = self._model.vocab
+            if eos >= 0 and _lc.llama_vocab_is_eog(vocab, eos):
+                self._eog_token = eos
+            else:
+                self._eog_token = next((t for t in range(self.n_vocab()) if _lc.llama_vocab_is_eog(vocab, t)), -1)
+        return self._eog_token
 
     def close(self) -> None:
         """Frees the context and the model (llama-cpp-python's ``close``): hybrimoe's engine, hook and replay go

@@ -330,10 +330,11 @@ public:
     void evicted(const std::vector<int64_t> & keys) override;
     /// Exclusive tiers: whether (l, e), in both tiers, gives up its RAM slot: the GPU cache keeps it, not on
     /// probation (a streamed demand load of a large ubatch enters the GPU cache at the lowest rank and leaves it at
-    /// the next load: its RAM slot stays, so that the stream does not churn the RAM tier).
+    /// the next load: its RAM slot stays, so that the stream does not churn the RAM tier), nor filled while it was on
+    /// disk (its copy waits for its first use: the RAM copy is its only one, Engine::kept_on_gpu).
     bool gives_up_ram(int l, int e) const {
         const ExpertCache & c = *devs_[(size_t) dev_of_[(size_t) l]].cache;
-        return c.resident(l, e) && !c.on_probation(l, e) && ram_->resident(l, e);
+        return c.resident(l, e) && !c.on_probation(l, e) && !deferred_[(size_t) l * E_ + e] && ram_->resident(l, e);
     }
 
 private:
@@ -468,19 +469,21 @@ private:
 
 double SimRun::load(int layer, int e, Kind kind) {
     const size_t key = (size_t) layer * E_ + e;
+    bool first_use = false;  // the first use of an expert filled while it was on disk: its read, then its copy
     if (kind == kFirstUse) {
-        // an expert prefetched or filled while it was on disk: the engine gave it a slot and copies it at its
-        // first use, after the read its use makes (Engine::Placement::load); a resident one needs nothing
+        // an expert filled while it was on disk: the engine gave it a slot and copies it at its first use, after
+        // the read its use makes (Engine::Placement::load), counted as a fill's copy; a resident one needs nothing
         if (!ram_ || !deferred_[key]) return 0.0;
-        kind = kDemand;
+        first_use = true;
     }
     const auto c0 = clock::now();
     const double bytes = trace_.expert_bytes[(size_t) layer];
     deferred_[key] = 0;
-    if (ram_ && !faulting_ && kind != kDemand && !(ram_->resident(layer, e) && ram_->ready_s(layer, e) <= t_moe_)) {
-        // a prefetch or fill of an expert whose weights are not in RAM yet (on disk, or its read in flight) copies
-        // nothing now: its slot waits for the expert's first use (the engine's rule: RamTier::ready, else the
-        // copy at first use after the read)
+    if (ram_ && !faulting_ && kind != kDemand && !first_use &&
+        !(ram_->resident(layer, e) && ram_->ready_s(layer, e) <= t_moe_)) {
+        // a fill (or a prefetch, which the predictions' filter leaves none of) of an expert whose weights are not
+        // in RAM yet (on disk, or its read in flight) copies nothing now: its slot waits for the expert's first
+        // use (the engine's rule: RamTier::ready, else the copy at first use after the read)
         deferred_[key] = 1;
         truth_ready_[key] = t_moe_;
         charge_ns_ += std::chrono::duration<double, std::nano>(clock::now() - c0).count();
@@ -491,7 +494,7 @@ double SimRun::load(int layer, int e, Kind kind) {
     double ready = 0.0;
     bool fault = false;
     if (ram_) {
-        ready = kind == kDemand ? ram_use(layer, e, t_moe_) : ram_ready(layer, e, t_moe_);
+        ready = kind == kDemand || first_use ? ram_use(layer, e, t_moe_) : ram_ready(layer, e, t_moe_);
         fault = ready < 0.0;
         if (fault) ready = 0.0;
     }
@@ -499,7 +502,7 @@ double SimRun::load(int layer, int e, Kind kind) {
     double start = std::max(std::max(link.true_free_at, t_moe_), ready);
     if (fault) {
         start = fault_in(layer, e, start);
-        ram_keep(layer, e, start, kind != kDemand);
+        ram_keep(layer, e, start, kind != kDemand && !first_use);
     } else if (ram_ && faulting_ && kind == kDemand && (last_ram_access_ == 2 || last_ram_access_ == 3)) {
         read_ahead_after(layer, e, start);
     }
@@ -676,6 +679,20 @@ void SimRun::prefetch_and_fill(const Step & st, int l, int n, double predicted_s
             p.layer = j;
             p.expert_bytes = trace_.expert_bytes[j];
             p.start_s = predicted_s + (double(d) - 1.0) * layer_est_ + planner.layer(n);
+            if (ram_ && !faulting_) {
+                // the engine's rule: only experts already in RAM are copied ahead to the GPU (one on disk, or
+                // being read, is copied at its first use): the others leave the prediction
+                size_t kept = 0;
+                for (size_t i = 0; i < p.experts.size(); ++i) {
+                    const int32_t e = p.experts[i];
+                    if (!ram_->resident(j, e) || ram_->ready_s(j, e) > t_moe_) continue;
+                    p.experts[kept] = e;
+                    if (i < p.loads.size()) p.loads[kept] = p.loads[i];
+                    ++kept;
+                }
+                p.experts.resize(kept);
+                if (p.loads.size() > kept) p.loads.resize(kept);
+            }
         }
         if (devs_.size() == 1) {
             decider.prefetch(preds_, L_, *this, nullptr);
@@ -905,7 +922,8 @@ void SimRun::ram_lookahead(const Step & st, int l, int n, double predicted_s) {
         const double bytes = trace_.expert_bytes[(size_t) j];
         for (int32_t i : ram_order_) {
             const int32_t e = ram_pred_.experts[i];
-            if (dv(j).cache->resident(j, e) || ram_->resident(j, e)) continue;
+            // a GPU resident needs no RAM, unless its copy waits for its first use (a fill while it was on disk)
+            if ((dv(j).cache->resident(j, e) && !deferred_[(size_t) j * E_ + e]) || ram_->resident(j, e)) continue;
             if (std::max(disk_est_free_at_, t_moe_) + planner_.disk_read(bytes) > horizon) break;
             if (!ram_->admit(j, e, t_moe_, true, certain)) continue;
             const double end = disk_read(bytes, t_moe_, e);

@@ -210,6 +210,13 @@ def test_max_tokens_holds_while_the_text_ends_inside_a_character(tiny_model, str
         # a completion that ends by itself is untouched: an end token forced at once stops it, as "stop"
         out = llm.create_completion("hello", max_tokens=8, temperature=0.0, logit_bias={llm.token_eos(): 100.0})
         assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 0
+        # the limit is one completion's: not a later plain generate()'s, even after a completion that failed
+        # before generating, or a stream made and never read
+        with pytest.raises(ValueError):
+            llm.create_completion([5] * (llm.n_ctx() + 1), max_tokens=3)
+        llm.create_completion("hello", max_tokens=3, stream=True)
+        gen = llm.generate(llm.tokenize(b"hello"), temp=0.0)
+        assert len([t for _, t in zip(range(12), gen)]) == 12
     finally:
         llm.close()
 
