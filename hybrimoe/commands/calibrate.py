@@ -44,9 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "latency, useful reads in flight), written as a disk file for simulate --disk")
     p.add_argument("--memory-limit", default=None, metavar="BYTES",
                    help="with --disk: also time a decode's page faults through a mapping of the model under a memory "
-                        "cgroup of this size (e.g. 3GiB; needs root), faulted by -t threads (default: the cores, "
-                        "llama.cpp's) as upstream's mmap runs a model larger than RAM: the simulator then predicts "
-                        "upstream's mmap at their throughput")
+                        "cgroup of this size (at least 256 MiB, e.g. 3GiB, below the model's experts; needs root), "
+                        "faulted by -t threads (default: the cores, llama.cpp's) as upstream's mmap runs a model "
+                        "larger than RAM: the simulator then predicts upstream's mmap at their throughput")
     p.add_argument("--force", action="store_true", help="replace an existing -o file")
 
 

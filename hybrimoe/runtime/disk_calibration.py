@@ -605,8 +605,8 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
         experts = sum(nb for _, _, nb in _expert_reads(model_path))
         if memory_limit >= experts:
             raise ValueError(f"a memory limit of {memory_limit / 2**30:.3g} GiB holds every routed expert of "
-                             f"{model_path} ({experts / 2**30:.3g} GiB): upstream's mmap would not fault there; give "
-                             "the limit the model runs under, smaller than its experts")
+                             f"{model_path} ({experts / 2**30:.3g} GiB): upstream's mmap would not fault there; the "
+                             "probe needs a model whose experts are larger than the limit it runs under")
         _memory_cgroup(memory_limit).close()
     depths = sorted({int(d) for d in depths})
     if not depths or depths[0] < 1:

@@ -368,6 +368,10 @@ private:
     int64_t tick() const { return cur_step_ * L_ + cur_layer_; }
     /// `bytes` issued at t on the true disk (expert e, -1: not an expert's): returns its end; counts the bytes.
     double disk_move(double bytes, double t, int e, double fault_Bps = 0.0);
+    /// The measured fault throughput for this step's faulting reads: a decode's (one token's experts, faulted by the
+    /// compute threads); 0 for a ubatch that sweeps whole layers in file order, which the kernel reads ahead as
+    /// queued reads, or without a measured figure.
+    double step_fault_Bps() const { return large_ubatch_ ? 0.0 : cfg_.ram.fault_bandwidth_Bps; }
     /// A queued read of expert e's `bytes` issued at t on the true disk; returns its end.
     double disk_read(double bytes, double t, int e);
     /// Faulting reads: (l, e) touched at t through the mapping, not in RAM. Its read-around window is read on the
@@ -803,9 +807,7 @@ double SimRun::fault_in(int l, int e, double t) {
     // timeline. The neighbours mostly inside the window that are not in RAM join the page cache as read-ahead;
     // the window's part-experts, and what runs past the tensor's ends, are waste.
     const double bytes = trace_.expert_bytes[(size_t) l];
-    // the measured fault throughput is a decode's (one token's experts, faulted by the compute threads); a
-    // ubatch that sweeps whole layers faults in file order, which the kernel reads ahead as queued reads
-    const double fbw = large_ubatch_ ? 0.0 : cfg_.ram.fault_bandwidth_Bps;
+    const double fbw = step_fault_Bps();
     const double side = 0.5 * (cfg_.ram.read_around - 1.0);
     const int whole = static_cast<int>(std::lround(side));  // a neighbour mostly inside the window is read whole
     const double own = bytes * std::max(0.0, 1.0 + 2.0 * (side - whole));
@@ -847,7 +849,7 @@ void SimRun::read_ahead_after(int l, int n, double t) {
     bool read = false;
     for (int k = j; k < std::min(E_, j + win); ++k) {
         if (ram_->resident(l, k) || transient_tick_[(size_t) l * E_ + k] == tick()) continue;
-        ram_->admit_read_ahead(l, k, disk_move(bytes, t, k, large_ubatch_ ? 0.0 : cfg_.ram.fault_bandwidth_Bps));
+        ram_->admit_read_ahead(l, k, disk_move(bytes, t, k, step_fault_Bps()));
         read = true;
     }
     if (read) ++res_.disk_reads;
@@ -860,7 +862,7 @@ double SimRun::other_in(int l, double t) {
     double & last = other_touch_[(size_t) l];
     double ready = t;
     if (res_.bytes_disk - last > ram_->budget_bytes() + static_cast<double>(L_) * other) {
-        ready = disk_move(other, t, -1, large_ubatch_ ? 0.0 : cfg_.ram.fault_bandwidth_Bps);
+        ready = disk_move(other, t, -1, step_fault_Bps());
         res_.page_faults += static_cast<int64_t>(std::ceil(other / cfg_.ram.fault_bytes));
         ++res_.disk_reads;
     }
