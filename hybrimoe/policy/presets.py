@@ -117,7 +117,8 @@ def leading_layers_that_fit(expert_bytes: Sequence[float], n_experts: int, budge
 
 def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_experts: int, budget_bytes: float, *,
                  prefetch: bool = True, hot_keys: Optional[Sequence[int]] = None,
-                 profile: Optional[Sequence[float]] = None, name: Optional[str] = None) -> PolicySet:
+                 profile: Optional[Sequence[float]] = None, name: Optional[str] = None,
+                 mrs_alpha: Optional[float] = None) -> PolicySet:
     """Builds the policies of a system preset (:data:`SYSTEM_PRESETS`) or of a dict of components: the one place
     that gives a preset its meaning, for the engine (:func:`hybrimoe.runtime.setup.build_policies`) and the simulator
     (:class:`hybrimoe.sim.simulator.Setup`) alike.
@@ -132,7 +133,9 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
     ``prefetch=False`` replaces the prefetcher with none (prefetch depth 0). ``hot_keys``: keys ``layer *
     n_experts + expert`` hottest first (:func:`hot_keys_from_counts`), from a profile (the simulator's profiling
     prompts, the engine's ``moe_profile``); ``profile``: the counts per key (flat ``[moe_layers * experts]``), the
-    static hot set's priorities.
+    static hot set's priorities. ``mrs_alpha``: an ``mrs`` cache named by the preset weighs the newest scores so
+    (default: MRSPolicy's, the paper's 0.5); the GPU cache above an exclusive RAM tier takes the RAM preset's
+    ``gpu_mrs_alpha`` (:func:`gpu_mrs_alpha`).
 
     Caches: ``static-leading-layers`` (``ktransformers``) holds the experts of the leading MoE layers, as many
     whole layers as fit (:func:`leading_layers_that_fit`); ``static-layers`` (``upstream-ncmoe``) the last ones,
@@ -200,7 +203,9 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
         cache = _core.ExpertCache(eb, E, budget_bytes, _core.StaticPolicy(keys, prio))
         cache.fill(keys)
     else:
-        cache = _core.ExpertCache(eb, E, budget_bytes, _core.make_cache_policy(str(c)))
+        policy = (_core.MRSPolicy(alpha=float(mrs_alpha)) if c == "mrs" and mrs_alpha is not None else
+                  _core.make_cache_policy(str(c)))
+        cache = _core.ExpertCache(eb, E, budget_bytes, policy)
         if hot_keys is not None and budget_bytes > 0:
             cache.fill([int(k) for k in hot_keys if eb[int(k) // E] > 0])
     if comp.get("admission", "none") == "tinylfu":
@@ -224,6 +229,13 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
 #: static hot set on the GPU over it on stationary (low-locality) routing; 0.1 gained on every trace but the
 #: high-locality Mixtral shape (1-2%); 0.03 lost on the high-locality shapes.
 RAM_MRS_ALPHA = 0.1
+#: MRS's alpha in the GPU cache above an exclusive RAM tier (RAM preset ``hybrimoe-exclusive``'s ``gpu_mrs_alpha``).
+#: There the GPU and RAM caches hold one hierarchy's experts, and an expert the GPU cache lets go for a recent one may
+#: come back from the disk: on stationary routing the paper's 0.5, which forgets in two tokens, kept a GPU set
+#: worse than a profiled static hot set (the disk busy 89% of the run, 2% more bytes read: Mixtral-shaped routing,
+#: RAM 25%). Chosen on the three-tier never-worse table (bench/bench_never_worse.py --ram-caches; docs/benchmarks.md):
+#: 0.3, 0.2 and 0.1 changed those rows by under 0.7%, 0.03 left one at 0.988x, 0.01 every row at 0.993x or more.
+GPU_OVER_EXCLUSIVE_RAM_MRS_ALPHA = 0.01
 #: The RAM tier's presets, for a model larger than host RAM: which experts stay in RAM (``cache``: a cache policy
 #: name, or ``static-frequency`` for a profiled hot set) and how the others arrive from the model file (``reads``:
 #: ``queued`` pread reads that the work needing an expert waits for, or ``faulting`` mmap page faults on the thread
@@ -232,9 +244,10 @@ RAM_MRS_ALPHA = 0.1
 #: ``exclusive``: the GPU and RAM tiers hold different experts (demotion of the GPU's evictions);
 #: ``streaming``: as the GPU presets', for reads; ``true_routing``: the look-ahead sees the true routing, a bound;
 #: ``also``: a bound's alternative plans, the fastest kept; ``mrs_alpha``: an MRS cache's weight of the newest
-#: scores, :data:`RAM_MRS_ALPHA`; ``admission``: ``"tinylfu"``, frequency admission of reads ahead and demotions, as
-#: the GPU presets'). :class:`hybrimoe._core.RamTierConfig` holds
-#: the same fields for the simulator. ``baseline``: a system users run today, which hybrimoe must not be slower than.
+#: scores, :data:`RAM_MRS_ALPHA`; ``gpu_mrs_alpha``: the alpha of a GPU cache above this tier
+#: (:data:`GPU_OVER_EXCLUSIVE_RAM_MRS_ALPHA`); ``admission``: ``"tinylfu"``, frequency admission of reads ahead and
+#: demotions, as the GPU presets'). :class:`hybrimoe._core.RamTierConfig` holds the same fields for the simulator.
+#: ``baseline``: a system users run today, which hybrimoe must not be slower than.
 RAM_PRESETS = {
     "hybrimoe": dict(cache="mrs", reads="queued", keep=True, lookahead=3, ready_first=True, true_routing=False,
                      baseline=False, streaming=STREAMING_FRACTION, mrs_alpha=RAM_MRS_ALPHA, admission="tinylfu",
@@ -247,6 +260,7 @@ RAM_PRESETS = {
     "hybrimoe-exclusive": dict(cache="mrs", reads="queued", keep=True, lookahead=3, ready_first=True,
                                true_routing=False, baseline=False, streaming=STREAMING_FRACTION, exclusive=True,
                                mrs_alpha=RAM_MRS_ALPHA, admission="tinylfu",
+                               gpu_mrs_alpha=GPU_OVER_EXCLUSIVE_RAM_MRS_ALPHA,
                                about="hybrimoe's RAM tier with exclusive tiers: an expert loaded to the GPU gives up "
                                      "its RAM slot, and one the GPU cache evicts is copied back into RAM (device to "
                                      "host) when it ranks at least as high as the RAM tier's victim (the engine's "
@@ -296,6 +310,12 @@ def ram_preset(name: str) -> dict:
     if name not in RAM_PRESETS:
         raise ValueError(f"unknown RAM-tier preset {name!r} (known: {', '.join(RAM_PRESETS)})")
     return RAM_PRESETS[name]
+
+
+def gpu_mrs_alpha(ram: Optional[str]) -> Optional[float]:
+    """The MRS alpha of a GPU cache above the RAM preset ``ram`` (its ``gpu_mrs_alpha``), or None (the GPU preset's
+    own) without a RAM tier (``ram`` None) or where the preset names none. ValueError for an unknown preset."""
+    return None if ram is None else ram_preset(ram).get("gpu_mrs_alpha")
 
 
 def ram_cache_policy_of(name: str) -> "_core.CachePolicy":

@@ -44,7 +44,8 @@ def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
                              "policies=hybrimoe.runtime.setup.build_policies(...)")
     if not setup.more_devices:
         if policies is None:
-            policies = build_policies(spec, setup.facts, setup.n_slots, setup.prefetch_layers, setup.profile)
+            policies = build_policies(spec, setup.facts, setup.n_slots, setup.prefetch_layers, setup.profile,
+                                      ram_preset=setup.ram_preset)
         return _core.replay_decisions(log, policies.cache, policies.scheduler, policies.prefetcher, setup.cost,
                                       has_slots=setup.n_slots > 0, prefetch_layers=int(setup.prefetch_layers),
                                       fill_on_miss=policies.fill_on_miss)
@@ -60,7 +61,8 @@ def replay_engine_log(llm, log: Sequence[dict], policies=None) -> list[dict]:
     for i, (n_slots, cost) in enumerate(shares):
         mask = [x == i for x in setup.layer_device]
         idx = [j for j, r in enumerate(log) if device(r) == i]
-        pols = build_policies(spec, setup.facts, n_slots, setup.prefetch_layers, setup.profile, layers=mask)
+        pols = build_policies(spec, setup.facts, n_slots, setup.prefetch_layers, setup.profile, layers=mask,
+                              ram_preset=setup.ram_preset)
         recs = _core.replay_decisions([log[j] for j in idx], pols.cache, pols.scheduler, pols.prefetcher, cost,
                                       has_slots=n_slots > 0, prefetch_layers=int(setup.prefetch_layers),
                                       fill_on_miss=pols.fill_on_miss)

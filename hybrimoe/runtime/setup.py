@@ -37,6 +37,7 @@ from hybrimoe.policy.presets import (
     PolicySet,
     build_preset,
     build_ram_tier,
+    gpu_mrs_alpha,
     ram_cache_policy_of,
 )
 from hybrimoe.policy.profile import expert_counts, hot_keys_from_counts
@@ -139,8 +140,15 @@ def load_profile(spec, facts: EngineFacts) -> tuple[Optional[np.ndarray], str]:
     return counts, f"counts [{L}, {E}] given"
 
 
+def ram_preset_of(ram_tier: bool, exclusive: bool) -> Optional[str]:
+    """The RAM preset (:data:`hybrimoe.policy.presets.RAM_PRESETS`) the engine runs: ``hybrimoe-exclusive`` with
+    exclusive tiers, ``hybrimoe`` with a RAM tier, None without one."""
+    return ("hybrimoe-exclusive" if exclusive else "hybrimoe") if ram_tier else None
+
+
 def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: int,
-                   profile: Optional[np.ndarray] = None, layers: Optional[Sequence[bool]] = None) -> PolicySet:
+                   profile: Optional[np.ndarray] = None, layers: Optional[Sequence[bool]] = None,
+                   ram_preset: Optional[str] = None) -> PolicySet:
     """Policy objects for ``moe_policy``, built by :func:`hybrimoe.policy.presets.build_preset` (the presets' one
     place, shared with the simulator).
 
@@ -153,6 +161,8 @@ def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: in
     filled with the hottest experts instead of empty; ``ktransformers`` and ``upstream-ncmoe`` (whole layers)
     ignore it. ``layers``: per MoE layer, whether this cache may hold its experts (one device's cache among several:
     the other layers get no slots, and a static set only counts the layers it holds); None: every layer.
+    ``ram_preset``: the RAM tier below the cache (:func:`ram_preset_of`), whose ``gpu_mrs_alpha`` a named MRS cache
+    takes (:func:`hybrimoe.policy.presets.gpu_mrs_alpha`), as the simulator's three-tier runs do.
 
     Raises:
         ValueError: unknown preset or component name, a clairvoyant preset or cache (``belady``, ``oracle``:
@@ -193,7 +203,8 @@ def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: in
     per_layer = [float(sb) if layers is None or layers[i] else 0.0 for i in range(len(facts.moe_layers))]
     try:
         return build_preset(spec, per_layer, facts.n_expert, float(n_slots * sb),
-                                prefetch=prefetch_layers > 0, hot_keys=hot, profile=prio, name=name)
+                            prefetch=prefetch_layers > 0, hot_keys=hot, profile=prio, name=name,
+                            mrs_alpha=gpu_mrs_alpha(ram_preset))
     except ValueError as e:
         raise ValueError(f"moe_policy: {e}") from None
 
@@ -297,7 +308,7 @@ def make_engine(facts: EngineFacts, n_slots: int, device_ptr: Optional[int], pol
     if ram:
         sb = facts.ram_slot_bytes
         # the RAM preset the simulator runs (its admission and streaming demand loads too), with the chosen policy
-        rc, _ = build_ram_tier("hybrimoe-exclusive" if ram.get("exclusive") else "hybrimoe",
+        rc, _ = build_ram_tier(ram_preset_of(True, bool(ram.get("exclusive"))),
                                [float(sb)] * len(facts.moe_layers), facts.n_expert, float(ram["slots"] * sb),
                                policy=ram["policy"])
         extra.update(ram_slots=int(ram["slots"]), ram_io_threads=int(ram.get("io_threads", 4)), ram_cache=rc,
@@ -442,6 +453,11 @@ class EngineSetup:
         """Whether the routed experts come from the file through the RAM tier (``moe_ram_cache``)."""
         return self.ram_spec is not None
 
+    @property
+    def ram_preset(self) -> Optional[str]:
+        """The RAM preset the engine runs (:func:`ram_preset_of`), None without a RAM tier."""
+        return ram_preset_of(self.ram_tier, self.ram_exclusive)
+
     @classmethod
     def create(cls, model_path, *, moe_cache, moe_policy=None, moe_prefetch_layers=None, moe_cost_model=None,
                moe_profile=None, kv_overrides: Optional[dict] = None, rpc_devices: Sequence[int] = (),
@@ -520,7 +536,8 @@ class EngineSetup:
                              "is the only tier")
         profile, profile_source = load_profile(moe_profile, facts)
         # an unknown or clairvoyant policy, or hot-set without a profile, fails now, not after the model loaded
-        policies = build_policies(policy_spec, facts, 0 if auto else n_slots, prefetch, profile)
+        policies = build_policies(policy_spec, facts, 0 if auto else n_slots, prefetch, profile,
+                                  ram_preset=ram_preset_of(moe_ram_cache is not None, bool(moe_ram_exclusive)))
         if auto:
             policies = None
         device = _ggml.accelerator(list(rpc_devices))
@@ -611,7 +628,7 @@ class EngineSetup:
         for i, (d, n) in enumerate(zip(devs, slots)):
             mask = [x == i for x in layer_device]
             pol = None if n is None else build_policies(self.policy_spec, self.facts, n, self.prefetch_layers,
-                                                        self.profile, layers=mask)
+                                                        self.profile, layers=mask, ram_preset=self.ram_preset)
             note = (f"sized at load (auto) for its {sum(mask)} MoE layers" if n is None else
                     f"{n} slots of {self.facts.slot_bytes} bytes for its {sum(mask)} MoE layers")
             shares.append(DeviceShare(d, labels[i], n, note, pol))
@@ -635,7 +652,7 @@ class EngineSetup:
             raise ValueError(f"moe_cache='auto' found no room for an expert slot on {_ggml.device_label(device)} "
                              f"({why}); give a smaller ubatch, or moe_cache=0")
         return n, why, build_policies(self.policy_spec, self.facts, n, self.prefetch_layers, self.profile,
-                                      layers=mask)
+                                      layers=mask, ram_preset=self.ram_preset)
 
     def with_auto_slots(self, n_ubatch: int) -> "EngineSetup":
         """For ``moe_cache="auto"``, once the model is loaded: the set-up with the slots that fit the device's free

@@ -62,6 +62,7 @@ from hybrimoe.policy.presets import (
     SYSTEM_PRESETS,
     build_preset,
     build_ram_tier,
+    gpu_mrs_alpha,
     ram_preset,
     system_preset,
 )
@@ -293,12 +294,14 @@ class Setup:
         cm.cpu_copy_overlap = max(0.0, 1.0 - float(self.truth.contention))
         return cm
 
-    def build(self, name: str):
+    def build(self, name: str, ram: Optional[str] = None):
         """(cache, scheduler, prefetcher, config) of a system preset (:func:`hybrimoe.policy.presets.build_preset`, with
         the profile's hot set; a clairvoyant preset's cache starts with :meth:`first_use_keys`); ValueError on an
         unknown name. With several devices the first three are lists, one entry per device (each cache holds only
-        its device's layers)."""
+        its device's layers). ``ram``: the RAM preset below the GPU cache, whose ``gpu_mrs_alpha``
+        (:func:`hybrimoe.policy.presets.gpu_mrs_alpha`) an MRS cache then takes."""
         hot = self.first_use_keys() if _clairvoyant(name) else self.hot_keys
+        alpha = gpu_mrs_alpha(ram)
         if name == TS_NCMOE:
             return self._build_ts_ncmoe()
         if self.n_devices > 1:
@@ -306,11 +309,11 @@ class Setup:
             for d in range(self.n_devices):
                 eb = [b if x == d else 0.0 for b, x in zip(self.expert_bytes, self.layer_device)]
                 parts.append(build_preset(name, eb, self.trace.num_experts, self.device_budgets[d], hot_keys=hot,
-                                          profile=self.profile.ravel()))
+                                          profile=self.profile.ravel(), mrs_alpha=alpha))
             ps = parts[0]
         else:
             ps = build_preset(name, self.expert_bytes, self.trace.num_experts, self.budget, hot_keys=hot,
-                              profile=self.profile.ravel())
+                              profile=self.profile.ravel(), mrs_alpha=alpha)
         cfg = _core.SimConfig()
         for f in ("stage", "ubatch", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
             setattr(cfg, f, getattr(self.cfg, f))
@@ -449,7 +452,7 @@ class Setup:
             raise ValueError(f"RAM preset {ram!r} given, but this setup has no RAM tier (give ram_cache)")
         cache_given = cache
         if cache is None:
-            cache, sched, pre, cfg = self.build(name)
+            cache, sched, pre, cfg = self.build(name, ram)
             alternatives = system_preset(name).get("also", ()) if name in SYSTEM_PRESETS else ()
         else:
             alternatives = ()
@@ -466,7 +469,7 @@ class Setup:
             if enough_s is not None and rec["total_s"] <= enough_s:
                 rec.setdefault("plans_not_run", []).append(f"ram:{alt}")
                 continue
-            other = self.run(name, *self.build(name), ram=alt) if cache_given is None else None
+            other = self.run(name, *self.build(name, alt), ram=alt) if cache_given is None else None
             if other is not None and other["total_s"] < rec["total_s"]:
                 rec = dict(other, ram_policy=ram, ram_plan=alt)
         for alt in alternatives:
@@ -481,7 +484,7 @@ class Setup:
                 if enough_s is not None and rec["total_s"] <= enough_s:
                     rec["plans_not_run"] = [a + ("+streaming" if st else "") for a, st in plans[i:]]
                     break
-                parts = self.build(alt)
+                parts = self.build(alt, ram)
                 for c in (parts[0] if isinstance(parts[0], list) else [parts[0]]):
                     c.set_streaming_demand(streaming)
                 other = self.run(alt, *parts, ram=ram)

@@ -134,6 +134,53 @@ def test_engine_and_simulator_hold_the_same_keys(tiny_model):
         assert sorted(hs.cache.resident_keys()) == _hottest(setup.profile, n)
 
 
+
+def _one_observation(layer, experts, n_experts, top_k):
+    from hybrimoe import _core
+
+    o = _core.LayerObservation()
+    o.step, o.layer, o.n_tokens, o.top_k, o.n_experts = 0, layer, 1, top_k, n_experts
+    o.experts, o.loads, o.scores = list(experts), [1] * len(experts), []
+    return o
+
+
+def test_the_gpu_cache_above_an_exclusive_ram_tier_takes_its_alpha(tiny_model):
+    """Above an exclusive RAM tier the hybrimoe preset's MRS cache ranks with the RAM preset's ``gpu_mrs_alpha``
+    (0.01), in the simulator's three-tier runs and in the engine's policies alike; without a RAM tier, and above the
+    inclusive one, with the paper's 0.5. Oracle: MRS's update by hand, S <- alpha * s + (1 - alpha) * S from S = 0,
+    with s = 1 / top_k for each routed expert when no scores are given (HybriMoE §IV.D)."""
+    from hybrimoe.model.facts import facts_from_gguf
+    from hybrimoe.runtime.engine_facts import engine_facts
+    from hybrimoe.runtime.setup import build_policies
+    from hybrimoe.sim.simulator import Setup
+
+    assert pol.gpu_mrs_alpha("hybrimoe-exclusive") == pol.GPU_OVER_EXCLUSIVE_RAM_MRS_ALPHA == 0.01
+    assert pol.gpu_mrs_alpha("hybrimoe") is None and pol.gpu_mrs_alpha(None) is None
+    with pytest.raises(ValueError, match="unknown RAM-tier preset"):
+        pol.gpu_mrs_alpha("exclusive")
+    path = _model(tiny_model)
+    facts = engine_facts(path)
+    trace = _skewed_trace(path)
+    k, E = trace.top_k, trace.num_experts
+    setup = Setup(trace, pol.load_hardware("paper-a6000"), 8 * facts.slot_bytes, "decode",
+                  facts=facts_from_gguf(path), facts_source="test", max_tokens=50, ram_cache="50%",
+                  disk="pcie4-nvme")
+
+    def score_after_one_use(cache):
+        policy = cache.policy
+        policy.reset(cache.n_layers, E)
+        policy.observe(_one_observation(0, [3], E, k))
+        return policy.score(0, 3)
+
+    for ram, alpha in (("hybrimoe-exclusive", 0.01), ("hybrimoe", 0.5), (None, 0.5)):
+        assert score_after_one_use(setup.build("hybrimoe", ram)[0]) == pytest.approx(alpha / k), ram
+        engine = build_policies("hybrimoe", facts, 8, 3, ram_preset=ram)
+        assert score_after_one_use(engine.cache) == pytest.approx(alpha / k), ram
+    # a run of the three-tier table gets it: the exclusive RAM preset's run builds its GPU cache so
+    rec = setup.run("hybrimoe", ram="hybrimoe-exclusive")
+    assert rec["ram_policy"] == "hybrimoe-exclusive" and rec["tokens"] > 0
+
+
 # ---- the engine ---------------------------------------------------------------------------------------------------
 
 def _reference(path, rpc_server, tokens, n):

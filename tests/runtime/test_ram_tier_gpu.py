@@ -326,6 +326,19 @@ def test_too_many_ram_buffers_are_refused_with_the_numbers(tiny_model, monkeypat
         Llama(str(path), moe_ram_cache="100%", moe_cost_model="rtx4090-desktop", n_ctx=256, n_ubatch=7, verbose=False)
 
 
+def _mrs_alpha(policy, facts) -> float:
+    """An MRS policy's alpha, from its update (HybriMoE §IV.D: S <- alpha * s + (1 - alpha) * S; without router
+    scores s = 1 / top_k for a routed expert): expert 0 of MoE layer 0 set to 0, then routed once."""
+    from hybrimoe import _core
+
+    policy.set_score(0, 0, 0.0)
+    o = _core.LayerObservation()
+    o.step, o.layer, o.n_tokens, o.top_k, o.n_experts = 0, 0, 1, facts.top_k, facts.n_expert
+    o.experts, o.loads, o.scores = [0], [1], []
+    policy.observe(o)
+    return policy.score(0, 0) * facts.top_k
+
+
 @pytest.mark.parametrize("arch, quant", [("qwen3moe", "Q8_0"), ("deepseek2", "mix"), ("gpt-oss", "Q8_0")])
 def test_exclusive_tiers_match_upstream_and_hold_each_expert_once(arch, quant, tiny_model, rpc_server,
                                                                     split_cost_model):
@@ -335,7 +348,7 @@ def test_exclusive_tiers_match_upstream_and_hold_each_expert_once(arch, quant, t
     path = tiny_model(arch, quant)
     tokens, ref_out, ref_lg = _reference(path, rpc_server, 1, 9)
     ram, gpu = _budgets(path, 1, "k")
-    got = {}
+    got, alpha = {}, {}
     for exclusive in (True, False):
         from hybrimoe import Llama
 
@@ -344,8 +357,11 @@ def test_exclusive_tiers_match_upstream_and_hold_each_expert_once(arch, quant, t
         try:
             out, lg = greedy_with_logits(llm, tokens, N_GEN)
             got[exclusive] = (out, lg, llm.moe_stats()["engine"], llm.moe_engine.in_both_tiers())
+            alpha[exclusive] = _mrs_alpha(llm.moe_setup.policies.cache.policy, llm.moe_setup.facts)
         finally:
             llm.close()
+    # the GPU cache above an exclusive RAM tier ranks as the simulator's three-tier runs do (presets.gpu_mrs_alpha)
+    assert alpha == {True: pytest.approx(0.01), False: pytest.approx(0.5)}
     for exclusive, (out, lg, st, both) in got.items():
         assert out == ref_out and np.array_equal(lg, ref_lg), exclusive
         assert st["gpu_experts"] > 0, st

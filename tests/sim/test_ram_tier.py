@@ -358,7 +358,7 @@ def test_simulate_command_with_a_ram_tier(tmp_path, capsys):
 def _two_tier_run(s, ram):
     """(GPU cache, RAM cache, result) of hybrimoe's GPU tier over RAM preset ``ram`` on Setup ``s``, the caches
     kept to be looked at after the run."""
-    cache, sched, pre, conf = s.build("hybrimoe")
+    cache, sched, pre, conf = s.build("hybrimoe", ram)
     ram_cache, conf.ram = s.build_ram(ram)
     if conf.ram.exclusive:
         s._start_exclusive(cache, ram_cache, ram)
