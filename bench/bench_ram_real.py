@@ -37,6 +37,12 @@ and at each every mode in a rotating order, the load average read before each ru
 median (min..max) of each figure, then hybrimoe against upstream at 128 KiB and against upstream at its best
 read-ahead per stage; ``--json`` writes every run, the summary and the read-ahead attempts.
 
+Disk calibration during the runs (``--calibrate-disk DIR``): this disk's throughput drifts over a day (cold reads
+1.3-2.4 GB/s on this machine), so a calibration taken before or after the runs may not be the disk they ran on. With
+the flag, at each repetition and read-ahead, before its modes, ``hybrimoe calibrate --disk --memory-limit`` (the
+runs' ``--limit``) measures the disk at that read-ahead into ``DIR/disk_KB_rREP.json``; the JSON lists them
+(``disk_calibrations``), and bench/predict_ram_real.py ``--disk from-run`` predicts with their median.
+
     python3 bench/bench_ram_real.py --limit 3GiB --json ram_real.json
 """
 from __future__ import annotations
@@ -44,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -215,6 +222,27 @@ def headline(summary: list[dict]) -> list[str]:
     return lines
 
 
+def calibrate_disk(model: Path, limit: int, out: Path, rep: int, kb: int) -> dict:
+    """``hybrimoe calibrate --disk`` of ``model``'s disk at the read-ahead in force (``kb``), its decode faults under a
+    memory cgroup of ``limit`` bytes, into ``out``: the record of it for the JSON (file, when, the cold-read and
+    fault throughputs), or its error (the runs go on)."""
+    # the installed package's CLI, wherever this runs from (python -m would put a checkout first on the path)
+    cmd = [sys.executable, "-c", "import sys; from hybrimoe.commands import main; sys.exit(main())", "calibrate",
+           "--disk", "-m", str(model), "-o", str(out), "--force", "--memory-limit", str(limit)]
+    t0 = time.time()
+    print(f"calibrate --disk at read_ahead_kb {kb} (repetition {rep + 1})...", file=sys.stderr, flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    rec = dict(rep=rep, read_ahead_kb=kb, file=str(out), started=time.strftime("%H:%M:%S", time.localtime(t0)),
+               seconds=round(time.time() - t0, 1))
+    if p.returncode != 0:
+        rec["error"] = f"exit status {p.returncode}: " + (p.stderr or p.stdout)[-1500:]
+    else:
+        facts = json.loads(out.read_text())["facts"]
+        rec.update({k: facts[k]["value"] for k in ("read_bandwidth_Bps", "mmap_fault_Bps") if k in facts})
+    print(json.dumps(rec), file=sys.stderr, flush=True)
+    return rec
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF to run (default: the synthetic benchmark model)")
@@ -235,6 +263,9 @@ def main() -> int:
 
     add_flash_attn_argument(ap)  # upstream's -fa, its default (auto) included: every mode alike
     ap.add_argument("--json", default=None)
+    ap.add_argument("--calibrate-disk", default=None, metavar="DIR",
+                    help="calibrate the disk (hybrimoe calibrate --disk --memory-limit LIMIT) at each repetition and "
+                         "read-ahead, before its modes, into DIR (root: the probe runs in a memory cgroup)")
     ap.add_argument("--child-kw", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_kw is not None:
@@ -259,10 +290,15 @@ def main() -> int:
     except ValueError:
         print(f"--read-ahead {args.read_ahead!r}: give read_ahead_kb values in KiB, e.g. 128,8192", file=sys.stderr)
         return 2
+    cal_dir = Path(args.calibrate_disk) if args.calibrate_disk else None
+    if cal_dir is not None:
+        cal_dir.mkdir(parents=True, exist_ok=True)
     # the flags are checked before the model, which may have to be written (tens of GB)
     args.model = Path(args.model) if args.model else model_path(args.size_factor, args.layers)
     cg = MemoryCgroup(limit)
-    rows = []
+    rows, calibrations = [], []
+    # a SIGTERM (a timeout, a kill) still restores the read-ahead and removes the cgroup (the finally below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ra = ReadAhead(args.model)
     try:
         for rep in range(args.reps):
@@ -271,6 +307,9 @@ def main() -> int:
                 if not ra.log[-1]["set"]:
                     print(f"read_ahead_kb {kb}: could not set it ({ra.log[-1]['why']}); {in_force} in force",
                           file=sys.stderr, flush=True)
+                if cal_dir is not None:
+                    calibrations.append(calibrate_disk(args.model, limit, cal_dir / f"disk_{in_force}_r{rep}.json",
+                                                       rep, in_force))
                 k = rep % len(modes)
                 for name in modes[k:] + modes[:k]:
                     cmd = [sys.executable, __file__, "--model", str(args.model), "--pp", str(args.pp), "--tg",
@@ -322,8 +361,10 @@ def main() -> int:
                                                "flash_attn": args.flash_attn,
                                                "locality": args.locality, "reps": args.reps,
                                                "read_ahead": {"found_kb": ra.original, "attempts": ra.log},
+                                               "disk_calibrations": calibrations,
                                                "summary": summary, "rows": rows}, indent=2))
-    return 0 if all("error" not in r for r in rows) else 1
+    ok = all("error" not in r for r in rows) and all("error" not in c for c in calibrations)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ CPU, one after the other, as it does here.
 
 The runs simulated are the measured ones: the same synthetic trace (shape, locality, seed), the RAM budget the
 engine had (its ``n_slots x slot_bytes``; upstream's page cache gets the same), the prefill as one ubatch of the
-prompt, the decode as the measured decode tokens after the prompt (the prompt's tokens run first as decode steps, so the
-RAM holds what they left: the two totals' difference). Modes: upstream-mmap is the simulator's ``mmap`` preset with
+prompt, the decode as the measured decode tokens after the prompt (the prompt's tokens run first as one prefill
+ubatch, ``SimConfig.prompt_tokens``, so the RAM holds what the prefill left, as in the runs: the difference of the
+totals with and without the decode tokens). Modes: upstream-mmap is the simulator's ``mmap`` preset with
 the faults the disk file measured (``mmap_read_around``, ``mmap_fault_bytes``; without them, faults of this disk's
 ``read_ahead_kb`` and no read-around waste), hybrimoe its ``hybrimoe`` preset (the reads' CPU time from the disk
 file's ``read_cpu_s_per_byte``),
@@ -25,12 +26,17 @@ hybrimoe-no-prefetch the same without look-ahead, hybrimoe-lru with an LRU RAM c
 measured, predicted and error; ``--json`` writes it.
 
     python3 bench/predict_ram_real.py --measured ram_real.json --disk 128=disk128.json,8192=disk8192.json
+
+``--disk from-run`` takes, per read-ahead, the median of the disk calibrations bench_ram_real.py ``--calibrate-disk``
+took between the runs (the disk's throughput drifts over a day here: a calibration an hour away may not be the disk
+the runs had).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -60,6 +66,38 @@ def disk_files(spec: str) -> dict:
         if not Path(f).is_file():
             raise SystemExit(f"--disk: {f} does not exist (hybrimoe calibrate --disk -m MODEL -o {f})")
         out[int(kb) if kb else None] = f
+    return out
+
+
+def median_disks(calibrations: list, out_stem: str) -> dict:
+    """``--disk from-run``: per read-ahead, one disk file whose every fact is the median of the calibrations
+    bench_ram_real.py ``--calibrate-disk`` took at that read-ahead during the runs (its JSON's
+    ``disk_calibrations``), written to ``OUT_STEM.diskKB.json``. Returns {kb: file}.
+
+    Raises:
+        SystemExit: the runs have no calibration that succeeded.
+    """
+    by_kb: dict = {}
+    for c in calibrations:
+        if "error" not in c and Path(c["file"]).is_file():
+            by_kb.setdefault(int(c["read_ahead_kb"]), []).append(c["file"])
+    if not by_kb:
+        raise SystemExit("--disk from-run: the measured runs have no disk calibration (bench_ram_real.py "
+                         "--calibrate-disk DIR takes them)")
+    out = {}
+    for kb, files in sorted(by_kb.items()):
+        docs = [json.loads(Path(f).read_text()) for f in files]
+        doc = docs[0]
+        for name, fact in doc["facts"].items():
+            vals = [d["facts"][name]["value"] for d in docs if name in d["facts"]]
+            med = statistics.median(vals)
+            fact["value"] = type(fact["value"])(med) if isinstance(fact["value"], int) else float(med)
+            fact["source"] = (f"median of {len(vals)} calibrations during the measured runs ({min(vals):.4g}.."
+                              f"{max(vals):.4g}): " + fact["source"])
+        doc["description"] = f"median of the disk calibrations at read_ahead_kb {kb} during the runs: {files}"
+        path = Path(f"{out_stem}.disk{kb}.json")
+        path.write_text(json.dumps(doc, indent=2))
+        out[kb] = str(path)
     return out
 
 
@@ -148,8 +186,10 @@ def fit_hardware(model: Path, layers: tuple[int, int], pp: int, tg: int, threads
     }, {"tpot_in_ram_s": times, "per_layer_decode_s": t_tg, "per_layer_prefill_s": t_pp}
 
 
-def simulate(trace, hw, disk: str, stage: str, budget: float, preset: str, over: dict, fault_bytes: int) -> dict:
-    """One simulator record of a RAM preset with component overrides (``over``)."""
+def simulate(trace, hw, disk: str, stage: str, budget: float, preset: str, over: dict, fault_bytes: int,
+             prompt_tokens: int = 0) -> dict:
+    """One simulator record of a RAM preset with component overrides (``over``); ``prompt_tokens``: in decode, the
+    prompt's tokens prefilled as one ubatch first (``SimConfig.prompt_tokens``)."""
     from hybrimoe.policy import presets
     from hybrimoe.sim.simulator import Setup
 
@@ -160,6 +200,7 @@ def simulate(trace, hw, disk: str, stage: str, budget: float, preset: str, over:
     try:
         s = Setup(trace, hw, "0", stage, profile_fraction=0.0, seed=1, ram_cache=budget, disk=disk,
                   max_tokens=trace.n_tokens)
+        s.cfg.prompt_tokens = prompt_tokens
         orig = s.build_ram
 
         def build_ram(ram):
@@ -179,7 +220,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--measured", required=True, help="bench_ram_real.py --json output")
     ap.add_argument("--disk", required=True,
-                    help="disk file (hybrimoe calibrate --disk -o FILE), or KB=FILE,... one per read_ahead_kb")
+                    help="disk file (hybrimoe calibrate --disk -o FILE), or KB=FILE,... one per read_ahead_kb, or "
+                         "from-run: the median of the calibrations taken during the runs (bench_ram_real.py "
+                         "--calibrate-disk)")
     ap.add_argument("--hardware", default=None, help="a hardware file instead of fitting this CPU")
     ap.add_argument("--fit-layers", default="4,12", help="layers of the two in-RAM fit models (default 4,12)")
     ap.add_argument("--json", default=None)
@@ -189,10 +232,12 @@ def main() -> int:
     from hybrimoe.policy.hardware import load_hardware
     from hybrimoe.traces.synthetic import synthetic_trace
 
-    disks = disk_files(args.disk)  # checked before the CPU fit, which writes and times two models
     if not Path(args.measured).is_file():
         raise SystemExit(f"--measured: {args.measured} does not exist (bench/bench_ram_real.py --json FILE writes it)")
     meas = json.loads(Path(args.measured).read_text())
+    # checked before the CPU fit, which writes and times two models
+    disks = (median_disks(meas.get("disk_calibrations", []), str(Path(args.json or "predict").with_suffix("")))
+             if args.disk == "from-run" else disk_files(args.disk))
     model = Path(meas["model"])
     threads = int(meas["threads"])
     # the measured runs' own settings (bench_ram_real.py writes them)
@@ -209,7 +254,9 @@ def main() -> int:
               f"{doc['facts']['cpu_effective_flops']['value'] / 1e9:.1f} GFLOP/s ({hw_path})", file=sys.stderr)
     hw = load_hardware(hw_path)
     facts = facts_from_gguf(model)
-    full = synthetic_trace(facts, args.pp + args.tg + 8, locality=args.locality, seed=0, scores=False, n_prompts=1)
+    # the runs' own routing: bench_ram_real.py's trace (its length, the follow-up prompt's tokens included, and the
+    # router scores its replay gives hybrimoe's cache policies)
+    full = synthetic_trace(facts, 2 * args.pp + args.tg + 8, locality=args.locality, seed=0, scores=True, n_prompts=1)
     n = full.n_tokens
     import numpy as np
 
@@ -220,7 +267,9 @@ def main() -> int:
     if hyb is None:
         print(f"{args.measured}: no successful 'hybrimoe' row: its RAM budget is every mode's here", file=sys.stderr)
         return 1
-    budget = float(hyb["ram_decode"]["n_slots"] * hyb["ram_decode"]["slot_bytes"])
+    # the engine's RAM slots as many experts (a slot is a little larger than an expert: each matrix's region holds
+    # the largest matrix and a page for the direct read's alignment; the simulator's experts are their own bytes)
+    budget = float(hyb["ram_decode"]["n_slots"]) * float(np.max(full.expert_bytes))
     # the measured figures per (mode, read-ahead): the summary's medians and ranges (older files: each row alone)
     summary = meas.get("summary") or [
         {"mode": r["mode"], "asked_kb": r.get("read_ahead_kb"), "in_force_kb": [r.get("read_ahead_kb")],
@@ -249,8 +298,11 @@ def main() -> int:
         key = (preset, json.dumps(over, sort_keys=True), disk, ra if preset == "mmap" else 0)
         if key not in done:
             pre = simulate(first(args.pp), hw, disk, "prefill", budget, preset, over, ra)
-            d0 = simulate(first(args.pp), hw, disk, "decode", budget, preset, over, ra)
-            d1 = simulate(first(args.pp + args.tg), hw, disk, "decode", budget, preset, over, ra)
+            # the decode after the prompt's prefill, as the runs did: the prefill (one ubatch) then the decode
+            # tokens one per step, less the prefill alone
+            d0 = simulate(first(args.pp), hw, disk, "decode", budget, preset, over, ra, prompt_tokens=args.pp)
+            d1 = simulate(first(args.pp + args.tg), hw, disk, "decode", budget, preset, over, ra,
+                          prompt_tokens=args.pp)
             done[key] = (args.pp / pre["total_s"], args.tg / (d1["total_s"] - d0["total_s"]),
                          pre["bytes_disk"] / args.pp, (d1["bytes_disk"] - d0["bytes_disk"]) / args.tg)
         pp_tps, tg_tps, pp_bytes, tg_bytes = done[key]

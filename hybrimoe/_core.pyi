@@ -272,6 +272,7 @@ class RamTierConfig:
     read_around: float
     other_bytes: float
     fault_bandwidth_Bps: float
+    read_bandwidth_Bps: float
     read_cpu_s_per_byte: float
     recall: list[float]
     def __init__(self) -> None: ...
@@ -280,6 +281,7 @@ class RamTierConfig:
 class SimConfig:
     stage: str
     ubatch: int
+    prompt_tokens: int
     prefetch_depth: int
     recall: list[float]
     predictor_seed: int

@@ -84,7 +84,9 @@ void bind_simulator(py::module_ & m) {
                               "(bytes a fault reads per byte faulted), other_bytes (bytes per MoE layer outside the "
                               "routed experts, in the same page cache), fault_bandwidth_Bps (bytes/s the disk "
                               "delivers to a decode's faults, their latency included; 0: the disk's queued "
-                              "figures), read_cpu_s_per_byte (CPU-share delay per "
+                              "figures), read_bandwidth_Bps (bytes/s of its other reads, where they differ from "
+                              "the disk's: through the page cache, or direct into huge pages; 0: the disk's), "
+                              "read_cpu_s_per_byte (CPU-share delay per "
                               "byte read), recall.")
         .def(py::init<>())
         .def_readwrite("reads", &RamTierConfig::reads)
@@ -96,6 +98,7 @@ void bind_simulator(py::module_ & m) {
         .def_readwrite("read_around", &RamTierConfig::read_around)
         .def_readwrite("other_bytes", &RamTierConfig::other_bytes)
         .def_readwrite("fault_bandwidth_Bps", &RamTierConfig::fault_bandwidth_Bps)
+        .def_readwrite("read_bandwidth_Bps", &RamTierConfig::read_bandwidth_Bps)
         .def_readwrite("read_cpu_s_per_byte", &RamTierConfig::read_cpu_s_per_byte)
         .def_readwrite("recall", &RamTierConfig::recall)
         .def("validate", &RamTierConfig::validate);
@@ -104,6 +107,8 @@ void bind_simulator(py::module_ & m) {
         .def(py::init<>())
         .def_readwrite("stage", &SimConfig::stage)
         .def_readwrite("ubatch", &SimConfig::ubatch)
+        .def_readwrite("prompt_tokens", &SimConfig::prompt_tokens,
+                       "decode: each prompt's first this many tokens prefilled in ubatches first (0: none)")
         .def_readwrite("prefetch_depth", &SimConfig::prefetch_depth)
         .def_readwrite("recall", &SimConfig::recall)
         .def_readwrite("predictor_seed", &SimConfig::predictor_seed)

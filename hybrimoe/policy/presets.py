@@ -243,7 +243,8 @@ GPU_OVER_EXCLUSIVE_RAM_MRS_ALPHA = 0.01
 #: predicted experts are read ahead; ``ready_first``: the CPU share runs the experts already in RAM first;
 #: ``exclusive``: the GPU and RAM tiers hold different experts (demotion of the GPU's evictions);
 #: ``streaming``: as the GPU presets', for reads; ``true_routing``: the look-ahead sees the true routing, a bound;
-#: ``also``: a bound's alternative plans, the fastest kept; ``mrs_alpha``: an MRS cache's weight of the newest
+#: ``also``: a bound's alternative plans, the fastest kept; ``page_cache``: its reads go through the page cache
+#: (a mapping's faults, preads that warm it), not direct; ``mrs_alpha``: an MRS cache's weight of the newest
 #: scores, :data:`RAM_MRS_ALPHA`; ``gpu_mrs_alpha``: the alpha of a GPU cache above this tier
 #: (:data:`GPU_OVER_EXCLUSIVE_RAM_MRS_ALPHA`); ``admission``: ``"tinylfu"``, frequency admission of reads ahead and
 #: demotions, as the GPU presets'). :class:`hybrimoe._core.RamTierConfig` holds the same fields for the simulator.
@@ -268,18 +269,18 @@ RAM_PRESETS = {
                                source="exclusive caching in multi-level hierarchies (demotion: Wong and Wilkes, "
                                       "USENIX ATC 2002), applied to the GPU and RAM tiers (docs/design.md §17)"),
     "mmap": dict(cache="lru", reads="faulting", keep=True, lookahead=0, ready_first=False, true_routing=False,
-                 baseline=True,
+                 baseline=True, page_cache=True,
                  about="upstream llama.cpp's mmap: the kernel's page cache of the same RAM (LRU), a routed expert "
                        "not in it faults in 128 KiB at a time on the thread that touches it",
                  source="upstream llama.cpp src/llama-mmap.cpp (the file mapped, read by page faults); Linux's "
                         "default read_ahead_kb 128"),
     "hot-set": dict(cache="static-frequency", reads="faulting", keep=False, lookahead=0, ready_first=False,
-                    true_routing=False, baseline=True,
+                    true_routing=False, baseline=True, page_cache=True,
                     about="the profile's most frequently routed experts pinned in RAM (mlock), every other expert "
                           "faulted in from the file at each use",
                     source="a static hot set, as the GPU tier's hot-set preset (docs/design.md §5), one tier down"),
     "prefetch-at-use": dict(cache="lru", reads="queued", keep=True, lookahead=0, ready_first=False,
-                            true_routing=False, baseline=True,
+                            true_routing=False, baseline=True, page_cache=True,
                             about="a page cache of the same RAM (LRU); once a layer's router ran, I/O workers read "
                                   "its selected experts that are not in RAM, in parallel, and compute waits for "
                                   "each",

@@ -63,6 +63,9 @@ class DiskMeasurement:
     mmap_fault_Bps: float = 0.0                          # bytes/s read for a decode's faults (0: not measured)
     mmap_source: str = ""
     direct: bool = False                                 # the cold passes read O_DIRECT (the RAM tier's way)
+    tier_Bps: float = 0.0                                # cold throughput at the RAM tier's IO_WORKERS in flight
+    buffered_Bps: float = 0.0                            # cold throughput through the page cache (best over depths)
+    buffered_per_depth_Bps: dict = field(default_factory=dict)
 
     def to_disk_file(self, name: str) -> dict:
         """A ``hybrimoe.disk/1`` document (``hybrimoe simulate --disk FILE`` reads it), sources naming the run."""
@@ -75,6 +78,7 @@ class DiskMeasurement:
         note = (" (cold reads ran at nearly page-cache speed: probably served from a cache below this machine)"
                 if self.host_cache_suspected else "")
         depths = ", ".join(f"{d}: {v / 1e9:.3g} GB/s" for d, v in sorted(self.per_depth_Bps.items()))
+        buffered = ", ".join(f"{d}: {v / 1e9:.3g} GB/s" for d, v in sorted(self.buffered_per_depth_Bps.items()))
         return {
             "schema": "hybrimoe.disk/1",
             "name": name,
@@ -94,8 +98,19 @@ class DiskMeasurement:
                    if self.mmap_read_around >= 1 and self.mmap_fault_bytes >= 4096 else {}),
                 **({"mmap_fault_Bps": {"value": self.mmap_fault_Bps, "source": self.mmap_source}}
                    if self.mmap_fault_Bps > 0 else {}),
+                **({"tier_read_Bps": {"value": self.tier_Bps,
+                                      "source": f"{base}; the throughput with {IO_WORKERS} reads in flight, the RAM "
+                                                f"tier's I/O workers{note}"}}
+                   if self.tier_Bps > 0 else {}),
+                **({"buffered_read_Bps": {"value": self.buffered_Bps,
+                                          "source": f"measured by hybrimoe calibrate --disk on {when}: cold buffered "
+                                                    f"preads (through the page cache) of {self.read_bytes} B expert "
+                                                    f"matrices of {where}; best throughput over reads in flight "
+                                                    f"({buffered})"}}
+                   if self.buffered_Bps > 0 else {}),
             },
             "measured": {"per_depth_Bps": {str(k): v for k, v in self.per_depth_Bps.items()},
+                         "buffered_per_depth_Bps": {str(k): v for k, v in self.buffered_per_depth_Bps.items()},
                          "warm_Bps": self.warm_Bps, "bytes_read": self.bytes_read,
                          "host_cache_suspected": self.host_cache_suspected},
         }
@@ -151,10 +166,19 @@ def drop_from_page_cache(path) -> None:
 HUGE_PAGE = 2 << 20
 
 
+def _anonymous(n: int) -> mmap.mmap:
+    """``n`` bytes of private anonymous memory, as the RAM tier's C++ allocates (Python's ``mmap.mmap(-1, n)`` maps
+    MAP_SHARED: shared memory, which takes transparent huge pages only where the kernel's ``shmem_enabled`` allows,
+    "never" by default, so MADV_HUGEPAGE would do nothing on it)."""
+    return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 class _StagingBuffers:
-    """One O_DIRECT staging buffer per thread as the RAM tier's workers have them: ``span`` bytes aligned to a 2 MiB
-    huge page and advised MADV_HUGEPAGE (a direct read is one scatter-gather segment per physically contiguous run of
-    its pages, so 4 KiB pages scattered in memory split a 2 MiB read into several requests)."""
+    """One O_DIRECT staging buffer per thread as the RAM tier's workers have them: ``span`` bytes of private
+    anonymous memory aligned to a 2 MiB huge page and advised MADV_HUGEPAGE (a direct read is one scatter-gather
+    segment per physically contiguous run of its pages, so 4 KiB pages scattered in memory split a 2 MiB read into
+    several requests: on this project's machine, 4 threads of 1.9 MB reads went at 1.43 GB/s into 4 KiB pages and
+    3.08 GB/s into huge pages)."""
 
     def __init__(self, n: int, span: int):
         import ctypes
@@ -162,7 +186,7 @@ class _StagingBuffers:
         want = (span + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
         self._maps, self.views = [], []
         for _ in range(n):
-            m = mmap.mmap(-1, want + HUGE_PAGE)
+            m = _anonymous(want + HUGE_PAGE)
             addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
             start = (-addr) % HUGE_PAGE
             if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -256,6 +280,9 @@ def _timed_reads(fds: dict, reads: list, depth: int, direct: bool = False) -> fl
 
 #: the RAM tier's I/O workers (src/runtime/ram_tier.h RamTierFacts::io_threads)
 IO_WORKERS = 4
+#: reads in flight of the buffered cold passes (a decode's or prefill's threads fault one read each; 4: the I/O
+#: workers of a system that warms the page cache with preads)
+BUFFERED_DEPTHS = (1, 2, 4)
 #: bytes of expert matrices read to measure the reads' CPU time, and at most this many matrices faulted in through
 #: a mapping to measure its read-around
 CPU_PROBE_BYTES = 256 << 20
@@ -287,7 +314,7 @@ def _read_cpu(reads: list) -> tuple[float, str]:
     try:
         # the workers' staging buffers as the tier has them (huge pages), and a slot each, faulted in beforehand
         stage = _StagingBuffers(IO_WORKERS, span)
-        slots = [mmap.mmap(-1, largest) for _ in range(IO_WORKERS)]
+        slots = [_anonymous(largest) for _ in range(IO_WORKERS)]
         for m in slots:
             m.write(bytes(largest))
         bufs = list(zip(stage.views, (memoryview(m) for m in slots)))
@@ -629,7 +656,8 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
         for r in lat_reads:
             lat.append(_timed_reads(cold, [r], 1, direct))
         # throughput per depth, each over experts no earlier pass read (a small file: an equal share each)
-        bytes_per_depth = min(bytes_per_depth, sum(r[2] for r in reads) // len(depths))
+        passes = len(depths) + (len(BUFFERED_DEPTHS) if direct else 0)
+        bytes_per_depth = min(bytes_per_depth, sum(r[2] for r in reads) // passes)
         per, used, pos, last = {}, 0, 0, []
         for d in depths:
             batch, nbytes = [], 0
@@ -646,6 +674,22 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
             last = batch
         if not per:
             raise ValueError(f"{model_path}: too few experts to measure")
+        # the same cold reads through the page cache (buffered preads), where the passes above were direct: what the
+        # disk gives a system that reads that way (a mapping's faults, preads that warm the page cache)
+        buffered = {}
+        if direct:
+            for d in BUFFERED_DEPTHS:
+                batch, nbytes = [], 0
+                while pos < len(reads) and (nbytes < bytes_per_depth or len(batch) < d):
+                    batch.append(reads[pos])
+                    nbytes += reads[pos][2]
+                    pos += 1
+                if not batch:
+                    break
+                for p in files:
+                    drop_from_page_cache(p)
+                buffered[d] = nbytes / max(_timed_reads(fds, batch, d), 1e-9)
+                used += nbytes
         best = max(per.values())
         qd = min(d for d, v in per.items() if v >= SATURATION * best)
         # the last pass's reads again, in the page cache (read once more buffered first where the passes were
@@ -675,7 +719,8 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
         mm_how = f"read-around: {mm_how}; bytes per fault and their throughput: {dec_how}"
     latency = statistics.median(lat) if lat else 1.0 / best * 4096
     return DiskMeasurement(read_bandwidth_Bps=best, read_latency_s=max(latency, 1e-9), queue_depth=qd,
-                           per_depth_Bps=per, warm_Bps=warm,
+                           per_depth_Bps=per, warm_Bps=warm, tier_Bps=per.get(IO_WORKERS, 0.0),
+                           buffered_Bps=max(buffered.values(), default=0.0), buffered_per_depth_Bps=buffered,
                            read_bytes=int(statistics.median(r[2] for r in reads)), bytes_read=used,
                            files=files, host_cache_suspected=warm < HOST_CACHE_RATIO * best, direct=direct,
                            read_cpu_s_per_byte=cpu_per_byte, read_cpu_source=f"measured by hybrimoe calibrate "

@@ -315,7 +315,7 @@ class Setup:
             ps = build_preset(name, self.expert_bytes, self.trace.num_experts, self.budget, hot_keys=hot,
                               profile=self.profile.ravel(), mrs_alpha=alpha)
         cfg = _core.SimConfig()
-        for f in ("stage", "ubatch", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
+        for f in ("stage", "ubatch", "prompt_tokens", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
             setattr(cfg, f, getattr(self.cfg, f))
         cfg.fill_on_miss = ps.fill_on_miss
         if ps.true_routing:
@@ -342,7 +342,7 @@ class Setup:
             scheds.append(_core.make_scheduler("upstream-ncmoe", n_cpu))
             pres.append(_core.make_prefetcher("none"))
         cfg = _core.SimConfig()
-        for f in ("stage", "ubatch", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
+        for f in ("stage", "ubatch", "prompt_tokens", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
             setattr(cfg, f, getattr(self.cfg, f))
         cfg.fill_on_miss = False
         return caches, scheds, pres, cfg
@@ -389,8 +389,9 @@ class Setup:
         """(RAM cache, RamTierConfig) of a RAM-tier preset (:func:`hybrimoe.policy.presets.build_ram_tier`) over
         this setup's RAM budget, starting with the profile's hot set (a clairvoyant one with
         :meth:`first_use_keys`). The disk file's measured facts (:data:`hybrimoe.policy.hardware.DISK_OPTIONAL_FACTS`)
-        set the faulting presets' read-around, fault size and decode fault throughput and the queued presets' CPU
-        cost per byte read; the
+        set the faulting presets' read-around, fault size and decode fault throughput, the queued presets' CPU
+        cost per byte read, and each preset's read throughput (``buffered_read_Bps`` for the presets that read
+        through the page cache, ``tier_read_Bps`` for hybrimoe's own); the
         model facts' weights outside the routed experts share a faulting preset's page cache.
         ValueError without a RAM budget or on an unknown preset."""
         if self.ram_budget is None:
@@ -411,6 +412,9 @@ class Setup:
             cfg.other_bytes = float(self.facts.moe_layer_other_bytes())
         else:
             cfg.read_cpu_s_per_byte = facts.get("read_cpu_s_per_byte", 0.0)
+        # the reads' own throughput: through the page cache (4 KiB pages), or hybrimoe's direct reads into huge pages
+        # with its I/O workers in flight (left out of a disk file: the disk's bandwidth)
+        cfg.read_bandwidth_Bps = facts.get("buffered_read_Bps" if comp.get("page_cache") else "tier_read_Bps", 0.0)
         cfg.validate()
         return cache, cfg
 

@@ -54,6 +54,7 @@ void SimConfig::validate() const {
         throw std::invalid_argument("SimConfig.stage must be 'decode' or 'prefill', got '" + stage + "'");
     }
     if (ubatch < 1) throw std::invalid_argument("SimConfig.ubatch must be >= 1");
+    if (prompt_tokens < 0) throw std::invalid_argument("SimConfig.prompt_tokens must be >= 0");
     if (prefetch_depth < 0) throw std::invalid_argument("SimConfig.prefetch_depth must be >= 0");
     if (static_cast<int>(recall.size()) < prefetch_depth) {
         throw std::invalid_argument("SimConfig.recall needs one value per distance up to prefetch_depth (" +
@@ -99,6 +100,10 @@ void RamTierConfig::validate() const {
     if (!(fault_bandwidth_Bps >= 0.0) || !std::isfinite(fault_bandwidth_Bps)) {
         throw std::invalid_argument("RamTierConfig.fault_bandwidth_Bps must be a finite number >= 0 (0: faults "
                                     "move at the disk's queued bandwidth, each paying its latency)");
+    }
+    if (!(read_bandwidth_Bps >= 0.0) || !std::isfinite(read_bandwidth_Bps)) {
+        throw std::invalid_argument("RamTierConfig.read_bandwidth_Bps must be a finite number >= 0 (0: the disk's "
+                                    "bandwidth)");
     }
     if (!(read_cpu_s_per_byte >= 0.0) || !std::isfinite(read_cpu_s_per_byte)) {
         throw std::invalid_argument("RamTierConfig.read_cpu_s_per_byte must be a finite number >= 0");
@@ -154,7 +159,17 @@ std::vector<Step> make_steps(const Trace & trace, int first_prompt, int end_prom
         if (cfg.max_tokens > 0 && tokens >= cfg.max_tokens) break;
         const int64_t b = trace.prompt_offsets[p], e = trace.prompt_offsets[p + 1];
         const int64_t chunk = cfg.stage == "decode" ? 1 : cfg.ubatch;
-        for (int64_t s = b; s < e; s += chunk) {
+        int64_t s = b;
+        if (cfg.stage == "decode" && cfg.prompt_tokens > 0) {  // the prompt's prefill first, in ubatches
+            const int64_t pe = std::min(e, b + cfg.prompt_tokens);
+            while (s < pe) {
+                const int64_t end = std::min(pe, s + cfg.ubatch);
+                steps.push_back({s, end, p});
+                tokens += end - s;
+                s = end;
+            }
+        }
+        for (; s < e; s += chunk) {
             if (cfg.stage == "decode" && cfg.max_tokens > 0 && tokens >= cfg.max_tokens) break;
             const int64_t end = std::min(e, s + chunk);
             steps.push_back({s, end, p});
@@ -780,7 +795,9 @@ double SimRun::disk_move(double bytes, double t, int e, double fault_Bps) {
     // fault's bytes at the measured fault throughput, which holds its latency already
     auto place = std::min_element(disk_places_.begin(), disk_places_.end());
     const double start = std::max(t, *place);
-    const double move = bytes / (fault_Bps > 0.0 ? fault_Bps : truth_cost_.disk_bandwidth_Bps);
+    const double bw = fault_Bps > 0.0 ? fault_Bps
+                      : cfg_.ram.read_bandwidth_Bps > 0.0 ? cfg_.ram.read_bandwidth_Bps : truth_cost_.disk_bandwidth_Bps;
+    const double move = bytes / bw;
     const double latency = fault_Bps > 0.0 ? 0.0 : truth_cost_.disk_latency_s;
     const double end = std::max(start + latency, disk_bytes_free_at_) + move;
     *place = end;

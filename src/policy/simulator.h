@@ -112,6 +112,12 @@ struct RamTierConfig {
     /// order (a prefill's, read ahead by the kernel) still reads as queued reads do. 0: faults move at the disk's
     /// queued bandwidth, each paying its latency.
     double fault_bandwidth_Bps = 0.0;
+    /// Bytes per second of this tier's reads outside a decode step's faults (queued reads; a prefill's faults and
+    /// their read-around), where they differ from the disk's bandwidth: reads through the page cache (a mapping's
+    /// faults, preads that warm the page cache) land in 4 KiB pages and a direct read in huge pages, and a virtual
+    /// disk may move the two at different rates (this project's machine: 1.3-1.6 against 3.1 GB/s). Measured by
+    /// hybrimoe calibrate --disk (tier_read_Bps, buffered_read_Bps). 0: the disk's bandwidth.
+    double read_bandwidth_Bps = 0.0;
     /// Faulting reads only: bytes per MoE layer of the weights outside the routed experts (attention, router,
     /// shared experts, norms), mapped from the same file and so held by the same page cache. An LRU page cache
     /// keeps a layer's share while fewer bytes entered it since the layer last ran than it holds (the RAM cache's
@@ -133,6 +139,10 @@ struct RamTierConfig {
 struct SimConfig {
     std::string stage = "decode";       ///< "decode" (one token per step) or "prefill" (ubatches of a prompt)
     int ubatch = 512;                   ///< prefill ubatch size, tokens
+    /// Decode only: the first this many tokens of each prompt are its prompt, prefilled in ubatches before its
+    /// tokens are decoded one per step (a request as a server runs it: the cache enters the decode as the prefill
+    /// left it). 0: every token decoded.
+    int64_t prompt_tokens = 0;
     int prefetch_depth = 3;             ///< D, predicted MoE layers ahead
     /// predictor recall per distance 1..prefetch_depth (an assumption to report)
     std::vector<double> recall{kDefaultPredictorRecall.begin(), kDefaultPredictorRecall.end()};

@@ -129,6 +129,28 @@ def test_faults_at_a_measured_throughput_move_at_it_with_no_latency_of_their_own
         r.validate()
 
 
+@pytest.mark.parametrize("reads", ["queued", "faulting"])
+def test_a_tier_s_own_read_throughput_moves_its_reads(reads):
+    """read_bandwidth_Bps (calibrate --disk's tier_read_Bps or buffered_read_Bps) replaces the disk's bandwidth for
+    the tier's reads outside a decode's faults: the same bytes, the disk busy bytes / it in a prefill (queued reads
+    and a prefill's faults alike), a slower run at a lower figure; 0 is the disk's; a negative one is refused."""
+    tr = synthetic().to_core()
+    c = disk_costs(bw=2e9, lat=0.0, qd=1)
+    plain = run(tr, 0.0, ram_cfg(reads), c=c, stage="prefill")
+    r = ram_cfg(reads)
+    r.read_bandwidth_Bps = 0.5e9
+    slow = run(tr, 0.0, r, c=c, stage="prefill")
+    assert slow.bytes_disk == plain.bytes_disk > 0
+    assert plain.disk_busy_s == pytest.approx(plain.bytes_disk / 2e9)
+    assert slow.disk_busy_s == pytest.approx(slow.bytes_disk / 0.5e9)
+    assert slow.total_s > plain.total_s
+    r.read_bandwidth_Bps = 0.0
+    assert run(tr, 0.0, r, c=c, stage="prefill").total_s == pytest.approx(plain.total_s)
+    r.read_bandwidth_Bps = -1.0
+    with pytest.raises(ValueError, match="read_bandwidth_Bps"):
+        r.validate()
+
+
 def test_a_fault_s_read_around_reads_its_window_and_keeps_the_neighbours_it_holds():
     """Without RAM every use faults its expert in. A read-around of 1.8 holds no neighbour mostly: each fault reads
     1.8 times the expert's bytes, in as many faults of fault_bytes as those need, all waste. A read-around of 5
@@ -227,7 +249,9 @@ def test_a_disk_file_s_measured_facts_reach_the_ram_tier(tmp_path):
         "read_cpu_s_per_byte": {"value": 2e-10, "source": "test"},
         "mmap_read_around": {"value": 4.0, "source": "test"},
         "mmap_fault_bytes": {"value": 8 * 2**20, "source": "test"},
-        "mmap_fault_Bps": {"value": 0.7e9, "source": "test"}}))
+        "mmap_fault_Bps": {"value": 0.7e9, "source": "test"},
+        "tier_read_Bps": {"value": 3.1e9, "source": "test"},
+        "buffered_read_Bps": {"value": 1.4e9, "source": "test"}}))
     path = tmp_path / "measured.json"
     path.write_text(json.dumps(doc))
     tr = synthetic_trace("qwen3-30b-a3b", 200, locality="high", seed=0)
@@ -242,9 +266,14 @@ def test_a_disk_file_s_measured_facts_reach_the_ram_tier(tmp_path):
     assert cfg_h.read_cpu_s_per_byte == 2e-10 and cfg_h.read_around == 1.0 and cfg_h.other_bytes == 0.0
     assert cfg_h.fault_bandwidth_Bps == 0.0
     assert cache.budget_bytes == pytest.approx(s.ram_budget)
+    # each preset reads at its own path's throughput: through the page cache, or hybrimoe's direct reads
+    assert cfg_m.read_bandwidth_Bps == 1.4e9 and cfg_h.read_bandwidth_Bps == 3.1e9
+    assert s.build_ram("prefetch-at-use")[1].read_bandwidth_Bps == 1.4e9
+    assert s.build_ram("hybrimoe-exclusive")[1].read_bandwidth_Bps == 3.1e9
     plain = Setup(tr, pol.load_hardware("rtx4090-desktop"), "0", "decode", max_tokens=50, ram_cache="25%")
     _, cfg_p = plain.build_ram("mmap")
     assert cfg_p.read_around == 1.0 and cfg_p.fault_bytes == 131072.0 and cfg_p.fault_bandwidth_Bps == 0.0
+    assert cfg_p.read_bandwidth_Bps == 0.0
     with_facts = s.run("hybrimoe", ram="mmap")
     without = plain.run("hybrimoe", ram="mmap")
     assert with_facts["bytes_disk"] > without["bytes_disk"]

@@ -463,3 +463,28 @@ def test_impact_prefetch_shares_evaluations_without_changing_a_plan(stage):
         assert evaluations[0] < 0.8 * evaluations[1], evaluations
     else:
         assert evaluations[0] <= evaluations[1], evaluations
+
+
+def test_a_decode_run_can_prefill_each_prompt_first():
+    """SimConfig.prompt_tokens: in decode each prompt's first tokens run as prefill ubatches (of ``ubatch``), then
+    the rest one per step, as a server runs a request; every token once, in order; 0 decodes every token; a
+    negative value is refused."""
+    rt = synthetic()
+    tr = rt.to_core()
+    c = cfg("decode")
+    c.ubatch = 16
+    c.prompt_tokens = 40
+    steps = _core.make_steps(tr, 0, tr.n_prompts, c)
+    for p in range(tr.n_prompts):
+        b, e = int(rt.prompt_offsets[p]), int(rt.prompt_offsets[p + 1])
+        mine = [(s, t) for s, t, q in steps if q == p]
+        assert mine[0][0] == b and mine[-1][1] == e
+        assert all(x[1] == y[0] for x, y in zip(mine, mine[1:]))
+        pe = min(e, b + 40)
+        assert [t - s for s, t in mine if s < pe] == [16, 16, 8][:len([1 for s, _ in mine if s < pe])]
+        assert all(t - s == 1 for s, t in mine if s >= pe)
+    c.prompt_tokens = 0
+    assert all(t - s == 1 for s, t, _ in _core.make_steps(tr, 0, tr.n_prompts, c))
+    c.prompt_tokens = -1
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        c.validate()
