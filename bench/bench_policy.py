@@ -10,7 +10,7 @@ Wall-clock: the C++ executable ``bench_policy`` (CMake option HYBRIMOE_BENCH, bu
 Instructions: the same executable under ``valgrind --tool=callgrind`` at two iteration counts; the difference
 divided by the extra iterations removes set-up cost. Usage::
 
-    python3 bench/bench_policy.py [--callgrind] [--build-dir build/bench]
+    python3 bench/bench_policy.py [--callgrind] [--build-dir build/bench] [--cache reuse] [--decode-experts 64,256]
 """
 from __future__ import annotations
 
@@ -39,21 +39,21 @@ def build(build_dir: Path) -> Path:
     return exe
 
 
-def wall_clock(exe: Path, mode: str, iters: int) -> float:
-    """Nanoseconds per layer decision (best of 3 runs)."""
+def wall_clock(exe: Path, mode: str, iters: int, extra: tuple = ()) -> float:
+    """Nanoseconds per layer decision (best of 3 runs); ``extra``: the cache policy and experts per layer."""
     best = float("inf")
     for _ in range(3):
-        out = subprocess.run([str(exe), mode, str(iters)], check=True, capture_output=True, text=True).stdout
+        out = subprocess.run([str(exe), mode, str(iters), *extra], check=True, capture_output=True, text=True).stdout
         best = min(best, float(out.split()[2]))
     return best
 
 
-def instructions(exe: Path, mode: str, iters: int) -> float:
+def instructions(exe: Path, mode: str, iters: int, extra: tuple = ()) -> float:
     """Instructions per layer decision: callgrind at iters and 2*iters, difference / iters."""
     counts = []
     for n in (iters, 2 * iters):
         r = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", str(exe), mode,
-                            str(n)], capture_output=True, text=True, check=True)
+                            str(n), *extra], capture_output=True, text=True, check=True)
         m = re.search(r"Collected\s*:\s*(\d+)", r.stderr)
         if not m:
             raise RuntimeError(f"no instruction count in callgrind output:\n{r.stderr[-2000:]}")
@@ -65,17 +65,28 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build-dir", default=str(ROOT / "build" / "bench"))
     ap.add_argument("--callgrind", action="store_true", help="also count instructions with callgrind")
+    ap.add_argument("--cache", default="mrs",
+                    help="the cache policy of the split + update rows (hybrimoe._core.make_cache_policy's names: mrs, "
+                         "reuse, lru, lfu; default %(default)s)")
+    ap.add_argument("--decode-experts", default="64",
+                    help="routed experts per layer of the decode rows, comma-separated (default %(default)s; the "
+                         "target applies at 64)")
     args = ap.parse_args(argv)
     exe = build(Path(args.build_dir))
     print("| decision (per MoE layer) | wall-clock us | target us | instructions |")
     print("|---|---|---|---|")
-    for mode, (iters, target) in MODES.items():
-        us = wall_clock(exe, mode, iters) / 1e3
-        ir = f"{instructions(exe, mode, max(1, iters // 50)):.0f}" if args.callgrind else "-"
-        label = {"decode": "decode split + MRS update (64 experts, top-6)",
-                 "prefill": "prefill split + MRS update (512 tokens, 160 experts, top-6)",
+    rows = [(m, None) for m in MODES if m != "decode"]
+    rows[0:0] = [("decode", int(e)) for e in args.decode_experts.split(",")]
+    cache = args.cache.upper() if args.cache == "mrs" else args.cache
+    for mode, experts in rows:
+        iters, target = MODES[mode]
+        extra = (args.cache,) + ((str(experts),) if experts is not None else ())
+        us = wall_clock(exe, mode, iters, extra) / 1e3
+        ir = f"{instructions(exe, mode, max(1, iters // 50), extra):.0f}" if args.callgrind else "-"
+        label = {"decode": f"decode split + {cache} update ({experts} experts, top-6)",
+                 "prefill": f"prefill split + {cache} update (512 tokens, 160 experts, top-6)",
                  "prefetch": "impact prefetch plan, D=3 (decode)"}[mode]
-        print(f"| {label} | {us:.2f} | {target if target else '-'} | {ir} |")
+        print(f"| {label} | {us:.2f} | {target if target and experts in (None, 64) else '-'} | {ir} |")
     return 0
 
 

@@ -2,8 +2,10 @@
 // cache update, for decode (64 experts, top-6) and a 512-token prefill ubatch (160 experts, top-6); impact-driven
 // prefetch planning (D = 3) reported separately. Run by bench/bench_policy.py, also under callgrind.
 //
-// usage: bench_policy MODE ITERATIONS   (MODE: decode | prefill | prefetch; decode-fill / prefill-fill also offer
-//        every CPU-computed miss to the cache: the worst case of the simulator's idle-link fills)
+// usage: bench_policy MODE ITERATIONS [CACHE [EXPERTS]]   (MODE: decode | prefill | prefetch; decode-fill /
+//        prefill-fill also offer every CPU-computed miss to the cache: the worst case of the simulator's idle-link
+//        fills; CACHE: a cache policy name, mrs (default) or reuse, ...; EXPERTS: routed experts per layer, default
+//        64 in decode and 160 in prefill)
 // prints: MODE iterations ns_per_layer
 #include <chrono>
 #include <cstdio>
@@ -67,10 +69,11 @@ CostModel paper_like_costs() {
 }  // namespace
 
 int main(int argc, char ** argv) {
-    if (argc != 3) {
-        std::fprintf(stderr, "usage: %s decode|prefill|prefetch ITERATIONS\n", argv[0]);
+    if (argc < 3 || argc > 5) {
+        std::fprintf(stderr, "usage: %s decode|prefill|prefetch ITERATIONS [CACHE [EXPERTS]]\n", argv[0]);
         return 2;
     }
+    const std::string cache_name = argc > 3 ? argv[3] : "mrs";
     std::string mode = argv[1];
     const bool fill_all = mode.size() > 5 && mode.compare(mode.size() - 5, 5, "-fill") == 0;
     if (fill_all) mode.resize(mode.size() - 5);
@@ -80,10 +83,21 @@ int main(int argc, char ** argv) {
         return 2;
     }
     const bool prefill = mode == "prefill";
-    const int n_layers = 26, n_experts = prefill ? 160 : 64, top_k = 6, n_tokens = prefill ? 512 : 1;
+    const int n_layers = 26, n_experts = argc > 4 ? std::atoi(argv[4]) : prefill ? 160 : 64, top_k = 6,
+              n_tokens = prefill ? 512 : 1;
+    if (n_experts < top_k) {
+        std::fprintf(stderr, "EXPERTS must be at least top_k (6)\n");
+        return 2;
+    }
     const Workload w = make_workload(n_layers, n_experts, top_k, n_tokens, prefill ? 64 : 1024, 42);
     const double expert_bytes = 6.3e6;
-    auto policy = std::make_shared<MRSPolicy>();
+    std::shared_ptr<CachePolicy> policy;
+    try {
+        policy = make_cache_policy(cache_name);
+    } catch (const std::exception & e) {
+        std::fprintf(stderr, "%s\n", e.what());
+        return 2;
+    }
     ExpertCache cache(std::vector<double>(n_layers, expert_bytes), n_experts,
                       0.25 * n_layers * n_experts * expert_bytes, policy);
     std::vector<int64_t> fill;

@@ -1,6 +1,7 @@
 #include "common.h"
 
 #include "policy/expert_cache.h"
+#include "policy/reuse_policy.h"
 
 namespace hybrimoe_bind {
 
@@ -119,8 +120,23 @@ void bind_expert_cache(py::module_ & m) {
              py::arg("weights") = std::vector<double>{});
     py::classh<BeladyPolicy, CachePolicy>(m, "BeladyPolicy", "Belady with bypass (clairvoyant; evaluation only).")
         .def(py::init<>());
+    py::classh<ReusePolicy, CachePolicy>(m, "ReusePolicy",
+                                         "Reuse prediction: per (layer, expert) the probability of use within the "
+                                         "next `horizon` visits of its layer, from an online logistic regression "
+                                         "(SGD step `rate`) over MRS scores at alpha 0.5, 0.1 and 0.01, use now and "
+                                         "recency; starts ranking as MRS. ValueError: horizon < 1 or rate <= 0.")
+        .def(py::init<int, double>(), py::arg("horizon") = 4, py::arg("rate") = 0.01)
+        .def("probability", &ReusePolicy::probability, py::arg("layer"), py::arg("expert"))
+        .def("weights", &ReusePolicy::weights)
+        .def_property_readonly("samples", &ReusePolicy::samples)
+        .def_property_readonly("log_loss", &ReusePolicy::log_loss)
+        .def_property_readonly("brier", &ReusePolicy::brier)
+        .def_property_readonly("positive_rate", &ReusePolicy::positive_rate)
+        .def_property_readonly("horizon", &ReusePolicy::horizon)
+        .def_property_readonly("rate", &ReusePolicy::rate)
+        .def_property_readonly("bytes_per_layer", &ReusePolicy::bytes_per_layer);
     m.def("make_cache_policy", &make_cache_policy, py::arg("name"),
-          "Cache policy by name: mrs, lru, lfu, belady. ValueError on an unknown name.");
+          "Cache policy by name: mrs, lru, lfu, reuse, belady. ValueError on an unknown name.");
 
     py::classh<ExpertCache>(m, "ExpertCache",
                             "GPU expert cache over one byte budget shared by all MoE layers (HybriMoE §IV.D). "

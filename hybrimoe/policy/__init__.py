@@ -88,6 +88,7 @@ LRUPolicy = _core.LRUPolicy
 LFUPolicy = _core.LFUPolicy
 StaticPolicy = _core.StaticPolicy
 BeladyPolicy = _core.BeladyPolicy
+ReusePolicy = _core.ReusePolicy
 HybriMoEScheduler = _core.HybriMoEScheduler
 ExhaustiveScheduler = _core.ExhaustiveScheduler
 ImpactPrefetcher = _core.ImpactPrefetcher
@@ -108,6 +109,7 @@ __all__ = [
     "gpu_mrs_alpha", "ram_cache_policy_of", "ram_preset",
     "expert_counts", "hot_keys_from_counts", "parse_budget", "CachePolicy", "SchedulePolicy", "PrefetchPolicy",
     "CostModel", "ExpertCache", "LayerInput", "MRSPolicy", "LRUPolicy", "LFUPolicy", "StaticPolicy", "BeladyPolicy",
+    "ReusePolicy",
     "HybriMoEScheduler", "ExhaustiveScheduler", "ImpactPrefetcher", "TopKPrefetcher", "NoPrefetcher",
     "preset_names", "PRESET_DIR", "DISK_FIELDS", "disk_names", "load_disk", "set_disk",
 ]

@@ -36,6 +36,14 @@ SYSTEM_PRESETS = {
                                "activates half a layer's experts or more enter at the lowest eviction rank, LIP) + "
                                "impact-driven prefetch",
                          source="HybriMoE §IV.D's LRU comparison (MRS replaced by LRU)"),
+    "hybrimoe-reuse": dict(scheduler="hybrimoe", cache="reuse", prefetch="impact", fill=True, true_routing=False,
+                           static=False, clairvoyant=False, needs_profile=False, admission="tinylfu",
+                           streaming=STREAMING_FRACTION,
+                           about="HybriMoE split + a cache that predicts reuse (an online logistic regression of "
+                                 "'used within the next 4 visits of its layer' over MRS scores at three rates, use "
+                                 "now and recency; TinyLFU admission, LIP streaming) + impact-driven prefetch",
+                           source="docs/design.md §4 (reuse prediction): online logistic regression by SGD "
+                                  "(Bottou 2010) over HybriMoE §IV.D's MRS scores"),
     "ktransformers": dict(scheduler="ktransformers", cache="static-leading-layers", prefetch="none", fill=False,
                           true_routing=False, static=True, clairvoyant=False, needs_profile=False,
                           about="the experts of the leading MoE layers resident (as many whole layers as fit), "

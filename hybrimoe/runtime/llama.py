@@ -169,7 +169,8 @@ class Llama(llama_cpp.Llama):
             the machine's memory is refused; ``use_mlock`` is refused with it. ``moe_stats()["engine"]["ram"]``
             reports the tier.
         moe_ram_policy: the RAM tier's cache policy: ``"mrs"`` (default; alpha 0.1,
-            ``hybrimoe.policy.RAM_MRS_ALPHA``), ``"lru"``, ``"lfu"`` or a ``hybrimoe.CachePolicy`` object
+            ``hybrimoe.policy.RAM_MRS_ALPHA``), ``"lru"``, ``"lfu"``, ``"reuse"`` (``hybrimoe.policy.ReusePolicy``:
+            predicted reuse) or a ``hybrimoe.CachePolicy`` object
             (``hybrimoe.runtime.setup.ram_cache_policy``); with any of them reads ahead and demotions pass TinyLFU
             admission and a prefill's demand reads enter at the lowest rank (``hybrimoe.policy.build_ram_tier``).
         moe_ram_exclusive: with a GPU cache above the RAM tier, exclusive tiers: an expert on the GPU gives up its
@@ -541,7 +542,9 @@ class Llama(llama_cpp.Llama):
         ubatch each layer's CPU share runs fused, and the mode), ``layers`` (per MoE layer counters, see
         ``hybrimoe._engine.Engine.layer_stats``) and ``devices`` (per device that holds expert slots: its MoE layers,
         slots, hit rate, experts run and bytes copied, :func:`hybrimoe.runtime.stats.device_stats`; with several
-        GPUs the figures above are the totals over them).
+        GPUs the figures above are the totals over them), ``predictor`` (a reuse-predicting cache's learning: its
+        samples, log-loss and Brier score, weights; ``{}`` for other policies:
+        :func:`hybrimoe.runtime.stats.predictor_stats`; the RAM tier's under ``ram``).
         """
         if self._moe.hook is None:
             return {}

@@ -210,12 +210,12 @@ def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: in
 
 
 #: the cache policy names the RAM tier takes (``hybrimoe._core.make_cache_policy``'s, less clairvoyant ``belady``)
-RAM_POLICIES = ("mrs", "lru", "lfu")
+RAM_POLICIES = ("mrs", "lru", "lfu", "reuse")
 
 
 def ram_cache_policy(spec) -> "_core.CachePolicy":
     """The RAM tier's cache policy for ``moe_ram_policy``: None or ``"mrs"`` (MRS, HybriMoE §IV.D, with the RAM
-    presets' longer memory, :data:`hybrimoe.policy.presets.RAM_MRS_ALPHA`), ``"lru"``, ``"lfu"``
+    presets' longer memory, :data:`hybrimoe.policy.presets.RAM_MRS_ALPHA`), ``"lru"``, ``"lfu"``, ``"reuse"``
     (``hybrimoe._core.make_cache_policy``) or a ``CachePolicy`` object (Python subclasses too).
 
     Raises:

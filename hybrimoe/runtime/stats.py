@@ -1,6 +1,8 @@
 """The statistics of hybrimoe's MoE hook and engine as :meth:`hybrimoe.Llama.moe_stats` returns them."""
 from __future__ import annotations
 
+from hybrimoe import _core
+
 
 def layer_totals(layers: list) -> dict:
     """Sums of the engine's per-MoE-layer counters (``Engine.layer_stats()``) over the layers, plus
@@ -56,7 +58,22 @@ def engine_stats(engine, setup) -> dict:
         "layers": layers,
         "ram": ram_stats(engine, setup),
         "devices": devices,
+        "predictor": predictor_stats(setup.policies.cache.policy),
     }
+
+
+def predictor_stats(policy) -> dict:
+    """``moe_stats()["engine"]["predictor"]`` (and the RAM tier's ``"predictor"``): the state of a
+    :class:`hybrimoe.policy.ReusePolicy` cache (``{}`` for any other policy): ``samples`` learned from, their mean
+    ``log_loss`` (nats) and ``brier`` score, each prediction scored before it was learned from (progressive
+    validation), ``positive_rate`` (the share of samples used within the horizon: a constant predictor of it scores
+    that rate's entropy), ``horizon`` (visits of a layer), ``weights`` (bias first; features as
+    docs/design.md §4 lists them) and ``bytes_per_layer`` (its state)."""
+    if not isinstance(policy, _core.ReusePolicy):
+        return {}
+    return {"samples": policy.samples, "log_loss": policy.log_loss, "brier": policy.brier,
+            "positive_rate": policy.positive_rate, "horizon": policy.horizon, "weights": policy.weights(),
+            "bytes_per_layer": policy.bytes_per_layer}
 
 
 def _cache_counts(caches) -> dict:
@@ -149,6 +166,7 @@ def ram_stats(engine, setup) -> dict:
                               "bytes_prefetch", "reads_in_flight", "pinned", "buffers", "preads", "direct_matrices",
                               "in_place_matrices", "evictions", "wait_s", "given_up", "demotions")},
         "exclusive": bool(getattr(setup, "ram_exclusive", False)),
+        "predictor": predictor_stats(setup.ram_policy),
         "bytes_read": st["bytes_demand"] + st["bytes_prefetch"],
         "prefetch_accuracy": st["prefetch_used"] / st["prefetch_reads"] if st["prefetch_reads"] else 0.0,
     }

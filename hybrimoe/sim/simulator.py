@@ -618,7 +618,7 @@ def record(name: str, res, setup: Setup, ram: Optional[str] = None) -> dict:
     return rec
 
 
-def cache_hit_rates(setup: Setup, names: Sequence[str] = ("mrs", "lru", "lfu", "belady"),
+def cache_hit_rates(setup: Setup, names: Sequence[str] = ("mrs", "lru", "lfu", "reuse", "belady"),
                     budget: Optional[float] = None) -> dict:
     """Cache-only replay hit rates (every miss offered for admission; same initial fill) per cache policy."""
     out = {}

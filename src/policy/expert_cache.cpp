@@ -1,4 +1,5 @@
 #include "policy/expert_cache.h"
+#include "policy/reuse_policy.h"
 
 #include <algorithm>
 #include <cmath>
@@ -261,8 +262,9 @@ std::shared_ptr<CachePolicy> make_cache_policy(const std::string & name) {
     if (name == "lru") return std::make_shared<LRUPolicy>();
     if (name == "lfu") return std::make_shared<LFUPolicy>();
     if (name == "belady") return std::make_shared<BeladyPolicy>();
-    throw std::invalid_argument("unknown cache policy '" + name + "' (known: mrs, lru, lfu, belady; static sets "
-                                "are built from a profile)");
+    if (name == "reuse") return std::make_shared<ReusePolicy>();
+    throw std::invalid_argument("unknown cache policy '" + name + "' (known: mrs, lru, lfu, reuse, belady; static "
+                                "sets are built from a profile)");
 }
 
 // ---- the cache -----------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from hybrimoe.runtime.decision_replay import replay_engine_log
 from hybrimoe.runtime.setup import build_policies
 from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
 
-PRESETS = ["hybrimoe", "hybrimoe-lru", "ktransformers", "hot-set", "upstream-ncmoe", "gpu-on-demand"]
+PRESETS = ["hybrimoe", "hybrimoe-lru", "hybrimoe-reuse", "ktransformers", "hot-set", "upstream-ncmoe", "gpu-on-demand"]
 #: presets whose cache never changes after its initial fill: nothing is evicted
 STATIC = ("ktransformers", "hot-set", "upstream-ncmoe")
 #: the hybrimoe components without TinyLFU admission: in these tiny runs the admission filter declines every

@@ -1,0 +1,142 @@
+#include "policy/reuse_policy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace hybrimoe {
+
+namespace {
+
+// The starting weights: p = sigmoid(-2 + 4 * f1), increasing in MRS's alpha-0.5 score alone, so that before it has
+// learned anything the policy ranks the residents as MRS does (ties as well: equal scores give equal p).
+constexpr double kBias0 = -2.0;
+constexpr double kFast0 = 4.0;
+constexpr double kAlpha[3] = {0.5, 0.1, 0.01};
+
+inline double sigmoid(double z) {
+    if (z >= 0.0) return 1.0 / (1.0 + std::exp(-z));
+    const double e = std::exp(z);
+    return e / (1.0 + e);
+}
+
+}  // namespace
+
+ReusePolicy::ReusePolicy(int horizon, double rate) : horizon_(horizon), rate_(rate) {
+    if (horizon < 1) {
+        throw std::invalid_argument("ReusePolicy: horizon must be >= 1 visits, got " + std::to_string(horizon));
+    }
+    if (!(rate > 0.0) || !std::isfinite(rate)) {
+        throw std::invalid_argument("ReusePolicy: rate must be a finite number > 0, got " + std::to_string(rate));
+    }
+}
+
+void ReusePolicy::reset(int n_layers, int n_experts) {
+    if (n_layers < 1 || n_experts < 1) {
+        throw std::invalid_argument("ReusePolicy.reset: n_layers and n_experts must be >= 1");
+    }
+    n_layers_ = n_layers;
+    n_experts_ = n_experts;
+    const size_t n = static_cast<size_t>(n_layers) * n_experts;
+    w_.fill(0.0);
+    w_[0] = kBias0;
+    w_[1] = kFast0;
+    fast_.assign(n, 0.0);
+    mid_.assign(n, 0.0);
+    slow_.assign(n, 0.0);
+    last_use_.assign(n, -1);
+    visits_.assign(static_cast<size_t>(n_layers), 0);
+    snap_.assign(n * static_cast<size_t>(horizon_) * kFeatures, 0.0f);
+    prob_.assign(n, sigmoid(kBias0));
+    samples_ = positives_ = 0;
+    loss_sum_ = brier_sum_ = 0.0;
+    touch(-1);
+}
+
+double ReusePolicy::probability(int layer, int expert) const {
+    if (layer < 0 || layer >= n_layers_ || expert < 0 || expert >= n_experts_) {
+        throw std::out_of_range("ReusePolicy.probability: (layer, expert) out of range");
+    }
+    return prob_[static_cast<size_t>(layer) * n_experts_ + expert];
+}
+
+size_t ReusePolicy::bytes_per_layer() const {
+    const size_t per_expert = 3 * sizeof(double) + sizeof(int64_t) + sizeof(double) +
+                              static_cast<size_t>(horizon_) * kFeatures * sizeof(float);
+    return per_expert * static_cast<size_t>(n_experts_) + sizeof(int64_t);
+}
+
+void ReusePolicy::observe(const LayerObservation & obs) {
+    if (obs.layer < 0 || obs.layer >= n_layers_ || obs.n_experts != n_experts_) {
+        throw std::invalid_argument("ReusePolicy.observe: layer or n_experts does not match reset()");
+    }
+    const int E = n_experts_, l = obs.layer;
+    const double k = std::max(1, obs.top_k);
+    const int n_tok = std::max(1, obs.n_tokens);
+    // this visit's score of each expert, times top_k (an expert used by every token tends to 1)
+    s_.assign(static_cast<size_t>(E), 0.0);
+    if (!obs.scores.empty()) {
+        if (obs.scores.size() != static_cast<size_t>(n_tok) * E) {
+            throw std::invalid_argument("ReusePolicy.observe: scores must be [n_tokens, n_experts]");
+        }
+        for (int t = 0; t < n_tok; ++t) {
+            const float * row = obs.scores.data() + static_cast<size_t>(t) * E;
+            for (int e = 0; e < E; ++e) s_[e] += row[e];
+        }
+        for (int e = 0; e < E; ++e) s_[e] = std::min(1.0, s_[e] * k / n_tok);
+    } else {
+        for (size_t i = 0; i < obs.experts.size(); ++i) {
+            const int32_t load = i < obs.loads.size() ? obs.loads[i] : 1;
+            s_[obs.experts[i]] = std::min(1.0, double(load) / n_tok);
+        }
+    }
+    const size_t base = static_cast<size_t>(l) * E;
+    const int64_t t = visits_[l]++;
+    for (int32_t e : obs.experts) {
+        if (e < 0 || e >= E) throw std::invalid_argument("ReusePolicy.observe: expert out of range");
+        last_use_[base + e] = t;
+    }
+    for (int e = 0; e < E; ++e) {
+        const size_t i = base + e;
+        fast_[i] = kAlpha[0] * s_[e] + (1.0 - kAlpha[0]) * fast_[i];
+        mid_[i] = kAlpha[1] * s_[e] + (1.0 - kAlpha[1]) * mid_[i];
+        slow_[i] = kAlpha[2] * s_[e] + (1.0 - kAlpha[2]) * slow_[i];
+    }
+    // the snapshot of visit t - horizon (ring slot t % horizon) is labelled now: used at a visit after it
+    float * ring = snap_.data() + (base * horizon_ + static_cast<size_t>(t % horizon_) * E) * kFeatures;
+    if (t >= horizon_) {
+        const int64_t since = t - horizon_;
+        for (int e = 0; e < E; ++e) {
+            const float * f = ring + static_cast<size_t>(e) * kFeatures;
+            double z = 0.0;
+            for (int j = 0; j < kFeatures; ++j) z += w_[j] * f[j];
+            const double p = sigmoid(z);
+            const double y = last_use_[base + e] > since ? 1.0 : 0.0;
+            const double pc = std::min(std::max(p, 1e-7), 1.0 - 1e-7);
+            loss_sum_ -= y > 0.5 ? std::log(pc) : std::log(1.0 - pc);
+            brier_sum_ += (p - y) * (p - y);
+            ++samples_;
+            positives_ += y > 0.5;
+            const double g = rate_ * (p - y);
+            for (int j = 0; j < kFeatures; ++j) w_[j] -= g * f[j];
+        }
+    }
+    // this visit's features into the slot just used, and every expert's prediction with the updated weights
+    for (int e = 0; e < E; ++e) {
+        const size_t i = base + e;
+        float * f = ring + static_cast<size_t>(e) * kFeatures;
+        const int64_t last = last_use_[i];
+        f[0] = 1.0f;
+        f[1] = static_cast<float>(fast_[i]);
+        f[2] = static_cast<float>(mid_[i]);
+        f[3] = static_cast<float>(slow_[i]);
+        f[4] = last == t ? 1.0f : 0.0f;
+        f[5] = last < 0 ? 0.0f : static_cast<float>(std::exp2(-double(t - last) / horizon_));
+        double z = 0.0;
+        for (int j = 0; j < kFeatures; ++j) z += w_[j] * f[j];
+        prob_[i] = sigmoid(z);
+    }
+    touch(l);
+}
+
+}  // namespace hybrimoe

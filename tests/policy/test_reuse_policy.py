@@ -1,0 +1,195 @@
+"""The reuse-predicting cache policy (hybrimoe.policy.ReusePolicy, docs/design.md §4 "Reuse prediction"): its update
+rule against a replica written here from the documented rule, its start (MRS's ranking), what it learns on routing
+with structure MRS does not see, and the engine with it on the RPC stand-in against upstream's same placement."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hybrimoe import _core
+from hybrimoe import policy as pol
+
+
+def obs(layer, experts, step=0, n_experts=4, top_k=1, loads=None, n_tokens=1, scores=None):
+    o = _core.LayerObservation()
+    o.step, o.layer, o.n_tokens, o.top_k, o.n_experts = step, layer, n_tokens, top_k, n_experts
+    o.experts = list(experts)
+    o.loads = list(loads) if loads is not None else [1] * len(experts)
+    o.scores = [] if scores is None else list(np.asarray(scores, dtype=np.float32).ravel())
+    return o
+
+
+class Replica:
+    """The documented rule, written again: MRS scores at alpha 0.5, 0.1, 0.01 (times top_k), features [1, the three
+    scores, used now, 2^-(age / H)], the snapshot of visit t - H labelled 'used at a visit after it' and one SGD step
+    per expert on the log-loss, then every expert predicted with the new weights. Without router scores."""
+
+    def __init__(self, L, E, H, rate):
+        self.E, self.H, self.rate = E, H, rate
+        self.w = np.array([-2.0, 4.0, 0, 0, 0, 0])
+        self.s = np.zeros((3, L, E))
+        self.last = np.full((L, E), -1)
+        self.visits = np.zeros(L, int)
+        self.snap = {}
+        self.p = np.full((L, E), 1 / (1 + math.exp(2.0)))
+
+    def observe(self, layer, experts, loads):
+        t = self.visits[layer]
+        self.visits[layer] += 1
+        v = np.zeros(self.E)
+        for e, n in zip(experts, loads):
+            v[e] = min(1.0, n)
+            self.last[layer, e] = t
+        for i, a in enumerate((0.5, 0.1, 0.01)):
+            self.s[i, layer] = a * v + (1 - a) * self.s[i, layer]
+        if t >= self.H:
+            f = self.snap[(layer, t - self.H)]
+            for e in range(self.E):
+                p = 1 / (1 + math.exp(-float(self.w @ f[e])))
+                y = 1.0 if self.last[layer, e] > t - self.H else 0.0
+                self.w = self.w - self.rate * (p - y) * f[e]
+        f = np.zeros((self.E, 6), np.float32)
+        for e in range(self.E):
+            last = self.last[layer, e]
+            f[e] = [1, self.s[0, layer, e], self.s[1, layer, e], self.s[2, layer, e], float(last == t),
+                    0.0 if last < 0 else 2.0 ** (-(t - last) / self.H)]
+        self.snap[(layer, t)] = f.astype(np.float64)
+        self.p[layer] = 1 / (1 + np.exp(-(f.astype(np.float64) @ self.w)))
+
+
+def test_the_update_rule_matches_a_replica_of_the_documented_one():
+    rng = np.random.default_rng(3)
+    L, E, H, rate = 2, 6, 3, 0.2
+    p = _core.ReusePolicy(horizon=H, rate=rate)
+    p.reset(L, E)
+    rep = Replica(L, E, H, rate)
+    for step in range(40):
+        for layer in range(L):
+            experts = sorted(rng.choice(E, 2, replace=False).tolist())
+            p.observe(obs(layer, experts, step=step, n_experts=E, top_k=2))
+            rep.observe(layer, experts, [1, 1])
+            got = [p.probability(layer, e) for e in range(E)]
+            assert got == pytest.approx(rep.p[layer], rel=1e-5, abs=1e-6), (step, layer)
+    assert p.weights() == pytest.approx(rep.w.tolist(), rel=1e-5, abs=1e-6)
+    assert p.samples == L * (40 - H) * E
+
+
+def test_it_starts_ranking_as_mrs():
+    """Before a label exists (fewer visits than the horizon) the predicted probability orders a layer's experts as
+    MRS with alpha 0.5 scores them (HybriMoE §IV.D), ties included."""
+    E = 8
+    reuse = _core.ReusePolicy(horizon=16)
+    mrs = _core.MRSPolicy(alpha=0.5)
+    for p in (reuse, mrs):
+        p.reset(1, E)
+    for t, experts in enumerate([[0, 1], [1, 2], [2, 3], [3, 4], [0, 2]]):
+        for p in (reuse, mrs):
+            p.observe(obs(0, experts, step=t, n_experts=E, top_k=2))
+    a = [reuse.probability(0, e) for e in range(E)]
+    b = [mrs.score(0, e) for e in range(E)]
+    for i in range(E):
+        for j in range(E):
+            assert (a[i] < a[j]) == (b[i] < b[j]) and (a[i] == a[j]) == (b[i] == b[j]), (i, j)
+    assert reuse.samples == 0 and reuse.log_loss == 0.0
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="horizon"):
+        _core.ReusePolicy(horizon=0)
+    with pytest.raises(ValueError, match="rate"):
+        _core.ReusePolicy(rate=0.0)
+    p = _core.ReusePolicy()
+    p.reset(2, 4)
+    with pytest.raises(ValueError, match="n_experts"):
+        p.observe(obs(0, [1], n_experts=5))
+    with pytest.raises(ValueError, match="expert out of range"):
+        p.observe(obs(0, [4], n_experts=4))
+    assert isinstance(_core.make_cache_policy("reuse"), _core.ReusePolicy)
+    assert pol.ReusePolicy is _core.ReusePolicy and _core.make_cache_policy("reuse").name() == "reuse"
+    assert p.bytes_per_layer == 4 * (5 * 8 + 4 * 6 * 4) + 8
+
+
+def _stream(rng, T, E, hot_every):
+    """One layer's routing, top-1: expert 0 every ``hot_every`` visits, else a random one of the others: a
+    periodic reuse that recency alone misjudges between uses."""
+    return [[0] if t % hot_every == 0 else [int(rng.integers(1, E))] for t in range(T)]
+
+
+def test_it_learns_what_recency_misses():
+    """A periodic expert (every 3rd visit) among random ones: after learning, the predictor's log-loss is below the
+    base rate's entropy (what a constant guess scores) and below that of its starting weights (rate ~0: MRS's
+    ranking as a probability, never updated), and it ranks the periodic expert first between its uses, where MRS
+    ranks the one used last above it."""
+    rng = np.random.default_rng(0)
+    E, T = 16, 3000
+    routing = _stream(rng, T, E, 3)
+    learned, frozen, mrs = _core.ReusePolicy(horizon=2, rate=0.05), _core.ReusePolicy(horizon=2, rate=1e-12), \
+        _core.MRSPolicy(alpha=0.5)
+    for p in (learned, frozen, mrs):
+        p.reset(1, E)
+    for t, ex in enumerate(routing):
+        for p in (learned, frozen, mrs):
+            p.observe(obs(0, ex, step=t, n_experts=E))
+    q = learned.positive_rate
+    entropy = -(q * math.log(q) + (1 - q) * math.log(1 - q))
+    assert learned.log_loss < 0.9 * entropy, (learned.log_loss, entropy)
+    assert learned.log_loss < frozen.log_loss
+    # the last visit (t = T-1, T-1 = 2999 = 2 mod 3) used a random expert; the periodic one was used at T-3
+    last = routing[-1][0]
+    assert last != 0
+    assert learned.probability(0, 0) > learned.probability(0, last)
+    assert mrs.score(0, 0) < mrs.score(0, last)
+
+
+def test_cache_replay_of_a_trace_counts_its_hits():
+    """``hybrimoe simulate --hit-rates``'s cache-only replay lists it (``reuse``) beside MRS, LRU, LFU and Belady,
+    and no policy beats Belady's clairvoyant bound."""
+    from hybrimoe.sim.simulator import Setup, cache_hit_rates
+    from hybrimoe.traces.synthetic import synthetic_trace
+
+    tr = synthetic_trace("qwen3-30b-a3b", 400, locality="high", seed=0)
+    s = Setup(tr, pol.load_hardware("rtx4090-desktop"), "25%", "decode", max_tokens=300)
+    hr = cache_hit_rates(s)
+    assert set(hr) == {"mrs", "lru", "lfu", "reuse", "belady"}
+    assert 0.0 < hr["reuse"]["hit_rate"] <= hr["belady"]["hit_rate"]
+
+
+# ---- the engine --------------------------------------------------------------------------------------------------
+
+def test_engine_with_the_reuse_cache_matches_upstream_and_reports_its_learning(tiny_model, rpc_server,
+                                                                                split_cost_model):
+    """``moe_policy="hybrimoe-reuse"`` on the stand-in GPU: upstream's tokens and logits with the same placement (a
+    cache policy moves experts, never numbers), and ``moe_stats()["engine"]["predictor"]`` shows it learned (samples,
+    a log-loss, weights moved from their start); a policy without a predictor reports ``{}``."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.engine_facts import slot_bytes
+    from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
+
+    path = tiny_model("deepseek2", "Q8_0", n_layer=4, n_expert=16, n_expert_used=4)
+    common = dict(rpc_servers=rpc_server.endpoint, n_gpu_layers=-1, n_ctx=512, n_batch=512, n_ubatch=16, seed=0,
+                  verbose=False, no_repack=True)
+    llm = Llama(str(path), moe_cache=12 * slot_bytes(path), moe_policy="hybrimoe-reuse",
+                moe_cost_model=split_cost_model, **common)
+    try:
+        tokens = prompt_tokens(llm, 40)
+        out, lg = greedy_with_logits(llm, tokens, 16)
+        st = llm.moe_stats()["engine"]
+    finally:
+        llm.close()
+    ref = Llama(str(path), tensor_buft_overrides="exps=CPU", **common)
+    try:
+        ref_out, ref_lg = greedy_with_logits(ref, tokens, 16)
+    finally:
+        ref.close()
+    assert out == ref_out and np.array_equal(lg, ref_lg)
+    pr = st["predictor"]
+    assert st["policy"] == "hybrimoe-reuse" and pr["samples"] > 0 and pr["log_loss"] > 0
+    assert len(pr["weights"]) == 6 and pr["weights"] != [-2.0, 4.0, 0.0, 0.0, 0.0, 0.0]
+    assert st["ram"] == {}
+    plain = Llama(str(path), moe_cache=12 * slot_bytes(path), moe_cost_model=split_cost_model, **common)
+    try:
+        assert plain.moe_stats()["engine"]["predictor"] == {}
+    finally:
+        plain.close()
