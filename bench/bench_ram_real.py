@@ -24,7 +24,7 @@ the disk), and for hybrimoe the RAM tier's counters.
 Modes (``--modes``): upstream (mmap, ``--no-repack``: with its default repacking the load would read every expert
 into RAM, which a model larger than RAM does not allow), hybrimoe (as users run it: MRS, prefetch by the router
 look-ahead, slots in the file's layout, the other CPU weights repacked where upstream repacks them), hybrimoe with
-LRU, hybrimoe without prefetch, hybrimoe with every CPU weight in the file's layout (``no_repack``, as upstream's mmap
+LRU, hybrimoe with the reuse-predicting cache (``moe_ram_policy="reuse"``), hybrimoe without prefetch, hybrimoe with every CPU weight in the file's layout (``no_repack``, as upstream's mmap
 run), hybrimoe with its slots repacked after each read (``HYBRIMOE_RAM_REPACK=1``: ``hybrimoe.envs.ram_repack``), and
 hybrimoe with its CPU share in one pass per layer after every read (``HYBRIMOE_RAM_TWO_PASS=0``; two passes, resident
 experts first, by default: ``hybrimoe.envs.ram_two_pass``).
@@ -61,6 +61,7 @@ MODES = {
     "hybrimoe": {"moe_ram_cache": "auto"},
     "hybrimoe-no-prefetch": {"moe_ram_cache": "auto", "moe_prefetch_layers": 0},
     "hybrimoe-lru": {"moe_ram_cache": "auto", "moe_ram_policy": "lru"},
+    "hybrimoe-reuse": {"moe_ram_cache": "auto", "moe_ram_policy": "reuse"},
     "hybrimoe-no-repack": {"moe_ram_cache": "auto", "no_repack": True},
     "hybrimoe-one-pass": {"moe_ram_cache": "auto", "_env": {"HYBRIMOE_RAM_TWO_PASS": "0"}},
     "hybrimoe-repack": {"moe_ram_cache": "auto", "_env": {"HYBRIMOE_RAM_REPACK": "1"}},
@@ -237,8 +238,12 @@ def calibrate_disk(model: Path, limit: int, out: Path, rep: int, kb: int) -> dic
     if p.returncode != 0:
         rec["error"] = f"exit status {p.returncode}: " + (p.stderr or p.stdout)[-1500:]
     else:
-        facts = json.loads(out.read_text())["facts"]
-        rec.update({k: facts[k]["value"] for k in ("read_bandwidth_Bps", "mmap_fault_Bps") if k in facts})
+        try:
+            facts = json.loads(out.read_text())["facts"]
+            rec.update({k: facts[k]["value"] for k in ("read_bandwidth_Bps", "tier_read_Bps", "buffered_read_Bps",
+                                                       "mmap_fault_Bps") if k in facts})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            rec["error"] = f"{out}: not a disk file calibrate wrote ({e})"
     print(json.dumps(rec), file=sys.stderr, flush=True)
     return rec
 
@@ -295,11 +300,16 @@ def main() -> int:
         cal_dir.mkdir(parents=True, exist_ok=True)
     # the flags are checked before the model, which may have to be written (tens of GB)
     args.model = Path(args.model) if args.model else model_path(args.size_factor, args.layers)
-    cg = MemoryCgroup(limit)
     rows, calibrations = [], []
-    # a SIGTERM (a timeout, a kill) still restores the read-ahead and removes the cgroup (the finally below)
+    # a SIGTERM (a timeout, a kill) still restores the read-ahead and removes the cgroup (the finally below): the
+    # handler first, then the two things it must undo
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    ra = ReadAhead(args.model)
+    cg = MemoryCgroup(limit)
+    try:
+        ra = ReadAhead(args.model)
+    except BaseException:
+        cg.close()
+        raise
     try:
         for rep in range(args.reps):
             for kb in asked:

@@ -46,6 +46,7 @@ MODES = {  # measured mode -> (simulator RAM preset, overrides of its components
     "hybrimoe": ("hybrimoe", {}),
     "hybrimoe-no-prefetch": ("hybrimoe", {"lookahead": 0}),
     "hybrimoe-lru": ("hybrimoe", {"cache": "lru"}),
+    "hybrimoe-reuse": ("hybrimoe", {"cache": "reuse"}),
     "hybrimoe-no-repack": ("hybrimoe", {}),  # the simulator's CPU figures are the fitted upstream's (plain) kernels
 }
 
@@ -69,25 +70,32 @@ def disk_files(spec: str) -> dict:
     return out
 
 
-def median_disks(calibrations: list, out_stem: str) -> dict:
+def median_disks(calibrations: list, out_stem: str, base: Path = Path(".")) -> dict:
     """``--disk from-run``: per read-ahead, one disk file whose every fact is the median of the calibrations
     bench_ram_real.py ``--calibrate-disk`` took at that read-ahead during the runs (its JSON's
-    ``disk_calibrations``), written to ``OUT_STEM.diskKB.json``. Returns {kb: file}.
+    ``disk_calibrations``; a relative path there is taken from ``base``, the measured JSON's folder, else the
+    working directory), written to ``OUT_STEM.diskKB.json``. A fact takes the median of the calibrations that have
+    it; the per-run measurements (``measured``) are left out. Returns {kb: file}.
 
     Raises:
         SystemExit: the runs have no calibration that succeeded.
     """
     by_kb: dict = {}
     for c in calibrations:
-        if "error" not in c and Path(c["file"]).is_file():
-            by_kb.setdefault(int(c["read_ahead_kb"]), []).append(c["file"])
+        f = Path(c["file"]) if Path(c["file"]).is_absolute() or Path(c["file"]).is_file() else base / c["file"]
+        if "error" not in c and f.is_file():
+            by_kb.setdefault(int(c["read_ahead_kb"]), []).append(str(f))
     if not by_kb:
         raise SystemExit("--disk from-run: the measured runs have no disk calibration (bench_ram_real.py "
                          "--calibrate-disk DIR takes them)")
     out = {}
     for kb, files in sorted(by_kb.items()):
         docs = [json.loads(Path(f).read_text()) for f in files]
-        doc = docs[0]
+        doc = dict(docs[0], facts={})
+        doc.pop("measured", None)
+        for d in docs:
+            for name, fact in d["facts"].items():
+                doc["facts"].setdefault(name, dict(fact))
         for name, fact in doc["facts"].items():
             vals = [d["facts"][name]["value"] for d in docs if name in d["facts"]]
             med = statistics.median(vals)
@@ -97,6 +105,8 @@ def median_disks(calibrations: list, out_stem: str) -> dict:
         doc["description"] = f"median of the disk calibrations at read_ahead_kb {kb} during the runs: {files}"
         path = Path(f"{out_stem}.disk{kb}.json")
         path.write_text(json.dumps(doc, indent=2))
+        print(f"--disk from-run: wrote {path} (the median of {len(files)} calibrations at read_ahead_kb {kb})",
+              file=sys.stderr)
         out[kb] = str(path)
     return out
 
@@ -236,7 +246,8 @@ def main() -> int:
         raise SystemExit(f"--measured: {args.measured} does not exist (bench/bench_ram_real.py --json FILE writes it)")
     meas = json.loads(Path(args.measured).read_text())
     # checked before the CPU fit, which writes and times two models
-    disks = (median_disks(meas.get("disk_calibrations", []), str(Path(args.json or "predict").with_suffix("")))
+    disks = (median_disks(meas.get("disk_calibrations", []), str(Path(args.json or "predict").with_suffix("")),
+                          Path(args.measured).parent)
              if args.disk == "from-run" else disk_files(args.disk))
     model = Path(meas["model"])
     threads = int(meas["threads"])

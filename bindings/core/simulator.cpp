@@ -83,9 +83,10 @@ void bind_simulator(py::module_ & m) {
                               "different experts; evicted GPU experts are copied back), fault_bytes, read_around "
                               "(bytes a fault reads per byte faulted), other_bytes (bytes per MoE layer outside the "
                               "routed experts, in the same page cache), fault_bandwidth_Bps (bytes/s the disk "
-                              "delivers to a decode's faults, their latency included; 0: the disk's queued "
-                              "figures), read_bandwidth_Bps (bytes/s of its other reads, where they differ from "
-                              "the disk's: through the page cache, or direct into huge pages; 0: the disk's), "
+                              "delivers to a decode's faults, their latency included; 0: the queued figures, "
+                              "read_bandwidth_Bps or the disk's), read_bandwidth_Bps (bytes/s of its other reads, "
+                              "where they differ from the disk's: through the page cache, or direct into huge "
+                              "pages; 0: the disk's), "
                               "read_cpu_s_per_byte (CPU-share delay per "
                               "byte read), recall.")
         .def(py::init<>())

@@ -48,7 +48,7 @@ from hybrimoe.envs import progress_on
 from hybrimoe.model.reader import open_gguf
 from hybrimoe.outputs import atomic_open, check_output, savefig, write_text
 from hybrimoe.policy.hardware import resolve_cost_model
-from hybrimoe.policy.presets import ENGINE_PRESETS, PROFILE_PRESETS
+from hybrimoe.policy.presets import ENGINE_PRESETS, OPT_IN_PRESETS, PROFILE_PRESETS
 from hybrimoe.runtime.benchmark import Config, io_counters, mean_sd, noise_warnings, prompts, upstream_modes
 from hybrimoe.runtime.disk_calibration import drop_from_page_cache
 from hybrimoe.runtime.engine_facts import engine_facts
@@ -78,8 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "block device (set through sysfs where the process may, put back after; the value in force "
                         "is in each row), e.g. 128,512,2048,8192 (default: leave it as it is)")
     p.add_argument("--ram-policies", default=None,
-                   help="with --moe-ram-cache: the RAM tier's cache policies to run (moe_ram_policy: mrs, lru, lfu; "
-                        "default mrs,lru)")
+                   help="with --moe-ram-cache: the RAM tier's cache policies to run (moe_ram_policy: mrs, lru, lfu, "
+                        "reuse; default mrs,lru)")
     p.add_argument("-p", "--n-prompt", type=POSITIVE, default=512, help="prompt tokens (pp; default %(default)s)")
     p.add_argument("-n", "--n-gen", type=POSITIVE, default=128, help="generated tokens (tg; default %(default)s)")
     p.add_argument("-r", "--repetitions", type=POSITIVE, default=3, help="repetitions per mode (default %(default)s)")
@@ -96,8 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stand-in", action="store_true",
                    help="start a ggml-rpc-server on 127.0.0.1 as the GPU (machines without one; no speed claim)")
     p.add_argument("--policies", default=None,
-                   help=f"engine policies to run, comma-separated (default: {','.join(ENGINE_PRESETS)}; "
-                        f"{', '.join(PROFILE_PRESETS)} only with --moe-profile)")
+                   help=f"engine policies to run, comma-separated (default: "
+                        f"{','.join(p for p in ENGINE_PRESETS if p not in OPT_IN_PRESETS)}; "
+                        f"{', '.join(PROFILE_PRESETS)} only with --moe-profile; "
+                        f"{', '.join(OPT_IN_PRESETS)} only when named)")
     p.add_argument("--moe-profile", default=None, metavar="TRACE.npz",
                    help="profile of expert frequencies for every hybrimoe mode: a routing trace (hybrimoe trace) of "
                         "this model; hot-set needs it")
@@ -136,7 +138,8 @@ def _check_modes(args, facts) -> tuple[list[str], set]:
     """The policies and upstream modes asked for, checked before anything runs."""
     profile = getattr(args, "moe_profile", None)
     if args.policies is None:
-        pols = [p for p in ENGINE_PRESETS if profile is not None or p not in PROFILE_PRESETS]
+        pols = [p for p in ENGINE_PRESETS if p not in OPT_IN_PRESETS and (profile is not None or
+                                                                          p not in PROFILE_PRESETS)]
     else:
         pols = [x.strip() for x in args.policies.split(",") if x.strip()]
     for p in pols:

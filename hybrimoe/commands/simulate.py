@@ -100,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leading fraction of prompts used only to profile expert frequencies")
     parser.add_argument("--seed", type=SEED, default=1, help="seed of the truth model and the predictor")
     parser.add_argument("--hit-rates", action="store_true",
-                        help="also replay the cache policies alone (mrs, lru, lfu, belady) and print hit rates")
+                        help="also replay the cache policies alone (mrs, lru, lfu, reuse, belady) and print hit "
+                             "rates")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

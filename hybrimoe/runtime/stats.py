@@ -64,7 +64,8 @@ def engine_stats(engine, setup) -> dict:
 
 def predictor_stats(policy) -> dict:
     """``moe_stats()["engine"]["predictor"]`` (and the RAM tier's ``"predictor"``): the state of a
-    :class:`hybrimoe.policy.ReusePolicy` cache (``{}`` for any other policy): ``samples`` learned from, their mean
+    :class:`hybrimoe.policy.ReusePolicy` cache (``{}`` for any other policy; with several GPUs the first device's,
+    each device's cache learning on its own layers): ``samples`` learned from, their mean
     ``log_loss`` (nats) and ``brier`` score, each prediction scored before it was learned from (progressive
     validation), ``positive_rate`` (the share of samples used within the horizon: a constant predictor of it scores
     that rate's entropy), ``horizon`` (visits of a layer), ``weights`` (bias first; features as

@@ -144,6 +144,10 @@ def _check_core_trace(core, trace: RoutingTrace, stage: str) -> None:
                          "stage_core_trace(trace, stage)")
 
 
+#: the run settings of a Setup (its ``cfg``) each run's SimConfig takes
+_RUN_FIELDS = ("stage", "ubatch", "prompt_tokens", "prefetch_depth", "recall", "predictor_seed", "max_tokens")
+
+
 class Setup:
     """Everything shared by the runs of one invocation (trace, costs, profile, prompt split).
 
@@ -315,7 +319,7 @@ class Setup:
             ps = build_preset(name, self.expert_bytes, self.trace.num_experts, self.budget, hot_keys=hot,
                               profile=self.profile.ravel(), mrs_alpha=alpha)
         cfg = _core.SimConfig()
-        for f in ("stage", "ubatch", "prompt_tokens", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
+        for f in _RUN_FIELDS:
             setattr(cfg, f, getattr(self.cfg, f))
         cfg.fill_on_miss = ps.fill_on_miss
         if ps.true_routing:
@@ -342,7 +346,7 @@ class Setup:
             scheds.append(_core.make_scheduler("upstream-ncmoe", n_cpu))
             pres.append(_core.make_prefetcher("none"))
         cfg = _core.SimConfig()
-        for f in ("stage", "ubatch", "prompt_tokens", "prefetch_depth", "recall", "predictor_seed", "max_tokens"):
+        for f in _RUN_FIELDS:
             setattr(cfg, f, getattr(self.cfg, f))
         cfg.fill_on_miss = False
         return caches, scheds, pres, cfg

@@ -73,12 +73,16 @@ void ReusePolicy::observe(const LayerObservation & obs) {
     const int E = n_experts_, l = obs.layer;
     const double k = std::max(1, obs.top_k);
     const int n_tok = std::max(1, obs.n_tokens);
+    // every check before any state changes: a refused observation leaves the policy as it was
+    for (int32_t e : obs.experts) {
+        if (e < 0 || e >= E) throw std::invalid_argument("ReusePolicy.observe: expert out of range");
+    }
+    if (!obs.scores.empty() && obs.scores.size() != static_cast<size_t>(n_tok) * E) {
+        throw std::invalid_argument("ReusePolicy.observe: scores must be [n_tokens, n_experts]");
+    }
     // this visit's score of each expert, times top_k (an expert used by every token tends to 1)
     s_.assign(static_cast<size_t>(E), 0.0);
     if (!obs.scores.empty()) {
-        if (obs.scores.size() != static_cast<size_t>(n_tok) * E) {
-            throw std::invalid_argument("ReusePolicy.observe: scores must be [n_tokens, n_experts]");
-        }
         for (int t = 0; t < n_tok; ++t) {
             const float * row = obs.scores.data() + static_cast<size_t>(t) * E;
             for (int e = 0; e < E; ++e) s_[e] += row[e];
@@ -92,10 +96,7 @@ void ReusePolicy::observe(const LayerObservation & obs) {
     }
     const size_t base = static_cast<size_t>(l) * E;
     const int64_t t = visits_[l]++;
-    for (int32_t e : obs.experts) {
-        if (e < 0 || e >= E) throw std::invalid_argument("ReusePolicy.observe: expert out of range");
-        last_use_[base + e] = t;
-    }
+    for (int32_t e : obs.experts) last_use_[base + e] = t;
     for (int e = 0; e < E; ++e) {
         const size_t i = base + e;
         fast_[i] = kAlpha[0] * s_[e] + (1.0 - kAlpha[0]) * fast_[i];

@@ -6,9 +6,10 @@
 // of a layer, the features the policy saw `horizon` visits ago are labelled by what the router did since, and one
 // stochastic gradient step per expert moves the shared weights (logistic regression by SGD on the log-loss: the
 // textbook online learner, e.g. Bottou, "Large-Scale Machine Learning with Stochastic Gradient Descent", 2010). No
-// offline training and nothing per model: the weights start where the predicted probability ranks experts as MRS
-// with alpha 0.5 does (HybriMoE §IV.D; feature 1 is that score, without MRS's TopP truncation of router scores), and
-// move from there.
+// offline training and nothing per model: the weights start where the predicted probability ranks experts on
+// feature 1, MRS's alpha-0.5 score (HybriMoE §IV.D): the same order as MRS where a visit scores only its routed
+// experts (no router scores, and at most MRS's p = 2 top_k of them); with router scores MRS keeps the top p of
+// them and this every expert's, capped at 1. Then the weights move.
 //
 // Features (each in [0, 1], top_k times a score so that an expert used at every visit tends to 1):
 //   0  bias

@@ -109,11 +109,12 @@ struct RamTierConfig {
     /// folds in what the queued model charges separately: each fault's latency, the few faults in flight (one per
     /// compute thread) and the kernel's work per fault (page-cache insertion, reclaim under the limit). A decode
     /// step's faults and the kernel's read-ahead they start move at it; a ubatch that sweeps whole layers in file
-    /// order (a prefill's, read ahead by the kernel) still reads as queued reads do. 0: faults move at the disk's
-    /// queued bandwidth, each paying its latency.
+    /// order (a prefill's, read ahead by the kernel) still reads as queued reads do. 0: faults move as queued reads
+    /// (read_bandwidth_Bps, else the disk's bandwidth), each paying its latency.
     double fault_bandwidth_Bps = 0.0;
-    /// Bytes per second of this tier's reads outside a decode step's faults (queued reads; a prefill's faults and
-    /// their read-around), where they differ from the disk's bandwidth: reads through the page cache (a mapping's
+    /// Bytes per second of this tier's reads that fault_bandwidth_Bps does not move (queued reads; a prefill's
+    /// faults and their read-around; every fault where fault_bandwidth_Bps is 0), where they differ from the disk's
+    /// bandwidth: reads through the page cache (a mapping's
     /// faults, preads that warm the page cache) land in 4 KiB pages and a direct read in huge pages, and a virtual
     /// disk may move the two at different rates (this project's machine: 1.3-1.6 against 3.1 GB/s). Measured by
     /// hybrimoe calibrate --disk (tier_read_Bps, buffered_read_Bps). 0: the disk's bandwidth.
@@ -141,7 +142,8 @@ struct SimConfig {
     int ubatch = 512;                   ///< prefill ubatch size, tokens
     /// Decode only: the first this many tokens of each prompt are its prompt, prefilled in ubatches before its
     /// tokens are decoded one per step (a request as a server runs it: the cache enters the decode as the prefill
-    /// left it). 0: every token decoded.
+    /// left it). The prefill's steps count in the result (tokens, total time, max_tokens) as the decode's do: a
+    /// caller that wants the decode alone subtracts a run of the prompts alone. 0: every token decoded.
     int64_t prompt_tokens = 0;
     int prefetch_depth = 3;             ///< D, predicted MoE layers ahead
     /// predictor recall per distance 1..prefetch_depth (an assumption to report)

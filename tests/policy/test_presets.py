@@ -14,6 +14,8 @@ import pytest
 from hybrimoe import policy as pol
 from hybrimoe.testing.upstream import greedy_with_logits, prompt_tokens
 
+from .test_policy_cache import obs
+
 
 # both sides in the file's layout (no_repack): the stand-in computes the GPU share with the plain CPU kernels, and
 # upstream's repacked ones may round differently (tests/runtime/test_engine_repack.py covers repacked weights)
@@ -135,15 +137,6 @@ def test_engine_and_simulator_hold_the_same_keys(tiny_model):
 
 
 
-def _one_observation(layer, experts, n_experts, top_k):
-    from hybrimoe import _core
-
-    o = _core.LayerObservation()
-    o.step, o.layer, o.n_tokens, o.top_k, o.n_experts = 0, layer, 1, top_k, n_experts
-    o.experts, o.loads, o.scores = list(experts), [1] * len(experts), []
-    return o
-
-
 def test_the_gpu_cache_above_an_exclusive_ram_tier_takes_its_alpha(tiny_model):
     """Above an exclusive RAM tier the hybrimoe preset's MRS cache ranks with the RAM preset's ``gpu_mrs_alpha``
     (0.01), in the simulator's three-tier runs and in the engine's policies alike; without a RAM tier, and above the
@@ -169,16 +162,30 @@ def test_the_gpu_cache_above_an_exclusive_ram_tier_takes_its_alpha(tiny_model):
     def score_after_one_use(cache):
         policy = cache.policy
         policy.reset(cache.n_layers, E)
-        policy.observe(_one_observation(0, [3], E, k))
+        policy.observe(obs(0, [3], top_k=k, n_experts=E))
         return policy.score(0, 3)
 
     for ram, alpha in (("hybrimoe-exclusive", 0.01), ("hybrimoe", 0.5), (None, 0.5)):
         assert score_after_one_use(setup.build("hybrimoe", ram)[0]) == pytest.approx(alpha / k), ram
         engine = build_policies("hybrimoe", facts, 8, 3, ram_preset=ram)
         assert score_after_one_use(engine.cache) == pytest.approx(alpha / k), ram
-    # a run of the three-tier table gets it: the exclusive RAM preset's run builds its GPU cache so
-    rec = setup.run("hybrimoe", ram="hybrimoe-exclusive")
-    assert rec["ram_policy"] == "hybrimoe-exclusive" and rec["tokens"] > 0
+    # a run of the three-tier table gets it: Setup.run builds its GPU cache with the RAM preset's alpha
+    import hybrimoe.sim.simulator as sim
+
+    seen = []
+
+    def recording(*a, **kw):
+        seen.append(kw.get("mrs_alpha"))
+        return pol.build_preset(*a, **kw)
+
+    sim.build_preset, saved = recording, sim.build_preset
+    try:
+        for ram in ("hybrimoe-exclusive", "hybrimoe"):
+            rec = setup.run("hybrimoe", ram=ram)
+            assert rec["ram_policy"] == ram and rec["tokens"] > 0
+    finally:
+        sim.build_preset = saved
+    assert seen == [0.01, None]
 
 
 # ---- the engine ---------------------------------------------------------------------------------------------------

@@ -11,14 +11,7 @@ import pytest
 from hybrimoe import _core
 from hybrimoe import policy as pol
 
-
-def obs(layer, experts, step=0, n_experts=4, top_k=1, loads=None, n_tokens=1, scores=None):
-    o = _core.LayerObservation()
-    o.step, o.layer, o.n_tokens, o.top_k, o.n_experts = step, layer, n_tokens, top_k, n_experts
-    o.experts = list(experts)
-    o.loads = list(loads) if loads is not None else [1] * len(experts)
-    o.scores = [] if scores is None else list(np.asarray(scores, dtype=np.float32).ravel())
-    return o
+from .test_policy_cache import obs
 
 
 class Replica:
@@ -78,7 +71,8 @@ def test_the_update_rule_matches_a_replica_of_the_documented_one():
 
 def test_it_starts_ranking_as_mrs():
     """Before a label exists (fewer visits than the horizon) the predicted probability orders a layer's experts as
-    MRS with alpha 0.5 scores them (HybriMoE §IV.D), ties included."""
+    MRS with alpha 0.5 scores them (HybriMoE §IV.D), ties included, where a visit scores only its routed experts (no
+    router scores, at most MRS's p = 2 top_k of them: with router scores MRS keeps the top p, this policy all)."""
     E = 8
     reuse = _core.ReusePolicy(horizon=16)
     mrs = _core.MRSPolicy(alpha=0.5)
@@ -100,15 +94,30 @@ def test_bad_arguments_are_named():
         _core.ReusePolicy(horizon=0)
     with pytest.raises(ValueError, match="rate"):
         _core.ReusePolicy(rate=0.0)
-    p = _core.ReusePolicy()
+    p = _core.ReusePolicy(horizon=2)
     p.reset(2, 4)
+    for t in range(5):
+        p.observe(obs(0, [t % 4], step=t, n_experts=4))
+    before = ([p.probability(0, e) for e in range(4)], p.weights(), p.samples)
     with pytest.raises(ValueError, match="n_experts"):
         p.observe(obs(0, [1], n_experts=5))
     with pytest.raises(ValueError, match="expert out of range"):
-        p.observe(obs(0, [4], n_experts=4))
+        p.observe(obs(0, [1, 4], n_experts=4))
+    with pytest.raises(ValueError, match="expert out of range"):
+        p.observe(obs(0, [-1], n_experts=4))
+    with pytest.raises(ValueError, match="scores"):
+        p.observe(obs(0, [1], n_experts=4, scores=[0.5, 0.5]))
+    # a refused observation changed nothing: the next visit learns as if it had not been offered
+    assert ([p.probability(0, e) for e in range(4)], p.weights(), p.samples) == before
+    q = _core.ReusePolicy(horizon=2)
+    q.reset(2, 4)
+    for t in range(6):
+        q.observe(obs(0, [t % 4], step=t, n_experts=4))
+    p.observe(obs(0, [5 % 4], step=5, n_experts=4))
+    assert [p.probability(0, e) for e in range(4)] == [q.probability(0, e) for e in range(4)]
     assert isinstance(_core.make_cache_policy("reuse"), _core.ReusePolicy)
     assert pol.ReusePolicy is _core.ReusePolicy and _core.make_cache_policy("reuse").name() == "reuse"
-    assert p.bytes_per_layer == 4 * (5 * 8 + 4 * 6 * 4) + 8
+    assert p.bytes_per_layer == 4 * (5 * 8 + 2 * 6 * 4) + 8  # horizon 2: 2 snapshots of 6 floats per expert
 
 
 def _stream(rng, T, E, hot_every):

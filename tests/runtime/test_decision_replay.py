@@ -124,7 +124,7 @@ def test_replay_reproduces_engine_decisions(policy, tiny_model, rpc_server, fast
         assert sum(len(r["evicted"]) + len(r["loaded"]) + len(r["prefetched"]) + len(r["filled"]) for r in log) == 0
     else:
         assert sum(len(r["evicted"]) for r in log) > 0
-    if policy in ("hybrimoe", "hybrimoe-lru") or policy is NO_ADMISSION:
+    if policy in ("hybrimoe", "hybrimoe-lru", "hybrimoe-reuse") or policy is NO_ADMISSION:
         assert any(r["predictions"] for r in log)
     if policy is NO_ADMISSION:
         assert sum(len(r["prefetched"]) for r in log) > 0
