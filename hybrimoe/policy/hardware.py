@@ -44,8 +44,9 @@ DISK_FACTS = ("read_bandwidth_Bps", "read_latency_s", "queue_depth")
 #: ``tier_read_Bps``, bytes per second of cold reads as the RAM tier makes them (O_DIRECT where the file system
 #: takes it) with its I/O workers in flight (the engine's own reads; left out: read_bandwidth_Bps);
 #: ``buffered_read_Bps``, bytes per second of cold reads through the page cache (the reads of systems that read that
-#: way: a prefill's faults through a mapping, preads that warm the page cache; left out: read_bandwidth_Bps). The two differ where direct reads land in huge pages and the page
-#: cache's in 4 KiB ones: on this project's machine 3.1 against 1.3-1.6 GB/s.
+#: way: a prefill's faults through a mapping, preads that warm the page cache; left out: read_bandwidth_Bps). The
+#: two differ where direct reads land in huge pages and the page cache's in 4 KiB ones: on this project's machine
+#: 3.1 against 1.3-1.6 GB/s.
 DISK_OPTIONAL_FACTS = ("read_cpu_s_per_byte", "mmap_read_around", "mmap_fault_bytes", "mmap_fault_Bps",
                        "tier_read_Bps", "buffered_read_Bps")
 
