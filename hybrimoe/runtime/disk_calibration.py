@@ -659,37 +659,38 @@ def measure_disk(model_path, *, depths=DEPTHS, bytes_per_depth: int = 128 << 20,
         passes = len(depths) + (len(BUFFERED_DEPTHS) if direct else 0)
         bytes_per_depth = min(bytes_per_depth, sum(r[2] for r in reads) // passes)
         per, used, pos, last = {}, 0, 0, []
-        for d in depths:
+
+        def cold_pass(d: int, pass_fds: dict, pass_direct: bool):
+            """The next experts no pass read, at least bytes_per_depth and d of them, read cold with d in flight:
+            (throughput, the reads), or None where none are left."""
+            nonlocal pos, used
             batch, nbytes = [], 0
             while pos < len(reads) and (nbytes < bytes_per_depth or len(batch) < d):
                 batch.append(reads[pos])
                 nbytes += reads[pos][2]
                 pos += 1
             if not batch:
-                break
+                return None
             for p in files:
                 drop_from_page_cache(p)
-            per[d] = nbytes / max(_timed_reads(cold, batch, d, direct), 1e-9)
             used += nbytes
-            last = batch
+            return nbytes / max(_timed_reads(pass_fds, batch, d, pass_direct), 1e-9), batch
+
+        for d in depths:
+            got = cold_pass(d, cold, direct)
+            if got is None:
+                break
+            per[d], last = got
         if not per:
             raise ValueError(f"{model_path}: too few experts to measure")
         # the same cold reads through the page cache (buffered preads), where the passes above were direct: what the
         # disk gives a system that reads that way (a mapping's faults, preads that warm the page cache)
         buffered = {}
-        if direct:
-            for d in BUFFERED_DEPTHS:
-                batch, nbytes = [], 0
-                while pos < len(reads) and (nbytes < bytes_per_depth or len(batch) < d):
-                    batch.append(reads[pos])
-                    nbytes += reads[pos][2]
-                    pos += 1
-                if not batch:
-                    break
-                for p in files:
-                    drop_from_page_cache(p)
-                buffered[d] = nbytes / max(_timed_reads(fds, batch, d), 1e-9)
-                used += nbytes
+        for d in BUFFERED_DEPTHS if direct else ():
+            got = cold_pass(d, fds, False)
+            if got is None:
+                break
+            buffered[d] = got[0]
         best = max(per.values())
         qd = min(d for d, v in per.items() if v >= SATURATION * best)
         # the last pass's reads again, in the page cache (read once more buffered first where the passes were
