@@ -279,6 +279,11 @@ RAM_PRESETS = {
                                      "moe_ram_exclusive)",
                                source="exclusive caching in multi-level hierarchies (demotion: Wong and Wilkes, "
                                       "USENIX ATC 2002), applied to the GPU and RAM tiers (docs/design.md §17)"),
+    "hybrimoe-reuse": dict(cache="reuse", reads="queued", keep=True, lookahead=3, ready_first=True, true_routing=False,
+                           baseline=False, streaming=STREAMING_FRACTION, admission="tinylfu",
+                           about="hybrimoe's RAM tier with the reuse-predicting cache (the engine's "
+                                 "moe_ram_policy='reuse')",
+                           source="docs/design.md §4 (reuse prediction), one tier down"),
     "mmap": dict(cache="lru", reads="faulting", keep=True, lookahead=0, ready_first=False, true_routing=False,
                  baseline=True, page_cache=True,
                  about="upstream llama.cpp's mmap: the kernel's page cache of the same RAM (LRU), a routed expert "
