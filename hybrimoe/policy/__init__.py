@@ -58,6 +58,7 @@ from hybrimoe.policy.hardware import (
 from hybrimoe.policy.presets import (
     DEFAULT_PRESET,
     ENGINE_PRESETS,
+    EXCLUSIVE_RAM_MRS_ALPHA,
     GPU_OVER_EXCLUSIVE_RAM_MRS_ALPHA,
     OPT_IN_PRESETS,
     PROFILE_PRESETS,
@@ -107,6 +108,7 @@ __all__ = [
     "truth_model_for", "DEFAULT_PRESET", "ENGINE_PRESETS", "PROFILE_PRESETS", "STATIC_PRESETS",
     "STREAMING_FRACTION", "SYSTEM_PRESETS", "PolicySet", "build_preset", "leading_layers_that_fit", "system_preset",
     "RAM_BASELINES", "RAM_MRS_ALPHA", "RAM_PRESETS", "build_ram_tier", "GPU_OVER_EXCLUSIVE_RAM_MRS_ALPHA",
+    "EXCLUSIVE_RAM_MRS_ALPHA",
     "gpu_mrs_alpha", "OPT_IN_PRESETS", "ram_cache_policy_of", "ram_preset",
     "expert_counts", "hot_keys_from_counts", "parse_budget", "CachePolicy", "SchedulePolicy", "PrefetchPolicy",
     "CostModel", "ExpertCache", "LayerInput", "MRSPolicy", "LRUPolicy", "LFUPolicy", "StaticPolicy", "BeladyPolicy",

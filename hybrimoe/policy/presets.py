@@ -247,6 +247,14 @@ RAM_MRS_ALPHA = 0.1
 #: RAM 25%). Chosen on the three-tier never-worse table (bench/bench_never_worse.py --ram-caches; docs/benchmarks.md):
 #: 0.3, 0.2 and 0.1 changed those rows by under 0.7%, 0.03 left one at 0.988x, 0.01 every row at 0.993x or more.
 GPU_OVER_EXCLUSIVE_RAM_MRS_ALPHA = 0.01
+#: MRS's alpha in an exclusive RAM tier (``hybrimoe-exclusive``'s ``mrs_alpha``). Below a GPU cache that keeps the
+#: most frequently routed experts, the RAM tier ranks the next ones, whose frequencies differ less: at 0.1 (a memory
+#: of about 10 tokens) it ranked them by noise on stationary routing, and the two tiers together held a set worse
+#: than a profiled static hot set on the GPU over the inclusive tier (0.993x on Mixtral-shaped low-locality routing,
+#: RAM 25%). Chosen on the three-tier never-worse table (decode, 63 rows): 0.03 lost 1% on high-locality
+#: Qwen-shaped routing (0.990x), 0.05 left every row at 1.005x or more; starting the scores from the profile as well
+#: gained nothing more.
+EXCLUSIVE_RAM_MRS_ALPHA = 0.05
 #: The RAM tier's presets, for a model larger than host RAM: which experts stay in RAM (``cache``: a cache policy
 #: name, or ``static-frequency`` for a profiled hot set) and how the others arrive from the model file (``reads``:
 #: ``queued`` pread reads that the work needing an expert waits for, or ``faulting`` mmap page faults on the thread
@@ -271,7 +279,7 @@ RAM_PRESETS = {
                             "the GPU (docs/design.md §17)"),
     "hybrimoe-exclusive": dict(cache="mrs", reads="queued", keep=True, lookahead=3, ready_first=True,
                                true_routing=False, baseline=False, streaming=STREAMING_FRACTION, exclusive=True,
-                               mrs_alpha=RAM_MRS_ALPHA, admission="tinylfu",
+                               mrs_alpha=EXCLUSIVE_RAM_MRS_ALPHA, admission="tinylfu",
                                gpu_mrs_alpha=GPU_OVER_EXCLUSIVE_RAM_MRS_ALPHA,
                                about="hybrimoe's RAM tier with exclusive tiers: an expert loaded to the GPU gives up "
                                      "its RAM slot, and one the GPU cache evicts is copied back into RAM (device to "

@@ -213,16 +213,19 @@ def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: in
 RAM_POLICIES = ("mrs", "lru", "lfu", "reuse")
 
 
-def ram_cache_policy(spec) -> "_core.CachePolicy":
+def ram_cache_policy(spec, preset: Optional[str] = None) -> "_core.CachePolicy":
     """The RAM tier's cache policy for ``moe_ram_policy``: None or ``"mrs"`` (MRS, HybriMoE §IV.D, with the RAM
-    presets' longer memory, :data:`hybrimoe.policy.presets.RAM_MRS_ALPHA`), ``"lru"``, ``"lfu"``, ``"reuse"``
+    preset's longer memory: ``preset``'s ``mrs_alpha``, :func:`ram_preset_of`, default ``hybrimoe``,
+    :data:`hybrimoe.policy.presets.RAM_MRS_ALPHA`; ``hybrimoe-exclusive``'s is
+    :data:`hybrimoe.policy.presets.EXCLUSIVE_RAM_MRS_ALPHA`), ``"lru"``, ``"lfu"``, ``"reuse"``
     (``hybrimoe._core.make_cache_policy``) or a ``CachePolicy`` object (Python subclasses too).
 
     Raises:
         ValueError: an unknown name, a clairvoyant policy (``belady`` needs the future), or another type.
     """
+    preset = preset or "hybrimoe"
     if spec is None:
-        return ram_cache_policy_of("hybrimoe")
+        return ram_cache_policy_of(preset)
     if isinstance(spec, _core.CachePolicy):
         return spec
     if isinstance(spec, str):
@@ -233,7 +236,7 @@ def ram_cache_policy(spec) -> "_core.CachePolicy":
         if name not in RAM_POLICIES:
             raise ValueError(f"unknown moe_ram_policy {spec!r} (known: {', '.join(RAM_POLICIES)}, or a CachePolicy "
                              "object)")
-        return ram_cache_policy_of("hybrimoe") if name == "mrs" else _core.make_cache_policy(name)
+        return ram_cache_policy_of(preset) if name == "mrs" else _core.make_cache_policy(name)
     raise ValueError(f"moe_ram_policy must be a policy name ({', '.join(RAM_POLICIES)}) or a CachePolicy, not "
                      f"{type(spec).__name__}")
 
@@ -559,7 +562,8 @@ class EngineSetup:
             ram_auto = isinstance(moe_ram_cache, str) and moe_ram_cache.strip().lower() == "auto"
             ram_n, ram_note = (None, "") if ram_auto else ram_tier.ram_slots(moe_ram_cache, facts, n_ubatch)
             ram = dict(ram_spec=moe_ram_cache, ram_slots=ram_n, ram_note=ram_note,
-                       ram_policy=ram_cache_policy(moe_ram_policy), ram_ranges=ram_tier.expert_file_ranges(facts),
+                       ram_policy=ram_cache_policy(moe_ram_policy, ram_preset_of(True, bool(moe_ram_exclusive))),
+                       ram_ranges=ram_tier.expert_file_ranges(facts),
                        ram_exclusive=bool(moe_ram_exclusive))
         return cls(facts=facts, cache_spec=moe_cache, n_slots=n_slots, slots_note=note, policy_spec=policy_spec,
                    policies=policies, prefetch_layers=prefetch, cost=cost, cost_source=source, device=device,

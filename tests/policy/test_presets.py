@@ -169,6 +169,18 @@ def test_the_gpu_cache_above_an_exclusive_ram_tier_takes_its_alpha(tiny_model):
         assert score_after_one_use(setup.build("hybrimoe", ram)[0]) == pytest.approx(alpha / k), ram
         engine = build_policies("hybrimoe", facts, 8, 3, ram_preset=ram)
         assert score_after_one_use(engine.cache) == pytest.approx(alpha / k), ram
+    # the RAM tier itself: the exclusive preset's MRS remembers longer than the inclusive one's, in the simulator's
+    # RAM cache and in the engine's RAM policy (moe_ram_policy None or "mrs") alike
+    from hybrimoe.runtime.setup import ram_cache_policy
+
+    for ram, alpha in (("hybrimoe-exclusive", pol.EXCLUSIVE_RAM_MRS_ALPHA), ("hybrimoe", pol.RAM_MRS_ALPHA)):
+        assert score_after_one_use(setup.build_ram(ram)[0]) == pytest.approx(alpha / k), ram
+        for spec in (None, "mrs"):
+            mrs = ram_cache_policy(spec, ram)
+            mrs.reset(1, E)
+            mrs.observe(obs(0, [3], top_k=k, n_experts=E))
+            assert mrs.score(0, 3) == pytest.approx(alpha / k), (ram, spec)
+    assert pol.EXCLUSIVE_RAM_MRS_ALPHA == 0.05 and pol.RAM_MRS_ALPHA == 0.1
     # a run of the three-tier table gets it: Setup.run builds its GPU cache with the RAM preset's alpha
     import hybrimoe.sim.simulator as sim
 

@@ -348,7 +348,7 @@ def test_exclusive_tiers_match_upstream_and_hold_each_expert_once(arch, quant, t
     path = tiny_model(arch, quant)
     tokens, ref_out, ref_lg = _reference(path, rpc_server, 1, 9)
     ram, gpu = _budgets(path, 1, "k")
-    got, alpha = {}, {}
+    got, alpha, ram_alpha = {}, {}, {}
     for exclusive in (True, False):
         from hybrimoe import Llama
 
@@ -358,10 +358,13 @@ def test_exclusive_tiers_match_upstream_and_hold_each_expert_once(arch, quant, t
             out, lg = greedy_with_logits(llm, tokens, N_GEN)
             got[exclusive] = (out, lg, llm.moe_stats()["engine"], llm.moe_engine.in_both_tiers())
             alpha[exclusive] = _mrs_alpha(llm.moe_setup.policies.cache.policy, llm.moe_setup.facts)
+            ram_alpha[exclusive] = _mrs_alpha(llm.moe_setup.ram_policy, llm.moe_setup.facts)
         finally:
             llm.close()
     # the GPU cache above an exclusive RAM tier ranks as the simulator's three-tier runs do (presets.gpu_mrs_alpha)
     assert alpha == {True: pytest.approx(0.01), False: pytest.approx(0.5)}
+    # and the RAM tier's MRS as the simulator's RAM presets (hybrimoe-exclusive's mrs_alpha, hybrimoe's)
+    assert ram_alpha == {True: pytest.approx(0.05), False: pytest.approx(0.1)}
     for exclusive, (out, lg, st, both) in got.items():
         assert out == ref_out and np.array_equal(lg, ref_lg), exclusive
         assert st["gpu_experts"] > 0, st
