@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hybrimoe import _core
-from hybrimoe.commands.args import COUNT, FRACTION, POSITIVE, SEED, tensor_split
+from hybrimoe.commands.args import COUNT, FRACTION, POSITIVE, SEED, float_in, tensor_split
 from hybrimoe.envs import PREFETCH_LAYERS, progress_on
 from hybrimoe.model.facts import MODEL_FACTS, ModelFacts, facts_from_gguf
 from hybrimoe.outputs import check_output, write_text
@@ -67,6 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=POSITIVE, default=1, metavar="N",
                         help="decode N requests at once in one batch per step (continuous batching, llama-server's "
                              "-np N): tokens/s is the aggregate, TPOT each stream's (decode only; default 1)")
+    parser.add_argument("--draft", type=COUNT, default=0, metavar="K",
+                        help="speculative decoding: each step verifies the last accepted token and K drafted ones in "
+                             "one ubatch (decode only; 0: none). tokens/s and TPOT count the tokens emitted")
+    parser.add_argument("--acceptance", default="0.7", metavar="A|FILE",
+                        help="with --draft: the probability that the model accepts a draft (each in order until the "
+                             "first rejection), or a file of a recorded run's accepted drafts per step (integers; "
+                             ".npy or text)")
+    parser.add_argument("--draft-cost-ms", type=float_in(0.0), default=0.0, metavar="MS",
+                        help="with --draft: the drafter's milliseconds per drafted token, added to each step "
+                             "(default 0: a multi-token-prediction head counted as free)")
     parser.add_argument("--tensor-split", type=tensor_split, default=None, metavar="N0,N1,...",
                         help="proportions of the layers per GPU, as llama.cpp's -ts (default: equal)")
     parser.add_argument("--moe-ram-cache", default=None, metavar="BUDGET",
@@ -238,6 +248,7 @@ def _setup_maker(args, names: list):
             system_preset(n)
     if args.streams > 1 and args.stage != "decode":
         raise ValueError(f"--streams {args.streams}: streams are concurrent decode streams; give --stage decode")
+    acceptance = _acceptance(args)
     if "," in str(args.moe_cache):
         raise ValueError(f"--moe-cache {args.moe_cache}: simulate gives every GPU the same budget (a share of its "
                          "own layers' experts, or a size each); a list per GPU is run's and serve's")
@@ -271,9 +282,38 @@ def _setup_maker(args, names: list):
                      max_prompts=args.max_prompts, ubatch=args.ubatch, prefetch_depth=args.prefetch_depth,
                      recall=recall, profile_fraction=args.profile_fraction, seed=args.seed, facts=facts,
                      facts_source=source, n_dropped=n_dropped, ram_cache=args.moe_ram_cache, disk=args.disk,
-                     devices=args.devices, tensor_split=args.tensor_split, streams=args.streams)
+                     devices=args.devices, tensor_split=args.tensor_split, streams=args.streams,
+                     draft=args.draft, acceptance=acceptance, draft_cost_s=args.draft_cost_ms / 1e3)
 
     return make_setup, make_setup(args.moe_cache), notes
+
+
+def _acceptance(args):
+    """``--acceptance`` as :class:`Setup` takes it (a probability, or a recorded run's counts), checked with
+    ``--draft``; ValueError naming the flag."""
+    from hybrimoe.sim.speculative import optional_counts
+
+    if not args.draft:
+        if args.draft_cost_ms or args.acceptance != "0.7":
+            raise ValueError("--acceptance and --draft-cost-ms need --draft K (speculative decoding)")
+        return 0.7
+    if args.stage != "decode" or args.streams > 1:
+        raise ValueError(f"--draft {args.draft}: speculative decoding verifies one stream's drafts; give --stage "
+                         "decode and no --streams")
+    try:
+        a = float(args.acceptance)
+    except ValueError:
+        if not Path(args.acceptance).is_file():
+            raise ValueError(f"--acceptance {args.acceptance!r}: neither a probability nor a file of accepted-draft "
+                             "counts") from None
+        counts = optional_counts(args.acceptance)
+        if counts.min() < 0 or counts.max() > args.draft:
+            raise ValueError(f"--acceptance {args.acceptance}: accepted-draft counts must be in [0, --draft "
+                             f"{args.draft}], got {int(counts.min())}..{int(counts.max())}")
+        return counts
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"--acceptance {args.acceptance}: a probability must be in [0, 1]")
+    return a
 
 
 def _report(args, setup: Setup, records: list) -> None:
@@ -284,9 +324,12 @@ def _report(args, setup: Setup, records: list) -> None:
     gpus = f" | {setup.n_devices} GPUs, MoE layers {per}, cache {args.moe_cache} each" if setup.n_devices > 1 else ""
     if setup.streams > 1:
         gpus += f" | {setup.streams} streams per step (tokens/s in all, TPOT per stream)"
+    if setup.draft:
+        per = records[0]["tokens_per_step"] if records else 0.0
+        gpus += f" | {setup.draft} drafts per step, {per:.2f} tokens emitted per step"
     print(f"hybrimoe simulate: {setup.trace.path or 'trace'} | {setup.hw.name}{gpus} | cache {args.moe_cache} "
           f"({setup.budget / 1e9:.2f} GB in all){ram} | {args.stage} | "
-          f"{'steps' if setup.streams > 1 else 'prompts'} {setup.first}..{setup.end} | "
+          f"{'steps' if setup.streams > 1 or setup.draft else 'prompts'} {setup.first}..{setup.end} | "
           f"{records[0]['tokens'] if records else 0} tokens")
     print(format_table(records))
     a = setup.assumptions(records[0]["policy"])

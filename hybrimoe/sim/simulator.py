@@ -67,6 +67,7 @@ from hybrimoe.policy.presets import (
     system_preset,
 )
 from hybrimoe.policy.profile import expert_counts, hot_keys_from_counts
+from hybrimoe.sim import speculative
 from hybrimoe.sim.streams import streams_trace
 from hybrimoe.traces.format import PHASE_DECODE, PHASE_PREFILL, RoutingTrace
 
@@ -165,6 +166,12 @@ class Setup:
     one token of each of ``streams`` requests in one ubatch; the records' ``tpot_s`` is then each stream's time per
     token (the mean step) and ``tokens_per_s`` the aggregate. Only with ``stage="decode"``.
 
+    ``draft``: speculative decoding (:mod:`hybrimoe.sim.speculative`): each step verifies the last accepted token and
+    ``draft`` drafted ones in one ubatch, of which ``acceptance`` (a probability per draft, or a recorded run's
+    accepted drafts per step) are kept; ``draft_cost_s``: the drafter's seconds per drafted token, added to each
+    step. The records' ``tokens`` are then the tokens emitted, ``tokens_per_s`` and ``tpot_s`` per emitted token,
+    ``verified_tokens`` the rows verified. Only with ``stage="decode"`` and one stream.
+
     ``ram_cache``: the host RAM for routed experts (``"25%"`` of their bytes, ``"12GiB"``, bytes; as
     ``--moe-ram-cache``), for a model larger than RAM: runs then simulate the RAM tier (:meth:`run`'s ``ram``), with
     ``disk``'s figures (a disk file name or path, :func:`hybrimoe.policy.hardware.load_disk`; default
@@ -184,7 +191,8 @@ class Setup:
                  recall: Sequence[float] = _core.DEFAULT_PREDICTOR_RECALL, profile_fraction: float = 0.2, seed: int = 1,
                  facts: Optional[ModelFacts] = None, facts_source: str = "", n_dropped: int = 0,
                  core_trace=None, ram_cache=None, disk: Optional[str] = None, devices: Optional[int] = None,
-                 tensor_split: Optional[Sequence[float]] = None, streams: int = 1):
+                 tensor_split: Optional[Sequence[float]] = None, streams: int = 1, draft: int = 0,
+                 acceptance=0.7, draft_cost_s: float = 0.0):
         if stage not in ("decode", "prefill"):
             raise ValueError(f"stage must be 'decode' or 'prefill', got {stage!r}")
         if not (0.0 <= profile_fraction < 1.0):
@@ -209,6 +217,18 @@ class Setup:
             # each step one ubatch of the streams' tokens (the simulator's prefill mechanics, ubatch = streams)
             trace = streams_trace(trace, self.streams)
             stage, ubatch = "prefill", self.streams
+        self.draft, self.acceptance, self.draft_cost_s, self.emitted = int(draft), acceptance, float(draft_cost_s), None
+        if self.draft:
+            if stage != "decode" or self.streams > 1:
+                raise ValueError(f"draft {draft}: speculative decoding verifies one stream's drafts: stage 'decode' "
+                                 f"and one stream, not {stage!r} with {self.streams}")
+            if core_trace is not None:
+                raise ValueError("draft-and-verify steps regroup the trace's tokens: give no core_trace")
+            if not (math.isfinite(self.draft_cost_s) and self.draft_cost_s >= 0.0):
+                raise ValueError(f"draft_cost_s must be >= 0 seconds, got {draft_cost_s!r}")
+            # each step one ubatch of the last accepted token and the drafts (prefill mechanics, ubatch = draft + 1)
+            trace, self.emitted = speculative.speculative_trace(trace, self.draft, acceptance, seed=seed)
+            stage, ubatch = "prefill", self.draft + 1
         self.phased = trace.phases is not None
         trace = stage_tokens(trace, stage)
         self.facts_source = facts_source or "given"
@@ -378,6 +398,8 @@ class Setup:
 
     def stage_model(self) -> str:
         """How this run's stage uses the trace's tokens (the records' ``assumptions.stage_model``)."""
+        if self.draft:
+            return speculative.describe(self.draft, self.acceptance, self.draft_cost_s)
         if self.streams > 1:
             return (f"decode in {self.streams} concurrent streams: each step one ubatch of one decode token of every "
                     "active stream; a stream whose prompt ended takes the next prompt (hybrimoe.sim.streams)")
@@ -587,7 +609,18 @@ def record(name: str, res, setup: Setup, ram: Optional[str] = None) -> dict:
         "layer_moe_s": list(res.layer_moe_s),
         "assumptions": setup.assumptions(name) if name in SYSTEM_PRESETS else {},
     }
-    if setup.streams > 1:
+    if setup.draft:
+        # each step verifies draft + 1 rows and emits its accepted drafts and one token of the target's; the drafter's
+        # time per drafted token is added to every step
+        n = int(res.prompts)
+        emitted = int(setup.emitted[setup.first:setup.first + n].sum())
+        total = res.total_s + n * setup.draft * setup.draft_cost_s
+        rec.update(stage="decode", draft=setup.draft, draft_cost_s=setup.draft_cost_s, steps=n,
+                   acceptance=(float(setup.acceptance) if isinstance(setup.acceptance, (int, float))
+                               else "recorded"),
+                   tokens=emitted, verified_tokens=res.tokens, tokens_per_step=emitted / max(n, 1), total_s=total,
+                   tokens_per_s=emitted / total if total > 0 else 0.0, tpot_s=total / max(emitted, 1))
+    elif setup.streams > 1:
         # each step decodes one token of every stream: its mean time is each stream's time per token
         rec.update(stage="decode", streams=setup.streams, tpot_s=res.ttft_s)
     elif res.stage == "decode":

@@ -1,0 +1,125 @@
+"""Speculative decoding in the simulator (hybrimoe.sim.speculative, simulate --draft): the draft-and-verify steps
+and what the simulator makes of them. Oracles: the verification rule (drafts kept up to the first rejection, then
+one token of the target's; Leviathan et al., ICML 2023) checked step by step, its expected tokens per step (their
+eq. 1) against the draws' mean, and the simulator's own plain decode of the same trace."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybrimoe.policy.hardware import load_hardware
+from hybrimoe.sim.simulator import Setup
+from hybrimoe.sim.speculative import expected_tokens_per_step, speculative_steps, speculative_trace
+from hybrimoe.traces.synthetic import synthetic_trace
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=6), draft=st.integers(1, 5),
+       acceptance=st.floats(0.0, 1.0), seed=st.integers(0, 3))
+def test_steps_verify_the_drafts_and_advance_by_what_they_emit(lengths, draft, acceptance, seed):
+    offs = np.concatenate([[0], np.cumsum(lengths)])
+    order, steps, emitted = speculative_steps(offs, draft, acceptance, seed=seed)
+    assert steps[0] == 0 and steps[-1] == len(order) and len(emitted) == len(steps) - 1
+    # every token is emitted once: the steps of each prompt cover it without gaps or overlaps
+    assert emitted.sum() == offs[-1]
+    pos = 0
+    for i in range(len(emitted)):
+        rows = order[steps[i]:steps[i + 1]]
+        prompt = int(np.searchsorted(offs, rows[0], side="right") - 1)
+        end = int(offs[prompt + 1])
+        if rows[0] == offs[prompt]:
+            pos = rows[0]  # a new prompt starts at its first token
+        assert rows[0] == pos, "a step starts at the token after the last one emitted"
+        # the last accepted token and the drafts, consecutive, never past the prompt's end
+        assert np.array_equal(rows, np.arange(pos, pos + min(draft + 1, end - pos)))
+        assert 1 <= emitted[i] <= len(rows)
+        pos += int(emitted[i])
+    if acceptance == 1.0:
+        assert all(e == len(order[a:b]) for e, a, b in zip(emitted, steps[:-1], steps[1:]))
+    if acceptance == 0.0:
+        assert (emitted == 1).all()
+
+
+@pytest.mark.parametrize("draft, acceptance", [(1, 0.5), (3, 0.7), (4, 0.9)])
+def test_tokens_per_step_follow_the_i_i_d_acceptance_model(draft, acceptance):
+    # one long prompt: no prompt end clips a step
+    _, _, emitted = speculative_steps([0, 200_000], draft, acceptance, seed=1)
+    want = expected_tokens_per_step(draft, acceptance)
+    assert abs(emitted[:-2].mean() - want) < 0.02 * want
+    # each step's accepted drafts: geometric, truncated at the draft count
+    acc = emitted[:-2] - 1
+    assert abs((acc == 0).mean() - (1 - acceptance)) < 0.01
+    assert abs((acc == draft).mean() - acceptance ** draft) < 0.01
+
+
+def test_a_recorded_run_s_counts_repeat_and_prompt_ends_clip_them():
+    _, steps, emitted = speculative_steps([0, 10, 13], 3, [3, 0, 2])
+    # prompt 1 (10 tokens): 4, 1, 3, then 2 tokens left (counts 3 clipped to 1 draft: 2 rows, 2 emitted)
+    assert list(emitted) == [4, 1, 3, 2, 1, 2]
+    assert list(np.diff(steps)) == [4, 4, 4, 2, 3, 2]
+    for bad, msg in ((1.5, "probability"), (-0.1, "probability"), ([4], r"\[0, draft=3\]"), ([], "non-empty"),
+                     ([0.5], "integers")):
+        with pytest.raises(ValueError, match=msg):
+            speculative_steps([0, 10], 3, bad)
+    with pytest.raises(ValueError, match="draft must be an integer >= 1"):
+        speculative_steps([0, 10], 0, 0.5)
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return synthetic_trace("deepseek-v3", 900, locality="high", seed=3)
+
+
+def test_the_simulator_counts_emitted_tokens_and_the_drafter_s_time(trace):
+    hw = load_hardware("rtx4090-desktop")
+    s = Setup(trace, hw, "25%", "decode", max_tokens=400, draft=3, acceptance=0.6, seed=2)
+    r = s.run("hybrimoe")
+    spec, emitted = speculative_trace(trace, 3, 0.6, seed=2)
+    n = r["steps"]
+    assert r["stage"] == "decode" and r["draft"] == 3 and r["prompts"] == n
+    assert r["tokens"] == int(emitted[s.first:s.first + n].sum()) == int(s.emitted[s.first:s.first + n].sum())
+    assert r["verified_tokens"] == int(spec.prompt_offsets[s.first + n] - spec.prompt_offsets[s.first])
+    assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["total_s"])
+    assert r["tpot_s"] == pytest.approx(r["total_s"] / r["tokens"])
+    assert "speculative decode" in s.stage_model()
+    # the drafter's time: each step pays draft x its cost per drafted token
+    c = Setup(trace, hw, "25%", "decode", max_tokens=400, draft=3, acceptance=0.6, seed=2, draft_cost_s=0.002)
+    rc = c.run("hybrimoe")
+    assert rc["total_s"] == pytest.approx(r["total_s"] + n * 3 * 0.002)
+    with pytest.raises(ValueError, match="stage 'decode' and one stream"):
+        Setup(trace, hw, "25%", "prefill", draft=3)
+    with pytest.raises(ValueError, match="draft_cost_s must be >= 0"):
+        Setup(trace, hw, "25%", "decode", draft=3, draft_cost_s=-1.0)
+
+
+def test_drafting_pays_when_drafts_are_accepted_and_costs_when_they_are_not(trace):
+    """Plain decode of the same trace is the oracle: verifying the next tokens in one ubatch plans the union of their
+    experts once, so with every draft accepted a step emits 4 tokens for less than 4 steps' time; with none accepted
+    it emits 1 token for a 4-row step."""
+    hw = load_hardware("rtx4090-desktop")
+    for preset in ("hybrimoe", "upstream-ncmoe"):
+        plain = Setup(trace, hw, "25%", "decode", max_tokens=400).run(preset)["tokens_per_s"]
+        rate = {a: Setup(trace, hw, "25%", "decode", max_tokens=400, draft=3, acceptance=a).run(preset)["tokens_per_s"]
+                for a in (0.0, 1.0)}
+        assert rate[1.0] > 1.1 * plain > 1.1 * rate[0.0], (preset, plain, rate)
+
+
+def test_simulate_draft_flags(tmp_path):
+    base = [sys.executable, "-m", "hybrimoe", "simulate", "--stage", "decode", "--max-tokens", "200"]
+
+    def run(*extra):
+        return subprocess.run(base + list(extra), capture_output=True, text=True, cwd=tmp_path)
+
+    p = run("--draft", "2", "--acceptance", "0.8", "--policies", "hybrimoe")
+    assert p.returncode == 0, p.stderr
+    assert "2 drafts per step" in p.stdout and "speculative decode" in p.stdout
+    for args, msg in ((("--acceptance", "0.5"), "need --draft"), (("--draft", "2", "--acceptance", "2"), "[0, 1]"),
+                      (("--draft", "2", "--acceptance", "nofile"), "neither a probability nor a file"),
+                      (("--draft", "2", "--streams", "2"), "one stream's drafts")):
+        p = run(*args)
+        assert p.returncode != 0 and msg in p.stderr, (args, p.stderr)
