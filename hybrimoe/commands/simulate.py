@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hybrimoe import _core
-from hybrimoe.commands.args import COUNT, FRACTION, POSITIVE, SEED, float_in, tensor_split
+from hybrimoe.commands.args import COUNT, FRACTION, POSITIVE, SEED, float_in, int_in, tensor_split
 from hybrimoe.envs import PREFETCH_LAYERS, progress_on
 from hybrimoe.model.facts import MODEL_FACTS, ModelFacts, facts_from_gguf
 from hybrimoe.outputs import check_output, write_text
@@ -24,6 +24,7 @@ from hybrimoe.policy.hardware import disk_names, hardware_names, load_disk, load
 from hybrimoe.policy.presets import RAM_PRESETS, SYSTEM_PRESETS, ram_preset, system_preset
 from hybrimoe.sim.plots import PLOT_FILES, write_plots
 from hybrimoe.sim.simulator import DEFAULT_DISK, TS_NCMOE, Setup, cache_hit_rates, format_table
+from hybrimoe.sim.speculative import MAX_DRAFT
 from hybrimoe.traces.format import RoutingTrace, default_trace_path, load_trace
 
 HELP = "trace-driven comparison of expert placement policies"
@@ -67,13 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=POSITIVE, default=1, metavar="N",
                         help="decode N requests at once in one batch per step (continuous batching, llama-server's "
                              "-np N): tokens/s is the aggregate, TPOT each stream's (decode only; default 1)")
-    parser.add_argument("--draft", type=COUNT, default=0, metavar="K",
+    parser.add_argument("--draft", type=int_in(0, MAX_DRAFT), default=0, metavar="K",
                         help="speculative decoding: each step verifies the last accepted token and K drafted ones in "
-                             "one ubatch (decode only; 0: none). tokens/s and TPOT count the tokens emitted")
-    parser.add_argument("--acceptance", default="0.7", metavar="A|FILE",
+                             f"one ubatch (decode only; 0: none; at most {MAX_DRAFT}). tokens/s and TPOT count the "
+                             "tokens emitted; --max-tokens and --max-prompts count the rows verified and the steps")
+    parser.add_argument("--acceptance", default=None, metavar="A|FILE",
                         help="with --draft: the probability that the model accepts a draft (each in order until the "
-                             "first rejection), or a file of a recorded run's accepted drafts per step (integers; "
-                             ".npy or text)")
+                             "first rejection; default 0.7), or a file of a recorded run's accepted drafts per step "
+                             "(integers; .npy or text)")
     parser.add_argument("--draft-cost-ms", type=float_in(0.0), default=0.0, metavar="MS",
                         help="with --draft: the drafter's milliseconds per drafted token, added to each step "
                              "(default 0: a multi-token-prediction head counted as free)")
@@ -294,8 +296,10 @@ def _acceptance(args):
     from hybrimoe.sim.speculative import optional_counts
 
     if not args.draft:
-        if args.draft_cost_ms or args.acceptance != "0.7":
+        if args.draft_cost_ms or args.acceptance is not None:
             raise ValueError("--acceptance and --draft-cost-ms need --draft K (speculative decoding)")
+        return 0.7
+    if args.acceptance is None:
         return 0.7
     if args.stage != "decode" or args.streams > 1:
         raise ValueError(f"--draft {args.draft}: speculative decoding verifies one stream's drafts; give --stage "

@@ -252,7 +252,7 @@ GPU_OVER_EXCLUSIVE_RAM_MRS_ALPHA = 0.01
 #: of about 10 tokens) it ranked them by noise on stationary routing, and the two tiers together held a set worse
 #: than a profiled static hot set on the GPU over the inclusive tier (0.993x on Mixtral-shaped low-locality routing,
 #: RAM 25%). Chosen on the three-tier never-worse table (decode, 63 rows): 0.03 lost 1% on high-locality
-#: Qwen-shaped routing (0.990x), 0.05 left every row at 1.005x or more; starting the scores from the profile as well
+#: Qwen-shaped routing (0.990x), 0.05 left every row at 1.006x or more; starting the scores from the profile as well
 #: gained nothing more.
 EXCLUSIVE_RAM_MRS_ALPHA = 0.05
 #: The RAM tier's presets, for a model larger than host RAM: which experts stay in RAM (``cache``: a cache policy

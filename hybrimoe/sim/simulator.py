@@ -39,6 +39,7 @@ reproduces its decisions. This package never imports the runtime (llama.cpp).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Sequence
 
 import numpy as np
@@ -226,8 +227,11 @@ class Setup:
                 raise ValueError("draft-and-verify steps regroup the trace's tokens: give no core_trace")
             if not (math.isfinite(self.draft_cost_s) and self.draft_cost_s >= 0.0):
                 raise ValueError(f"draft_cost_s must be >= 0 seconds, got {draft_cost_s!r}")
-            # each step one ubatch of the last accepted token and the drafts (prefill mechanics, ubatch = draft + 1)
-            trace, self.emitted = speculative.speculative_trace(trace, self.draft, acceptance, seed=seed)
+            # each step one ubatch of the last accepted token and the drafts (prefill mechanics, ubatch = draft + 1);
+            # the profile and the first evaluated step follow the decode tokens' own prompts (below)
+            plain = stage_tokens(trace, "decode")
+            trace, self.emitted, self.step_prompt = speculative.speculative_trace(trace, self.draft, acceptance,
+                                                                                  seed=seed)
             stage, ubatch = "prefill", self.draft + 1
         self.phased = trace.phases is not None
         trace = stage_tokens(trace, stage)
@@ -273,6 +277,12 @@ class Setup:
                 set_disk(self.planner, self.disk)
         n = trace.n_prompts
         self.first = int(math.floor(profile_fraction * n))
+        if self.draft:
+            # the profiling prompts are the decode trace's, as plain decode's: the steps from the first step of the
+            # first prompt after them are evaluated (a step's first row gives its prompt), and the profile counts
+            # the decode tokens of the profiling prompts, each once (a rejected draft's row is verified again)
+            p_first = int(math.floor(profile_fraction * plain.n_prompts))
+            self.first = int(np.searchsorted(self.step_prompt, p_first, side="left"))
         if self.first >= n:
             raise ValueError("no prompts left after profiling")
         self.end = n if max_prompts == 0 else min(n, self.first + max_prompts)
@@ -285,9 +295,12 @@ class Setup:
         self.cfg.max_tokens = max_tokens
         self.cfg.validate()
         self.recall = list(recall)
-        # Profile: activations per (layer, expert) over the profiling prompts.
-        end_tok = int(trace.prompt_offsets[self.first])
-        self.profile = expert_counts(trace.expert_ids[:end_tok], trace.num_experts)
+        # Profile: activations per (layer, expert) over the profiling prompts (with drafting, their decode tokens).
+        if self.draft:
+            prof = plain.expert_ids[:int(plain.prompt_offsets[p_first])]
+        else:
+            prof = trace.expert_ids[:int(trace.prompt_offsets[self.first])]
+        self.profile = expert_counts(prof, trace.num_experts)
         self.hot_keys = hot_keys_from_counts(self.profile)
         self._first_use: Optional[list] = None
 
@@ -614,9 +627,10 @@ def record(name: str, res, setup: Setup, ram: Optional[str] = None) -> dict:
         # time per drafted token is added to every step
         n = int(res.prompts)
         emitted = int(setup.emitted[setup.first:setup.first + n].sum())
-        total = res.total_s + n * setup.draft * setup.draft_cost_s
+        # the drafts drafted: the verified rows but each step's first (the last accepted token)
+        total = res.total_s + (res.tokens - n) * setup.draft_cost_s
         rec.update(stage="decode", draft=setup.draft, draft_cost_s=setup.draft_cost_s, steps=n,
-                   acceptance=(float(setup.acceptance) if isinstance(setup.acceptance, (int, float))
+                   acceptance=(float(setup.acceptance) if isinstance(setup.acceptance, numbers.Real)
                                else "recorded"),
                    tokens=emitted, verified_tokens=res.tokens, tokens_per_step=emitted / max(n, 1), total_s=total,
                    tokens_per_s=emitted / total if total > 0 else 0.0, tpot_s=total / max(emitted, 1))
@@ -629,7 +643,7 @@ def record(name: str, res, setup: Setup, ram: Optional[str] = None) -> dict:
         rec["ttft_s"] = res.ttft_s
     if ram is not None:
         rs = res.ram_cache
-        tokens = max(res.tokens, 1)
+        tokens = max(int(rec["tokens"]), 1)  # with drafting, the tokens emitted
         rec.update({
             "ram_policy": ram,
             "moe_ram_cache": str(setup.ram_spec),

@@ -19,6 +19,7 @@ step never crosses a prompt's end: the last step of a prompt drafts only the tok
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import replace
 from typing import Optional, Sequence, Union
 
@@ -26,29 +27,33 @@ import numpy as np
 
 from hybrimoe.traces.format import PHASE_DECODE, RoutingTrace
 
+#: the most drafted tokens per step taken (a verification ubatch of up to 65 rows)
+MAX_DRAFT = 64
 #: the assumption the records state about rejected drafts' routing
 REJECTED_DRAFTS = ("a rejected draft's routing is the trace's token at its position (the real draft token is "
                    "another one, whose routing the trace does not hold)")
 
 
 def _checked_draft(draft) -> int:
-    if isinstance(draft, bool) or not isinstance(draft, (int, np.integer)) or draft < 1:
-        raise ValueError(f"draft must be an integer >= 1 (drafted tokens per step), got {draft!r}")
+    """``draft`` as an int in ``[1, MAX_DRAFT]``; ValueError otherwise."""
+    if isinstance(draft, bool) or not isinstance(draft, (int, np.integer)) or not 1 <= draft <= MAX_DRAFT:
+        raise ValueError(f"draft must be an integer in [1, {MAX_DRAFT}] (drafted tokens per step), got {draft!r}")
     return int(draft)
 
 
 def _accepted_counts(acceptance: Union[float, Sequence[int]], draft: int, seed: int):
-    """A callable giving each step's accepted drafts (before the prompt's end clips them)."""
-    if isinstance(acceptance, (int, float)) and not isinstance(acceptance, bool):
+    """A callable ``draw(i, m)`` giving step i's accepted drafts of the ``m`` it drafts (m <= draft: the prompt's end
+    may leave fewer)."""
+    if isinstance(acceptance, numbers.Real) and not isinstance(acceptance, bool):
         a = float(acceptance)
         if not 0.0 <= a <= 1.0:
             raise ValueError(f"acceptance must be a probability in [0, 1], got {acceptance!r}")
         rng = np.random.default_rng(seed)
 
-        def draw(_i: int) -> int:
+        def draw(_i: int, m: int) -> int:
             # the drafts are accepted in order until the first rejection (i.i.d. per draft)
-            ok = rng.random(draft) < a
-            return int(draft if ok.all() else np.argmin(ok))
+            ok = rng.random(m) < a
+            return int(m if ok.all() else np.argmin(ok))
         return draw
     counts = np.asarray(acceptance)
     if counts.ndim != 1 or counts.size == 0 or not np.issubdtype(counts.dtype, np.integer):
@@ -57,16 +62,18 @@ def _accepted_counts(acceptance: Union[float, Sequence[int]], draft: int, seed: 
     if counts.min() < 0 or counts.max() > draft:
         raise ValueError(f"recorded accepted-draft counts must be in [0, draft={draft}], got {int(counts.min())}.."
                          f"{int(counts.max())}")
-    return lambda i: int(counts[i % counts.size])
+    return lambda i, m: min(int(counts[i % counts.size]), m)
 
 
 def speculative_trace(trace: RoutingTrace, draft: int, acceptance: Union[float, Sequence[int]], *,
-                      seed: int = 0) -> tuple[RoutingTrace, np.ndarray]:
+                      seed: int = 0) -> tuple[RoutingTrace, np.ndarray, np.ndarray]:
     """The decode tokens of ``trace`` (its decode-phase tokens when it has phases, else all) regrouped into
-    draft-and-verify steps: ``(steps trace, emitted)``. The steps trace's "prompts" are the verification ubatches,
-    tokens of one step consecutive (the last accepted token, then the drafts), phases left out; ``emitted[i]``
-    (int64, one per step) is the tokens step i emits: its accepted drafts plus the target's own token. The emitted
-    tokens of every step sum to the decode tokens, and each step starts at the token after the last one emitted.
+    draft-and-verify steps: ``(steps trace, emitted, step_prompt)``. The steps trace's "prompts" are the
+    verification ubatches, tokens of one step consecutive (the last accepted token, then the drafts), phases left
+    out; ``emitted[i]`` (int64, one per step) is the tokens step i emits: its accepted drafts plus the target's own
+    token. The emitted tokens of every step sum to the decode tokens, and each step starts at the token after the
+    last one emitted.
+    ``step_prompt[i]`` (int64) is step i's prompt in the decode tokens (the steps of a prompt are consecutive).
 
     ``draft``: drafted tokens per step (>= 1). ``acceptance``: the probability that the target accepts a draft
     (each draft independently, in order until the first rejection; seeded by ``seed``), or a recorded run's accepted
@@ -87,15 +94,16 @@ def speculative_trace(trace: RoutingTrace, draft: int, acceptance: Union[float, 
     order, steps, emitted = speculative_steps(offs, draft, acceptance, seed=seed)
     out = replace(trace, expert_ids=trace.expert_ids[order], prompt_offsets=steps,
                   router_scores=None if trace.router_scores is None else trace.router_scores[order], phases=None)
-    return out, emitted
+    step_prompt = np.searchsorted(offs, order[steps[:-1]], side="right").astype(np.int64) - 1
+    return out, emitted, step_prompt
 
 
 def speculative_steps(prompt_offsets, draft: int, acceptance: Union[float, Sequence[int]], *,
                       seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The draft-and-verify steps over prompts of the given token offsets (``[n_prompts + 1]``): ``(order,
     step_offsets, emitted)``, all int64: the token index of every verified row, step after step; where each step's
-    rows start (``[n_steps + 1]``); and the tokens each step emits. Arguments and errors as
-    :func:`speculative_trace`'s."""
+    rows start (``[n_steps + 1]``); and the tokens each step emits. A step's prompt is that of its first row.
+    Arguments and errors as :func:`speculative_trace`'s."""
     draft = _checked_draft(draft)
     offs = np.asarray(prompt_offsets, dtype=np.int64)
     draw = _accepted_counts(acceptance, draft, seed)
@@ -107,7 +115,7 @@ def speculative_steps(prompt_offsets, draft: int, acceptance: Union[float, Seque
         p = a
         while p < b:
             rows = min(draft + 1, b - p)      # the last accepted token and the drafts the prompt has room for
-            got = min(draw(i), rows - 1) + 1  # accepted drafts, then the target's own token
+            got = draw(i, rows - 1) + 1       # accepted drafts, then the target's own token
             i += 1
             order.extend(range(p, p + rows))
             steps.append(len(order))
@@ -127,7 +135,7 @@ def expected_tokens_per_step(draft: int, acceptance: float) -> float:
 def describe(draft: int, acceptance: Union[float, Sequence[int]], draft_cost_s: float) -> str:
     """The records' ``stage_model`` for a speculative run."""
     acc = (f"each draft accepted with probability {float(acceptance):g} until the first rejection"
-           if isinstance(acceptance, (int, float)) else f"accepted drafts per step from a recorded run of "
+           if isinstance(acceptance, numbers.Real) else f"accepted drafts per step from a recorded run of "
            f"{len(acceptance)} steps")
     cost = (f"; the drafter costs {draft_cost_s * 1e3:g} ms per drafted token, added to each step"
             if draft_cost_s else "; the drafter's own time is not counted (draft cost 0)")
