@@ -123,8 +123,9 @@ void bind_expert_cache(py::module_ & m) {
     py::classh<ReusePolicy, CachePolicy>(m, "ReusePolicy",
                                          "Reuse prediction: per (layer, expert) the probability of use within the "
                                          "next `horizon` visits of its layer, from an online logistic regression "
-                                         "(SGD step `rate`) over MRS scores at alpha 0.5, 0.1 and 0.01, use now and "
-                                         "recency; starts ranking as MRS. ValueError: horizon < 1 or rate <= 0.")
+                                         "(SGD step `rate`) over MRS scores at alpha 0.5, 0.1 and 0.01, use now, "
+                                         "recency and how often it follows this visit's experts; starts ranking as "
+                                         "MRS. ValueError: horizon < 1 or rate <= 0.")
         .def(py::init<int, double>(), py::arg("horizon") = 4, py::arg("rate") = 0.01)
         .def("probability", &ReusePolicy::probability, py::arg("layer"), py::arg("expert"))
         .def("weights", &ReusePolicy::weights)

@@ -47,7 +47,15 @@ void ReusePolicy::reset(int n_layers, int n_experts) {
     last_use_.assign(n, -1);
     visits_.assign(static_cast<size_t>(n_layers), 0);
     snap_.assign(n * static_cast<size_t>(horizon_) * kFeatures, 0.0f);
-    prob_.assign(n, sigmoid(kBias0));
+    follow_.assign(n * static_cast<size_t>(n_experts), 0.0f);
+    recency_.resize(static_cast<size_t>(32) * horizon_ + 1);
+    for (size_t a = 0; a < recency_.size(); ++a) {
+        recency_[a] = static_cast<float>(std::exp2(-double(a) / horizon_));
+    }
+    follow_n_.assign(n, 0.0f);
+    prev_.assign(n, 0);
+    prev_n_.assign(static_cast<size_t>(n_layers), 0);
+    logit_.assign(n, kBias0);
     samples_ = positives_ = 0;
     loss_sum_ = brier_sum_ = 0.0;
     touch(-1);
@@ -57,13 +65,14 @@ double ReusePolicy::probability(int layer, int expert) const {
     if (layer < 0 || layer >= n_layers_ || expert < 0 || expert >= n_experts_) {
         throw std::out_of_range("ReusePolicy.probability: (layer, expert) out of range");
     }
-    return prob_[static_cast<size_t>(layer) * n_experts_ + expert];
+    return sigmoid(logit_[static_cast<size_t>(layer) * n_experts_ + expert]);
 }
 
 size_t ReusePolicy::bytes_per_layer() const {
     const size_t per_expert = 3 * sizeof(double) + sizeof(int64_t) + sizeof(double) +
-                              static_cast<size_t>(horizon_) * kFeatures * sizeof(float);
-    return per_expert * static_cast<size_t>(n_experts_) + sizeof(int64_t);
+                              static_cast<size_t>(horizon_) * kFeatures * sizeof(float) +
+                              (static_cast<size_t>(n_experts_) + 1) * sizeof(float) + sizeof(int32_t);
+    return per_expert * static_cast<size_t>(n_experts_) + sizeof(int64_t) + sizeof(int32_t);
 }
 
 void ReusePolicy::observe(const LayerObservation & obs) {
@@ -95,6 +104,31 @@ void ReusePolicy::observe(const LayerObservation & obs) {
         }
     }
     const size_t base = static_cast<size_t>(l) * E;
+    // the transitions from the last visit's experts to this visit's (feature 6's counts), then this visit's set
+    // becomes the last one (a ubatch's distinct experts). Only between visits of a few tokens (decode): a prefill
+    // ubatch uses most experts, follows nothing and would cost n_experts^2 per visit
+    int32_t * prev = prev_.data() + base;
+    const bool small = n_tok <= kFollowMaxTokens;
+    for (int32_t i = 0; small && i < prev_n_[l]; ++i) {
+        const size_t row = (base + prev[i]) * E;
+        follow_n_[base + prev[i]] += 1.0f;
+        for (int32_t b : obs.experts) follow_[row + b] += 1.0f;
+    }
+    prev_n_[l] = 0;
+    if (small) {
+        for (int32_t e : obs.experts) {
+            if (std::find(prev, prev + prev_n_[l], e) == prev + prev_n_[l]) prev[prev_n_[l]++] = e;
+        }
+    }
+    // feature 6 of every expert: the mean over this visit's experts a of count(a, then b) / count(a)
+    fol_.assign(static_cast<size_t>(E), 0.0);
+    for (int32_t i = 0; i < prev_n_[l]; ++i) {
+        const float n = follow_n_[base + prev[i]];
+        if (n <= 0.0f) continue;
+        const float * row = follow_.data() + (base + prev[i]) * E;
+        const double inv = 1.0 / (double(n) * prev_n_[l]);
+        for (int b = 0; b < E; ++b) fol_[b] += row[b] * inv;
+    }
     const int64_t t = visits_[l]++;
     for (int32_t e : obs.experts) last_use_[base + e] = t;
     for (int e = 0; e < E; ++e) {
@@ -132,10 +166,12 @@ void ReusePolicy::observe(const LayerObservation & obs) {
         f[2] = static_cast<float>(mid_[i]);
         f[3] = static_cast<float>(slow_[i]);
         f[4] = last == t ? 1.0f : 0.0f;
-        f[5] = last < 0 ? 0.0f : static_cast<float>(std::exp2(-double(t - last) / horizon_));
+        f[5] = last < 0 || t - last >= static_cast<int64_t>(recency_.size()) ? 0.0f
+                                                                          : recency_[static_cast<size_t>(t - last)];
+        f[6] = static_cast<float>(fol_[e]);
         double z = 0.0;
         for (int j = 0; j < kFeatures; ++j) z += w_[j] * f[j];
-        prob_[i] = sigmoid(z);
+        logit_[i] = z;
     }
     touch(l);
 }

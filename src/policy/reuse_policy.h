@@ -17,14 +17,20 @@
 //   2  the same with alpha 0.1 (about ten visits)
 //   3  the same with alpha 0.01 (about a hundred: the long-run frequency)
 //   4  used at this visit (0 or 1)
-//   5  recency: 2^-(visits since the last use / horizon), 0 before the first use
+//   5  recency: 2^-(visits since the last use / horizon), 0 before the first use and after 32 horizons (a table)
+//   6  follows: how often the expert was used at the visit after one that used the experts this visit uses, the
+//      mean over them of count(used next | used) / count(used) (a first-order transition estimate per layer,
+//      learned online; 0 before any)
 // A visit's score of an expert is its mean router probability over the ubatch's tokens where the router's scores
 // are given, else load / (n_tokens * top_k), as MRS's fallback.
 //
-// Memory (bytes_per_layer): per expert three scores, a last-use index and a probability (40 bytes) and `horizon`
-// snapshots of its 6 features (floats): at horizon 4, 136 bytes per expert, 8.7 KB for a layer of 64 experts, 35 KB
-// for 256, 70 KB for 512; no co-occurrence table. Cost per visit: the features, one prediction and one SGD step per
-// expert of the layer, O(n_experts x 6).
+// Memory (bytes_per_layer): per expert three scores, a last-use index and a probability (40 bytes), `horizon`
+// snapshots of its 7 features (floats), a row of the transition table (n_experts floats and a count) and a slot of
+// the last visit's experts (4 bytes): at horizon 4, 160 + 4 n_experts bytes per expert: 26 KB for a layer of 64
+// experts, 303 KB for 256, 1.1 MB for 512. Cost per visit: the transition counts of the last visit's experts times
+// this visit's (decode), the features (feature 6: this visit's experts times n_experts), one SGD step (one
+// exponential) and one prediction per expert of the layer. The cache ranks by the prediction's logit (the same
+// order as the probability; no exponential).
 #pragma once
 
 #include "policy/expert_cache.h"
@@ -38,7 +44,10 @@ namespace hybrimoe {
 
 class ReusePolicy : public CachePolicy {
 public:
-    static constexpr int kFeatures = 6;
+    static constexpr int kFeatures = 7;
+    /// visits of at most this many tokens count transitions (feature 6); a larger ubatch (prefill) neither counts
+    /// nor predicts them (its feature 6 is 0)
+    static constexpr int kFollowMaxTokens = 4;
 
     /// horizon: the visits of a layer within which a use counts as reuse (>= 1); rate: the SGD step per sample
     /// (> 0). Throws std::invalid_argument otherwise.
@@ -48,9 +57,9 @@ public:
     /// Scores the layer's visit, labels and learns from the snapshot `horizon` visits old, predicts every expert of
     /// the layer with the updated weights.
     void observe(const LayerObservation & obs) override;
-    double priority(int layer, int expert) override { return prob_[static_cast<size_t>(layer) * n_experts_ + expert]; }
+    double priority(int layer, int expert) override { return logit_[static_cast<size_t>(layer) * n_experts_ + expert]; }
     void priorities(const int64_t * keys, size_t n, int, double * out) override {
-        for (size_t i = 0; i < n; ++i) out[i] = prob_[keys[i]];
+        for (size_t i = 0; i < n; ++i) out[i] = logit_[keys[i]];
     }
     bool tracks_changes() const override { return true; }
 
@@ -79,8 +88,14 @@ private:
     std::vector<int64_t> last_use_;          // visit index of the last use, -1 never
     std::vector<int64_t> visits_;            // per layer: visits so far
     std::vector<float> snap_;                // per layer, horizon ring slots of n_experts x kFeatures
-    std::vector<double> prob_;
+    std::vector<float> follow_;              // per layer [n_experts x n_experts]: used at the next visit after
+    std::vector<float> follow_n_;            // per layer [n_experts]: visits that used the row's expert
+    std::vector<int32_t> prev_;              // per layer: the last visit's experts (n_experts slots)
+    std::vector<int32_t> prev_n_;            // per layer: how many
+    std::vector<double> logit_;              // the predictions as logits (the cache ranks by them: same order)
     std::vector<double> s_;                  // one visit's scores (scratch)
+    std::vector<double> fol_;                // one visit's feature 6 (scratch)
+    std::vector<float> recency_;             // feature 5 by visits since the last use, 0..32 horizons
     int64_t samples_ = 0, positives_ = 0;
     double loss_sum_ = 0.0, brier_sum_ = 0.0;
 };

@@ -16,12 +16,16 @@ from .test_policy_cache import obs
 
 class Replica:
     """The documented rule, written again: MRS scores at alpha 0.5, 0.1, 0.01 (times top_k), features [1, the three
-    scores, used now, 2^-(age / H)], the snapshot of visit t - H labelled 'used at a visit after it' and one SGD step
-    per expert on the log-loss, then every expert predicted with the new weights. Without router scores."""
+    scores, used now, 2^-(age / H), the mean over this visit's experts a of count(a, then e) / count(a)], the
+    snapshot of visit t - H labelled 'used at a visit after it' and one SGD step per expert on the log-loss, then
+    every expert predicted with the new weights. Without router scores."""
 
     def __init__(self, L, E, H, rate):
         self.E, self.H, self.rate = E, H, rate
-        self.w = np.array([-2.0, 4.0, 0, 0, 0, 0])
+        self.w = np.array([-2.0, 4.0, 0, 0, 0, 0, 0])
+        self.follow = np.zeros((L, E, E))
+        self.follow_n = np.zeros((L, E))
+        self.prev = [[] for _ in range(L)]
         self.s = np.zeros((3, L, E))
         self.last = np.full((L, E), -1)
         self.visits = np.zeros(L, int)
@@ -35,6 +39,12 @@ class Replica:
         for e, n in zip(experts, loads):
             v[e] = min(1.0, n)
             self.last[layer, e] = t
+        for a in self.prev[layer]:
+            self.follow_n[layer, a] += 1
+            self.follow[layer, a, experts] += 1
+        self.prev[layer] = list(experts)
+        fol = np.mean([self.follow[layer, a] / self.follow_n[layer, a] if self.follow_n[layer, a] else
+                       np.zeros(self.E) for a in experts], axis=0)
         for i, a in enumerate((0.5, 0.1, 0.01)):
             self.s[i, layer] = a * v + (1 - a) * self.s[i, layer]
         if t >= self.H:
@@ -43,13 +53,13 @@ class Replica:
                 p = 1 / (1 + math.exp(-float(self.w @ f[e])))
                 y = 1.0 if self.last[layer, e] > t - self.H else 0.0
                 self.w = self.w - self.rate * (p - y) * f[e]
-        f = np.zeros((self.E, 6), np.float32)
+        f = np.zeros((self.E, 7), np.float32)
         for e in range(self.E):
             last = self.last[layer, e]
             f[e] = [1, self.s[0, layer, e], self.s[1, layer, e], self.s[2, layer, e], float(last == t),
-                    0.0 if last < 0 else 2.0 ** (-(t - last) / self.H)]
-        self.snap[(layer, t)] = f.astype(np.float64)
+                    0.0 if last < 0 else 2.0 ** (-(t - last) / self.H), fol[e]]
         self.p[layer] = 1 / (1 + np.exp(-(f.astype(np.float64) @ self.w)))
+        self.snap[(layer, t)] = f.astype(np.float64)
 
 
 def test_the_update_rule_matches_a_replica_of_the_documented_one():
@@ -117,7 +127,9 @@ def test_bad_arguments_are_named():
     assert [p.probability(0, e) for e in range(4)] == [q.probability(0, e) for e in range(4)]
     assert isinstance(_core.make_cache_policy("reuse"), _core.ReusePolicy)
     assert pol.ReusePolicy is _core.ReusePolicy and _core.make_cache_policy("reuse").name() == "reuse"
-    assert p.bytes_per_layer == 4 * (5 * 8 + 2 * 6 * 4) + 8  # horizon 2: 2 snapshots of 6 floats per expert
+    # horizon 2: per expert 2 snapshots of 7 features (floats), a transition row of 4 floats and its count, a
+    # last-visit slot
+    assert p.bytes_per_layer == 4 * (5 * 8 + 2 * 7 * 4 + 5 * 4 + 4) + 8 + 4
 
 
 def _stream(rng, T, E, hot_every):
@@ -195,7 +207,7 @@ def test_engine_with_the_reuse_cache_matches_upstream_and_reports_its_learning(t
     assert out == ref_out and np.array_equal(lg, ref_lg)
     pr = st["predictor"]
     assert st["policy"] == "hybrimoe-reuse" and pr["samples"] > 0 and pr["log_loss"] > 0
-    assert len(pr["weights"]) == 6 and pr["weights"] != [-2.0, 4.0, 0.0, 0.0, 0.0, 0.0]
+    assert len(pr["weights"]) == 7 and pr["weights"] != [-2.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert st["ram"] == {}
     plain = Llama(str(path), moe_cache=12 * slot_bytes(path), moe_cost_model=split_cost_model, **common)
     try:
