@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --draft: the probability that the model accepts a draft (each in order until the "
                              "first rejection; default 0.7), or a file of a recorded run's accepted drafts per step "
                              "(integers; .npy or text)")
-    parser.add_argument("--draft-cost-ms", type=float_in(0.0), default=0.0, metavar="MS",
+    parser.add_argument("--draft-cost-ms", type=float_in(0.0, 100000.0), default=0.0, metavar="MS",
                         help="with --draft: the drafter's milliseconds per drafted token, added to each step "
                              "(default 0: a multi-token-prediction head counted as free)")
     parser.add_argument("--tensor-split", type=tensor_split, default=None, metavar="N0,N1,...",
@@ -91,7 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ram-policies", default=",".join(RAM_PRESETS),
                         help="RAM-tier presets to compare with --moe-ram-cache, each with every --policies preset: "
                              + "; ".join(f"{n}: {s['about']}" for n, s in RAM_PRESETS.items()))
-    parser.add_argument("--stage", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--stage", choices=("decode", "prefill"), default="decode",
+                        help="decode: one token per step (the trace's decode-phase tokens, or all of them); prefill: "
+                             "each prompt in ubatches of --ubatch tokens (default: decode)")
     parser.add_argument("--policies", default=None,
                         help=f"comma-separated system presets (default: {','.join(DEFAULT_POLICIES)}; with "
                              f"--moe-ram-cache {','.join(DEFAULT_RAM_TIER_POLICIES)}). " +

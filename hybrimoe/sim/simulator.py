@@ -225,8 +225,8 @@ class Setup:
                                  f"and one stream, not {stage!r} with {self.streams}")
             if core_trace is not None:
                 raise ValueError("draft-and-verify steps regroup the trace's tokens: give no core_trace")
-            if not (math.isfinite(self.draft_cost_s) and self.draft_cost_s >= 0.0):
-                raise ValueError(f"draft_cost_s must be >= 0 seconds, got {draft_cost_s!r}")
+            if not (math.isfinite(self.draft_cost_s) and 0.0 <= self.draft_cost_s <= 100.0):
+                raise ValueError(f"draft_cost_s must be in [0, 100] seconds per drafted token, got {draft_cost_s!r}")
             # each step one ubatch of the last accepted token and the drafts (prefill mechanics, ubatch = draft + 1);
             # the profile and the first evaluated step follow the decode tokens' own prompts (below)
             plain = stage_tokens(trace, "decode")
@@ -283,6 +283,7 @@ class Setup:
             # the decode tokens of the profiling prompts, each once (a rejected draft's row is verified again)
             p_first = int(math.floor(profile_fraction * plain.n_prompts))
             self.first = int(np.searchsorted(self.step_prompt, p_first, side="left"))
+            self.profile_prompts = (p_first, plain.n_prompts)
         if self.first >= n:
             raise ValueError("no prompts left after profiling")
         self.end = n if max_prompts == 0 else min(n, self.first + max_prompts)
@@ -400,8 +401,10 @@ class Setup:
             "router_scores": "trace" if self.trace.has_scores else "none: MRS scores activated experts 1/top_k",
             "truth_model": "seeded log-normal noise, extra CPU start-up, host-memory contention "
                            "(policy.truth_model_for)",
-            "profile": f"first {self.first} of {self.trace.n_prompts} prompts; evaluated prompts "
-                       f"{self.first}..{self.end}",
+            "profile": (f"first {self.profile_prompts[0]} of {self.profile_prompts[1]} prompts (their decode tokens); "
+                        f"evaluated steps {self.first}..{self.end} of {self.trace.n_prompts}" if self.draft else
+                        f"first {self.first} of {self.trace.n_prompts} prompts; evaluated prompts "
+                        f"{self.first}..{self.end}"),
             "stage_model": self.stage_model(),
             "partial_trace": "yes: the recording was interrupted; its last prompt is simulated as far as it got"
             if self.trace.partial else "no",

@@ -13,8 +13,9 @@ eq. 1).
 batches (each up to ``draft + 1`` consecutive tokens of one prompt) and, per step, how many tokens it emits. Each draft
 is accepted independently with probability ``acceptance`` (the i.i.d. model of the paper above), drawn from a seeded
 generator, or the accepted counts come from a recorded run (a sequence of per-step counts, repeated as needed). The
-routing of a draft the target rejects is not known (it is another token than the one the trace holds): its row is the
-trace's token at that position, a stand-in with the same routing statistics (stated in the records' assumptions). A
+routing of a draft the target rejects is not known (it is another token than the one the trace holds): its row, and
+those of the drafts after it, take the routing of a token drawn at random from the same prompt (seeded), a stand-in
+with the prompt's routing statistics but not the next token's (stated in the records' assumptions). A
 step never crosses a prompt's end: the last step of a prompt drafts only the tokens the prompt has left.
 """
 from __future__ import annotations
@@ -30,8 +31,8 @@ from hybrimoe.traces.format import PHASE_DECODE, RoutingTrace
 #: the most drafted tokens per step taken (a verification ubatch of up to 65 rows)
 MAX_DRAFT = 64
 #: the assumption the records state about rejected drafts' routing
-REJECTED_DRAFTS = ("a rejected draft's routing is the trace's token at its position (the real draft token is "
-                   "another one, whose routing the trace does not hold)")
+REJECTED_DRAFTS = ("a rejected draft, and each draft after it, is routed as a token drawn at random from the same "
+                   "prompt (the real draft token is another one than the trace's, whose routing no trace holds)")
 
 
 def _checked_draft(draft) -> int:
@@ -101,12 +102,15 @@ def speculative_trace(trace: RoutingTrace, draft: int, acceptance: Union[float, 
 def speculative_steps(prompt_offsets, draft: int, acceptance: Union[float, Sequence[int]], *,
                       seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The draft-and-verify steps over prompts of the given token offsets (``[n_prompts + 1]``): ``(order,
-    step_offsets, emitted)``, all int64: the token index of every verified row, step after step; where each step's
-    rows start (``[n_steps + 1]``); and the tokens each step emits. A step's prompt is that of its first row.
+    step_offsets, emitted)``, all int64: the token index of every verified row, step after step (a step's first
+    ``emitted`` rows are its prompt's tokens from the step's position on; its other rows, rejected drafts, tokens of
+    the same prompt drawn at random); where each step's rows start (``[n_steps + 1]``); and the tokens each step
+    emits. A step's prompt is that of its first row.
     Arguments and errors as :func:`speculative_trace`'s."""
     draft = _checked_draft(draft)
     offs = np.asarray(prompt_offsets, dtype=np.int64)
     draw = _accepted_counts(acceptance, draft, seed)
+    other = np.random.default_rng([seed, 1])  # the stand-ins of rejected drafts
     order: list = []
     steps = [0]
     emitted: list = []
@@ -117,7 +121,10 @@ def speculative_steps(prompt_offsets, draft: int, acceptance: Union[float, Seque
             rows = min(draft + 1, b - p)      # the last accepted token and the drafts the prompt has room for
             got = draw(i, rows - 1) + 1       # accepted drafts, then the target's own token
             i += 1
-            order.extend(range(p, p + rows))
+            order.extend(range(p, p + got))
+            # the rejected draft and the drafts after it are other tokens than the prompt's own there: each
+            # verified row takes a token drawn from the same prompt (its topic, not its next token's routing)
+            order.extend(other.integers(a, b, size=rows - got).tolist())
             steps.append(len(order))
             emitted.append(got)
             p += got

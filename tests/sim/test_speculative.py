@@ -35,9 +35,11 @@ def test_steps_verify_the_drafts_and_advance_by_what_they_emit(lengths, draft, a
             prompt += 1  # the prompt was emitted to its end: the next step starts the next one
         end = int(offs[prompt + 1])
         assert rows[0] == pos, "a step starts at the token after the last one emitted"
-        # the last accepted token and the drafts, consecutive, never past the prompt's end
-        assert np.array_equal(rows, np.arange(pos, pos + min(draft + 1, end - pos)))
-        assert 1 <= emitted[i] <= len(rows)
+        # the last accepted token and the drafts, never past the prompt's end: the accepted ones are the prompt's
+        # next tokens, the rejected ones stand-ins from the same prompt
+        assert len(rows) == min(draft + 1, end - pos) and 1 <= emitted[i] <= len(rows)
+        assert np.array_equal(rows[:emitted[i]], np.arange(pos, pos + emitted[i]))
+        assert ((rows >= offs[prompt]) & (rows < end)).all()
         pos += int(emitted[i])
     assert pos == offs[-1] and prompt == len(lengths) - 1
     if acceptance == 1.0:
@@ -117,7 +119,7 @@ def test_the_simulator_counts_emitted_tokens_and_the_drafter_s_time(trace):
     assert rc["total_s"] == pytest.approx(r["total_s"] + drafted * 0.002)
     with pytest.raises(ValueError, match="stage 'decode' and one stream"):
         Setup(trace, hw, "25%", "prefill", draft=3)
-    with pytest.raises(ValueError, match="draft_cost_s must be >= 0"):
+    with pytest.raises(ValueError, match=r"draft_cost_s must be in \[0, 100\]"):
         Setup(trace, hw, "25%", "decode", draft=3, draft_cost_s=-1.0)
 
 
