@@ -26,7 +26,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from hybrimoe.traces.format import PHASE_DECODE, RoutingTrace
+from hybrimoe.sim.streams import decode_tokens
+from hybrimoe.traces.format import RoutingTrace
 
 #: the most drafted tokens per step taken (a verification ubatch of up to 65 rows)
 MAX_DRAFT = 64
@@ -84,11 +85,7 @@ def speculative_trace(trace: RoutingTrace, draft: int, acceptance: Union[float, 
         ValueError: ``draft`` < 1, an acceptance outside ``[0, 1]`` or a bad recorded count, or no decode tokens.
     """
     draft = _checked_draft(draft)
-    if trace.phases is not None:
-        keep = np.asarray(trace.phases) == PHASE_DECODE
-        if not keep.any():
-            raise ValueError(f"{trace.path or 'the trace'} has no decode-phase tokens to draft and verify")
-        trace = trace.select_tokens(keep)
+    trace = decode_tokens(trace, "draft and verify")
     offs = np.asarray(trace.prompt_offsets, dtype=np.int64)
     if offs[-1] <= 0:
         raise ValueError(f"{trace.path or 'the trace'} has no tokens")

@@ -17,6 +17,20 @@ import numpy as np
 from hybrimoe.traces.format import PHASE_DECODE, RoutingTrace
 
 
+def decode_tokens(trace: RoutingTrace, what: str) -> RoutingTrace:
+    """The decode-phase tokens of ``trace`` when it has phases, else the trace itself.
+
+    Raises:
+        ValueError: phases without a decode token (the message says what they were wanted ``to``: ``what``).
+    """
+    if trace.phases is None:
+        return trace
+    keep = np.asarray(trace.phases) == PHASE_DECODE
+    if not keep.any():
+        raise ValueError(f"{trace.path or 'the trace'} has no decode-phase tokens to {what}")
+    return trace.select_tokens(keep)
+
+
 def streams_trace(trace: RoutingTrace, n_streams: int) -> RoutingTrace:
     """The decode tokens of ``trace`` (its decode-phase tokens when it has phases, else all) regrouped into steps of
     ``n_streams`` concurrent streams: a trace whose "prompts" are the steps, tokens of one step consecutive (one per
@@ -28,11 +42,7 @@ def streams_trace(trace: RoutingTrace, n_streams: int) -> RoutingTrace:
     """
     if isinstance(n_streams, bool) or not isinstance(n_streams, int) or n_streams < 1:
         raise ValueError(f"streams must be an integer >= 1, got {n_streams!r}")
-    if trace.phases is not None:
-        keep = np.asarray(trace.phases) == PHASE_DECODE
-        if not keep.any():
-            raise ValueError(f"{trace.path or 'the trace'} has no decode-phase tokens to decode in streams")
-        trace = trace.select_tokens(keep)
+    trace = decode_tokens(trace, "decode in streams")
     offs = np.asarray(trace.prompt_offsets, dtype=np.int64)
     queue = [(int(a), int(b)) for a, b in zip(offs[:-1], offs[1:]) if b > a]
     if not queue:
