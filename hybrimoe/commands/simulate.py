@@ -301,11 +301,11 @@ def _acceptance(args):
         if args.draft_cost_ms or args.acceptance is not None:
             raise ValueError("--acceptance and --draft-cost-ms need --draft K (speculative decoding)")
         return 0.7
-    if args.acceptance is None:
-        return 0.7
     if args.stage != "decode" or args.streams > 1:
         raise ValueError(f"--draft {args.draft}: speculative decoding verifies one stream's drafts; give --stage "
                          "decode and no --streams")
+    if args.acceptance is None:
+        return 0.7
     try:
         a = float(args.acceptance)
     except ValueError:

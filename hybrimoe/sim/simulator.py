@@ -280,7 +280,8 @@ class Setup:
         if self.draft:
             # the profiling prompts are the decode trace's, as plain decode's: the steps from the first step of the
             # first prompt after them are evaluated (a step's first row gives its prompt), and the profile counts
-            # the decode tokens of the profiling prompts, each once (a rejected draft's row is verified again)
+            # the decode tokens of the profiling prompts, each once (not the verified rows: a token may be verified
+            # by several steps, and a rejected draft's row is another token's)
             p_first = int(math.floor(profile_fraction * plain.n_prompts))
             self.first = int(np.searchsorted(self.step_prompt, p_first, side="left"))
             self.profile_prompts = (p_first, plain.n_prompts)

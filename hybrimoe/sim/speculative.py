@@ -14,8 +14,8 @@ batches (each up to ``draft + 1`` consecutive tokens of one prompt) and, per ste
 is accepted independently with probability ``acceptance`` (the i.i.d. model of the paper above), drawn from a seeded
 generator, or the accepted counts come from a recorded run (a sequence of per-step counts, repeated as needed). The
 routing of a draft the target rejects is not known (it is another token than the one the trace holds): its row, and
-those of the drafts after it, take the routing of a token drawn at random from the same prompt (seeded), a stand-in
-with the prompt's routing statistics but not the next token's (stated in the records' assumptions). A
+those of the drafts after it, take the routing of a token drawn at random from the prompt's tokens before it (seeded),
+a stand-in with the prompt's routing statistics but no later token's (stated in the records' assumptions). A
 step never crosses a prompt's end: the last step of a prompt drafts only the tokens the prompt has left.
 """
 from __future__ import annotations
@@ -32,8 +32,9 @@ from hybrimoe.traces.format import RoutingTrace
 #: the most drafted tokens per step taken (a verification ubatch of up to 65 rows)
 MAX_DRAFT = 64
 #: the assumption the records state about rejected drafts' routing
-REJECTED_DRAFTS = ("a rejected draft, and each draft after it, is routed as a token drawn at random from the same "
-                   "prompt (the real draft token is another one than the trace's, whose routing no trace holds)")
+REJECTED_DRAFTS = ("a rejected draft, and each draft after it, is routed as a token drawn at random from the "
+                   "prompt's tokens before it (the real draft token is another one than the trace's, whose routing no "
+                   "trace holds)")
 
 
 def _checked_draft(draft) -> int:
@@ -101,8 +102,8 @@ def speculative_steps(prompt_offsets, draft: int, acceptance: Union[float, Seque
     """The draft-and-verify steps over prompts of the given token offsets (``[n_prompts + 1]``): ``(order,
     step_offsets, emitted)``, all int64: the token index of every verified row, step after step (a step's first
     ``emitted`` rows are its prompt's tokens from the step's position on; its other rows, rejected drafts, tokens of
-    the same prompt drawn at random); where each step's rows start (``[n_steps + 1]``); and the tokens each step
-    emits. A step's prompt is that of its first row.
+    the same prompt before them drawn at random); where each step's rows start (``[n_steps + 1]``); and the tokens
+    each step emits. A step's prompt is that of its first row.
     Arguments and errors as :func:`speculative_trace`'s."""
     draft = _checked_draft(draft)
     offs = np.asarray(prompt_offsets, dtype=np.int64)
@@ -120,8 +121,9 @@ def speculative_steps(prompt_offsets, draft: int, acceptance: Union[float, Seque
             i += 1
             order.extend(range(p, p + got))
             # the rejected draft and the drafts after it are other tokens than the prompt's own there: each
-            # verified row takes a token drawn from the same prompt (its topic, not its next token's routing)
-            order.extend(other.integers(a, b, size=rows - got).tolist())
+            # verified row takes a token drawn from the prompt's tokens so far (its topic, not a later token's
+            # routing: the step's context, up to the last accepted draft)
+            order.extend(other.integers(a, p + got, size=rows - got).tolist())
             steps.append(len(order))
             emitted.append(got)
             p += got

@@ -109,17 +109,19 @@ void ReusePolicy::observe(const LayerObservation & obs) {
     // ubatch uses most experts, follows nothing and would cost n_experts^2 per visit
     int32_t * prev = prev_.data() + base;
     const bool small = n_tok <= kFollowMaxTokens;
-    for (int32_t i = 0; small && i < prev_n_[l]; ++i) {
-        const size_t row = (base + prev[i]) * E;
-        follow_n_[base + prev[i]] += 1.0f;
-        for (int32_t b : obs.experts) follow_[row + b] += 1.0f;
-    }
-    prev_n_[l] = 0;
+    cur_.clear();  // this visit's experts, each once (an observation listing one twice counts it once)
     if (small) {
         for (int32_t e : obs.experts) {
-            if (std::find(prev, prev + prev_n_[l], e) == prev + prev_n_[l]) prev[prev_n_[l]++] = e;
+            if (std::find(cur_.begin(), cur_.end(), e) == cur_.end()) cur_.push_back(e);
         }
     }
+    for (int32_t i = 0; i < prev_n_[l] && !cur_.empty(); ++i) {
+        const size_t row = (base + prev[i]) * E;
+        follow_n_[base + prev[i]] += 1.0f;
+        for (int32_t b : cur_) follow_[row + b] += 1.0f;
+    }
+    prev_n_[l] = static_cast<int32_t>(cur_.size());
+    std::copy(cur_.begin(), cur_.end(), prev);
     // feature 6 of every expert: the mean over this visit's experts a of count(a, then b) / count(a)
     fol_.assign(static_cast<size_t>(E), 0.0);
     for (int32_t i = 0; i < prev_n_[l]; ++i) {

@@ -20,7 +20,8 @@
 //   5  recency: 2^-(visits since the last use / horizon), 0 before the first use and after 32 horizons (a table)
 //   6  follows: how often the expert was used at the visit after one that used the experts this visit uses, the
 //      mean over them of count(used next | used) / count(used) (a first-order transition estimate per layer,
-//      learned online; 0 before any)
+//      learned online; 0 before any). Counted between visits of at most kFollowMaxTokens tokens (decode); the
+//      counts are floats over the whole run (exact up to 2^24 uses of an expert), not decayed
 // A visit's score of an expert is its mean router probability over the ubatch's tokens where the router's scores
 // are given, else load / (n_tokens * top_k), as MRS's fallback.
 //
@@ -76,7 +77,7 @@ public:
     double positive_rate() const { return samples_ ? double(positives_) / double(samples_) : 0.0; }
     int horizon() const { return horizon_; }
     double rate() const { return rate_; }
-    /// Bytes of state per layer (the scores, last uses and snapshots).
+    /// Bytes of state per layer (the scores, last uses, snapshots and the transition table's rows).
     size_t bytes_per_layer() const;
 
 private:
@@ -95,6 +96,7 @@ private:
     std::vector<double> logit_;              // the predictions as logits (the cache ranks by them: same order)
     std::vector<double> s_;                  // one visit's scores (scratch)
     std::vector<double> fol_;                // one visit's feature 6 (scratch)
+    std::vector<int32_t> cur_;               // one visit's distinct experts (scratch)
     std::vector<float> recency_;             // feature 5 by visits since the last use, 0..32 horizons
     int64_t samples_ = 0, positives_ = 0;
     double loss_sum_ = 0.0, brier_sum_ = 0.0;

@@ -79,6 +79,32 @@ def test_the_update_rule_matches_a_replica_of_the_documented_one():
     assert p.samples == L * (40 - H) * E
 
 
+def test_a_repeated_expert_counts_once_and_the_cache_ranks_by_the_logit():
+    """An observation that lists an expert twice teaches what one listing it once does (the transition counts of
+    feature 6 included); a verification ubatch of 5 tokens counts no transitions; priority() is the logit of
+    probability() (the cache's order without the exponential)."""
+    rng = np.random.default_rng(5)
+    E = 6
+    a, b = _core.ReusePolicy(horizon=2, rate=0.3), _core.ReusePolicy(horizon=2, rate=0.3)
+    a.reset(1, E)
+    b.reset(1, E)
+    for step in range(30):
+        experts = sorted(rng.choice(E, 2, replace=False).tolist())
+        a.observe(obs(0, experts, step=step, n_experts=E, top_k=2))
+        b.observe(obs(0, experts + experts[:1], [1, 1, 1], step=step, n_experts=E, top_k=2))
+    assert b.weights() == pytest.approx(a.weights(), rel=1e-12) and a.weights()[6] != 0.0
+    for e in range(E):
+        p = a.probability(0, e)
+        assert a.priority(0, e) == pytest.approx(math.log(p / (1 - p)), rel=1e-9, abs=1e-9)
+    # visits of 5 tokens: feature 6 stays 0, so its weight never moves
+    c = _core.ReusePolicy(horizon=2, rate=0.3)
+    c.reset(1, E)
+    for step in range(30):
+        experts = sorted(rng.choice(E, 3, replace=False).tolist())
+        c.observe(obs(0, experts, [2, 2, 1], n_tokens=5, step=step, n_experts=E, top_k=2))
+    assert c.weights()[6] == 0.0 and c.weights()[5] != 0.0
+
+
 def test_it_starts_ranking_as_mrs():
     """Before a label exists (fewer visits than the horizon) the predicted probability orders a layer's experts as
     MRS with alpha 0.5 scores them (HybriMoE §IV.D), ties included, where a visit scores only its routed experts (no

@@ -39,7 +39,8 @@ def test_steps_verify_the_drafts_and_advance_by_what_they_emit(lengths, draft, a
         # next tokens, the rejected ones stand-ins from the same prompt
         assert len(rows) == min(draft + 1, end - pos) and 1 <= emitted[i] <= len(rows)
         assert np.array_equal(rows[:emitted[i]], np.arange(pos, pos + emitted[i]))
-        assert ((rows >= offs[prompt]) & (rows < end)).all()
+        # the stand-ins: earlier tokens of the prompt (its context so far), never a token not emitted yet
+        assert ((rows >= offs[prompt]) & (rows < pos + emitted[i])).all()
         pos += int(emitted[i])
     assert pos == offs[-1] and prompt == len(lengths) - 1
     if acceptance == 1.0:
