@@ -230,7 +230,7 @@ class Setup:
             # each step one ubatch of the last accepted token and the drafts (prefill mechanics, ubatch = draft + 1);
             # the profile and the first evaluated step follow the decode tokens' own prompts (below)
             plain = stage_tokens(trace, "decode")
-            trace, self.emitted, self.step_prompt = speculative.speculative_trace(trace, self.draft, acceptance,
+            trace, self.emitted, self.step_prompt = speculative.speculative_trace(plain, self.draft, acceptance,
                                                                                   seed=seed)
             stage, ubatch = "prefill", self.draft + 1
         self.phased = trace.phases is not None
