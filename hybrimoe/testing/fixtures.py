@@ -95,6 +95,7 @@ EXPERT_QUANTS = {
     "IQ4_NL": {"base": "Q8_0", "ffn_.*_exps": "IQ4_NL"},
     "MXFP4": {"base": "Q8_0", "ffn_.*_exps": "MXFP4"},
     "Q8_0": "Q8_0",
+    "Q5_0": {"base": "Q8_0", "ffn_.*_exps": "Q5_0"},
 }
 
 

@@ -3,8 +3,8 @@
 :func:`make_synthetic_model` writes a GGUF with the MoE shape of a real model (``SYNTHETIC_SHAPES``: DeepSeek-V2-Lite,
 Qwen3-30B-A3B or gpt-oss-20b, fewer blocks) whose weights are random quantized blocks
 (:func:`hybrimoe.tiny.rows.random_quant_rows`) of the types an upstream file type would give each tensor
-(``SYNTHETIC_QUANTS``: Q4_K_M, Q4_0, gpt-oss's MXFP4), streamed tensor by tensor: several GB in seconds, in constant
-memory. :func:`synthetic_tensor_plan` lists its tensors, shapes and types.
+(``SYNTHETIC_QUANTS``: Q4_K_M, Q4_0, gpt-oss's MXFP4, Q8_0), streamed tensor by tensor: several GB in seconds, in
+constant memory. :func:`synthetic_tensor_plan` lists its tensors, shapes and types.
 
 The deepseek2 tensors and metadata are this module's own (MLA without a query low-rank projection, as
 DeepSeek-V2-Lite); the qwen3moe and gpt-oss ones are :mod:`hybrimoe.tiny.tiny_model`'s (``_attention``,
@@ -55,6 +55,7 @@ SYNTHETIC_QUANTS = {
     "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
+    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "F32": gguf.LlamaFileType.ALL_F32,
 }
 
@@ -83,6 +84,7 @@ def tensor_type(quant: str, name: str, shape: tuple, n_layer: int) -> str:
       experts; deepseek2's per-head ``attn_k_b``/``attn_v_b`` too, as upstream does), every other weight Q8_0,
       ``output.weight`` included: the layout gpt-oss ships in (ggml-org/gpt-oss-20b-GGUF's
       ``gpt-oss-20b-mxfp4.gguf``: MXFP4 experts, Q8_0 embeddings, attention and output head);
+    - ``"Q8_0"``: Q8_0;
     - ``"F32"``: F32;
 
     then the row-length fallback (:func:`hybrimoe.tiny.quantize.fallback_type`: e.g. Q4_K -> Q5_0, Q6_K -> Q8_0
@@ -101,6 +103,8 @@ def tensor_type(quant: str, name: str, shape: tuple, n_layer: int) -> str:
     if quant == "Q4_0":
         # the output head: Q8_0 when the file type's block does not divide its rows, else Q6_K
         t = ("Q6_K" if shape[0] % 32 == 0 else "Q8_0") if name == "output.weight" else "Q4_0"
+    elif quant == "Q8_0":
+        t = "Q8_0"
     else:
         t = "MXFP4" if len(shape) == 3 and shape[2] > 1 else "Q8_0"
     return fallback_type(t, shape[0])
@@ -349,12 +353,13 @@ def make_synthetic_model(path, *, shape: str = "deepseek-v2-lite", quant: str = 
     Args:
         path: output file (parent directories are created; written to a temporary file, then renamed).
         shape: a key of ``SYNTHETIC_SHAPES``.
-        quant: ``"Q4_K_M"``, ``"Q4_0"``, ``"MXFP4"`` or ``"F32"``: each tensor gets the type upstream's quantizer
-            gives it for that file type (:func:`tensor_type`). ``"Q4_K_M"``: e.g. ``ffn_gate_exps``/
-            ``ffn_up_exps`` Q4_K, ``ffn_down_exps`` Q5_0 or, in Q6_K layers, Q8_0 when ``n_ff_exp`` is not a
-            multiple of 256; ``"Q4_0"``: Q4_0 weights, Q6_K output head; ``"MXFP4"``: as gpt-oss ships, routed
-            experts MXFP4 and the other weights Q8_0; ``"F32"``: every tensor F32 (small models, e.g. to check
-            the type plan against llama.cpp's quantizer).
+        quant: ``"Q4_K_M"``, ``"Q4_0"``, ``"MXFP4"``, ``"Q8_0"`` or ``"F32"``: each tensor gets the type
+            upstream's quantizer gives it for that file type (:func:`tensor_type`). ``"Q4_K_M"``: e.g.
+            ``ffn_gate_exps``/``ffn_up_exps`` Q4_K, ``ffn_down_exps`` Q5_0 or, in Q6_K layers, Q8_0 when
+            ``n_ff_exp`` is not a multiple of 256; ``"Q4_0"``: Q4_0 weights, Q6_K output head; ``"MXFP4"``: as
+            gpt-oss ships, routed experts MXFP4 and the other weights Q8_0; ``"Q8_0"``: Q8_0 weights (these shapes'
+            rows are multiples of 32: no fallback); ``"F32"``: every tensor F32 (small models, e.g. to check the
+            type plan against llama.cpp's quantizer).
         seed: RNG seed; the same arguments give a byte-identical file.
         n_layer: blocks (deepseek2: the first ``n_dense_lead`` with a dense FFN of width ``n_ff_dense``, the
             others MoE; qwen3moe and gpt-oss: all MoE).

@@ -32,6 +32,28 @@ constexpr int64_t kBlockCols = 64;
 constexpr int64_t kPlanQuantizeValues = 8192;
 // threads that may gather activation rows for a repacked gemm at once (more: gemv only, as exact)
 constexpr int kMaxGatherThreads = 64;
+// activation rows one pass of patch 0011's multi-row kernel takes (its own group size: it keeps a row's accumulator
+// in a register)
+constexpr int kRowsPerPass = 8;
+
+// Columns [c0, c1) of matrix mk (expert e) for pairs [q0, q1), pair q's activation row act(q) and its outputs at
+// out + (q - q0) * ld: patch 0011's multi-row kernel, up to kRowsPerPass pairs per pass over the weights, where mk
+// has one; else gemv per pair. The numbers are gemv's either way.
+template <class Act>
+void pairs_gemv(const MatrixKernel & mk, int64_t e, int32_t q0, int32_t q1, Act act, float * out, size_t ld,
+                int64_t c0, int64_t c1) {
+    int32_t q = q0;
+    if (mk.multi_row()) {
+        const void * rows[kRowsPerPass];
+        while (q1 - q >= 2) {
+            const int nr = std::min<int32_t>(kRowsPerPass, q1 - q);
+            for (int r = 0; r < nr; ++r) rows[r] = act(q + r);
+            mk.gemv_rows(e, rows, nr, out + (size_t) (q - q0) * ld, ld, c0, c1);
+            q += nr;
+        }
+    }
+    for (; q < q1; ++q) mk.gemv(e, act(q), out + (size_t) (q - q0) * ld, c0, c1);
+}
 
 // The K-quant (and IQ) types ggml-cpu's tiled kernel takes over in mul_mat_id from 8 rows of an expert
 // (ggml-cpu/tiled/tiled.cpp, ggml_tiled_supported and ggml_compute_forward_mul_mat_id_tiled): other arithmetic than
@@ -114,6 +136,7 @@ MatrixKernel make_kernel(const CpuMoeKernels & kern, const ggml_tensor * w, bool
         const auto * tr = ggml_get_type_traits_cpu(w->type);
         mk.act_type = tr->vec_dot_type;
         mk.vec_dot = tr->vec_dot;
+        if (kern.version >= 2 && kern.vec_dot_rows_of) mk.vec_dot_rows = kern.vec_dot_rows_of(w->type);
     }
     mk.from_float = ggml_get_type_traits_cpu(mk.act_type)->from_float;
     mk.act_bytes = ggml_row_size(mk.act_type, mk.n_in);
@@ -143,6 +166,18 @@ void MatrixKernel::gemv(int64_t e, const void * act, float * out, int64_t c0, in
     }
     // ggml_compute_forward_mul_mat_id_one_chunk: the type's vec_dot per output element
     for (int64_t c = c0; c < c1; ++c) vec_dot((int) n_in, out + (c - c0), 0, base + (size_t) c * nb1, 0, act, 0, 1);
+}
+
+void MatrixKernel::gemv_rows(int64_t e, const void * const * acts, int nr, float * out, size_t ld, int64_t c0,
+                             int64_t c1) const {
+    const char * base = (const char *) w->data + (size_t) e * nb2;
+    if (repacked) {
+        // patch 0011: the layout's gemv for every row, each interleaved block unpacked once
+        rk.gemv_rows((int) n_in, out, ld, base + (size_t) c0 * nb1, acts, nr, (int) (c1 - c0));
+        return;
+    }
+    // patch 0011: per output column, the type's vec_dot for every row, the weight row unpacked once
+    for (int64_t c = c0; c < c1; ++c) vec_dot_rows((int) n_in, out + (c - c0), ld, base + (size_t) c * nb1, acts, nr);
 }
 
 void MatrixKernel::gemm4(int64_t e, const void * act, int nr, float * out, size_t ld, int64_t c0, int64_t c1) const {
@@ -204,6 +239,19 @@ void FusedCpuShare::prepare(int ml, const ExpertMatrices & m, int64_t n_embd, in
 
 void FusedCpuShare::quantize_token(const MatrixKernel & mk, uint8_t * dst, const float * x) const {
     mk.from_float(x, dst, mk.n_in);
+}
+
+const uint8_t * FusedCpuShare::gate_row(const Layer & L, int32_t q) const {
+    return xq_gate_.data() + (size_t) pair_tok_[(size_t) q] * L.gate.act_bytes;
+}
+
+const uint8_t * FusedCpuShare::up_row(const Layer & L, int32_t q) const {
+    if (L.up.act_type == L.gate.act_type) return gate_row(L, q);
+    return xq_up_.data() + (size_t) pair_tok_[(size_t) q] * L.up.act_bytes;
+}
+
+const uint8_t * FusedCpuShare::down_row(const Layer & L, int32_t q) const {
+    return hq_.data() + (size_t) q * L.down.act_bytes;
 }
 
 void FusedCpuShare::make_units(std::vector<Unit> & units, int64_t n_out, int64_t align) {
@@ -305,12 +353,18 @@ void FusedCpuShare::gate_up_unit(const Layer & L, const Unit & u, bool gemm) {
         L.gate.gemm4(e, ag, done, g_.data() + (size_t) s * ff + u.c0, ff, u.c0, u.c1);
         L.up.gemm4(e, au, done, u_.data() + (size_t) s * ff + u.c0, ff, up_off + u.c0, up_off + u.c1);
     }
-    for (int32_t q = s + done; q < s + p; ++q) {
-        const int32_t t = pair_tok_[(size_t) q];
-        const uint8_t * ag = xq_gate_.data() + (size_t) t * L.gate.act_bytes;
-        const uint8_t * au = shared ? ag : xq_up_.data() + (size_t) t * L.up.act_bytes;
-        L.gate.gemv(e, ag, g_.data() + (size_t) q * ff + u.c0, u.c0, u.c1);
-        L.up.gemv(e, au, u_.data() + (size_t) q * ff + u.c0, up_off + u.c0, up_off + u.c1);
+    const int32_t q0 = s + done, q1 = s + p;
+    if (L.gate.multi_row() || L.up.multi_row()) {
+        // matrices with a multi-row kernel: each matrix's column block once for all the expert's pairs
+        pairs_gemv(L.gate, e, q0, q1, [&](int32_t q) { return gate_row(L, q); }, g_.data() + (size_t) q0 * ff + u.c0,
+                   ff, u.c0, u.c1);
+        pairs_gemv(L.up, e, q0, q1, [&](int32_t q) { return up_row(L, q); }, u_.data() + (size_t) q0 * ff + u.c0, ff,
+                   up_off + u.c0, up_off + u.c1);
+        return;
+    }
+    for (int32_t q = q0; q < q1; ++q) {
+        L.gate.gemv(e, gate_row(L, q), g_.data() + (size_t) q * ff + u.c0, u.c0, u.c1);
+        L.up.gemv(e, up_row(L, q), u_.data() + (size_t) q * ff + u.c0, up_off + u.c0, up_off + u.c1);
     }
 }
 
@@ -339,8 +393,18 @@ void FusedCpuShare::down_unit(const Layer & L, const Unit & u, ggml_tensor * dst
             std::memcpy(out_row(s + q) + u.c0, d + (size_t) q * ne + u.c0, (size_t) (u.c1 - u.c0) * sizeof(float));
         }
     }
+    if (L.down.multi_row() && p - done >= 2) {
+        // the multi-row kernel into the scratch rows, then each pair's output row
+        const int32_t q0 = s + done;
+        float * d = d_.data() + (size_t) q0 * ne;
+        pairs_gemv(L.down, e, q0, s + p, [&](int32_t q) { return down_row(L, q); }, d + u.c0, ne, u.c0, u.c1);
+        for (int32_t q = q0; q < s + p; ++q) {
+            std::memcpy(out_row(q) + u.c0, d + (size_t) (q - q0) * ne + u.c0, (size_t) (u.c1 - u.c0) * sizeof(float));
+        }
+        return;
+    }
     for (int32_t q = s + done; q < s + p; ++q) {
-        L.down.gemv(e, hq_.data() + (size_t) q * L.down.act_bytes, out_row(q) + u.c0, u.c0, u.c1);
+        L.down.gemv(e, down_row(L, q), out_row(q) + u.c0, u.c0, u.c1);
     }
 }
 
@@ -352,24 +416,31 @@ void FusedCpuShare::run(int ml, ggml_tensor * dst, const float * x, size_t x_nb1
     // decode: whole experts per thread and no synchronisation at all, when they divide evenly over the threads
     // (every thread decides the same from the same figures)
     if (x_ready_ && n_groups >= nth && n_groups % nth == 0) {
+        const int64_t up_off = L.fused_gate_up ? L.n_ff : 0;
+        const size_t ne = (size_t) L.n_embd;
         for (int g = ith; g < n_groups; g += nth) {
             const int32_t s = group_start_[(size_t) g], e = group_start_[(size_t) g + 1];
+            const int64_t ex = group_expert_[(size_t) g];
+            // no gemm: the rows of one expert in decode (several only in a batch of sequences), by gemv or by the
+            // multi-row kernel of a plain matrix
+            pairs_gemv(L.gate, ex, s, e, [&](int32_t q) { return gate_row(L, q); }, g_.data() + (size_t) s * ff, ff, 0,
+                       L.n_ff);
+            pairs_gemv(L.up, ex, s, e, [&](int32_t q) { return up_row(L, q); }, u_.data() + (size_t) s * ff, ff,
+                       up_off, up_off + L.n_ff);
             for (int32_t q = s; q < e; ++q) {
-                // gemv only: the rows of one expert in decode
-                const int32_t t = pair_tok_[(size_t) q];
-                const uint8_t * ag = xq_gate_.data() + (size_t) t * L.gate.act_bytes;
-                const uint8_t * au = L.up.act_type == L.gate.act_type ? ag : xq_up_.data() + (size_t) t * L.up.act_bytes;
-                const int64_t up_off = L.fused_gate_up ? L.n_ff : 0;
-                L.gate.gemv(group_expert_[(size_t) g], ag, g_.data() + (size_t) q * ff, 0, L.n_ff);
-                L.up.gemv(group_expert_[(size_t) g], au, u_.data() + (size_t) q * ff, up_off, up_off + L.n_ff);
                 act_pair(L, q);
                 L.down.from_float(g_.data() + (size_t) q * ff, hq_.data() + (size_t) q * L.down.act_bytes, L.n_ff);
             }
-            const int64_t ex = group_expert_[(size_t) g];
-            for (int32_t q = s; q < e; ++q) {
-                float * out = (float *) ((char *) dst->data + (size_t) pair_rank_[(size_t) q] * dst->nb[1] +
-                                         (size_t) pair_tok_[(size_t) q] * dst->nb[2]);
-                L.down.gemv(ex, hq_.data() + (size_t) q * L.down.act_bytes, out, 0, L.n_embd);
+            auto out_row = [&](int32_t q) {
+                return (float *) ((char *) dst->data + (size_t) pair_rank_[(size_t) q] * dst->nb[1] +
+                                  (size_t) pair_tok_[(size_t) q] * dst->nb[2]);
+            };
+            if (L.down.multi_row() && e - s >= 2) {
+                float * d = d_.data() + (size_t) s * ne;
+                pairs_gemv(L.down, ex, s, e, [&](int32_t q) { return down_row(L, q); }, d, ne, 0, L.n_embd);
+                for (int32_t q = s; q < e; ++q) std::memcpy(out_row(q), d + (size_t) (q - s) * ne, ne * sizeof(float));
+            } else {
+                for (int32_t q = s; q < e; ++q) L.down.gemv(ex, down_row(L, q), out_row(q), 0, L.n_embd);
             }
         }
         return;

@@ -13,8 +13,11 @@
 // ggml's (ggml_vec_swiglu_f32), and which thread computes which rows does not change a row's arithmetic. Two kernels
 // upstream's mul_mat_id does not run are used where they give the same numbers: a repacked layout's gemm for an
 // expert with 4 or more rows (used only when it matched the layout's gemv on this CPU, checked once per kernel:
-// Q4_0, IQ4_NL and MXFP4 on x86 AVX2 match; Q4_K's gemm rounds differently). The repacked kernels and the SwiGLU
-// come from hybrimoe's ggml-cpu (patch 0009's table).
+// Q4_0, IQ4_NL and MXFP4 on x86 AVX2 match; Q4_K's gemm rounds differently), and, for plain Q5_0 and Q8_0 matrices
+// (the fallbacks of K-quant mixes for rows not a multiple of 256) and repacked Q4_K, patch 0011's multi-row kernels:
+// the type's vec_dot (up to 8 rows of an expert) or the layout's gemv (up to 4) for several rows at once, each
+// weight block unpacked once for all of them, each row's arithmetic the single-row kernel's. The repacked kernels, the
+// multi-row dot products and the SwiGLU come from hybrimoe's ggml-cpu (patches 0009 and 0011's table).
 //
 // What it does not compute (FusedCpuShare::unsupported says which; the layer keeps upstream's ops then): activations
 // other than SiLU-gated ones (SwiGLU), expert biases or scales, the SwiGLU clamp, routing weights before the FFN,
@@ -34,20 +37,27 @@
 
 namespace hybrimoe {
 
-/// Mirror of patch 0009's `struct ggml_cpu_repack_kernels`: a repacked layout's kernels.
+/// Mirror of patches 0009 and 0011's `struct ggml_cpu_repack_kernels`: a repacked layout's kernels.
 struct CpuRepackKernels {
     void (*gemv)(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc) = nullptr;
     void (*gemm)(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc) = nullptr;
     void (*quantize_mat)(const float * x, void * vy, int64_t nrow, int64_t n_per_row) = nullptr;
     ggml_type act_type = GGML_TYPE_COUNT;
     int64_t n_cols = 0;
+    /// patch 0011 (table version 2): gemv for nr activation rows vy[r] at once, row r's outputs at s + r * bs
+    void (*gemv_rows)(int n, float * s, size_t bs, const void * vx, const void * const * vy, int nr, int nc) = nullptr;
 };
 
-/// Mirror of patch 0009's `struct ggml_cpu_moe_kernels` (version 1).
+/// Patch 0011's multi-row dot product: s[r * bs] = the type's vec_dot of weight row vx with activation row vy[r],
+/// r < nr, bit for bit, the weight row read once.
+using VecDotRows = void (*)(int n, float * s, size_t bs, const void * vx, const void * const * vy, int nr);
+
+/// Mirror of patches 0009 and 0011's `struct ggml_cpu_moe_kernels` (version 1; version 2 adds vec_dot_rows_of).
 struct CpuMoeKernels {
     int version = 0;
     bool (*repack_kernels_of)(const ggml_tensor * w, CpuRepackKernels * k) = nullptr;
     void (*swiglu)(int n, float * y, const float * x, const float * g) = nullptr;
+    VecDotRows (*vec_dot_rows_of)(ggml_type type) = nullptr;  ///< read only when version >= 2
 };
 
 /// ggml-cpu's kernel table in this process (the "CPU" registry's proc address "ggml_backend_cpu_moe_kernels"), or
@@ -65,6 +75,7 @@ struct MatrixKernel {
     size_t act_bytes = 0;               ///< bytes of one quantized activation row
     int64_t align = 1;                  ///< output columns come in groups of this many (a repacked interleave)
     ggml_vec_dot_t vec_dot = nullptr;   ///< plain: the type's dot product
+    VecDotRows vec_dot_rows = nullptr;  ///< plain: the same for several activation rows at once (patch 0011), or none
     ggml_from_float_t from_float = nullptr;
     CpuRepackKernels rk;
 
@@ -73,6 +84,11 @@ struct MatrixKernel {
     /// The same for `nr` (a multiple of 4) activation rows quantized 4 by 4 (rk.quantize_mat) at `act`; row r's
     /// columns go to out + r * ld (floats).
     void gemm4(int64_t e, const void * act, int nr, float * out, size_t ld, int64_t c0, int64_t c1) const;
+    /// Whether gemv_rows can run: a plain matrix with vec_dot_rows, or a repacked one whose layout has rk.gemv_rows.
+    bool multi_row() const { return repacked ? rk.gemv_rows != nullptr : vec_dot_rows != nullptr; }
+    /// With multi_row(): output columns [c0, c1) of expert e for the `nr` activation rows acts[r] (act_type), row
+    /// r's into out + r * ld (floats), each weight block unpacked once for all of them; the numbers are gemv's.
+    void gemv_rows(int64_t e, const void * const * acts, int nr, float * out, size_t ld, int64_t c0, int64_t c1) const;
 };
 
 /// The fused CPU share of one engine (one layer at a time runs it: its scratch is shared by every layer).
@@ -121,6 +137,10 @@ private:
     int claim(int p) { return next_[(size_t) p].fetch_add(1, std::memory_order_relaxed); }
     void make_units(std::vector<Unit> & units, int64_t n_out, int64_t align);
     void quantize_token(const MatrixKernel & mk, uint8_t * dst, const float * x) const;
+    /// Pair q's quantized activation row for gate, for up (the gate's when they share the type) and for down.
+    const uint8_t * gate_row(const Layer & L, int32_t q) const;
+    const uint8_t * up_row(const Layer & L, int32_t q) const;
+    const uint8_t * down_row(const Layer & L, int32_t q) const;
     void gate_up_unit(const Layer & L, const Unit & u, bool gemm);
     void act_pair(const Layer & L, int64_t pos);
     void down_unit(const Layer & L, const Unit & u, ggml_tensor * dst);

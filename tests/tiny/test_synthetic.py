@@ -33,7 +33,7 @@ SMALL = {
                         n_head_kv=2),
 }
 # the llama.cpp file type whose quantizer rules each quant restates
-UPSTREAM_FTYPE = {"Q4_K_M": "Q4_K_M", "Q4_0": "Q4_0", "MXFP4": "MXFP4_MOE"}
+UPSTREAM_FTYPE = {"Q4_K_M": "Q4_K_M", "Q4_0": "Q4_0", "MXFP4": "MXFP4_MOE", "Q8_0": "Q8_0"}
 
 
 def _tensors(path) -> dict:
@@ -79,10 +79,16 @@ EXPECTED = {
                                "blk.1.attn_k.weight": "Q8_0", "blk.1.attn_output.weight": "Q8_0",
                                "blk.1.ffn_gate_exps.bias": "F32", "blk.1.attn_sinks.weight": "F32",
                                "output.weight": "Q8_0"},
+    ("deepseek-v2-lite", "Q8_0"): {"blk.1.ffn_gate_exps.weight": "Q8_0", "blk.1.ffn_down_exps.weight": "Q8_0",
+                                   "output.weight": "Q8_0"},
+    ("qwen3-30b-a3b", "Q8_0"): {"blk.1.ffn_up_exps.weight": "Q8_0", "blk.1.attn_q.weight": "Q8_0",
+                                "token_embd.weight": "Q8_0"},
+    ("gpt-oss-20b", "Q8_0"): {"blk.1.ffn_gate_exps.weight": "Q8_0", "blk.1.attn_k.weight": "Q8_0",
+                              "output.weight": "Q8_0"},
 }
 
 
-@pytest.mark.parametrize("quant", ["Q4_K_M", "Q4_0", "MXFP4"])
+@pytest.mark.parametrize("quant", ["Q4_K_M", "Q4_0", "MXFP4", "Q8_0"])
 @pytest.mark.parametrize("shape", list(SMALL))
 def test_types_match_upstream_quantizer_and_model_generates(shape, quant, f32_models, tmp_path):
     """The file's tensors are synthetic_tensor_plan's (names, ggml shapes, types) and their types are what
@@ -108,7 +114,7 @@ def test_types_match_upstream_quantizer_and_model_generates(shape, quant, f32_mo
     assert _field(path, f"{arch}.expert_count") == kw["n_expert"]
     assert _field(path, f"{arch}.expert_used_count") == kw["n_expert_used"]
     assert _field(path, "general.file_type") == int(getattr(gguf.LlamaFileType, {
-        "Q4_K_M": "MOSTLY_Q4_K_M", "Q4_0": "MOSTLY_Q4_0", "MXFP4": "MOSTLY_MXFP4_MOE"}[quant]))
+        "Q4_K_M": "MOSTLY_Q4_K_M", "Q4_0": "MOSTLY_Q4_0", "MXFP4": "MOSTLY_MXFP4_MOE", "Q8_0": "MOSTLY_Q8_0"}[quant]))
 
     llm = Llama(str(path), n_ctx=64, n_batch=64, n_threads=2, verbose=False)
     try:
@@ -205,8 +211,8 @@ def test_bad_input(tmp_path):
     kw = SMALL["qwen3-30b-a3b"]
     with pytest.raises(ValueError, match="unknown shape 'mixtral'"):
         make_synthetic_model(tmp_path / "a.gguf", shape="mixtral")
-    with pytest.raises(ValueError, match="quant must be one of .*'Q8_0'"):
-        make_synthetic_model(tmp_path / "a.gguf", shape="qwen3-30b-a3b", quant="Q8_0", **kw)
+    with pytest.raises(ValueError, match="quant must be one of .*'Q5_K_S'"):
+        make_synthetic_model(tmp_path / "a.gguf", shape="qwen3-30b-a3b", quant="Q5_K_S", **kw)
     with pytest.raises(ValueError, match="has no kv_lora_rank"):
         make_synthetic_model(tmp_path / "a.gguf", shape="qwen3-30b-a3b", kv_lora_rank=64)
     with pytest.raises(ValueError, match="has no n_head_kv"):
