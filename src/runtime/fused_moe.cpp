@@ -32,13 +32,13 @@ constexpr int64_t kBlockCols = 64;
 constexpr int64_t kPlanQuantizeValues = 8192;
 // threads that may gather activation rows for a repacked gemm at once (more: gemv only, as exact)
 constexpr int kMaxGatherThreads = 64;
-// activation rows one pass of patch 0011's multi-row kernel takes (its own group size: it keeps a row's accumulator
-// in a register)
+// activation rows handed to patch 0011's multi-row kernels per call (each takes them in passes of its own: 8 rows
+// per pass over the weights for Q5_0 and Q8_0, 4 for repacked Q4_K)
 constexpr int kRowsPerPass = 8;
 
 // Columns [c0, c1) of matrix mk (expert e) for pairs [q0, q1), pair q's activation row act(q) and its outputs at
-// out + (q - q0) * ld: patch 0011's multi-row kernel, up to kRowsPerPass pairs per pass over the weights, where mk
-// has one; else gemv per pair. The numbers are gemv's either way.
+// out + (q - q0) * ld: patch 0011's multi-row kernel, up to kRowsPerPass pairs per call, where mk has one; else gemv
+// per pair. The numbers are gemv's either way.
 template <class Act>
 void pairs_gemv(const MatrixKernel & mk, int64_t e, int32_t q0, int32_t q1, Act act, float * out, size_t ld,
                 int64_t c0, int64_t c1) {
@@ -421,8 +421,8 @@ void FusedCpuShare::run(int ml, ggml_tensor * dst, const float * x, size_t x_nb1
         for (int g = ith; g < n_groups; g += nth) {
             const int32_t s = group_start_[(size_t) g], e = group_start_[(size_t) g + 1];
             const int64_t ex = group_expert_[(size_t) g];
-            // no gemm: the rows of one expert in decode (several only in a batch of sequences), by gemv or by the
-            // multi-row kernel of a plain matrix
+            // no gemm in a decode-sized ubatch: an expert's rows (several in a batch of sequences or a short
+            // prompt chunk) by the matrix's multi-row kernel where it has one, else gemv per row
             pairs_gemv(L.gate, ex, s, e, [&](int32_t q) { return gate_row(L, q); }, g_.data() + (size_t) s * ff, ff, 0,
                        L.n_ff);
             pairs_gemv(L.up, ex, s, e, [&](int32_t q) { return up_row(L, q); }, u_.data() + (size_t) s * ff, ff,

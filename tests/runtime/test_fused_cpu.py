@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hybrimoe.testing.fixtures import ENGINE_ARCHS, EXPERT_QUANTS
-from hybrimoe.testing.upstream import greedy_reference, greedy_run, nmse
+from hybrimoe.testing.upstream import decode_together, greedy_reference, greedy_run, nmse, prompt_tokens
 
 
 def _cases():
@@ -39,6 +39,40 @@ def test_fused_cpu_share_is_upstreams(arch, quant, ub, threads, expert_quant_mod
     # it ran fused: every layer at this ubatch, or, from 8 tokens, the layers without plain K-quant matrices
     assert all(f == "any" or (f is not None and f >= ub) for f in fused) or (ub >= 8 and "any" in fused), fused
     assert out == ref_out and np.array_equal(lg, ref_lg), nmse(lg, ref_lg)
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q5_0", "Q4_K_M"])
+@pytest.mark.parametrize("n, threads", [(4, 1), (8, 3)])
+def test_fused_batch_of_sequences_is_upstreams_batched_run(quant, n, threads, expert_quant_model):
+    """n sequences decoded together (an expert's several rows in each decode step: patch 0011's multi-row kernels on
+    Q8_0, Q5_0 and repacked Q4_K), fused, against upstream's batched run of the same sequences with its default CPU
+    weights: every step's logits bit for bit."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.batch import BatchGenerator
+
+    path = expert_quant_model("qwen3moe", quant)
+    common = dict(n_ctx=512, n_batch=256, n_ubatch=64, seed=0, verbose=False, n_threads=threads,
+                  n_threads_batch=threads, n_gpu_layers=0, n_seq_max=n)
+    ref = Llama(path, **common)
+    try:
+        base = prompt_tokens(ref, 40)
+        prompts = [base[i: i + 5 + i % 4] for i in range(n)]
+        want = decode_together(ref, prompts, 6)
+    finally:
+        ref.close()
+    llm = Llama(path, moe_cache=0, moe_cpu_fused=True, **common)
+    try:
+        gen = BatchGenerator(llm, record_logits=True)
+        gen.run(prompts, max_tokens=6, temperature=0.0)
+        st = llm.moe_stats()["engine"]
+    finally:
+        llm.close()
+    assert st["fused_mode"] == "exact" and any(f is not None for f in st["fused"]), st["fused"]
+    steps = min(len(lg) for lg in gen.logits)
+    assert steps >= 2
+    for i in range(n):
+        for k in range(steps):
+            assert np.array_equal(gen.logits[i][k], want[k][i]), (i, k, nmse(gen.logits[i][k], want[k][i]))
 
 
 @pytest.mark.parametrize("quant", ["Q4_0", "Q4_K_M"])
