@@ -41,18 +41,22 @@ def test_fused_cpu_share_is_upstreams(arch, quant, ub, threads, expert_quant_mod
     assert out == ref_out and np.array_equal(lg, ref_lg), nmse(lg, ref_lg)
 
 
-@pytest.mark.parametrize("quant", ["Q8_0", "Q5_0", "Q4_K_M"])
-@pytest.mark.parametrize("n, threads", [(4, 1), (8, 3)])
-def test_fused_batch_of_sequences_is_upstreams_batched_run(quant, n, threads, expert_quant_model):
+_BATCH_CASES = [(q, n, t, False) for q in ("Q8_0", "Q5_0", "Q4_K_M") for n, t in ((4, 1), (8, 3))] + [
+    ("Q4_K_M", 4, 1, True), ("Q4_K_M", 6, 3, True)]
+
+
+@pytest.mark.parametrize("quant, n, threads, no_repack", _BATCH_CASES)
+def test_fused_batch_of_sequences_is_upstreams_batched_run(quant, n, threads, no_repack, expert_quant_model):
     """n sequences decoded together (an expert's several rows in each decode step: patch 0011's multi-row kernels on
-    Q8_0, Q5_0 and repacked Q4_K), fused, against upstream's batched run of the same sequences with its default CPU
+    Q8_0, Q5_0 and repacked Q4_K; with ``no_repack`` on plain Q4_K and Q6_K, below the 8 rows where upstream's tiled
+    K-quant kernel takes over), fused, against upstream's batched run of the same sequences with the same CPU
     weights: every step's logits bit for bit."""
     from hybrimoe import Llama
     from hybrimoe.runtime.batch import BatchGenerator
 
     path = expert_quant_model("qwen3moe", quant)
     common = dict(n_ctx=512, n_batch=256, n_ubatch=64, seed=0, verbose=False, n_threads=threads,
-                  n_threads_batch=threads, n_gpu_layers=0, n_seq_max=n)
+                  n_threads_batch=threads, n_gpu_layers=0, n_seq_max=n, no_repack=no_repack)
     ref = Llama(path, **common)
     try:
         base = prompt_tokens(ref, 40)

@@ -1,9 +1,9 @@
 """Patch 0011's multi-row kernels in hybrimoe's ggml-cpu, called directly (ctypes) on seeded random blocks.
 
-Oracle: upstream's single-row kernel of the same type on the same bytes, one activation row at a time
-(``ggml_vec_dot_q5_0_q8_0`` / ``ggml_vec_dot_q8_0_q8_0`` for plain rows, ``ggml_gemv_q4_K_8x8_q8_K`` with one row for
-the repacked Q4_K 8x8 layout): every output bit for bit, for 1 to 19 rows (the kernels take 8, and 4, rows per pass:
-several passes and every remainder), and nothing written outside the outputs asked for. Random bytes are valid blocks
+Oracle: upstream's single-row kernel of the same type on the same bytes, one activation row at a time (the type's
+``ggml_vec_dot_*`` for plain Q5_0, Q8_0, Q4_K and Q6_K rows, ``ggml_gemv_q4_K_8x8_q8_K`` with one row for the repacked
+Q4_K 8x8 layout): every output bit for bit, for 1 to 19 rows (the kernels take 8 or 4 rows per pass: several passes
+and every remainder), and nothing written outside the outputs asked for. Random bytes are valid blocks
 of these types apart from their fp16 scales, which are drawn as small finite halves. Skipped where the build has no
 multi-row kernels (not x86 with AVX2): the fused op then keeps the single-row kernels.
 """
@@ -29,8 +29,12 @@ GEMV_ROWS = ctypes.CFUNCTYPE(None, ctypes.c_int, F, ctypes.c_size_t, ctypes.c_vo
                              ctypes.c_int, ctypes.c_int)
 
 # block sizes in bytes (ggml-common.h): block_q5_0 (fp16 d, qh[4], qs[16]), block_q8_0 (fp16 d, qs[32]),
+# block_q4_K (fp16 d, dmin, scales[12], qs[128]), block_q6_K (ql[128], qh[64], int8 scales[16], fp16 d),
 # block_q8_K (float d, qs[256], int16 bsums[16]), block_q4_Kx8 (fp16 d[8], dmin[8], scales[96], qs[1024])
-Q5_0_BYTES, Q8_0_BYTES, Q8_K_BYTES, Q4_KX8_BYTES = 22, 34, 292, 1152
+Q5_0_BYTES, Q8_0_BYTES, Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, Q4_KX8_BYTES = 22, 34, 144, 210, 292, 1152
+# plain weight type -> (block bytes, elements per block, byte offsets of its fp16 scales, activation type)
+PLAIN = {Q.Q5_0: (Q5_0_BYTES, 32, (0,), "q8_0"), Q.Q8_0: (Q8_0_BYTES, 32, (0,), "q8_0"),
+         Q.Q4_K: (Q4_K_BYTES, 256, (0, 2), "q8_K"), Q.Q6_K: (Q6_K_BYTES, 256, (208,), "q8_K")}
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +53,16 @@ def _halves(rng, n) -> np.ndarray:
     return (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
 
 
-def _q8_0_rows(rng, n_rows, nb) -> np.ndarray:
-    """n_rows activation rows of nb block_q8_0 each (bytes [n_rows, nb * 34])."""
-    b = rng.integers(0, 256, size=(n_rows * nb, Q8_0_BYTES), dtype=np.uint8)
-    b[:, :2] = _halves(rng, n_rows * nb)
-    return b.reshape(n_rows, nb * Q8_0_BYTES)
+def _act_rows(rng, kind, n_rows, nb) -> np.ndarray:
+    """n_rows activation rows of nb blocks each, ``kind`` "q8_0" (fp16 scale first) or "q8_K" (float32 scale
+    first): bytes [n_rows, nb * block bytes]."""
+    size = Q8_0_BYTES if kind == "q8_0" else Q8_K_BYTES
+    b = rng.integers(0, 256, size=(n_rows * nb, size), dtype=np.uint8)
+    if kind == "q8_0":
+        b[:, :2] = _halves(rng, n_rows * nb)
+    else:
+        b[:, :4] = (rng.standard_normal(n_rows * nb) * 0.01).astype(np.float32).view(np.uint8).reshape(-1, 4)
+    return b.reshape(n_rows, nb * size)
 
 
 def _pointers(rows: np.ndarray):
@@ -64,17 +73,20 @@ def _fp(a: np.ndarray):
     return a.ctypes.data_as(F)
 
 
-@pytest.mark.parametrize("wtype, block", [(Q.Q5_0, Q5_0_BYTES), (Q.Q8_0, Q8_0_BYTES)])
-def test_plain_rows_are_vec_dot_bit_for_bit(cpu, wtype, block):
+@pytest.mark.parametrize("wtype", list(PLAIN), ids=lambda t: t.name)
+def test_plain_rows_are_vec_dot_bit_for_bit(cpu, wtype):
     rng = np.random.default_rng(int(wtype))
-    n = 1408  # DeepSeek-V2-Lite's expert width: 44 blocks of 32
-    nb = n // 32
+    block, per_block, scales, act = PLAIN[wtype]
+    n = 1408 if per_block == 32 else 1536  # DeepSeek-V2-Lite's expert width (44 blocks of 32); 6 super blocks
+    nb = n // per_block
     w = rng.integers(0, 256, size=(nb, block), dtype=np.uint8)
-    w[:, :2] = _halves(rng, nb)
-    single = VEC_DOT(ctypes.cast(getattr(cpu, f"ggml_vec_dot_{wtype.name.lower()}_q8_0"), ctypes.c_void_p).value)
+    for off in scales:
+        w[:, off:off + 2] = _halves(rng, nb)
+    name = f"ggml_vec_dot_{wtype.name.lower().replace('_k', '_K')}_{act}"
+    single = VEC_DOT(ctypes.cast(getattr(cpu, name), ctypes.c_void_p).value)
     rows_fn = VEC_DOT_ROWS(cpu.ggml_cpu_vec_dot_rows_of(int(wtype)))
     for nr in range(1, 20):
-        acts = _q8_0_rows(rng, nr, nb)
+        acts = _act_rows(rng, act, nr, nb)
         want = np.empty(nr, np.float32)
         for r in range(nr):
             single(n, _fp(want[r:]), 0, w.ctypes.data, 0, acts[r].ctypes.data, 0, 1)
@@ -86,7 +98,7 @@ def test_plain_rows_are_vec_dot_bit_for_bit(cpu, wtype, block):
 
 
 def test_no_multi_row_kernel_for_other_plain_types(cpu):
-    for t in (Q.F16, Q.Q4_1, Q.Q6_K, Q.IQ4_NL):
+    for t in (Q.F16, Q.Q4_1, Q.Q5_K, Q.IQ4_NL):
         assert not cpu.ggml_cpu_vec_dot_rows_of(int(t)), t.name
 
 
@@ -99,9 +111,7 @@ def test_repacked_q4_k_rows_are_gemv_bit_for_bit(cpu):
     gemv = GEMV(ctypes.cast(cpu.ggml_gemv_q4_K_8x8_q8_K, ctypes.c_void_p).value)
     rows_fn = GEMV_ROWS(ctypes.cast(cpu.ggml_gemv_q4_K_8x8_q8_K_rows, ctypes.c_void_p).value)
     for nr in range(1, 12):
-        acts = rng.integers(0, 256, size=(nr * nb, Q8_K_BYTES), dtype=np.uint8)
-        acts[:, :4] = (rng.standard_normal(nr * nb) * 0.01).astype(np.float32).view(np.uint8).reshape(-1, 4)
-        acts = acts.reshape(nr, nb * Q8_K_BYTES)
+        acts = _act_rows(rng, "q8_K", nr, nb)
         want = np.empty((nr, nc), np.float32)
         for r in range(nr):
             gemv(n, _fp(want[r]), nc, w.ctypes.data, acts[r].ctypes.data, 1, nc)
