@@ -14,9 +14,10 @@
 // upstream's mul_mat_id does not run are used where they give the same numbers: a repacked layout's gemm for an
 // expert with 4 or more rows (used only when it matched the layout's gemv on this CPU, checked once per kernel:
 // Q4_0, IQ4_NL and MXFP4 on x86 AVX2 match; Q4_K's gemm rounds differently), and, for plain Q5_0 and Q8_0 matrices
-// (the fallbacks of K-quant mixes for rows not a multiple of 256) and repacked Q4_K, patch 0011's multi-row kernels:
-// the type's vec_dot (up to 8 rows of an expert) or the layout's gemv (up to 4) for several rows at once, each
-// weight block unpacked once for all of them, each row's arithmetic the single-row kernel's. The repacked kernels, the
+// (the fallbacks of K-quant mixes for rows not a multiple of 256), plain Q4_K and Q6_K (below 8 rows: see below) and
+// repacked Q4_K, patch 0011's multi-row kernels: the type's vec_dot (8 rows of an expert per pass for Q5_0 and Q8_0,
+// 4 for the K-quants) or the layout's gemv (4 per pass) for several rows at once, each weight block unpacked once
+// for all of them, each row's arithmetic the single-row kernel's. The repacked kernels, the
 // multi-row dot products and the SwiGLU come from hybrimoe's ggml-cpu (patches 0009 and 0011's table).
 //
 // What it does not compute (FusedCpuShare::unsupported says which; the layer keeps upstream's ops then): activations
