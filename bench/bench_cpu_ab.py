@@ -44,11 +44,12 @@ def one_process(path: str, n_prompt: int, n_gen: int, threads: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="+", help="GGUF files (e.g. bench_cpu_kernels.py's synthetic models)")
-    ap.add_argument("--other", help="the other build's package folder, put first on PYTHONPATH for the old runs")
-    ap.add_argument("-r", "--reps", type=int, default=3)
-    ap.add_argument("-p", "--n-prompt", type=int, default=512)
-    ap.add_argument("-n", "--n-gen", type=int, default=64)
-    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--other", help="required: the other build's package folder, put first on PYTHONPATH for the old "
+                    "runs")
+    ap.add_argument("-r", "--reps", type=int, default=3, help="repetitions per build (default 3)")
+    ap.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens, one ubatch (default 512)")
+    ap.add_argument("-n", "--n-gen", type=int, default=64, help="greedy tokens generated (default 64)")
+    ap.add_argument("-t", "--threads", type=int, default=2, help="threads (default 2)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -56,6 +57,12 @@ def main() -> int:
         return 0
     if not args.other or not Path(args.other, "hybrimoe").is_dir():
         ap.error("--other must be a folder holding another build's hybrimoe package")
+    if min(args.reps, args.n_prompt, args.n_gen, args.threads) < 1:
+        ap.error("-r, -p, -n and -t must be at least 1")
+    missing = [m for m in args.models if not Path(m).is_file()]
+    if missing:
+        ap.error(f"no such model file: {', '.join(missing)}")
+    failed = 0
     print(f"# load average {os.getloadavg()[0]:.2f} at start; {args.threads} threads; pp{args.n_prompt}, "
           f"tg{args.n_gen}; {args.reps} repetitions")
     results: dict = {}
@@ -71,6 +78,7 @@ def main() -> int:
                 lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
                 if out.returncode != 0 or not lines:
                     print(f"{Path(model).name} {build} rep {rep}: failed\n{out.stderr[-2000:]}")
+                    failed += 1
                     continue
                 for mode, v in json.loads(lines[-1]).items():
                     results.setdefault((Path(model).name, build, mode), []).append(v)
@@ -80,7 +88,7 @@ def main() -> int:
         pp, tg, la = ([x[i] for x in v] for i in range(3))
         print(f"| {model} | {build} | {mode} | {statistics.median(pp):.1f} ({min(pp):.1f}..{max(pp):.1f}) | "
               f"{statistics.median(tg):.2f} ({min(tg):.2f}..{max(tg):.2f}) | {min(la):.2f}..{max(la):.2f} |")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -499,9 +499,11 @@ class EngineSetup:
         if moe_ram_cache is not None and moe_cache is None:
             moe_cache = 0  # the RAM tier runs in the engine: on, with no GPU cache
         if moe_cache is None:
+            # a bad value is named as such, and "off" asks for nothing the engine would do
+            fused_on = fused_mode(moe_cpu_fused) != 0
             given = [n for n, v in (("moe_policy", moe_policy), ("moe_prefetch_layers", moe_prefetch_layers),
                                     ("moe_cost_model", moe_cost_model), ("moe_profile", moe_profile))
-                     if v is not None] + (["moe_cpu_fused"] if moe_cpu_fused else [])
+                     if v is not None] + (["moe_cpu_fused"] if fused_on else [])
             if given:
                 raise ValueError(f"{', '.join(given)} set without moe_cache: the MoE engine is off; give moe_cache "
                                  "(e.g. '25%', 'auto', or 0 for no GPU cache) to turn it on")

@@ -154,9 +154,21 @@ def test_unsupported_experts_keep_upstreams_ops(tiny_model):
 
 
 @pytest.mark.parametrize("kw, match", [(dict(moe_cpu_fused=True), "moe_cpu_fused set without moe_cache"),
-                                       (dict(moe_cache=0, moe_cpu_fused="yes"), "moe_cpu_fused must be")])
+                                       (dict(moe_cache=0, moe_cpu_fused="yes"), "moe_cpu_fused must be"),
+                                       (dict(moe_cpu_fused="yes"), "moe_cpu_fused must be")])
 def test_bad_fused_option(kw, match, tiny_model):
     from hybrimoe import Llama
 
     with pytest.raises(ValueError, match=match):
         Llama(str(tiny_model("qwen3moe", "Q8_0")), verbose=False, **kw)
+
+
+def test_fused_off_without_the_engine_is_no_request(tiny_model):
+    """``moe_cpu_fused="off"`` (the CLI's default word) asks the engine for nothing: no error without moe_cache."""
+    from hybrimoe import Llama
+
+    llm = Llama(str(tiny_model("qwen3moe", "Q8_0")), verbose=False, moe_cpu_fused="off")
+    try:
+        assert "engine" not in llm.moe_stats()
+    finally:
+        llm.close()
