@@ -113,6 +113,16 @@ def test_a_bad_flash_attn_is_a_value_error(tiny_model, bad):
         Llama(str(tiny_model("qwen3moe", "Q8_0")), verbose=False, flash_attn=bad)
 
 
+@pytest.mark.parametrize("kw", [dict(n_threads=-3), dict(n_threads=0), dict(n_threads_batch=-1),
+                                dict(n_threads=2.0), dict(n_threads_batch=True)])
+def test_a_bad_thread_count_is_a_value_error(tiny_model, kw):
+    from hybrimoe import Llama
+
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"{name} must be an integer >= 1"):
+        Llama(str(tiny_model("qwen3moe", "Q8_0")), verbose=False, **kw)
+
+
 @pytest.mark.parametrize("fa", ["auto", "on"])
 def test_engine_with_flash_attention_matches_upstream(tiny_model, rpc_server, split_cost_model, fa):
     """The engine's CPU/GPU split under flash attention gives upstream's tokens and logits at the same placement and
