@@ -33,7 +33,7 @@ constexpr int64_t kPlanQuantizeValues = 8192;
 // threads that may gather activation rows for a repacked gemm at once (more: gemv only, as exact)
 constexpr int kMaxGatherThreads = 64;
 // activation rows handed to patch 0011's multi-row kernels per call (each takes them in passes of its own: 8 rows
-// per pass over the weights for Q5_0 and Q8_0, 4 for repacked Q4_K)
+// per pass over the weights for Q5_0 and Q8_0, 4 for the K-quants, plain and repacked)
 constexpr int kRowsPerPass = 8;
 
 // Columns [c0, c1) of matrix mk (expert e) for pairs [q0, q1), pair q's activation row act(q) and its outputs at
