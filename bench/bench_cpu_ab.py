@@ -57,6 +57,9 @@ def main() -> int:
         return 0
     if not args.other or not Path(args.other, "hybrimoe").is_dir():
         ap.error("--other must be a folder holding another build's hybrimoe package")
+    # the children run in the home folder: absolute paths
+    args.other = str(Path(args.other).resolve())
+    args.models = [str(Path(m).resolve()) for m in args.models]
     if min(args.reps, args.n_prompt, args.n_gen, args.threads) < 1:
         ap.error("-r, -p, -n and -t must be at least 1")
     missing = [m for m in args.models if not Path(m).is_file()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import warnings
 from typing import Sequence
 
@@ -217,10 +218,16 @@ class Llama(llama_cpp.Llama):
         if n_seq_max is not None and (isinstance(n_seq_max, bool) or not isinstance(n_seq_max, int) or n_seq_max < 1):
             raise ValueError(f"n_seq_max must be an integer >= 1, got {n_seq_max!r}")
         for name in ("n_threads", "n_threads_batch"):
-            # llama-cpp-python passes any value on to llama.cpp's context (None: its default count)
+            # llama-cpp-python takes None or 0 for its default count and hands any other value to llama.cpp's context
             v = kwargs.get(name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be an integer >= 1 (or None: llama-cpp-python's default), got {v!r}")
+            if v is None:
+                continue
+            try:
+                ok = not isinstance(v, bool) and operator.index(v) >= 0
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{name} must be an integer >= 1 (0 or None: llama-cpp-python's default), got {v!r}")
         if not isinstance(lazy_experts, bool):
             raise ValueError(f"lazy_experts must be True or False, got {lazy_experts!r}")
         if moe_ram_cache is not None and kwargs.get("use_mlock"):

@@ -113,14 +113,27 @@ def test_a_bad_flash_attn_is_a_value_error(tiny_model, bad):
         Llama(str(tiny_model("qwen3moe", "Q8_0")), verbose=False, flash_attn=bad)
 
 
-@pytest.mark.parametrize("kw", [dict(n_threads=-3), dict(n_threads=0), dict(n_threads_batch=-1),
-                                dict(n_threads=2.0), dict(n_threads_batch=True)])
+@pytest.mark.parametrize("kw", [dict(n_threads=-3), dict(n_threads_batch=-1), dict(n_threads=2.0),
+                                dict(n_threads_batch=True)])
 def test_a_bad_thread_count_is_a_value_error(tiny_model, kw):
     from hybrimoe import Llama
 
     name = next(iter(kw))
     with pytest.raises(ValueError, match=f"{name} must be an integer >= 1"):
         Llama(str(tiny_model("qwen3moe", "Q8_0")), verbose=False, **kw)
+
+
+def test_thread_counts_llama_cpp_python_takes(tiny_model):
+    """0 is llama-cpp-python's default count as None is (its ``n_threads or ...``); numpy integers are integers."""
+    import numpy as np
+
+    from hybrimoe import Llama
+
+    llm = Llama(str(tiny_model("qwen3moe", "Q8_0")), verbose=False, n_threads=0, n_threads_batch=np.int64(2))
+    try:
+        assert llm.n_threads >= 1
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("fa", ["auto", "on"])
