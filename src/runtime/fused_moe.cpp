@@ -343,8 +343,8 @@ void FusedCpuShare::gate_up_unit(const Layer & L, const Unit & u, bool gemm) {
     const bool shared = L.up.act_type == L.gate.act_type;
     const int64_t up_off = L.fused_gate_up ? L.n_ff : 0;  // the up rows of a fused gate_up matrix
     const size_t ff = (size_t) L.n_ff;
-    // gate and up over the same columns, one after the other, for every pair of the expert: the quantized activation
-    // rows are read while they are in the cache
+    // gate and up over the same columns, one after the other, for the expert's pairs: the quantized activation rows
+    // are read while they are in the cache
     int32_t done = 0;
     if (gemm && p >= 4) {
         done = p / 4 * 4;
@@ -354,18 +354,10 @@ void FusedCpuShare::gate_up_unit(const Layer & L, const Unit & u, bool gemm) {
         L.up.gemm4(e, au, done, u_.data() + (size_t) s * ff + u.c0, ff, up_off + u.c0, up_off + u.c1);
     }
     const int32_t q0 = s + done, q1 = s + p;
-    if (L.gate.multi_row() || L.up.multi_row()) {
-        // matrices with a multi-row kernel: each matrix's column block once for all the expert's pairs
-        pairs_gemv(L.gate, e, q0, q1, [&](int32_t q) { return gate_row(L, q); }, g_.data() + (size_t) q0 * ff + u.c0,
-                   ff, u.c0, u.c1);
-        pairs_gemv(L.up, e, q0, q1, [&](int32_t q) { return up_row(L, q); }, u_.data() + (size_t) q0 * ff + u.c0, ff,
-                   up_off + u.c0, up_off + u.c1);
-        return;
-    }
-    for (int32_t q = q0; q < q1; ++q) {
-        L.gate.gemv(e, gate_row(L, q), g_.data() + (size_t) q * ff + u.c0, u.c0, u.c1);
-        L.up.gemv(e, up_row(L, q), u_.data() + (size_t) q * ff + u.c0, up_off + u.c0, up_off + u.c1);
-    }
+    pairs_gemv(L.gate, e, q0, q1, [&](int32_t q) { return gate_row(L, q); }, g_.data() + (size_t) q0 * ff + u.c0, ff,
+               u.c0, u.c1);
+    pairs_gemv(L.up, e, q0, q1, [&](int32_t q) { return up_row(L, q); }, u_.data() + (size_t) q0 * ff + u.c0, ff,
+               up_off + u.c0, up_off + u.c1);
 }
 
 void FusedCpuShare::act_pair(const Layer & L, int64_t q) {
@@ -376,36 +368,43 @@ void FusedCpuShare::act_pair(const Layer & L, int64_t q) {
     kern_->swiglu((int) L.n_ff, g_.data() + (size_t) q * ff, h, u);  // silu(gate) * up, as GGML_OP_GLU computes it
 }
 
+float * FusedCpuShare::out_row(ggml_tensor * dst, int32_t q) const {
+    return (float *) ((char *) dst->data + (size_t) pair_rank_[(size_t) q] * dst->nb[1] +
+                      (size_t) pair_tok_[(size_t) q] * dst->nb[2]);
+}
+
+void FusedCpuShare::scatter(ggml_tensor * dst, const Layer & L, int32_t q0, int32_t q1, int64_t c0, int64_t c1) const {
+    const size_t ne = (size_t) L.n_embd;
+    const float * d = d_.data() + (size_t) q0 * ne;
+    for (int32_t q = q0; q < q1; ++q) {
+        std::memcpy(out_row(dst, q) + c0, d + (size_t) (q - q0) * ne + c0, (size_t) (c1 - c0) * sizeof(float));
+    }
+}
+
+void FusedCpuShare::down_pairs(const Layer & L, int64_t e, int32_t q0, int32_t q1, int64_t c0, int64_t c1,
+                               ggml_tensor * dst) {
+    const size_t ne = (size_t) L.n_embd;
+    if (L.down.multi_row() && q1 - q0 >= 2) {
+        // the multi-row kernel into the scratch rows, then each pair's output row
+        pairs_gemv(L.down, e, q0, q1, [&](int32_t q) { return down_row(L, q); }, d_.data() + (size_t) q0 * ne + c0, ne,
+                   c0, c1);
+        scatter(dst, L, q0, q1, c0, c1);
+        return;
+    }
+    for (int32_t q = q0; q < q1; ++q) L.down.gemv(e, down_row(L, q), out_row(dst, q) + c0, c0, c1);
+}
+
 void FusedCpuShare::down_unit(const Layer & L, const Unit & u, ggml_tensor * dst) {
     const int32_t s = group_start_[(size_t) u.group], p = group_start_[(size_t) u.group + 1] - s;
     const int64_t e = group_expert_[(size_t) u.group];
-    const size_t ne = (size_t) L.n_embd;
-    auto out_row = [&](int32_t q) {
-        return (float *) ((char *) dst->data + (size_t) pair_rank_[(size_t) q] * dst->nb[1] +
-                          (size_t) pair_tok_[(size_t) q] * dst->nb[2]);
-    };
     int32_t done = 0;
     if (L.down.gemm && p >= 4) {
         done = p / 4 * 4;
-        float * d = d_.data() + (size_t) s * ne;
-        L.down.gemm4(e, hq_.data() + (size_t) s * L.down.act_bytes, done, d + u.c0, ne, u.c0, u.c1);
-        for (int32_t q = 0; q < done; ++q) {
-            std::memcpy(out_row(s + q) + u.c0, d + (size_t) q * ne + u.c0, (size_t) (u.c1 - u.c0) * sizeof(float));
-        }
+        float * d = d_.data() + (size_t) s * (size_t) L.n_embd;
+        L.down.gemm4(e, hq_.data() + (size_t) s * L.down.act_bytes, done, d + u.c0, (size_t) L.n_embd, u.c0, u.c1);
+        scatter(dst, L, s, s + done, u.c0, u.c1);
     }
-    if (L.down.multi_row() && p - done >= 2) {
-        // the multi-row kernel into the scratch rows, then each pair's output row
-        const int32_t q0 = s + done;
-        float * d = d_.data() + (size_t) q0 * ne;
-        pairs_gemv(L.down, e, q0, s + p, [&](int32_t q) { return down_row(L, q); }, d + u.c0, ne, u.c0, u.c1);
-        for (int32_t q = q0; q < s + p; ++q) {
-            std::memcpy(out_row(q) + u.c0, d + (size_t) (q - q0) * ne + u.c0, (size_t) (u.c1 - u.c0) * sizeof(float));
-        }
-        return;
-    }
-    for (int32_t q = s + done; q < s + p; ++q) {
-        L.down.gemv(e, down_row(L, q), out_row(q) + u.c0, u.c0, u.c1);
-    }
+    down_pairs(L, e, s + done, s + p, u.c0, u.c1, dst);
 }
 
 void FusedCpuShare::run(int ml, ggml_tensor * dst, const float * x, size_t x_nb1, int ith, int nth) {
@@ -417,7 +416,6 @@ void FusedCpuShare::run(int ml, ggml_tensor * dst, const float * x, size_t x_nb1
     // (every thread decides the same from the same figures)
     if (x_ready_ && n_groups >= nth && n_groups % nth == 0) {
         const int64_t up_off = L.fused_gate_up ? L.n_ff : 0;
-        const size_t ne = (size_t) L.n_embd;
         for (int g = ith; g < n_groups; g += nth) {
             const int32_t s = group_start_[(size_t) g], e = group_start_[(size_t) g + 1];
             const int64_t ex = group_expert_[(size_t) g];
@@ -431,17 +429,7 @@ void FusedCpuShare::run(int ml, ggml_tensor * dst, const float * x, size_t x_nb1
                 act_pair(L, q);
                 L.down.from_float(g_.data() + (size_t) q * ff, hq_.data() + (size_t) q * L.down.act_bytes, L.n_ff);
             }
-            auto out_row = [&](int32_t q) {
-                return (float *) ((char *) dst->data + (size_t) pair_rank_[(size_t) q] * dst->nb[1] +
-                                  (size_t) pair_tok_[(size_t) q] * dst->nb[2]);
-            };
-            if (L.down.multi_row() && e - s >= 2) {
-                float * d = d_.data() + (size_t) s * ne;
-                pairs_gemv(L.down, ex, s, e, [&](int32_t q) { return down_row(L, q); }, d, ne, 0, L.n_embd);
-                for (int32_t q = s; q < e; ++q) std::memcpy(out_row(q), d + (size_t) (q - s) * ne, ne * sizeof(float));
-            } else {
-                for (int32_t q = s; q < e; ++q) L.down.gemv(ex, down_row(L, q), out_row(q), 0, L.n_embd);
-            }
+            down_pairs(L, ex, s, e, 0, L.n_embd, dst);
         }
         return;
     }

@@ -145,6 +145,13 @@ private:
     void gate_up_unit(const Layer & L, const Unit & u, bool gemm);
     void act_pair(const Layer & L, int64_t pos);
     void down_unit(const Layer & L, const Unit & u, ggml_tensor * dst);
+    /// Pair q's output row in dst (F32 [n_embd, k, T]).
+    float * out_row(ggml_tensor * dst, int32_t q) const;
+    /// Columns [c0, c1) of pairs [q0, q1)'s down outputs, from their scratch rows in d_ to their rows in dst.
+    void scatter(ggml_tensor * dst, const Layer & L, int32_t q0, int32_t q1, int64_t c0, int64_t c1) const;
+    /// Down's columns [c0, c1) for expert e's pairs [q0, q1) into dst: by the multi-row kernel (through d_) or by
+    /// gemv per pair.
+    void down_pairs(const Layer & L, int64_t e, int32_t q0, int32_t q1, int64_t c0, int64_t c1, ggml_tensor * dst);
 
     const CpuMoeKernels * kern_ = nullptr;
     bool any_gemm_ = false;
