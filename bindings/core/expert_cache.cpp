@@ -126,7 +126,7 @@ void bind_expert_cache(py::module_ & m) {
                                          "(SGD step `rate`) over MRS scores at alpha 0.5, 0.1 and 0.01, use now, "
                                          "recency and how often it follows this visit's experts; starts ranking as "
                                          "MRS. ValueError: horizon < 1 or rate <= 0.")
-        .def(py::init<int, double>(), py::arg("horizon") = 4, py::arg("rate") = 0.01)
+        .def(py::init<int, double>(), py::arg("horizon") = 2, py::arg("rate") = 0.001)
         .def("probability", &ReusePolicy::probability, py::arg("layer"), py::arg("expert"))
         .def("weights", &ReusePolicy::weights)
         .def_property_readonly("samples", &ReusePolicy::samples)
@@ -183,6 +183,11 @@ void bind_expert_cache(py::module_ & m) {
         .def("evict", &ExpertCache::evict, py::arg("layer"), py::arg("expert"))
         .def("fill", &ExpertCache::fill, py::arg("keys"))
         .def("reset_stats", &ExpertCache::reset_stats)
+        .def("set_priority_admission", &ExpertCache::set_priority_admission, py::arg("on"),
+             "In a decode-sized ubatch (at most 4 tokens) a prefetch or fill that needs victims enters only if its "
+             "policy priority is at least each victim's, instead of by frequency (larger ubatches keep frequency "
+             "admission); demand loads exempt. For a policy that predicts reuse.")
+        .def_property_readonly("priority_admission", &ExpertCache::priority_admission)
         .def("set_frequency_admission", &ExpertCache::set_frequency_admission, py::arg("on"), py::arg("window") = 0,
              "TinyLFU frequency admission (Einziger et al., ACM ToS 2017): a prefetch or fill needing victims is "
              "admitted only if the newcomer's access frequency is above each victim's (demand loads exempt); "

@@ -37,11 +37,13 @@ SYSTEM_PRESETS = {
                                "impact-driven prefetch",
                          source="HybriMoE §IV.D's LRU comparison (MRS replaced by LRU)"),
     "hybrimoe-reuse": dict(scheduler="hybrimoe", cache="reuse", prefetch="impact", fill=True, true_routing=False,
-                           static=False, clairvoyant=False, needs_profile=False, admission="tinylfu",
+                           static=False, clairvoyant=False, needs_profile=False, admission="priority",
                            streaming=STREAMING_FRACTION, opt_in=True,
                            about="HybriMoE split + a cache that predicts reuse (an online logistic regression of "
-                                 "'used within the next 4 visits of its layer' over MRS scores at three rates, use "
-                                 "now and recency; TinyLFU admission, LIP streaming) + impact-driven prefetch",
+                                 "'used within the next 2 visits of its layer' over MRS scores at three rates, use "
+                                 "now, recency and which experts follow the ones just used; in decode a prefetch or "
+                                 "fill enters when its predicted reuse is at least its victim's, TinyLFU admission "
+                                 "and LIP streaming in prefill) + impact-driven prefetch",
                            source="docs/design.md §4 (reuse prediction): online logistic regression by SGD "
                                   "(Bottou 2010) over HybriMoE §IV.D's MRS scores"),
     "ktransformers": dict(scheduler="ktransformers", cache="static-leading-layers", prefetch="none", fill=False,
@@ -136,11 +138,12 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
 
     ``spec``: a preset name or a dict with keys ``scheduler``, ``cache``, ``prefetch`` (names as in
     ``hybrimoe._core.make_*``, or policy objects), ``fill`` (bool), ``admission`` (``"none"``, the default for
-    dicts, or ``"tinylfu"``: :meth:`hybrimoe._core.ExpertCache.set_frequency_admission`, which the ``hybrimoe``
-    presets use) and ``streaming`` (0, the default for dicts, or a fraction of a layer's experts:
-    :data:`STREAMING_FRACTION`, :meth:`hybrimoe._core.ExpertCache.set_streaming_demand`). ``expert_bytes``: bytes
-    of one expert per MoE layer (the engine passes its slot size for every layer); ``budget_bytes``: the GPU cache
-    budget, bytes.
+    dicts, ``"tinylfu"``: :meth:`hybrimoe._core.ExpertCache.set_frequency_admission`, which the ``hybrimoe``
+    presets use, or ``"priority"``: that in prefill and
+    :meth:`hybrimoe._core.ExpertCache.set_priority_admission` in decode, which ``hybrimoe-reuse`` uses) and
+    ``streaming`` (0, the default for dicts, or a fraction of a layer's experts: :data:`STREAMING_FRACTION`,
+    :meth:`hybrimoe._core.ExpertCache.set_streaming_demand`). ``expert_bytes``: bytes of one expert per MoE layer
+    (the engine passes its slot size for every layer); ``budget_bytes``: the GPU cache budget, bytes.
     ``prefetch=False`` replaces the prefetcher with none (prefetch depth 0). ``hot_keys``: keys ``layer *
     n_experts + expert`` hottest first (:func:`hot_keys_from_counts`), from a profile (the simulator's profiling
     prompts, the engine's ``moe_profile``); ``profile``: the counts per key (flat ``[moe_layers * experts]``), the
@@ -165,8 +168,8 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
         if unknown:
             raise ValueError(f"policy dict has unknown keys {sorted(unknown)} (scheduler, cache, prefetch, fill, "
                              "admission, streaming)")
-        if spec.get("admission", "none") not in ("none", "tinylfu"):
-            raise ValueError(f"policy dict: unknown admission {spec['admission']!r} (none, tinylfu)")
+        if spec.get("admission", "none") not in ("none", "tinylfu", "priority"):
+            raise ValueError(f"policy dict: unknown admission {spec['admission']!r} (none, tinylfu, priority)")
         st = spec.get("streaming", 0.0)
         if isinstance(st, bool) or not isinstance(st, (int, float)) or not 0.0 <= st <= 1.0:
             raise ValueError(f"policy dict: streaming must be a fraction of the experts within 0..1, got {st!r}")
@@ -221,6 +224,9 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
             cache.fill([int(k) for k in hot_keys if eb[int(k) // E] > 0])
     if comp.get("admission", "none") == "tinylfu":
         cache.set_frequency_admission(True)
+    elif comp.get("admission", "none") == "priority":
+        cache.set_frequency_admission(True)
+        cache.set_priority_admission(True)
     if comp.get("streaming", 0.0):
         cache.set_streaming_demand(float(comp["streaming"]))
     sched = comp["scheduler"]
@@ -389,6 +395,9 @@ def build_ram_tier(name: str, expert_bytes: Sequence[float], n_experts: int, bud
         cache.fill([int(k) for k in hot_keys])
     if comp.get("admission", "none") == "tinylfu":
         cache.set_frequency_admission(True)
+    elif comp.get("admission", "none") == "priority":
+        cache.set_frequency_admission(True)
+        cache.set_priority_admission(True)
     if comp.get("streaming", 0.0):
         cache.set_streaming_demand(float(comp["streaming"]))
     cfg = _core.RamTierConfig()

@@ -324,6 +324,7 @@ void ExpertCache::out_of_range(int layer, int expert) {
 }
 
 void ExpertCache::observe(const LayerObservation & obs) {
+    small_visit_ = obs.n_tokens <= kSmallVisitTokens;
     stream_now_ = stream_min_active_ > 0.0 && obs.n_experts > 0 &&
                   static_cast<double>(obs.experts.size()) >= stream_min_active_ * static_cast<double>(obs.n_experts);
     policy_->observe(obs);
@@ -589,6 +590,15 @@ void ExpertCache::admit_key(int64_t key, double p, double ready_s, bool by_prefe
     ++stats_.admissions;
 }
 
+namespace {
+// Sets a flag for the length of a scope (an exception included).
+struct FlagScope {
+    bool & flag;
+    explicit FlagScope(bool & f) : flag(f) { flag = true; }
+    ~FlagScope() { flag = false; }
+};
+}  // namespace
+
 bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch, bool demand) {
     Entry & en = entry(layer, expert);
     const int64_t key = static_cast<int64_t>(layer) * n_experts_ + expert;
@@ -601,11 +611,20 @@ bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch,
     // Victims: lowest priority, ties least recently used, then first in resident order; the newcomer's priority
     // is read only when it has to compete (bypass) or enter an ordered layer.
     const bool full = used_ + need > budget_ * (1.0 + 1e-12);
-    const double p = (full || tracks_ || compete_now_) ? policy_->priority(layer, expert) : 0.0;
+    // priority admission (a prefetch or fill in a decode-sized ubatch): the newcomer competes with the victims on
+    // the policy's priority, as a demoted expert does (choose_victims); elsewhere frequency admission
+    const bool by_priority = prio_admission_ && !demand && small_visit_;
+    const double p = (full || tracks_ || compete_now_ || by_priority) ? policy_->priority(layer, expert) : 0.0;
     bool refreshed = false;
-    bool ok = choose_victims(need, p, refreshed, !demand);
+    bool ok;
+    if (by_priority && !compete_now_) {
+        FlagScope on(compete_now_);
+        ok = choose_victims(need, p, refreshed, !demand);
+    } else {
+        ok = choose_victims(need, p, refreshed, !demand);
+    }
     // frequency admission: a prefetch or fill does not displace a more frequently used expert
-    if (ok && freq_admission_ && !demand) {
+    if (ok && freq_admission_ && !demand && !by_priority) {
         for (int64_t v : victims_) ok = ok && freq_[(size_t) key] > freq_[(size_t) v];
     }
     if (ok) {
@@ -617,15 +636,6 @@ bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch,
     if (!ok) ++stats_.declined;
     return ok;
 }
-
-namespace {
-// Sets a flag for the length of a scope (an exception included).
-struct FlagScope {
-    bool & flag;
-    explicit FlagScope(bool & f) : flag(f) { flag = true; }
-    ~FlagScope() { flag = false; }
-};
-}  // namespace
 
 bool ExpertCache::admit_read_ahead(int layer, int expert, double ready_s) {
     FlagScope on(read_ahead_now_);

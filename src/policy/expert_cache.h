@@ -313,6 +313,13 @@ public:
     /// reset; window 0: 10 x the cache's capacity in experts, as the paper's sample size). Off by default.
     void set_frequency_admission(bool on, int64_t window = 0);
     bool frequency_admission() const { return freq_admission_; }
+    /// Priority admission (for a policy that predicts reuse): in a ubatch of at most kSmallVisitTokens tokens
+    /// (decode), a prefetch or fill that needs victims is admitted only if its policy priority is at least each
+    /// victim's (the predicted reuse of the newcomer against the victim's), instead of by frequency; larger
+    /// ubatches keep frequency admission where it is on. Demand loads are exempt. Off by default.
+    void set_priority_admission(bool on) { prio_admission_ = on; }
+    bool priority_admission() const { return prio_admission_; }
+    static constexpr int kSmallVisitTokens = 4;
     /// The access frequency admission compares (0 for keys never accessed).
     double frequency(int layer, int expert) const { return freq_.empty() ? 0.0 : freq_[(size_t) layer * n_experts_ + expert]; }
     /// Streaming demand loads: in a (layer, ubatch) whose router activated at least `min_active_fraction` of the
@@ -447,6 +454,8 @@ private:
     double stream_min_active_ = 0.0;
     bool stream_now_ = false;  // the observed (layer, ubatch) activates enough experts for streaming demand loads
     bool freq_admission_ = false;
+    bool prio_admission_ = false;
+    bool small_visit_ = true;  // the last observed visit had at most kSmallVisitTokens tokens
     int64_t freq_window_ = 0, freq_count_ = 0;
     std::vector<double> freq_;
     std::vector<int64_t> rank_keys_;

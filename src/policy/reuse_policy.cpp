@@ -53,6 +53,9 @@ void ReusePolicy::reset(int n_layers, int n_experts) {
         recency_[a] = static_cast<float>(std::exp2(-double(a) / horizon_));
     }
     follow_n_.assign(n, 0.0f);
+    recent_.assign(n * static_cast<size_t>(n_experts), 0.0f);
+    recent_n_.assign(n, 0.0f);
+    recent_gain_.assign(static_cast<size_t>(n_layers), 1.0);
     prev_.assign(n, 0);
     prev_n_.assign(static_cast<size_t>(n_layers), 0);
     logit_.assign(n, kBias0);
@@ -71,8 +74,8 @@ double ReusePolicy::probability(int layer, int expert) const {
 size_t ReusePolicy::bytes_per_layer() const {
     const size_t per_expert = 3 * sizeof(double) + sizeof(int64_t) + sizeof(double) +
                               static_cast<size_t>(horizon_) * kFeatures * sizeof(float) +
-                              (static_cast<size_t>(n_experts_) + 1) * sizeof(float) + sizeof(int32_t);
-    return per_expert * static_cast<size_t>(n_experts_) + sizeof(int64_t) + sizeof(int32_t);
+                              2 * (static_cast<size_t>(n_experts_) + 1) * sizeof(float) + sizeof(int32_t);
+    return per_expert * static_cast<size_t>(n_experts_) + sizeof(int64_t) + sizeof(int32_t) + sizeof(double);
 }
 
 void ReusePolicy::observe(const LayerObservation & obs) {
@@ -115,21 +118,47 @@ void ReusePolicy::observe(const LayerObservation & obs) {
             if (std::find(cur_.begin(), cur_.end(), e) == cur_.end()) cur_.push_back(e);
         }
     }
+    // the recent table's counts decay by kRecentDecay per visit of the layer: each count is added with weight
+    // gain = kRecentDecay^-(visits), and only count / total is read, so the common factor cancels; the table is
+    // rescaled to gain 1 before the weights leave float's range (every few thousand visits)
+    double & gain = recent_gain_[l];
+    gain /= kRecentDecay;
+    if (gain > kRecentRescale) {
+        const float f = static_cast<float>(1.0 / gain);
+        float * t0 = recent_.data() + base * E;
+        for (size_t i = 0; i < static_cast<size_t>(E) * E; ++i) t0[i] *= f;
+        for (int e = 0; e < E; ++e) recent_n_[base + e] *= f;
+        gain = 1.0;
+    }
+    const float g = static_cast<float>(gain);
     for (int32_t i = 0; i < prev_n_[l] && !cur_.empty(); ++i) {
         const size_t row = (base + prev[i]) * E;
         follow_n_[base + prev[i]] += 1.0f;
-        for (int32_t b : cur_) follow_[row + b] += 1.0f;
+        recent_n_[base + prev[i]] += g;
+        for (int32_t b : cur_) {
+            follow_[row + b] += 1.0f;
+            recent_[row + b] += g;
+        }
     }
     prev_n_[l] = static_cast<int32_t>(cur_.size());
     std::copy(cur_.begin(), cur_.end(), prev);
-    // feature 6 of every expert: the mean over this visit's experts a of count(a, then b) / count(a)
+    // features 6 and 7 of every expert: the mean over this visit's experts a of count(a, then b) / count(a), over
+    // the whole run and over the recent visits
     fol_.assign(static_cast<size_t>(E), 0.0);
+    rec_.assign(static_cast<size_t>(E), 0.0);
     for (int32_t i = 0; i < prev_n_[l]; ++i) {
-        const float n = follow_n_[base + prev[i]];
+        const size_t a = base + prev[i];
+        const float n = follow_n_[a];
         if (n <= 0.0f) continue;
-        const float * row = follow_.data() + (base + prev[i]) * E;
+        const float * row = follow_.data() + a * E;
+        const float * rrow = recent_.data() + a * E;
         const double inv = 1.0 / (double(n) * prev_n_[l]);
-        for (int b = 0; b < E; ++b) fol_[b] += row[b] * inv;
+        // a row unused for thousands of visits may have decayed to 0: it predicts nothing
+        const double rinv = recent_n_[a] > 0.0f ? 1.0 / (double(recent_n_[a]) * prev_n_[l]) : 0.0;
+        for (int b = 0; b < E; ++b) {
+            fol_[b] += row[b] * inv;
+            rec_[b] += rrow[b] * rinv;
+        }
     }
     const int64_t t = visits_[l]++;
     for (int32_t e : obs.experts) last_use_[base + e] = t;
@@ -141,7 +170,9 @@ void ReusePolicy::observe(const LayerObservation & obs) {
     }
     // the snapshot of visit t - horizon (ring slot t % horizon) is labelled now: used at a visit after it
     float * ring = snap_.data() + (base * horizon_ + static_cast<size_t>(t % horizon_) * E) * kFeatures;
-    if (t >= horizon_) {
+    // only a decode-sized visit learns: after a prefill ubatch nearly every expert is used at the next visit, a
+    // label that says nothing about decode
+    if (t >= horizon_ && small) {
         const int64_t since = t - horizon_;
         for (int e = 0; e < E; ++e) {
             const float * f = ring + static_cast<size_t>(e) * kFeatures;
@@ -171,8 +202,11 @@ void ReusePolicy::observe(const LayerObservation & obs) {
         f[5] = last < 0 || t - last >= static_cast<int64_t>(recency_.size()) ? 0.0f
                                                                           : recency_[static_cast<size_t>(t - last)];
         f[6] = static_cast<float>(fol_[e]);
+        f[7] = static_cast<float>(rec_[e]);
         double z = 0.0;
         for (int j = 0; j < kFeatures; ++j) z += w_[j] * f[j];
+        // a prefill ubatch ranks the layer as MRS does (the starting weights' order: the alpha-0.5 score alone)
+        if (!small) z = kBias0 + kFast0 * f[1];
         logit_[i] = z;
     }
     touch(l);

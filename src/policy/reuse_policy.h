@@ -22,16 +22,23 @@
 //      mean over them of count(used next | used) / count(used) (a first-order transition estimate per layer,
 //      learned online; 0 before any). Counted between visits of at most kFollowMaxTokens tokens (decode); the
 //      counts are floats over the whole run (exact up to 2^24 uses of an expert), not decayed
+//   7  follows lately: the same from counts that decay by kRecentDecay per visit of the layer (the transitions of
+//      the current prompt rather than of the whole run)
 // A visit's score of an expert is its mean router probability over the ubatch's tokens where the router's scores
 // are given, else load / (n_tokens * top_k), as MRS's fallback.
 //
+// Prefill: only decode-sized visits (at most kFollowMaxTokens tokens) learn, and a larger visit ranks its layer by
+// feature 1 alone, as the starting weights do (MRS's order): after a prefill ubatch nearly every expert is used at
+// the next visit, which says nothing of decode, and weights learned on decode rank a prefill's experts badly.
+//
 // Memory (bytes_per_layer): per expert three scores, a last-use index and a probability (40 bytes), `horizon`
-// snapshots of its 7 features (floats), a row of the transition table (n_experts floats and a count) and a slot of
-// the last visit's experts (4 bytes): at horizon 4, 160 + 4 n_experts bytes per expert: 26 KB for a layer of 64
-// experts, 303 KB for 256, 1.1 MB for 512. Cost per visit: the transition counts of the last visit's experts times
-// this visit's (decode), the features (feature 6: this visit's experts times n_experts), one SGD step (one
-// exponential) and one prediction per expert of the layer. The cache ranks by the prediction's logit (the same
-// order as the probability; no exponential).
+// snapshots of its 8 features (floats), a row of each transition table (n_experts floats and a count) and a slot
+// of the last visit's experts (4 bytes): at horizon 2, 116 + 8 n_experts bytes per expert: 40 KB for a layer of 64
+// experts, 554 KB for 256, 2.2 MB for 512. Cost per visit: the transition counts of the last visit's experts times
+// this visit's (decode), the features (features 6 and 7: this visit's experts times n_experts), one SGD step per
+// expert (one exponential) and one prediction per expert of the layer; every few thousand visits the decaying
+// table is rescaled (n_experts^2). The cache ranks by the prediction's logit (the same order as the probability;
+// no exponential).
 #pragma once
 
 #include "policy/expert_cache.h"
@@ -45,14 +52,19 @@ namespace hybrimoe {
 
 class ReusePolicy : public CachePolicy {
 public:
-    static constexpr int kFeatures = 7;
-    /// visits of at most this many tokens count transitions (feature 6); a larger ubatch (prefill) neither counts
-    /// nor predicts them (its feature 6 is 0)
-    static constexpr int kFollowMaxTokens = 4;
+    static constexpr int kFeatures = 8;
+    /// feature 7's counts decay by this factor per visit of their layer (a half-life of about 140 visits)
+    static constexpr double kRecentDecay = 0.995;
+    /// visits of at most this many tokens (decode) learn and count transitions (features 6 and 7); a larger
+    /// ubatch (prefill) does neither and ranks its layer by feature 1 (the cache's priority admission uses the same
+    /// bound)
+    static constexpr int kFollowMaxTokens = ExpertCache::kSmallVisitTokens;
 
     /// horizon: the visits of a layer within which a use counts as reuse (>= 1); rate: the SGD step per sample
-    /// (> 0). Throws std::invalid_argument otherwise.
-    explicit ReusePolicy(int horizon = 4, double rate = 0.01);
+    /// (> 0). Throws std::invalid_argument otherwise. The defaults (2 visits, 0.001) ranked best in a cache-only
+    /// replay of the DeepSeek-V2-Lite development trace at 25% among horizons 1, 2, 4, 8 and 16 (rate 0.01), then
+    /// rates 0.01, 0.003 and 0.001 (horizon 2).
+    explicit ReusePolicy(int horizon = 2, double rate = 0.001);
     std::string name() const override { return "reuse"; }
     void reset(int n_layers, int n_experts) override;
     /// Scores the layer's visit, labels and learns from the snapshot `horizon` visits old, predicts every expert of
@@ -95,7 +107,12 @@ private:
     std::vector<int32_t> prev_n_;            // per layer: how many
     std::vector<double> logit_;              // the predictions as logits (the cache ranks by them: same order)
     std::vector<double> s_;                  // one visit's scores (scratch)
+    std::vector<float> recent_;              // per layer [n_experts x n_experts]: feature 7's decayed counts
+    std::vector<float> recent_n_;            // per layer [n_experts]: their decayed row totals
+    std::vector<double> recent_gain_;        // per layer: the weight of a count added now (kRecentDecay^-visits)
+    static constexpr double kRecentRescale = 1e20;
     std::vector<double> fol_;                // one visit's feature 6 (scratch)
+    std::vector<double> rec_;                // one visit's feature 7 (scratch)
     std::vector<int32_t> cur_;               // one visit's distinct experts (scratch)
     std::vector<float> recency_;             // feature 5 by visits since the last use, 0..32 horizons
     int64_t samples_ = 0, positives_ = 0;

@@ -357,3 +357,41 @@ def test_streaming_fraction_outside_0_1_is_refused(bad):
     cache = _core.ExpertCache([1 * MB], 4, 2 * MB, _core.LRUPolicy())
     with pytest.raises(ValueError, match="within 0..1"):
         cache.set_streaming_demand(bad)
+
+
+def _admission_cache(priority: bool, n_tokens: int, newcomer: int):
+    """Two resident experts of one layer in a cache of two slots: 0 used three times (frequency 3), 1 and the
+    newcomer once each; the newcomer's layer observed in a ubatch of n_tokens, then MRS scores set so that 1 ranks
+    below 0 (1 is the victim), expert 2 between them and expert 3 below them all."""
+    p = _core.MRSPolicy(alpha=0.5)
+    c = _core.ExpertCache([1.0], 4, 2.0, p)
+    c.set_frequency_admission(True)
+    c.set_priority_admission(priority)
+    c.fill([0, 1])
+    for e in (0, 0, 0, 1, newcomer):
+        c.access(0, e)
+    c.observe(obs(0, [newcomer], n_tokens=n_tokens, n_experts=4))
+    for e, s in ((0, 0.9), (1, 0.1), (2, 0.5), (3, 0.0)):
+        p.set_score(0, e, s)
+    return c
+
+
+@pytest.mark.parametrize("n_tokens", [1, 4, 5])
+def test_priority_admission_in_decode_and_frequency_admission_in_prefill(n_tokens):
+    """ExpertCache.set_priority_admission: in a ubatch of at most 4 tokens (decode) a prefetch enters when its
+    priority is at least the victim's, whatever the frequencies (here TinyLFU refuses it: frequency 1 against the
+    victim's 1); in a larger ubatch frequency admission decides, as without it. A newcomer ranked below the victim is
+    refused, and a demand load is exempt from both rules."""
+    decode = n_tokens <= 4
+    c = _admission_cache(True, n_tokens, 2)
+    assert c.priority_admission and c.admit(0, 2, by_prefetch=True) == decode
+    assert c.resident(0, 2) == decode and c.resident(0, 1) != decode and c.resident(0, 0)
+    # without priority admission frequency decides in decode too: the same newcomer is refused
+    plain = _admission_cache(False, n_tokens, 2)
+    assert not plain.priority_admission
+    assert not plain.admit(0, 2, by_prefetch=True) and not plain.resident(0, 2)
+    # a newcomer ranked below the victim: refused by both rules
+    low = _admission_cache(True, n_tokens, 3)
+    assert not low.admit(0, 3, by_prefetch=True) and low.resident(0, 1)
+    # a demand load enters whatever both rules say
+    assert low.admit(0, 3, demand=True) and low.resident(0, 3)

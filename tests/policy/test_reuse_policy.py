@@ -16,15 +16,19 @@ from .test_policy_cache import obs
 
 class Replica:
     """The documented rule, written again: MRS scores at alpha 0.5, 0.1, 0.01 (times top_k), features [1, the three
-    scores, used now, 2^-(age / H), the mean over this visit's experts a of count(a, then e) / count(a)], the
-    snapshot of visit t - H labelled 'used at a visit after it' and one SGD step per expert on the log-loss, then
-    every expert predicted with the new weights. Without router scores."""
+    scores, used now, 2^-(age / H), the mean over this visit's experts a of count(a, then e) / count(a), the same
+    with counts that decay by 0.995 per visit], the snapshot of visit t - H labelled 'used at a visit after it' and
+    one SGD step per expert on the log-loss (decode-sized visits only), then every expert predicted with the new
+    weights; a visit of more than 4 tokens ranks its layer by -2 + 4 x the alpha-0.5 score. Without router
+    scores."""
 
     def __init__(self, L, E, H, rate):
         self.E, self.H, self.rate = E, H, rate
-        self.w = np.array([-2.0, 4.0, 0, 0, 0, 0, 0])
+        self.w = np.array([-2.0, 4.0, 0, 0, 0, 0, 0, 0])
         self.follow = np.zeros((L, E, E))
         self.follow_n = np.zeros((L, E))
+        self.recent = np.zeros((L, E, E))
+        self.recent_n = np.zeros((L, E))
         self.prev = [[] for _ in range(L)]
         self.s = np.zeros((3, L, E))
         self.last = np.full((L, E), -1)
@@ -32,33 +36,45 @@ class Replica:
         self.snap = {}
         self.p = np.full((L, E), 1 / (1 + math.exp(2.0)))
 
-    def observe(self, layer, experts, loads):
+    def observe(self, layer, experts, loads, n_tokens=1):
         t = self.visits[layer]
         self.visits[layer] += 1
+        small = n_tokens <= 4
         v = np.zeros(self.E)
         for e, n in zip(experts, loads):
-            v[e] = min(1.0, n)
+            v[e] = min(1.0, n / n_tokens)
             self.last[layer, e] = t
-        for a in self.prev[layer]:
-            self.follow_n[layer, a] += 1
-            self.follow[layer, a, experts] += 1
-        self.prev[layer] = list(experts)
-        fol = np.mean([self.follow[layer, a] / self.follow_n[layer, a] if self.follow_n[layer, a] else
-                       np.zeros(self.E) for a in experts], axis=0)
+        cur = sorted(set(experts)) if small else []
+        self.recent[layer] *= 0.995
+        self.recent_n[layer] *= 0.995
+        if cur:
+            for a in self.prev[layer]:
+                self.follow_n[layer, a] += 1
+                self.follow[layer, a, cur] += 1
+                self.recent_n[layer, a] += 1
+                self.recent[layer, a, cur] += 1
+        self.prev[layer] = cur
+
+        def mean_follow(table, n):
+            rows = [table[layer, a] / n[layer, a] if self.follow_n[layer, a] else np.zeros(self.E) for a in cur]
+            return np.mean(rows, axis=0) if rows else np.zeros(self.E)
+
+        fol, rec = mean_follow(self.follow, self.follow_n), mean_follow(self.recent, self.recent_n)
         for i, a in enumerate((0.5, 0.1, 0.01)):
             self.s[i, layer] = a * v + (1 - a) * self.s[i, layer]
-        if t >= self.H:
+        if t >= self.H and small:
             f = self.snap[(layer, t - self.H)]
             for e in range(self.E):
                 p = 1 / (1 + math.exp(-float(self.w @ f[e])))
                 y = 1.0 if self.last[layer, e] > t - self.H else 0.0
                 self.w = self.w - self.rate * (p - y) * f[e]
-        f = np.zeros((self.E, 7), np.float32)
+        f = np.zeros((self.E, 8), np.float32)
         for e in range(self.E):
             last = self.last[layer, e]
             f[e] = [1, self.s[0, layer, e], self.s[1, layer, e], self.s[2, layer, e], float(last == t),
-                    0.0 if last < 0 else 2.0 ** (-(t - last) / self.H), fol[e]]
-        self.p[layer] = 1 / (1 + np.exp(-(f.astype(np.float64) @ self.w)))
+                    0.0 if last < 0 else 2.0 ** (-(t - last) / self.H), fol[e], rec[e]]
+        z = f.astype(np.float64) @ self.w if small else -2.0 + 4.0 * f[:, 1].astype(np.float64)
+        self.p[layer] = 1 / (1 + np.exp(-z))
         self.snap[(layer, t)] = f.astype(np.float64)
 
 
@@ -71,12 +87,14 @@ def test_the_update_rule_matches_a_replica_of_the_documented_one():
     for step in range(40):
         for layer in range(L):
             experts = sorted(rng.choice(E, 2, replace=False).tolist())
-            p.observe(obs(layer, experts, step=step, n_experts=E, top_k=2))
-            rep.observe(layer, experts, [1, 1])
+            # every 9th visit a prefill-sized ubatch of 6 tokens: it neither learns nor counts transitions
+            n = 6 if step % 9 == 4 else 1
+            p.observe(obs(layer, experts, [n, 1], n_tokens=n, step=step, n_experts=E, top_k=2))
+            rep.observe(layer, experts, [n, 1], n)
             got = [p.probability(layer, e) for e in range(E)]
             assert got == pytest.approx(rep.p[layer], rel=1e-5, abs=1e-6), (step, layer)
     assert p.weights() == pytest.approx(rep.w.tolist(), rel=1e-5, abs=1e-6)
-    assert p.samples == L * (40 - H) * E
+    assert p.samples == L * (40 - H - sum(1 for t in range(H, 40) if t % 9 == 4)) * E
 
 
 def test_a_repeated_expert_counts_once_and_the_cache_ranks_by_the_logit():
@@ -96,13 +114,19 @@ def test_a_repeated_expert_counts_once_and_the_cache_ranks_by_the_logit():
     for e in range(E):
         p = a.probability(0, e)
         assert a.priority(0, e) == pytest.approx(math.log(p / (1 - p)), rel=1e-9, abs=1e-9)
-    # visits of 5 tokens: feature 6 stays 0, so its weight never moves
+    # visits of 5 tokens (prefill-sized): no step learns from them, and the layer ranks as MRS's alpha-0.5 score
     c = _core.ReusePolicy(horizon=2, rate=0.3)
     c.reset(1, E)
+    mrs = _core.MRSPolicy(alpha=0.5, p=E)
+    mrs.reset(1, E)
     for step in range(30):
         experts = sorted(rng.choice(E, 3, replace=False).tolist())
-        c.observe(obs(0, experts, [2, 2, 1], n_tokens=5, step=step, n_experts=E, top_k=2))
-    assert c.weights()[6] == 0.0 and c.weights()[5] != 0.0
+        for q in (c, mrs):
+            q.observe(obs(0, experts, [2, 2, 1], n_tokens=5, step=step, n_experts=E, top_k=2))
+    assert c.weights() == [-2.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] and c.samples == 0
+    for i in range(E):
+        for j in range(E):
+            assert (c.priority(0, i) < c.priority(0, j)) == (mrs.score(0, i) < mrs.score(0, j)), (i, j)
 
 
 def test_it_starts_ranking_as_mrs():
@@ -153,9 +177,9 @@ def test_bad_arguments_are_named():
     assert [p.probability(0, e) for e in range(4)] == [q.probability(0, e) for e in range(4)]
     assert isinstance(_core.make_cache_policy("reuse"), _core.ReusePolicy)
     assert pol.ReusePolicy is _core.ReusePolicy and _core.make_cache_policy("reuse").name() == "reuse"
-    # horizon 2: per expert 2 snapshots of 7 features (floats), a transition row of 4 floats and its count, a
-    # last-visit slot
-    assert p.bytes_per_layer == 4 * (5 * 8 + 2 * 7 * 4 + 5 * 4 + 4) + 8 + 4
+    # horizon 2: per expert 2 snapshots of 8 features (floats), two transition rows of 4 floats and their counts,
+    # a last-visit slot; per layer a visit count, how many experts the last visit used and the decaying table's gain
+    assert p.bytes_per_layer == 4 * (5 * 8 + 2 * 8 * 4 + 2 * 5 * 4 + 4) + 8 + 4 + 8
 
 
 def _stream(rng, T, E, hot_every):
@@ -233,7 +257,7 @@ def test_engine_with_the_reuse_cache_matches_upstream_and_reports_its_learning(t
     assert out == ref_out and np.array_equal(lg, ref_lg)
     pr = st["predictor"]
     assert st["policy"] == "hybrimoe-reuse" and pr["samples"] > 0 and pr["log_loss"] > 0
-    assert len(pr["weights"]) == 7 and pr["weights"] != [-2.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert len(pr["weights"]) == 8 and pr["weights"] != [-2.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert st["ram"] == {}
     plain = Llama(str(path), moe_cache=12 * slot_bytes(path), moe_cost_model=split_cost_model, **common)
     try:
