@@ -5,8 +5,8 @@ Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 and gpt-oss-120b at low and high tempor
 cache size, stage and seed, on the first 2,000 tokens: tokens/s and hit rate of the candidate (default
 ``hybrimoe-reuse``) and of the base (default ``hybrimoe``, the MRS cache), their ratio, and a flag where the
 candidate is more than 1% slower. A default preset changes only where no row is flagged. ``--halves`` adds the real
-trace's even and odd prompts as two traces of their own (split by prompt, not by token: routing the candidate never
-tuned on). Prints a markdown table and a summary; --json writes the rows.
+trace's even and odd prompts as two traces of their own (split by prompt, not by token: a candidate tuned on one
+half is checked on the other). Prints a markdown table and a summary per stage; --json writes the rows.
 
     python3 bench/bench_preset_vs.py --seeds 0 --json reuse_vs_mrs.json
 """
@@ -91,10 +91,13 @@ def main(argv=None) -> int:
     if not rows:
         print("no runs", file=sys.stderr)
         return 2
-    ratios = sorted(r["ratio"] for r in rows)
     bad = [r for r in rows if r["flags"]]
-    print(f"\n{len(rows)} runs, {len(bad)} with {c} more than 1% slower than {b}; {c} / {b}: min {ratios[0]:.3f}, "
-          f"median {ratios[len(ratios) // 2]:.3f}, max {ratios[-1]:.3f}")
+    print(f"\n{len(rows)} runs, {len(bad)} with {c} more than 1% slower than {b}")
+    for stage in args.stages.split(","):
+        ratios = sorted(r["ratio"] for r in rows if r["stage"] == stage)
+        if ratios:
+            print(f"{stage}: {len(ratios)} runs, {c} / {b} min {ratios[0]:.3f}, median "
+                  f"{float(np.median(ratios)):.3f}, max {ratios[-1]:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

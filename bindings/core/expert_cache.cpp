@@ -124,8 +124,10 @@ void bind_expert_cache(py::module_ & m) {
                                          "Reuse prediction: per (layer, expert) the probability of use within the "
                                          "next `horizon` visits of its layer, from an online logistic regression "
                                          "(SGD step `rate`) over MRS scores at alpha 0.5, 0.1 and 0.01, use now, "
-                                         "recency and how often it follows this visit's experts; starts ranking as "
-                                         "MRS. ValueError: horizon < 1 or rate <= 0.")
+                                         "recency and how often it follows this visit's experts (over the run and "
+                                         "with counts decaying by 0.995 per visit); starts ranking as MRS, learns "
+                                         "from decode-sized visits only and ranks a larger (prefill) visit's layer "
+                                         "by the alpha-0.5 score. ValueError: horizon < 1 or rate <= 0.")
         .def(py::init<int, double>(), py::arg("horizon") = 2, py::arg("rate") = 0.001)
         .def("probability", &ReusePolicy::probability, py::arg("layer"), py::arg("expert"))
         .def("weights", &ReusePolicy::weights)

@@ -611,13 +611,14 @@ bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch,
     // Victims: lowest priority, ties least recently used, then first in resident order; the newcomer's priority
     // is read only when it has to compete (bypass) or enter an ordered layer.
     const bool full = used_ + need > budget_ * (1.0 + 1e-12);
-    // priority admission (a prefetch or fill in a decode-sized ubatch): the newcomer competes with the victims on
-    // the policy's priority, as a demoted expert does (choose_victims); elsewhere frequency admission
-    const bool by_priority = prio_admission_ && !demand && small_visit_;
+    // priority admission (a prefetch or fill in a decode-sized ubatch; not a RAM tier's read ahead nor a demoted
+    // expert, which keep their rules): the newcomer competes with the victims on the policy's priority, as a demoted
+    // expert does (choose_victims); elsewhere frequency admission
+    const bool by_priority = prio_admission_ && !demand && small_visit_ && !compete_now_ && !read_ahead_now_;
     const double p = (full || tracks_ || compete_now_ || by_priority) ? policy_->priority(layer, expert) : 0.0;
     bool refreshed = false;
     bool ok;
-    if (by_priority && !compete_now_) {
+    if (by_priority) {
         FlagScope on(compete_now_);
         ok = choose_victims(need, p, refreshed, !demand);
     } else {

@@ -314,11 +314,15 @@ public:
     void set_frequency_admission(bool on, int64_t window = 0);
     bool frequency_admission() const { return freq_admission_; }
     /// Priority admission (for a policy that predicts reuse): in a ubatch of at most kSmallVisitTokens tokens
-    /// (decode), a prefetch or fill that needs victims is admitted only if its policy priority is at least each
-    /// victim's (the predicted reuse of the newcomer against the victim's), instead of by frequency; larger
-    /// ubatches keep frequency admission where it is on. Demand loads are exempt. Off by default.
+    /// (decode), a prefetch or fill (`admit` without `demand`) that needs victims is admitted only if its policy
+    /// priority is at least each victim's (the predicted reuse of the newcomer against the victim's), instead of by
+    /// frequency; larger ubatches keep frequency admission where it is on. The rule goes by the last observed
+    /// ubatch's size, not by stage: a prompt's last chunk of a few tokens counts as decode, a decode step of more
+    /// sequences as prefill. Demand loads, reads ahead (admit_read_ahead) and demoted experts (admit_demoted) keep
+    /// their own rules. Off by default.
     void set_priority_admission(bool on) { prio_admission_ = on; }
     bool priority_admission() const { return prio_admission_; }
+    /// The most tokens of a ubatch that priority admission (and ReusePolicy's learning) treat as decode.
     static constexpr int kSmallVisitTokens = 4;
     /// The access frequency admission compares (0 for keys never accessed).
     double frequency(int layer, int expert) const { return freq_.empty() ? 0.0 : freq_[(size_t) layer * n_experts_ + expert]; }
@@ -377,7 +381,7 @@ private:
     std::vector<int64_t> resident_;
     std::vector<int64_t> evicted_;
     bool read_ahead_now_ = false;  // inside admit_read_ahead
-    bool compete_now_ = false;     // inside admit_demoted: victims must rank below the newcomer
+    bool compete_now_ = false;     // inside admit_demoted or a priority admission: victims rank below the newcomer
     // Eviction order, per layer: the layer's unpinned residents ascending by (priority, last_use, slot), i.e. the
     // victim first (members_ holds all its residents). The slot (position in resident_) breaks full ties exactly
     // as a scan of resident_ in slot order keeping the first strict minimum would. A stale layer's order is

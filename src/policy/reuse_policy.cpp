@@ -56,6 +56,7 @@ void ReusePolicy::reset(int n_layers, int n_experts) {
     recent_.assign(n * static_cast<size_t>(n_experts), 0.0f);
     recent_n_.assign(n, 0.0f);
     recent_gain_.assign(static_cast<size_t>(n_layers), 1.0);
+    last_large_.assign(static_cast<size_t>(n_layers), -1);
     prev_.assign(n, 0);
     prev_n_.assign(static_cast<size_t>(n_layers), 0);
     logit_.assign(n, kBias0);
@@ -75,7 +76,7 @@ size_t ReusePolicy::bytes_per_layer() const {
     const size_t per_expert = 3 * sizeof(double) + sizeof(int64_t) + sizeof(double) +
                               static_cast<size_t>(horizon_) * kFeatures * sizeof(float) +
                               2 * (static_cast<size_t>(n_experts_) + 1) * sizeof(float) + sizeof(int32_t);
-    return per_expert * static_cast<size_t>(n_experts_) + sizeof(int64_t) + sizeof(int32_t) + sizeof(double);
+    return per_expert * static_cast<size_t>(n_experts_) + 2 * sizeof(int64_t) + sizeof(int32_t) + sizeof(double);
 }
 
 void ReusePolicy::observe(const LayerObservation & obs) {
@@ -120,7 +121,7 @@ void ReusePolicy::observe(const LayerObservation & obs) {
     }
     // the recent table's counts decay by kRecentDecay per visit of the layer: each count is added with weight
     // gain = kRecentDecay^-(visits), and only count / total is read, so the common factor cancels; the table is
-    // rescaled to gain 1 before the weights leave float's range (every few thousand visits)
+    // rescaled to gain 1 before the weights leave float's range (about every 9,200 visits at 0.995)
     double & gain = recent_gain_[l];
     gain /= kRecentDecay;
     if (gain > kRecentRescale) {
@@ -170,9 +171,10 @@ void ReusePolicy::observe(const LayerObservation & obs) {
     }
     // the snapshot of visit t - horizon (ring slot t % horizon) is labelled now: used at a visit after it
     float * ring = snap_.data() + (base * horizon_ + static_cast<size_t>(t % horizon_) * E) * kFeatures;
-    // only a decode-sized visit learns: after a prefill ubatch nearly every expert is used at the next visit, a
-    // label that says nothing about decode
-    if (t >= horizon_ && small) {
+    // only decode-sized visits teach: a sample whose snapshot or label window holds a prefill ubatch (after which
+    // nearly every expert is used at the next visit, a label that says nothing of decode) is skipped
+    if (!small) last_large_[l] = t;
+    if (t >= horizon_ && last_large_[l] < t - horizon_) {
         const int64_t since = t - horizon_;
         for (int e = 0; e < E; ++e) {
             const float * f = ring + static_cast<size_t>(e) * kFeatures;

@@ -27,18 +27,19 @@
 // A visit's score of an expert is its mean router probability over the ubatch's tokens where the router's scores
 // are given, else load / (n_tokens * top_k), as MRS's fallback.
 //
-// Prefill: only decode-sized visits (at most kFollowMaxTokens tokens) learn, and a larger visit ranks its layer by
-// feature 1 alone, as the starting weights do (MRS's order): after a prefill ubatch nearly every expert is used at
-// the next visit, which says nothing of decode, and weights learned on decode rank a prefill's experts badly.
+// Prefill: only decode-sized visits (at most kFollowMaxTokens tokens) teach (a sample whose snapshot or label
+// window holds a larger visit is skipped), and a larger visit ranks its layer by feature 1 alone, as the starting
+// weights do (MRS's order): after a prefill ubatch nearly every expert is used at the next visit, which says nothing
+// of decode, and weights learned on decode rank a prefill's experts badly.
 //
 // Memory (bytes_per_layer): per expert three scores, a last-use index and a probability (40 bytes), `horizon`
 // snapshots of its 8 features (floats), a row of each transition table (n_experts floats and a count) and a slot
-// of the last visit's experts (4 bytes): at horizon 2, 116 + 8 n_experts bytes per expert: 40 KB for a layer of 64
-// experts, 554 KB for 256, 2.2 MB for 512. Cost per visit: the transition counts of the last visit's experts times
-// this visit's (decode), the features (features 6 and 7: this visit's experts times n_experts), one SGD step per
-// expert (one exponential) and one prediction per expert of the layer; every few thousand visits the decaying
-// table is rescaled (n_experts^2). The cache ranks by the prediction's logit (the same order as the probability;
-// no exponential).
+// of the last visit's experts (4 bytes); per layer 28 bytes: at horizon 2, 116 + 8 n_experts bytes per expert,
+// 40 KB for a layer of 64 experts, 554 KB for 256, 2.2 MB for 512. Cost per visit: the transition counts of the
+// last visit's experts times this visit's (decode), the features (features 6 and 7: this visit's experts times
+// n_experts), one SGD step per expert (one exponential) and one prediction per expert of the layer; about every
+// 9,200 visits the decaying table is rescaled (n_experts^2). The cache ranks by the prediction's logit (the same
+// order as the probability; no exponential).
 #pragma once
 
 #include "policy/expert_cache.h"
@@ -110,7 +111,9 @@ private:
     std::vector<float> recent_;              // per layer [n_experts x n_experts]: feature 7's decayed counts
     std::vector<float> recent_n_;            // per layer [n_experts]: their decayed row totals
     std::vector<double> recent_gain_;        // per layer: the weight of a count added now (kRecentDecay^-visits)
+    /// the gain at which a layer's decaying table is scaled back to gain 1 (far inside float's range)
     static constexpr double kRecentRescale = 1e20;
+    std::vector<int64_t> last_large_;        // per layer: the last visit of more than kFollowMaxTokens tokens, -1
     std::vector<double> fol_;                // one visit's feature 6 (scratch)
     std::vector<double> rec_;                // one visit's feature 7 (scratch)
     std::vector<int32_t> cur_;               // one visit's distinct experts (scratch)

@@ -395,3 +395,23 @@ def test_priority_admission_in_decode_and_frequency_admission_in_prefill(n_token
     assert not low.admit(0, 3, by_prefetch=True) and low.resident(0, 1)
     # a demand load enters whatever both rules say
     assert low.admit(0, 3, demand=True) and low.resident(0, 3)
+    # a fill (not a prefetch) follows the same rules
+    fill = _admission_cache(True, n_tokens, 2)
+    assert fill.admit(0, 2) == decode and fill.resident(0, 1) != decode
+
+
+def test_priority_admission_admits_a_tie_and_leaves_reads_ahead_to_frequency():
+    """A newcomer whose priority equals the victim's enters (at least, not above); a RAM tier's read ahead
+    (admit_read_ahead) keeps frequency admission even in decode."""
+    p = _core.MRSPolicy(alpha=0.5)
+    c = _core.ExpertCache([1.0], 4, 2.0, p)
+    c.set_frequency_admission(True)
+    c.set_priority_admission(True)
+    c.fill([0, 1])
+    for e in (0, 0, 0, 1, 2):
+        c.access(0, e)
+    c.observe(obs(0, [2], n_experts=4))
+    for e, s in ((0, 0.9), (1, 0.3), (2, 0.3), (3, 0.3)):
+        p.set_score(0, e, s)
+    assert not c.admit_read_ahead(0, 2) and c.resident(0, 1)  # frequency 1, not above the victim's 1
+    assert c.admit(0, 2, by_prefetch=True) and c.resident(0, 2) and not c.resident(0, 1)

@@ -18,8 +18,8 @@ class Replica:
     """The documented rule, written again: MRS scores at alpha 0.5, 0.1, 0.01 (times top_k), features [1, the three
     scores, used now, 2^-(age / H), the mean over this visit's experts a of count(a, then e) / count(a), the same
     with counts that decay by 0.995 per visit], the snapshot of visit t - H labelled 'used at a visit after it' and
-    one SGD step per expert on the log-loss (decode-sized visits only), then every expert predicted with the new
-    weights; a visit of more than 4 tokens ranks its layer by -2 + 4 x the alpha-0.5 score. Without router
+    one SGD step per expert on the log-loss (only where the snapshot, the visits since and this one are
+    decode-sized), then every expert predicted with the new weights; a visit of more than 4 tokens ranks its layer by -2 + 4 x the alpha-0.5 score. Without router
     scores."""
 
     def __init__(self, L, E, H, rate):
@@ -33,6 +33,7 @@ class Replica:
         self.s = np.zeros((3, L, E))
         self.last = np.full((L, E), -1)
         self.visits = np.zeros(L, int)
+        self.last_large = np.full(L, -1)
         self.snap = {}
         self.p = np.full((L, E), 1 / (1 + math.exp(2.0)))
 
@@ -40,6 +41,8 @@ class Replica:
         t = self.visits[layer]
         self.visits[layer] += 1
         small = n_tokens <= 4
+        if not small:
+            self.last_large[layer] = t
         v = np.zeros(self.E)
         for e, n in zip(experts, loads):
             v[e] = min(1.0, n / n_tokens)
@@ -62,7 +65,7 @@ class Replica:
         fol, rec = mean_follow(self.follow, self.follow_n), mean_follow(self.recent, self.recent_n)
         for i, a in enumerate((0.5, 0.1, 0.01)):
             self.s[i, layer] = a * v + (1 - a) * self.s[i, layer]
-        if t >= self.H and small:
+        if t >= self.H and self.last_large[layer] < t - self.H:
             f = self.snap[(layer, t - self.H)]
             for e in range(self.E):
                 p = 1 / (1 + math.exp(-float(self.w @ f[e])))
@@ -94,7 +97,30 @@ def test_the_update_rule_matches_a_replica_of_the_documented_one():
             got = [p.probability(layer, e) for e in range(E)]
             assert got == pytest.approx(rep.p[layer], rel=1e-5, abs=1e-6), (step, layer)
     assert p.weights() == pytest.approx(rep.w.tolist(), rel=1e-5, abs=1e-6)
-    assert p.samples == L * (40 - H - sum(1 for t in range(H, 40) if t % 9 == 4)) * E
+    # a prefill visit at t spoils the samples labelled at t .. t + H (its own snapshot's and those whose window
+    # holds it)
+    spoiled = {u for t in range(40) if t % 9 == 4 for u in range(t, t + H + 1)}
+    assert p.samples == L * sum(1 for t in range(H, 40) if t not in spoiled) * E
+
+
+def test_the_decaying_table_matches_the_replica_across_its_rescales():
+    """20,000 visits of one layer: the decaying transition counts are rescaled about every 9,200 visits (a growing
+    weight per count, scaled back before it leaves float's range), and the predictions still match the replica's,
+    whose counts decay by multiplication at every visit."""
+    rng = np.random.default_rng(11)
+    E, H, rate = 4, 2, 0.01
+    p = _core.ReusePolicy(horizon=H, rate=rate)
+    p.reset(1, E)
+    rep = Replica(1, E, H, rate)
+    # a routing whose transitions change halfway: the recent table must forget the first half's
+    for step in range(20000):
+        first = int(rng.integers(E)) if rng.random() < 0.3 else (step % E if step < 10000 else (3 * step) % E)
+        experts = sorted({first, int(rng.integers(E))})
+        p.observe(obs(0, experts, step=step, n_experts=E, top_k=2))
+        rep.observe(0, experts, [1] * len(experts))
+    got = [p.probability(0, e) for e in range(E)]
+    assert got == pytest.approx(rep.p[0], rel=1e-4, abs=1e-5)
+    assert p.weights() == pytest.approx(rep.w.tolist(), rel=1e-4, abs=1e-5)
 
 
 def test_a_repeated_expert_counts_once_and_the_cache_ranks_by_the_logit():
@@ -178,8 +204,9 @@ def test_bad_arguments_are_named():
     assert isinstance(_core.make_cache_policy("reuse"), _core.ReusePolicy)
     assert pol.ReusePolicy is _core.ReusePolicy and _core.make_cache_policy("reuse").name() == "reuse"
     # horizon 2: per expert 2 snapshots of 8 features (floats), two transition rows of 4 floats and their counts,
-    # a last-visit slot; per layer a visit count, how many experts the last visit used and the decaying table's gain
-    assert p.bytes_per_layer == 4 * (5 * 8 + 2 * 8 * 4 + 2 * 5 * 4 + 4) + 8 + 4 + 8
+    # a last-visit slot; per layer a visit count, how many experts the last visit used, the decaying table's gain and
+    # the last prefill-sized visit
+    assert p.bytes_per_layer == 4 * (5 * 8 + 2 * 8 * 4 + 2 * 5 * 4 + 4) + 8 + 4 + 8 + 8
 
 
 def _stream(rng, T, E, hot_every):

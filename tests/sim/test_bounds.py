@@ -140,10 +140,11 @@ def test_the_oracle_is_within_ten_percent_of_the_optimum():
 
 #: random small instances (index into bound_cases()) where an engine preset beats belady (and maybe the oracle), with
 #: the ratios (oracle, belady) / fastest engine preset measured when listed. 23: a prefill of 2 prompts of 8 tokens
-#: over 3 layers of 5 experts, 3 slots, h200, where hybrimoe-reuse (its prefill ranking: the alpha-0.5 score of
-#: every expert, without MRS's top-p cut) takes 1.656 ms, Belady's plan 1.666 and the oracle's 1.660: Belady's cache
-#: maximises hits, not time. Elsewhere (a prefill instance of 3 or 4 layers where hybrimoe's MRS cache beats
-#: Belady's hit-count optimum by ~2% exists outside this seeded set: probed on 250 instances, 2 such, both prefill)
+#: in ubatches of 4 over 3 layers of 5 experts, 3 slots, h200, where hybrimoe-reuse (its learned ranking and its
+#: admission by predicted reuse, both on at ubatches of 4 tokens; without that admission it is not listed) takes
+#: 1.656 ms, Belady's plan 1.666 and the oracle's 1.660: Belady's cache maximises hits, not time. Elsewhere (a
+#: prefill instance of 3 or 4 layers where hybrimoe's MRS cache beats Belady's hit-count optimum by ~2% exists outside
+#: this seeded set: probed on 250 instances, 2 such, both prefill)
 KNOWN_UNBOUNDED: dict = {23: (1.002, 1.006)}
 
 
