@@ -34,7 +34,7 @@ def traces(args):
         yield "dsv2lite-real", lambda seed: tr
     else:
         print(f"note: {real} not found: the real trace is left out", file=sys.stderr)
-    for shape in args.shapes.split(","):
+    for shape in filter(None, args.shapes.split(",")):
         for loc in ("low", "high"):
             yield f"{shape}-{loc}", (lambda seed, shape=shape, loc=loc:
                                      synthetic_trace(shape, args.tokens * 5 // 4 + 200, locality=loc, seed=seed))

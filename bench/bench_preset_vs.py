@@ -33,36 +33,81 @@ def prompt_half(tr, parity: int):
     return tr.select_tokens(prompt % 2 == parity)
 
 
+def check_args(ap: argparse.ArgumentParser, args) -> None:
+    """Every argument checked before the first run (ap.error: a usage message, exit 2), the trace resolved."""
+    from hybrimoe.policy.budget import parse_budget
+    from hybrimoe.traces.format import default_trace_path, load_trace
+    from hybrimoe.traces.synthetic import SHAPES as KNOWN_SHAPES
+
+    for name in (args.candidate, args.base):
+        if name not in pol.SYSTEM_PRESETS:
+            ap.error(f"unknown preset {name!r} (known: {', '.join(sorted(pol.SYSTEM_PRESETS))})")
+    stages = args.stages.split(",")
+    if not set(stages) <= {"decode", "prefill"} or "" in stages:
+        ap.error(f"--stages {args.stages!r}: decode, prefill or both, comma-separated")
+    for hw in args.hardware.split(","):
+        try:
+            pol.load_hardware(hw)
+        except (ValueError, OSError) as e:
+            ap.error(f"--hardware {hw!r}: {e}")
+    for cache in args.caches.split(","):
+        try:
+            parse_budget(cache, 100.0, 1.0)
+        except ValueError as e:
+            ap.error(f"--caches: {e}")
+    try:
+        [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds {args.seeds!r}: integers, comma-separated")
+    args.shapes = ",".join(filter(None, args.shapes.split(",")))
+    for shape in filter(None, args.shapes.split(",")):
+        if shape not in KNOWN_SHAPES:
+            ap.error(f"--shapes: unknown shape {shape!r} (known: {', '.join(KNOWN_SHAPES)})")
+    if args.tokens < 1:
+        ap.error(f"--tokens {args.tokens}: at least 1 token per run")
+    if args.json:
+        out = Path(args.json).resolve()
+        if not out.parent.is_dir():
+            ap.error(f"--json {args.json}: no folder {out.parent}")
+        if out.exists() and not out.is_file():
+            ap.error(f"--json {args.json}: not a file")
+    if args.trace is None:
+        # beside the checkout (or $HYBRIMOE_TRACE), wherever the bench is run from
+        args.trace = str(default_trace_path(Path(__file__).resolve().parent))
+    elif not Path(args.trace).is_file():
+        ap.error(f"--trace {args.trace}: no such file")
+    else:
+        try:
+            load_trace(args.trace)
+        except (ValueError, OSError) as e:
+            ap.error(f"--trace {args.trace}: {e}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--candidate", default="hybrimoe-reuse", help="the preset tried (default %(default)s)")
     ap.add_argument("--base", default="hybrimoe", help="the preset it must not fall behind (default %(default)s)")
     ap.add_argument("--trace", default=None,
-                    help="the real routing trace (default: ../shared/traces/dsv2lite_dev.npz beside the checkout)")
+                    help="the real routing trace (default: $HYBRIMOE_TRACE, else ../shared/traces/dsv2lite_dev.npz "
+                         "beside the checkout)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="synthetic shapes (default %(default)s)")
     ap.add_argument("--hardware", default="paper-a6000,rtx4090-desktop,h200", help="(default %(default)s)")
     ap.add_argument("--caches", default="10%,25%,50%,75%", help="(default %(default)s)")
     ap.add_argument("--stages", default="decode,prefill", help="(default %(default)s)")
     ap.add_argument("--seeds", default="0", help="seeds of the synthetic traces (default %(default)s)")
-    ap.add_argument("--tokens", type=int, default=2000, help="tokens simulated per run (default %(default)s)")
+    ap.add_argument("--tokens", type=int, default=2000, help="tokens simulated per run, >= 1 (default %(default)s)")
     ap.add_argument("--halves", action="store_true", help="add the real trace's even and odd prompts as traces")
     ap.add_argument("--json", default=None, help="write every row to this file")
     args = ap.parse_args(argv)
-    for name in (args.candidate, args.base):
-        if name not in pol.SYSTEM_PRESETS:
-            ap.error(f"unknown preset {name!r} (known: {', '.join(sorted(pol.SYSTEM_PRESETS))})")
-    if args.trace is None:
-        from hybrimoe.traces.format import default_trace_path
-
-        args.trace = str(default_trace_path(Path(__file__).resolve().parent))
-    elif not Path(args.trace).is_file():
-        print(f"--trace {args.trace}: no such file", file=sys.stderr)
-        return 2
+    check_args(ap, args)
     sources = list(traces(args))
-    if args.halves and sources and sources[0][0] == "dsv2lite-real":
-        real = sources[0][1](0)
-        sources[1:1] = [(f"dsv2lite-{n}", lambda seed, h=prompt_half(real, i): h)
-                        for i, n in enumerate(("even", "odd"))]
+    if args.halves:
+        if sources and sources[0][0] == "dsv2lite-real":
+            real = sources[0][1](0)
+            sources[1:1] = [(f"dsv2lite-{n}", lambda seed, h=prompt_half(real, i): h)
+                            for i, n in enumerate(("even", "odd"))]
+        else:
+            print("note: no real trace, so no prompt halves either (--halves)", file=sys.stderr)
     c, b = args.candidate, args.base
     print(f"| trace | seed | stage | hardware | cache | {b} t/s | {c} t/s | {c} / {b} | hit rate {b} | hit rate {c} | "
           "flags |")
@@ -85,6 +130,8 @@ def main(argv=None) -> int:
                                    hit_base=rb["hit_rate"], hit_candidate=rc["hit_rate"], flags=flags,
                                    seconds=time.perf_counter() - t0)
                         rows.append(row)
+                        if args.json:  # after every run: an interrupted grid keeps what it ran
+                            Path(args.json).write_text(json.dumps(rows, indent=1))
                         print(f"| {label} | {seed} | {stage} | {hw_name} | {cache} | {row['base']:.1f} | "
                               f"{row['candidate']:.1f} | {ratio:.3f} | {row['hit_base']:.3f} | "
                               f"{row['hit_candidate']:.3f} | {', '.join(flags)} |", flush=True)

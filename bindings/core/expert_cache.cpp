@@ -98,9 +98,20 @@ void bind_expert_cache(py::module_ & m) {
                                            "reset, observe(obs), admit, bypass, prepare, clairvoyant.")
         .def(py::init<>())
         .def("name", &CachePolicy::name)
-        .def("reset", &CachePolicy::reset, py::arg("n_layers"), py::arg("n_experts"))
+        .def("reset",
+             [](CachePolicy & p, int n_layers, int n_experts) {
+                 p.reset(n_layers, n_experts);
+                 p.set_shape(n_layers, n_experts);
+             },
+             py::arg("n_layers"), py::arg("n_experts"))
         .def("observe", &CachePolicy::observe, py::arg("obs"))
-        .def("priority", &CachePolicy::priority, py::arg("layer"), py::arg("expert"))
+        // checked here, not in the policies: the cache calls priority() on its hot path with keys it owns
+        .def("priority",
+             [](CachePolicy & p, int layer, int expert) {
+                 p.check_key(layer, expert, (p.name() + ".priority").c_str());
+                 return p.priority(layer, expert);
+             },
+             py::arg("layer"), py::arg("expert"), "Higher keeps longer. IndexError outside the last reset's sizes.")
         .def("admit", &CachePolicy::admit, py::arg("layer"), py::arg("expert"))
         .def("bypass", &CachePolicy::bypass)
         .def("prepare", &CachePolicy::prepare, py::arg("future"))
@@ -127,8 +138,10 @@ void bind_expert_cache(py::module_ & m) {
                                          "recency and how often it follows this visit's experts (over the run and "
                                          "with counts decaying by 0.995 per visit); starts ranking as MRS, learns "
                                          "from decode-sized visits only and ranks a larger (prefill) visit's layer "
-                                         "by the alpha-0.5 score. ValueError: horizon < 1 or rate <= 0.")
-        .def(py::init<int, double>(), py::arg("horizon") = 2, py::arg("rate") = 0.001)
+                                         "by the alpha-0.5 score. ValueError: horizon outside 1..1024 or rate "
+                                         "outside (0, 1].")
+        .def(py::init<int, double>(), py::arg("horizon") = ReusePolicy::kDefaultHorizon,
+             py::arg("rate") = ReusePolicy::kDefaultRate)
         .def("probability", &ReusePolicy::probability, py::arg("layer"), py::arg("expert"))
         .def("weights", &ReusePolicy::weights)
         .def_property_readonly("samples", &ReusePolicy::samples)

@@ -40,10 +40,11 @@ SYSTEM_PRESETS = {
                            static=False, clairvoyant=False, needs_profile=False, admission="priority",
                            streaming=STREAMING_FRACTION, opt_in=True,
                            about="HybriMoE split + a cache that predicts reuse (an online logistic regression of "
-                                 "'used within the next 2 visits of its layer' over MRS scores at three rates, use "
-                                 "now, recency and which experts follow the ones just used; in decode a prefetch or "
-                                 "fill enters when its predicted reuse is at least its victim's, TinyLFU admission "
-                                 "and LIP streaming in prefill) + impact-driven prefetch",
+                                 "'used within the next 4 visits of its layer' over MRS scores at three rates, use "
+                                 "now, recency and which experts follow the ones just used; in ubatches of at most 4 "
+                                 "tokens a prefetch or fill enters when its predicted reuse is at least its "
+                                 "victim's, TinyLFU admission and LIP streaming in larger ones) + impact-driven "
+                                 "prefetch",
                            source="docs/design.md §4 (reuse prediction): online logistic regression by SGD "
                                   "(Bottou 2010) over HybriMoE §IV.D's MRS scores"),
     "ktransformers": dict(scheduler="ktransformers", cache="static-leading-layers", prefetch="none", fill=False,
@@ -170,6 +171,8 @@ def build_preset(spec: Union[str, dict], expert_bytes: Sequence[float], n_expert
                              "admission, streaming)")
         if spec.get("admission", "none") not in ("none", "tinylfu", "priority"):
             raise ValueError(f"policy dict: unknown admission {spec['admission']!r} (none, tinylfu, priority)")
+        if not isinstance(spec.get("fill", True), bool):
+            raise ValueError(f"policy dict: fill must be True or False, got {spec['fill']!r}")
         st = spec.get("streaming", 0.0)
         if isinstance(st, bool) or not isinstance(st, (int, float)) or not 0.0 <= st <= 1.0:
             raise ValueError(f"policy dict: streaming must be a fraction of the experts within 0..1, got {st!r}")

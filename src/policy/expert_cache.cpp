@@ -300,6 +300,7 @@ ExpertCache::ExpertCache(std::vector<double> expert_bytes_per_layer, int n_exper
     }
     entries_.assign(bytes_.size() * n_experts_, Entry{});
     policy_->reset(n_layers(), n_experts_);
+    policy_->set_shape(n_layers(), n_experts_);
     order_.assign(bytes_.size(), {});
     members_.assign(bytes_.size(), {});
     tracks_ = policy_->tracks_changes();

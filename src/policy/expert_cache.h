@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -86,7 +87,26 @@ public:
     uint64_t touches() const { return touches_; }
     int last_touched() const { return last_touched_; }
 
+    /// The sizes of the last reset (set by ExpertCache and the Python binding of reset; -1 before any), so that a
+    /// caller outside the cache can check a key before priority(), which does not (it is the cache's hot path).
+    void set_shape(int n_layers, int n_experts) {
+        shape_layers_ = n_layers;
+        shape_experts_ = n_experts;
+    }
+    /// Throws std::out_of_range unless (layer, expert) is within the last reset's sizes.
+    void check_key(int layer, int expert, const char * what) const {
+        if (shape_layers_ < 0) {
+            throw std::out_of_range(std::string(what) + ": call reset(n_layers, n_experts) first");
+        }
+        if (layer < 0 || layer >= shape_layers_ || expert < 0 || expert >= shape_experts_) {
+            throw std::out_of_range(std::string(what) + ": (layer " + std::to_string(layer) + ", expert " +
+                                    std::to_string(expert) + ") outside " + std::to_string(shape_layers_) +
+                                    " layers x " + std::to_string(shape_experts_) + " experts");
+        }
+    }
+
 protected:
+    int shape_layers_ = -1, shape_experts_ = -1;
     /// Marks the priorities of one layer (layer < 0: all layers) as changed.
     void touch(int layer) {
         ++touches_;

@@ -23,12 +23,15 @@ inline double sigmoid(double z) {
 }  // namespace
 
 ReusePolicy::ReusePolicy(int horizon, double rate) : horizon_(horizon), rate_(rate) {
-    if (horizon < 1) {
-        throw std::invalid_argument("ReusePolicy: horizon must be >= 1 visits, got " + std::to_string(horizon));
+    if (horizon < 1 || horizon > kMaxHorizon) {
+        throw std::invalid_argument("ReusePolicy: horizon must be 1.." + std::to_string(kMaxHorizon) +
+                                    " visits, got " + std::to_string(horizon));
     }
-    if (!(rate > 0.0) || !std::isfinite(rate)) {
-        throw std::invalid_argument("ReusePolicy: rate must be a finite number > 0, got " + std::to_string(rate));
+    if (!(rate > 0.0 && rate <= 1.0)) {
+        throw std::invalid_argument("ReusePolicy: rate must be in (0, 1], got " + std::to_string(rate));
     }
+    w_[0] = kBias0;  // the starting weights, as reset() sets them
+    w_[1] = kFast0;
 }
 
 void ReusePolicy::reset(int n_layers, int n_experts) {

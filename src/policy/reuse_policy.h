@@ -34,8 +34,8 @@
 //
 // Memory (bytes_per_layer): per expert three scores, a last-use index and a probability (40 bytes), `horizon`
 // snapshots of its 8 features (floats), a row of each transition table (n_experts floats and a count) and a slot
-// of the last visit's experts (4 bytes); per layer 28 bytes: at horizon 2, 116 + 8 n_experts bytes per expert,
-// 40 KB for a layer of 64 experts, 554 KB for 256, 2.2 MB for 512. Cost per visit: the transition counts of the
+// of the last visit's experts (4 bytes); per layer 28 bytes: at horizon 4, 180 + 8 n_experts bytes per expert,
+// 44 KB for a layer of 64 experts, 570 KB for 256, 2.2 MB for 512. Cost per visit: the transition counts of the
 // last visit's experts times this visit's (decode), the features (features 6 and 7: this visit's experts times
 // n_experts), one SGD step per expert (one exponential) and one prediction per expert of the layer; about every
 // 9,200 visits the decaying table is rescaled (n_experts^2). The cache ranks by the prediction's logit (the same
@@ -61,11 +61,16 @@ public:
     /// bound)
     static constexpr int kFollowMaxTokens = ExpertCache::kSmallVisitTokens;
 
-    /// horizon: the visits of a layer within which a use counts as reuse (>= 1); rate: the SGD step per sample
-    /// (> 0). Throws std::invalid_argument otherwise. The defaults (2 visits, 0.001) ranked best in a cache-only
-    /// replay of the DeepSeek-V2-Lite development trace at 25% among horizons 1, 2, 4, 8 and 16 (rate 0.01), then
-    /// rates 0.01, 0.003 and 0.001 (horizon 2).
-    explicit ReusePolicy(int horizon = 2, double rate = 0.001);
+    /// The longest horizon taken (its snapshots cost horizon x 8 floats per expert).
+    static constexpr int kMaxHorizon = 1024;
+    /// The defaults: 4 visits and 0.001. Rate 0.001 ranked best of 0.01, 0.003 and 0.001 in a cache-only replay of
+    /// the DeepSeek-V2-Lite development trace at 25%; with the cache's priority admission, horizon 4 decoded fastest
+    /// of 1, 2, 3, 4, 6 and 8 in the full simulated runs on that trace (horizon 2 had the best cache-only hit rate).
+    static constexpr int kDefaultHorizon = 4;
+    static constexpr double kDefaultRate = 0.001;
+    /// horizon: the visits of a layer within which a use counts as reuse (1..kMaxHorizon); rate: the SGD step per
+    /// sample (in (0, 1]). Throws std::invalid_argument otherwise.
+    explicit ReusePolicy(int horizon = kDefaultHorizon, double rate = kDefaultRate);
     std::string name() const override { return "reuse"; }
     void reset(int n_layers, int n_experts) override;
     /// Scores the layer's visit, labels and learns from the snapshot `horizon` visits old, predicts every expert of

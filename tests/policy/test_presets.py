@@ -99,6 +99,21 @@ def test_every_preset_has_an_about_and_a_source():
     assert pol.PROFILE_PRESETS == ("hot-set",) and "hot-set" in pol.ENGINE_PRESETS
 
 
+def test_policy_dicts_name_their_admission_and_check_fill():
+    """A policy dict's ``admission``: ``"priority"`` turns on the cache's priority admission (with frequency
+    admission for larger ubatches), ``"tinylfu"`` frequency admission only, ``"none"`` neither; anything else, and a
+    ``fill`` that is not a bool, is a named ValueError."""
+    for adm, freq, prio in (("none", False, False), ("tinylfu", True, False), ("priority", True, True)):
+        ps = pol.build_preset({"cache": "reuse", "admission": adm}, [1.0] * 2, 4, 3.0)
+        assert (ps.cache.frequency_admission, ps.cache.priority_admission) == (freq, prio), adm
+    assert pol.build_preset("hybrimoe-reuse", [1.0] * 2, 4, 3.0).cache.priority_admission
+    assert not pol.build_preset("hybrimoe", [1.0] * 2, 4, 3.0).cache.priority_admission
+    with pytest.raises(ValueError, match="unknown admission 'lru'.*priority"):
+        pol.build_preset({"cache": "reuse", "admission": "lru"}, [1.0] * 2, 4, 3.0)
+    with pytest.raises(ValueError, match="fill must be True or False, got 'no'"):
+        pol.build_preset({"cache": "reuse", "fill": "no"}, [1.0] * 2, 4, 3.0)
+
+
 def test_hot_set_needs_hot_keys_and_holds_the_hottest():
     with pytest.raises(ValueError, match="needs a profile"):
         pol.build_preset("hot-set", [1.0] * 2, 4, 3.0)

@@ -180,6 +180,21 @@ def test_bad_arguments_are_named():
         _core.ReusePolicy(horizon=0)
     with pytest.raises(ValueError, match="rate"):
         _core.ReusePolicy(rate=0.0)
+    with pytest.raises(ValueError, match="horizon"):
+        _core.ReusePolicy(horizon=10**6)
+    with pytest.raises(ValueError, match="rate"):
+        _core.ReusePolicy(rate=2.0)
+    # the starting weights from construction on; a key outside the sizes is an IndexError, before reset too
+    fresh = _core.ReusePolicy()
+    assert fresh.weights() == [-2.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    with pytest.raises(IndexError, match="reset"):
+        fresh.priority(0, 0)
+    for made in (_core.ReusePolicy(), _core.MRSPolicy(), _core.LFUPolicy()):
+        made.reset(2, 4)
+        for key in ((2, 0), (0, 4), (-1, 0), (10**7, 0)):
+            with pytest.raises(IndexError, match="outside 2 layers x 4 experts"):
+                made.priority(*key)
+        assert made.priority(1, 3) == made.priority(1, 3)
     p = _core.ReusePolicy(horizon=2)
     p.reset(2, 4)
     for t in range(5):
