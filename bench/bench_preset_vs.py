@@ -145,8 +145,6 @@ def main(argv=None) -> int:
         if ratios:
             print(f"{stage}: {len(ratios)} runs, {c} / {b} min {ratios[0]:.3f}, median "
                   f"{float(np.median(ratios)):.3f}, max {ratios[-1]:.3f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 
