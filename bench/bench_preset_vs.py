@@ -52,13 +52,15 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"--hardware {hw!r}: {e}")
     for cache in args.caches.split(","):
         try:
-            parse_budget(cache, 100.0, 1.0)
+            parse_budget(cache, 100.0, 0.0)  # the form only: sizes are checked per trace
         except ValueError as e:
             ap.error(f"--caches: {e}")
     try:
-        [int(x) for x in args.seeds.split(",")]
+        seeds = [int(x) for x in args.seeds.split(",")]
     except ValueError:
-        ap.error(f"--seeds {args.seeds!r}: integers, comma-separated")
+        seeds = [-1]
+    if min(seeds) < 0:
+        ap.error(f"--seeds {args.seeds!r}: integers >= 0, comma-separated")
     args.shapes = ",".join(filter(None, args.shapes.split(",")))
     for shape in filter(None, args.shapes.split(",")):
         if shape not in KNOWN_SHAPES:
@@ -121,7 +123,10 @@ def main(argv=None) -> int:
                     hw = pol.load_hardware(hw_name)
                     for cache in args.caches.split(","):
                         t0 = time.perf_counter()
-                        s = Setup(tr, hw, cache, stage, max_tokens=args.tokens, seed=seed + 1)
+                        try:
+                            s = Setup(tr, hw, cache, stage, max_tokens=args.tokens, seed=seed + 1)
+                        except ValueError as e:  # a budget this trace cannot take (below one of its experts)
+                            ap.error(f"{label}, {hw_name}, cache {cache}: {e}")
                         rb, rc = s.run(b), s.run(c)
                         ratio = rc["tokens_per_s"] / rb["tokens_per_s"]
                         flags = ["slower"] if ratio < 0.99 else []

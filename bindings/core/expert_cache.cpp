@@ -100,6 +100,7 @@ void bind_expert_cache(py::module_ & m) {
         .def("name", &CachePolicy::name)
         .def("reset",
              [](CachePolicy & p, int n_layers, int n_experts) {
+                 p.set_shape(-1, -1);  // a reset that throws leaves no sizes to check keys against
                  p.reset(n_layers, n_experts);
                  p.set_shape(n_layers, n_experts);
              },
@@ -112,7 +113,12 @@ void bind_expert_cache(py::module_ & m) {
                  return p.priority(layer, expert);
              },
              py::arg("layer"), py::arg("expert"), "Higher keeps longer. IndexError outside the last reset's sizes.")
-        .def("admit", &CachePolicy::admit, py::arg("layer"), py::arg("expert"))
+        .def("admit",
+             [](CachePolicy & p, int layer, int expert) {
+                 p.check_key(layer, expert, (p.name() + ".admit").c_str());
+                 return p.admit(layer, expert);
+             },
+             py::arg("layer"), py::arg("expert"))
         .def("bypass", &CachePolicy::bypass)
         .def("prepare", &CachePolicy::prepare, py::arg("future"))
         .def("clairvoyant", &CachePolicy::clairvoyant);

