@@ -619,11 +619,12 @@ void ExpertCache::admit_key(int64_t key, double p, double ready_s, bool by_prefe
 }
 
 namespace {
-// Sets a flag for the length of a scope (an exception included).
+// Sets a flag (when `on`) for the length of a scope, then restores it (an exception included).
 struct FlagScope {
     bool & flag;
-    explicit FlagScope(bool & f) : flag(f) { flag = true; }
-    ~FlagScope() { flag = false; }
+    const bool old;
+    explicit FlagScope(bool & f, bool on = true) : flag(f), old(f) { flag = f || on; }
+    ~FlagScope() { flag = old; }
 };
 }  // namespace
 
@@ -646,10 +647,8 @@ bool ExpertCache::admit(int layer, int expert, double ready_s, bool by_prefetch,
     const double p = (full || tracks_ || compete_now_ || by_priority) ? policy_->priority(layer, expert) : 0.0;
     bool refreshed = false;
     bool ok;
-    if (by_priority) {
-        FlagScope on(compete_now_);
-        ok = choose_victims(need, p, refreshed, !demand);
-    } else {
+    {
+        FlagScope compete(compete_now_, by_priority);
         ok = choose_victims(need, p, refreshed, !demand);
     }
     // frequency admission: a prefetch or fill does not displace a more frequently used expert

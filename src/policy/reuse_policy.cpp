@@ -83,19 +83,11 @@ size_t ReusePolicy::bytes_per_layer() const {
 }
 
 void ReusePolicy::observe(const LayerObservation & obs) {
-    if (obs.layer < 0 || obs.layer >= n_layers_ || obs.n_experts != n_experts_) {
-        throw std::invalid_argument("ReusePolicy.observe: layer or n_experts does not match reset()");
-    }
-    const int E = n_experts_, l = obs.layer;
-    const double k = std::max(1, obs.top_k);
-    const int n_tok = std::max(1, obs.n_tokens);
     // every check before any state changes: a refused observation leaves the policy as it was
-    for (int32_t e : obs.experts) {
-        if (e < 0 || e >= E) throw std::invalid_argument("ReusePolicy.observe: expert out of range");
-    }
-    if (!obs.scores.empty() && obs.scores.size() != static_cast<size_t>(n_tok) * E) {
-        throw std::invalid_argument("ReusePolicy.observe: scores must be [n_tokens, n_experts]");
-    }
+    check_observation(obs, n_layers_, n_experts_, "ReusePolicy.observe");
+    const int E = n_experts_, l = obs.layer;
+    const double k = obs.top_k;
+    const int n_tok = obs.n_tokens;
     // this visit's score of each expert, times top_k (an expert used by every token tends to 1)
     s_.assign(static_cast<size_t>(E), 0.0);
     if (!obs.scores.empty()) {
