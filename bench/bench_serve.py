@@ -2,7 +2,9 @@
 a time (``--parallel 1``), and upstream's own ``llama-server -np N`` (``--llama-server PATH``: built from the pinned
 llama.cpp source), on one model, CPU only.
 
-Per server and N: N clients each stream one completion at once (prompts of ``--pp`` words, different per client,
+Per server and N: N clients each stream one completion at once (prompts of ``--pp`` words, different per client;
+``--pp A-B``: lengths spread evenly from A to B words over the clients, one client the middle, so every N has the
+same mean; the prompts' token counts are printed,
 ``--tg`` new tokens, greedy, the end of generation masked: hybrimoe by ``logit_bias``, llama-server by
 ``ignore_eos``); aggregate tokens/s = all new tokens over the wall time from the first request sent to the last
 answer's end (prefills included); TPOT per request = the time between its first and last token event over the events
@@ -68,7 +70,8 @@ def _wait_ready(port: int, proc, timeout_s: float = 600) -> None:
 def start(kind: str, args, n: int):
     """(process, port, extra request fields) of one server."""
     port = _free_port()
-    ctx = str(n * (args.pp * 6 + args.tg + 64))  # a word of the synthetic models' vocabularies is several tokens
+    ctx = str(n * (max(args.pp_words) * 6 + args.tg + 64))  # a word of the synthetic models' vocabularies is
+    # several tokens
     if kind == "upstream":
         cmd = [args.llama_server, "-m", str(args.model), "-np", str(n), "-c", ctx, "-t", str(args.threads),
                "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.llama_server_args)]
@@ -126,10 +129,29 @@ def stream(port: int, prompt: str, args, extra: dict, out: list) -> None:
     out.append((t0, time.perf_counter(), stamps, done))
 
 
+def words_range(text: str) -> tuple[int, int]:
+    """``--pp``: ``"N"`` or ``"A-B"`` words, 1 <= A <= B. Raises ValueError naming the value."""
+    a, sep, b = text.partition("-")
+    try:
+        lo, hi = int(a), int(b) if sep else int(a)
+    except ValueError:
+        raise ValueError(f"--pp {text!r}: give N or A-B words") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--pp {text!r}: need 1 <= A <= B")
+    return lo, hi
+
+
+def prompts_of(n: int, words: tuple[int, int]) -> list[str]:
+    """``n`` different prompts, their lengths spread evenly over ``words`` (one prompt: the middle)."""
+    lo, hi = words
+    sizes = [(lo + hi) // 2] if n == 1 else [lo + round((hi - lo) * c / (n - 1)) for c in range(n)]
+    return [" ".join(WORDS[(c + i) % len(WORDS)] for i in range(w)) for c, w in enumerate(sizes)]
+
+
 def one_run(kind: str, args, n: int) -> dict:
     proc, port, extra = start(kind, args, n)
     try:
-        prompts = [" ".join(WORDS[(c + i) % len(WORDS)] for i in range(args.pp)) for c in range(n)]
+        prompts = prompts_of(n, args.pp_words)
         stream(port, "warm up", args, extra, [])
         outs: list = []
         threads = [threading.Thread(target=stream, args=(port, p, args, extra, outs)) for p in prompts]
@@ -166,7 +188,8 @@ def main() -> int:
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("--llama-server", default=None, help="upstream's llama-server binary (left out without it)")
     ap.add_argument("--clients", default="1,2,4,8")
-    ap.add_argument("--pp", type=int, default=64, help="words per prompt (about as many tokens)")
+    ap.add_argument("--pp", default="64", help="words per prompt, N or A-B (spread over the clients); a word of "
+                                               "the synthetic models' vocabularies is about 5.6 tokens")
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-r", "--reps", type=int, default=1)
@@ -178,6 +201,10 @@ def main() -> int:
                     help="which servers to run (upstream needs --llama-server)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    try:
+        args.pp_words = words_range(args.pp)
+    except ValueError as e:
+        ap.error(str(e))
     args.model = Path(args.model)
     # a SIGTERM (a timeout, a kill) still restores the read-ahead and removes the cgroup (the finally below)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -208,6 +235,8 @@ def _run(args) -> int:
     lc = llama_cpp_module().llama_cpp
     llm = Llama(str(args.model), vocab_only=True, verbose=False)
     args.eog_bias = {str(t): -100.0 for t in range(llm.n_vocab()) if lc.llama_vocab_is_eog(llm._model.vocab, t)}
+    lengths = {n: [len(llm.tokenize(p.encode(), add_bos=True, special=True)) for p in prompts_of(n, args.pp_words)]
+               for n in {int(x) for x in args.clients.split(",")}}
     llm.close()
     kinds = [k for k in args.servers.split(",") if k and (k != "upstream" or args.llama_server)]
     unknown = set(kinds) - {"hybrimoe-parallel", "hybrimoe-one-at-a-time", "upstream"}
@@ -228,7 +257,9 @@ def _run(args) -> int:
                 row.update(rep=rep, loadavg=load)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-    print(f"model {args.model.name}; {args.threads} threads, CPU only; {args.pp}-word prompts, {args.tg} new tokens; "
+    every = [t for ts in lengths.values() for t in ts]  # the mean in words is the same at every N
+    print(f"model {args.model.name}; {args.threads} threads, CPU only; {args.pp}-word prompts ({min(every)}-"
+          f"{max(every)} tokens), {args.tg} new tokens; "
           f"{args.reps} repetition(s), median (min..max)"
           + (f"; memory cgroup {args.limit}" if args.limit else "")
           + (f"; read_ahead_kb {args.read_ahead}" if args.read_ahead is not None else ""))

@@ -51,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "llama-server's -np: every step decodes the next token of each and chunks of the prompts "
                         "still prefilling, up to --batch-size tokens); each gets --ctx-size / N tokens of context. "
                         "Default: 1, one request at a time")
+    p.add_argument("-kvu", "--kv-unified", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --parallel above 1: one KV cache for all the slots (llama.cpp's -kvu), each request "
+                        "still held to --ctx-size / N tokens. Default: on (llama-server's default slots use it "
+                        "too): a step holding a prompt chunk is then one pass over the experts per --ubatch-size "
+                        "tokens, where separate caches split it per slot (llama.cpp's split_equal) into several")
     p.add_argument("--max-waiting", type=int_in(0), default=16, metavar="N",
                    help="with --parallel above 1: requests waiting for a slot at most; past that a request gets 429 "
                         "(default: %(default)s; each waiting or running request holds one of the server's 40 worker "
@@ -86,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
     (``--on-device-lost exit``)."""
     if args.api_key is not None and not args.api_key.strip():
         print(f"{PROG}: error: --api-key is empty", file=sys.stderr)
+        return 2
+    if args.parallel == 1 and args.kv_unified is not None:
+        print(f"{PROG}: error: --kv-unified / --no-kv-unified choose the KV cache of --parallel's slots: they need "
+              "--parallel 2 or more", file=sys.stderr)
         return 2
     if args.parallel > 1 and (args.embedding or args.interrupt_requests):
         flag = "--embedding" if args.embedding else "--interrupt-requests"
@@ -234,8 +243,8 @@ def serve(args: argparse.Namespace) -> int:
     alias = args.alias or (model.name[:-len(".gguf")] if model.name.endswith(".gguf") else model.name)
 
     def load(settings):
-        more = dict(parallel=args.parallel, max_waiting=args.max_waiting, n_seq_max=args.parallel) \
-            if args.parallel > 1 else {}
+        more = dict(parallel=args.parallel, max_waiting=args.max_waiting, n_seq_max=args.parallel,
+                    kv_unified=args.kv_unified is not False) if args.parallel > 1 else {}
         return load_llama(args, model, PROG, llama_class=ServedLlama, chat_format=args.chat_format,
                           embedding=args.embedding, api_name=alias, **more)
 

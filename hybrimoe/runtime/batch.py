@@ -9,7 +9,12 @@ removed at once (``llama_memory_seq_rm``). For an offloaded MoE model that is th
 copied to the GPU or read from disk once serves every sequence that routes to it.
 
 The KV cache is llama.cpp's, as the context was made: with llama.cpp's default (not unified) each sequence has
-``n_ctx / n_seq_max`` cells (``llama_n_ctx_seq``), as llama-server splits its context between slots.
+``n_ctx / n_seq_max`` cells (``llama_n_ctx_seq``), as llama-server splits its context between slots; llama.cpp then
+splits a step that mixes sequences into ubatches of equal tokens per sequence (``llama_batch_allocr::split_equal``),
+so a step holding a prompt chunk and other sequences' tokens runs as several ubatches, each a pass over the expert
+weights. With a unified KV cache (``kv_unified=True``, upstream ``-kvu``; ``hybrimoe serve --parallel N``'s
+default) a step is cut into ubatches of ``n_ubatch`` tokens in order (``split_simple``), and each request is held
+to ``n_ctx / n_seq_max`` tokens all the same.
 
 Sampling is a llama.cpp sampler chain per request, with that request's parameters, in llama-cpp-python's order
 (``Llama._init_sampler``: penalties, the grammar, then greedy at temperature 0, else top-k, typical, top-p, min-p,
@@ -153,6 +158,12 @@ class BatchGenerator:
         self._lc = llama_cpp_module().llama_cpp
         self.n_slots = int(self._lc.llama_n_seq_max(llm.ctx))
         self.n_ctx_seq = int(self._lc.llama_n_ctx_seq(llm.ctx))
+        #: one KV cache for every sequence (the context's kv_unified)
+        self.kv_unified = bool(getattr(llm.context_params, "kv_unified", False))
+        if self.n_slots > 1 and self.n_ctx_seq >= int(llm.n_ctx()):
+            # a unified KV cache (kv_unified): every sequence may take any cell, so each request is held to its
+            # share, as with separate streams, and the slots together always fit
+            self.n_ctx_seq = int(llm.n_ctx()) // self.n_slots
         self.n_batch = int(llm.n_batch)
         if self.n_slots > self.n_batch:
             raise ValueError(f"n_seq_max {self.n_slots} is above n_batch {self.n_batch}: a step must hold one token "
@@ -536,9 +547,19 @@ class BatchScheduler:
     left without a step (cancelled); ``max_waiting``: requests waiting for a slot at most
     (None: no bound), past which :meth:`submit` raises :class:`QueueFull`. The model's single-sequence methods must
     not decode while the scheduler runs (it owns every sequence of the context).
+
+    ``gather_s``, ``gather_max_s``: when a request arrives at an idle scheduler, the first step waits until no other
+    has arrived for ``gather_s`` seconds (at most ``gather_max_s`` in all, and not once every slot has a request),
+    so that requests sent together start in one step. Clients that send at once reach the server a few milliseconds
+    apart; without the wait the first prompt is prefilled alone, and a prefill step of a model larger than RAM is a
+    read of every expert it does not hold, seconds long, which the others then repeat. 0: no wait.
     """
 
-    def __init__(self, llm, *, lock=None, on_step=None, on_change=None, max_waiting: Optional[int] = None):
+    GATHER_S = 0.01
+    GATHER_MAX_S = 0.05
+
+    def __init__(self, llm, *, lock=None, on_step=None, on_change=None, max_waiting: Optional[int] = None,
+                 gather_s: float = GATHER_S, gather_max_s: float = GATHER_MAX_S):
         import collections
         import threading
 
@@ -550,6 +571,9 @@ class BatchScheduler:
         self._cv = threading.Condition()
         self._incoming: list[_Request] = []
         self._stopping = False
+        if not (0 <= gather_s <= gather_max_s):
+            raise ValueError(f"need 0 <= gather_s <= gather_max_s, got {gather_s!r} and {gather_max_s!r}")
+        self._gather_s, self._gather_max_s = float(gather_s), float(gather_max_s)
         #: steps run, tokens decoded, and how many steps held each number of sequences
         self.steps = 0
         self.tokens_decoded = 0
@@ -565,7 +589,8 @@ class BatchScheduler:
     def state(self) -> dict:
         """Slots and queue now: ``slots`` (n_seq_max), ``active`` (requests holding a slot), ``waiting`` (for a slot:
         not admitted, beyond the free slots), ``steps``,
-        ``tokens_decoded``, ``sequences_per_step`` ({sequences: steps}), and ``per_slot``: one dict per slot, by id,
+        ``tokens_decoded``, ``sequences_per_step`` ({sequences: steps}), ``kv_unified`` (one KV cache for all the
+        slots), and ``per_slot``: one dict per slot, by id,
         as llama-server's ``/slots`` reports them: ``id``, ``state`` (``idle``, ``prefilling`` or ``generating``),
         ``n_ctx`` (the slot's context, tokens), ``n_prompt_tokens``, ``n_prompt_tokens_processed`` (decoded so far)
         and ``n_decoded`` (tokens generated) of the request holding it (0 when idle)."""
@@ -578,7 +603,8 @@ class BatchScheduler:
                 per_slot[r.slot].update(state="prefilling" if r.fed < len(r.prompt) else "generating",
                                         n_prompt_tokens=len(r.prompt), n_prompt_tokens_processed=r.fed,
                                         n_decoded=len(r.out))
-        return {"slots": self.gen.n_slots, "active": len(self.gen.active), "waiting": waiting, "steps": self.steps,
+        return {"slots": self.gen.n_slots, "kv_unified": self.gen.kv_unified, "active": len(self.gen.active),
+                "waiting": waiting, "steps": self.steps,
                 "tokens_decoded": self.tokens_decoded,
                 "sequences_per_step": dict(sorted(self.sequences_per_step.items())), "per_slot": per_slot}
 
@@ -656,8 +682,18 @@ class BatchScheduler:
         gen = self.gen
         while True:
             with self._cv:
+                idle = not (gen.waiting or gen.active)
                 while not (self._stopping or self._incoming or gen.waiting or gen.active):
                     self._cv.wait()
+                if idle and self._gather_s > 0:  # requests sent together: one first step (the class's docstring)
+                    deadline = time.monotonic() + self._gather_max_s
+                    while not self._stopping and len(self._incoming) < gen.n_slots:
+                        seen, left = len(self._incoming), deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cv.wait(min(self._gather_s, left))
+                        if len(self._incoming) == seen:
+                            break
                 if self._stopping:
                     break
             try:

@@ -95,6 +95,11 @@ class Llama(llama_cpp.Llama):
         cpu_moe: keep every routed-expert tensor in host memory (upstream ``--cpu-moe``).
         n_cpu_moe: keep the routed experts of the first N layers in host memory (upstream ``--n-cpu-moe``).
         n_seq_max: sequences the context can hold at once (upstream ``-np/--parallel``; llama-cpp-python: 1).
+        kv_unified: one KV cache shared by all ``n_seq_max`` sequences (upstream ``-kvu/--kv-unified``, which
+            llama-server turns on for its default slots). Default off, llama.cpp's default: each sequence its own
+            stream of ``n_ctx / n_seq_max`` cells, and llama.cpp then splits a batch that mixes sequences into
+            ubatches of equal tokens per sequence (``llama_batch_allocr::split_equal``): a prompt chunk beside other
+            sequences' tokens costs extra passes over the weights, which :meth:`create_completions` avoids with it on.
         no_repack: do not put CPU weights into repacked (interleaved) buffers (upstream ``--no-repack``). The RAM
             tier's slots keep the file's layout either way (``HYBRIMOE_RAM_REPACK=1`` repacks them after each read).
         no_host: keep CPU weights out of the GPU's host (pinned) buffer type (upstream ``--no-host``): with a GPU
@@ -200,7 +205,7 @@ class Llama(llama_cpp.Llama):
                  tensor_buft_overrides: str | Sequence[str] | None = None, cpu_moe: bool = False,
                  n_cpu_moe: int | None = None, no_repack: bool = False, no_host: bool = False,
                  lazy_experts: bool = False,
-                 n_seq_max: int | None = None,
+                 n_seq_max: int | None = None, kv_unified: bool = False,
                  moe_hook: bool = False, moe_replay: np.ndarray | None = None,
                  moe_replay_scores: np.ndarray | None = None,
                  moe_cache=None, moe_policy=None, moe_prefetch_layers: int | None = None, moe_cost_model=None,
@@ -217,6 +222,8 @@ class Llama(llama_cpp.Llama):
         check_gguf(model_path)
         if n_seq_max is not None and (isinstance(n_seq_max, bool) or not isinstance(n_seq_max, int) or n_seq_max < 1):
             raise ValueError(f"n_seq_max must be an integer >= 1, got {n_seq_max!r}")
+        if not isinstance(kv_unified, bool):
+            raise ValueError(f"kv_unified must be True or False, got {kv_unified!r}")
         for name in ("n_threads", "n_threads_batch"):
             # llama-cpp-python takes None or 0 for its default count and hands any other value to llama.cpp's context
             v = kwargs.get(name)
@@ -285,7 +292,8 @@ class Llama(llama_cpp.Llama):
         # the file's layout unless HYBRIMOE_RAM_REPACK asks for them repacked after each read)
         self._native = NativeParams(
             overrides, devices=devices, load_progress=load_progress, no_repack=no_repack, no_host=no_host,
-            lazy_experts=lazy_experts, n_seq_max=n_seq_max, eval_callback=None if self._recorder is None else
+            lazy_experts=lazy_experts, n_seq_max=n_seq_max, kv_unified=kv_unified,
+            eval_callback=None if self._recorder is None else
             (engine_module().RoutingRecorder.callback_address, self._recorder.address), flash_attn=fa_type)
         with self._native.patched():
             super().__init__(model_path, **kwargs)

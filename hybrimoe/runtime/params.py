@@ -118,7 +118,7 @@ LAZY_MODE_EXPERTS = 3
 
 #: hybrimoe.Llama's own keywords (besides llama-cpp-python's)
 OWN_KEYWORDS = ("rpc_servers", "tensor_buft_overrides", "cpu_moe", "n_cpu_moe", "no_repack", "no_host",
-                "lazy_experts", "n_seq_max", "moe_hook", "moe_replay", "moe_cache", "moe_policy",
+                "lazy_experts", "n_seq_max", "kv_unified", "moe_hook", "moe_replay", "moe_cache", "moe_policy",
                 "moe_prefetch_layers", "moe_cost_model", "moe_profile", "moe_ram_cache", "moe_ram_policy",
                 "moe_cpu_fused", "moe_ram_exclusive", "moe_replay_scores", "load_progress", "record_routing")
 
@@ -195,6 +195,8 @@ class NativeParams:
         lazy_experts: the routed experts' weights stay unread at load (``lazy_mode = LLAMA_LAZY_MODE_EXPERTS``,
             patch 0007).
         n_seq_max: sequences the context holds (None: llama-cpp-python's default).
+        kv_unified: one KV buffer for all the sequences (upstream ``-kvu``) instead of one stream of
+            ``n_ctx / n_seq_max`` cells each.
         eval_callback: ``(function address, user data address)`` of llama.cpp's eval callback, or None.
         flash_attn: :func:`flash_attn_type`'s value, or None to leave llama-cpp-python's (which knows on and off
             only: ``auto`` is set on the parameters the context is created from, ``llama_init_from_model``).
@@ -206,7 +208,8 @@ class NativeParams:
     def __init__(self, overrides: Sequence[tuple[str, str]] = (), devices: Optional[Sequence[int]] = None,
                  load_progress: Optional[Callable[[float], None]] = None, no_repack: bool = False,
                  no_host: bool = False, lazy_experts: bool = False,
-                 n_seq_max: Optional[int] = None, eval_callback: Optional[tuple[int, int]] = None,
+                 n_seq_max: Optional[int] = None, kv_unified: bool = False,
+                 eval_callback: Optional[tuple[int, int]] = None,
                  flash_attn: Optional[int] = None):
         self.model: dict = {}
         self.context: dict = {}
@@ -242,6 +245,8 @@ class NativeParams:
             self.model["lazy_mode"] = LAZY_MODE_EXPERTS
         if n_seq_max is not None:
             self.context["n_seq_max"] = int(n_seq_max)
+        if kv_unified:
+            self.context["kv_unified"] = True
         if eval_callback is not None:
             fn, user_data = eval_callback
             cb = _lc.ggml_backend_sched_eval_callback(fn)

@@ -44,24 +44,29 @@ def _engine_kw(path, mode, split_cost_model):
     return kw
 
 
-@pytest.mark.parametrize("mode", ["upstream", "ram", "gpu", "gpu+ram"])
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_greedy_batch_equals_upstreams_batched_run(tiny_model, rpc_server, split_cost_model, mode, n):
+_MODES = ["upstream", "ram", "gpu", "gpu+ram"]
+
+
+@pytest.mark.parametrize("mode,n,kv_unified", [(m, n, False) for m in _MODES for n in (1, 2, 4, 8)]
+                         + [(m, 8, True) for m in _MODES])
+def test_greedy_batch_equals_upstreams_batched_run(tiny_model, rpc_server, split_cost_model, mode, n, kv_unified):
     """Greedy completions of n prompts together: each sequence's tokens, and the logits each token was taken from,
-    equal upstream's batched decode of the same sequences with the same placement, bit for bit, with the engine
-    off, over the RAM tier, over the stand-in GPU's cache, and over both."""
+    equal upstream's batched decode of the same sequences with the same placement and KV cache (one stream per
+    sequence, or unified), bit for bit, with the engine off, over the RAM tier, over the stand-in GPU's cache, and
+    over both."""
     from hybrimoe import Llama
 
     path = tiny_model("qwen3moe", "Q8_0")
     rpc = rpc_server if "gpu" in mode else None
     ref_kw = dict(tensor_buft_overrides="exps=CPU") if rpc is not None else {}
-    ref = Llama(str(path), n_seq_max=n, **_common(rpc, **ref_kw))
+    ref = Llama(str(path), n_seq_max=n, kv_unified=kv_unified, **_common(rpc, **ref_kw))
     try:
         prompts = _prompts(ref, n)
         want = decode_together(ref, prompts, N_GEN)
     finally:
         ref.close()
-    llm = Llama(str(path), n_seq_max=n, **_engine_kw(path, mode, split_cost_model), **_common(rpc))
+    llm = Llama(str(path), n_seq_max=n, kv_unified=kv_unified, **_engine_kw(path, mode, split_cost_model),
+                **_common(rpc))
     try:
         from hybrimoe.runtime.batch import BatchGenerator
 
@@ -88,16 +93,18 @@ def test_greedy_batch_equals_upstreams_batched_run(tiny_model, rpc_server, split
         assert out[i]["choices"][0]["finish_reason"] in ("length", "stop")
 
 
-def test_more_prompts_than_slots_wait_and_chunked_prompts_match_upstream(tiny_model, split_cost_model):
+@pytest.mark.parametrize("kv_unified", [False, True])
+def test_more_prompts_than_slots_wait_and_chunked_prompts_match_upstream(tiny_model, split_cost_model, kv_unified):
     """Seven prompts over three slots with a 16-token batch: prompts are fed in chunks next to other sequences'
     generated tokens, a request waits for a slot and takes the first one freed. The engine (RAM tier) gives
-    upstream's tokens and logits under the same batches; no batch exceeds n_batch, never more than 3 sequences
-    run, and afterwards the context is empty (create_completion gives what a fresh Llama gives)."""
+    upstream's tokens and logits under the same batches, with a KV cache per sequence and with one unified cache;
+    no batch exceeds n_batch, never more than 3 sequences run, and afterwards the context is empty
+    (create_completion gives what a fresh Llama gives)."""
     from hybrimoe import Llama
     from hybrimoe.runtime.batch import BatchGenerator
 
     path = tiny_model("qwen3moe", "Q8_0")
-    kw = dict(n_seq_max=3, **_common(n_batch=16))
+    kw = dict(n_seq_max=3, kv_unified=kv_unified, **_common(n_batch=16))
     runs = {}
     for mode in ("upstream", "ram"):
         llm = Llama(str(path), **_engine_kw(path, mode, split_cost_model), **kw)
@@ -372,6 +379,38 @@ def test_scheduler_requests_that_arrive_together_equal_a_batch_run(tiny_model):
         llm.close()
 
 
+def test_scheduler_requests_sent_together_start_in_one_step(tiny_model):
+    """Requests that reach an idle scheduler a few milliseconds apart (clients sending at once) are prefilled in
+    one first step: the scheduler waits until none has come for gather_s (at most gather_max_s). Bad windows are
+    refused."""
+    import time
+
+    from hybrimoe import Llama
+    from hybrimoe.runtime.batch import BatchScheduler
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), n_seq_max=4, **_common())
+    try:
+        for bad in (dict(gather_s=-0.01), dict(gather_s=0.1, gather_max_s=0.05)):
+            with pytest.raises(ValueError, match="gather_s"):
+                BatchScheduler(llm, **bad)
+        prompts = _prompts(llm, 3)
+        sched = BatchScheduler(llm, gather_s=0.05, gather_max_s=1.0)
+        try:
+            reqs = []
+            for p in prompts:  # 3 ms apart, from this thread: the scheduler's thread is idle when the first comes
+                reqs.append(sched.submit(p, max_tokens=2, temperature=0.0))
+                time.sleep(0.003)
+            outs = [sched.result(r) for r in reqs]
+            assert all(o["usage"]["completion_tokens"] >= 1 for o in outs)
+            assert sched.gen.batch_sequences[0] == 3, sched.gen.batch_sequences
+            assert sched.gen.batch_sizes[0] == sum(len(p) for p in prompts)
+        finally:
+            sched.close(30)
+    finally:
+        llm.close()
+
+
 def test_scheduler_queue_limit_and_a_caller_that_leaves(tiny_model):
     import threading
     import time
@@ -457,3 +496,35 @@ def test_a_decode_step_of_several_sequences_is_planned_as_one(tiny_model, rpc_se
             moe_layer = list(f.moe_layers)[r["layer"]]
             for s_, prompt in enumerate(prompts):
                 assert sorted(ids[s_].tolist()) == sorted(table[len(prompt) + j - 1, moe_layer].tolist()), (j, s_)
+
+
+@pytest.mark.parametrize("kv_unified", [False, True])
+def test_a_unified_kv_cache_runs_each_step_as_one_ubatch(tiny_model, split_cost_model, kv_unified):
+    """Prompt chunks next to other sequences' generated tokens: llama.cpp cuts such a step into ubatches of equal
+    tokens per sequence when each sequence has its own KV stream (llama_batch_allocr::split_equal), each ubatch a
+    pass over the expert weights; with a unified KV cache (split_simple) every step of at most n_ubatch tokens is one
+    ubatch. Counted from the engine's decision log (one ubatch number per graph); a request is still held to its
+    n_ctx / n_seq_max share of the context."""
+    from hybrimoe import Llama
+    from hybrimoe.runtime.batch import BatchGenerator
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), n_seq_max=3, kv_unified=kv_unified, **_engine_kw(path, "ram", split_cost_model),
+                **_common(n_batch=16, n_ubatch=16))
+    try:
+        prompts = _prompts(llm, 5)
+        gen = BatchGenerator(llm)
+        assert gen.n_ctx_seq * 3 <= llm.n_ctx()  # the three slots together always fit
+        with pytest.raises(ValueError, match="exceed context window"):
+            gen.run([prompt_tokens(llm, 300)], max_tokens=1)
+        llm.moe_log()
+        gen.run(prompts, max_tokens=[3, 5, 4, 6, 2], temperature=0.0)
+        ubatches = {r["ubatch"] for r in llm.moe_take_log()}
+    finally:
+        llm.close()
+    mixed = len(gen.batch_sizes) - sum(1 for n in gen.batch_sequences if n == 1)
+    assert mixed >= 3  # steps that hold several sequences, some of them prompt chunks
+    if kv_unified:
+        assert len(ubatches) == len(gen.batch_sizes)
+    else:
+        assert len(ubatches) > len(gen.batch_sizes)

@@ -111,7 +111,8 @@ def test_a_request_alone_equals_the_batch_api(server, model):
     from hybrimoe import Llama
 
     llm = Llama(str(model), moe_ram_cache="50%", n_ctx=N_CTX, n_batch=64, n_threads=2, n_threads_batch=2,
-                n_seq_max=PARALLEL, flash_attn="auto", verbose=False)  # the server's settings (-fa: auto)
+                n_seq_max=PARALLEL, kv_unified=True, flash_attn="auto",
+                verbose=False)  # the server's settings (-fa: auto; --parallel: a unified KV cache by default)
     try:
         want = [llm.create_completions([p], max_tokens=8, **GREEDY)[0] for p in PROMPTS[:2]]
     finally:
@@ -142,6 +143,7 @@ def test_eight_clients_at_once_share_decodes_and_each_gets_its_answer(server, eo
         assert body["choices"][0]["finish_reason"] == "length"
     after = _stats(server.port)["parallel"]
     assert after["slots"] == PARALLEL and after["active"] == 0 and after["waiting"] == 0
+    assert after["kv_unified"] is True  # --parallel's default (-kvu)
     several = sum(n for k, n in after["sequences_per_step"].items() if int(k) >= 2) - \
         sum(n for k, n in before["sequences_per_step"].items() if int(k) >= 2)
     assert several > 0, after  # steps that carried several requests
