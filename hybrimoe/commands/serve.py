@@ -51,11 +51,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "llama-server's -np: every step decodes the next token of each and chunks of the prompts "
                         "still prefilling, up to --batch-size tokens); each gets --ctx-size / N tokens of context. "
                         "Default: 1, one request at a time")
-    p.add_argument("-kvu", "--kv-unified", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_const", const=True, default=None,
                    help="with --parallel above 1: one KV cache for all the slots (llama.cpp's -kvu), each request "
-                        "still held to --ctx-size / N tokens. Default: on (llama-server's default slots use it "
-                        "too): a step holding a prompt chunk is then one pass over the experts per --ubatch-size "
-                        "tokens, where separate caches split it per slot (llama.cpp's split_equal) into several")
+                        "still held to its slot's share of --ctx-size (rounded up to 256 tokens, as with a cache "
+                        "per slot). Default: on where the whole context stays within the model's training context "
+                        "(llama-server turns -kvu on only for its automatic slot count, not at -np N): a step "
+                        "holding a prompt chunk is then one pass over the experts per --ubatch-size tokens, where "
+                        "caches per slot split it per slot (llama.cpp's split_equal) into several")
+    p.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_const", const=False,
+                   help="with --parallel above 1: a KV cache per slot (llama-server's -np N default)")
     p.add_argument("--max-waiting", type=int_in(0), default=16, metavar="N",
                    help="with --parallel above 1: requests waiting for a slot at most; past that a request gets 429 "
                         "(default: %(default)s; each waiting or running request holds one of the server's 40 worker "
@@ -92,10 +96,6 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         print(f"{PROG}: error: --api-key is empty", file=sys.stderr)
         return 2
-    if args.parallel == 1 and args.kv_unified is not None:
-        print(f"{PROG}: error: --kv-unified / --no-kv-unified choose the KV cache of --parallel's slots: they need "
-              "--parallel 2 or more", file=sys.stderr)
-        return 2
     if args.parallel > 1 and (args.embedding or args.interrupt_requests):
         flag = "--embedding" if args.embedding else "--interrupt-requests"
         print(f"{PROG}: error: {flag} works one request at a time: it cannot go with --parallel {args.parallel}",
@@ -110,6 +110,33 @@ def run(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr)
         return 1
     return serve(args)
+
+
+def parallel_kv(asked, n_ctx: int, n_slots: int, model) -> tuple[bool, int]:
+    """``(kv_unified, n_ctx)`` of the context for ``--parallel n_slots``: ``asked`` (the flag: True, False or None
+    for the default). With a cache per slot llama.cpp gives each slot ``n_ctx / n_slots`` cells rounded up to 256
+    (``llama_context``'s ``n_ctx_seq``) and grows ``n_ctx`` to match; a unified cache gets that many cells too, so a
+    slot holds as many tokens either way. The default is unified unless the whole context exceeds the model's
+    training context (the GGUF's ``context_length``): llama.cpp chooses a model's long RoPE factors (Phi-3.5-MoE's)
+    by the context one sequence may reach, the whole context when unified, and the slots' share must keep choosing
+    as it did. ``n_ctx`` 0 (the model's own) stays 0."""
+    if n_ctx <= 0:
+        return (asked is not False), n_ctx
+    per = -(-n_ctx // n_slots)
+    per = -(-per // 256) * 256
+    if asked is None:
+        train = gguf_context_length(model)
+        asked = train is None or per * n_slots <= train
+    return asked, per * n_slots
+
+
+def gguf_context_length(model) -> "int | None":
+    """The GGUF's ``<architecture>.context_length`` (the training context), or None where the file has none."""
+    from hybrimoe.model.reader import open_gguf
+
+    g = open_gguf(model)
+    n = g.field(f"{g.field('general.architecture', '')}.context_length")
+    return None if n is None else int(n)
 
 
 def model_settings(**kw):
@@ -243,9 +270,13 @@ def serve(args: argparse.Namespace) -> int:
     alias = args.alias or (model.name[:-len(".gguf")] if model.name.endswith(".gguf") else model.name)
 
     def load(settings):
-        more = dict(parallel=args.parallel, max_waiting=args.max_waiting, n_seq_max=args.parallel,
-                    kv_unified=args.kv_unified is not False) if args.parallel > 1 else {}
-        return load_llama(args, model, PROG, llama_class=ServedLlama, chat_format=args.chat_format,
+        more, flags = {}, args
+        if args.parallel > 1:
+            unified, n_ctx = parallel_kv(args.kv_unified, args.ctx_size, args.parallel, model)
+            more = dict(parallel=args.parallel, max_waiting=args.max_waiting, n_seq_max=args.parallel,
+                        kv_unified=unified)
+            flags = argparse.Namespace(**dict(vars(args), ctx_size=n_ctx))
+        return load_llama(flags, model, PROG, llama_class=ServedLlama, chat_format=args.chat_format,
                           embedding=args.embedding, api_name=alias, **more)
 
     settings = model_settings(model=str(model), model_alias=alias, chat_format=args.chat_format,

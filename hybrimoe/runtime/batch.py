@@ -13,7 +13,8 @@ The KV cache is llama.cpp's, as the context was made: with llama.cpp's default (
 splits a step that mixes sequences into ubatches of equal tokens per sequence (``llama_batch_allocr::split_equal``),
 so a step holding a prompt chunk and other sequences' tokens runs as several ubatches, each a pass over the expert
 weights. With a unified KV cache (``kv_unified=True``, upstream ``-kvu``; ``hybrimoe serve --parallel N``'s
-default) a step is cut into ubatches of ``n_ubatch`` tokens in order (``split_simple``), and each request is held
+default within the model's training context) a step is cut into ubatches of ``n_ubatch`` tokens in order
+(``split_simple``; hybrid and recurrent models' memories split per sequence either way), and each request is held
 to ``n_ctx / n_seq_max`` tokens all the same.
 
 Sampling is a llama.cpp sampler chain per request, with that request's parameters, in llama-cpp-python's order
@@ -65,6 +66,7 @@ class _Request:
     # with logprobs: per generated token, (its log-probability, [(token id, log-probability)] of the top ones)
     lps: list = field(default_factory=list)
     lp_sent: int = 0                 # entries of lps handed to its caller (a stream's logprobs)
+    arrived: float = 0.0             # BatchScheduler.submit's time.monotonic()
 
 
 def checked_grammar(llm, grammar):
@@ -549,7 +551,8 @@ class BatchScheduler:
     not decode while the scheduler runs (it owns every sequence of the context).
 
     ``gather_s``, ``gather_max_s``: when a request arrives at an idle scheduler, the first step waits until no other
-    has arrived for ``gather_s`` seconds (at most ``gather_max_s`` in all, and not once every slot has a request),
+    has arrived for ``gather_s`` seconds (at most ``gather_max_s`` after the first's arrival, and not once every slot
+    has a request),
     so that requests sent together start in one step. Clients that send at once reach the server a few milliseconds
     apart; without the wait the first prompt is prefilled alone, and a prefill step of a model larger than RAM is a
     read of every expert it does not hold, seconds long, which the others then repeat. 0: no wait.
@@ -557,6 +560,7 @@ class BatchScheduler:
 
     GATHER_S = 0.01
     GATHER_MAX_S = 0.05
+    RECENT_STEPS = 256
 
     def __init__(self, llm, *, lock=None, on_step=None, on_change=None, max_waiting: Optional[int] = None,
                  gather_s: float = GATHER_S, gather_max_s: float = GATHER_MAX_S):
@@ -574,6 +578,8 @@ class BatchScheduler:
         if not (0 <= gather_s <= gather_max_s):
             raise ValueError(f"need 0 <= gather_s <= gather_max_s, got {gather_s!r} and {gather_max_s!r}")
         self._gather_s, self._gather_max_s = float(gather_s), float(gather_max_s)
+        #: the last steps run: (tokens, sequences, seconds of the decode), at most RECENT_STEPS of them
+        self.recent_steps: "collections.deque[tuple[int, int, float]]" = collections.deque(maxlen=self.RECENT_STEPS)
         #: steps run, tokens decoded, and how many steps held each number of sequences
         self.steps = 0
         self.tokens_decoded = 0
@@ -590,7 +596,8 @@ class BatchScheduler:
         """Slots and queue now: ``slots`` (n_seq_max), ``active`` (requests holding a slot), ``waiting`` (for a slot:
         not admitted, beyond the free slots), ``steps``,
         ``tokens_decoded``, ``sequences_per_step`` ({sequences: steps}), ``kv_unified`` (one KV cache for all the
-        slots), and ``per_slot``: one dict per slot, by id,
+        slots), ``recent_steps`` (the last up to :data:`RECENT_STEPS` steps as ``[tokens, sequences, seconds]``,
+        oldest first; seconds of the step, sampling included), and ``per_slot``: one dict per slot, by id,
         as llama-server's ``/slots`` reports them: ``id``, ``state`` (``idle``, ``prefilling`` or ``generating``),
         ``n_ctx`` (the slot's context, tokens), ``n_prompt_tokens``, ``n_prompt_tokens_processed`` (decoded so far)
         and ``n_decoded`` (tokens generated) of the request holding it (0 when idle)."""
@@ -606,7 +613,8 @@ class BatchScheduler:
         return {"slots": self.gen.n_slots, "kv_unified": self.gen.kv_unified, "active": len(self.gen.active),
                 "waiting": waiting, "steps": self.steps,
                 "tokens_decoded": self.tokens_decoded,
-                "sequences_per_step": dict(sorted(self.sequences_per_step.items())), "per_slot": per_slot}
+                "sequences_per_step": dict(sorted(self.sequences_per_step.items())),
+                "recent_steps": [[n, q, round(dt, 4)] for n, q, dt in list(self.recent_steps)], "per_slot": per_slot}
 
     def submit(self, prompt, **kw) -> _Request:
         """Queues one request (``prompt``: a string or token list; keywords as :meth:`BatchGenerator.run`'s, one
@@ -624,6 +632,7 @@ class BatchScheduler:
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise QueueFull(f"{max(waiting, 0)} requests already wait for one of the {self.gen.n_slots} slots "
                                 f"(at most {self.max_waiting} may)")
+            r.arrived = time.monotonic()
             self._incoming.append(r)
             self._cv.notify()
         return r
@@ -685,15 +694,14 @@ class BatchScheduler:
                 idle = not (gen.waiting or gen.active)
                 while not (self._stopping or self._incoming or gen.waiting or gen.active):
                     self._cv.wait()
-                if idle and self._gather_s > 0:  # requests sent together: one first step (the class's docstring)
-                    deadline = time.monotonic() + self._gather_max_s
-                    while not self._stopping and len(self._incoming) < gen.n_slots:
-                        seen, left = len(self._incoming), deadline - time.monotonic()
+                if idle and self._gather_s > 0 and self._incoming:
+                    # requests sent together: one first step (the class's docstring); timed from the arrivals
+                    last = self._incoming[0].arrived + self._gather_max_s
+                    while not self._stopping and self._incoming and len(self._incoming) < gen.n_slots:
+                        left = min(self._incoming[-1].arrived + self._gather_s, last) - time.monotonic()
                         if left <= 0:
                             break
-                        self._cv.wait(min(self._gather_s, left))
-                        if len(self._incoming) == seen:
-                            break
+                        self._cv.wait(left)
                 if self._stopping:
                     break
             try:
@@ -710,7 +718,11 @@ class BatchScheduler:
                     if not (gen.waiting or gen.active):
                         continue
                     try:
+                        t0, before = time.perf_counter(), len(gen.batch_sizes)
                         got = gen.step()
+                        if len(gen.batch_sizes) > before:  # a decode ran
+                            self.recent_steps.append((gen.batch_sizes[-1], gen.batch_sequences[-1],
+                                                      time.perf_counter() - t0))
                     except Exception as e:  # the decode failed: every request in it fails with the error
                         for r in list(gen.active):
                             self._fail(r, e)

@@ -96,10 +96,13 @@ class Llama(llama_cpp.Llama):
         n_cpu_moe: keep the routed experts of the first N layers in host memory (upstream ``--n-cpu-moe``).
         n_seq_max: sequences the context can hold at once (upstream ``-np/--parallel``; llama-cpp-python: 1).
         kv_unified: one KV cache shared by all ``n_seq_max`` sequences (upstream ``-kvu/--kv-unified``, which
-            llama-server turns on for its default slots). Default off, llama.cpp's default: each sequence its own
-            stream of ``n_ctx / n_seq_max`` cells, and llama.cpp then splits a batch that mixes sequences into
+            llama-server turns on for its automatic slot count). Default off, llama.cpp's default: each sequence its
+            own stream of ``n_ctx / n_seq_max`` cells, and llama.cpp then splits a batch that mixes sequences into
             ubatches of equal tokens per sequence (``llama_batch_allocr::split_equal``): a prompt chunk beside other
-            sequences' tokens costs extra passes over the weights, which :meth:`create_completions` avoids with it on.
+            sequences' tokens costs extra passes over the weights, which :meth:`create_completions` avoids with it on
+            (not for hybrid or recurrent models, whose memory splits per sequence either way). Unified, a sequence's
+            context as llama.cpp sees it is the whole ``n_ctx``, which chooses a model's long RoPE factors
+            (Phi-3.5-MoE) once ``n_ctx`` exceeds its training context.
         no_repack: do not put CPU weights into repacked (interleaved) buffers (upstream ``--no-repack``). The RAM
             tier's slots keep the file's layout either way (``HYBRIMOE_RAM_REPACK=1`` repacks them after each read).
         no_host: keep CPU weights out of the GPU's host (pinned) buffer type (upstream ``--no-host``): with a GPU

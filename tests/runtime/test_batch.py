@@ -411,6 +411,38 @@ def test_scheduler_requests_sent_together_start_in_one_step(tiny_model):
         llm.close()
 
 
+def test_scheduler_gathers_no_longer_than_its_slots_or_its_close(tiny_model):
+    """The first step's wait ends once every slot has a request, however long gather_s, and close() during the
+    wait ends it too: the request waiting fails with the shutdown."""
+    import time
+
+    from hybrimoe import Llama
+    from hybrimoe.runtime.batch import BatchScheduler
+
+    path = tiny_model("qwen3moe", "Q8_0")
+    llm = Llama(str(path), n_seq_max=2, **_common())
+    try:
+        prompts = _prompts(llm, 2)
+        sched = BatchScheduler(llm, gather_s=60.0, gather_max_s=60.0)
+        try:
+            t0 = time.monotonic()
+            reqs = [sched.submit(p, max_tokens=2, temperature=0.0) for p in prompts]
+            assert all(sched.result(r)["usage"]["completion_tokens"] >= 1 for r in reqs)
+            assert time.monotonic() - t0 < 30 and sched.gen.batch_sequences[0] == 2
+        finally:
+            sched.close(30)
+        sched = BatchScheduler(llm, gather_s=60.0, gather_max_s=60.0)
+        alone = sched.submit(prompts[0], max_tokens=2, temperature=0.0)
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        sched.close(30)
+        assert time.monotonic() - t0 < 10 and not sched.alive()
+        with pytest.raises(RuntimeError, match="shutting down"):
+            sched.result(alone)
+    finally:
+        llm.close()
+
+
 def test_scheduler_queue_limit_and_a_caller_that_leaves(tiny_model):
     import threading
     import time
@@ -514,7 +546,9 @@ def test_a_unified_kv_cache_runs_each_step_as_one_ubatch(tiny_model, split_cost_
     try:
         prompts = _prompts(llm, 5)
         gen = BatchGenerator(llm)
-        assert gen.n_ctx_seq * 3 <= llm.n_ctx()  # the three slots together always fit
+        # each slot holds a third of the cells, so the three together always fit (a stream per slot: llama.cpp's
+        # n_ctx_seq, n_ctx grown to three of them; unified: the share BatchGenerator holds each request to)
+        assert gen.n_ctx_seq == llm.n_ctx() // 3
         with pytest.raises(ValueError, match="exceed context window"):
             gen.run([prompt_tokens(llm, 300)], max_tokens=1)
         llm.moe_log()

@@ -428,8 +428,7 @@ def test_a_client_gone_mid_stream_frees_the_model(server, oracle):
 
 @pytest.mark.parametrize("flags, message", [(["--port", "70000"], "argument --port: must be in 0..65535"),
                                             (["--chat-format", "no-such-format"], "--chat-format"),
-                                            (["-c", "-1"], "argument -c/--ctx-size: must be >= 0"),
-                                            (["--kv-unified"], "need --parallel 2 or more")])
+                                            (["-c", "-1"], "argument -c/--ctx-size: must be >= 0")])
 def test_bad_flags_are_named(flags, message, tmp_path):
     r = subprocess.run([sys.executable, "-m", "hybrimoe", "serve", *flags], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)

@@ -65,7 +65,7 @@ def model(tiny_model):
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     sp = start_serve(["-m", str(model), "--moe-ram-cache", "50%", "-c", str(N_CTX), "-t", "2", "-b", "64",
-                      "--parallel", str(PARALLEL), "--max-waiting", "16", "--alias", "tiny"],
+                      "--parallel", str(PARALLEL), "--kv-unified", "--max-waiting", "16", "--alias", "tiny"],
                      tmp_path_factory.mktemp("serve-parallel"), startup_s=180)
     try:
         assert any(f"up to {PARALLEL} requests per decode" in line for line in sp.out), sp.log()
@@ -112,7 +112,7 @@ def test_a_request_alone_equals_the_batch_api(server, model):
 
     llm = Llama(str(model), moe_ram_cache="50%", n_ctx=N_CTX, n_batch=64, n_threads=2, n_threads_batch=2,
                 n_seq_max=PARALLEL, kv_unified=True, flash_attn="auto",
-                verbose=False)  # the server's settings (-fa: auto; --parallel: a unified KV cache by default)
+                verbose=False)  # the server's settings (-fa: auto, --kv-unified)
     try:
         want = [llm.create_completions([p], max_tokens=8, **GREEDY)[0] for p in PROMPTS[:2]]
     finally:
@@ -143,7 +143,7 @@ def test_eight_clients_at_once_share_decodes_and_each_gets_its_answer(server, eo
         assert body["choices"][0]["finish_reason"] == "length"
     after = _stats(server.port)["parallel"]
     assert after["slots"] == PARALLEL and after["active"] == 0 and after["waiting"] == 0
-    assert after["kv_unified"] is True  # --parallel's default (-kvu)
+    assert after["kv_unified"] is True  # --kv-unified (this tiny model's training context is below -c)
     several = sum(n for k, n in after["sequences_per_step"].items() if int(k) >= 2) - \
         sum(n for k, n in before["sequences_per_step"].items() if int(k) >= 2)
     assert several > 0, after  # steps that carried several requests
@@ -387,3 +387,25 @@ def test_a_full_queue_gets_429(model, tmp_path, eog):
             conn.close()
     finally:
         sp.stop()
+
+
+def test_the_kv_cache_choice_reaches_the_context(model, tmp_path):
+    """--no-kv-unified: a KV cache per slot (/moe/stats says so); the default's choice by the training context
+    (parallel_kv): unified while the whole context is within it, per slot beyond, a slot's share rounded up to 256
+    tokens either way, as llama.cpp rounds a slot's stream."""
+    from hybrimoe.commands.serve import gguf_context_length, parallel_kv
+
+    sp = start_serve(["-m", str(model), "--moe-ram-cache", "50%", "-c", "600", "-t", "2", "-b", "64",
+                      "--parallel", "2", "--no-kv-unified"], tmp_path, startup_s=180)
+    try:
+        par = _stats(sp.port)["parallel"]
+        assert par["kv_unified"] is False and par["per_slot"][0]["n_ctx"] == 512, par
+    finally:
+        sp.stop()
+    train = gguf_context_length(model)
+    assert train and train % 512 == 0  # two slots of train / 2 cells: a multiple of 256 each
+    assert parallel_kv(None, train, 2, model) == (True, train)
+    assert parallel_kv(None, train + 1, 2, model) == (False, train + 512)  # each slot's share rounded up to 256
+    assert parallel_kv(True, train + 1, 2, model) == (True, train + 512)
+    assert parallel_kv(False, 600, 2, model) == (False, 1024)
+    assert parallel_kv(None, 0, 2, model) == (True, 0)  # -c 0: the model's own context
