@@ -107,7 +107,8 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
                         "expert read at load, as upstream)")
     p.add_argument("--moe-ram-policy", default=None, metavar="NAME",
                    help="the RAM tier's cache policy: mrs (default; alpha 0.1), lru, lfu, reuse (predicted reuse); "
-                        "each with TinyLFU admission of reads ahead (needs --moe-ram-cache)")
+                        "each with TinyLFU admission of reads ahead; the simulator's RAM presets hybrimoe and "
+                        "hybrimoe-reuse name mrs and reuse (needs --moe-ram-cache)")
     p.add_argument("--moe-ram-exclusive", action="store_true",
                    help="with --moe-cache and --moe-ram-cache: exclusive tiers (an expert on the GPU gives up its RAM "
                         "slot; one the GPU evicts is copied back into RAM when it ranks high enough) (default: off, "

@@ -211,6 +211,8 @@ def build_policies(policy, facts: EngineFacts, n_slots: int, prefetch_layers: in
 
 #: the cache policy names the RAM tier takes (``hybrimoe._core.make_cache_policy``'s, less clairvoyant ``belady``)
 RAM_POLICIES = ("mrs", "lru", "lfu", "reuse")
+#: the simulator's RAM presets (``hybrimoe simulate --ram-policies``) taken as the cache policy they run
+RAM_POLICY_ALIASES = {"hybrimoe": "mrs", "hybrimoe-reuse": "reuse"}
 
 
 def ram_cache_policy(spec, preset: Optional[str] = None) -> "_core.CachePolicy":
@@ -218,7 +220,9 @@ def ram_cache_policy(spec, preset: Optional[str] = None) -> "_core.CachePolicy":
     preset's longer memory: ``preset``'s ``mrs_alpha``, :func:`ram_preset_of`, default ``hybrimoe``,
     :data:`hybrimoe.policy.presets.RAM_MRS_ALPHA`; ``hybrimoe-exclusive``'s is
     :data:`hybrimoe.policy.presets.EXCLUSIVE_RAM_MRS_ALPHA`), ``"lru"``, ``"lfu"``, ``"reuse"``
-    (``hybrimoe._core.make_cache_policy``) or a ``CachePolicy`` object (Python subclasses too).
+    (``hybrimoe._core.make_cache_policy``) or a ``CachePolicy`` object (Python subclasses too). The simulator's
+    RAM preset names ``"hybrimoe"`` and ``"hybrimoe-reuse"`` name ``"mrs"`` and ``"reuse"``
+    (:data:`RAM_POLICY_ALIASES`).
 
     Raises:
         ValueError: an unknown name, a clairvoyant policy (``belady`` needs the future), or another type.
@@ -230,12 +234,13 @@ def ram_cache_policy(spec, preset: Optional[str] = None) -> "_core.CachePolicy":
         return spec
     if isinstance(spec, str):
         name = spec.strip().lower()
+        name = RAM_POLICY_ALIASES.get(name, name)
         if name == "belady":
             raise ValueError("moe_ram_policy='belady' is clairvoyant (it needs the future routing): the simulator's "
                              "bound only")
         if name not in RAM_POLICIES:
-            raise ValueError(f"unknown moe_ram_policy {spec!r} (known: {', '.join(RAM_POLICIES)}, or a CachePolicy "
-                             "object)")
+            raise ValueError(f"unknown moe_ram_policy {spec!r} (known: {', '.join(RAM_POLICIES)}, the simulator's "
+                             f"{' and '.join(RAM_POLICY_ALIASES)}, or a CachePolicy object)")
         return ram_cache_policy_of(preset) if name == "mrs" else _core.make_cache_policy(name)
     raise ValueError(f"moe_ram_policy must be a policy name ({', '.join(RAM_POLICIES)}) or a CachePolicy, not "
                      f"{type(spec).__name__}")

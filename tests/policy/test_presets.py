@@ -386,3 +386,17 @@ def test_cli_run_hot_set(tiny_model, rpc_server, split_cost_model, tmp_path):
                         cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert "engine hot-set" in ok.stderr and f"profile: routing trace {prof}" in ok.stderr
+
+
+def test_the_engine_ram_policy_takes_the_simulators_ram_preset_names():
+    """moe_ram_policy "hybrimoe" and "hybrimoe-reuse" (``simulate --ram-policies``' names) run the cache policies those
+    presets run (MRS at the RAM tier's alpha, the reuse predictor); an unknown name's error lists both spellings."""
+    from hybrimoe import _core
+    from hybrimoe.policy import presets as pol
+    from hybrimoe.runtime.setup import ram_cache_policy
+
+    assert type(ram_cache_policy("hybrimoe")) is type(ram_cache_policy("mrs")) is _core.MRSPolicy
+    assert type(ram_cache_policy("hybrimoe-reuse")) is type(ram_cache_policy("reuse")) is _core.ReusePolicy
+    assert type(pol.ram_cache_policy_of("hybrimoe-reuse")) is _core.ReusePolicy
+    with pytest.raises(ValueError, match="hybrimoe and hybrimoe-reuse"):
+        ram_cache_policy("hybrimoe-exclusive")
