@@ -44,6 +44,7 @@ void ReusePolicy::reset(int n_layers, int n_experts) {
     w_.fill(0.0);
     w_[0] = kBias0;
     w_[1] = kFast0;
+    mrs_.reset(n_layers, n_experts);
     fast_.assign(n, 0.0);
     mid_.assign(n, 0.0);
     slow_.assign(n, 0.0);
@@ -76,7 +77,7 @@ double ReusePolicy::probability(int layer, int expert) const {
 }
 
 size_t ReusePolicy::bytes_per_layer() const {
-    const size_t per_expert = 3 * sizeof(double) + sizeof(int64_t) + sizeof(double) +
+    const size_t per_expert = 4 * sizeof(double) + sizeof(int64_t) + sizeof(double) +
                               static_cast<size_t>(horizon_) * kFeatures * sizeof(float) +
                               2 * (static_cast<size_t>(n_experts_) + 1) * sizeof(float) + sizeof(int32_t);
     return per_expert * static_cast<size_t>(n_experts_) + 2 * sizeof(int64_t) + sizeof(int32_t) + sizeof(double);
@@ -85,6 +86,7 @@ size_t ReusePolicy::bytes_per_layer() const {
 void ReusePolicy::observe(const LayerObservation & obs) {
     // every check before any state changes: a refused observation leaves the policy as it was
     check_observation(obs, n_layers_, n_experts_, "ReusePolicy.observe");
+    mrs_.observe(obs);  // checked as above: it cannot throw here
     const int E = n_experts_, l = obs.layer;
     const double k = obs.top_k;
     const int n_tok = obs.n_tokens;
@@ -203,8 +205,9 @@ void ReusePolicy::observe(const LayerObservation & obs) {
         f[7] = static_cast<float>(rec_[e]);
         double z = 0.0;
         for (int j = 0; j < kFeatures; ++j) z += w_[j] * f[j];
-        // a prefill ubatch ranks the layer as MRS does (the starting weights' order: the alpha-0.5 score alone)
-        if (!small) z = kBias0 + kFast0 * f[1];
+        // a prefill ubatch ranks the layer as MRS does, by MRS's own score (its Top-P included), on feature 1's
+        // scale (top_k times a score) and the starting weights'
+        if (!small) z = kBias0 + kFast0 * k * mrs_.priority(l, e);
         logit_[i] = z;
     }
     touch(l);

@@ -28,14 +28,15 @@
 // are given, else load / (n_tokens * top_k), as MRS's fallback.
 //
 // Prefill: only decode-sized visits (at most kFollowMaxTokens tokens) teach (a sample whose snapshot or label
-// window holds a larger visit is skipped), and a larger visit ranks its layer by feature 1 alone, as the starting
-// weights do (MRS's order): after a prefill ubatch nearly every expert is used at the next visit, which says nothing
-// of decode, and weights learned on decode rank a prefill's experts badly.
+// window holds a larger visit is skipped), and a larger visit ranks its layer by MRS's own alpha-0.5 score (an
+// MRSPolicy kept beside the features, its Top-P included, so that a prefill ranks exactly as MRS ranks it): after a
+// prefill ubatch nearly every expert is used at the next visit, which says nothing of decode, and weights learned
+// on decode rank a prefill's experts badly.
 //
-// Memory (bytes_per_layer): per expert three scores, a last-use index and a probability (40 bytes), `horizon`
+// Memory (bytes_per_layer): per expert four scores, a last-use index and a probability (48 bytes), `horizon`
 // snapshots of its 8 features (floats), a row of each transition table (n_experts floats and a count) and a slot
-// of the last visit's experts (4 bytes); per layer 28 bytes: at horizon 4, 180 + 8 n_experts bytes per expert,
-// 44 KB for a layer of 64 experts, 570 KB for 256, 2.2 MB for 512. Cost per visit: the transition counts of the
+// of the last visit's experts (4 bytes); per layer 28 bytes: at horizon 4, 188 + 8 n_experts bytes per expert,
+// 45 KB for a layer of 64 experts, 572 KB for 256, 2.2 MB for 512. Cost per visit: the transition counts of the
 // last visit's experts times this visit's (decode), the features (features 6 and 7: this visit's experts times
 // n_experts), one SGD step per expert (one exponential) and one prediction per expert of the layer; about every
 // 9,200 visits the decaying table is rescaled (n_experts^2). The cache ranks by the prediction's logit (the same
@@ -104,6 +105,7 @@ private:
     int n_layers_ = 0, n_experts_ = 0;
     std::array<double, kFeatures> w_{};
     std::vector<double> fast_, mid_, slow_;  // MRS scores at alpha 0.5, 0.1, 0.01, x top_k
+    MRSPolicy mrs_{0.5};                     // MRS itself (Top-P and all): a prefill ubatch ranks its layer by it
     std::vector<int64_t> last_use_;          // visit index of the last use, -1 never
     std::vector<int64_t> visits_;            // per layer: visits so far
     std::vector<float> snap_;                // per layer, horizon ring slots of n_experts x kFeatures

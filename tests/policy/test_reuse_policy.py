@@ -19,8 +19,9 @@ class Replica:
     scores, used now, 2^-(age / H), the mean over this visit's experts a of count(a, then e) / count(a), the same
     with counts that decay by 0.995 per visit], the snapshot of visit t - H labelled 'used at a visit after it' and
     one SGD step per expert on the log-loss (only where the snapshot, the visits since and this one are
-    decode-sized), then every expert predicted with the new weights; a visit of more than 4 tokens ranks its layer by -2 + 4 x the alpha-0.5 score. Without router
-    scores."""
+    decode-sized), then every expert predicted with the new weights; a visit of more than 4 tokens ranks its layer by
+    -2 + 4 x top_k x MRS's alpha-0.5 score (here, at most 2 top_k experts per visit, the alpha-0.5 feature itself).
+    Without router scores."""
 
     def __init__(self, L, E, H, rate):
         self.E, self.H, self.rate = E, H, rate
@@ -140,19 +141,29 @@ def test_a_repeated_expert_counts_once_and_the_cache_ranks_by_the_logit():
     for e in range(E):
         p = a.probability(0, e)
         assert a.priority(0, e) == pytest.approx(math.log(p / (1 - p)), rel=1e-9, abs=1e-9)
-    # visits of 5 tokens (prefill-sized): no step learns from them, and the layer ranks as MRS's alpha-0.5 score
+    # visits of 5 tokens (prefill-sized), after decode visits that taught it: no step learns from them, and the
+    # layer ranks exactly as MRS (alpha 0.5, its Top-P: at most 2 top_k experts updated per visit, 5 routed here)
+    E = 8
     c = _core.ReusePolicy(horizon=2, rate=0.3)
     c.reset(1, E)
-    mrs = _core.MRSPolicy(alpha=0.5, p=E)
+    mrs = _core.MRSPolicy(alpha=0.5)
     mrs.reset(1, E)
-    for step in range(30):
-        experts = sorted(rng.choice(E, 3, replace=False).tolist())
+    for step in range(40):
+        large = step >= 20
+        experts = sorted(rng.choice(E, 5 if large else 2, replace=False).tolist())
+        loads = [2, 1, 1, 1, 0][: len(experts)] if large else [1, 1]
+        loads = [max(1, x) for x in loads]
         for q in (c, mrs):
-            q.observe(obs(0, experts, [2, 2, 1], n_tokens=5, step=step, n_experts=E, top_k=2))
-    assert c.weights() == [-2.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] and c.samples == 0
-    for i in range(E):
-        for j in range(E):
-            assert (c.priority(0, i) < c.priority(0, j)) == (mrs.score(0, i) < mrs.score(0, j)), (i, j)
+            q.observe(obs(0, experts, loads, n_tokens=5 if large else 1, step=step, n_experts=E, top_k=2))
+        if step == 19:
+            taught = c.weights()
+            assert taught != [-2.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        if large:
+            assert c.weights() == taught
+            for i in range(E):
+                for j in range(E):
+                    assert (c.priority(0, i) < c.priority(0, j)) == (mrs.score(0, i) < mrs.score(0, j)), (step, i, j)
+                    assert (c.priority(0, i) == c.priority(0, j)) == (mrs.score(0, i) == mrs.score(0, j)), (step, i, j)
 
 
 def test_it_starts_ranking_as_mrs():
@@ -250,7 +261,7 @@ def test_every_policy_checks_what_python_hands_it():
     # horizon 2: per expert 2 snapshots of 8 features (floats), two transition rows of 4 floats and their counts,
     # a last-visit slot; per layer a visit count, how many experts the last visit used, the decaying table's gain and
     # the last prefill-sized visit
-    assert p.bytes_per_layer == 4 * (5 * 8 + 2 * 8 * 4 + 2 * 5 * 4 + 4) + 8 + 4 + 8 + 8
+    assert p.bytes_per_layer == 4 * (6 * 8 + 2 * 8 * 4 + 2 * 5 * 4 + 4) + 8 + 4 + 8 + 8
 
 
 def _stream(rng, T, E, hot_every):
