@@ -43,22 +43,37 @@ def run_reuse(s: Setup, n_experts: int, horizon: int, rate: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=None, help="routing trace (default: the development trace)")
-    ap.add_argument("--tune-on", choices=("even", "odd"), default="even")
-    ap.add_argument("--hardware", default="paper-a6000,rtx4090-desktop,h200")
-    ap.add_argument("--cache", default="25%")
-    ap.add_argument("--max-tokens", type=int, default=8000)
-    ap.add_argument("--horizons", default="1,2,4,8")
-    ap.add_argument("--rates", default="0.01,0.003,0.001,0.0003")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--tune-on", choices=("even", "odd"), default="even", help="the half the choice is made on")
+    ap.add_argument("--hardware", default="paper-a6000,rtx4090-desktop,h200", help="hardware files, comma-separated")
+    ap.add_argument("--cache", default="25%", help="GPU expert cache budget (as hybrimoe simulate --moe-cache)")
+    ap.add_argument("--max-tokens", type=int, default=8000, help="decode tokens per run, at least 1")
+    ap.add_argument("--horizons", default="1,2,4,8", help="horizons to try, comma-separated (1..1024 visits)")
+    ap.add_argument("--rates", default="0.01,0.003,0.001,0.0003", help="SGD rates to try, comma-separated, in (0, 1]")
+    ap.add_argument("--json", default=None, help="write the choice and every row here")
     args = ap.parse_args()
+    from hybrimoe.policy.budget import parse_budget
     from hybrimoe.traces.format import default_trace_path, load_trace
 
+    def numbers(flag, text, cast, ok):
+        try:
+            vals = [cast(x) for x in text.split(",")]
+        except ValueError:
+            ap.error(f"{flag} {text!r}: comma-separated numbers")
+        if not vals or not all(ok(v) for v in vals):
+            ap.error(f"{flag} {text!r}: out of range")
+        return vals
+
+    horizons = numbers("--horizons", args.horizons, int, lambda h: 1 <= h <= 1024)  # ReusePolicy::kMaxHorizon
+    rates = numbers("--rates", args.rates, float, lambda r: 0.0 < r <= 1.0)
+    if args.max_tokens < 1:
+        ap.error("--max-tokens must be at least 1")
     try:
+        parse_budget(args.cache, 100.0, 0.0)
         hws = {hw: pol.load_hardware(hw) for hw in args.hardware.split(",")}
-        grid = [(int(h), float(r)) for h in args.horizons.split(",") for r in args.rates.split(",")]
         tr = load_trace(args.trace or default_trace_path())
     except (ValueError, OSError) as e:
         ap.error(str(e))
+    grid = [(h, r) for h in horizons for r in rates]
     tune = 0 if args.tune_on == "even" else 1
     halves = {tune: prompt_half(tr, tune), 1 - tune: prompt_half(tr, 1 - tune)}
     rows = []

@@ -205,6 +205,12 @@ def main() -> int:
         args.pp_words = words_range(args.pp)
     except ValueError as e:
         ap.error(str(e))
+    try:
+        clients = [int(x) for x in args.clients.split(",")]
+    except ValueError:
+        ap.error(f"--clients {args.clients!r}: comma-separated client counts")
+    if not all(n >= 1 for n in clients) or args.tg < 1 or args.reps < 1:
+        ap.error("--clients, --tg and -r must be at least 1")
     args.model = Path(args.model)
     # a SIGTERM (a timeout, a kill) still restores the read-ahead and removes the cgroup (the finally below)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -38,7 +38,11 @@ def test_the_choice_is_the_tuning_halfs_best_and_the_other_half_is_measured(tmp_
     assert "(held back)" in r.stdout
 
 
-def test_bad_arguments_are_usage_errors(tmp_path):
-    r = subprocess.run([sys.executable, str(BENCH), "--hardware", "no-such-box"], capture_output=True, text=True,
-                       cwd=tmp_path, timeout=120)
-    assert r.returncode == 2 and "no-such-box" in r.stderr, r.stderr
+@pytest.mark.parametrize("args, says", [(["--hardware", "no-such-box"], "no-such-box"),
+                                        (["--horizons", "x"], "--horizons"), (["--horizons", "0"], "--horizons"),
+                                        (["--rates", "2"], "--rates"), (["--cache", "bogus"], "bogus"),
+                                        (["--max-tokens", "0"], "--max-tokens")])
+def test_bad_arguments_are_usage_errors(tmp_path, args, says):
+    """Each is named before any run, without a traceback."""
+    r = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
