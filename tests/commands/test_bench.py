@@ -161,7 +161,7 @@ def test_bench_ram_tier_cpu_only(tiny_model, tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("extra, match", [(["--moe-cache", "25%"], "has no GPU mode"),
                                           (["--ram-policies", "belady"], "clairvoyant"),
-                                          (["--ram-policies", "fifo"], "known: mrs, lru, lfu, reuse, or"),
+                                          (["--ram-policies", "fifo"], "known: mrs, lru, lfu, reuse, the simulator"),
                                           (["--ram-policies", "lru,mrs,lru"], "names lru twice"),
                                           (["--ram-policies", ""], "--ram-policies is empty"),
                                           (["--stand-in"], "CPU only"),
