@@ -552,10 +552,10 @@ class BatchScheduler:
 
     ``gather_s``, ``gather_max_s``: when a request arrives at an idle scheduler, the first step waits until no other
     has arrived for ``gather_s`` seconds (at most ``gather_max_s`` after the first's arrival, and not once every slot
-    has a request),
-    so that requests sent together start in one step. Clients that send at once reach the server a few milliseconds
-    apart; without the wait the first prompt is prefilled alone, and a prefill step of a model larger than RAM is a
-    read of every expert it does not hold, seconds long, which the others then repeat. 0: no wait.
+    has a request), so that requests sent together start in one step. Clients that send at once reach the server a
+    few milliseconds apart; without the wait the first prompt is prefilled alone, and a prefill step of a model
+    larger than RAM is a read of every expert it does not hold, seconds long, which the others then repeat. 0: no
+    wait.
     """
 
     GATHER_S = 0.01
@@ -578,7 +578,7 @@ class BatchScheduler:
         if not (0 <= gather_s <= gather_max_s):
             raise ValueError(f"need 0 <= gather_s <= gather_max_s, got {gather_s!r} and {gather_max_s!r}")
         self._gather_s, self._gather_max_s = float(gather_s), float(gather_max_s)
-        #: the last steps run: (tokens, sequences, seconds of the decode), at most RECENT_STEPS of them
+        #: the last steps run: (tokens, sequences, seconds of the step, sampling included), at most RECENT_STEPS
         self.recent_steps: "collections.deque[tuple[int, int, float]]" = collections.deque(maxlen=self.RECENT_STEPS)
         #: steps run, tokens decoded, and how many steps held each number of sequences
         self.steps = 0
