@@ -285,6 +285,9 @@ Raises:
                 d["reads_in_flight"] = e.ram()->reads_in_flight();
                 d["pinned"] = e.ram()->pinned();
                 d["buffers"] = e.ram()->pool().n_buffers();
+                py::list cells;
+                for (const auto & c : e.ram()->ahead_counts()) cells.append(py::make_tuple(c[0], c[1]));
+                d["ahead_cells"] = cells;
                 return d; },
              "RAM tier counters since the last reset_stats(): accesses, hits, misses, late (hits still being read), "
              "demand_reads / prefetch_reads (experts read from the file) and their bytes (bytes_demand, "
@@ -293,7 +296,8 @@ Raises:
              "their RAM slot, no copy), evictions, given_up and demotions (exclusive "
              "tiers: RAM slots given up by experts on the GPU, GPU evictions copied back into RAM), wait_s (seconds "
              "the plan waited for reads), reads_in_flight and pinned (RAM slots in use by a read, a "
-             "layer, a read ahead or a GPU copy) now; buffers (host buffers the slots lie in); {} without a RAM tier.")
+             "layer, a read ahead or a GPU copy) now; buffers (host buffers the slots lie in); ahead_cells ((judged, "
+             "used) reads ahead per share cell of RamTier::prefetch, windowed); {} without a RAM tier.")
         .def("ram_inject_read_error", [](Engine & e, int err, int count) {
                  if (!e.ram()) throw py::value_error("no RAM tier");
                  e.ram()->inject_read_error(err, count); },

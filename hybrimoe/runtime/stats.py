@@ -152,7 +152,10 @@ def ram_stats(engine, setup) -> dict:
     multiple of 4 KiB, or the slots are repacked), ``evictions``, ``given_up`` and ``demotions``
     (``moe_ram_exclusive``: RAM slots given up by experts on the GPU, and GPU evictions copied back into RAM),
     ``exclusive`` (whether the tiers are exclusive), ``wait_s`` (seconds the engine waited
-    for reads), ``policy`` (the RAM cache policy's name)."""
+    for reads), ``policy`` (the RAM cache policy's name), ``read_ahead`` (the decode reads ahead judged at their
+    layer, as ``[judged, used]`` counts over the recent reads, which the tier reads ahead by: ``"one"`` per distance
+    1, 2, 3+ for ubatches of one sequence's size, ``"several"`` per distance and then per predicted tokens 1, 2, 3+
+    for ubatches of several sequences; docs/design.md §18)."""
     st = engine.ram_stats()
     if not st:
         return {}
@@ -170,4 +173,11 @@ def ram_stats(engine, setup) -> dict:
         "predictor": predictor_stats(setup.ram_policy),
         "bytes_read": st["bytes_demand"] + st["bytes_prefetch"],
         "prefetch_accuracy": st["prefetch_used"] / st["prefetch_reads"] if st["prefetch_reads"] else 0.0,
+        "read_ahead": _read_ahead_cells(st["ahead_cells"]),
     }
+
+
+def _read_ahead_cells(cells) -> dict:
+    """``RamTier::ahead_counts``' cells (3 one-sequence cells, then 3 x 3 several-sequence ones) as nested lists."""
+    pairs = [[int(j), int(u)] for j, u in cells]
+    return {"one": pairs[:3], "several": [pairs[3 + 3 * d:6 + 3 * d] for d in range(3)]}

@@ -605,7 +605,7 @@ void RamTier::acquire(const LayerObservation & seen, const std::vector<int32_t> 
             if (const uint8_t tag = prefetched_[(size_t) key]) {
                 prefetched_[(size_t) key] = 0;
                 ++used;
-                if (tag >= 1 && tag <= 3) judge(tag, true);
+                if (judged_tag(tag)) judge(tag, true);
             }
         }
         if (cache_->resident(layer, e) && st != 0) {
@@ -685,7 +685,7 @@ void RamTier::note_used(int layer, int expert) {
     std::lock_guard<std::mutex> lock(mu_);
     uint8_t & tag = prefetched_[(size_t) layer * n_expert_ + expert];
     if (!tag) return;
-    if (tag >= 1 && tag <= 3) judge(tag, true);
+    if (judged_tag(tag)) judge(tag, true);
     tag = 0;
     std::lock_guard<std::mutex> slock(stats_mu_);
     stats_.prefetch_used += 1;
@@ -699,7 +699,7 @@ void RamTier::release(int layer) {
         std::lock_guard<std::mutex> lock(mu_);
         for (int32_t e : prefetch_pins_[(size_t) layer]) {
             uint8_t & tag = prefetched_[(size_t) layer * n_expert_ + e];
-            if (tag >= 1 && tag <= 3) judge(tag, false);
+            if (judged_tag(tag)) judge(tag, false);
             tag = 0;
         }
     }
@@ -730,8 +730,8 @@ std::array<const uint8_t *, 3> RamTier::matrices(int layer, int expert) const {
     return out;
 }
 
-void RamTier::judge(uint8_t distance, bool used) {
-    const size_t d = (size_t) distance - 1;
+void RamTier::judge(uint8_t tag, bool used) {
+    const size_t d = (size_t) tag - 1;
     ahead_judged_[d] += 1;
     ahead_used_[d] += used ? 1 : 0;
     if (ahead_judged_[d] >= kWindowOutcomes) {  // halved: the share follows the recent reads
@@ -753,7 +753,8 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
     };
     const double prior = expert_use_prior(top_k, n_expert_, n_tokens);
     const bool small = prior < cfg_.min_prefetch_confidence;
-    std::array<uint64_t, 3> judged{}, used{};
+    const bool several = !small && prior < cfg_.certain_use;  // several sequences' decode: shares per cell
+    std::array<uint64_t, kCells> judged{}, used{};
     {
         std::lock_guard<std::mutex> lock(mu_);
         judged = ahead_judged_;
@@ -766,6 +767,23 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
         const int d = std::max(1, p.distance);
         const size_t di = (size_t) std::min(d, 3) - 1;  // distances beyond 3 are judged with distance 3
         double conf = p.confidence;
+        if (several) {
+            const double assumed = std::max(std::min(1.0, std::max(0.0, conf)), prior);
+            for (size_t i = 0; i < p.experts.size(); ++i) {
+                const int32_t load = i < p.loads.size() ? p.loads[i] : 1;
+                const size_t cell = (size_t) kOneCells + di * 3 + (size_t) std::min(std::max(load, 1), 3) - 1;
+                double c = ((double) used[cell] + (double) kPriorOutcomes * assumed) /
+                           (double) (judged[cell] + kPriorOutcomes);
+                // a probe now and then keeps a cell measured low measured
+                if (c < cfg_.min_prefetch_confidence && ++probe_calls_[cell] % kProbeEvery == 0) {
+                    c = cfg_.min_prefetch_confidence;
+                }
+                if (c >= cfg_.min_prefetch_confidence) {
+                    cands.push_back({c, d, load, p.layer, p.experts[i], (uint8_t) (cell + 1)});
+                }
+            }
+            continue;
+        }
         size_t first = 0, last = p.experts.size();  // the predicted experts read ahead: [first, last)
         if (small) {
             // the share used so far, the assumed confidence counted as kPriorOutcomes outcomes
@@ -817,7 +835,9 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
         }
         if (!(cache_->resident(c.layer, c.expert) && st == 2)) {
             // a read its layer needs anyway (a prefill's) is admitted as the demand read it would otherwise become
-            if (!start_read(c.layer, c.expert, c.tag, now_s, c.confidence >= cfg_.certain_use)) continue;
+            const bool certain = c.confidence >= (c.tag > kOneCells && judged_tag(c.tag) ? cfg_.confident_use
+                                                                                          : cfg_.certain_use);
+            if (!start_read(c.layer, c.expert, c.tag, now_s, certain)) continue;
             ++queued;
         }
         pin(key);
@@ -829,6 +849,13 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
 RamTierStats RamTier::stats() const {
     std::lock_guard<std::mutex> slock(stats_mu_);
     return stats_;
+}
+
+std::array<std::array<uint64_t, 2>, RamTier::kCells> RamTier::ahead_counts() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::array<std::array<uint64_t, 2>, kCells> out{};
+    for (size_t i = 0; i < (size_t) kCells; ++i) out[i] = {ahead_judged_[i], ahead_used_[i]};
+    return out;
 }
 
 void RamTier::reset_stats() {

@@ -56,6 +56,10 @@ struct RamTierConfig {
     double min_prefetch_confidence = 0.5;
     /// a read ahead at this confidence or above is admitted as a demand read (kCertainUse: a prefill's)
     double certain_use = kCertainUse;
+    /// a read ahead of a several-sequence ubatch (RamTier::prefetch) whose cell's measured share used is at least
+    /// this is admitted as a demand read. Measured at 8 sequences larger than RAM (docs/design.md §18): 0.9 decoded
+    /// as fast as 0.8 with the bytes of no read ahead; 0.8 admitted cells at 0.78-0.85 and read 18% more
+    double confident_use = 0.9;
     /// bytes one RAM slot buffer may hold at most, below the host buffer type's own cap (0: that cap only); the CPU
     /// share then runs once per buffer (Engine::build)
     int64_t max_buffer_bytes = 0;
@@ -166,8 +170,14 @@ public:
     /// How likely a predicted expert is used: a ubatch of `n_tokens` tokens picking `top_k` of n_expert each leaves
     /// an expert unused with probability (1 - top_k / n_expert)^n_tokens under uniform routing, so in a large
     /// ubatch (prefill) every expert of the next layers is read ahead, the sampled predictions first, the others
-    /// at that prior. For the sampled predictions of small ubatches (decode), the confidence is the share of the
-    /// reads ahead at that distance used at their layer (judged there: used, or not by the time it ran, release),
+    /// at that prior. For the sampled predictions of smaller ubatches (decode), the confidence is the share of the
+    /// reads ahead in the prediction's cell used at their layer (judged there: used, or not by the time it ran,
+    /// release): a ubatch whose prior is below min_prefetch_confidence (one sequence) has one cell per distance; one
+    /// at or above it and below certain_use (several sequences) one per distance and predicted tokens (1, 2, 3 or
+    /// more), reads ahead only predicted experts (one no sampled token predicts is less likely used than the
+    /// prior; their reads were refused by the admission or wasted), and admits a read whose cell's share is at
+    /// least confident_use as a demand read (the layer would read it anyway: a refusal only moves the read to the
+    /// layer's start, and the disk idles meanwhile);
     /// with the prediction's assumed confidence counted as kPriorOutcomes outcomes (a Beta prior: a look-ahead that
     /// misses stops being read ahead after a few misses, not after tens of wasted reads); the counts are halved at
     /// kWindowOutcomes, so the share follows the recent reads. Where the router look-ahead does not predict the
@@ -178,6 +188,9 @@ public:
     int prefetch(const std::vector<Prediction> & predictions, int64_t keep_free, double now_s, int n_tokens,
                  int top_k, const std::vector<const SlotPool *> * above = nullptr);
     static constexpr uint64_t kPriorOutcomes = 8;
+    /// share cells: one per distance (1..3) for one-sequence ubatches, then distance x predicted tokens (1, 2, 3+)
+    static constexpr int kOneCells = 3;
+    static constexpr int kCells = kOneCells + 3 * 3;
     static constexpr uint64_t kWindowOutcomes = 256;
     static constexpr uint64_t kProbeEvery = 16;
 
@@ -195,6 +208,8 @@ public:
     const SlotPool & pool() const { return pool_; }
     const ExpertCache & cache() const { return *cache_; }
     RamTierStats stats() const;
+    /// The reads ahead judged and used per share cell now (prefetch; the counts are windowed, kWindowOutcomes).
+    std::array<std::array<uint64_t, 2>, kCells> ahead_counts() const;
     void reset_stats();
     /// Reads queued or in flight now.
     int reads_in_flight() const;
@@ -238,11 +253,12 @@ private:
     /// Throws std::runtime_error naming the file when one of the files no longer has the size or modification time
     /// it had at load.
     void check_files() const;
-    /// Counts a small-ubatch read ahead at `distance` (1..3) as used at its layer or not (under mu_).
-    void judge(uint8_t distance, bool used);
+    /// Counts a read ahead of share cell `tag` - 1 (1..kCells) as used at its layer or not (under mu_).
+    void judge(uint8_t tag, bool used);
+    static bool judged_tag(uint8_t tag) { return tag >= 1 && tag <= kCells; }
     /// Admits `key` (evicting as the policy says), assigns its slot and queues its read. False: no room.
-    /// `tag`: 0 a demand read; 1..3 a read ahead of a small ubatch's prediction at that distance (its use is
-    /// counted per distance); kUncounted another read ahead. `certain`: a read ahead admitted as a demand read
+    /// `tag`: 0 a demand read; 1..kCells a read ahead whose use is counted in share cell tag - 1 (prefetch);
+    /// kUncounted another read ahead. `certain`: a read ahead admitted as a demand read
     /// (RamTierConfig::certain_use).
     bool start_read(int layer, int expert, uint8_t tag, double now_s, bool certain = false);
     static constexpr uint8_t kUncounted = 255;
@@ -278,8 +294,8 @@ private:
     std::vector<std::string> key_error_;    // a failed read's message (state back to 0 at harvest)
     std::vector<uint8_t> prefetched_;       // resident through a prefetch and not yet used: its tag (0: not)
     // small-ubatch reads ahead per distance (1..3, 3 also for beyond) judged at their layer, and those used; under mu_
-    std::array<uint64_t, 3> ahead_judged_{}, ahead_used_{};
-    std::array<uint64_t, 3> probe_calls_{};  // predictions seen while a distance's measured share was low
+    std::array<uint64_t, kCells> ahead_judged_{}, ahead_used_{};
+    std::array<uint64_t, kCells> probe_calls_{};  // predictions seen while a cell's measured share was low
     std::vector<std::vector<int32_t>> pins_;          // per layer: experts acquire() pinned
     std::vector<std::vector<int32_t>> prefetch_pins_; // per layer: experts prefetched for it (pinned)
     std::vector<int32_t> pin_count_;        // pins this tier holds per key (the cache's own count mirrored)

@@ -797,6 +797,29 @@ def test_decode_read_ahead_stops_when_its_predictions_miss(tiny_model):
     assert late["demand_reads"] > 0 and late["prefetch_reads"] <= late["demand_reads"] / 10, late
 
 
+def test_several_sequence_ubatches_read_ahead_only_predictions(tiny_model):
+    """A ubatch of 12 tokens routing top-2 of 32 experts leaves an expert unused with probability (30/32)^12 = 0.46
+    under uniform routing: the size of a decode of several sequences. RamTier::prefetch then reads ahead only the
+    router look-ahead's predicted experts, each judged at its layer in a "several" share cell (distance x predicted
+    tokens), not every expert of the next layers at that uniform prior (a prefill's rule). A prompt run in such
+    ubatches: the reads ahead are judged in the several cells (every read ahead judged but those still pinned for
+    a later layer at the end), the one-token decode after it in the "one" cells, and the tokens and logits stay
+    upstream's."""
+    path = tiny_model("qwen3moe", "Q8_0", n_expert=32, n_layer=6)
+    tokens = _tokens(path, 96)
+    want, want_lg = _reference(path, tokens, 12)
+    have, have_lg, st = _ram_run(path, tokens, 12, budget=3 * _min_budget(path, 12))
+    ram = st["ram"]
+    ahead = ram["read_ahead"]
+    several = sum(j for row in ahead["several"] for j, _ in row)
+    one = sum(j for j, _ in ahead["one"])
+    assert several > 0 and one > 0, ahead
+    # 96 prompt tokens in 8 ubatches, then N_GEN single tokens: every read ahead is judged by its ubatch's end
+    assert several + one == ram["prefetch_reads"], (ram["prefetch_reads"], ahead)
+    assert have == want
+    assert np.array_equal(have_lg, want_lg)
+
+
 def test_a_cpu_only_run_says_its_cost_model_decides_nothing(tiny_model):
     """With the RAM tier and no GPU slots every expert runs on the CPU: the stats say the default preset decides
     nothing there, and do not send the user to ``hybrimoe calibrate`` (which measures GPU copies and kernels)."""
