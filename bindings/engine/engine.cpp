@@ -297,7 +297,8 @@ Raises:
              "tiers: RAM slots given up by experts on the GPU, GPU evictions copied back into RAM), wait_s (seconds "
              "the plan waited for reads), reads_in_flight and pinned (RAM slots in use by a read, a "
              "layer, a read ahead or a GPU copy) now; buffers (host buffers the slots lie in); ahead_cells ((judged, "
-             "used) reads ahead per share cell of RamTier::prefetch, windowed); {} without a RAM tier.")
+             "used) reads ahead per share cell of RamTier::prefetch, windowed, the tier's state: not cleared by "
+             "reset_stats); {} without a RAM tier.")
         .def("ram_inject_read_error", [](Engine & e, int err, int count) {
                  if (!e.ram()) throw py::value_error("no RAM tier");
                  e.ram()->inject_read_error(err, count); },

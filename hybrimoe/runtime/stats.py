@@ -152,10 +152,12 @@ def ram_stats(engine, setup) -> dict:
     multiple of 4 KiB, or the slots are repacked), ``evictions``, ``given_up`` and ``demotions``
     (``moe_ram_exclusive``: RAM slots given up by experts on the GPU, and GPU evictions copied back into RAM),
     ``exclusive`` (whether the tiers are exclusive), ``wait_s`` (seconds the engine waited
-    for reads), ``policy`` (the RAM cache policy's name), ``read_ahead`` (the decode reads ahead judged at their
-    layer, as ``[judged, used]`` counts over the recent reads, which the tier reads ahead by: ``"one"`` per distance
-    1, 2, 3+ for ubatches of one sequence's size, ``"several"`` per distance and then per predicted tokens 1, 2, 3+
-    for ubatches of several sequences; docs/design.md §18)."""
+    for reads), ``policy`` (the RAM cache policy's name), ``read_ahead`` (the reads ahead judged at their layer,
+    as ``[judged, used]`` counts over the recent reads, which the tier reads ahead by, not cleared by
+    ``reset_stats``: ``"one"`` per distance 1, 2, 3+ for ubatches of one sequence's decode, ``"several"`` per
+    distance and then per sampled tokens that predicted the expert, 1, 2, 3+, for ubatches of several sequences or
+    a short prompt's tail, whose uniform prior of an expert's use is at least one half and below a prefill's 0.95;
+    docs/design.md §18)."""
     st = engine.ram_stats()
     if not st:
         return {}

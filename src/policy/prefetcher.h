@@ -18,8 +18,10 @@ namespace hybrimoe {
 /// Predicted routing of one upcoming MoE layer. In the engine it comes from that layer's router applied to the
 /// current hidden state; in the simulator from the trace through an imperfect predictor (simulator.h).
 /// The chance that a ubatch of `n_tokens` tokens, each picking `top_k` of `n_expert` experts, uses a given expert
-/// under uniform routing: 1 - (1 - top_k / n_expert)^n_tokens. At 1/2 or above (a prefill ubatch) every expert of a
-/// layer is likely used: the RAM tier reads them all ahead, and exclusive tiers leave the tiers as they are.
+/// under uniform routing: 1 - (1 - top_k / n_expert)^n_tokens. At 1/2 or above every expert of a layer is likely
+/// used: exclusive tiers leave the tiers as they are, and the RAM tier reads ahead by it (RamTier::prefetch: every
+/// expert at kCertainUse and above, a prefill's; below, what the router look-ahead predicts, and the others by the
+/// prior of the tokens it did not score).
 inline double expert_use_prior(int top_k, int n_expert, int64_t n_tokens) {
     return 1.0 - std::pow(1.0 - std::min(1.0, (double) top_k / n_expert), (double) n_tokens);
 }

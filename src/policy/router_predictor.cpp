@@ -44,7 +44,7 @@ void RouterPredictor::predict(int layer, int depth, int T, const float * x, size
     const int E = n_expert_, K = std::min(top_k_, n_expert_), D = n_embd_;
     depth = std::min(depth, L - 1 - layer);
     if (T < 1 || depth < 1) return;
-    const int n_sample = std::min(T, 8);
+    const int n_sample = std::min(T, kSampleTokens);
     for (int d = 1; d <= depth; ++d) {
         const int j = layer + d;
         const auto & W = routers_[(size_t) j];

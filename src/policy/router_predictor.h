@@ -24,6 +24,8 @@ inline constexpr std::array<double, 3> kDefaultPredictionConfidence = {0.8, 0.65
 /// Applies the routers of the next MoE layers to a hidden state. Plain arrays in, Predictions out (no ggml).
 class RouterPredictor {
 public:
+    /// tokens of a ubatch scored at most (evenly spaced)
+    static constexpr int kSampleTokens = 8;
     /// routers: per MoE layer, F32 [n_expert, n_embd] row-major router weights, or empty (no prediction for that
     /// layer); router_bias: per MoE layer, F32 [n_expert] selection bias added after the gating function
     /// (DeepSeek-V3 exp_probs_b) or empty; sigmoid_gating: scores by sigmoid (else softmax, which ranks like the
@@ -41,7 +43,7 @@ public:
     }
 
     /// Predictions for MoE layers layer+1 .. layer+depth (layers without a router are skipped). x: the hidden state
-    /// of `n_tokens` tokens, F32 rows of n_embd at `row_stride_bytes`; at most 8 tokens, evenly spaced, are scored
+    /// of `n_tokens` tokens, F32 rows of n_embd at `row_stride_bytes`; at most kSampleTokens tokens, evenly spaced, are scored
     /// and the predicted per-expert loads are scaled to the ubatch (clamped to 1..n_tokens). Times: the layer at
     /// distance d starts at `makespan_s + (d - 1) * layer_s + non_expert_s` seconds after now (Prediction::start_s,
     /// relative; LayerDecider::prefetch converts). Cost: O(depth * 8 * n_expert * n_embd) multiply-adds.

@@ -1,5 +1,6 @@
 #include "runtime/ram_tier.h"
 
+#include "policy/router_predictor.h"
 #include "runtime/cpu_layout.h"
 
 #include "ggml-cpu.h"
@@ -754,6 +755,8 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
     const double prior = expert_use_prior(top_k, n_expert_, n_tokens);
     const bool small = prior < cfg_.min_prefetch_confidence;
     const bool several = !small && prior < cfg_.certain_use;  // several sequences' decode: shares per cell
+    const int n_sample = std::min(n_tokens, RouterPredictor::kSampleTokens);
+    const double rest = expert_use_prior(top_k, n_expert_, (int64_t) n_tokens - n_sample);
     std::array<uint64_t, kCells> judged{}, used{};
     {
         std::lock_guard<std::mutex> lock(mu_);
@@ -769,9 +772,14 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
         double conf = p.confidence;
         if (several) {
             const double assumed = std::max(std::min(1.0, std::max(0.0, conf)), prior);
+            std::fill(seen.begin(), seen.end(), 0);
             for (size_t i = 0; i < p.experts.size(); ++i) {
                 const int32_t load = i < p.loads.size() ? p.loads[i] : 1;
-                const size_t cell = (size_t) kOneCells + di * 3 + (size_t) std::min(std::max(load, 1), 3) - 1;
+                // the sampled tokens that predicted it (the loads are scaled from them to the ubatch)
+                const int64_t sampled = (int64_t) load * n_sample / std::max(n_tokens, 1);
+                const size_t bucket = (size_t) std::min<int64_t>(std::max<int64_t>(sampled, 1), 3) - 1;
+                const size_t cell = (size_t) kOneCells + di * 3 + bucket;
+                seen[(size_t) p.experts[i]] = 1;
                 double c = ((double) used[cell] + (double) kPriorOutcomes * assumed) /
                            (double) (judged[cell] + kPriorOutcomes);
                 // a probe now and then keeps a cell measured low measured
@@ -780,6 +788,13 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
                 }
                 if (c >= cfg_.min_prefetch_confidence) {
                     cands.push_back({c, d, load, p.layer, p.experts[i], (uint8_t) (cell + 1)});
+                }
+            }
+            // an expert no sampled token predicted may still be used by the tokens not sampled (a ubatch of more
+            // than kSampleTokens): read ahead at their prior where that is likely, as a prefill's are
+            if (rest >= cfg_.min_prefetch_confidence) {
+                for (int32_t e = 0; e < n_expert_; ++e) {
+                    if (!seen[(size_t) e]) cands.push_back({rest, d, 0, p.layer, e, kUncounted});
                 }
             }
             continue;

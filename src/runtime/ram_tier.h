@@ -173,11 +173,13 @@ public:
     /// at that prior. For the sampled predictions of smaller ubatches (decode), the confidence is the share of the
     /// reads ahead in the prediction's cell used at their layer (judged there: used, or not by the time it ran,
     /// release): a ubatch whose prior is below min_prefetch_confidence (one sequence) has one cell per distance; one
-    /// at or above it and below certain_use (several sequences) one per distance and predicted tokens (1, 2, 3 or
-    /// more), reads ahead only predicted experts (one no sampled token predicts is less likely used than the
-    /// prior; their reads were refused by the admission or wasted), and admits a read whose cell's share is at
-    /// least confident_use as a demand read (the layer would read it anyway: a refusal only moves the read to the
-    /// layer's start, and the disk idles meanwhile);
+    /// at or above it and below certain_use (several sequences, or a short prompt's tail) one per distance and
+    /// sampled tokens that predicted the expert (1, 2, 3 or more), reads ahead the predicted experts, and the others
+    /// only where the tokens the look-ahead did not score (beyond RouterPredictor::kSampleTokens) make their use
+    /// likely by the uniform prior (an expert no sampled token predicts is less likely used than the ubatch's prior;
+    /// at 8 sequences their reads were refused by the admission or wasted), and admits a read whose cell's share is
+    /// at least confident_use as a demand read (the layer would read it anyway: a refusal only moves the read to
+    /// the layer's start, and the disk idles meanwhile);
     /// with the prediction's assumed confidence counted as kPriorOutcomes outcomes (a Beta prior: a look-ahead that
     /// misses stops being read ahead after a few misses, not after tens of wasted reads); the counts are halved at
     /// kWindowOutcomes, so the share follows the recent reads. Where the router look-ahead does not predict the
@@ -208,7 +210,8 @@ public:
     const SlotPool & pool() const { return pool_; }
     const ExpertCache & cache() const { return *cache_; }
     RamTierStats stats() const;
-    /// The reads ahead judged and used per share cell now (prefetch; the counts are windowed, kWindowOutcomes).
+    /// The reads ahead judged and used per share cell now (prefetch; the counts are windowed, kWindowOutcomes, and
+    /// not cleared by reset_stats: they are the state the tier reads ahead by).
     std::array<std::array<uint64_t, 2>, kCells> ahead_counts() const;
     void reset_stats();
     /// Reads queued or in flight now.
@@ -293,7 +296,7 @@ private:
     std::vector<uint8_t> state_;
     std::vector<std::string> key_error_;    // a failed read's message (state back to 0 at harvest)
     std::vector<uint8_t> prefetched_;       // resident through a prefetch and not yet used: its tag (0: not)
-    // small-ubatch reads ahead per distance (1..3, 3 also for beyond) judged at their layer, and those used; under mu_
+    // reads ahead judged at their layer per share cell (kCells: prefetch), and those used; under mu_
     std::array<uint64_t, kCells> ahead_judged_{}, ahead_used_{};
     std::array<uint64_t, kCells> probe_calls_{};  // predictions seen while a cell's measured share was low
     std::vector<std::vector<int32_t>> pins_;          // per layer: experts acquire() pinned
