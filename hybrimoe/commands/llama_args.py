@@ -122,8 +122,8 @@ def add_llama_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
                         "initial fill; its MoE layers and experts must be the model's (needs --moe-cache; "
                         "--moe-policy hot-set needs it)")
     p.add_argument("--moe-prefetch-layers", type=COUNT, default=None, metavar="N",
-                   help=f"MoE layers predicted and prefetched ahead (0: none; default: {PREFETCH_LAYERS}; "
-                        "needs --moe-cache)")
+                   help=f"MoE layers predicted and prefetched ahead (0: none; default: {PREFETCH_LAYERS}): "
+                        "copied to the GPU cache (--moe-cache) and read into the RAM tier (--moe-ram-cache)")
     p.add_argument("--moe-cost-model", default=None, metavar="PRESET|FILE",
                    help=f"planner cost model: a hardware preset ({', '.join(hardware_names())}) or a JSON "
                         "file (default: this model's stored calibration on this device, see hybrimoe calibrate; "
