@@ -756,13 +756,19 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
     const bool small = prior < cfg_.min_prefetch_confidence;
     const bool several = !small && prior < cfg_.certain_use;  // several sequences' decode: shares per cell
     const int n_sample = std::min(n_tokens, RouterPredictor::kSampleTokens);
-    const double rest = expert_use_prior(top_k, n_expert_, (int64_t) n_tokens - n_sample);
+    const double unpredicted = small ? 0.0
+                               : several ? expert_use_prior(top_k, n_expert_, (int64_t) n_tokens - n_sample)
+                                         : prior;
     std::array<uint64_t, kCells> judged{}, used{};
     {
         std::lock_guard<std::mutex> lock(mu_);
         judged = ahead_judged_;
         used = ahead_used_;
     }
+    // a share cell's share used, blended with the assumed confidence counted as kPriorOutcomes outcomes
+    const auto share = [&](size_t cell, double assumed) {
+        return ((double) used[cell] + (double) kPriorOutcomes * assumed) / (double) (judged[cell] + kPriorOutcomes);
+    };
     std::vector<Cand> cands;
     std::vector<uint8_t> seen((size_t) n_expert_);
     for (const Prediction & p : predictions) {
@@ -770,9 +776,9 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
         const int d = std::max(1, p.distance);
         const size_t di = (size_t) std::min(d, 3) - 1;  // distances beyond 3 are judged with distance 3
         double conf = p.confidence;
+        std::fill(seen.begin(), seen.end(), 0);
         if (several) {
             const double assumed = std::max(std::min(1.0, std::max(0.0, conf)), prior);
-            std::fill(seen.begin(), seen.end(), 0);
             for (size_t i = 0; i < p.experts.size(); ++i) {
                 const int32_t load = i < p.loads.size() ? p.loads[i] : 1;
                 // the sampled tokens that predicted it (the loads are scaled from them to the ubatch)
@@ -780,8 +786,7 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
                 const size_t bucket = (size_t) std::min<int64_t>(std::max<int64_t>(sampled, 1), 3) - 1;
                 const size_t cell = (size_t) kOneCells + di * 3 + bucket;
                 seen[(size_t) p.experts[i]] = 1;
-                double c = ((double) used[cell] + (double) kPriorOutcomes * assumed) /
-                           (double) (judged[cell] + kPriorOutcomes);
+                double c = share(cell, assumed);
                 // a probe now and then keeps a cell measured low measured
                 if (c < cfg_.min_prefetch_confidence && ++probe_calls_[cell] % kProbeEvery == 0) {
                     c = cfg_.min_prefetch_confidence;
@@ -790,43 +795,35 @@ int RamTier::prefetch(const std::vector<Prediction> & predictions, int64_t keep_
                     cands.push_back({c, d, load, p.layer, p.experts[i], (uint8_t) (cell + 1)});
                 }
             }
-            // an expert no sampled token predicted may still be used by the tokens not sampled (a ubatch of more
-            // than kSampleTokens): read ahead at their prior where that is likely, as a prefill's are
-            if (rest >= cfg_.min_prefetch_confidence) {
-                for (int32_t e = 0; e < n_expert_; ++e) {
-                    if (!seen[(size_t) e]) cands.push_back({rest, d, 0, p.layer, e, kUncounted});
+        } else {
+            size_t first = 0, last = p.experts.size();  // the predicted experts read ahead: [first, last)
+            if (small) {
+                conf = share(di, std::min(1.0, std::max(0.0, conf)));
+                // a probe now and then, so that a share measured low can be measured again (the routing may
+                // change): one expert of the prediction (the most tokens predicted), so that a look-ahead that
+                // misses costs one read per probe, not top_k
+                if (conf < cfg_.min_prefetch_confidence && ++probe_calls_[di] % kProbeEvery == 0 && last > 0) {
+                    conf = cfg_.min_prefetch_confidence;
+                    for (size_t i = 1; i < p.loads.size() && i < last; ++i) {
+                        if (p.loads[i] > p.loads[first]) first = i;
+                    }
+                    last = first + 1;
                 }
             }
-            continue;
-        }
-        size_t first = 0, last = p.experts.size();  // the predicted experts read ahead: [first, last)
-        if (small) {
-            // the share used so far, the assumed confidence counted as kPriorOutcomes outcomes
-            conf = ((double) used[di] + (double) kPriorOutcomes * std::min(1.0, std::max(0.0, conf))) /
-                   (double) (judged[di] + kPriorOutcomes);
-            // a probe now and then, so that a share measured low can be measured again (the routing may change):
-            // one expert of the prediction (the most tokens predicted), so that a look-ahead that misses costs one
-            // read per probe, not top_k
-            if (conf < cfg_.min_prefetch_confidence && ++probe_calls_[di] % kProbeEvery == 0 && last > 0) {
-                conf = cfg_.min_prefetch_confidence;
-                for (size_t i = 1; i < p.loads.size() && i < last; ++i) {
-                    if (p.loads[i] > p.loads[first]) first = i;
+            conf = std::max(conf, prior);
+            const uint8_t tag = small ? (uint8_t) (di + 1) : kUncounted;
+            if (conf >= cfg_.min_prefetch_confidence) {
+                for (size_t i = first; i < last; ++i) {
+                    cands.push_back({conf, d, i < p.loads.size() ? p.loads[i] : 1, p.layer, p.experts[i], tag});
+                    seen[(size_t) p.experts[i]] = 1;
                 }
-                last = first + 1;
             }
         }
-        conf = std::max(conf, prior);
-        const uint8_t tag = small ? (uint8_t) (di + 1) : kUncounted;
-        std::fill(seen.begin(), seen.end(), 0);
-        if (conf >= cfg_.min_prefetch_confidence) {
-            for (size_t i = first; i < last; ++i) {
-                cands.push_back({conf, d, i < p.loads.size() ? p.loads[i] : 1, p.layer, p.experts[i], tag});
-                seen[(size_t) p.experts[i]] = 1;
-            }
-        }
-        if (!small) {
+        // the experts no sampled token predicted, where their use is likely: a prefill's at the ubatch's prior, a
+        // ubatch of more than kSampleTokens tokens at the prior of the tokens the look-ahead did not score
+        if (unpredicted >= cfg_.min_prefetch_confidence) {
             for (int32_t e = 0; e < n_expert_; ++e) {
-                if (!seen[(size_t) e]) cands.push_back({prior, d, 0, p.layer, e, kUncounted});
+                if (!seen[(size_t) e]) cands.push_back({unpredicted, d, 0, p.layer, e, kUncounted});
             }
         }
     }
